@@ -1,0 +1,126 @@
+#include "rpc/rendezvous.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cstdlib>
+#include <stdexcept>
+
+namespace tandem::rpc {
+namespace {
+
+int env_int(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return -1;
+  char* end = nullptr;
+  long x = std::strtol(v, &end, 10);
+  if (*end != '\0' || x < 0 || x > (1 << 24)) {
+    throw std::invalid_argument(std::string("environment variable ") + name + "='" + v +
+                                "' is not a valid non-negative integer");
+  }
+  return static_cast<int>(x);
+}
+
+int first_of(std::initializer_list<const char*> names) {
+  for (const char* n : names) {
+    int v = env_int(n);
+    if (v >= 0) return v;
+  }
+  return -1;
+}
+
+}  // namespace
+
+WorldEnv world_from_env() {
+  WorldEnv w;
+  w.rank = first_of({"RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"});
+  w.world_size = first_of({"WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"});
+  w.local_rank = first_of({"LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"});
+  w.local_world_size =
+      first_of({"LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"});
+  if (const char* a = std::getenv("MASTER_ADDR")) w.master_addr = a;
+  w.master_port = env_int("MASTER_PORT");
+  return w;
+}
+
+std::pair<std::string, int> master_from_init_method(const std::string& init_method) {
+  if (init_method.empty() || init_method == "env://") {
+    WorldEnv w = world_from_env();
+    if (w.master_addr.empty()) {
+      throw std::invalid_argument("init_method env:// needs MASTER_ADDR in the environment");
+    }
+    if (w.master_port <= 0 || w.master_port > 65535) {
+      throw std::invalid_argument("init_method env:// needs MASTER_PORT (1-65535) in the environment");
+    }
+    return {w.master_addr, w.master_port};
+  }
+  const std::string prefix = "tcp://";
+  if (init_method.rfind(prefix, 0) != 0) {
+    throw std::invalid_argument("unsupported init_method '" + init_method +
+                                "' (use env:// or tcp://host:port)");
+  }
+  std::string rest = init_method.substr(prefix.size());
+  auto colon = rest.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == rest.size()) {
+    throw std::invalid_argument("init_method '" + init_method + "' lacks host:port");
+  }
+  std::string host = rest.substr(0, colon);
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  char* end = nullptr;
+  long port = std::strtol(rest.c_str() + colon + 1, &end, 10);
+  if (*end != '\0' || port <= 0 || port > 65535) {
+    throw std::invalid_argument("init_method '" + init_method + "' has a bad port");
+  }
+  return {host, static_cast<int>(port)};
+}
+
+c10::intrusive_ptr<c10d::Store> make_store(const std::string& host, int port, int rank,
+                                           int world_size, std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<std::uint16_t>(port);
+  opts.isServer = rank == 0;
+  opts.numWorkers = world_size;
+  opts.waitWorkers = false;
+  opts.timeout = timeout;
+  return c10::make_intrusive<c10d::TCPStore>(host, opts);
+}
+
+bool is_loopback_host(const std::string& host) {
+  if (host == "localhost" || host == "::1") return true;
+  in_addr a{};
+  if (::inet_pton(AF_INET, host.c_str(), &a) == 1) return (ntohl(a.s_addr) >> 24) == 127;
+  return false;
+}
+
+std::string local_address_towards(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.c_str(), "9", &hints, &res) != 0 || !res) return "";
+  std::string out;
+  int fd = ::socket(res->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd >= 0) {
+    if (::connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
+      sockaddr_storage ss{};
+      socklen_t len = sizeof(ss);
+      char buf[INET6_ADDRSTRLEN] = {};
+      if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) == 0) {
+        const void* addr = ss.ss_family == AF_INET6
+                               ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&ss)->sin6_addr)
+                               : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&ss)->sin_addr);
+        if (::inet_ntop(ss.ss_family, addr, buf, sizeof(buf))) out = buf;
+      }
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(res);
+  return out;
+}
+
+}  // namespace tandem::rpc

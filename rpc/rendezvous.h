@@ -1,0 +1,42 @@
+// How a worker learns who it is and where the others are.
+//
+// world_from_env() reads the launcher's variables in this order:
+//   RANK / WORLD_SIZE (tandem-run, torchrun), then SLURM_PROCID / SLURM_NTASKS,
+//   then OMPI_COMM_WORLD_RANK / OMPI_COMM_WORLD_SIZE; LOCAL_RANK and
+//   LOCAL_WORLD_SIZE (or their Slurm / Open MPI twins) when present;
+//   MASTER_ADDR / MASTER_PORT for the store.
+// make_store() opens the c10d::TCPStore every worker meets at: rank 0 hosts it.
+// init_method is "env://" (MASTER_ADDR/MASTER_PORT) or "tcp://host:port".
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <string>
+
+namespace tandem::rpc {
+
+struct WorldEnv {
+  int rank = -1;
+  int world_size = -1;
+  int local_rank = -1;
+  int local_world_size = -1;
+  std::string master_addr;
+  int master_port = -1;
+};
+
+// Fills what the environment has; fields it lacks stay at -1 / empty.
+WorldEnv world_from_env();
+
+// Parses "env://" or "tcp://host:port" into host and port (env:// reads the
+// environment). Throws std::invalid_argument naming what is missing or wrong.
+std::pair<std::string, int> master_from_init_method(const std::string& init_method);
+
+c10::intrusive_ptr<c10d::Store> make_store(const std::string& host, int port, int rank,
+                                           int world_size, std::chrono::milliseconds timeout);
+
+bool is_loopback_host(const std::string& host);
+// The local address that routes towards `host` (no packet is sent).
+std::string local_address_towards(const std::string& host);
+
+}  // namespace tandem::rpc

@@ -1,0 +1,66 @@
+#include "rpc/thread_pool.h"
+
+#include <cstdio>
+#include <stdexcept>
+
+namespace tandem::rpc {
+namespace {
+thread_local const ThreadPool* tls_pool = nullptr;
+}
+
+ThreadPool::ThreadPool(int threads) {
+  if (threads < 1) throw std::invalid_argument("ThreadPool needs at least one thread");
+  threads_.reserve(threads);
+  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });
+}
+
+ThreadPool::~ThreadPool() { stop(); }
+
+void ThreadPool::post(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stopping_) {
+      tasks_.push_back(std::move(task));
+      cv_.notify_one();
+      return;
+    }
+  }
+  task();
+}
+
+bool ThreadPool::in_pool() const { return tls_pool == this; }
+
+void ThreadPool::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) return;
+    stopping_ = true;
+    stopped_ = true;
+    cv_.notify_all();
+  }
+  for (auto& t : threads_) t.join();
+  threads_.clear();
+}
+
+void ThreadPool::run() {
+  tls_pool = this;
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+    if (tasks_.empty()) return;  // stopping and drained
+    auto task = std::move(tasks_.front());
+    tasks_.pop_front();
+    lock.unlock();
+    try {
+      task();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "tandem: uncaught exception in a pool task: %s\n", e.what());
+    } catch (...) {
+      std::fprintf(stderr, "tandem: uncaught exception in a pool task\n");
+    }
+    task = nullptr;
+    lock.lock();
+  }
+}
+
+}  // namespace tandem::rpc

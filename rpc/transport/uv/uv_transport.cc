@@ -1,0 +1,490 @@
+#include "rpc/transport/uv/uv_transport.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+#include <uv.h>
+
+#include <cerrno>
+#include <cstring>
+#include <deque>
+
+namespace tandem::rpc {
+namespace {
+
+constexpr size_t kStagingBytes = 64 << 10;
+// Below this many bytes left in a tensor, gulp into staging and copy instead.
+constexpr size_t kDirectReadMin = 16 << 10;
+constexpr int kReadRoundsPerWakeup = 64;
+
+std::string errno_text(int err) { return std::strerror(err); }
+
+void set_socket_options(int fd) {
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  // A peer host that vanishes without a FIN is noticed within ~16 s.
+  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  int idle = 10, interval = 2, count = 3;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count));
+}
+
+std::string address_of(const sockaddr* sa) {
+  char host[INET6_ADDRSTRLEN] = "?";
+  int port = 0;
+  if (sa->sa_family == AF_INET) {
+    auto* in = reinterpret_cast<const sockaddr_in*>(sa);
+    ::inet_ntop(AF_INET, &in->sin_addr, host, sizeof(host));
+    port = ntohs(in->sin_port);
+  } else if (sa->sa_family == AF_INET6) {
+    auto* in6 = reinterpret_cast<const sockaddr_in6*>(sa);
+    ::inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof(host));
+    port = ntohs(in6->sin6_port);
+  }
+  return std::string(host) + ":" + std::to_string(port);
+}
+
+const char kZeros[kTensorAlignment] = {};
+
+// One frame being written: the iovecs over its buffers and how far we got.
+struct PendingWrite {
+  explicit PendingWrite(OutFrame&& f) : frame(std::move(f)) {
+    iov.reserve(2 + 2 * frame.tensors.size());
+    iov.push_back({&frame.preamble, kPreambleBytes});
+    auto env = frame.envelope.asBytes();
+    iov.push_back({env.begin(), env.size()});
+    uint64_t offset = 0;
+    for (const auto& t : frame.tensors) {
+      uint64_t pad = padding_before(offset);
+      if (pad) iov.push_back({const_cast<char*>(kZeros), pad});
+      uint64_t n = t.nbytes();
+      if (n) iov.push_back({t.data_ptr(), n});
+      offset += pad + n;
+    }
+  }
+  OutFrame frame;
+  std::vector<iovec> iov;
+  size_t next = 0;
+};
+
+}  // namespace
+
+struct UvTransport::Loop {
+  uv_loop_t loop;
+  uv_async_t wake;
+  uv_poll_t listen_poll;
+  bool listening = false;
+};
+
+class UvConnection final : public Connection, public std::enable_shared_from_this<UvConnection> {
+ public:
+  UvConnection(UvTransport* transport, int fd, uint64_t id, std::string peer)
+      : transport_(transport), fd_(fd), id_(id), peer_(std::move(peer)),
+        decoder_(transport->limits_) {
+    poll_.data = nullptr;
+  }
+
+  void send(OutFrame&& frame) override {
+    auto w = std::make_unique<PendingWrite>(std::move(frame));
+    std::lock_guard<std::mutex> lock(write_mu_);
+    if (closed_) throw DisconnectedError("connection to " + peer_ + " is closed");
+    if (queue_.empty()) {
+      if (write_some(*w)) return;
+    }
+    queue_.push_back(std::move(w));
+    if (!want_writable_) {
+      want_writable_ = true;
+      auto self = shared_from_this();
+      transport_->post([self] { self->update_poll_from_loop(); });
+    }
+  }
+
+  void close(const std::string& reason) override {
+    {
+      std::lock_guard<std::mutex> lock(write_mu_);
+      if (closed_) return;
+      closed_ = true;
+      queue_.clear();
+    }
+    auto self = shared_from_this();
+    transport_->post([self, reason] { self->transport_->close_from_loop(self, reason); });
+  }
+
+  uint64_t id() const override { return id_; }
+  std::string peer_address() const override { return peer_; }
+
+  // Writes as much of `w` as the socket takes now. True when all of it went.
+  // Caller holds write_mu_. On a hard socket error, marks the connection
+  // closed, asks the loop to close it, and throws DisconnectedError.
+  bool write_some(PendingWrite& w) {
+    while (w.next < w.iov.size()) {
+      msghdr msg{};
+      msg.msg_iov = &w.iov[w.next];
+      msg.msg_iovlen = std::min<size_t>(w.iov.size() - w.next, IOV_MAX);
+      ssize_t n = ::sendmsg(fd_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return false;
+        const std::string reason = "write to " + peer_ + " failed: " + errno_text(errno);
+        closed_ = true;
+        queue_.clear();
+        auto self = shared_from_this();
+        transport_->post([self, reason] { self->transport_->close_from_loop(self, reason); });
+        throw DisconnectedError(reason);
+      }
+      size_t left = static_cast<size_t>(n);
+      while (left > 0 && left >= w.iov[w.next].iov_len) {
+        left -= w.iov[w.next].iov_len;
+        ++w.next;
+      }
+      if (left > 0) {
+        w.iov[w.next].iov_base = static_cast<char*>(w.iov[w.next].iov_base) + left;
+        w.iov[w.next].iov_len -= left;
+      }
+    }
+    return true;
+  }
+
+  void flush_from_loop() {
+    std::lock_guard<std::mutex> lock(write_mu_);
+    try {
+      while (!queue_.empty()) {
+        if (!write_some(*queue_.front())) return;
+        queue_.pop_front();
+      }
+    } catch (const DisconnectedError&) {
+      return;  // the close is already posted
+    }
+    want_writable_ = false;
+    start_poll_locked();
+  }
+
+  void update_poll_from_loop() {
+    std::lock_guard<std::mutex> lock(write_mu_);
+    start_poll_locked();
+  }
+
+  void start_poll_locked() {
+    if (!polling_) return;
+    int events = UV_READABLE | (want_writable_ ? UV_WRITABLE : 0);
+    uv_poll_start(&poll_, events, &UvConnection::on_poll);
+  }
+
+  static void on_poll(uv_poll_t* handle, int status, int events) {
+    auto* raw = static_cast<UvConnection*>(handle->data);
+    auto self = raw->shared_from_this();
+    if (status < 0) {
+      raw->transport_->close_from_loop(self, "connection to " + raw->peer_ +
+                                                 " failed: " + uv_strerror(status));
+      return;
+    }
+    if (events & UV_WRITABLE) self->flush_from_loop();
+    if ((events & UV_READABLE) && !self->loop_closed_) self->transport_->read_from_loop(self);
+  }
+
+  UvTransport* transport_;
+  int fd_;
+  uint64_t id_;
+  std::string peer_;
+
+  // Loop thread only.
+  uv_poll_t poll_;
+  bool polling_ = false;
+  bool loop_closed_ = false;
+  FrameDecoder decoder_;
+
+  std::mutex write_mu_;
+  std::deque<std::unique_ptr<PendingWrite>> queue_;
+  bool closed_ = false;
+  bool want_writable_ = false;
+};
+
+UvTransport::UvTransport(Limits limits, Callbacks callbacks)
+    : limits_(limits), callbacks_(std::move(callbacks)), loop_(std::make_unique<Loop>()),
+      staging_(kStagingBytes) {
+  uv_loop_init(&loop_->loop);
+  loop_->wake.data = this;
+  uv_async_init(&loop_->loop, &loop_->wake, [](uv_async_t* h) {
+    static_cast<UvTransport*>(h->data)->run_commands();
+  });
+  thread_ = std::thread([this] { uv_run(&loop_->loop, UV_RUN_DEFAULT); });
+}
+
+UvTransport::~UvTransport() { close(); }
+
+bool UvTransport::post(std::function<void()> fn) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (loop_gone_) return false;
+  commands_.push_back(std::move(fn));
+  uv_async_send(&loop_->wake);
+  return true;
+}
+
+void UvTransport::run_commands() {
+  std::vector<std::function<void()>> cmds;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cmds.swap(commands_);
+  }
+  for (auto& c : cmds) c();
+}
+
+int UvTransport::listen(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  const std::string port_s = std::to_string(port);
+  int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), port_s.c_str(), &hints, &res);
+  if (rc != 0) {
+    throw std::invalid_argument("cannot resolve listen address '" + host + "': " + gai_strerror(rc));
+  }
+  int fd = -1;
+  std::string err;
+  for (addrinfo* ai = res; ai; ai = ai->ai_next) {
+    fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol);
+    if (fd < 0) continue;
+    int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd, 1024) == 0) break;
+    err = errno_text(errno);
+    ::close(fd);
+    fd = -1;
+  }
+  ::freeaddrinfo(res);
+  if (fd < 0) throw std::runtime_error("cannot listen on " + host + ":" + port_s + ": " + err);
+  sockaddr_storage ss{};
+  socklen_t len = sizeof(ss);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
+  int bound = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
+                                             : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  bool posted = post([this, fd] {
+    if (stopped_) {
+      ::close(fd);
+      return;
+    }
+    listen_fd_ = fd;
+    loop_->listen_poll.data = this;
+    uv_poll_init_socket(&loop_->loop, &loop_->listen_poll, fd);
+    loop_->listening = true;
+    uv_poll_start(&loop_->listen_poll, UV_READABLE, [](uv_poll_t* h, int status, int) {
+      if (status >= 0) static_cast<UvTransport*>(h->data)->accept_from_loop();
+    });
+  });
+  if (!posted) {
+    ::close(fd);
+    throw ShutdownError("transport is closed");
+  }
+  return bound;
+}
+
+ConnectionPtr UvTransport::connect(const std::string& host, int port,
+                                   std::chrono::milliseconds timeout) {
+  const std::string where = host + ":" + std::to_string(port);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  const std::string port_s = std::to_string(port);
+  int rc = ::getaddrinfo(host.c_str(), port_s.c_str(), &hints, &res);
+  if (rc != 0) throw DisconnectedError("cannot resolve " + where + ": " + gai_strerror(rc));
+  int fd = -1;
+  std::string err = "no address";
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (addrinfo* ai = res; ai && fd < 0; ai = ai->ai_next) {
+    fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol);
+    if (fd < 0) {
+      err = errno_text(errno);
+      continue;
+    }
+    int r = ::connect(fd, ai->ai_addr, ai->ai_addrlen);
+    if (r < 0 && errno == EINPROGRESS) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      pollfd p{fd, POLLOUT, 0};
+      int pr;
+      do {
+        pr = ::poll(&p, 1, timeout.count() > 0 ? std::max<int64_t>(left.count(), 0) : -1);
+      } while (pr < 0 && errno == EINTR);
+      if (pr == 0) {
+        errno = ETIMEDOUT;
+        r = -1;
+      } else {
+        int soerr = 0;
+        socklen_t len = sizeof(soerr);
+        ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len);
+        errno = soerr;
+        r = soerr ? -1 : 0;
+      }
+    }
+    if (r < 0) {
+      err = errno_text(errno);
+      ::close(fd);
+      fd = -1;
+    }
+  }
+  ::freeaddrinfo(res);
+  if (fd < 0) throw DisconnectedError("cannot connect to " + where + ": " + err);
+  set_socket_options(fd);
+  std::shared_ptr<UvConnection> conn;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    conn = std::make_shared<UvConnection>(this, fd, next_id_++, where);
+  }
+  if (!post([this, conn] { adopt_from_loop(conn); })) {
+    ::close(fd);
+    throw ShutdownError("transport is closed");
+  }
+  return conn;
+}
+
+void UvTransport::accept_from_loop() {
+  for (;;) {
+    sockaddr_storage ss{};
+    socklen_t len = sizeof(ss);
+    int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len,
+                       SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR) continue;
+      return;  // EAGAIN, or a transient error such as EMFILE: try again on the next wake-up
+    }
+    set_socket_options(fd);
+    std::shared_ptr<UvConnection> conn;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      conn = std::make_shared<UvConnection>(this, fd, next_id_++,
+                                            address_of(reinterpret_cast<sockaddr*>(&ss)));
+    }
+    adopt_from_loop(conn);
+  }
+}
+
+void UvTransport::adopt_from_loop(const std::shared_ptr<UvConnection>& conn) {
+  if (stopped_) {  // raced with close(): nothing is registered, just drop the socket
+    {
+      std::lock_guard<std::mutex> lock(conn->write_mu_);
+      conn->closed_ = true;
+    }
+    ::close(conn->fd_);
+    return;
+  }
+  conns_[conn->id()] = conn;
+  ++live_connections_;
+  conn->poll_.data = conn.get();
+  uv_poll_init_socket(&loop_->loop, &conn->poll_, conn->fd_);
+  conn->polling_ = true;
+  {
+    std::lock_guard<std::mutex> lock(conn->write_mu_);
+    if (conn->closed_) {
+      // close() or a failed write ran before the loop saw this connection;
+      // its close command is queued behind us and finishes the job.
+      return;
+    }
+    conn->start_poll_locked();
+  }
+}
+
+void UvTransport::read_from_loop(const std::shared_ptr<UvConnection>& conn) {
+  for (int round = 0; round < kReadRoundsPerWakeup && !conn->loop_closed_; ++round) {
+    auto [direct, want] = conn->decoder_.direct_target(kDirectReadMin);
+    char* buf = direct ? direct : staging_.data();
+    size_t len = direct ? want : staging_.size();
+    ssize_t n = ::recv(conn->fd_, buf, len, MSG_DONTWAIT);
+    if (n == 0) {
+      close_from_loop(conn, conn->decoder_.idle()
+                                ? "peer " + conn->peer_ + " closed the connection"
+                                : "peer " + conn->peer_ + " closed the connection mid-frame");
+      return;
+    }
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+      close_from_loop(conn, "read from " + conn->peer_ + " failed: " + errno_text(errno));
+      return;
+    }
+    try {
+      if (direct) {
+        conn->decoder_.direct_commit(static_cast<size_t>(n));
+      } else {
+        conn->decoder_.feed(buf, static_cast<size_t>(n));
+      }
+    } catch (const std::exception& e) {
+      close_from_loop(conn, std::string("protocol error from ") + conn->peer_ + ": " + e.what());
+      return;
+    }
+    while (conn->decoder_.has_message() && !conn->loop_closed_) {
+      callbacks_.on_message(conn, conn->decoder_.take());
+    }
+    if (static_cast<size_t>(n) < len) return;  // the socket is drained
+  }
+}
+
+void UvTransport::close_from_loop(const std::shared_ptr<UvConnection>& conn,
+                                  const std::string& reason) {
+  if (conn->loop_closed_) return;
+  conn->loop_closed_ = true;
+  {
+    std::lock_guard<std::mutex> lock(conn->write_mu_);
+    conn->closed_ = true;
+    conn->queue_.clear();
+  }
+  if (!conn->polling_) return;  // never adopted; nothing registered
+  struct Closing {
+    std::shared_ptr<UvConnection> conn;
+    std::string reason;
+  };
+  conn->poll_.data = new Closing{conn, reason};  // owned by the close callback below
+  uv_poll_stop(&conn->poll_);
+  uv_close(reinterpret_cast<uv_handle_t*>(&conn->poll_), [](uv_handle_t* h) {
+    std::unique_ptr<Closing> c(static_cast<Closing*>(h->data));
+    auto* t = c->conn->transport_;
+    ::close(c->conn->fd_);
+    t->conns_.erase(c->conn->id());
+    --t->live_connections_;
+    if (t->callbacks_.on_closed) t->callbacks_.on_closed(c->conn, c->reason);
+  });
+}
+
+void UvTransport::stop_from_loop() {
+  stopped_ = true;
+  if (loop_->listening) {
+    loop_->listening = false;
+    uv_close(reinterpret_cast<uv_handle_t*>(&loop_->listen_poll), [](uv_handle_t* h) {
+      auto* t = static_cast<UvTransport*>(h->data);
+      ::close(t->listen_fd_);
+      t->listen_fd_ = -1;
+    });
+  }
+  auto conns = conns_;
+  for (auto& [id, conn] : conns) close_from_loop(conn, "transport closed");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    loop_gone_ = true;
+  }
+  // Commands that raced in before loop_gone_ was set still run.
+  run_commands();
+  uv_close(reinterpret_cast<uv_handle_t*>(&loop_->wake), nullptr);
+}
+
+void UvTransport::close() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closing_) return;
+    closing_ = true;
+  }
+  post([this] { stop_from_loop(); });
+  if (thread_.joinable()) thread_.join();
+  uv_loop_close(&loop_->loop);
+}
+
+}  // namespace tandem::rpc

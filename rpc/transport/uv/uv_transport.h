@@ -1,0 +1,76 @@
+// TCP transport on a libuv loop.
+//
+// Threads and ownership:
+//  1. One loop thread per transport. It polls the listening socket and every
+//     connection (uv_poll_t over our own non-blocking sockets), reads frames,
+//     and calls Callbacks. It never runs user code.
+//  2. Reads go through a FrameDecoder: small frames are read in 64 KiB gulps
+//     and parsed from a staging buffer; once the decoder is inside a large
+//     tensor, the next recv() lands straight in that tensor's storage.
+//  3. send() writes from the calling thread with sendmsg() over the frame's
+//     buffers (preamble, envelope, each tensor's storage): no copy and no
+//     hand-off to the loop on the common path. Only what the socket would not
+//     take is queued; the loop finishes it when the socket is writable.
+//     (DESIGN.md sketches uv_write from the loop; writing from the caller
+//     saves one thread hand-off per message, measured in bench/rpc_bench.)
+//  4. Everything else that touches a handle is posted to the loop as a
+//     command through one uv_async_t.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "rpc/transport.h"
+
+namespace tandem::rpc {
+
+class UvConnection;
+
+class UvTransport final : public Transport {
+ public:
+  UvTransport(Limits limits, Callbacks callbacks);
+  ~UvTransport() override;
+
+  int listen(const std::string& host, int port) override;
+  ConnectionPtr connect(const std::string& host, int port,
+                        std::chrono::milliseconds timeout) override;
+  void close() override;
+
+  size_t live_connections() const { return live_connections_.load(); }
+
+ private:
+  friend class UvConnection;
+  struct Loop;
+
+  // Runs `fn` on the loop thread. False once the loop is gone.
+  bool post(std::function<void()> fn);
+  void run_commands();
+  void accept_from_loop();
+  void adopt_from_loop(const std::shared_ptr<UvConnection>& conn);
+  void close_from_loop(const std::shared_ptr<UvConnection>& conn, const std::string& reason);
+  void read_from_loop(const std::shared_ptr<UvConnection>& conn);
+  void stop_from_loop();
+
+  Limits limits_;
+  Callbacks callbacks_;
+  std::unique_ptr<Loop> loop_;
+  std::thread thread_;
+
+  std::mutex mu_;
+  std::vector<std::function<void()>> commands_;
+  bool closing_ = false;    // close() was called
+  bool loop_gone_ = false;  // the wake-up handle is closed; post() fails
+
+  int listen_fd_ = -1;
+  bool stopped_ = false;  // loop thread only: stop_from_loop() ran
+  uint64_t next_id_ = 1;
+  std::unordered_map<uint64_t, std::shared_ptr<UvConnection>> conns_;  // loop thread only
+  std::vector<char> staging_;                                          // loop thread only
+  std::atomic<size_t> live_connections_{0};
+};
+
+}  // namespace tandem::rpc

@@ -1,0 +1,110 @@
+# Tandem's wire envelope. A frame on the wire is
+#   [24-byte preamble][this envelope, capnp flat array][tensor bytes, each 64-byte aligned]
+# (see wire.h). Tensor bytes never pass through capnp: the envelope only
+# describes them, and the receiver reads them straight into fresh storage.
+@0xd3a1c27be0f4a95c;
+
+using Cxx = import "/capnp/c++.capnp";
+$Cxx.namespace("tandem::rpc::schema");
+
+enum Kind {
+  request @0;
+  response @1;
+  error @2;
+  hello @3;     # first frame on every connection: who is calling, with the cluster token
+}
+
+enum ErrorCode {
+  remote @0;
+  timeout @1;
+  disconnected @2;
+  unknownFunction @3;
+  shutdown @4;
+  protocol @5;
+}
+
+enum TypeKind {
+  any @0;
+  none @1;
+  bool @2;
+  int @3;
+  float @4;
+  string @5;
+  tensor @6;
+  device @7;
+  list @8;      # elements: [item]
+  dict @9;      # elements: [key, value]
+  tuple @10;    # elements: the items
+  optional @11; # elements: [item]
+  number @12;
+}
+
+# The static type of a container, so that a List[int] arrives as a List[int]
+# (and not as a list of anything) even when it is empty.
+struct TypeDesc {
+  kind @0 :TypeKind;
+  elements @1 :List(TypeDesc);
+}
+
+struct DeviceValue {
+  type @0 :Int16;   # c10::DeviceType
+  index @1 :Int16;
+}
+
+struct Value {
+  union {
+    none @0 :Void;
+    bool @1 :Bool;
+    int @2 :Int64;
+    double @3 :Float64;
+    string @4 :Data;  # bytes: strings may hold anything
+    tensor @5 :UInt32; # index into Envelope.tensors
+    list @6 :ListValue;
+    tuple @7 :List(Value);
+    dict @8 :DictValue;
+    device @9 :DeviceValue;
+  }
+}
+
+struct ListValue {
+  elementType @0 :TypeDesc;
+  items @1 :List(Value);
+}
+
+struct DictValue {
+  keyType @0 :TypeDesc;
+  valueType @1 :TypeDesc;
+  keys @2 :List(Value);
+  values @3 :List(Value);
+}
+
+struct TensorMeta {
+  dtype @0 :Int16;          # c10::ScalarType
+  sizes @1 :List(Int64);
+  strides @2 :List(Int64);  # always contiguous on the wire
+  device @3 :DeviceValue;   # where it lived on the sender
+  byteLength @4 :UInt64;    # numel * itemsize, checked by the receiver
+}
+
+struct ErrorInfo {
+  code @0 :ErrorCode;
+  worker @1 :Text;
+  message @2 :Text;
+}
+
+struct Hello {
+  worker @0 :Text;
+  rank @1 :Int32;
+  token @2 :Data;
+}
+
+struct Envelope {
+  id @0 :UInt64;
+  kind @1 :Kind;
+  callee @2 :Text;
+  timeoutMs @3 :UInt64;     # time left for the call when sent; 0 = none
+  values @4 :List(Value);   # request: the arguments; response: one result
+  tensors @5 :List(TensorMeta);
+  error @6 :ErrorInfo;
+  hello @7 :Hello;
+}

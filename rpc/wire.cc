@@ -1,0 +1,530 @@
+#include "rpc/wire.h"
+
+#include <ATen/core/Dict.h>
+#include <ATen/core/List.h>
+#include <ATen/core/jit_type.h>
+#include <ATen/ops/empty.h>
+#include <capnp/message.h>
+#include <capnp/serialize.h>
+#include <kj/exception.h>
+
+#include <cstring>
+#include <unordered_map>
+
+#include "rpc/wire.capnp.h"
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "Tandem's wire format is little-endian");
+
+namespace tandem::rpc {
+namespace {
+
+constexpr size_t kMaxDims = 64;
+
+bool known_dtype(int v) {
+  switch (static_cast<c10::ScalarType>(v)) {
+    case c10::ScalarType::Byte:
+    case c10::ScalarType::Char:
+    case c10::ScalarType::Short:
+    case c10::ScalarType::Int:
+    case c10::ScalarType::Long:
+    case c10::ScalarType::Half:
+    case c10::ScalarType::Float:
+    case c10::ScalarType::Double:
+    case c10::ScalarType::ComplexHalf:
+    case c10::ScalarType::ComplexFloat:
+    case c10::ScalarType::ComplexDouble:
+    case c10::ScalarType::Bool:
+    case c10::ScalarType::BFloat16:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// ---- encoding ----------------------------------------------------------------
+
+class Encoder {
+ public:
+  std::vector<at::Tensor> tensors;
+
+  void type(schema::TypeDesc::Builder b, const c10::TypePtr& t) {
+    using K = schema::TypeKind;
+    switch (t->kind()) {
+      case c10::TypeKind::NoneType: b.setKind(K::NONE); return;
+      case c10::TypeKind::BoolType: b.setKind(K::BOOL); return;
+      case c10::TypeKind::IntType: b.setKind(K::INT); return;
+      case c10::TypeKind::FloatType: b.setKind(K::FLOAT); return;
+      case c10::TypeKind::NumberType: b.setKind(K::NUMBER); return;
+      case c10::TypeKind::StringType: b.setKind(K::STRING); return;
+      case c10::TypeKind::TensorType: b.setKind(K::TENSOR); return;
+      case c10::TypeKind::DeviceObjType: b.setKind(K::DEVICE); return;
+      case c10::TypeKind::ListType:
+      case c10::TypeKind::DictType:
+      case c10::TypeKind::TupleType:
+      case c10::TypeKind::OptionalType: {
+        auto contained = t->containedTypes();
+        b.setKind(t->kind() == c10::TypeKind::ListType   ? K::LIST
+                  : t->kind() == c10::TypeKind::DictType ? K::DICT
+                  : t->kind() == c10::TypeKind::TupleType ? K::TUPLE
+                                                          : K::OPTIONAL);
+        auto els = b.initElements(contained.size());
+        for (size_t i = 0; i < contained.size(); ++i) type(els[i], contained[i]);
+        return;
+      }
+      default: b.setKind(K::ANY); return;
+    }
+  }
+
+  void value(schema::Value::Builder b, const c10::IValue& v) {
+    if (v.isNone()) {
+      b.setNone();
+    } else if (v.isBool()) {
+      b.setBool(v.toBool());
+    } else if (v.isInt()) {
+      b.setInt(v.toInt());
+    } else if (v.isDouble()) {
+      b.setDouble(v.toDouble());
+    } else if (v.isString()) {
+      const std::string& s = v.toStringRef();
+      b.setString(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(s.data()), s.size()));
+    } else if (v.isTensor()) {
+      const at::Tensor& t = v.toTensor();
+      if (!t.defined()) {
+        b.setNone();
+      } else {
+        b.setTensor(tensor(t));
+      }
+    } else if (v.isList()) {
+      auto list = v.toList();
+      auto lb = b.initList();
+      type(lb.initElementType(), list.elementType());
+      auto items = lb.initItems(list.size());
+      for (size_t i = 0; i < list.size(); ++i) value(items[i], list.get(i));
+    } else if (v.isTuple()) {
+      const auto& elems = v.toTupleRef().elements();
+      auto items = b.initTuple(elems.size());
+      for (size_t i = 0; i < elems.size(); ++i) value(items[i], elems[i]);
+    } else if (v.isGenericDict()) {
+      auto dict = v.toGenericDict();
+      auto db = b.initDict();
+      type(db.initKeyType(), dict.keyType());
+      type(db.initValueType(), dict.valueType());
+      auto keys = db.initKeys(dict.size());
+      auto vals = db.initValues(dict.size());
+      size_t i = 0;
+      for (const auto& kv : dict) {
+        value(keys[i], kv.key());
+        value(vals[i], kv.value());
+        ++i;
+      }
+    } else if (v.isDevice()) {
+      auto d = b.initDevice();
+      d.setType(static_cast<int16_t>(v.toDevice().type()));
+      d.setIndex(v.toDevice().index());
+    } else {
+      throw std::invalid_argument("cannot send a value of type " + v.tagKind() +
+                                  " over RPC (supported: None, bool, int, float, str, Tensor, "
+                                  "list, tuple, dict, Device)");
+    }
+  }
+
+ private:
+  std::unordered_map<const c10::TensorImpl*, uint32_t> index_;
+
+  uint32_t tensor(const at::Tensor& t) {
+    // The same tensor passed twice travels once and arrives as one tensor.
+    auto it = index_.find(t.unsafeGetTensorImpl());
+    if (it != index_.end()) return it->second;
+    if (t.layout() != c10::kStrided) {
+      throw std::invalid_argument("cannot send a non-strided (sparse or mkldnn) tensor over RPC");
+    }
+    if (!known_dtype(static_cast<int>(t.scalar_type()))) {
+      throw std::invalid_argument(std::string("cannot send a tensor of dtype ") +
+                                  c10::toString(t.scalar_type()) + " over RPC");
+    }
+    at::Tensor wire = t;
+    if (!wire.device().is_cpu()) wire = wire.cpu();  // TODO(perf): CUDA path
+    wire = wire.contiguous();
+    auto idx = static_cast<uint32_t>(tensors.size());
+    index_.emplace(t.unsafeGetTensorImpl(), idx);
+    devices_.push_back(t.device());
+    tensors.push_back(std::move(wire));
+    return idx;
+  }
+
+ public:
+  std::vector<c10::Device> devices_;
+};
+
+// ---- decoding ----------------------------------------------------------------
+
+c10::TypePtr decode_type(schema::TypeDesc::Reader r) {
+  using K = schema::TypeKind;
+  auto els = r.getElements();
+  auto need = [&](size_t n) {
+    if (els.size() != n) throw ProtocolError("malformed container type in envelope");
+  };
+  switch (r.getKind()) {
+    case K::ANY: return c10::AnyType::get();
+    case K::NONE: return c10::NoneType::get();
+    case K::BOOL: return c10::BoolType::get();
+    case K::INT: return c10::IntType::get();
+    case K::FLOAT: return c10::FloatType::get();
+    case K::NUMBER: return c10::NumberType::get();
+    case K::STRING: return c10::StringType::get();
+    case K::TENSOR: return c10::TensorType::get();
+    case K::DEVICE: return c10::DeviceObjType::get();
+    case K::LIST: need(1); return c10::ListType::create(decode_type(els[0]));
+    case K::DICT: need(2); return c10::DictType::create(decode_type(els[0]), decode_type(els[1]));
+    case K::OPTIONAL: need(1); return c10::OptionalType::create(decode_type(els[0]));
+    case K::TUPLE: {
+      std::vector<c10::TypePtr> items;
+      for (auto e : els) items.push_back(decode_type(e));
+      return c10::TupleType::create(std::move(items));
+    }
+  }
+  throw ProtocolError("unknown type kind " + std::to_string(static_cast<int>(r.getKind())) +
+                      " in envelope");
+}
+
+c10::Device decode_device(schema::DeviceValue::Reader r) {
+  int type = r.getType();
+  if (type < 0 || type >= static_cast<int>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES) ||
+      r.getIndex() < -1) {
+    throw ProtocolError("invalid device (type " + std::to_string(type) + ", index " +
+                        std::to_string(r.getIndex()) + ") in envelope");
+  }
+  return c10::Device(static_cast<c10::DeviceType>(type), static_cast<c10::DeviceIndex>(r.getIndex()));
+}
+
+c10::IValue decode_value(schema::Value::Reader r, const std::vector<at::Tensor>& tensors) {
+  using V = schema::Value;
+  switch (r.which()) {
+    case V::NONE: return c10::IValue();
+    case V::BOOL: return c10::IValue(r.getBool());
+    case V::INT: return c10::IValue(static_cast<int64_t>(r.getInt()));
+    case V::DOUBLE: return c10::IValue(r.getDouble());
+    case V::STRING: {
+      auto d = r.getString();
+      return c10::IValue(std::string(reinterpret_cast<const char*>(d.begin()), d.size()));
+    }
+    case V::TENSOR: {
+      uint32_t i = r.getTensor();
+      if (i >= tensors.size()) {
+        throw ProtocolError("tensor index " + std::to_string(i) + " out of range (" +
+                            std::to_string(tensors.size()) + " tensors in frame)");
+      }
+      return c10::IValue(tensors[i]);
+    }
+    case V::LIST: {
+      auto l = r.getList();
+      c10::impl::GenericList list(decode_type(l.getElementType()));
+      list.reserve(l.getItems().size());
+      for (auto item : l.getItems()) list.push_back(decode_value(item, tensors));
+      return c10::IValue(std::move(list));
+    }
+    case V::TUPLE: {
+      std::vector<c10::IValue> items;
+      items.reserve(r.getTuple().size());
+      for (auto item : r.getTuple()) items.push_back(decode_value(item, tensors));
+      return c10::IValue(c10::ivalue::Tuple::create(std::move(items)));
+    }
+    case V::DICT: {
+      auto d = r.getDict();
+      if (d.getKeys().size() != d.getValues().size()) {
+        throw ProtocolError("dict with " + std::to_string(d.getKeys().size()) + " keys and " +
+                            std::to_string(d.getValues().size()) + " values");
+      }
+      c10::impl::GenericDict dict(decode_type(d.getKeyType()), decode_type(d.getValueType()));
+      dict.reserve(d.getKeys().size());
+      for (size_t i = 0; i < d.getKeys().size(); ++i) {
+        auto key = decode_value(d.getKeys()[i], tensors);
+        if (!(key.isString() || key.isInt() || key.isDouble() || key.isBool() ||
+              key.isTensor() || key.isDevice())) {
+          throw ProtocolError("unhashable dict key of type " + key.tagKind());
+        }
+        dict.insert_or_assign(std::move(key), decode_value(d.getValues()[i], tensors));
+      }
+      return c10::IValue(std::move(dict));
+    }
+    case V::DEVICE: return c10::IValue(decode_device(r.getDevice()));
+  }
+  throw ProtocolError("unknown value kind " + std::to_string(static_cast<int>(r.which())));
+}
+
+}  // namespace
+
+uint64_t OutFrame::total_bytes() const {
+  return kPreambleBytes + envelope.size() * sizeof(capnp::word) + preamble.body_bytes;
+}
+
+OutFrame encode(const Message& m) {
+  capnp::MallocMessageBuilder builder;
+  auto env = builder.initRoot<schema::Envelope>();
+  env.setId(m.id);
+  env.setKind(static_cast<schema::Kind>(m.kind));
+  Encoder enc;
+  switch (m.kind) {
+    case MessageKind::kRequest:
+      env.setCallee(m.callee);
+      env.setTimeoutMs(m.timeout_ms);
+      break;
+    case MessageKind::kResponse:
+      break;
+    case MessageKind::kError: {
+      auto e = env.initError();
+      e.setCode(static_cast<schema::ErrorCode>(m.error_code));
+      e.setWorker(m.error_worker);
+      e.setMessage(m.error_message);
+      break;
+    }
+    case MessageKind::kHello: {
+      auto h = env.initHello();
+      h.setWorker(m.hello_worker);
+      h.setRank(m.hello_rank);
+      h.setToken(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(m.hello_token.data()),
+                                     m.hello_token.size()));
+      break;
+    }
+  }
+  if (!m.values.empty()) {
+    auto vals = env.initValues(m.values.size());
+    for (size_t i = 0; i < m.values.size(); ++i) enc.value(vals[i], m.values[i]);
+  }
+  OutFrame frame;
+  uint64_t offset = 0;
+  if (!enc.tensors.empty()) {
+    auto metas = env.initTensors(enc.tensors.size());
+    for (size_t i = 0; i < enc.tensors.size(); ++i) {
+      const at::Tensor& t = enc.tensors[i];
+      auto meta = metas[i];
+      meta.setDtype(static_cast<int16_t>(t.scalar_type()));
+      auto sizes = meta.initSizes(t.dim());
+      auto strides = meta.initStrides(t.dim());
+      for (int64_t d = 0; d < t.dim(); ++d) {
+        sizes.set(d, t.size(d));
+        strides.set(d, t.stride(d));
+      }
+      auto dev = meta.initDevice();
+      dev.setType(static_cast<int16_t>(enc.devices_[i].type()));
+      dev.setIndex(enc.devices_[i].index());
+      uint64_t nbytes = t.nbytes();
+      meta.setByteLength(nbytes);
+      offset += padding_before(offset) + nbytes;
+    }
+  }
+  frame.envelope = capnp::messageToFlatArray(builder);
+  frame.preamble.envelope_bytes = static_cast<uint32_t>(frame.envelope.size() * sizeof(capnp::word));
+  frame.preamble.body_bytes = offset;
+  frame.tensors = std::move(enc.tensors);
+  return frame;
+}
+
+// ---- FrameDecoder ----------------------------------------------------------------
+
+void FrameDecoder::feed(const char* data, size_t n) {
+  while (n > 0) {
+    size_t take = 0;
+    switch (state_) {
+      case State::kPreamble:
+        take = std::min(n, kPreambleBytes - have_);
+        std::memcpy(preamble_buf_.data() + have_, data, take);
+        have_ += take;
+        if (have_ == kPreambleBytes) on_preamble();
+        break;
+      case State::kEnvelope: {
+        auto bytes = envelope_.asBytes();
+        take = std::min(n, bytes.size() - have_);
+        std::memcpy(bytes.begin() + have_, data, take);
+        have_ += take;
+        if (have_ == bytes.size()) on_envelope();
+        break;
+      }
+      case State::kBody:
+        if (padding_left_ > 0) {
+          take = std::min<uint64_t>(n, padding_left_);
+          padding_left_ -= take;
+        } else {
+          const at::Tensor& t = tensors_[tensor_index_];
+          take = std::min<uint64_t>(n, t.nbytes() - tensor_done_);
+          std::memcpy(static_cast<char*>(t.data_ptr()) + tensor_done_, data, take);
+          tensor_done_ += take;
+        }
+        body_offset_ += take;
+        advance_body();
+        break;
+    }
+    data += take;
+    n -= take;
+  }
+}
+
+std::pair<char*, size_t> FrameDecoder::direct_target(size_t min_bytes) const {
+  if (state_ != State::kBody || padding_left_ > 0 || tensor_index_ >= tensors_.size()) {
+    return {nullptr, 0};
+  }
+  const at::Tensor& t = tensors_[tensor_index_];
+  uint64_t left = t.nbytes() - tensor_done_;
+  if (left < min_bytes) return {nullptr, 0};
+  return {static_cast<char*>(t.data_ptr()) + tensor_done_, left};
+}
+
+void FrameDecoder::direct_commit(size_t n) {
+  tensor_done_ += n;
+  body_offset_ += n;
+  advance_body();
+}
+
+Message FrameDecoder::take() {
+  Message m = std::move(ready_.front());
+  ready_.pop_front();
+  return m;
+}
+
+void FrameDecoder::on_preamble() {
+  std::memcpy(&preamble_, preamble_buf_.data(), kPreambleBytes);
+  if (preamble_.magic != kMagic) throw ProtocolError("bad magic in frame preamble");
+  if (preamble_.version != kVersion) {
+    throw ProtocolError("unsupported wire version " + std::to_string(preamble_.version));
+  }
+  if (preamble_.envelope_bytes == 0 || preamble_.envelope_bytes % sizeof(capnp::word) != 0 ||
+      preamble_.envelope_bytes > limits_.max_envelope_bytes) {
+    throw ProtocolError("impossible envelope length " + std::to_string(preamble_.envelope_bytes) +
+                        " (limit " + std::to_string(limits_.max_envelope_bytes) + ")");
+  }
+  if (preamble_.body_bytes > limits_.max_body_bytes) {
+    throw ProtocolError("tensor body of " + std::to_string(preamble_.body_bytes) +
+                        " bytes exceeds the limit of " + std::to_string(limits_.max_body_bytes));
+  }
+  envelope_ = kj::heapArray<capnp::word>(preamble_.envelope_bytes / sizeof(capnp::word));
+  have_ = 0;
+  state_ = State::kEnvelope;
+}
+
+void FrameDecoder::on_envelope() {
+  pending_ = Message();
+  tensors_.clear();
+  try {
+    capnp::ReaderOptions opts;
+    opts.traversalLimitInWords = limits_.traversal_limit_words;
+    opts.nestingLimit = limits_.nesting_limit;
+    capnp::FlatArrayMessageReader reader(envelope_.asPtr(), opts);
+    auto env = reader.getRoot<schema::Envelope>();
+    auto kind = static_cast<uint16_t>(env.getKind());
+    if (kind > static_cast<uint16_t>(MessageKind::kHello)) {
+      throw ProtocolError("unknown message kind " + std::to_string(kind));
+    }
+    pending_.kind = static_cast<MessageKind>(kind);
+    pending_.id = env.getId();
+    if (pending_.kind == MessageKind::kRequest) {
+      pending_.callee = env.getCallee();
+      pending_.timeout_ms = env.getTimeoutMs();
+    } else if (pending_.kind == MessageKind::kError) {
+      auto e = env.getError();
+      auto code = static_cast<uint16_t>(e.getCode());
+      if (code > static_cast<uint16_t>(ErrorCode::kProtocol)) {
+        throw ProtocolError("unknown error code " + std::to_string(code));
+      }
+      pending_.error_code = static_cast<ErrorCode>(code);
+      pending_.error_worker = e.getWorker();
+      pending_.error_message = e.getMessage();
+    } else if (pending_.kind == MessageKind::kHello) {
+      auto h = env.getHello();
+      pending_.hello_worker = h.getWorker();
+      pending_.hello_rank = h.getRank();
+      auto tok = h.getToken();
+      pending_.hello_token.assign(reinterpret_cast<const char*>(tok.begin()), tok.size());
+    }
+
+    // Check every tensor's description and the body length before allocating.
+    uint64_t offset = 0;
+    auto metas = env.getTensors();
+    std::vector<std::pair<c10::ScalarType, std::vector<int64_t>>> shapes;
+    shapes.reserve(metas.size());
+    for (size_t i = 0; i < metas.size(); ++i) {
+      auto meta = metas[i];
+      const std::string which = "tensor " + std::to_string(i) + ": ";
+      if (!known_dtype(meta.getDtype())) {
+        throw ProtocolError(which + "unknown dtype " + std::to_string(meta.getDtype()));
+      }
+      auto dtype = static_cast<c10::ScalarType>(meta.getDtype());
+      auto sizes = meta.getSizes();
+      auto strides = meta.getStrides();
+      if (sizes.size() > kMaxDims || strides.size() != sizes.size()) {
+        throw ProtocolError(which + "bad shape (" + std::to_string(sizes.size()) + " sizes, " +
+                            std::to_string(strides.size()) + " strides)");
+      }
+      uint64_t numel = 1;
+      std::vector<int64_t> shape(sizes.size());
+      for (size_t d = 0; d < sizes.size(); ++d) {
+        int64_t s = sizes[d];
+        if (s < 0) throw ProtocolError(which + "negative size");
+        if (__builtin_mul_overflow(numel, static_cast<uint64_t>(s), &numel)) {
+          throw ProtocolError(which + "shape product overflows");
+        }
+        shape[d] = s;
+      }
+      int64_t expect = 1;
+      for (size_t d = sizes.size(); d-- > 0;) {
+        if (sizes[d] != 1 && strides[d] != expect) {
+          throw ProtocolError(which + "strides are not contiguous");
+        }
+        expect *= std::max<int64_t>(sizes[d], 1);
+      }
+      uint64_t nbytes = 0;
+      if (__builtin_mul_overflow(numel, static_cast<uint64_t>(c10::elementSize(dtype)), &nbytes) ||
+          nbytes != meta.getByteLength()) {
+        throw ProtocolError(which + "byte length " + std::to_string(meta.getByteLength()) +
+                            " does not match its shape and dtype");
+      }
+      decode_device(meta.getDevice());
+      offset += padding_before(offset);
+      if (__builtin_add_overflow(offset, nbytes, &offset) || offset > preamble_.body_bytes) {
+        throw ProtocolError("tensors overrun the frame's body of " +
+                            std::to_string(preamble_.body_bytes) + " bytes");
+      }
+      shapes.emplace_back(dtype, std::move(shape));
+    }
+    if (offset != preamble_.body_bytes) {
+      throw ProtocolError("frame body is " + std::to_string(preamble_.body_bytes) +
+                          " bytes but its tensors need " + std::to_string(offset));
+    }
+    for (auto& [dtype, shape] : shapes) {
+      tensors_.push_back(at::empty(shape, at::TensorOptions().dtype(dtype)));
+    }
+    auto values = env.getValues();
+    pending_.values.reserve(values.size());
+    for (auto v : values) pending_.values.push_back(decode_value(v, tensors_));
+  } catch (const kj::Exception& e) {
+    throw ProtocolError(std::string("malformed envelope: ") + e.getDescription().cStr());
+  }
+  envelope_ = nullptr;
+  state_ = State::kBody;
+  tensor_index_ = 0;
+  tensor_done_ = 0;
+  padding_left_ = 0;
+  body_offset_ = 0;
+  advance_body();
+}
+
+void FrameDecoder::advance_body() {
+  while (tensor_index_ < tensors_.size()) {
+    if (padding_left_ > 0) return;
+    if (tensor_done_ < tensors_[tensor_index_].nbytes()) return;
+    ++tensor_index_;
+    tensor_done_ = 0;
+    if (tensor_index_ < tensors_.size()) padding_left_ = padding_before(body_offset_);
+  }
+  finish();
+}
+
+void FrameDecoder::finish() {
+  ready_.push_back(std::move(pending_));
+  pending_ = Message();
+  tensors_.clear();
+  tensor_index_ = 0;
+  have_ = 0;
+  state_ = State::kPreamble;
+}
+
+}  // namespace tandem::rpc

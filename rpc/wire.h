@@ -1,0 +1,135 @@
+// Tandem's frame format and its codec.
+//
+// A frame is:
+//   1. a 24-byte little-endian preamble: magic "TNDM", version, envelope length
+//      (a multiple of 8), and the length of the tensor body;
+//   2. the envelope, a Cap'n Proto message (rpc/wire.capnp) holding the kind,
+//      call id, callee, deadline, the value tree, and one TensorMeta per tensor;
+//   3. the tensor body: each tensor's bytes, contiguous, starting at a 64-byte
+//      aligned offset from the start of the body.
+//
+// encode() turns a Message into an OutFrame whose buffers point into the
+// tensors' own storage (scatter-gather: the frame keeps the tensors alive).
+// FrameDecoder is the receiving state machine: it validates every length and
+// field before use, allocates each tensor with at::empty once the envelope has
+// been checked, and can hand out the tensor's storage as the target of the next
+// socket read so large tensors arrive with no copy in user space.
+// Any violation throws ProtocolError; the caller closes that connection.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <capnp/common.h>
+#include <kj/array.h>
+
+#include <array>
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <vector>
+
+#include "rpc/errors.h"
+
+namespace tandem::rpc {
+
+enum class MessageKind : uint8_t { kRequest = 0, kResponse = 1, kError = 2, kHello = 3 };
+
+struct Message {
+  MessageKind kind = MessageKind::kRequest;
+  uint64_t id = 0;
+  std::string callee;       // request: the registered function's name
+  uint64_t timeout_ms = 0;  // request: time left for the call; 0 = none
+  std::vector<c10::IValue> values;  // request: arguments; response: one result
+  // kError
+  ErrorCode error_code = ErrorCode::kRemote;
+  std::string error_worker;
+  std::string error_message;
+  // kHello
+  std::string hello_worker;
+  int32_t hello_rank = -1;
+  std::string hello_token;
+};
+
+struct Limits {
+  uint64_t max_envelope_bytes = 64ull << 20;
+  uint64_t max_body_bytes = 16ull << 30;
+  // Cap'n Proto reader limits: how deep a value tree may nest, and how many
+  // words one envelope may make the reader visit.
+  int nesting_limit = 64;
+  uint64_t traversal_limit_words = 16ull << 20;
+};
+
+constexpr uint32_t kMagic = 0x4d444e54;  // "TNDM" read as little-endian
+constexpr uint16_t kVersion = 1;
+constexpr size_t kPreambleBytes = 24;
+constexpr size_t kTensorAlignment = 64;
+
+struct Preamble {
+  uint32_t magic = kMagic;
+  uint16_t version = kVersion;
+  uint16_t flags = 0;
+  uint32_t envelope_bytes = 0;
+  uint32_t reserved = 0;
+  uint64_t body_bytes = 0;
+};
+static_assert(sizeof(Preamble) == kPreambleBytes, "preamble layout");
+
+// A frame ready to be written: preamble, envelope, and the tensors whose
+// storage the tensor body is read from. Holding an OutFrame keeps them alive.
+struct OutFrame {
+  Preamble preamble;
+  kj::Array<capnp::word> envelope;
+  std::vector<at::Tensor> tensors;  // contiguous, CPU
+  uint64_t total_bytes() const;
+};
+
+// Throws std::invalid_argument for values that cannot travel (an unsupported
+// IValue kind, a sparse tensor).
+OutFrame encode(const Message& message);
+
+// Number of zero bytes that precede a tensor starting at body offset `offset`.
+inline uint64_t padding_before(uint64_t offset) {
+  return (kTensorAlignment - offset % kTensorAlignment) % kTensorAlignment;
+}
+
+class FrameDecoder {
+ public:
+  explicit FrameDecoder(const Limits& limits) : limits_(limits) {}
+
+  // Consumes `n` received bytes; completed messages queue up for take().
+  void feed(const char* data, size_t n);
+
+  // When the decoder is in the middle of a large tensor, the memory the next
+  // read should land in (the tensor's own storage); otherwise {nullptr, 0}.
+  std::pair<char*, size_t> direct_target(size_t min_bytes) const;
+  // `n` bytes were read into the direct target.
+  void direct_commit(size_t n);
+
+  bool has_message() const { return !ready_.empty(); }
+  Message take();
+  // True between frames: no partial frame is buffered.
+  bool idle() const { return state_ == State::kPreamble && have_ == 0; }
+
+ private:
+  enum class State { kPreamble, kEnvelope, kBody };
+  void on_preamble();
+  void on_envelope();
+  void advance_body();  // skips padding, moves to the next tensor, finishes the frame
+  void finish();
+
+  Limits limits_;
+  State state_ = State::kPreamble;
+  std::array<char, kPreambleBytes> preamble_buf_{};
+  Preamble preamble_;
+  kj::Array<capnp::word> envelope_;
+  size_t have_ = 0;  // bytes gathered for the current preamble or envelope
+
+  Message pending_;
+  std::vector<at::Tensor> tensors_;
+  size_t tensor_index_ = 0;
+  uint64_t tensor_done_ = 0;      // bytes of tensors_[tensor_index_] filled
+  uint64_t padding_left_ = 0;     // padding bytes before the current tensor
+  uint64_t body_offset_ = 0;      // bytes of the body consumed so far
+  std::deque<Message> ready_;
+};
+
+}  // namespace tandem::rpc

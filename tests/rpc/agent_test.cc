@@ -1,0 +1,407 @@
+// Agents in one process: calls, types, futures, errors, timeouts, shutdown.
+#include "test_util.h"
+
+#include <atomic>
+#include <chrono>
+
+#include "rpc/api.h"
+#include "rpc/rendezvous.h"
+
+using namespace tandem;
+using namespace tandem::rpc;
+using namespace std::chrono_literals;
+using test::LeakCheck;
+using test::World;
+
+namespace {
+
+void define_common(Registry& r) {
+  r.def("add", [](at::Tensor a, at::Tensor b) { return a + b; });
+  r.def("scale", [](at::Tensor a, double s) { return a * s; });
+  r.def("echo", [](c10::IValue v) { return v; });
+  r.def("fail", [](std::string why) -> int64_t { throw std::runtime_error(why); });
+  r.def("sleep_ms", [](int64_t ms) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    return ms;
+  });
+  r.def("nothing", []() {});
+  r.def("sum_ints", [](std::vector<int> v) {
+    int64_t s = 0;
+    for (int x : v) s += x;
+    return s;
+  });
+  r.def("describe", [](std::tuple<std::string, int64_t> t,
+                       std::unordered_map<std::string, double> m,
+                       c10::optional<int64_t> maybe) {
+    return std::get<0>(t) + ":" + std::to_string(std::get<1>(t)) + ":" +
+           std::to_string(m.size()) + ":" + (maybe ? std::to_string(*maybe) : "none");
+  });
+  r.def("split", [](at::Tensor t) {
+    return std::make_tuple(t.narrow(0, 0, 1), t.narrow(0, 1, t.size(0) - 1));
+  });
+  r.def("whoami", []() { return current_agent().name(); });
+  // Calls `fn` on `to` from inside a handler: nested RPC.
+  r.def("relay", [](std::string to, std::string fn, int64_t arg) {
+    return current_agent().rpc_sync<int64_t>(to, fn, arg);
+  });
+  // Asynchronous: returns a future; the pool thread is released meanwhile.
+  r.def("relay_async", [](std::string to, int64_t ms) {
+    return current_agent().rpc_async<int64_t>(to, "sleep_ms", ms).then(
+        [](Future<int64_t> f) { return f.wait() + 1; });
+  });
+}
+
+}  // namespace
+
+TEST_CASE("agent: typed calls between workers") {
+  LeakCheck leaks;
+  {
+    World w(2, define_common);
+    at::Tensor x = at::randn({4, 4});
+    at::Tensor y = w[0].rpc_sync<at::Tensor>("worker1", "add", x, x);
+    CHECK(at::allclose(y, x + x));
+    CHECK(at::allclose(w[1].rpc_sync<at::Tensor>("worker0", "scale", x, 0.5), x * 0.5));
+    CHECK(w[0].rpc_sync<int64_t>("worker1", "sum_ints", std::vector<int>{1, 2, 3}) == 6);
+    CHECK(w[0].rpc_sync<std::string>(
+              "worker1", "describe", std::make_tuple(std::string("a"), int64_t(3)),
+              std::unordered_map<std::string, double>{{"k", 1.0}, {"j", 2.0}},
+              c10::optional<int64_t>(7)) == "a:3:2:7");
+    CHECK(w[0].rpc_sync<std::string>("worker1", "describe",
+                                     std::make_tuple(std::string("b"), int64_t(1)),
+                                     std::unordered_map<std::string, double>{},
+                                     c10::optional<int64_t>()) == "b:1:0:none");
+    auto [head, tail] =
+        w[0].rpc_sync<std::tuple<at::Tensor, at::Tensor>>("worker1", "split", at::arange(5));
+    CHECK(head.numel() == 1);
+    CHECK(tail.numel() == 4);
+    w[0].rpc_sync<void>("worker1", "nothing");
+    CHECK(w[0].rpc_sync("worker1", "nothing").isNone());
+    CHECK(w[1].rpc_sync<std::string>("worker1", "whoami") == "worker1");  // a call to oneself
+    CHECK(w[0].rpc_sync<std::string>("worker1", "echo", "hi") == "hi");
+    w.shutdown();
+  }
+  leaks.check();
+}
+
+TEST_CASE("agent: large and empty tensors cross intact") {
+  World w(2, define_common);
+  at::Tensor big = at::randn({4 << 20});  // 16 MiB
+  CHECK(at::equal(w[0].rpc_sync<at::Tensor>("worker1", "echo", big), big));
+  at::Tensor empty = at::zeros({0, 8});
+  at::Tensor back = w[0].rpc_sync<at::Tensor>("worker1", "echo", empty);
+  CHECK((back.sizes() == empty.sizes()));
+  w.shutdown();
+}
+
+TEST_CASE("agent: worker infos come from the rendezvous") {
+  World w(3, define_common, [](AgentOptions& o) { o.name = "node" + std::to_string(o.rank); });
+  auto infos = w[1].get_worker_infos();
+  REQUIRE(infos.size() == 3);
+  for (int r = 0; r < 3; ++r) {
+    CHECK(infos[r].rank == r);
+    CHECK(infos[r].name == "node" + std::to_string(r));
+    CHECK(infos[r].port > 0);
+  }
+  CHECK(w[2].get_worker_info("node0").rank == 0);
+  CHECK(w[2].info().name == "node2");
+  CHECK_THROWS_AS(w[0].get_worker_info("nobody"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(w[0].rpc_sync("nobody", "echo", 1), "unknown worker 'nobody'",
+                       std::invalid_argument);
+  w.shutdown();
+}
+
+TEST_CASE("agent: futures wait, chain with then, and propagate errors") {
+  World w(2, define_common);
+  auto f = w[0].rpc_async<int64_t>("worker1", "sleep_ms", 20);
+  auto g = f.then([](Future<int64_t> done) { return done.wait() * 2; });
+  auto h = g.then([](Future<int64_t> done) { return std::to_string(done.wait()); });
+  CHECK(h.wait() == "40");
+  CHECK(f.done());
+
+  // A callback never runs inline inside then(), even on a finished future.
+  std::atomic<bool> in_then{false};
+  std::atomic<bool> ran_inline{false};
+  in_then = true;
+  auto k = f.then([&](Future<int64_t>) { ran_inline = in_then.load(); });
+  in_then = false;
+  k.wait();
+  CHECK_FALSE(ran_inline.load());
+
+  auto bad = w[0].rpc_async<int64_t>("worker1", "fail", std::string("boom"));
+  auto after = bad.then([](Future<int64_t> done) { return done.wait() + 1; });
+  CHECK_THROWS_AS(after.wait(), RemoteError);
+  auto recovered = bad.then([](Future<int64_t> done) -> int64_t {
+    try {
+      return done.wait();
+    } catch (const RemoteError&) {
+      return -1;
+    }
+  });
+  CHECK(recovered.wait() == -1);
+
+  // then() returning a future flattens.
+  auto chained = w[0].rpc_async<int64_t>("worker1", "sleep_ms", 1).then([&](Future<int64_t> d) {
+    return w[0].rpc_async<int64_t>("worker1", "sleep_ms", d.wait() + 1);
+  });
+  CHECK(chained.wait() == 2);
+  w.shutdown();
+}
+
+TEST_CASE("agent: errors arrive typed, naming the worker") {
+  World w(2, define_common);
+  try {
+    w[0].rpc_sync("worker1", "fail", std::string("it broke"));
+    FAIL("expected RemoteError");
+  } catch (const RemoteError& e) {
+    CHECK(e.worker() == "worker1");
+    CHECK(e.remote_message() == "it broke");
+    CHECK(std::string(e.what()).find("worker1") != std::string::npos);
+  }
+  CHECK_THROWS_AS(w[0].rpc_sync("worker1", "no_such_function"), UnknownFunctionError);
+  try {
+    w[0].rpc_sync("worker1", "scale", at::ones({2}), std::string("x"));
+    FAIL("expected RemoteError");
+  } catch (const RemoteError& e) {
+    CHECK(e.remote_message() == "argument 2 of 'scale': expected float, got String");
+  }
+  try {
+    w[0].rpc_sync("worker1", "scale", at::ones({2}));
+    FAIL("expected RemoteError");
+  } catch (const RemoteError& e) {
+    CHECK(e.remote_message() == "'scale' takes 2 argument(s), got 1");
+  }
+  // A result of the wrong type is refused at the caller, naming it.
+  CHECK_THROWS_WITH_AS(w[0].rpc_sync<at::Tensor>("worker1", "sleep_ms", 0),
+                       "result: expected Tensor, got Int", std::invalid_argument);
+  // Arguments that cannot travel fail at the call site.
+  CHECK_THROWS_AS(w[0].rpc_sync("worker1", "echo", c10::IValue(c10::complex<double>(1, 1))),
+                  std::invalid_argument);
+  CHECK(w[0].pending_calls() == 0);
+  w.shutdown();
+}
+
+TEST_CASE("agent: timeouts (default, per call, none) and late replies") {
+  World w(2, define_common, [](AgentOptions& o) { o.rpc_timeout = 150ms; });
+  auto t0 = std::chrono::steady_clock::now();
+  CHECK_THROWS_AS(w[0].rpc_sync("worker1", "sleep_ms", 600), TimeoutError);
+  auto took = std::chrono::steady_clock::now() - t0;
+  CHECK(took >= 140ms);
+  CHECK(took < 500ms);
+  // Per-call override, shorter and longer than the default.
+  CHECK_THROWS_AS(w[0].rpc_sync(CallOptions{30ms}, "worker1", "sleep_ms", 300), TimeoutError);
+  CHECK(w[0].rpc_sync<int64_t>(CallOptions{2000ms}, "worker1", "sleep_ms", 300) == 300);
+  // 0 means no timeout at all.
+  CHECK(w[0].rpc_sync<int64_t>(CallOptions{kNoTimeout}, "worker1", "sleep_ms", 300) == 300);
+  auto f = w[0].rpc_async(CallOptions{20ms}, "worker1", "sleep_ms", 200);
+  CHECK_THROWS_AS(f.wait(), TimeoutError);
+  // The late replies arrive and are dropped; the next call is unaffected.
+  std::this_thread::sleep_for(700ms);
+  CHECK(w[0].rpc_sync<int64_t>("worker1", "sleep_ms", 1) == 1);
+  CHECK(w[0].pending_calls() == 0);
+  w.shutdown();
+}
+
+TEST_CASE("agent: a nested call inherits its caller's remaining deadline") {
+  World w(3, define_common);
+  auto t0 = std::chrono::steady_clock::now();
+  // worker1 relays to worker2, which sleeps 3 s. The relay's own default is
+  // 20 s, but it inherits the 200 ms left of worker0's call.
+  try {
+    w[0].rpc_sync(CallOptions{200ms}, "worker1", "relay", std::string("worker2"),
+                  std::string("sleep_ms"), int64_t(3000));
+    FAIL("expected a timeout");
+  } catch (const TimeoutError&) {
+  }
+  auto took = std::chrono::steady_clock::now() - t0;
+  CHECK(took < 1000ms);
+  // worker1's relay itself gave up too: its failure reaches nobody, and it
+  // has nothing pending once its own deadline passed.
+  std::this_thread::sleep_for(300ms);
+  CHECK(w[1].pending_calls() == 0);
+  CHECK(w[0].rpc_sync<int64_t>("worker1", "relay", std::string("worker2"),
+                               std::string("sleep_ms"), int64_t(5)) == 5);
+  w.shutdown();
+}
+
+TEST_CASE("agent: a function returning a future frees its pool thread") {
+  // One pool thread on worker1: if relay_async blocked it, the 4 concurrent
+  // calls below would take 4 x 200 ms at least; chained, they overlap.
+  World w(3, define_common, [](AgentOptions& o) { o.num_worker_threads = o.rank == 1 ? 1 : 4; });
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<Future<int64_t>> fs;
+  for (int i = 0; i < 4; ++i) {
+    fs.push_back(w[0].rpc_async<int64_t>("worker1", "relay_async", std::string("worker2"), 200));
+  }
+  for (auto& f : fs) CHECK(f.wait() == 201);
+  CHECK(std::chrono::steady_clock::now() - t0 < 700ms);
+  w.shutdown();
+}
+
+TEST_CASE("agent: untyped functions see IValues") {
+  World w(2, [](Registry& r) {
+    r.def_ivalue("count", [](std::vector<c10::IValue>& args) {
+      return c10::IValue(static_cast<int64_t>(args.size()));
+    });
+    r.def_ivalue("later", [](std::vector<c10::IValue>& args) {
+      auto f = make_raw_future();
+      int64_t v = args.at(0).toInt();
+      std::thread([f, v] {
+        std::this_thread::sleep_for(20ms);
+        f->markCompleted(c10::IValue(v * 10));
+      }).detach();
+      return c10::IValue(f);
+    });
+  });
+  CHECK(w[0].call("worker1", "count", {1, 2.0, "x"}).wait().toInt() == 3);
+  CHECK(w[0].call("worker1", "later", {4}).wait().toInt() == 40);
+  std::this_thread::sleep_for(20ms);  // let the helper thread finish before the leak checks
+  w.shutdown();
+}
+
+TEST_CASE("agent: registry refuses duplicates and empty names") {
+  Registry r;
+  r.def("f", [](int64_t x) { return x; });
+  CHECK_THROWS_AS(r.def("f", [](int64_t x) { return x; }), std::invalid_argument);
+  CHECK_THROWS_AS(r.def("", [](int64_t x) { return x; }), std::invalid_argument);
+  CHECK(r.contains("f"));
+  CHECK_FALSE(r.contains("g"));
+}
+
+TEST_CASE("agent: many threads call concurrently") {
+  World w(3, define_common, [](AgentOptions& o) { o.num_worker_threads = 4; });
+  std::vector<std::thread> threads;
+  std::atomic<int> ok{0};
+  for (int t = 0; t < 6; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 50; ++i) {
+        int from = (t + i) % 3, to = (t + 2 * i + 1) % 3;
+        at::Tensor x = at::full_like(at::zeros({8}), t * 100 + i);
+        at::Tensor y = w[from].rpc_sync<at::Tensor>("worker" + std::to_string(to), "add", x, x);
+        if (at::equal(y, x * 2)) ++ok;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  CHECK(ok.load() == 300);
+  w.shutdown();
+}
+
+TEST_CASE("agent: graceful shutdown waits for calls in flight everywhere") {
+  LeakCheck leaks;
+  {
+    World w(3, define_common);
+    auto f = w[0].rpc_async<int64_t>("worker1", "sleep_ms", 300);
+    auto g = w[2].rpc_async<int64_t>("worker0", "sleep_ms", 200);
+    w.shutdown(true);  // all three at once
+    CHECK(f.wait() == 300);
+    CHECK(g.wait() == 200);
+  }
+  leaks.check();
+}
+
+TEST_CASE("agent: shutdown(false) fails what is pending, then refuses new calls") {
+  LeakCheck leaks;
+  {
+    World w(2, define_common);
+    auto f = w[0].rpc_async<int64_t>("worker1", "sleep_ms", 2000);
+    std::this_thread::sleep_for(50ms);
+    auto t0 = std::chrono::steady_clock::now();
+    w[0].shutdown(false);
+    CHECK_THROWS_AS(f.wait(), ShutdownError);
+    CHECK(std::chrono::steady_clock::now() - t0 < 1000ms);
+    CHECK_THROWS_AS(w[0].rpc_sync("worker1", "nothing"), ShutdownError);
+    // The callback of a future that fails at shutdown still runs, exactly once.
+    std::atomic<int> runs{0};
+    f.then([&](Future<int64_t>) { ++runs; }).wait();
+    CHECK(runs.load() == 1);
+    w.shutdown(false);
+  }
+  leaks.check();
+}
+
+TEST_CASE("agent: a peer that shuts down fails our calls with Disconnected at once") {
+  World w(2, define_common);
+  auto f = w[0].rpc_async<int64_t>("worker1", "sleep_ms", 1500);
+  std::this_thread::sleep_for(50ms);
+  auto t0 = std::chrono::steady_clock::now();
+  std::thread stopper([&] { w[1].shutdown(false); });
+  CHECK_THROWS_AS(f.wait(), DisconnectedError);
+  CHECK(std::chrono::steady_clock::now() - t0 < 1000ms);
+  stopper.join();
+  // Calling the stopped worker again: refused at connect, not at the timeout.
+  t0 = std::chrono::steady_clock::now();
+  CHECK_THROWS_AS(w[0].rpc_sync("worker1", "nothing"), DisconnectedError);
+  CHECK(std::chrono::steady_clock::now() - t0 < 1000ms);
+  w[0].shutdown(false);
+}
+
+TEST_CASE("agent: a dropped connection is reopened by the next call") {
+  World w(2, define_common);
+  CHECK(w[0].rpc_sync<int64_t>("worker1", "sleep_ms", 1) == 1);
+  w[0].drop_connection(1);
+  std::this_thread::sleep_for(50ms);
+  CHECK(w[0].rpc_sync<int64_t>("worker1", "sleep_ms", 2) == 2);
+  w.shutdown();
+}
+
+TEST_CASE("agent: bad options and worlds are refused clearly") {
+  auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", [] {
+    c10d::TCPStoreOptions o;
+    o.port = 0;
+    o.isServer = true;
+    o.timeout = std::chrono::seconds(2);
+    return o;
+  }());
+  auto reg = std::make_shared<Registry>();
+  AgentOptions o;
+  o.world_size = 2;
+  o.rank = 5;
+  CHECK_THROWS_WITH_AS(Agent::create(o, reg, store), doctest::Contains("rank 5"),
+                       std::invalid_argument);
+  o.rank = 0;
+  o.num_worker_threads = 0;
+  CHECK_THROWS_AS(Agent::create(o, reg, store), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(master_from_init_method("udp://x:1"), doctest::Contains("unsupported"),
+                       std::invalid_argument);
+  CHECK_THROWS_AS(master_from_init_method("tcp://host"), std::invalid_argument);
+  auto hp = master_from_init_method("tcp://10.0.0.1:2345");
+  CHECK(hp.first == "10.0.0.1");
+  CHECK(hp.second == 2345);
+  CHECK(master_from_init_method("tcp://[::1]:80").first == "::1");
+}
+
+TEST_CASE("agent: two workers with one name are refused") {
+  CHECK_THROWS_WITH(World(2, define_common, [](AgentOptions& o) { o.name = "same"; }),
+                    doctest::Contains("worker name 'same' is used by ranks 0 and 1"));
+}
+
+TEST_CASE("api: init from the environment, rpc to oneself, shutdown") {
+  LeakCheck leaks;
+  setenv("RANK", "0", 1);
+  setenv("WORLD_SIZE", "1", 1);
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  // A free port for the store.
+  {
+    c10d::TCPStoreOptions so;
+    so.port = 0;
+    so.isServer = true;
+    auto probe = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+    setenv("MASTER_PORT", std::to_string(probe->getPort()).c_str(), 1);
+  }
+  auto reg = std::make_shared<Registry>();
+  define_common(*reg);
+  CHECK_THROWS_AS(current_agent(), std::logic_error);
+  init(reg);
+  CHECK(is_initialized());
+  CHECK(get_worker_info().name == "worker0");
+  CHECK(rpc::rpc_sync<int64_t>("worker0", "sum_ints", std::vector<int64_t>{4, 5}) == 9);
+  CHECK(rpc::rpc_async<std::string>("worker0", "whoami").wait() == "worker0");
+  CHECK_THROWS_AS(init(reg), std::logic_error);
+  rpc::shutdown();
+  CHECK_FALSE(is_initialized());
+  unsetenv("RANK");
+  unsetenv("WORLD_SIZE");
+  unsetenv("MASTER_ADDR");
+  unsetenv("MASTER_PORT");
+  leaks.check();
+}

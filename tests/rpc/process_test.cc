@@ -1,0 +1,181 @@
+// Real worker processes: started by tandem-run, or spawned and killed by a test.
+// The same binary is the worker (see main.cc: TANDEM_TEST_WORKER selects it).
+#include "test_util.h"
+
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "rpc/api.h"
+#include "rpc/rendezvous.h"
+
+extern char** environ;
+
+using namespace tandem;
+using namespace tandem::rpc;
+using namespace std::chrono_literals;
+
+namespace tandem::test {
+
+int worker_main(const std::string& mode) {
+  try {
+    auto reg = std::make_shared<Registry>();
+    reg->def("add", [](at::Tensor a, at::Tensor b) { return a + b; });
+    reg->def("sleep_ms", [](int64_t ms) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      return ms;
+    });
+    reg->def("pid", []() { return static_cast<int64_t>(::getpid()); });
+    WorldEnv env = world_from_env();
+    if (const char* fail = std::getenv("TANDEM_TEST_FAIL_RANK")) {
+      if (std::atoi(fail) == env.rank) {
+        std::fprintf(stderr, "rank %d failing on purpose\n", env.rank);
+        return 3;
+      }
+    }
+    AgentOptions opts;
+    opts.init_timeout = 60s;
+    auto agent = init(reg, opts);
+    if (mode == "launch") {
+      // Every rank calls the next one; rank 0 reports.
+      int next = (agent->rank() + 1) % agent->world_size();
+      at::Tensor x = at::full_like(at::zeros({4}), agent->rank());
+      at::Tensor y = rpc::rpc_sync<at::Tensor>("worker" + std::to_string(next), "add", x, x);
+      bool ok = at::equal(y, x * 2);
+      std::printf("rank %d of %d (local %d) %s\n", agent->rank(), agent->world_size(),
+                  env.local_rank, ok ? "ok" : "WRONG");
+      std::fflush(stdout);
+      rpc::shutdown(true);
+      return ok ? 0 : 1;
+    }
+    // "serve": stay up until the others shut down (or we are killed).
+    rpc::shutdown(true);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "worker failed: %s\n", e.what());
+    return 2;
+  }
+}
+
+}  // namespace tandem::test
+
+namespace {
+
+struct RunResult {
+  int status = -1;
+  std::string output;
+};
+
+RunResult run_command(const std::string& cmd) {
+  RunResult r;
+  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  REQUIRE(p != nullptr);
+  char buf[4096];
+  while (size_t n = std::fread(buf, 1, sizeof(buf), p)) r.output.append(buf, n);
+  int st = ::pclose(p);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  return r;
+}
+
+pid_t spawn_worker(const std::vector<std::string>& env_extra) {
+  std::vector<std::string> env;
+  for (char** e = environ; *e; ++e) env.emplace_back(*e);
+  for (auto& kv : env_extra) env.push_back(kv);
+  std::vector<char*> envp;
+  for (auto& s : env) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::string exe = test::self_exe();
+  char* argv[] = {exe.data(), nullptr};
+  pid_t pid = -1;
+  REQUIRE(::posix_spawn(&pid, exe.c_str(), nullptr, nullptr, argv, envp.data()) == 0);
+  return pid;
+}
+
+}  // namespace
+
+TEST_CASE("process: tandem-run starts a world of real workers") {
+  RunResult r = run_command(std::string("TANDEM_TEST_WORKER=launch ") + TANDEM_RUN_PATH +
+                            " --nproc-per-node 3 " + test::self_exe());
+  INFO(r.output);
+  CHECK(r.status == 0);
+  for (int rank = 0; rank < 3; ++rank) {
+    CHECK(r.output.find("[" + std::to_string(rank) + "]: rank " + std::to_string(rank) +
+                        " of 3 (local " + std::to_string(rank) + ") ok") != std::string::npos);
+  }
+}
+
+TEST_CASE("process: tandem-run stops everyone when one worker fails") {
+  auto t0 = std::chrono::steady_clock::now();
+  RunResult r = run_command(std::string("TANDEM_TEST_WORKER=launch TANDEM_TEST_FAIL_RANK=1 ") +
+                            TANDEM_RUN_PATH + " --nproc-per-node 2 " + test::self_exe());
+  INFO(r.output);
+  CHECK(r.status == 3);
+  CHECK(r.output.find("[1]: rank 1 failing on purpose") != std::string::npos);
+  // Rank 0 was waiting for rank 1 at the rendezvous; it was stopped, not left to time out.
+  CHECK(std::chrono::steady_clock::now() - t0 < 20s);
+}
+
+TEST_CASE("process: a worker that dies fails calls to it within a second") {
+  test::LeakCheck leaks;
+  {
+    c10d::TCPStoreOptions so;
+    so.port = 0;
+    so.isServer = true;
+    so.timeout = 30s;
+    auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+    pid_t child = spawn_worker({"TANDEM_TEST_WORKER=serve", "RANK=1", "WORLD_SIZE=2",
+                                "MASTER_ADDR=127.0.0.1",
+                                "MASTER_PORT=" + std::to_string(store->getPort())});
+    AgentOptions o;
+    o.rank = 0;
+    o.world_size = 2;
+    o.rpc_timeout = 30s;
+    auto agent = Agent::create(o, std::make_shared<Registry>(), store);
+    CHECK(agent->rpc_sync<int64_t>("worker1", "pid") == child);
+    auto f = agent->rpc_async<int64_t>("worker1", "sleep_ms", 10000);
+    std::this_thread::sleep_for(100ms);
+    auto t0 = std::chrono::steady_clock::now();
+    ::kill(child, SIGKILL);
+    CHECK_THROWS_AS(f.wait(), DisconnectedError);
+    CHECK(std::chrono::steady_clock::now() - t0 < 1s);
+    t0 = std::chrono::steady_clock::now();
+    CHECK_THROWS_AS(agent->rpc_sync("worker1", "pid"), DisconnectedError);
+    CHECK(std::chrono::steady_clock::now() - t0 < 1s);
+    CHECK(agent->pending_calls() == 0);
+    agent->shutdown(false);
+    agent = nullptr;
+    store.reset();
+    ::waitpid(child, nullptr, 0);
+  }
+  leaks.check();
+}
+
+TEST_CASE("process: launcher variables from Slurm and Open MPI") {
+  setenv("SLURM_PROCID", "3", 1);
+  setenv("SLURM_NTASKS", "8", 1);
+  setenv("SLURM_LOCALID", "1", 1);
+  WorldEnv w = world_from_env();
+  CHECK(w.rank == 3);
+  CHECK(w.world_size == 8);
+  CHECK(w.local_rank == 1);
+  unsetenv("SLURM_PROCID");
+  unsetenv("SLURM_NTASKS");
+  unsetenv("SLURM_LOCALID");
+  setenv("OMPI_COMM_WORLD_RANK", "2", 1);
+  setenv("OMPI_COMM_WORLD_SIZE", "4", 1);
+  w = world_from_env();
+  CHECK(w.rank == 2);
+  CHECK(w.world_size == 4);
+  setenv("RANK", "1", 1);  // torchrun's variables win
+  CHECK(world_from_env().rank == 1);
+  unsetenv("RANK");
+  unsetenv("OMPI_COMM_WORLD_RANK");
+  unsetenv("OMPI_COMM_WORLD_SIZE");
+  setenv("RANK", "x1", 1);
+  CHECK_THROWS_WITH_AS(world_from_env(), doctest::Contains("RANK='x1'"), std::invalid_argument);
+  unsetenv("RANK");
+}

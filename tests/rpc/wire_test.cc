@@ -1,0 +1,370 @@
+// The frame codec on its own: round trips, chunked and direct reads, and every
+// kind of malformed frame the decoder must refuse.
+#include "test_util.h"
+
+#include <capnp/message.h>
+#include <capnp/serialize.h>
+
+#include <cstring>
+
+#include "rpc/wire.capnp.h"
+#include "rpc/wire.h"
+
+using namespace tandem::rpc;
+
+namespace {
+
+// Flattens an OutFrame into the bytes a socket would carry.
+std::string flatten(const OutFrame& f) {
+  std::string out(reinterpret_cast<const char*>(&f.preamble), kPreambleBytes);
+  auto env = f.envelope.asBytes();
+  out.append(reinterpret_cast<const char*>(env.begin()), env.size());
+  uint64_t offset = 0;
+  for (const auto& t : f.tensors) {
+    uint64_t pad = padding_before(offset);
+    out.append(pad, '\0');
+    out.append(static_cast<const char*>(t.data_ptr()), t.nbytes());
+    offset += pad + t.nbytes();
+  }
+  return out;
+}
+
+Message round_trip(const Message& m, size_t chunk = 0) {
+  std::string bytes = flatten(encode(m));
+  FrameDecoder dec{Limits{}};
+  if (chunk == 0) {
+    dec.feed(bytes.data(), bytes.size());
+  } else {
+    for (size_t i = 0; i < bytes.size(); i += chunk) {
+      dec.feed(bytes.data() + i, std::min(chunk, bytes.size() - i));
+    }
+  }
+  REQUIRE(dec.has_message());
+  Message out = dec.take();
+  CHECK_FALSE(dec.has_message());
+  CHECK(dec.idle());
+  return out;
+}
+
+// Builds a frame from a hand-made envelope and body, to break one rule at a time.
+std::string raw_frame(const std::function<void(schema::Envelope::Builder)>& fill,
+                      uint64_t body_bytes, std::string body = {}) {
+  capnp::MallocMessageBuilder b;
+  auto env = b.initRoot<schema::Envelope>();
+  env.setKind(schema::Kind::REQUEST);
+  env.setCallee("f");
+  fill(env);
+  auto words = capnp::messageToFlatArray(b);
+  Preamble p;
+  p.envelope_bytes = static_cast<uint32_t>(words.size() * sizeof(capnp::word));
+  p.body_bytes = body_bytes;
+  std::string out(reinterpret_cast<const char*>(&p), sizeof(p));
+  out.append(reinterpret_cast<const char*>(words.asBytes().begin()), words.asBytes().size());
+  return out + body;
+}
+
+void expect_protocol_error(const std::string& bytes, const std::string& needle,
+                           Limits limits = Limits{}) {
+  FrameDecoder dec(limits);
+  try {
+    dec.feed(bytes.data(), bytes.size());
+    FAIL("frame was accepted; expected: " << needle);
+  } catch (const ProtocolError& e) {
+    CHECK_MESSAGE(std::string(e.what()).find(needle) != std::string::npos, e.what());
+  }
+}
+
+}  // namespace
+
+TEST_CASE("wire: scalars, strings and containers round-trip with their types") {
+  Message m;
+  m.kind = MessageKind::kRequest;
+  m.id = 42;
+  m.callee = "f";
+  m.timeout_ms = 1500;
+  std::string with_nul("a\0b", 3);
+  c10::impl::GenericDict d(c10::StringType::get(), c10::IntType::get());
+  d.insert("x", 1);
+  d.insert("y", 2);
+  m.values = {c10::IValue(), true, int64_t(-7), 2.5, with_nul,
+              c10::IValue(std::vector<int64_t>{}), c10::IValue(std::vector<double>{1.5, 2.5}),
+              c10::ivalue::Tuple::create({int64_t(1), std::string("s")}), c10::IValue(d),
+              c10::Device(c10::kCPU)};
+  Message out = round_trip(m);
+  CHECK(out.id == 42);
+  CHECK(out.callee == "f");
+  CHECK(out.timeout_ms == 1500);
+  REQUIRE(out.values.size() == m.values.size());
+  CHECK(out.values[0].isNone());
+  CHECK(out.values[1].toBool());
+  CHECK(out.values[2].toInt() == -7);
+  CHECK(out.values[3].toDouble() == 2.5);
+  CHECK(out.values[4].toStringRef() == with_nul);
+  CHECK(out.values[5].isIntList());  // an empty List[int] stays a List[int]
+  CHECK(out.values[5].toIntList().empty());
+  CHECK((out.values[6].toDoubleVector() == std::vector<double>{1.5, 2.5}));
+  CHECK(out.values[7].toTupleRef().elements()[1].toStringRef() == "s");
+  auto dd = out.values[8].toGenericDict();
+  CHECK((*dd.keyType() == *c10::StringType::get()));
+  CHECK(dd.at("y").toInt() == 2);
+  CHECK(out.values[9].toDevice() == c10::Device(c10::kCPU));
+}
+
+TEST_CASE("wire: tensors of every dtype arrive equal, contiguous and 64-byte aligned") {
+  std::vector<at::Tensor> ts = {
+      at::randn({3, 5}),
+      at::arange(10, at::TensorOptions().dtype(at::kLong)),
+      at::randn({4}).to(at::kHalf),
+      at::randn({2, 2}).to(at::kBFloat16),
+      at::ones({7}, at::TensorOptions().dtype(at::kBool)),
+      at::zeros({0, 3}),
+      at::arange(24, at::TensorOptions().dtype(at::kByte)).reshape({2, 3, 4}).transpose(0, 2),
+      at::randn({3}).to(at::kComplexFloat)};
+  Message m;
+  m.kind = MessageKind::kResponse;
+  for (auto& t : ts) m.values.emplace_back(t);
+  OutFrame frame = encode(m);
+  uint64_t offset = 0;
+  for (auto& t : frame.tensors) {
+    offset += padding_before(offset);
+    CHECK(offset % kTensorAlignment == 0);
+    CHECK(t.is_contiguous());
+    offset += t.nbytes();
+  }
+  CHECK(frame.preamble.body_bytes == offset);
+  for (size_t chunk : {size_t(0), size_t(1), size_t(7), size_t(4096)}) {
+    Message out = round_trip(m, chunk);
+    REQUIRE(out.values.size() == ts.size());
+    for (size_t i = 0; i < ts.size(); ++i) {
+      const at::Tensor& got = out.values[i].toTensor();
+      CHECK((got.scalar_type() == ts[i].scalar_type()));
+      CHECK((got.sizes() == ts[i].sizes()));
+      CHECK(got.is_contiguous());
+      CHECK(at::equal(got, ts[i]));
+    }
+  }
+}
+
+TEST_CASE("wire: a tensor passed twice travels once and arrives as one tensor") {
+  at::Tensor t = at::randn({16});
+  Message m;
+  m.values = {t, t, c10::IValue(std::vector<at::Tensor>{t})};
+  OutFrame f = encode(m);
+  CHECK(f.tensors.size() == 1);
+  Message out = round_trip(m);
+  CHECK(out.values[0].toTensor().is_same(out.values[1].toTensor()));
+  CHECK(out.values[2].toTensorVector()[0].is_same(out.values[0].toTensor()));
+}
+
+TEST_CASE("wire: large tensors can be read straight into their storage") {
+  at::Tensor big = at::randn({1 << 18});  // 1 MiB
+  at::Tensor small = at::randn({5});
+  Message m;
+  m.values = {small, big};
+  std::string bytes = flatten(encode(m));
+  FrameDecoder dec{Limits{}};
+  size_t pos = 0;
+  size_t direct_bytes = 0;
+  while (pos < bytes.size()) {
+    auto [ptr, len] = dec.direct_target(16 << 10);
+    if (ptr) {
+      size_t n = std::min<size_t>(len, 100000);  // partial reads, like recv()
+      std::memcpy(ptr, bytes.data() + pos, n);
+      dec.direct_commit(n);
+      direct_bytes += n;
+      pos += n;
+    } else {
+      size_t n = std::min<size_t>(bytes.size() - pos, 3000);
+      dec.feed(bytes.data() + pos, n);
+      pos += n;
+    }
+  }
+  REQUIRE(dec.has_message());
+  Message out = dec.take();
+  CHECK(direct_bytes > big.nbytes() / 2);
+  CHECK(at::equal(out.values[0].toTensor(), small));
+  CHECK(at::equal(out.values[1].toTensor(), big));
+}
+
+TEST_CASE("wire: several frames in one read are all decoded") {
+  std::string bytes;
+  for (int i = 0; i < 5; ++i) {
+    Message m;
+    m.id = i;
+    m.values = {at::full_like(at::zeros({3}), i)};
+    bytes += flatten(encode(m));
+  }
+  FrameDecoder dec{Limits{}};
+  dec.feed(bytes.data(), bytes.size());
+  for (int i = 0; i < 5; ++i) {
+    REQUIRE(dec.has_message());
+    Message out = dec.take();
+    CHECK(out.id == static_cast<uint64_t>(i));
+    CHECK(out.values[0].toTensor()[2].item<float>() == i);
+  }
+}
+
+TEST_CASE("wire: errors and handshakes round-trip") {
+  Message e;
+  e.kind = MessageKind::kError;
+  e.id = 9;
+  e.error_code = ErrorCode::kUnknownFunction;
+  e.error_worker = "worker3";
+  e.error_message = "no such thing";
+  Message out = round_trip(e);
+  CHECK(out.kind == MessageKind::kError);
+  CHECK(out.error_code == ErrorCode::kUnknownFunction);
+  CHECK(out.error_worker == "worker3");
+  CHECK(out.error_message == "no such thing");
+  Message h;
+  h.kind = MessageKind::kHello;
+  h.hello_worker = "trainer";
+  h.hello_rank = 5;
+  h.hello_token = std::string("t\0k", 3);
+  out = round_trip(h);
+  CHECK(out.hello_worker == "trainer");
+  CHECK(out.hello_rank == 5);
+  CHECK(out.hello_token == h.hello_token);
+}
+
+TEST_CASE("wire: values that cannot travel are refused at the sender") {
+  Message m;
+  m.values = {c10::IValue(c10::complex<double>(1, 2))};
+  CHECK_THROWS_AS(encode(m), std::invalid_argument);
+  m.values = {at::randn({4}).to_sparse()};
+  CHECK_THROWS_AS(encode(m), std::invalid_argument);
+}
+
+TEST_CASE("wire: malformed frames are refused with a protocol error") {
+  SUBCASE("bad magic") {
+    std::string f = raw_frame([](auto) {}, 0);
+    f[0] = 'X';
+    expect_protocol_error(f, "bad magic");
+  }
+  SUBCASE("unsupported version") {
+    std::string f = raw_frame([](auto) {}, 0);
+    f[4] = 9;
+    expect_protocol_error(f, "wire version");
+  }
+  SUBCASE("envelope length not a whole number of words") {
+    Preamble p;
+    p.envelope_bytes = 13;
+    expect_protocol_error(std::string(reinterpret_cast<char*>(&p), sizeof(p)), "envelope length");
+  }
+  SUBCASE("envelope over the limit") {
+    Preamble p;
+    p.envelope_bytes = 1u << 30;
+    expect_protocol_error(std::string(reinterpret_cast<char*>(&p), sizeof(p)), "envelope length");
+  }
+  SUBCASE("body over the limit") {
+    Preamble p;
+    p.envelope_bytes = 64;
+    p.body_bytes = ~0ull;
+    expect_protocol_error(std::string(reinterpret_cast<char*>(&p), sizeof(p)), "exceeds the limit");
+  }
+  SUBCASE("unknown dtype") {
+    expect_protocol_error(raw_frame([](auto env) {
+      auto t = env.initTensors(1)[0];
+      t.setDtype(99);
+      t.setByteLength(0);
+    }, 0), "unknown dtype");
+  }
+  SUBCASE("quantized dtypes are not accepted from the wire") {
+    expect_protocol_error(raw_frame([](auto env) {
+      auto t = env.initTensors(1)[0];
+      t.setDtype(static_cast<int16_t>(c10::ScalarType::QInt8));
+    }, 0), "unknown dtype");
+  }
+  SUBCASE("byte length that does not match the shape") {
+    expect_protocol_error(raw_frame([](auto env) {
+      auto t = env.initTensors(1)[0];
+      t.setDtype(static_cast<int16_t>(c10::ScalarType::Float));
+      t.initSizes(1).set(0, 4);
+      t.initStrides(1).set(0, 1);
+      t.setByteLength(15);
+    }, 15, std::string(15, 'x')), "does not match");
+  }
+  SUBCASE("shape whose product overflows") {
+    expect_protocol_error(raw_frame([](auto env) {
+      auto t = env.initTensors(1)[0];
+      t.setDtype(static_cast<int16_t>(c10::ScalarType::Float));
+      auto s = t.initSizes(3);
+      s.set(0, int64_t(1) << 40);
+      s.set(1, int64_t(1) << 40);
+      s.set(2, 4);
+      auto st = t.initStrides(3);
+      st.set(0, int64_t(1) << 42);
+      st.set(1, 4);
+      st.set(2, 1);
+      t.setByteLength(16);
+    }, 16), "overflows");
+  }
+  SUBCASE("negative size") {
+    expect_protocol_error(raw_frame([](auto env) {
+      auto t = env.initTensors(1)[0];
+      t.setDtype(static_cast<int16_t>(c10::ScalarType::Float));
+      t.initSizes(1).set(0, -4);
+      t.initStrides(1).set(0, 1);
+    }, 0), "negative size");
+  }
+  SUBCASE("non-contiguous strides") {
+    expect_protocol_error(raw_frame([](auto env) {
+      auto t = env.initTensors(1)[0];
+      t.setDtype(static_cast<int16_t>(c10::ScalarType::Float));
+      auto s = t.initSizes(2);
+      s.set(0, 2);
+      s.set(1, 2);
+      auto st = t.initStrides(2);
+      st.set(0, 1);
+      st.set(1, 2);
+      t.setByteLength(16);
+    }, 16), "not contiguous");
+  }
+  SUBCASE("body length that disagrees with the tensors") {
+    expect_protocol_error(raw_frame([](auto env) {
+      auto t = env.initTensors(1)[0];
+      t.setDtype(static_cast<int16_t>(c10::ScalarType::Float));
+      t.initSizes(1).set(0, 4);
+      t.initStrides(1).set(0, 1);
+      t.setByteLength(16);
+    }, 64), "need 16");
+  }
+  SUBCASE("tensor index out of range") {
+    expect_protocol_error(raw_frame([](auto env) { env.initValues(1)[0].setTensor(3); }, 0),
+                          "out of range");
+  }
+  SUBCASE("unknown message kind") {
+    expect_protocol_error(
+        raw_frame([](auto env) { env.setKind(static_cast<schema::Kind>(77)); }, 0),
+        "unknown message kind");
+  }
+  SUBCASE("dict with more keys than values") {
+    expect_protocol_error(raw_frame([](auto env) {
+      auto d = env.initValues(1)[0].initDict();
+      d.initKeys(2)[0].setInt(1);
+      d.initValues(1);
+    }, 0), "keys");
+  }
+  SUBCASE("value tree nested past the capnp limit") {
+    expect_protocol_error(raw_frame([](auto env) {
+      auto v = env.initValues(1)[0];
+      for (int i = 0; i < 100; ++i) v = v.initTuple(1)[0];
+      v.setInt(1);
+    }, 0), "malformed envelope");
+  }
+  SUBCASE("envelope that makes the reader traverse too much") {
+    Limits tight;
+    tight.traversal_limit_words = 64;
+    expect_protocol_error(raw_frame([](auto env) {
+      auto l = env.initValues(1)[0].initList().initItems(200);
+      for (auto v : l) v.setInt(1);
+    }, 0), "malformed envelope", tight);
+  }
+  SUBCASE("garbage in place of an envelope") {
+    Preamble p;
+    p.envelope_bytes = 64;
+    std::string f(reinterpret_cast<char*>(&p), sizeof(p));
+    f.append(64, '\xff');
+    expect_protocol_error(f, "malformed envelope");
+  }
+}
