@@ -1,1 +1,295 @@
-int main() { return 0; }
+// rpc_bench: round-trip latency and bandwidth of Tandem's RPC, next to the
+// physical floor (two plain blocking TCP sockets doing the same ping-pong).
+//
+// Two processes on loopback, like ../shared/anchors/rpc_echo.py: this one is
+// the caller (rank 0); it starts itself again as the callee (rank 1). For each
+// size, the caller sends a float tensor of max(bytes/4, 1) elements to the
+// callee's registered "echo" and gets it back.
+//
+// Prints one JSON line per size and implementation:
+//   {"bench":"rpc_echo","impl":"tandem","bytes":N,"p50_us":..,"p99_us":..,"gbps":..}
+//   {"bench":"rpc_echo","impl":"raw_tcp","bytes":N,...}
+// gbps counts the bytes that crossed in both directions.
+//
+// Loopback latency on a small machine is bimodal: it depends on which cores
+// the scheduler gives the two processes. So the whole measurement is repeated
+// in --rounds fresh process pairs, Tandem and raw TCP alternating, and each
+// figure is the median over rounds.
+//
+// Usage: rpc_bench [--sizes 0,1024,1048576,16777216] [--rounds 5]
+#include <ATen/core/ivalue.h>
+#include <ATen/ops/zeros.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "rpc/api.h"
+
+extern char** environ;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using tandem::rpc::Agent;
+using tandem::rpc::AgentOptions;
+using tandem::rpc::Registry;
+
+int iterations_for(int64_t bytes) {
+  if (bytes <= 65536) return 2000;
+  if (bytes <= (1 << 20)) return 200;
+  return 40;
+}
+
+double percentile(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))];
+}
+
+// One round's figures for one size.
+struct Round {
+  double p50 = 0, p99 = 0, mean = 0;
+};
+
+Round summarize(const std::vector<double>& lat_s) {
+  Round r;
+  for (double s : lat_s) r.mean += s;
+  r.mean /= lat_s.size();
+  r.p50 = percentile(lat_s, 0.5);
+  r.p99 = percentile(lat_s, 0.99);
+  return r;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+void emit(const char* impl, int64_t bytes, const std::vector<Round>& rounds) {
+  std::vector<double> p50, p99, mean;
+  for (const auto& r : rounds) {
+    p50.push_back(r.p50);
+    p99.push_back(r.p99);
+    mean.push_back(r.mean);
+  }
+  std::printf(
+      "{\"bench\":\"rpc_echo\",\"impl\":\"%s\",\"bytes\":%lld,\"p50_us\":%.1f,\"p99_us\":%.1f,"
+      "\"gbps\":%.3f,\"rounds\":%zu}\n",
+      impl, static_cast<long long>(bytes), median(p50) * 1e6, median(p99) * 1e6,
+      2.0 * bytes / median(mean) / 1e9, rounds.size());
+  std::fflush(stdout);
+}
+
+pid_t spawn_self(const std::vector<std::string>& extra_env) {
+  std::vector<std::string> env;
+  for (char** e = environ; *e; ++e) env.emplace_back(*e);
+  env.insert(env.end(), extra_env.begin(), extra_env.end());
+  std::vector<char*> envp;
+  for (auto& s : env) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  char exe[4096];
+  ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  if (n <= 0) throw std::runtime_error("cannot find my own executable");
+  exe[n] = '\0';
+  char* argv[] = {exe, nullptr};
+  pid_t pid = -1;
+  if (::posix_spawn(&pid, exe, nullptr, nullptr, argv, envp.data()) != 0) {
+    throw std::runtime_error("cannot start the callee process");
+  }
+  return pid;
+}
+
+// ---- the raw TCP floor ----------------------------------------------------------
+
+bool io_all(int fd, void* buf, size_t n, bool writing) {
+  char* p = static_cast<char*>(buf);
+  while (n > 0) {
+    ssize_t k = writing ? ::send(fd, p, n, MSG_NOSIGNAL) : ::recv(fd, p, n, 0);
+    if (k <= 0) return false;
+    p += k;
+    n -= k;
+  }
+  return true;
+}
+
+void nodelay(int fd) {
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+// Callee side: echo length-prefixed messages until the peer closes.
+int raw_server(int port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) return 1;
+  nodelay(fd);
+  std::vector<char> buf;
+  uint64_t len = 0;
+  while (io_all(fd, &len, sizeof(len), false)) {
+    buf.resize(len);
+    if (!io_all(fd, buf.data(), len, false)) break;
+    if (!io_all(fd, &len, sizeof(len), true) || !io_all(fd, buf.data(), len, true)) break;
+  }
+  ::close(fd);
+  return 0;
+}
+
+std::vector<Round> raw_client(const std::vector<int64_t>& sizes) {
+  std::vector<Round> rounds;
+  int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  ::listen(lfd, 1);
+  socklen_t alen = sizeof(a);
+  ::getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &alen);
+  pid_t child = spawn_self({"TANDEM_BENCH_ROLE=raw", "TANDEM_BENCH_PORT=" + std::to_string(ntohs(a.sin_port))});
+  int fd = ::accept(lfd, nullptr, nullptr);
+  ::close(lfd);
+  nodelay(fd);
+  for (int64_t bytes : sizes) {
+    // Same payload as the RPC: a float tensor of max(bytes/4, 1) elements.
+    uint64_t n = std::max<int64_t>(bytes / 4, 1) * 4;
+    std::vector<char> out(n, 1), in(n);
+    int iters = iterations_for(bytes);
+    std::vector<double> lat;
+    for (int i = 0; i < iters + 10; ++i) {
+      auto t0 = Clock::now();
+      uint64_t len = n;
+      io_all(fd, &len, sizeof(len), true);
+      io_all(fd, out.data(), n, true);
+      io_all(fd, &len, sizeof(len), false);
+      io_all(fd, in.data(), len, false);
+      if (i >= 10) lat.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    rounds.push_back(summarize(lat));
+  }
+  ::close(fd);
+  ::waitpid(child, nullptr, 0);
+  return rounds;
+}
+
+// ---- Tandem RPC ------------------------------------------------------------------
+
+std::shared_ptr<Registry> registry() {
+  auto reg = std::make_shared<Registry>();
+  reg->def("echo", [](at::Tensor t) { return t; });
+  return reg;
+}
+
+AgentOptions options(int rank) {
+  AgentOptions o;
+  o.rank = rank;
+  o.world_size = 2;
+  o.num_worker_threads = 4;
+  return o;
+}
+
+int rpc_callee() {
+  auto agent = tandem::rpc::init(registry(), options(1));
+  tandem::rpc::shutdown(true);
+  return 0;
+}
+
+std::vector<Round> rpc_caller(const std::vector<int64_t>& sizes) {
+  std::vector<Round> out;
+  // Pick a free port for the store, then let both ranks meet there.
+  int port;
+  {
+    c10d::TCPStoreOptions so;
+    so.port = 0;
+    so.isServer = true;
+    port = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so)->getPort();
+  }
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  pid_t child = spawn_self({"TANDEM_BENCH_ROLE=rpc"});
+  auto agent = tandem::rpc::init(registry(), options(0));
+  for (int64_t bytes : sizes) {
+    at::Tensor t = at::zeros({std::max<int64_t>(bytes / 4, 1)});
+    int iters = iterations_for(bytes);
+    for (int i = 0; i < 10; ++i) agent->rpc_sync<at::Tensor>("worker1", "echo", t);
+    std::vector<double> lat;
+    lat.reserve(iters);
+    for (int i = 0; i < iters; ++i) {
+      auto t0 = Clock::now();
+      agent->rpc_sync<at::Tensor>("worker1", "echo", t);
+      lat.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    out.push_back(summarize(lat));
+  }
+  tandem::rpc::shutdown(true);
+  ::waitpid(child, nullptr, 0);
+  return out;
+}
+
+std::vector<int64_t> parse_sizes(const std::string& s) {
+  std::vector<int64_t> out;
+  std::stringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ',')) out.push_back(std::stoll(item));
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    if (const char* role = std::getenv("TANDEM_BENCH_ROLE")) {
+      unsetenv("TANDEM_BENCH_ROLE");
+      if (std::strcmp(role, "raw") == 0) return raw_server(std::atoi(std::getenv("TANDEM_BENCH_PORT")));
+      if (std::strcmp(role, "rpc") == 0) return rpc_callee();
+      return 2;
+    }
+    std::string sizes = "0,1024,1048576,16777216";
+    int rounds = 5;
+    for (int i = 1; i < argc; ++i) {
+      std::string a = argv[i];
+      if (a == "--sizes" && i + 1 < argc) {
+        sizes = argv[++i];
+      } else if (a == "--rounds" && i + 1 < argc) {
+        rounds = std::atoi(argv[++i]);
+      } else {
+        std::fprintf(stderr, "usage: rpc_bench [--sizes 0,1024,...] [--rounds N]\n");
+        return 2;
+      }
+    }
+    if (rounds < 1) {
+      std::fprintf(stderr, "rpc_bench: --rounds must be at least 1\n");
+      return 2;
+    }
+    auto list = parse_sizes(sizes);
+    std::vector<std::vector<Round>> ours(list.size()), raw(list.size());
+    for (int r = 0; r < rounds; ++r) {
+      auto a = rpc_caller(list);
+      auto b = raw_client(list);
+      for (size_t i = 0; i < list.size(); ++i) {
+        ours[i].push_back(a[i]);
+        raw[i].push_back(b[i]);
+      }
+    }
+    for (size_t i = 0; i < list.size(); ++i) emit("tandem", list[i], ours[i]);
+    for (size_t i = 0; i < list.size(); ++i) emit("raw_tcp", list[i], raw[i]);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rpc_bench: %s\n", e.what());
+    return 1;
+  }
+}

@@ -17,7 +17,7 @@ const char* error_code_name(ErrorCode code) {
 }
 
 RemoteError::RemoteError(std::string worker, std::string message)
-    : Error(ErrorCode::kRemote, "Error on worker " + worker + ": " + message),
+    : Error(ErrorCode::kRemote, "Error on " + worker + ": " + message),
       worker_(std::move(worker)),
       remote_message_(std::move(message)) {}
 

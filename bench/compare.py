@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""Side-by-side table of Tandem's benchmark results and PyTorch's.
+
+Reads JSON lines (as printed by build/bin/rpc_bench and ../shared/anchors/*.py)
+from the files given, or stdin; lines that are not JSON objects are ignored.
+Lines are grouped by `bench` and their size key (`bytes`, `hops` or `world`,
+possibly absent). For each metric of the tandem line it prints the tandem,
+PyTorch and raw_tcp values and the ratios tandem/pytorch and tandem/raw_tcp.
+Where PyTorch reports several paths (rpc_echo: python, builtin) the better one
+is used: lowest time, highest gbps; its path is shown.
+
+Usage: compare.py [--markdown] [FILE ...]
+"""
+import json
+import sys
+
+SIZE_KEYS = ("bytes", "hops", "world")
+METRICS = ("p50_us", "p99_us", "gbps", "ms", "local_ms", "record_us_per_rpc",
+           "init_ms", "all_to_all_ms", "shutdown_ms")
+HIGHER_IS_BETTER = {"gbps"}
+HEADER = ("bench", "size", "metric", "tandem", "pytorch", "path", "raw_tcp",
+          "tandem/pytorch", "tandem/raw_tcp")
+LEFT = {"bench", "size", "metric", "path"}  # text columns; the rest align right
+
+
+def read_records(streams):
+    for stream in streams:
+        for line in stream:
+            line = line.strip()
+            if not line.startswith("{"):
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and "bench" in rec and "impl" in rec:
+                yield rec
+
+
+def size_of(rec):
+    for key in SIZE_KEYS:
+        if key in rec:
+            return key, rec[key]
+    return None, None
+
+
+def fmt_size(key, value):
+    if key is None:
+        return "-"
+    if key == "bytes":
+        n = int(value)
+        for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+            if n >= scale and n % scale == 0:
+                return f"{n // scale} {unit}"
+        return f"{n} B"
+    return f"{key}={value}"
+
+
+def fmt_num(v):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}".rstrip("0").rstrip(".")
+    return str(v)
+
+
+def ratio(a, b):
+    if a is None or b is None or not isinstance(a, (int, float)) or not b:
+        return "-"
+    return f"{a / b:.2f}"
+
+
+def best(recs, metric):
+    """The record with the best value of metric, or None."""
+    have = [r for r in recs if isinstance(r.get(metric), (int, float))]
+    if not have:
+        return None
+    pick = max if metric in HIGHER_IS_BETTER else min
+    return pick(have, key=lambda r: r[metric])
+
+
+def build_rows(records):
+    groups = {}  # (bench, size key, size value) -> {impl: [records]}; insertion-ordered
+    for rec in records:
+        key, value = size_of(rec)
+        g = groups.setdefault((rec["bench"], key, value), {})
+        g.setdefault(rec["impl"], []).append(rec)
+
+    rows = []
+    for (bench, key, value), by_impl in groups.items():
+        tandem = by_impl.get("tandem", [])
+        # Rows follow the tandem line's metrics; with no tandem line, show what others have.
+        source = tandem or [r for recs in by_impl.values() for r in recs]
+        metrics = [m for m in METRICS if any(m in r for r in source)]
+        first = True
+        for m in metrics:
+            t, p, raw = (best(by_impl.get(i, []), m) for i in ("tandem", "pytorch", "raw_tcp"))
+            tv, pv, rv = (r[m] if r else None for r in (t, p, raw))
+            # Name the PyTorch path only when it alone gave the best value.
+            ties = [r for r in by_impl.get("pytorch", []) if p and r.get(m) == pv]
+            path = p.get("path", "-") if p and len(ties) == 1 else "-"
+            rows.append((bench if first else "", fmt_size(key, value) if first else "", m,
+                         fmt_num(tv), fmt_num(pv), path,
+                         fmt_num(rv), ratio(tv, pv), ratio(tv, rv)))
+            first = False
+    return rows
+
+
+def print_text(rows):
+    widths = [max(len(r[i]) for r in [HEADER] + rows) for i in range(len(HEADER))]
+
+    def line(r):
+        cells = (c.ljust(w) if h in LEFT else c.rjust(w) for c, w, h in zip(r, widths, HEADER))
+        return "  ".join(cells).rstrip()
+
+    print(line(HEADER))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print(line(r))
+
+
+def print_markdown(rows):
+    print("| " + " | ".join(HEADER) + " |")
+    print("|" + "|".join("---" if h in LEFT else "---:" for h in HEADER) + "|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
+def main(argv):
+    markdown = "--markdown" in argv
+    files = [a for a in argv if a != "--markdown"]
+    if any(a in ("-h", "--help") for a in files):
+        print(__doc__.strip())
+        return 0
+    streams = []
+    try:
+        for f in files:
+            streams.append(sys.stdin if f == "-" else open(f, encoding="utf-8", errors="replace"))
+        rows = build_rows(read_records(streams or [sys.stdin]))
+    except OSError as e:
+        print(f"compare.py: {e}", file=sys.stderr)
+        return 2
+    finally:
+        for s in streams:
+            if s is not sys.stdin:
+                s.close()
+    if not rows:
+        print("compare.py: no benchmark lines found", file=sys.stderr)
+        return 1
+    (print_markdown if markdown else print_text)(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
