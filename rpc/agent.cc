@@ -88,6 +88,10 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
   std::string master_host;
   if (!store) {
     auto [host, port] = master_from_init_method(options_.init_method);
+    if (port == 0 && world > 1) {
+      throw std::invalid_argument("init_method '" + options_.init_method +
+                                  "': port 0 only works for a world of one worker");
+    }
     master_host = host;
     store = make_store(host, port, rank_, world, options_.init_timeout);
     owns_store_ = true;

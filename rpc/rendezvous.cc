@@ -73,7 +73,7 @@ std::pair<std::string, int> master_from_init_method(const std::string& init_meth
   }
   char* end = nullptr;
   long port = std::strtol(rest.c_str() + colon + 1, &end, 10);
-  if (*end != '\0' || port <= 0 || port > 65535) {
+  if (*end != '\0' || port < 0 || port > 65535) {
     throw std::invalid_argument("init_method '" + init_method + "' has a bad port");
   }
   return {host, static_cast<int>(port)};

@@ -1,0 +1,17 @@
+# ctest "install": install the build tree into a scratch prefix, build an
+# outside project against it with find_package(Tandem), and run it.
+# Called with -DBUILD_DIR=... -DSOURCE_DIR=...
+set(work ${BUILD_DIR}/install-check)
+file(REMOVE_RECURSE ${work})
+function(run)
+  execute_process(COMMAND ${ARGV} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "failed (${rc}): ${ARGV}\n${out}")
+  endif()
+  message(STATUS "${out}")
+endfunction()
+run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${work}/prefix)
+run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/install -B ${work}/build -G Ninja
+    -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=${work}/prefix)
+run(${CMAKE_COMMAND} --build ${work}/build)
+run(${work}/build/consumer)
