@@ -81,6 +81,7 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
     throw std::invalid_argument("num_worker_threads must be at least 1");
   }
   if (options_.rpc_timeout.count() < 0) throw std::invalid_argument("rpc_timeout must be >= 0");
+  if (options_.sync_spin.count() < 0) throw std::invalid_argument("sync_spin must be >= 0");
   if (options_.token.empty()) {
     if (const char* t = std::getenv("TANDEM_TOKEN")) options_.token = t;
   }
@@ -169,6 +170,21 @@ const WorkerInfo& Agent::get_worker_info(int rank) const {
     throw std::invalid_argument("unknown worker rank " + std::to_string(rank));
   }
   return workers_[rank];
+}
+
+void Agent::spin_until_done(const RawFuture& f) const {
+  // A blocked caller is woken by the loop thread when its reply lands. On an
+  // idle core that wake-up costs more than a whole loopback round trip, so
+  // keep the core busy for a short while first (see AgentOptions::sync_spin).
+  if (options_.sync_spin.count() <= 0) return;
+  auto until = Clock::now() + options_.sync_spin;
+  while (!f->completed() && Clock::now() < until) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
 }
 
 Future<c10::IValue> Agent::call(const std::string& to, const std::string& fn,
