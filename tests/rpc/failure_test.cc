@@ -4,19 +4,18 @@
 #include "test_util.h"
 
 #include <arpa/inet.h>
-#include <capnp/message.h>
-#include <capnp/serialize.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "rpc/wire.capnp.h"
-#include "rpc/wire.h"
+#include "rpc/frames.h"
 
 using namespace tandem;
 using namespace tandem::rpc;
 using namespace std::chrono_literals;
+using test::frame_bytes;
+using test::raw_frame;
 
 namespace {
 
@@ -54,19 +53,6 @@ bool closed_by_peer(int fd, std::chrono::milliseconds wait) {
   return false;
 }
 
-std::string frame_bytes(const OutFrame& f) {
-  std::string out(reinterpret_cast<const char*>(&f.preamble), kPreambleBytes);
-  out.append(reinterpret_cast<const char*>(f.envelope.asBytes().begin()), f.envelope.asBytes().size());
-  uint64_t offset = 0;
-  for (auto& t : f.tensors) {
-    out.append(padding_before(offset), '\0');
-    offset += padding_before(offset);
-    out.append(static_cast<const char*>(t.data_ptr()), t.nbytes());
-    offset += t.nbytes();
-  }
-  return out;
-}
-
 std::string hello(const std::string& worker, int rank, const std::string& token = "") {
   Message h;
   h.kind = MessageKind::kHello;
@@ -74,22 +60,6 @@ std::string hello(const std::string& worker, int rank, const std::string& token 
   h.hello_rank = rank;
   h.hello_token = token;
   return frame_bytes(encode(h));
-}
-
-std::string raw_frame(const std::function<void(schema::Envelope::Builder)>& fill,
-                      uint64_t body_bytes) {
-  capnp::MallocMessageBuilder b;
-  auto env = b.initRoot<schema::Envelope>();
-  env.setKind(schema::Kind::REQUEST);
-  env.setCallee("echo");
-  fill(env);
-  auto words = capnp::messageToFlatArray(b);
-  Preamble p;
-  p.envelope_bytes = static_cast<uint32_t>(words.size() * sizeof(capnp::word));
-  p.body_bytes = body_bytes;
-  std::string out(reinterpret_cast<const char*>(&p), sizeof(p));
-  out.append(reinterpret_cast<const char*>(words.asBytes().begin()), words.asBytes().size());
-  return out;
 }
 
 }  // namespace

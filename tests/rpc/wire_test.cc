@@ -2,35 +2,18 @@
 // kind of malformed frame the decoder must refuse.
 #include "test_util.h"
 
-#include <capnp/message.h>
-#include <capnp/serialize.h>
 
 #include <cstring>
 
-#include "rpc/wire.capnp.h"
-#include "rpc/wire.h"
+#include "rpc/frames.h"
 
 using namespace tandem::rpc;
+using tandem::test::raw_frame;
 
 namespace {
 
-// Flattens an OutFrame into the bytes a socket would carry.
-std::string flatten(const OutFrame& f) {
-  std::string out(reinterpret_cast<const char*>(&f.preamble), kPreambleBytes);
-  auto env = f.envelope.asBytes();
-  out.append(reinterpret_cast<const char*>(env.begin()), env.size());
-  uint64_t offset = 0;
-  for (const auto& t : f.tensors) {
-    uint64_t pad = padding_before(offset);
-    out.append(pad, '\0');
-    out.append(static_cast<const char*>(t.data_ptr()), t.nbytes());
-    offset += pad + t.nbytes();
-  }
-  return out;
-}
-
 Message round_trip(const Message& m, size_t chunk = 0) {
-  std::string bytes = flatten(encode(m));
+  std::string bytes = tandem::test::frame_bytes(encode(m));
   FrameDecoder dec{Limits{}};
   if (chunk == 0) {
     dec.feed(bytes.data(), bytes.size());
@@ -44,23 +27,6 @@ Message round_trip(const Message& m, size_t chunk = 0) {
   CHECK_FALSE(dec.has_message());
   CHECK(dec.idle());
   return out;
-}
-
-// Builds a frame from a hand-made envelope and body, to break one rule at a time.
-std::string raw_frame(const std::function<void(schema::Envelope::Builder)>& fill,
-                      uint64_t body_bytes, std::string body = {}) {
-  capnp::MallocMessageBuilder b;
-  auto env = b.initRoot<schema::Envelope>();
-  env.setKind(schema::Kind::REQUEST);
-  env.setCallee("f");
-  fill(env);
-  auto words = capnp::messageToFlatArray(b);
-  Preamble p;
-  p.envelope_bytes = static_cast<uint32_t>(words.size() * sizeof(capnp::word));
-  p.body_bytes = body_bytes;
-  std::string out(reinterpret_cast<const char*>(&p), sizeof(p));
-  out.append(reinterpret_cast<const char*>(words.asBytes().begin()), words.asBytes().size());
-  return out + body;
 }
 
 void expect_protocol_error(const std::string& bytes, const std::string& needle,
@@ -161,7 +127,7 @@ TEST_CASE("wire: large tensors can be read straight into their storage") {
   at::Tensor small = at::randn({5});
   Message m;
   m.values = {small, big};
-  std::string bytes = flatten(encode(m));
+  std::string bytes = tandem::test::frame_bytes(encode(m));
   FrameDecoder dec{Limits{}};
   size_t pos = 0;
   size_t direct_bytes = 0;
@@ -192,7 +158,7 @@ TEST_CASE("wire: several frames in one read are all decoded") {
     Message m;
     m.id = i;
     m.values = {at::full_like(at::zeros({3}), i)};
-    bytes += flatten(encode(m));
+    bytes += tandem::test::frame_bytes(encode(m));
   }
   FrameDecoder dec{Limits{}};
   dec.feed(bytes.data(), bytes.size());
