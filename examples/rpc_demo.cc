@@ -43,7 +43,7 @@ int main() {
     auto registry = std::make_shared<rpc::Registry>();
     at::Tensor shard;  // this worker's rows, filled once we know our rank
     registry->def("lookup", [&shard](std::vector<int64_t> rows) {
-      const int64_t world = rpc::current_agent().world_size();
+      const int64_t world = rpc::current_agent()->world_size();
       std::vector<int64_t> local;
       for (int64_t r : rows) local.push_back(r / world);
       return at::index_select(shard, 0, at::tensor(local));

@@ -11,6 +11,8 @@ namespace tandem::rpc {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+// Longer timeouts are treated as this (and cannot overflow the clock).
+constexpr std::chrono::milliseconds kMaxTimeout{365ll * 24 * 3600 * 1000};
 
 // What a handler running on this thread inherited from its request.
 struct HandlerScope {
@@ -151,7 +153,14 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
   set_ready();
 }
 
-Agent::~Agent() { shutdown(false); }
+Agent::~Agent() {
+  try {
+    shutdown(false);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tandem[%s]: shutdown in destructor failed: %s\n", self_name_.c_str(),
+                 e.what());
+  }
+}
 
 void Agent::set_ready() {
   std::lock_guard<std::mutex> lock(ready_mu_);
@@ -189,19 +198,18 @@ void Agent::spin_until_done(const RawFuture& f) const {
 
 Future<c10::IValue> Agent::call(const std::string& to, const std::string& fn,
                                 std::vector<c10::IValue> args, std::chrono::milliseconds timeout) {
-  return Future<c10::IValue>(start_call(to, fn, std::move(args), timeout, /*sync=*/false), pool_);
+  return Future<c10::IValue>(start_call(to, fn, std::move(args), timeout), pool_);
 }
 
 RawFuture Agent::start_call(const std::string& to, const std::string& fn,
-                            std::vector<c10::IValue> args, std::chrono::milliseconds timeout,
-                            bool sync) {
+                            std::vector<c10::IValue> args, std::chrono::milliseconds timeout) {
   RawFuture fut = make_raw_future();
   const WorkerInfo& dest = get_worker_info(to);
   if (timeout.count() < 0) timeout = options_.rpc_timeout;
+  timeout = std::min(timeout, kMaxTimeout);
   Pending p;
   p.future = fut;
   p.peer = dest.rank;
-  p.sync = sync;
   p.callee = fn;
   auto now = Clock::now();
   if (timeout.count() > 0) {
@@ -223,7 +231,7 @@ RawFuture Agent::start_call(const std::string& to, const std::string& fn,
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(p.deadline - now).count();
     req.timeout_ms = static_cast<uint64_t>(std::max<int64_t>(left, 1));
   }
-  OutFrame frame = encode(req);  // bad arguments throw here, in the caller
+  OutFrame frame = encode(req, options_.limits);  // bad arguments throw here, in the caller
 
   auto fail_now = [&](std::exception_ptr e) {
     fut->setError(e);
@@ -264,6 +272,10 @@ RawFuture Agent::start_call(const std::string& to, const std::string& fn,
   } catch (const Error& e) {
     // The connection broke under us; on_closed may already have failed the
     // call, in which case this finds nothing to complete.
+    {
+      std::lock_guard<std::mutex> lock(conn_mu_);
+      if (peers_[dest.rank] == conn) peers_[dest.rank] = nullptr;
+    }
     auto eptr = std::make_exception_ptr(
         DisconnectedError("cannot send '" + fn + "' to " + to + ": " + e.what()));
     complete(req.id, [&](Pending& q) { finish(std::move(q), {}, eptr); }, 0);
@@ -272,31 +284,30 @@ RawFuture Agent::start_call(const std::string& to, const std::string& fn,
 }
 
 std::shared_ptr<Connection> Agent::connection_to(int rank, std::chrono::milliseconds timeout) {
-  {
+  auto cached = [&]() -> std::shared_ptr<Connection> {
     std::lock_guard<std::mutex> lock(conn_mu_);
-    if (peers_[rank]) return peers_[rank];
-  }
+    auto& c = peers_[rank];
+    if (c && c->closed()) c = nullptr;  // on_closed may not have run yet
+    return c;
+  };
+  if (auto c = cached()) return c;
   std::lock_guard<std::mutex> serial(*connect_mu_[rank]);
-  {
-    std::lock_guard<std::mutex> lock(conn_mu_);
-    if (peers_[rank]) return peers_[rank];
-  }
+  if (auto c = cached()) return c;
   const WorkerInfo& w = workers_[rank];
   std::shared_ptr<Connection> conn;
   try {
-    conn = transport_->connect(w.host, w.port, timeout);
+    conn = transport_->connect(w.host, w.port, timeout, rank);
   } catch (const DisconnectedError& e) {
     throw DisconnectedError("worker " + w.name + " is unreachable: " + e.what());
   }
-  conn->peer_rank = rank;
   Message hello;
   hello.kind = MessageKind::kHello;
   hello.hello_worker = name();
   hello.hello_rank = rank_;
   hello.hello_token = options_.token;
-  conn->send(encode(hello));
+  conn->send(encode(hello, options_.limits));
   std::lock_guard<std::mutex> lock(conn_mu_);
-  if (!peers_[rank]) peers_[rank] = conn;
+  if (!peers_[rank] && !conn->closed()) peers_[rank] = conn;
   return conn;
 }
 
@@ -382,17 +393,13 @@ void Agent::complete(uint64_t id, const std::function<void(Pending&)>& fill, uin
 }
 
 void Agent::finish(Pending&& p, c10::IValue value, std::exception_ptr error) {
-  auto run = [fut = std::move(p.future), value = std::move(value), error]() mutable {
-    if (error) {
-      fut->setError(error);
-    } else {
-      fut->markCompleted(std::move(value));
-    }
-  };
-  if (p.sync) {
-    run();  // only the blocked caller waits on it: no user callback can run here
+  // Completed right here (loop, timer or caller thread): Future::then() moves
+  // user callbacks to the pool, so nothing but bounded work runs inline, and a
+  // pool thread blocked in wait() is woken without needing a pool thread.
+  if (error) {
+    p.future->setError(error);
   } else {
-    pool_->post(std::move(run));
+    p.future->markCompleted(std::move(value));
   }
 }
 
@@ -440,7 +447,9 @@ void Agent::handle_request(const std::shared_ptr<Connection>& conn, Message msg)
   scope.agent = this;
   if (msg.timeout_ms > 0) {
     scope.has_deadline = true;
-    scope.deadline = Clock::now() + std::chrono::milliseconds(msg.timeout_ms);
+    scope.deadline = Clock::now() + std::min(std::chrono::milliseconds(std::min<uint64_t>(
+                                                 msg.timeout_ms, kMaxTimeout.count())),
+                                             kMaxTimeout);
   }
   ScopeGuard guard(scope);
   RawFuture result;
@@ -449,9 +458,13 @@ void Agent::handle_request(const std::shared_ptr<Connection>& conn, Message msg)
     if (r.future) {
       // Asynchronous: this pool thread is free now; reply when it completes.
       uint64_t id = msg.id;
-      r.future->addCallback([this, conn, id](c10::ivalue::Future& f) {
-        RawFuture done = c10::intrusive_ptr<c10::ivalue::Future>::reclaim_copy(&f);
-        reply(conn, id, done);
+      std::weak_ptr<Agent> weak = weak_from_this();
+      r.future->addCallback([weak, conn, id](c10::ivalue::Future& f) {
+        // The future may complete after this agent is gone: then nobody is
+        // left to answer, and the caller has failed the call already.
+        if (auto self = weak.lock()) {
+          self->reply(conn, id, c10::intrusive_ptr<c10::ivalue::Future>::reclaim_copy(&f));
+        }
       });
       return;
     }
@@ -477,7 +490,7 @@ void Agent::reply(const std::shared_ptr<Connection>& conn, uint64_t id, const Ra
   m.values.push_back(result->constValue());
   OutFrame frame;
   try {
-    frame = encode(m);
+    frame = encode(m, options_.limits);
   } catch (const std::exception& e) {
     send_error(conn, id, ErrorCode::kRemote, std::string("cannot send the result: ") + e.what());
     return;
@@ -498,7 +511,7 @@ void Agent::send_error(const std::shared_ptr<Connection>& conn, uint64_t id, Err
   m.error_worker = name();
   m.error_message = message;
   try {
-    conn->send(encode(m));
+    conn->send(encode(m, options_.limits));
   } catch (const Error&) {
   }
 }

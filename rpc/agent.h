@@ -83,7 +83,7 @@ struct CallOptions {
   std::chrono::milliseconds timeout = kDefaultTimeout;
 };
 
-class Agent {
+class Agent : public std::enable_shared_from_this<Agent> {
  public:
   // Starts an agent and meets the other workers. With `store` null, the store
   // comes from options.init_method (rank 0 hosts it).
@@ -126,7 +126,7 @@ class Agent {
   template <class R = c10::IValue, class... A>
   R rpc_sync(const CallOptions& opts, const std::string& to, const std::string& fn,
              A&&... args) {
-    RawFuture raw = start_call(to, fn, pack(std::forward<A>(args)...), opts.timeout, /*sync=*/true);
+    RawFuture raw = start_call(to, fn, pack(std::forward<A>(args)...), opts.timeout);
     spin_until_done(raw);
     return Future<R>(std::move(raw), pool_).wait();
   }
@@ -160,14 +160,13 @@ class Agent {
     RawFuture future;
     int peer = -1;
     uint64_t conn_id = 0;
-    bool sync = false;  // nobody else can see the future: complete it on the loop thread
     std::string callee;
     std::chrono::steady_clock::time_point deadline;
     bool has_deadline = false;
   };
 
   RawFuture start_call(const std::string& to, const std::string& fn,
-                       std::vector<c10::IValue> args, std::chrono::milliseconds timeout, bool sync);
+                       std::vector<c10::IValue> args, std::chrono::milliseconds timeout);
   std::shared_ptr<Connection> connection_to(int rank, std::chrono::milliseconds timeout);
   void on_message(const std::shared_ptr<Connection>& conn, Message&& msg);
   void on_closed(const std::shared_ptr<Connection>& conn, const std::string& reason);

@@ -15,11 +15,11 @@ std::shared_ptr<Agent> init(std::shared_ptr<Registry> registry, AgentOptions opt
   return g_agent;
 }
 
-Agent& current_agent() {
-  if (Agent* a = handler_agent()) return *a;
+std::shared_ptr<Agent> current_agent() {
+  if (Agent* a = handler_agent()) return a->shared_from_this();
   std::lock_guard<std::mutex> lock(g_mu);
   if (!g_agent) throw std::logic_error("tandem::rpc: no agent; call tandem::rpc::init() first");
-  return *g_agent;
+  return g_agent;
 }
 
 bool is_initialized() {
@@ -31,6 +31,9 @@ void shutdown(bool graceful) {
   std::shared_ptr<Agent> agent;
   {
     std::lock_guard<std::mutex> lock(g_mu);
+    if (handler_agent() || (g_agent && g_agent->pool()->in_pool())) {
+      throw std::logic_error("tandem::rpc::shutdown() cannot run inside a handler or callback");
+    }
     agent = std::move(g_agent);
   }
   if (agent) agent->shutdown(graceful);

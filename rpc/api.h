@@ -16,33 +16,34 @@
 namespace tandem::rpc {
 
 std::shared_ptr<Agent> init(std::shared_ptr<Registry> registry, AgentOptions options = {});
-// Throws std::logic_error when no agent was started.
-Agent& current_agent();
+// Throws std::logic_error when no agent was started. The pointer keeps the
+// agent alive for as long as it is held, even across a concurrent shutdown().
+std::shared_ptr<Agent> current_agent();
 bool is_initialized();
 void shutdown(bool graceful = true);
 
-inline WorkerInfo get_worker_info() { return current_agent().info(); }
+inline WorkerInfo get_worker_info() { return current_agent()->info(); }
 inline WorkerInfo get_worker_info(const std::string& name) {
-  return current_agent().get_worker_info(name);
+  return current_agent()->get_worker_info(name);
 }
-inline std::vector<WorkerInfo> get_worker_infos() { return current_agent().get_worker_infos(); }
+inline std::vector<WorkerInfo> get_worker_infos() { return current_agent()->get_worker_infos(); }
 
 template <class R = c10::IValue, class... A>
 R rpc_sync(const std::string& to, const std::string& fn, A&&... args) {
-  return current_agent().rpc_sync<R>(to, fn, std::forward<A>(args)...);
+  return current_agent()->rpc_sync<R>(to, fn, std::forward<A>(args)...);
 }
 template <class R = c10::IValue, class... A>
 R rpc_sync(const CallOptions& opts, const std::string& to, const std::string& fn, A&&... args) {
-  return current_agent().rpc_sync<R>(opts, to, fn, std::forward<A>(args)...);
+  return current_agent()->rpc_sync<R>(opts, to, fn, std::forward<A>(args)...);
 }
 template <class R = c10::IValue, class... A>
 Future<R> rpc_async(const std::string& to, const std::string& fn, A&&... args) {
-  return current_agent().rpc_async<R>(to, fn, std::forward<A>(args)...);
+  return current_agent()->rpc_async<R>(to, fn, std::forward<A>(args)...);
 }
 template <class R = c10::IValue, class... A>
 Future<R> rpc_async(const CallOptions& opts, const std::string& to, const std::string& fn,
                     A&&... args) {
-  return current_agent().rpc_async<R>(opts, to, fn, std::forward<A>(args)...);
+  return current_agent()->rpc_async<R>(opts, to, fn, std::forward<A>(args)...);
 }
 
 }  // namespace tandem::rpc

@@ -16,6 +16,7 @@
 //     throws DisconnectedError.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -32,9 +33,12 @@ class Connection {
   virtual void close(const std::string& reason) = 0;
   virtual uint64_t id() const = 0;
   virtual std::string peer_address() const = 0;
+  // True once the connection is closed or closing: send() would throw.
+  virtual bool closed() = 0;
 
-  // Filled in by the agent once the peer said who it is.
-  int peer_rank = -1;
+  // The rank at the other end: set by the agent before it sends on an
+  // outgoing connection, or once the peer's handshake is accepted.
+  std::atomic<int> peer_rank{-1};
 };
 
 using ConnectionPtr = std::shared_ptr<Connection>;
@@ -52,8 +56,9 @@ class Transport {
   virtual ~Transport() = default;
   // Returns the bound port (useful with port 0).
   virtual int listen(const std::string& host, int port) = 0;
+  // `peer_rank` is stored on the connection before the loop can see it.
   virtual ConnectionPtr connect(const std::string& host, int port,
-                                std::chrono::milliseconds timeout) = 0;
+                                std::chrono::milliseconds timeout, int peer_rank = -1) = 0;
   virtual void close() = 0;
 };
 

@@ -9,6 +9,7 @@
 #include <kj/exception.h>
 
 #include <cstring>
+#include <limits>
 #include <unordered_map>
 
 #include "rpc/wire.capnp.h"
@@ -75,7 +76,11 @@ class Encoder {
     }
   }
 
-  void value(schema::Value::Builder b, const c10::IValue& v) {
+  void value(schema::Value::Builder b, const c10::IValue& v, int depth = 0) {
+    if (depth > kMaxValueDepth) {
+      throw std::invalid_argument("value nested deeper than " + std::to_string(kMaxValueDepth) +
+                                  " levels cannot be sent over RPC");
+    }
     if (v.isNone()) {
       b.setNone();
     } else if (v.isBool()) {
@@ -99,11 +104,11 @@ class Encoder {
       auto lb = b.initList();
       type(lb.initElementType(), list.elementType());
       auto items = lb.initItems(list.size());
-      for (size_t i = 0; i < list.size(); ++i) value(items[i], list.get(i));
+      for (size_t i = 0; i < list.size(); ++i) value(items[i], list.get(i), depth + 1);
     } else if (v.isTuple()) {
       const auto& elems = v.toTupleRef().elements();
       auto items = b.initTuple(elems.size());
-      for (size_t i = 0; i < elems.size(); ++i) value(items[i], elems[i]);
+      for (size_t i = 0; i < elems.size(); ++i) value(items[i], elems[i], depth + 1);
     } else if (v.isGenericDict()) {
       auto dict = v.toGenericDict();
       auto db = b.initDict();
@@ -113,8 +118,8 @@ class Encoder {
       auto vals = db.initValues(dict.size());
       size_t i = 0;
       for (const auto& kv : dict) {
-        value(keys[i], kv.key());
-        value(vals[i], kv.value());
+        value(keys[i], kv.key(), depth + 1);
+        value(vals[i], kv.value(), depth + 1);
         ++i;
       }
     } else if (v.isDevice()) {
@@ -144,7 +149,7 @@ class Encoder {
     }
     at::Tensor wire = t;
     if (!wire.device().is_cpu()) wire = wire.cpu();  // TODO(perf): CUDA path
-    wire = wire.contiguous();
+    wire = wire.resolve_conj().resolve_neg().contiguous();
     auto idx = static_cast<uint32_t>(tensors.size());
     index_.emplace(t.unsafeGetTensorImpl(), idx);
     devices_.push_back(t.device());
@@ -190,7 +195,7 @@ c10::TypePtr decode_type(schema::TypeDesc::Reader r) {
 c10::Device decode_device(schema::DeviceValue::Reader r) {
   int type = r.getType();
   if (type < 0 || type >= static_cast<int>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES) ||
-      r.getIndex() < -1) {
+      r.getIndex() < -1 || r.getIndex() > std::numeric_limits<c10::DeviceIndex>::max()) {
     throw ProtocolError("invalid device (type " + std::to_string(type) + ", index " +
                         std::to_string(r.getIndex()) + ") in envelope");
   }
@@ -258,7 +263,7 @@ uint64_t OutFrame::total_bytes() const {
   return kPreambleBytes + envelope.size() * sizeof(capnp::word) + preamble.body_bytes;
 }
 
-OutFrame encode(const Message& m) {
+OutFrame encode(const Message& m, const Limits& limits) {
   capnp::MallocMessageBuilder builder;
   auto env = builder.initRoot<schema::Envelope>();
   env.setId(m.id);
@@ -301,9 +306,13 @@ OutFrame encode(const Message& m) {
       meta.setDtype(static_cast<int16_t>(t.scalar_type()));
       auto sizes = meta.initSizes(t.dim());
       auto strides = meta.initStrides(t.dim());
-      for (int64_t d = 0; d < t.dim(); ++d) {
+      // Standard contiguous strides from the sizes: an empty tensor may be
+      // "contiguous" with other strides, which the receiver would refuse.
+      int64_t stride = 1;
+      for (int64_t d = t.dim() - 1; d >= 0; --d) {
         sizes.set(d, t.size(d));
-        strides.set(d, t.stride(d));
+        strides.set(d, stride);
+        stride *= std::max<int64_t>(t.size(d), 1);
       }
       auto dev = meta.initDevice();
       dev.setType(static_cast<int16_t>(enc.devices_[i].type()));
@@ -314,6 +323,17 @@ OutFrame encode(const Message& m) {
     }
   }
   frame.envelope = capnp::messageToFlatArray(builder);
+  const uint64_t envelope_bytes = frame.envelope.size() * sizeof(capnp::word);
+  if (envelope_bytes > limits.max_envelope_bytes) {
+    throw std::invalid_argument("message envelope of " + std::to_string(envelope_bytes) +
+                                " bytes exceeds the limit of " +
+                                std::to_string(limits.max_envelope_bytes));
+  }
+  if (offset > limits.max_body_bytes) {
+    throw std::invalid_argument("message tensors of " + std::to_string(offset) +
+                                " bytes exceed the limit of " +
+                                std::to_string(limits.max_body_bytes));
+  }
   frame.preamble.envelope_bytes = static_cast<uint32_t>(frame.envelope.size() * sizeof(capnp::word));
   frame.preamble.body_bytes = offset;
   frame.tensors = std::move(enc.tensors);
@@ -392,6 +412,11 @@ void FrameDecoder::on_preamble() {
     throw ProtocolError("impossible envelope length " + std::to_string(preamble_.envelope_bytes) +
                         " (limit " + std::to_string(limits_.max_envelope_bytes) + ")");
   }
+  if (handshake_pending_ &&
+      (preamble_.envelope_bytes > limits_.max_handshake_bytes || preamble_.body_bytes != 0)) {
+    throw ProtocolError("the first frame must be a handshake (envelope of at most " +
+                        std::to_string(limits_.max_handshake_bytes) + " bytes, no tensors)");
+  }
   if (preamble_.body_bytes > limits_.max_body_bytes) {
     throw ProtocolError("tensor body of " + std::to_string(preamble_.body_bytes) +
                         " bytes exceeds the limit of " + std::to_string(limits_.max_body_bytes));
@@ -406,7 +431,10 @@ void FrameDecoder::on_envelope() {
   tensors_.clear();
   try {
     capnp::ReaderOptions opts;
-    opts.traversalLimitInWords = limits_.traversal_limit_words;
+    // A word may be visited more than once (lists of empty structs cost a
+    // word each), but not much more: bound the work by the envelope's size.
+    opts.traversalLimitInWords =
+        std::min<uint64_t>(limits_.traversal_limit_words, envelope_.size() * 4 + 64);
     opts.nestingLimit = limits_.nesting_limit;
     capnp::FlatArrayMessageReader reader(envelope_.asPtr(), opts);
     auto env = reader.getRoot<schema::Envelope>();
@@ -415,6 +443,12 @@ void FrameDecoder::on_envelope() {
       throw ProtocolError("unknown message kind " + std::to_string(kind));
     }
     pending_.kind = static_cast<MessageKind>(kind);
+    if (handshake_pending_) {
+      if (pending_.kind != MessageKind::kHello) {
+        throw ProtocolError("the first frame must be a handshake");
+      }
+      handshake_pending_ = false;
+    }
     pending_.id = env.getId();
     if (pending_.kind == MessageKind::kRequest) {
       pending_.callee = env.getCallee();
@@ -459,6 +493,7 @@ void FrameDecoder::on_envelope() {
       for (size_t d = 0; d < sizes.size(); ++d) {
         int64_t s = sizes[d];
         if (s < 0) throw ProtocolError(which + "negative size");
+        if (s > (int64_t(1) << 48)) throw ProtocolError(which + "size " + std::to_string(s) + " too large");
         if (__builtin_mul_overflow(numel, static_cast<uint64_t>(s), &numel)) {
           throw ProtocolError(which + "shape product overflows");
         }
@@ -469,7 +504,9 @@ void FrameDecoder::on_envelope() {
         if (sizes[d] != 1 && strides[d] != expect) {
           throw ProtocolError(which + "strides are not contiguous");
         }
-        expect *= std::max<int64_t>(sizes[d], 1);
+        if (__builtin_mul_overflow(expect, std::max<int64_t>(sizes[d], 1), &expect)) {
+          throw ProtocolError(which + "shape product overflows");
+        }
       }
       uint64_t nbytes = 0;
       if (__builtin_mul_overflow(numel, static_cast<uint64_t>(c10::elementSize(dtype)), &nbytes) ||

@@ -56,7 +56,14 @@ struct Limits {
   // words one envelope may make the reader visit.
   int nesting_limit = 64;
   uint64_t traversal_limit_words = 16ull << 20;
+  // The first frame on an accepted connection is a handshake: before it has
+  // been checked, nothing larger is read and nothing is allocated for tensors.
+  uint64_t max_handshake_bytes = 4096;
 };
+
+// How deep a value tree may nest (lists in lists ...): deeper values are
+// refused by encode() and cannot pass the reader's nesting limit either.
+constexpr int kMaxValueDepth = 16;
 
 constexpr uint32_t kMagic = 0x4d444e54;  // "TNDM" read as little-endian
 constexpr uint16_t kVersion = 1;
@@ -83,8 +90,9 @@ struct OutFrame {
 };
 
 // Throws std::invalid_argument for values that cannot travel (an unsupported
-// IValue kind, a sparse tensor).
-OutFrame encode(const Message& message);
+// IValue kind, a sparse tensor, nesting past kMaxValueDepth, a frame over
+// `limits`): the caller learns it at once instead of the peer refusing the frame.
+OutFrame encode(const Message& message, const Limits& limits = Limits{});
 
 // Number of zero bytes that precede a tensor starting at body offset `offset`.
 inline uint64_t padding_before(uint64_t offset) {
@@ -93,7 +101,9 @@ inline uint64_t padding_before(uint64_t offset) {
 
 class FrameDecoder {
  public:
-  explicit FrameDecoder(const Limits& limits) : limits_(limits) {}
+  // With handshake_first, the first frame must be a small kHello.
+  explicit FrameDecoder(const Limits& limits, bool handshake_first = false)
+      : limits_(limits), handshake_pending_(handshake_first) {}
 
   // Consumes `n` received bytes; completed messages queue up for take().
   void feed(const char* data, size_t n);
@@ -117,6 +127,7 @@ class FrameDecoder {
   void finish();
 
   Limits limits_;
+  bool handshake_pending_;
   State state_ = State::kPreamble;
   std::array<char, kPreambleBytes> preamble_buf_{};
   Preamble preamble_;

@@ -39,14 +39,14 @@ void define_common(Registry& r) {
   r.def("split", [](at::Tensor t) {
     return std::make_tuple(t.narrow(0, 0, 1), t.narrow(0, 1, t.size(0) - 1));
   });
-  r.def("whoami", []() { return current_agent().name(); });
+  r.def("whoami", []() { return current_agent()->name(); });
   // Calls `fn` on `to` from inside a handler: nested RPC.
   r.def("relay", [](std::string to, std::string fn, int64_t arg) {
-    return current_agent().rpc_sync<int64_t>(to, fn, arg);
+    return current_agent()->rpc_sync<int64_t>(to, fn, arg);
   });
   // Asynchronous: returns a future; the pool thread is released meanwhile.
   r.def("relay_async", [](std::string to, int64_t ms) {
-    return current_agent().rpc_async<int64_t>(to, "sleep_ms", ms).then(
+    return current_agent()->rpc_async<int64_t>(to, "sleep_ms", ms).then(
         [](Future<int64_t> f) { return f.wait() + 1; });
   });
 }
@@ -233,6 +233,19 @@ TEST_CASE("agent: a function returning a future frees its pool thread") {
   }
   for (auto& f : fs) CHECK(f.wait() == 201);
   CHECK(std::chrono::steady_clock::now() - t0 < 700ms);
+  w.shutdown();
+}
+
+TEST_CASE("agent: a handler may wait on a call it started, even with one pool thread") {
+  // Replies complete futures without needing a pool thread, so this does not
+  // wedge worker1 (it is still better to chain than to block).
+  World w(3, [](Registry& r) {
+    define_common(r);
+    r.def("wait_inside", [](std::string to) {
+      return current_agent()->rpc_async<int64_t>(to, "sleep_ms", 30).wait() + 1;
+    });
+  }, [](AgentOptions& o) { o.num_worker_threads = o.rank == 1 ? 1 : 2; });
+  CHECK(w[0].rpc_sync<int64_t>("worker1", "wait_inside", std::string("worker2")) == 31);
   w.shutdown();
 }
 

@@ -5,6 +5,8 @@
 
 #include <cstring>
 
+#include <ATen/ops/imag.h>
+
 #include "rpc/frames.h"
 
 using namespace tandem::rpc;
@@ -333,4 +335,74 @@ TEST_CASE("wire: malformed frames are refused with a protocol error") {
     f.append(64, '\xff');
     expect_protocol_error(f, "malformed envelope");
   }
+}
+
+TEST_CASE("wire: empty, conjugated and negated views travel as what they show") {
+  at::Tensor empty = at::zeros({3, 4}).narrow(1, 0, 0);  // "contiguous" with strides (4, 1)
+  at::Tensor z = at::randn({5}).to(at::kComplexFloat);
+  at::Tensor neg = at::imag(z.conj());  // a negative view
+  Message m;
+  m.values = {empty, z.conj(), neg};
+  Message out = round_trip(m);
+  CHECK((out.values[0].toTensor().sizes() == empty.sizes()));
+  CHECK(at::equal(out.values[1].toTensor(), z.conj().resolve_conj()));
+  CHECK(at::equal(out.values[2].toTensor(), neg.resolve_neg()));
+}
+
+TEST_CASE("wire: the sender refuses what the receiver would refuse") {
+  Message m;
+  c10::IValue v = int64_t(1);
+  for (int i = 0; i < kMaxValueDepth + 2; ++i) v = c10::ivalue::Tuple::create({v});
+  m.values = {v};
+  CHECK_THROWS_WITH_AS(encode(m), doctest::Contains("nested deeper"), std::invalid_argument);
+  Limits small;
+  small.max_envelope_bytes = 1024;
+  small.max_body_bytes = 100;
+  m.values = {std::string(4096, 'x')};
+  CHECK_THROWS_WITH_AS(encode(m, small), doctest::Contains("envelope"), std::invalid_argument);
+  m.values = {at::zeros({1000})};
+  CHECK_THROWS_WITH_AS(encode(m, small), doctest::Contains("exceed the limit"),
+                       std::invalid_argument);
+  // Just inside the depth limit still round-trips.
+  v = int64_t(1);
+  for (int i = 0; i < kMaxValueDepth; ++i) v = c10::ivalue::Tuple::create({v});
+  m.values = {v};
+  CHECK_NOTHROW(round_trip(m));
+}
+
+TEST_CASE("wire: an accepted connection's first frame must be a small handshake") {
+  Message h;
+  h.kind = MessageKind::kHello;
+  h.hello_worker = "w";
+  Message req;
+  req.callee = "f";
+  {
+    FrameDecoder dec(Limits{}, /*handshake_first=*/true);
+    std::string b = tandem::test::frame_bytes(encode(h)) + tandem::test::frame_bytes(encode(req));
+    dec.feed(b.data(), b.size());
+    CHECK(dec.take().kind == MessageKind::kHello);
+    CHECK(dec.take().kind == MessageKind::kRequest);
+  }
+  {
+    FrameDecoder dec(Limits{}, true);
+    std::string b = tandem::test::frame_bytes(encode(req));
+    CHECK_THROWS_WITH_AS(dec.feed(b.data(), b.size()), doctest::Contains("handshake"),
+                         ProtocolError);
+  }
+  {
+    FrameDecoder dec(Limits{}, true);
+    Message big = h;
+    big.values = {at::zeros({4})};  // a tensor body before anyone is trusted
+    std::string b = tandem::test::frame_bytes(encode(big));
+    CHECK_THROWS_WITH_AS(dec.feed(b.data(), b.size()), doctest::Contains("handshake"),
+                         ProtocolError);
+  }
+}
+
+TEST_CASE("wire: a device index out of range is refused") {
+  expect_protocol_error(raw_frame([](auto env) {
+    auto d = env.initValues(1)[0].initDevice();
+    d.setType(0);
+    d.setIndex(300);
+  }, 0), "invalid device");
 }

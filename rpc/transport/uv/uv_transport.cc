@@ -13,6 +13,7 @@
 #include <uv.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <cstring>
 #include <deque>
 
@@ -29,12 +30,16 @@ std::string errno_text(int err) { return std::strerror(err); }
 void set_socket_options(int fd) {
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  // A peer host that vanishes without a FIN is noticed within ~16 s.
+  // A peer host that vanishes without a FIN is noticed within ~16 s: by
+  // keepalive probes while the connection is idle, and by the user timeout
+  // while data sent to it stays unacknowledged.
   ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
   int idle = 10, interval = 2, count = 3;
   ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
   ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
   ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count));
+  unsigned int user_timeout_ms = 16000;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof(user_timeout_ms));
 }
 
 std::string address_of(const sockaddr* sa) {
@@ -86,9 +91,9 @@ struct UvTransport::Loop {
 
 class UvConnection final : public Connection, public std::enable_shared_from_this<UvConnection> {
  public:
-  UvConnection(UvTransport* transport, int fd, uint64_t id, std::string peer)
+  UvConnection(UvTransport* transport, int fd, uint64_t id, std::string peer, bool accepted)
       : transport_(transport), fd_(fd), id_(id), peer_(std::move(peer)),
-        decoder_(transport->limits_) {
+        decoder_(transport->limits_, /*handshake_first=*/accepted) {
     poll_.data = nullptr;
   }
 
@@ -119,6 +124,10 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
   }
 
   uint64_t id() const override { return id_; }
+  bool closed() override {
+    std::lock_guard<std::mutex> lock(write_mu_);
+    return closed_;
+  }
   std::string peer_address() const override { return peer_; }
 
   // Writes as much of `w` as the socket takes now. True when all of it went.
@@ -173,7 +182,7 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
   }
 
   void start_poll_locked() {
-    if (!polling_) return;
+    if (!polling_ || loop_closed_) return;  // never re-arm a handle that is closing
     int events = UV_READABLE | (want_writable_ ? UV_WRITABLE : 0);
     uv_poll_start(&poll_, events, &UvConnection::on_poll);
   }
@@ -288,7 +297,7 @@ int UvTransport::listen(const std::string& host, int port) {
 }
 
 ConnectionPtr UvTransport::connect(const std::string& host, int port,
-                                   std::chrono::milliseconds timeout) {
+                                   std::chrono::milliseconds timeout, int peer_rank) {
   const std::string where = host + ":" + std::to_string(port);
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -314,7 +323,9 @@ ConnectionPtr UvTransport::connect(const std::string& host, int port,
       pollfd p{fd, POLLOUT, 0};
       int pr;
       do {
-        pr = ::poll(&p, 1, timeout.count() > 0 ? std::max<int64_t>(left.count(), 0) : -1);
+        pr = ::poll(&p, 1, timeout.count() > 0
+                               ? static_cast<int>(std::clamp<int64_t>(left.count(), 0, INT32_MAX))
+                               : -1);
       } while (pr < 0 && errno == EINTR);
       if (pr == 0) {
         errno = ETIMEDOUT;
@@ -339,8 +350,9 @@ ConnectionPtr UvTransport::connect(const std::string& host, int port,
   std::shared_ptr<UvConnection> conn;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    conn = std::make_shared<UvConnection>(this, fd, next_id_++, where);
+    conn = std::make_shared<UvConnection>(this, fd, next_id_++, where, /*accepted=*/false);
   }
+  conn->peer_rank = peer_rank;
   if (!post([this, conn] { adopt_from_loop(conn); })) {
     ::close(fd);
     throw ShutdownError("transport is closed");
@@ -363,7 +375,8 @@ void UvTransport::accept_from_loop() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       conn = std::make_shared<UvConnection>(this, fd, next_id_++,
-                                            address_of(reinterpret_cast<sockaddr*>(&ss)));
+                                            address_of(reinterpret_cast<sockaddr*>(&ss)),
+                                            /*accepted=*/true);
     }
     adopt_from_loop(conn);
   }

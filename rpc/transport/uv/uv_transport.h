@@ -36,8 +36,8 @@ class UvTransport final : public Transport {
   ~UvTransport() override;
 
   int listen(const std::string& host, int port) override;
-  ConnectionPtr connect(const std::string& host, int port,
-                        std::chrono::milliseconds timeout) override;
+  ConnectionPtr connect(const std::string& host, int port, std::chrono::milliseconds timeout,
+                        int peer_rank = -1) override;
   void close() override;
 
   size_t live_connections() const { return live_connections_.load(); }
