@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "rpc/rendezvous.h"
+#include "rpc/rref_context.h"
 #include "rpc/transport/uv/uv_transport.h"
 
 namespace tandem::rpc {
@@ -116,6 +117,9 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
   }
 
   pool_ = std::make_shared<ThreadPool>(options_.num_worker_threads);
+  internal_ = std::make_shared<Registry>();
+  rrefs_ = std::make_shared<RRefContext>(*this);
+  rrefs_->register_handlers(*internal_);
   Transport::Callbacks cb;
   cb.on_message = [this](const ConnectionPtr& c, Message&& m) { on_message(c, std::move(m)); };
   cb.on_closed = [this](const ConnectionPtr& c, const std::string& r) { on_closed(c, r); };
@@ -231,7 +235,8 @@ RawFuture Agent::start_call(const std::string& to, const std::string& fn,
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(p.deadline - now).count();
     req.timeout_ms = static_cast<uint64_t>(std::max<int64_t>(left, 1));
   }
-  OutFrame frame = encode(req, options_.limits);  // bad arguments throw here, in the caller
+  // Bad arguments (and a failed RRef passed on) throw here, in the caller.
+  OutFrame frame = encode(req, options_.limits, rrefs_.get(), dest.rank);
 
   auto fail_now = [&](std::exception_ptr e) {
     fut->setError(e);
@@ -346,6 +351,14 @@ void Agent::on_message(const std::shared_ptr<Connection>& conn, Message&& msg) {
                 ": the first frame must be a handshake");
     return;
   }
+  if (!msg.rrefs.empty()) {
+    try {
+      for (auto& r : msg.rrefs) rrefs_->bind_received(r, conn->peer_rank);
+    } catch (const std::exception& e) {
+      conn->close("protocol error from " + conn->peer_address() + ": " + e.what());
+      return;
+    }
+  }
   switch (msg.kind) {
     case MessageKind::kRequest: {
       auto shared = std::make_shared<Message>(std::move(msg));
@@ -436,8 +449,16 @@ void Agent::on_closed(const std::shared_ptr<Connection>& conn, const std::string
              });
 }
 
+void Agent::run_as_handler(const std::function<void()>& fn) {
+  HandlerScope scope = tls_scope;
+  scope.agent = this;
+  ScopeGuard guard(scope);
+  fn();
+}
+
 void Agent::handle_request(const std::shared_ptr<Connection>& conn, Message msg) {
-  auto handler = registry_->find(msg.callee);
+  const bool internal = msg.callee.rfind("tandem.", 0) == 0;
+  auto handler = (internal ? internal_ : registry_)->find(msg.callee);
   if (!handler) {
     send_error(conn, msg.id, ErrorCode::kUnknownFunction,
                "no function '" + msg.callee + "' is registered on " + name());
@@ -480,8 +501,9 @@ void Agent::handle_request(const std::shared_ptr<Connection>& conn, Message msg)
 void Agent::reply(const std::shared_ptr<Connection>& conn, uint64_t id, const RawFuture& result) {
   if (result->hasError()) {
     auto [code, text] = describe_error(result->exception_ptr());
-    // What the function threw is the callee's error, whatever its type.
-    send_error(conn, id, ErrorCode::kRemote, text);
+    // What the function threw is the callee's error, whatever its type (but
+    // a name nobody registered stays UnknownFunction, also via remote()).
+    send_error(conn, id, code == ErrorCode::kUnknownFunction ? code : ErrorCode::kRemote, text);
     return;
   }
   Message m;
@@ -490,7 +512,7 @@ void Agent::reply(const std::shared_ptr<Connection>& conn, uint64_t id, const Ra
   m.values.push_back(result->constValue());
   OutFrame frame;
   try {
-    frame = encode(m, options_.limits);
+    frame = encode(m, options_.limits, rrefs_.get(), conn->peer_rank);
   } catch (const std::exception& e) {
     send_error(conn, id, ErrorCode::kRemote, std::string("cannot send the result: ") + e.what());
     return;
@@ -562,15 +584,23 @@ void Agent::shutdown(bool graceful) {
   if (shut_down_) return;
   std::string barrier_error;
   if (graceful && transport_) {
-    {
+    auto wait_calls = [this] {
       std::unique_lock<std::mutex> lock(mu_);
       idle_cv_.wait(lock, [this] { return pending_.empty(); });
-    }
+    };
+    wait_calls();
+    rrefs_->wait_idle();  // RRef deletes and confirmations still in flight
+    wait_calls();
     try {
       barrier("shutdown");
     } catch (const std::exception& e) {
       barrier_error = e.what();
     }
+  }
+  std::vector<std::string> leaked;
+  if (rrefs_) {
+    if (graceful && barrier_error.empty()) leaked = rrefs_->live_user_refs();
+    rrefs_->close();
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -604,6 +634,12 @@ void Agent::shutdown(bool graceful) {
   }
   store_.reset();
   shut_down_ = true;
+  if (!leaked.empty()) {
+    std::string list;
+    for (const auto& l : leaked) list += (list.empty() ? "" : ", ") + l;
+    throw ShutdownError("graceful shutdown of " + name() + " found " +
+                        std::to_string(leaked.size()) + " user RRef(s) still alive: " + list);
+  }
   if (!barrier_error.empty()) {
     throw TimeoutError("graceful shutdown of " + name() +
                        " did not meet the other workers: " + barrier_error);

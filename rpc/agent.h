@@ -47,6 +47,7 @@ namespace tandem::rpc {
 
 class UvTransport;
 class Connection;
+class RRefContext;
 
 constexpr std::chrono::milliseconds kDefaultTimeout{-1};  // "use the agent's default"
 constexpr std::chrono::milliseconds kNoTimeout{0};
@@ -101,6 +102,11 @@ class Agent : public std::enable_shared_from_this<Agent> {
   const WorkerInfo& get_worker_info(int rank) const;
   std::vector<WorkerInfo> get_worker_infos() const { return workers_; }
   Registry& registry() { return *registry_; }
+  // This agent's remote references (rpc/rref.h is the typed front).
+  RRefContext& rrefs() { return *rrefs_; }
+  // Runs `fn` as if inside a handler of this agent: current_agent() and the
+  // convenience API then act on this agent.
+  void run_as_handler(const std::function<void()>& fn);
   const std::shared_ptr<ThreadPool>& pool() const { return pool_; }
 
   // The untyped call every other form goes through.
@@ -131,9 +137,10 @@ class Agent : public std::enable_shared_from_this<Agent> {
     return Future<R>(std::move(raw), pool_).wait();
   }
 
-  // graceful: wait for this worker's calls, then for every worker to arrive,
-  // then close. Otherwise: fail everything pending with ShutdownError and
-  // close now. Idempotent; the destructor calls shutdown(false).
+  // graceful: wait for this worker's calls and RRef messages, then for every
+  // worker to arrive, then close; then throws ShutdownError naming any user
+  // RRef still alive here (a leak). Otherwise: fail everything pending with
+  // ShutdownError and close now. Idempotent; the destructor calls shutdown(false).
   void shutdown(bool graceful = true);
 
   // Introspection for tests and tools.
@@ -185,6 +192,8 @@ class Agent : public std::enable_shared_from_this<Agent> {
 
   AgentOptions options_;
   std::shared_ptr<Registry> registry_;
+  std::shared_ptr<Registry> internal_;  // "tandem.*": the layers' own functions
+  std::shared_ptr<RRefContext> rrefs_;
   std::shared_ptr<ThreadPool> pool_;
   std::unique_ptr<UvTransport> transport_;
   c10::intrusive_ptr<c10d::Store> store_;

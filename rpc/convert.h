@@ -37,6 +37,9 @@ template <class K, class V>
 struct is_map<std::map<K, V>> : std::true_type {};
 template <class T>
 struct is_optional : std::false_type {};
+// Specialised for RRef<T> in rpc/rref.h.
+template <class T>
+struct is_rref : std::false_type {};
 template <class T>
 struct is_optional<c10::optional<T>> : std::true_type {};
 
@@ -59,6 +62,11 @@ struct is_narrow_number_vector<std::vector<E, A>>
     : std::bool_constant<(std::is_integral_v<E> && !std::is_same_v<E, bool> &&
                           !std::is_same_v<E, int64_t>) ||
                          std::is_same_v<E, float>> {};
+template <class T>
+struct is_rref_vector : std::false_type {};
+template <class E, class A>
+struct is_rref_vector<std::vector<E, A>> : is_rref<E> {};
+
 }  // namespace detail
 
 template <class T>
@@ -86,6 +94,8 @@ T from_ivalue(const c10::IValue& v, const std::string& what) {
   } else if constexpr (std::is_same_v<D, c10::Device>) {
     if (!v.isDevice()) detail::mismatch(what, "Device", v);
     return v.toDevice();
+  } else if constexpr (is_rref<D>::value) {
+    return D::from_ivalue_checked(v, what);
   } else if constexpr (is_optional<D>::value) {
     if (v.isNone()) return D();
     return D(from_ivalue<typename D::value_type>(v, what));
@@ -142,6 +152,13 @@ c10::IValue to_ivalue(T&& x) {
     return c10::IValue(static_cast<double>(x));
   } else if constexpr (std::is_same_v<D, const char*> || std::is_same_v<D, char*>) {
     return c10::IValue(std::string(x));
+  } else if constexpr (is_rref<D>::value) {
+    return x.to_ivalue_checked();
+  } else if constexpr (detail::is_rref_vector<D>::value) {
+    c10::impl::GenericList list(c10::AnyType::get());
+    list.reserve(x.size());
+    for (const auto& item : x) list.push_back(to_ivalue(item));
+    return c10::IValue(std::move(list));
   } else if constexpr (detail::is_narrow_number_vector<D>::value) {
     using E = typename D::value_type;
     using W = std::conditional_t<std::is_integral_v<E>, int64_t, double>;

@@ -63,7 +63,19 @@ struct Value {
     tuple @7 :List(Value);
     dict @8 :DictValue;
     device @9 :DeviceValue;
+    rref @10 :RRefValue;
   }
+}
+
+# A remote reference: the value lives on `owner`; this copy is fork
+# (forkWorker, forkLocal) of RRef (idWorker, idLocal), sent by `parent`.
+struct RRefValue {
+  owner @0 :Int32;
+  idWorker @1 :Int32;
+  idLocal @2 :UInt64;
+  forkWorker @3 :Int32;
+  forkLocal @4 :UInt64;
+  parent @5 :Int32;
 }
 
 struct ListValue {

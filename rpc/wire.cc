@@ -46,6 +46,7 @@ bool known_dtype(int v) {
 
 class Encoder {
  public:
+  Encoder(RRefHook* hook, int dest) : hook_(hook), dest_(dest) {}
   std::vector<at::Tensor> tensors;
 
   void type(schema::TypeDesc::Builder b, const c10::TypePtr& t) {
@@ -122,6 +123,18 @@ class Encoder {
         value(vals[i], kv.value(), depth + 1);
         ++i;
       }
+    } else if (v.isRRef()) {
+      auto* impl = dynamic_cast<RRefImpl*>(v.toRRef().get());
+      if (!impl) throw std::invalid_argument("cannot send an RRef that Tandem did not make");
+      if (!hook_) throw std::invalid_argument("an RRef can only travel in an agent's message");
+      RRefDesc d = hook_->fork_for_send(RRefPtr::reclaim_copy(impl), dest_);
+      auto r = b.initRref();
+      r.setOwner(d.owner);
+      r.setIdWorker(d.id.worker);
+      r.setIdLocal(d.id.local);
+      r.setForkWorker(d.fork.worker);
+      r.setForkLocal(d.fork.local);
+      r.setParent(d.parent);
     } else if (v.isDevice()) {
       auto d = b.initDevice();
       d.setType(static_cast<int16_t>(v.toDevice().type()));
@@ -135,6 +148,8 @@ class Encoder {
 
  private:
   std::unordered_map<const c10::TensorImpl*, uint32_t> index_;
+  RRefHook* hook_;
+  int dest_;
 
   uint32_t tensor(const at::Tensor& t) {
     // The same tensor passed twice travels once and arrives as one tensor.
@@ -202,7 +217,8 @@ c10::Device decode_device(schema::DeviceValue::Reader r) {
   return c10::Device(static_cast<c10::DeviceType>(type), static_cast<c10::DeviceIndex>(r.getIndex()));
 }
 
-c10::IValue decode_value(schema::Value::Reader r, const std::vector<at::Tensor>& tensors) {
+c10::IValue decode_value(schema::Value::Reader r, const std::vector<at::Tensor>& tensors,
+                         std::vector<RRefPtr>& rrefs) {
   using V = schema::Value;
   switch (r.which()) {
     case V::NONE: return c10::IValue();
@@ -225,13 +241,13 @@ c10::IValue decode_value(schema::Value::Reader r, const std::vector<at::Tensor>&
       auto l = r.getList();
       c10::impl::GenericList list(decode_type(l.getElementType()));
       list.reserve(l.getItems().size());
-      for (auto item : l.getItems()) list.push_back(decode_value(item, tensors));
+      for (auto item : l.getItems()) list.push_back(decode_value(item, tensors, rrefs));
       return c10::IValue(std::move(list));
     }
     case V::TUPLE: {
       std::vector<c10::IValue> items;
       items.reserve(r.getTuple().size());
-      for (auto item : r.getTuple()) items.push_back(decode_value(item, tensors));
+      for (auto item : r.getTuple()) items.push_back(decode_value(item, tensors, rrefs));
       return c10::IValue(c10::ivalue::Tuple::create(std::move(items)));
     }
     case V::DICT: {
@@ -243,16 +259,30 @@ c10::IValue decode_value(schema::Value::Reader r, const std::vector<at::Tensor>&
       c10::impl::GenericDict dict(decode_type(d.getKeyType()), decode_type(d.getValueType()));
       dict.reserve(d.getKeys().size());
       for (size_t i = 0; i < d.getKeys().size(); ++i) {
-        auto key = decode_value(d.getKeys()[i], tensors);
+        auto key = decode_value(d.getKeys()[i], tensors, rrefs);
         if (!(key.isString() || key.isInt() || key.isDouble() || key.isBool() ||
               key.isTensor() || key.isDevice())) {
           throw ProtocolError("unhashable dict key of type " + key.tagKind());
         }
-        dict.insert_or_assign(std::move(key), decode_value(d.getValues()[i], tensors));
+        dict.insert_or_assign(std::move(key), decode_value(d.getValues()[i], tensors, rrefs));
       }
       return c10::IValue(std::move(dict));
     }
     case V::DEVICE: return c10::IValue(decode_device(r.getDevice()));
+    case V::RREF: {
+      auto x = r.getRref();
+      RRefDesc d;
+      d.owner = x.getOwner();
+      d.id = {x.getIdWorker(), x.getIdLocal()};
+      d.fork = {x.getForkWorker(), x.getForkLocal()};
+      d.parent = x.getParent();
+      if (d.owner < 0 || d.parent < 0 || d.id.worker < 0 || d.fork.worker < 0) {
+        throw ProtocolError("RRef with a negative worker in envelope");
+      }
+      auto impl = c10::make_intrusive<RRefImpl>(d);
+      rrefs.push_back(impl);
+      return c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(impl));
+    }
   }
   throw ProtocolError("unknown value kind " + std::to_string(static_cast<int>(r.which())));
 }
@@ -263,12 +293,12 @@ uint64_t OutFrame::total_bytes() const {
   return kPreambleBytes + envelope.size() * sizeof(capnp::word) + preamble.body_bytes;
 }
 
-OutFrame encode(const Message& m, const Limits& limits) {
+OutFrame encode(const Message& m, const Limits& limits, RRefHook* rrefs, int dest) {
   capnp::MallocMessageBuilder builder;
   auto env = builder.initRoot<schema::Envelope>();
   env.setId(m.id);
   env.setKind(static_cast<schema::Kind>(m.kind));
-  Encoder enc;
+  Encoder enc(rrefs, dest);
   switch (m.kind) {
     case MessageKind::kRequest:
       env.setCallee(m.callee);
@@ -531,7 +561,7 @@ void FrameDecoder::on_envelope() {
     }
     auto values = env.getValues();
     pending_.values.reserve(values.size());
-    for (auto v : values) pending_.values.push_back(decode_value(v, tensors_));
+    for (auto v : values) pending_.values.push_back(decode_value(v, tensors_, pending_.rrefs));
   } catch (const kj::Exception& e) {
     throw ProtocolError(std::string("malformed envelope: ") + e.getDescription().cStr());
   }

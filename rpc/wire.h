@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "rpc/errors.h"
+#include "rpc/rref_impl.h"
 
 namespace tandem::rpc {
 
@@ -39,6 +40,8 @@ struct Message {
   std::string callee;       // request: the registered function's name
   uint64_t timeout_ms = 0;  // request: time left for the call; 0 = none
   std::vector<c10::IValue> values;  // request: arguments; response: one result
+  // Received: every RRef in `values`, still unbound (the agent binds them).
+  std::vector<RRefPtr> rrefs;
   // kError
   ErrorCode error_code = ErrorCode::kRemote;
   std::string error_worker;
@@ -92,7 +95,10 @@ struct OutFrame {
 // Throws std::invalid_argument for values that cannot travel (an unsupported
 // IValue kind, a sparse tensor, nesting past kMaxValueDepth, a frame over
 // `limits`): the caller learns it at once instead of the peer refusing the frame.
-OutFrame encode(const Message& message, const Limits& limits = Limits{});
+// RRefs in the values are forked for worker `dest` through `rrefs`; without
+// a hook, a message holding an RRef is refused.
+OutFrame encode(const Message& message, const Limits& limits = Limits{},
+                RRefHook* rrefs = nullptr, int dest = -1);
 
 // Number of zero bytes that precede a tensor starting at body offset `offset`.
 inline uint64_t padding_before(uint64_t offset) {

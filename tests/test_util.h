@@ -129,13 +129,26 @@ struct World {
   }
 
   // Every agent shuts down at once (graceful waits for the others).
+  // Rethrows the first error any of them raised.
   void shutdown(bool graceful = true) {
     std::vector<std::thread> threads;
-    for (auto& a : agents) {
-      if (a) threads.emplace_back([&a, graceful] { a->shutdown(graceful); });
+    std::vector<std::exception_ptr> errors(agents.size());
+    for (size_t i = 0; i < agents.size(); ++i) {
+      if (agents[i]) {
+        threads.emplace_back([this, i, graceful, &errors] {
+          try {
+            agents[i]->shutdown(graceful);
+          } catch (...) {
+            errors[i] = std::current_exception();
+          }
+        });
+      }
     }
     for (auto& t : threads) t.join();
     agents.clear();
+    for (auto& e : errors) {
+      if (e) std::rethrow_exception(e);
+    }
   }
 
   ~World() {

@@ -6,6 +6,7 @@
 
 #include "rpc/api.h"
 #include "rpc/rendezvous.h"
+#include "rpc/rref.h"
 
 using namespace tandem;
 using namespace tandem::rpc;
@@ -409,6 +410,13 @@ TEST_CASE("api: init from the environment, rpc to oneself, shutdown") {
   CHECK(rpc::rpc_sync<int64_t>("worker0", "sum_ints", std::vector<int64_t>{4, 5}) == 9);
   CHECK(rpc::rpc_async<std::string>("worker0", "whoami").wait() == "worker0");
   CHECK_THROWS_AS(init(reg), std::logic_error);
+  {
+    RRef<int64_t> mine(int64_t(5));  // a local owner reference on the current agent
+    CHECK(mine.local_value() == 5);
+    CHECK(mine.to_here() == 5);
+    auto made = rpc::remote<int64_t>("worker0", "sum_ints", std::vector<int64_t>{1, 2});
+    CHECK(made.to_here() == 3);
+  }
   rpc::shutdown();
   CHECK_FALSE(is_initialized());
   unsetenv("RANK");

@@ -1,0 +1,606 @@
+#include "rpc/rref_context.h"
+
+#include "rpc/agent.h"
+#include "rpc/registry.h"
+
+namespace tandem::rpc {
+namespace {
+
+// Control messages carry ids as pairs of ints.
+void push_id(std::vector<c10::IValue>& v, const GloballyUniqueId& id) {
+  v.emplace_back(static_cast<int64_t>(id.worker));
+  v.emplace_back(static_cast<int64_t>(id.local));
+}
+
+GloballyUniqueId id_at(const std::vector<c10::IValue>& args, size_t i) {
+  if (args.size() < i + 2 || !args[i].isInt() || !args[i + 1].isInt()) {
+    throw std::invalid_argument("malformed RRef control message");
+  }
+  return {static_cast<int32_t>(args[i].toInt()), static_cast<uint64_t>(args[i + 1].toInt())};
+}
+
+c10::IValue list_of(std::vector<c10::IValue> items) {
+  c10::impl::GenericList list(c10::AnyType::get());
+  list.reserve(items.size());
+  for (auto& i : items) list.push_back(std::move(i));
+  return c10::IValue(std::move(list));
+}
+
+std::vector<c10::IValue> items_of(const c10::IValue& v) {
+  if (!v.isList()) throw std::invalid_argument("malformed RRef control message");
+  auto l = v.toList();
+  return std::vector<c10::IValue>(l.begin(), l.end());
+}
+
+RawFuture completed_future() {
+  auto f = make_raw_future();
+  f->markCompleted(c10::IValue());
+  return f;
+}
+
+// Completes `out` like `from` (value or error), unless `out` already is.
+void forward(c10::ivalue::Future& from, const RawFuture& out) {
+  if (from.hasError()) {
+    out->setErrorIfNeeded(from.exception_ptr());
+  } else if (!out->completed()) {
+    out->markCompleted(from.constValue());
+  }
+}
+
+// The first of: `result` completes, or `confirmed` fails (a creation that
+// failed would otherwise leave the owner waiting for a value forever).
+RawFuture race_with_confirmation(const RawFuture& confirmed, const RawFuture& result) {
+  auto out = make_raw_future();
+  auto once = std::make_shared<std::atomic<bool>>(false);
+  result->addCallback([out, once](c10::ivalue::Future& r) {
+    if (once->exchange(true)) return;
+    if (r.hasError()) {
+      out->setError(r.exception_ptr());
+    } else {
+      out->markCompleted(r.constValue());
+    }
+  });
+  confirmed->addCallback([out, once](c10::ivalue::Future& c) {
+    if (c.hasError() && !once->exchange(true)) out->setError(c.exception_ptr());
+  });
+  return out;
+}
+
+constexpr int kDeleteAttempts = 3;
+
+}  // namespace
+
+// ---- RRefImpl ------------------------------------------------------------------
+
+RRefImpl::~RRefImpl() {
+  if (auto ctx = ctx_.lock()) ctx->on_dropped(*this);
+}
+
+bool RRefImpl::confirmedByOwner() const {
+  if (kind_ == Kind::kLocal) return true;
+  return confirmed_ && confirmed_->completed() && !confirmed_->hasError();
+}
+
+std::shared_ptr<RRefContext> RRefImpl::context() const {
+  auto ctx = ctx_.lock();
+  if (!ctx) throw ShutdownError("the agent that held " + str() + " is gone");
+  return ctx;
+}
+
+std::string RRefImpl::str() const {
+  return "RRef " + desc_.id.str() + " (owner " +
+         (owner_name_.empty() ? "rank " + std::to_string(desc_.owner) : owner_name_) + ")";
+}
+
+// ---- RRefContext ---------------------------------------------------------------
+
+RRefContext::RRefContext(Agent& agent) : agent_(agent), self_(agent.rank()) {}
+
+RRefContext::~RRefContext() {
+  // Values may hold RRefs: destroy them outside the lock. Their handles can
+  // no longer reach this context (the weak pointers are expired by now).
+  decltype(owners_) owners;
+  decltype(pending_children_) children;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    owners.swap(owners_);
+    children.swap(pending_children_);
+  }
+}
+
+void RRefContext::register_handlers(Registry& internal) {
+  auto bind = [this](c10::IValue (RRefContext::*fn)(std::vector<c10::IValue>&)) {
+    return [this, fn](std::vector<c10::IValue>& args) { return (this->*fn)(args); };
+  };
+  internal.def_ivalue("tandem.rref.create", bind(&RRefContext::on_create));
+  internal.def_ivalue("tandem.rref.fetch", bind(&RRefContext::on_fetch));
+  internal.def_ivalue("tandem.rref.call", bind(&RRefContext::on_call));
+  internal.def_ivalue("tandem.rref.fork", bind(&RRefContext::on_fork));
+  internal.def_ivalue("tandem.rref.delete", bind(&RRefContext::on_delete));
+  internal.def_ivalue("tandem.rref.child_accept", bind(&RRefContext::on_child_accept));
+}
+
+const std::shared_ptr<ThreadPool>& RRefContext::pool() const { return agent_.pool(); }
+
+std::string RRefContext::worker_name(int rank) const { return agent_.get_worker_info(rank).name; }
+
+ForkId RRefContext::new_id() { return {self_, next_local_.fetch_add(1)}; }
+
+RRefContext::OwnerRecord& RRefContext::record_locked(const RRefId& id) {
+  auto it = owners_.find(id);
+  if (it == owners_.end()) {
+    it = owners_.emplace(id, OwnerRecord{}).first;
+    it->second.value = make_raw_future();
+  }
+  return it->second;
+}
+
+std::unique_ptr<RRefContext::OwnerRecord> RRefContext::release_if_unused_locked(const RRefId& id) {
+  auto it = owners_.find(id);
+  if (it == owners_.end() || !it->second.forks.empty() || it->second.local_handles > 0) {
+    return nullptr;
+  }
+  auto dead = std::make_unique<OwnerRecord>(std::move(it->second));
+  owners_.erase(it);
+  return dead;
+}
+
+RRefPtr RRefContext::bind_new(const RRefDesc& desc, RRefImpl::Kind kind, RawFuture confirmed) {
+  auto r = c10::make_intrusive<RRefImpl>(desc);
+  r->kind_ = kind;
+  r->is_owner_ = desc.owner == self_;
+  r->owner_name_ = worker_name(desc.owner);
+  r->confirmed_ = std::move(confirmed);
+  r->ctx_ = weak_from_this();
+  return r;
+}
+
+void RRefContext::control(std::function<void(std::function<void()> done)> fn) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return;
+    ++outstanding_;
+  }
+  auto self = shared_from_this();
+  auto done = [self] {
+    std::lock_guard<std::mutex> lock(self->mu_);
+    if (--self->outstanding_ == 0) self->idle_cv_.notify_all();
+  };
+  // Control messages may connect to a peer: never on the loop thread.
+  pool()->post([fn = std::move(fn), done] {
+    try {
+      fn(done);
+    } catch (...) {
+      done();
+    }
+  });
+}
+
+RRefPtr RRefContext::remote(int owner, const std::string& fn, std::vector<c10::IValue> args,
+                            std::chrono::milliseconds timeout, const RRefPtr& self) {
+  RRefDesc d;
+  d.owner = owner;
+  d.id = new_id();
+  d.fork = d.id;  // the creator's fork is the RRef's own id
+  d.parent = self_;
+  RawFuture confirmed = make_raw_future();
+  RRefPtr r = bind_new(d, RRefImpl::Kind::kFork, confirmed);
+  std::vector<c10::IValue> msg;
+  push_id(msg, d.id);
+  push_id(msg, d.fork);
+  msg.emplace_back(fn);
+  push_id(msg, self ? self->desc().id : GloballyUniqueId{-1, 0});
+  msg.push_back(list_of(std::move(args)));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) throw ShutdownError("agent " + agent_.name() + " is shut down");
+    users_[d.fork] = d;
+    ++outstanding_;
+  }
+  auto ctx = shared_from_this();
+  auto done = [ctx] {
+    std::lock_guard<std::mutex> lock(ctx->mu_);
+    if (--ctx->outstanding_ == 0) ctx->idle_cv_.notify_all();
+  };
+  RawFuture reply;
+  try {
+    // From the caller's thread: no hand-off before the request leaves.
+    reply = agent_.call(worker_name(owner), "tandem.rref.create", std::move(msg), timeout).raw();
+  } catch (...) {
+    confirmed->setError(std::current_exception());
+    done();
+    return r;
+  }
+  reply->addCallback([confirmed, done](c10::ivalue::Future& f) {
+    if (f.hasError()) {
+      confirmed->setError(f.exception_ptr());
+    } else {
+      confirmed->markCompleted(c10::IValue());
+    }
+    done();
+  });
+  return r;
+}
+
+RRefPtr RRefContext::make_local(c10::IValue value) {
+  RRefDesc d;
+  d.owner = self_;
+  d.id = new_id();
+  d.fork = d.id;
+  d.parent = self_;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& rec = record_locked(d.id);
+    rec.value->markCompleted(std::move(value));
+    ++rec.local_handles;
+  }
+  return bind_new(d, RRefImpl::Kind::kLocal, completed_future());
+}
+
+RawFuture RRefContext::fetch(const RRefPtr& rref, std::chrono::milliseconds timeout) {
+  std::vector<c10::IValue> msg;
+  push_id(msg, rref->desc().id);
+  auto f = agent_.call(worker_name(rref->desc().owner), "tandem.rref.fetch", std::move(msg), timeout);
+  return race_with_confirmation(rref->confirmed(), f.raw());
+}
+
+RawFuture RRefContext::call(const RRefPtr& rref, const std::string& fn,
+                            std::vector<c10::IValue> args, std::chrono::milliseconds timeout) {
+  std::vector<c10::IValue> msg;
+  push_id(msg, rref->desc().id);
+  msg.emplace_back(fn);
+  msg.push_back(list_of(std::move(args)));
+  auto f = agent_.call(worker_name(rref->desc().owner), "tandem.rref.call", std::move(msg), timeout);
+  return race_with_confirmation(rref->confirmed(), f.raw());
+}
+
+c10::IValue RRefContext::local_value(const RRefPtr& rref, std::chrono::milliseconds timeout) {
+  if (rref->desc().owner != self_) {
+    throw std::logic_error("local_value() on " + agent_.name() + " of " + rref->str() +
+                           ": only the owner has the value; use to_here()");
+  }
+  RawFuture value;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = owners_.find(rref->desc().id);
+    if (it == owners_.end()) {
+      throw std::logic_error(rref->str() + " is not held by its owner any more");
+    }
+    value = it->second.value;
+  }
+  if (timeout.count() > 0) {
+    auto until = std::chrono::steady_clock::now() + timeout;
+    while (!value->completed() && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    if (!value->completed()) throw TimeoutError("value of " + rref->str() + " not ready in time");
+  } else {
+    value->wait();
+  }
+  if (value->hasError()) std::rethrow_exception(value->exception_ptr());
+  return value->constValue();
+}
+
+RRefDesc RRefContext::fork_for_send(const RRefPtr& rref, int dest) {
+  (void)dest;
+  if (rref->kind() == RRefImpl::Kind::kUnbound) throw std::logic_error("unbound RRef");
+  if (rref->confirmed()->completed() && rref->confirmed()->hasError()) {
+    std::rethrow_exception(rref->confirmed()->exception_ptr());  // a failed remote()
+  }
+  RRefDesc d = rref->desc();
+  d.fork = new_id();
+  d.parent = self_;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) throw ShutdownError("agent " + agent_.name() + " is shut down");
+  if (d.owner == self_) {
+    record_locked(d.id).forks.insert(d.fork);  // the owner counts the new fork itself
+  } else {
+    pending_children_[d.fork] = rref;  // hold our own reference until the owner knows the child
+  }
+  return d;
+}
+
+void RRefContext::bind_received(const RRefPtr& rref, int from) {
+  const RRefDesc& d = rref->desc();
+  const int world = agent_.world_size();
+  if (d.owner >= world || d.parent >= world || d.id.worker >= world || d.fork.worker >= world) {
+    throw ProtocolError("RRef descriptor names a worker outside the world");
+  }
+  if (d.parent != from) {
+    throw ProtocolError("RRef forked by rank " + std::to_string(d.parent) + " arrived from rank " +
+                        std::to_string(from));
+  }
+  rref->ctx_ = weak_from_this();
+  rref->is_owner_ = d.owner == self_;
+  rref->owner_name_ = worker_name(d.owner);
+  if (d.owner == self_) {
+    rref->kind_ = RRefImpl::Kind::kLocal;
+    rref->confirmed_ = completed_future();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto& rec = record_locked(d.id);
+      ++rec.local_handles;
+      if (d.parent == self_) rec.forks.erase(d.fork);  // it was counted when we sent it
+    }
+    if (d.parent != self_) {
+      int parent = d.parent;
+      ForkId fork = d.fork;
+      control([this, parent, fork](std::function<void()> done) {
+        std::vector<c10::IValue> msg;
+        push_id(msg, fork);
+        agent_.call(worker_name(parent), "tandem.rref.child_accept", std::move(msg))
+            .raw()
+            ->addCallback([done](c10::ivalue::Future&) { done(); });
+      });
+    }
+    return;
+  }
+  rref->kind_ = RRefImpl::Kind::kFork;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    users_[d.fork] = d;
+  }
+  if (d.parent == d.owner) {
+    rref->confirmed_ = completed_future();  // the owner counted it when it sent it
+    return;
+  }
+  RawFuture confirmed = make_raw_future();
+  rref->confirmed_ = confirmed;
+  RRefDesc desc = d;
+  control([this, desc, confirmed](std::function<void()> done) {
+    std::vector<c10::IValue> msg;
+    push_id(msg, desc.id);
+    push_id(msg, desc.fork);
+    auto ctx = shared_from_this();
+    agent_.call(worker_name(desc.owner), "tandem.rref.fork", std::move(msg))
+        .raw()
+        ->addCallback([ctx, desc, confirmed, done](c10::ivalue::Future& f) {
+          if (f.hasError()) {
+            confirmed->setError(f.exception_ptr());
+          } else {
+            confirmed->markCompleted(c10::IValue());
+          }
+          // Either way the parent may let go now (an unreachable owner has
+          // nothing left to protect).
+          ctx->pool()->post([ctx, desc, done] {
+            std::vector<c10::IValue> accept;
+            push_id(accept, desc.fork);
+            try {
+              ctx->agent_.call(ctx->worker_name(desc.parent), "tandem.rref.child_accept",
+                               std::move(accept))
+                  .raw()
+                  ->addCallback([done](c10::ivalue::Future&) { done(); });
+            } catch (...) {
+              done();
+            }
+          });
+        });
+  });
+}
+
+void RRefContext::on_dropped(RRefImpl& rref) {
+  const RRefDesc d = rref.desc();
+  if (rref.kind() == RRefImpl::Kind::kLocal) {
+    std::unique_ptr<OwnerRecord> dead;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = owners_.find(d.id);
+      if (it == owners_.end()) return;
+      --it->second.local_handles;
+      dead = release_if_unused_locked(d.id);
+    }
+    return;  // `dead` (and the value) goes here, outside the lock
+  }
+  if (rref.kind() != RRefImpl::Kind::kFork) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    users_.erase(d.fork);
+  }
+  RawFuture confirmed = rref.confirmed();
+  control([this, d, confirmed](std::function<void()> done) {
+    // A fork is deleted only once the owner knows it (or never will).
+    auto ctx = shared_from_this();
+    confirmed->addCallback([ctx, d, done](c10::ivalue::Future&) {
+      ctx->pool()->post([ctx, d, done] { ctx->send_delete(d, 1, done); });
+    });
+  });
+}
+
+void RRefContext::send_delete(RRefDesc d, int attempt, std::function<void()> done) {
+  std::vector<c10::IValue> msg;
+  push_id(msg, d.id);
+  push_id(msg, d.fork);
+  RawFuture f;
+  try {
+    f = agent_.call(worker_name(d.owner), "tandem.rref.delete", std::move(msg)).raw();
+  } catch (...) {
+    done();
+    return;
+  }
+  auto ctx = shared_from_this();
+  f->addCallback([ctx, d, attempt, done](c10::ivalue::Future& r) {
+    bool retry = false;
+    if (r.hasError()) {
+      try {
+        std::rethrow_exception(r.exception_ptr());
+      } catch (const TimeoutError&) {
+        retry = attempt < kDeleteAttempts;  // deletes are idempotent: try again
+      } catch (...) {
+        // Owner gone or shutting down: nothing left to delete.
+      }
+    }
+    if (retry) {
+      ctx->pool()->post([ctx, d, attempt, done] { ctx->send_delete(d, attempt + 1, done); });
+    } else {
+      done();
+    }
+  });
+}
+
+void RRefContext::wait_idle() {
+  std::unique_lock<std::mutex> lock(mu_);
+  idle_cv_.wait(lock, [this] { return outstanding_ == 0; });
+}
+
+void RRefContext::close() {
+  std::lock_guard<std::mutex> lock(mu_);
+  closed_ = true;
+}
+
+std::vector<std::string> RRefContext::live_user_refs() const {
+  std::vector<std::string> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [fork, d] : users_) {
+    out.push_back("RRef " + d.id.str() + " (owner " + worker_name(d.owner) + ")");
+  }
+  return out;
+}
+
+size_t RRefContext::owned_values() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return owners_.size();
+}
+
+// ---- handlers ------------------------------------------------------------------
+
+RawFuture RRefContext::apply_when_ready(RawFuture value, const std::string& fn,
+                                        std::vector<c10::IValue> args, bool with_value) {
+  auto out = make_raw_future();
+  auto handler = agent_.registry().find(fn);
+  if (!handler) {
+    out->setError(std::make_exception_ptr(UnknownFunctionError(
+        "no function '" + fn + "' is registered on " + agent_.name())));
+    return out;
+  }
+  Agent* agent = &agent_;
+  auto run = [agent, handler, out, args = std::move(args)](const c10::IValue* self) mutable {
+    std::vector<c10::IValue> all;
+    all.reserve(args.size() + 1);
+    if (self) all.push_back(*self);
+    for (auto& a : args) all.push_back(std::move(a));
+    agent->run_as_handler([&] {
+      try {
+        HandlerResult r = (*handler)(all);
+        if (r.future) {
+          r.future->addCallback([out](c10::ivalue::Future& f) { forward(f, out); });
+        } else {
+          out->markCompleted(std::move(r.value));
+        }
+      } catch (...) {
+        out->setError(std::current_exception());
+      }
+    });
+  };
+  if (!with_value) {
+    run(nullptr);
+    return out;
+  }
+  auto pool = agent_.pool();
+  value->addCallback([pool, run, out](c10::ivalue::Future& f) mutable {
+    RawFuture ready = c10::intrusive_ptr<c10::ivalue::Future>::reclaim_copy(&f);
+    pool->post([ready, run, out]() mutable {
+      if (ready->hasError()) {
+        out->setError(ready->exception_ptr());
+        return;
+      }
+      c10::IValue v = ready->constValue();
+      run(&v);
+    });
+  });
+  return out;
+}
+
+c10::IValue RRefContext::on_create(std::vector<c10::IValue>& args) {
+  if (args.size() != 8 || !args[4].isString()) {
+    throw std::invalid_argument("malformed RRef control message");
+  }
+  RRefId id = id_at(args, 0);
+  ForkId fork = id_at(args, 2);
+  std::string fn = args[4].toStringRef();
+  RRefId self_id = id_at(args, 5);
+  std::vector<c10::IValue> user_args = items_of(args[7]);
+  if (id.worker < 0 || id.worker >= agent_.world_size()) {
+    throw std::invalid_argument("malformed RRef id");
+  }
+  RawFuture value;
+  RawFuture self_value;
+  bool first = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& rec = record_locked(id);
+    first = rec.forks.insert(fork).second;
+    value = rec.value;
+    if (self_id.worker >= 0) self_value = record_locked(self_id).value;
+  }
+  if (first && !value->completed()) {  // a retried create runs nothing twice
+    RawFuture produced = self_value ? apply_when_ready(self_value, fn, std::move(user_args), true)
+                                    : apply_when_ready(RawFuture(), fn, std::move(user_args), false);
+    produced->addCallback([value](c10::ivalue::Future& f) { forward(f, value); });
+  }
+  // The creator hears when the value exists (or why it does not), not the value.
+  auto reply = make_raw_future();
+  value->addCallback([reply](c10::ivalue::Future& f) {
+    if (f.hasError()) {
+      reply->setError(f.exception_ptr());
+    } else {
+      reply->markCompleted(c10::IValue());
+    }
+  });
+  return c10::IValue(reply);
+}
+
+c10::IValue RRefContext::on_fetch(std::vector<c10::IValue>& args) {
+  RRefId id = id_at(args, 0);
+  std::lock_guard<std::mutex> lock(mu_);
+  return c10::IValue(record_locked(id).value);
+}
+
+c10::IValue RRefContext::on_call(std::vector<c10::IValue>& args) {
+  if (args.size() != 4 || !args[2].isString()) {
+    throw std::invalid_argument("malformed RRef control message");
+  }
+  RRefId id = id_at(args, 0);
+  RawFuture value;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    value = record_locked(id).value;
+  }
+  return c10::IValue(apply_when_ready(value, args[2].toStringRef(), items_of(args[3]), true));
+}
+
+c10::IValue RRefContext::on_fork(std::vector<c10::IValue>& args) {
+  RRefId id = id_at(args, 0);
+  ForkId fork = id_at(args, 2);
+  std::lock_guard<std::mutex> lock(mu_);
+  record_locked(id).forks.insert(fork);
+  return c10::IValue();
+}
+
+c10::IValue RRefContext::on_delete(std::vector<c10::IValue>& args) {
+  RRefId id = id_at(args, 0);
+  ForkId fork = id_at(args, 2);
+  std::unique_ptr<OwnerRecord> dead;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = owners_.find(id);
+    if (it == owners_.end()) return c10::IValue();  // already gone: deletes are idempotent
+    it->second.forks.erase(fork);
+    dead = release_if_unused_locked(id);
+  }
+  return c10::IValue();
+}
+
+c10::IValue RRefContext::on_child_accept(std::vector<c10::IValue>& args) {
+  ForkId fork = id_at(args, 0);
+  RRefPtr held;  // released outside the lock: it may be our last handle
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pending_children_.find(fork);
+    if (it == pending_children_.end()) return c10::IValue();
+    held = std::move(it->second);
+    pending_children_.erase(it);
+  }
+  return c10::IValue();
+}
+
+}  // namespace tandem::rpc

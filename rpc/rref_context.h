@@ -1,0 +1,130 @@
+// RRefContext: one agent's remote references, as owner and as user.
+//
+// Protocol (all control messages are internal RPCs named "tandem.rref.*",
+// idempotent, and retried on timeouts; see rref_context.cc):
+//  1. remote(): the creator picks the RRef id (its fork id is the same id),
+//     returns the handle at once, and sends `create` to the owner, which runs
+//     the registered function and keeps the result (or its error). The reply
+//     confirms the creator's fork; a failed creation is remembered in the
+//     handle and raised at its first use.
+//  2. Sending an RRef to worker X forks it. When the sender owns the value,
+//     it records the new fork itself. When the sender is a user, it keeps its
+//     own handle alive in pending_children_ until the owner confirms the child:
+//     X asks the owner to add the fork (`fork`), then tells the sender
+//     (`child_accept`), which only then lets go. So a parent never drops its
+//     reference before the child's is known, and the value cannot vanish in
+//     between. An RRef that reaches its owner becomes a local handle.
+//  3. When the last handle of a fork dies, once the fork is confirmed, the
+//     user sends `delete`; the owner forgets the fork, and frees the value
+//     when no fork and no local handle is left.
+//  4. Value operations go to the owner: `fetch` (to_here) and `call` (method
+//     proxies: a registered function runs with the value as first argument);
+//     both wait there for a value still being created.
+// Graceful shutdown waits for outstanding control messages and reports user
+// handles still alive.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "rpc/rref_impl.h"
+#include "rpc/thread_pool.h"
+
+namespace tandem::rpc {
+
+class Agent;
+class Registry;
+
+class RRefContext final : public RRefHook, public std::enable_shared_from_this<RRefContext> {
+ public:
+  explicit RRefContext(Agent& agent);
+  ~RRefContext() override;
+
+  // Registers the "tandem.rref.*" handlers in the agent's internal registry.
+  void register_handlers(Registry& internal);
+
+  // Creates the value on `owner` with the registered function `fn`. With
+  // `self`, the function's first argument is that RRef's value (on its owner).
+  RRefPtr remote(int owner, const std::string& fn, std::vector<c10::IValue> args,
+                 std::chrono::milliseconds timeout, const RRefPtr& self = RRefPtr());
+  // A local owner reference to `value`.
+  RRefPtr make_local(c10::IValue value);
+  // to_here(): a future of the value, fetched from the owner.
+  RawFuture fetch(const RRefPtr& rref, std::chrono::milliseconds timeout);
+  // Runs `fn(value, args...)` on the owner.
+  RawFuture call(const RRefPtr& rref, const std::string& fn, std::vector<c10::IValue> args,
+                 std::chrono::milliseconds timeout);
+  // The value on its owner; throws std::logic_error anywhere else.
+  c10::IValue local_value(const RRefPtr& rref, std::chrono::milliseconds timeout);
+
+  // Codec and agent hooks.
+  RRefDesc fork_for_send(const RRefPtr& rref, int dest) override;
+  // Called for every RRef in a message received from `from`, before anyone
+  // sees it. Throws ProtocolError for a descriptor that cannot be right.
+  void bind_received(const RRefPtr& rref, int from);
+  // From ~RRefImpl.
+  void on_dropped(RRefImpl& rref);
+
+  // Waits until no control message is outstanding (graceful shutdown).
+  void wait_idle();
+  // Stops issuing control messages (the agent is closing).
+  void close();
+  // "RRef 0:3 (owner worker1)" for every user handle still alive.
+  std::vector<std::string> live_user_refs() const;
+  size_t owned_values() const;
+  const std::shared_ptr<ThreadPool>& pool() const;
+  std::string worker_name(int rank) const;
+  int self_rank() const { return self_; }
+
+ private:
+  struct OwnerRecord {
+    RawFuture value;
+    std::unordered_set<ForkId, GloballyUniqueIdHash> forks;
+    int local_handles = 0;
+  };
+
+  ForkId new_id();
+  // Both under mu_.
+  OwnerRecord& record_locked(const RRefId& id);
+  // Removes the record if nothing holds it; returns it for destruction
+  // outside the lock (its value may hold RRefs whose destructors call back).
+  std::unique_ptr<OwnerRecord> release_if_unused_locked(const RRefId& id);
+  // Runs `fn` on the pool, counted as outstanding until `done` is called.
+  void control(std::function<void(std::function<void()> done)> fn);
+  void send_delete(RRefDesc desc, int attempt, std::function<void()> done);
+  RRefPtr bind_new(const RRefDesc& desc, RRefImpl::Kind kind, RawFuture confirmed);
+
+  // Handlers (owner side unless noted).
+  c10::IValue on_create(std::vector<c10::IValue>& args);
+  c10::IValue on_fetch(std::vector<c10::IValue>& args);
+  c10::IValue on_call(std::vector<c10::IValue>& args);
+  c10::IValue on_fork(std::vector<c10::IValue>& args);
+  c10::IValue on_delete(std::vector<c10::IValue>& args);
+  c10::IValue on_child_accept(std::vector<c10::IValue>& args);  // parent side
+  // Runs the user's function `fn` on `value` and `args` when `value` is
+  // ready; the result (or error) completes the returned future.
+  RawFuture apply_when_ready(RawFuture value, const std::string& fn,
+                             std::vector<c10::IValue> args, bool with_value);
+
+  Agent& agent_;
+  const int self_;
+  std::atomic<uint64_t> next_local_{1};
+
+  mutable std::mutex mu_;
+  std::condition_variable idle_cv_;
+  std::unordered_map<RRefId, OwnerRecord, GloballyUniqueIdHash> owners_;
+  // Children this worker forked from its user handles, held until accepted.
+  std::unordered_map<ForkId, RRefPtr, GloballyUniqueIdHash> pending_children_;
+  // User forks alive in this process (for the leak report).
+  std::unordered_map<ForkId, RRefDesc, GloballyUniqueIdHash> users_;
+  int outstanding_ = 0;
+  bool closed_ = false;
+};
+
+}  // namespace tandem::rpc

@@ -1,0 +1,98 @@
+// The untyped core of a remote reference: identity, and the handle object
+// that travels inside c10::IValue (it implements c10::RRefInterface).
+//
+// Identity: every RRef has an id (the worker that created it, a counter) and
+// every user handle of it a fork id of the same shape. A fork is one user's
+// claim on the owner's value; the owner keeps the value while any fork, or
+// any handle on the owner itself, is alive. See rpc/rref_context.h for the
+// protocol that keeps those counts right.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <ATen/core/rref_interface.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "rpc/future.h"
+
+namespace tandem::rpc {
+
+struct GloballyUniqueId {
+  int32_t worker = -1;
+  uint64_t local = 0;
+  bool operator==(const GloballyUniqueId& o) const {
+    return worker == o.worker && local == o.local;
+  }
+  std::string str() const { return std::to_string(worker) + ":" + std::to_string(local); }
+};
+
+struct GloballyUniqueIdHash {
+  size_t operator()(const GloballyUniqueId& g) const {
+    return std::hash<uint64_t>()(g.local * 1000003u ^ static_cast<uint64_t>(g.worker));
+  }
+};
+
+using RRefId = GloballyUniqueId;
+using ForkId = GloballyUniqueId;
+
+// What travels on the wire for one RRef: whose value, which fork this copy
+// is, and who sent it (the parent that must hear when the fork is safe).
+struct RRefDesc {
+  int32_t owner = -1;
+  RRefId id;
+  ForkId fork;
+  int32_t parent = -1;
+};
+
+class RRefContext;
+
+class RRefImpl final : public c10::RRefInterface {
+ public:
+  enum class Kind {
+    kUnbound,  // just decoded; the agent binds it before anyone sees it
+    kFork,     // a user's fork: counted at the owner by its fork id
+    kLocal,    // a handle on the owner itself: counted as a local handle
+  };
+
+  explicit RRefImpl(const RRefDesc& desc) : desc_(desc) {}
+  ~RRefImpl() override;
+
+  c10::worker_id_t owner() const override { return static_cast<c10::worker_id_t>(desc_.owner); }
+  std::string ownerName() const override { return owner_name_; }
+  bool isOwner() const override { return is_owner_; }
+  bool confirmedByOwner() const override;
+  const c10::TypePtr type() const override { return c10::AnyType::get(); }
+
+  const RRefDesc& desc() const { return desc_; }
+  Kind kind() const { return kind_; }
+  // Completes when the owner knows this fork; carries the error if the
+  // value's creation failed. Complete from the start for kLocal.
+  const RawFuture& confirmed() const { return confirmed_; }
+  // The context of the agent this handle belongs to; throws ShutdownError
+  // when that agent is gone.
+  std::shared_ptr<RRefContext> context() const;
+  std::string str() const;
+
+ private:
+  friend class RRefContext;
+  RRefDesc desc_;
+  Kind kind_ = Kind::kUnbound;
+  bool is_owner_ = false;
+  std::string owner_name_;
+  std::weak_ptr<RRefContext> ctx_;
+  RawFuture confirmed_;
+};
+
+using RRefPtr = c10::intrusive_ptr<RRefImpl>;
+
+// The agent's side of RRefs as the codec sees them: called for each RRef in
+// a message being encoded for worker `dest`, returns what to put on the wire.
+class RRefHook {
+ public:
+  virtual ~RRefHook() = default;
+  virtual RRefDesc fork_for_send(const RRefPtr& rref, int dest) = 0;
+};
+
+}  // namespace tandem::rpc
