@@ -9,7 +9,10 @@
 // Prints one JSON line per size and implementation:
 //   {"bench":"rpc_echo","impl":"tandem","bytes":N,"p50_us":..,"p99_us":..,"gbps":..}
 //   {"bench":"rpc_echo","impl":"raw_tcp","bytes":N,...}
-// gbps counts the bytes that crossed in both directions.
+// gbps counts the bytes that crossed in both directions. And, like
+// ../shared/anchors/rref.py, for remote references:
+//   {"bench":"remote_create","impl":"tandem","p50_us":..}   remote() until the owner confirmed
+//   {"bench":"rref_to_here","impl":"tandem","bytes":N,"p50_us":..}   N = 0 and 1 MiB
 //
 // Loopback latency on a small machine is bimodal: it depends on which cores
 // the scheduler gives the two processes. So the whole measurement is repeated
@@ -38,6 +41,7 @@
 #include <vector>
 
 #include "rpc/api.h"
+#include "rpc/rref.h"
 
 extern char** environ;
 
@@ -76,6 +80,19 @@ Round summarize(const std::vector<double>& lat_s) {
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
+}
+
+void emit_p50(const char* bench, int64_t bytes, const std::vector<Round>& rounds) {
+  std::vector<double> p50;
+  for (const auto& r : rounds) p50.push_back(r.p50);
+  if (bytes >= 0) {
+    std::printf("{\"bench\":\"%s\",\"impl\":\"tandem\",\"bytes\":%lld,\"p50_us\":%.1f,\"rounds\":%zu}\n",
+                bench, static_cast<long long>(bytes), median(p50) * 1e6, rounds.size());
+  } else {
+    std::printf("{\"bench\":\"%s\",\"impl\":\"tandem\",\"p50_us\":%.1f,\"rounds\":%zu}\n", bench,
+                median(p50) * 1e6, rounds.size());
+  }
+  std::fflush(stdout);
 }
 
 void emit(const char* impl, int64_t bytes, const std::vector<Round>& rounds) {
@@ -191,6 +208,7 @@ std::vector<Round> raw_client(const std::vector<int64_t>& sizes) {
 std::shared_ptr<Registry> registry() {
   auto reg = std::make_shared<Registry>();
   reg->def("echo", [](at::Tensor t) { return t; });
+  reg->def("make", [](int64_t bytes) { return at::zeros({std::max<int64_t>(bytes / 4, 1)}); });
   return reg;
 }
 
@@ -208,8 +226,41 @@ int rpc_callee() {
   return 0;
 }
 
-std::vector<Round> rpc_caller(const std::vector<int64_t>& sizes) {
-  std::vector<Round> out;
+struct TandemRound {
+  std::vector<Round> echo;
+  Round remote_create;
+  std::vector<Round> to_here;  // one per kRRefSizes
+};
+
+const std::vector<int64_t> kRRefSizes = {0, 1 << 20};
+
+// remote() until the owner confirmed, then to_here() of a held value.
+void rref_round(Agent& agent, TandemRound& out) {
+  std::vector<double> lat;
+  for (int i = 0; i < 1010; ++i) {
+    auto t0 = Clock::now();
+    auto r = tandem::rpc::remote<at::Tensor>(agent, "worker1", "make", int64_t(0));
+    r.wait_confirmed();
+    if (i >= 10) lat.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  out.remote_create = summarize(lat);
+  for (int64_t bytes : kRRefSizes) {
+    auto r = tandem::rpc::remote<at::Tensor>(agent, "worker1", "make", bytes);
+    r.to_here();
+    int iters = bytes <= 65536 ? 1000 : 40;
+    lat.clear();
+    for (int i = 0; i < iters; ++i) {
+      auto t0 = Clock::now();
+      r.to_here();
+      lat.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    out.to_here.push_back(summarize(lat));
+  }
+}
+
+TandemRound rpc_caller(const std::vector<int64_t>& sizes) {
+  TandemRound result;
+  std::vector<Round>& out = result.echo;
   // Pick a free port for the store, then let both ranks meet there.
   int port;
   {
@@ -235,9 +286,10 @@ std::vector<Round> rpc_caller(const std::vector<int64_t>& sizes) {
     }
     out.push_back(summarize(lat));
   }
+  rref_round(*agent, result);
   tandem::rpc::shutdown(true);
   ::waitpid(child, nullptr, 0);
-  return out;
+  return result;
 }
 
 std::vector<int64_t> parse_sizes(const std::string& s) {
@@ -277,16 +329,22 @@ int main(int argc, char** argv) {
     }
     auto list = parse_sizes(sizes);
     std::vector<std::vector<Round>> ours(list.size()), raw(list.size());
+    std::vector<Round> creates;
+    std::vector<std::vector<Round>> to_here(kRRefSizes.size());
     for (int r = 0; r < rounds; ++r) {
       auto a = rpc_caller(list);
       auto b = raw_client(list);
       for (size_t i = 0; i < list.size(); ++i) {
-        ours[i].push_back(a[i]);
+        ours[i].push_back(a.echo[i]);
         raw[i].push_back(b[i]);
       }
+      creates.push_back(a.remote_create);
+      for (size_t i = 0; i < kRRefSizes.size(); ++i) to_here[i].push_back(a.to_here[i]);
     }
     for (size_t i = 0; i < list.size(); ++i) emit("tandem", list[i], ours[i]);
     for (size_t i = 0; i < list.size(); ++i) emit("raw_tcp", list[i], raw[i]);
+    emit_p50("remote_create", -1, creates);
+    for (size_t i = 0; i < kRRefSizes.size(); ++i) emit_p50("rref_to_here", kRRefSizes[i], to_here[i]);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "rpc_bench: %s\n", e.what());

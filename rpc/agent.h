@@ -143,6 +143,10 @@ class Agent : public std::enable_shared_from_this<Agent> {
   // ShutdownError and close now. Idempotent; the destructor calls shutdown(false).
   void shutdown(bool graceful = true);
 
+  // Spins up to AgentOptions::sync_spin for `f` to complete (the blocking
+  // calls use it before they sleep).
+  void spin_until_done(const RawFuture& f) const;
+
   // Introspection for tests and tools.
   size_t pending_calls() const;
   size_t live_connections() const;
@@ -152,8 +156,6 @@ class Agent : public std::enable_shared_from_this<Agent> {
  private:
   Agent(AgentOptions options, std::shared_ptr<Registry> registry);
   void start(c10::intrusive_ptr<c10d::Store> store);
-
-  void spin_until_done(const RawFuture& f) const;
 
   template <class... A>
   static std::vector<c10::IValue> pack(A&&... args) {

@@ -38,10 +38,19 @@ class RRef {
   // Completes once the owner confirmed this reference; carries the error of a
   // failed creation.
   Future<void> confirmation() const { return Future<void>(impl().confirmed(), ctx()->pool()); }
+  // Blocks until confirmed (spinning briefly first, like rpc_sync); rethrows
+  // the error of a failed creation.
+  void wait_confirmed() const {
+    auto c = ctx();
+    c->spin_until_done(impl().confirmed());
+    confirmation().wait();
+  }
 
   // A copy of the value, from the owner.
   T to_here(std::chrono::milliseconds timeout = kDefaultTimeout) const {
-    return to_here_async(timeout).wait();
+    auto f = to_here_async(timeout);
+    ctx()->spin_until_done(f.raw());
+    return f.wait();
   }
   Future<T> to_here_async(std::chrono::milliseconds timeout = kDefaultTimeout) const {
     auto c = ctx();
@@ -56,7 +65,9 @@ class RRef {
   // its first argument.
   template <class R = c10::IValue, class... A>
   R rpc_sync(const std::string& fn, A&&... args) const {
-    return rpc_async<R>(fn, std::forward<A>(args)...).wait();
+    auto f = rpc_async<R>(fn, std::forward<A>(args)...);
+    ctx()->spin_until_done(f.raw());
+    return f.wait();
   }
   template <class R = c10::IValue, class... A>
   Future<R> rpc_async(const std::string& fn, A&&... args) const {

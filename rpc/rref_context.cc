@@ -122,6 +122,8 @@ void RRefContext::register_handlers(Registry& internal) {
 
 const std::shared_ptr<ThreadPool>& RRefContext::pool() const { return agent_.pool(); }
 
+void RRefContext::spin_until_done(const RawFuture& f) const { agent_.spin_until_done(f); }
+
 std::string RRefContext::worker_name(int rank) const { return agent_.get_worker_info(rank).name; }
 
 ForkId RRefContext::new_id() { return {self_, next_local_.fetch_add(1)}; }

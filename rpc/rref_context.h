@@ -79,6 +79,8 @@ class RRefContext final : public RRefHook, public std::enable_shared_from_this<R
   std::vector<std::string> live_user_refs() const;
   size_t owned_values() const;
   const std::shared_ptr<ThreadPool>& pool() const;
+  // A blocking wait for an RRef operation: spins briefly like rpc_sync.
+  void spin_until_done(const RawFuture& f) const;
   std::string worker_name(int rank) const;
   int self_rank() const { return self_; }
 
