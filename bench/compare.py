@@ -79,6 +79,22 @@ def best(recs, metric):
     return pick(have, key=lambda r: r[metric])
 
 
+def median_per_path(recs):
+    """Repeated runs of one implementation and path collapse to their median."""
+    by_path = {}
+    for r in recs:
+        by_path.setdefault(r.get("path"), []).append(r)
+    out = []
+    for path, runs in by_path.items():
+        merged = dict(runs[0])
+        for m in METRICS:
+            vals = sorted(r[m] for r in runs if isinstance(r.get(m), (int, float)))
+            if vals:
+                merged[m] = vals[len(vals) // 2]
+        out.append(merged)
+    return out
+
+
 def build_rows(records):
     groups = {}  # (bench, size key, size value) -> {impl: [records]}; insertion-ordered
     for rec in records:
@@ -94,10 +110,11 @@ def build_rows(records):
         metrics = [m for m in METRICS if any(m in r for r in source)]
         first = True
         for m in metrics:
-            t, p, raw = (best(by_impl.get(i, []), m) for i in ("tandem", "pytorch", "raw_tcp"))
+            t, p, raw = (best(median_per_path(by_impl.get(i, [])), m)
+                         for i in ("tandem", "pytorch", "raw_tcp"))
             tv, pv, rv = (r[m] if r else None for r in (t, p, raw))
             # Name the PyTorch path only when it alone gave the best value.
-            ties = [r for r in by_impl.get("pytorch", []) if p and r.get(m) == pv]
+            ties = [r for r in median_per_path(by_impl.get("pytorch", [])) if p and r.get(m) == pv]
             path = p.get("path", "-") if p and len(ties) == 1 else "-"
             rows.append((bench if first else "", fmt_size(key, value) if first else "", m,
                          fmt_num(tv), fmt_num(pv), path,

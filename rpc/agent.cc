@@ -538,22 +538,39 @@ void Agent::send_error(const std::shared_ptr<Connection>& conn, uint64_t id, Err
   }
 }
 
+void Agent::schedule_after(std::chrono::microseconds delay, std::function<void()> fn) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (timer_stop_) return;
+  auto at = Clock::now() + delay;
+  bool earliest = (deadlines_.empty() || at < deadlines_.begin()->first) &&
+                  (timers_.empty() || at < timers_.begin()->first);
+  timers_.emplace(at, std::move(fn));
+  if (earliest) timer_cv_.notify_one();
+}
+
 void Agent::timer_loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!timer_stop_) {
-    if (deadlines_.empty()) {
+    if (deadlines_.empty() && timers_.empty()) {
       timer_cv_.wait(lock);
       continue;
     }
-    auto first = deadlines_.begin()->first;
+    auto first = Clock::time_point::max();
+    if (!deadlines_.empty()) first = deadlines_.begin()->first;
+    if (!timers_.empty()) first = std::min(first, timers_.begin()->first);
     if (Clock::now() < first) {
       timer_cv_.wait_until(lock, first);
       continue;
     }
     std::vector<uint64_t> expired;
+    std::vector<std::function<void()>> due;
     auto now = Clock::now();
     for (auto it = deadlines_.begin(); it != deadlines_.end() && it->first <= now; ++it) {
       expired.push_back(it->second);
+    }
+    while (!timers_.empty() && timers_.begin()->first <= now) {
+      due.push_back(std::move(timers_.begin()->second));
+      timers_.erase(timers_.begin());
     }
     lock.unlock();
     for (uint64_t id : expired) {
@@ -566,6 +583,7 @@ void Agent::timer_loop() {
                },
                0);
     }
+    for (auto& fn : due) pool_->post(std::move(fn));
     lock.lock();
   }
 }

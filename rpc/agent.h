@@ -29,6 +29,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -143,6 +144,9 @@ class Agent : public std::enable_shared_from_this<Agent> {
   // ShutdownError and close now. Idempotent; the destructor calls shutdown(false).
   void shutdown(bool graceful = true);
 
+  // Runs `fn` on the pool after `delay` (dropped once the agent shuts down).
+  void schedule_after(std::chrono::microseconds delay, std::function<void()> fn);
+
   // Spins up to AgentOptions::sync_spin for `f` to complete (the blocking
   // calls use it before they sleep).
   void spin_until_done(const RawFuture& f) const;
@@ -217,6 +221,7 @@ class Agent : public std::enable_shared_from_this<Agent> {
   std::condition_variable timer_cv_;  // a new earliest deadline, or stopping
   std::unordered_map<uint64_t, Pending> pending_;
   std::multimap<std::chrono::steady_clock::time_point, uint64_t> deadlines_;
+  std::multimap<std::chrono::steady_clock::time_point, std::function<void()>> timers_;
   std::atomic<uint64_t> next_id_{1};
   bool accepting_ = true;  // new calls allowed
   bool timer_stop_ = false;

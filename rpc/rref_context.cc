@@ -67,6 +67,7 @@ RawFuture race_with_confirmation(const RawFuture& confirmed, const RawFuture& re
 }
 
 constexpr int kDeleteAttempts = 3;
+constexpr auto kDeleteBatchDelay = std::chrono::microseconds(500);
 
 }  // namespace
 
@@ -398,29 +399,72 @@ void RRefContext::on_dropped(RRefImpl& rref) {
     std::lock_guard<std::mutex> lock(mu_);
     users_.erase(d.fork);
   }
+  // A fork is deleted only once the owner knows it (or never will).
   RawFuture confirmed = rref.confirmed();
-  control([this, d, confirmed](std::function<void()> done) {
-    // A fork is deleted only once the owner knows it (or never will).
-    auto ctx = shared_from_this();
-    confirmed->addCallback([ctx, d, done](c10::ivalue::Future&) {
-      ctx->pool()->post([ctx, d, done] { ctx->send_delete(d, 1, done); });
-    });
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return;
+    ++outstanding_;  // until the delete is queued
+  }
+  auto ctx = shared_from_this();
+  confirmed->addCallback([ctx, d](c10::ivalue::Future&) {
+    ctx->queue_delete(d);
+    std::lock_guard<std::mutex> lock(ctx->mu_);
+    if (--ctx->outstanding_ == 0) ctx->idle_cv_.notify_all();
   });
 }
 
-void RRefContext::send_delete(RRefDesc d, int attempt, std::function<void()> done) {
-  std::vector<c10::IValue> msg;
-  push_id(msg, d.id);
-  push_id(msg, d.fork);
-  RawFuture f;
-  try {
-    f = agent_.call(worker_name(d.owner), "tandem.rref.delete", std::move(msg)).raw();
-  } catch (...) {
-    done();
-    return;
+void RRefContext::queue_delete(const RRefDesc& d) {
+  bool schedule = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return;
+    delete_queue_[d.owner].push_back({d.id, d.fork});
+    ++outstanding_;  // until its batch is answered
+    schedule = delete_scheduled_.insert(d.owner).second;
+  }
+  if (schedule) {
+    auto ctx = shared_from_this();
+    int owner = d.owner;
+    agent_.schedule_after(kDeleteBatchDelay, [ctx, owner] { ctx->flush_deletes(owner, 1); });
+  }
+}
+
+void RRefContext::flush_deletes(int owner, int attempt) {
+  std::vector<QueuedDelete> batch;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    batch.swap(delete_queue_[owner]);
+    if (batch.empty()) {
+      delete_scheduled_.erase(owner);
+      return;
+    }
+  }
+  std::vector<c10::IValue> flat;
+  for (const auto& q : batch) {
+    push_id(flat, q.id);
+    push_id(flat, q.fork);
   }
   auto ctx = shared_from_this();
-  f->addCallback([ctx, d, attempt, done](c10::ivalue::Future& r) {
+  auto finished = [ctx, owner, n = batch.size()] {
+    bool again = false;
+    {
+      std::lock_guard<std::mutex> lock(ctx->mu_);
+      ctx->outstanding_ -= static_cast<int>(n);
+      again = !ctx->delete_queue_[owner].empty() && !ctx->closed_;
+      if (!again) ctx->delete_scheduled_.erase(owner);
+      if (ctx->outstanding_ == 0) ctx->idle_cv_.notify_all();
+    }
+    if (again) ctx->pool()->post([ctx, owner] { ctx->flush_deletes(owner, 1); });
+  };
+  RawFuture f;
+  try {
+    f = agent_.call(worker_name(owner), "tandem.rref.delete", {list_of(std::move(flat))}).raw();
+  } catch (...) {
+    finished();
+    return;
+  }
+  f->addCallback([ctx, owner, attempt, batch, finished](c10::ivalue::Future& r) {
     bool retry = false;
     if (r.hasError()) {
       try {
@@ -432,9 +476,14 @@ void RRefContext::send_delete(RRefDesc d, int attempt, std::function<void()> don
       }
     }
     if (retry) {
-      ctx->pool()->post([ctx, d, attempt, done] { ctx->send_delete(d, attempt + 1, done); });
+      {
+        std::lock_guard<std::mutex> lock(ctx->mu_);
+        auto& q = ctx->delete_queue_[owner];
+        q.insert(q.begin(), batch.begin(), batch.end());  // still counted as outstanding
+      }
+      ctx->pool()->post([ctx, owner, attempt] { ctx->flush_deletes(owner, attempt + 1); });
     } else {
-      done();
+      finished();
     }
   });
 }
@@ -579,15 +628,20 @@ c10::IValue RRefContext::on_fork(std::vector<c10::IValue>& args) {
 }
 
 c10::IValue RRefContext::on_delete(std::vector<c10::IValue>& args) {
-  RRefId id = id_at(args, 0);
-  ForkId fork = id_at(args, 2);
-  std::unique_ptr<OwnerRecord> dead;
+  if (args.size() != 1) throw std::invalid_argument("malformed RRef control message");
+  std::vector<c10::IValue> flat = items_of(args[0]);
+  if (flat.size() % 4 != 0) throw std::invalid_argument("malformed RRef control message");
+  std::vector<std::unique_ptr<OwnerRecord>> dead;  // freed outside the lock
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = owners_.find(id);
-    if (it == owners_.end()) return c10::IValue();  // already gone: deletes are idempotent
-    it->second.forks.erase(fork);
-    dead = release_if_unused_locked(id);
+    for (size_t i = 0; i < flat.size(); i += 4) {
+      RRefId id = id_at(flat, i);
+      ForkId fork = id_at(flat, i + 2);
+      auto it = owners_.find(id);
+      if (it == owners_.end()) continue;  // already gone: deletes are idempotent
+      it->second.forks.erase(fork);
+      if (auto d = release_if_unused_locked(id)) dead.push_back(std::move(d));
+    }
   }
   return c10::IValue();
 }

@@ -15,8 +15,10 @@
 //     reference before the child's is known, and the value cannot vanish in
 //     between. An RRef that reaches its owner becomes a local handle.
 //  3. When the last handle of a fork dies, once the fork is confirmed, the
-//     user sends `delete`; the owner forgets the fork, and frees the value
-//     when no fork and no local handle is left.
+//     user sends `delete` (batched per owner, after a short delay, so a loop
+//     of remote() calls does not cost a second message each); the owner
+//     forgets the fork, and frees the value when no fork and no local handle
+//     is left.
 //  4. Value operations go to the owner: `fetch` (to_here) and `call` (method
 //     proxies: a registered function runs with the value as first argument);
 //     both wait there for a value still being created.
@@ -99,7 +101,10 @@ class RRefContext final : public RRefHook, public std::enable_shared_from_this<R
   std::unique_ptr<OwnerRecord> release_if_unused_locked(const RRefId& id);
   // Runs `fn` on the pool, counted as outstanding until `done` is called.
   void control(std::function<void(std::function<void()> done)> fn);
-  void send_delete(RRefDesc desc, int attempt, std::function<void()> done);
+  // Deletes are batched per owner: the first one waits kDeleteBatchDelay
+  // for company, then one "delete" message carries all that queued up.
+  void queue_delete(const RRefDesc& desc);
+  void flush_deletes(int owner, int attempt);
   RRefPtr bind_new(const RRefDesc& desc, RRefImpl::Kind kind, RawFuture confirmed);
 
   // Handlers (owner side unless noted).
@@ -125,7 +130,13 @@ class RRefContext final : public RRefHook, public std::enable_shared_from_this<R
   std::unordered_map<ForkId, RRefPtr, GloballyUniqueIdHash> pending_children_;
   // User forks alive in this process (for the leak report).
   std::unordered_map<ForkId, RRefDesc, GloballyUniqueIdHash> users_;
-  int outstanding_ = 0;
+  struct QueuedDelete {
+    RRefId id;
+    ForkId fork;
+  };
+  std::unordered_map<int, std::vector<QueuedDelete>> delete_queue_;  // by owner
+  std::unordered_set<int> delete_scheduled_;  // owners with a flush scheduled or in flight
+  int outstanding_ = 0;  // control messages in flight, and deletes queued
   bool closed_ = false;
 };
 
