@@ -67,6 +67,16 @@ struct is_rref_vector : std::false_type {};
 template <class E, class A>
 struct is_rref_vector<std::vector<E, A>> : is_rref<E> {};
 
+// The static type a container of T declares (RRefs go in as Any).
+template <class T>
+c10::TypePtr type_of() {
+  if constexpr (is_rref<T>::value || is_rref_vector<T>::value) {
+    return c10::AnyType::get();
+  } else {
+    return c10::getTypePtr<T>();
+  }
+}
+
 }  // namespace detail
 
 template <class T>
@@ -164,8 +174,8 @@ c10::IValue to_ivalue(T&& x) {
     using W = std::conditional_t<std::is_integral_v<E>, int64_t, double>;
     return c10::IValue(std::vector<W>(x.begin(), x.end()));
   } else if constexpr (is_map<D>::value) {
-    c10::impl::GenericDict d(c10::getTypePtr<typename D::key_type>(),
-                             c10::getTypePtr<typename D::mapped_type>());
+    c10::impl::GenericDict d(detail::type_of<typename D::key_type>(),
+                             detail::type_of<typename D::mapped_type>());
     d.reserve(x.size());
     for (const auto& [k, v] : x) d.insert_or_assign(to_ivalue(k), to_ivalue(v));
     return c10::IValue(std::move(d));

@@ -31,7 +31,9 @@ class RRef {
   }
 
   bool valid() const { return impl_.defined(); }
-  int owner() const { return impl().desc().owner; }
+  // The owner's worker info (name, rank, address).
+  WorkerInfo owner() const { return ctx()->worker_info(impl().desc().owner); }
+  int owner_rank() const { return impl().desc().owner; }
   std::string owner_name() const { return impl().ownerName(); }
   bool is_owner() const { return impl().isOwner(); }
   bool confirmed_by_owner() const { return impl().confirmedByOwner(); }
@@ -78,8 +80,8 @@ class RRef {
   // Creates fn(value, args...) on the owner and returns a reference to it.
   template <class R = c10::IValue, class... A>
   RRef<R> remote(const std::string& fn, A&&... args) const {
-    return RRef<R>(ctx()->remote(owner(), fn, pack(std::forward<A>(args)...), kDefaultTimeout,
-                                 impl_));
+    return RRef<R>(ctx()->remote(owner_rank(), fn, pack(std::forward<A>(args)...),
+                                 kDefaultTimeout, impl_));
   }
 
   const RRefPtr& impl_ptr() const { return impl_; }

@@ -66,7 +66,7 @@ RawFuture race_with_confirmation(const RawFuture& confirmed, const RawFuture& re
   return out;
 }
 
-constexpr int kDeleteAttempts = 3;
+constexpr int kControlAttempts = 3;
 constexpr auto kDeleteBatchDelay = std::chrono::microseconds(500);
 
 }  // namespace
@@ -124,6 +124,8 @@ void RRefContext::register_handlers(Registry& internal) {
 const std::shared_ptr<ThreadPool>& RRefContext::pool() const { return agent_.pool(); }
 
 void RRefContext::spin_until_done(const RawFuture& f) const { agent_.spin_until_done(f); }
+
+WorkerInfo RRefContext::worker_info(int rank) const { return agent_.get_worker_info(rank); }
 
 std::string RRefContext::worker_name(int rank) const { return agent_.get_worker_info(rank).name; }
 
@@ -303,6 +305,39 @@ RRefDesc RRefContext::fork_for_send(const RRefPtr& rref, int dest) {
   return d;
 }
 
+void RRefContext::send_control(int to, const std::string& fn, std::vector<c10::IValue> msg,
+                               std::function<void(std::exception_ptr)> then, int attempt) {
+  RawFuture f;
+  try {
+    f = agent_.call(worker_name(to), fn, msg).raw();
+  } catch (...) {
+    then(std::current_exception());
+    return;
+  }
+  auto ctx = shared_from_this();
+  f->addCallback([ctx, to, fn, msg = std::move(msg), then = std::move(then),
+                  attempt](c10::ivalue::Future& r) mutable {
+    std::exception_ptr error = r.hasError() ? r.exception_ptr() : nullptr;
+    bool retry = false;
+    if (error) {
+      try {
+        std::rethrow_exception(error);
+      } catch (const TimeoutError&) {
+        retry = attempt < kControlAttempts;  // control messages are idempotent: try again
+      } catch (...) {
+      }
+    }
+    if (retry) {
+      ctx->pool()->post([ctx, to, fn, msg = std::move(msg), then = std::move(then),
+                         attempt]() mutable {
+        ctx->send_control(to, fn, std::move(msg), std::move(then), attempt + 1);
+      });
+    } else {
+      then(error);
+    }
+  });
+}
+
 void RRefContext::bind_received(const RRefPtr& rref, int from) {
   const RRefDesc& d = rref->desc();
   const int world = agent_.world_size();
@@ -326,14 +361,14 @@ void RRefContext::bind_received(const RRefPtr& rref, int from) {
       if (d.parent == self_) rec.forks.erase(d.fork);  // it was counted when we sent it
     }
     if (d.parent != self_) {
-      int parent = d.parent;
-      ForkId fork = d.fork;
-      control([this, parent, fork](std::function<void()> done) {
+      // A user forked it to us, the owner: our local handle now keeps the
+      // value, so the parent may let go.
+      RRefDesc desc = d;
+      control([this, desc](std::function<void()> done) {
         std::vector<c10::IValue> msg;
-        push_id(msg, fork);
-        agent_.call(worker_name(parent), "tandem.rref.child_accept", std::move(msg))
-            .raw()
-            ->addCallback([done](c10::ivalue::Future&) { done(); });
+        push_id(msg, desc.fork);
+        send_control(desc.parent, "tandem.rref.child_accept", std::move(msg),
+                     [done](std::exception_ptr) { done(); });
       });
     }
     return;
@@ -355,29 +390,22 @@ void RRefContext::bind_received(const RRefPtr& rref, int from) {
     push_id(msg, desc.id);
     push_id(msg, desc.fork);
     auto ctx = shared_from_this();
-    agent_.call(worker_name(desc.owner), "tandem.rref.fork", std::move(msg))
-        .raw()
-        ->addCallback([ctx, desc, confirmed, done](c10::ivalue::Future& f) {
-          if (f.hasError()) {
-            confirmed->setError(f.exception_ptr());
-          } else {
-            confirmed->markCompleted(c10::IValue());
-          }
-          // Either way the parent may let go now (an unreachable owner has
-          // nothing left to protect).
-          ctx->pool()->post([ctx, desc, done] {
-            std::vector<c10::IValue> accept;
-            push_id(accept, desc.fork);
-            try {
-              ctx->agent_.call(ctx->worker_name(desc.parent), "tandem.rref.child_accept",
-                               std::move(accept))
-                  .raw()
-                  ->addCallback([done](c10::ivalue::Future&) { done(); });
-            } catch (...) {
-              done();
-            }
-          });
-        });
+    send_control(desc.owner, "tandem.rref.fork", std::move(msg),
+                 [ctx, desc, confirmed, done](std::exception_ptr error) {
+                   if (error) {
+                     confirmed->setError(error);
+                   } else {
+                     confirmed->markCompleted(c10::IValue());
+                   }
+                   // Either way the parent may let go now (an owner that cannot
+                   // be reached has nothing left to protect).
+                   std::vector<c10::IValue> accept;
+                   push_id(accept, desc.fork);
+                   ctx->pool()->post([ctx, desc, accept, done]() mutable {
+                     ctx->send_control(desc.parent, "tandem.rref.child_accept", std::move(accept),
+                                       [done](std::exception_ptr) { done(); });
+                   });
+                 });
   });
 }
 
@@ -426,11 +454,11 @@ void RRefContext::queue_delete(const RRefDesc& d) {
   if (schedule) {
     auto ctx = shared_from_this();
     int owner = d.owner;
-    agent_.schedule_after(kDeleteBatchDelay, [ctx, owner] { ctx->flush_deletes(owner, 1); });
+    agent_.schedule_after(kDeleteBatchDelay, [ctx, owner] { ctx->flush_deletes(owner); });
   }
 }
 
-void RRefContext::flush_deletes(int owner, int attempt) {
+void RRefContext::flush_deletes(int owner) {
   std::vector<QueuedDelete> batch;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -446,46 +474,20 @@ void RRefContext::flush_deletes(int owner, int attempt) {
     push_id(flat, q.fork);
   }
   auto ctx = shared_from_this();
-  auto finished = [ctx, owner, n = batch.size()] {
-    bool again = false;
-    {
-      std::lock_guard<std::mutex> lock(ctx->mu_);
-      ctx->outstanding_ -= static_cast<int>(n);
-      again = !ctx->delete_queue_[owner].empty() && !ctx->closed_;
-      if (!again) ctx->delete_scheduled_.erase(owner);
-      if (ctx->outstanding_ == 0) ctx->idle_cv_.notify_all();
-    }
-    if (again) ctx->pool()->post([ctx, owner] { ctx->flush_deletes(owner, 1); });
-  };
-  RawFuture f;
-  try {
-    f = agent_.call(worker_name(owner), "tandem.rref.delete", {list_of(std::move(flat))}).raw();
-  } catch (...) {
-    finished();
-    return;
-  }
-  f->addCallback([ctx, owner, attempt, batch, finished](c10::ivalue::Future& r) {
-    bool retry = false;
-    if (r.hasError()) {
-      try {
-        std::rethrow_exception(r.exception_ptr());
-      } catch (const TimeoutError&) {
-        retry = attempt < kDeleteAttempts;  // deletes are idempotent: try again
-      } catch (...) {
-        // Owner gone or shutting down: nothing left to delete.
-      }
-    }
-    if (retry) {
-      {
-        std::lock_guard<std::mutex> lock(ctx->mu_);
-        auto& q = ctx->delete_queue_[owner];
-        q.insert(q.begin(), batch.begin(), batch.end());  // still counted as outstanding
-      }
-      ctx->pool()->post([ctx, owner, attempt] { ctx->flush_deletes(owner, attempt + 1); });
-    } else {
-      finished();
-    }
-  });
+  // Whatever the answer (an owner that is gone has nothing left to delete),
+  // this batch is done; deletes that queued meanwhile go next.
+  send_control(owner, "tandem.rref.delete", {list_of(std::move(flat))},
+               [ctx, owner, n = batch.size()](std::exception_ptr) {
+                 bool again = false;
+                 {
+                   std::lock_guard<std::mutex> lock(ctx->mu_);
+                   ctx->outstanding_ -= static_cast<int>(n);
+                   again = !ctx->delete_queue_[owner].empty() && !ctx->closed_;
+                   if (!again) ctx->delete_scheduled_.erase(owner);
+                   if (ctx->outstanding_ == 0) ctx->idle_cv_.notify_all();
+                 }
+                 if (again) ctx->pool()->post([ctx, owner] { ctx->flush_deletes(owner); });
+               });
 }
 
 void RRefContext::wait_idle() {

@@ -35,6 +35,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "rpc/agent.h"
 #include "rpc/rref_impl.h"
 #include "rpc/thread_pool.h"
 
@@ -84,6 +85,7 @@ class RRefContext final : public RRefHook, public std::enable_shared_from_this<R
   // A blocking wait for an RRef operation: spins briefly like rpc_sync.
   void spin_until_done(const RawFuture& f) const;
   std::string worker_name(int rank) const;
+  WorkerInfo worker_info(int rank) const;
   int self_rank() const { return self_; }
 
  private:
@@ -104,7 +106,11 @@ class RRefContext final : public RRefHook, public std::enable_shared_from_this<R
   // Deletes are batched per owner: the first one waits kDeleteBatchDelay
   // for company, then one "delete" message carries all that queued up.
   void queue_delete(const RRefDesc& desc);
-  void flush_deletes(int owner, int attempt);
+  void flush_deletes(int owner);
+  // Sends an idempotent control message, again on a timeout (up to 3 tries);
+  // `then` gets the final error, or null.
+  void send_control(int to, const std::string& fn, std::vector<c10::IValue> msg,
+                    std::function<void(std::exception_ptr)> then, int attempt = 1);
   RRefPtr bind_new(const RRefDesc& desc, RRefImpl::Kind kind, RawFuture confirmed);
 
   // Handlers (owner side unless noted).

@@ -54,6 +54,11 @@ void define(Registry& r, std::shared_ptr<Stash> stash) {
     for (size_t i = 1; i < refs.size(); ++i) total = total + refs[i].to_here();
     return total;
   });
+  r.def("sum_dict", [](std::unordered_map<std::string, RRef<at::Tensor>> refs) {
+    double s = 0;
+    for (auto& [k, ref] : refs) s += ref.to_here().sum().item<double>();
+    return s;
+  });
   // Returns an RRef that this worker owns.
   r.def("own", [](double v) {
     return RRef<at::Tensor>::make_local(*current_agent(), at::full_like(at::zeros({2}), v));
@@ -120,7 +125,9 @@ TEST_CASE("rref: remote() returns at once; to_here, owner and confirmation") {
     auto t0 = std::chrono::steady_clock::now();
     RRef<at::Tensor> r = remote<at::Tensor>(w[0], "worker1", "sleep_then_ones", 300);
     CHECK(std::chrono::steady_clock::now() - t0 < 200ms);  // did not wait for the value
-    CHECK(r.owner() == 1);
+    CHECK(r.owner().rank == 1);
+    CHECK(r.owner().name == "worker1");
+    CHECK(r.owner_rank() == 1);
     CHECK(r.owner_name() == "worker1");
     CHECK_FALSE(r.is_owner());
     CHECK(at::equal(r.to_here(), at::ones({1})));
@@ -174,6 +181,10 @@ TEST_CASE("rref: RRefs travel as arguments and results, nested in lists") {
   // worker2 receives three references: to its own value, to worker1's, to worker0's.
   at::Tensor s = w[0].rpc_sync<at::Tensor>("worker2", "sum_all", std::vector<RRef<at::Tensor>>{a, b, c});
   CHECK(at::allclose(s, at::full_like(at::zeros({3}), 7.0)));
+  // ... and in a dict.
+  std::unordered_map<std::string, RRef<at::Tensor>> named{{"a", a}, {"b", b}};
+  CHECK(w[0].rpc_sync<double>("worker1", "sum_dict", named) == 9.0);
+  named.clear();
   // A result that is an RRef owned by the callee.
   auto owned = w[0].rpc_sync<RRef<at::Tensor>>("worker2", "own", 5.0);
   CHECK(owned.owner_name() == "worker2");
