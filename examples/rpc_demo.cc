@@ -8,12 +8,15 @@
 //   1. looks rows up wherever they live ("lookup", asynchronous fan-out),
 //   2. asks every worker for the column sums of its shard ("shard_sum") and
 //      reduces them, and checks both against the table built locally,
-//   3. shows a typed remote error.
+//   3. keeps a result on the last worker behind a remote reference and asks
+//      that worker about it (a method proxy),
+//   4. shows a typed remote error.
 #include <ATen/TensorOperators.h>
 #include <ATen/core/ivalue.h>
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/index_select.h>
+#include <ATen/ops/max.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/sum.h>
 
@@ -21,6 +24,7 @@
 
 #include "rpc/api.h"
 #include "rpc/rendezvous.h"
+#include "rpc/rref.h"
 
 namespace rpc = tandem::rpc;
 
@@ -49,6 +53,7 @@ int main() {
       return at::index_select(shard, 0, at::tensor(local));
     });
     registry->def("shard_sum", [&shard]() { return at::sum(shard, 0); });
+    registry->def("max_of", [](at::Tensor t) { return t.max().item<double>(); });
     registry->def("check_row", [](int64_t row) -> int64_t {
       if (row < 0 || row >= kRows) throw std::out_of_range("row " + std::to_string(row) + " does not exist");
       return row;
@@ -93,14 +98,23 @@ int main() {
       std::printf("column sums reduced over %d workers: %s (first: %.2f)\n", world,
                   sum_ok ? "matches" : "WRONG", total[0].item<float>());
 
-      // 3. Errors come back typed, naming the worker.
+      // 3. A value that stays where it was made, used through a reference.
+      const std::string last = "worker" + std::to_string(world - 1);
+      rpc::RRef<at::Tensor> remote_sum = rpc::remote<at::Tensor>(last, "shard_sum");
+      double remote_max = remote_sum.rpc_sync<double>("max_of");
+      bool rref_ok = remote_max == sums[world - 1].wait().max().item<double>();
+      std::printf("max of %s's column sums, computed where they live: %.2f (%s)\n",
+                  remote_sum.owner_name().c_str(), remote_max, rref_ok ? "matches" : "WRONG");
+      remote_sum = rpc::RRef<at::Tensor>();  // let the owner free it
+
+      // 4. Errors come back typed, naming the worker.
       try {
         rpc::rpc_sync("worker" + std::to_string(world - 1), "check_row", 5000);
       } catch (const rpc::RemoteError& e) {
         std::printf("remote error, as expected: %s\n", e.what());
       }
       rpc::shutdown();
-      return lookups_ok && sum_ok ? 0 : 1;
+      return lookups_ok && sum_ok && rref_ok ? 0 : 1;
     }
     rpc::shutdown();  // serve until everyone is done
     return 0;
