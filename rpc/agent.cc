@@ -239,6 +239,7 @@ RawFuture Agent::start_call(const std::string& to, const std::string& fn,
   OutFrame frame = encode(req, options_.limits, rrefs_.get(), dest.rank);
 
   auto fail_now = [&](std::exception_ptr e) {
+    rrefs_->abort_forks(frame.forks);  // the request never left
     fut->setError(e);
     return fut;
   };
@@ -272,11 +273,14 @@ RawFuture Agent::start_call(const std::string& to, const std::string& fn,
     }
     pending_.emplace(req.id, std::move(p));
   }
+  const std::vector<RRefDesc> forks = frame.forks;
   try {
     conn->send(std::move(frame));
   } catch (const Error& e) {
-    // The connection broke under us; on_closed may already have failed the
-    // call, in which case this finds nothing to complete.
+    // The connection broke under us (a frame cut short is dropped by the
+    // peer); on_closed may already have failed the call, in which case this
+    // finds nothing to complete.
+    rrefs_->abort_forks(forks);
     {
       std::lock_guard<std::mutex> lock(conn_mu_);
       if (peers_[dest.rank] == conn) peers_[dest.rank] = nullptr;
@@ -353,6 +357,7 @@ void Agent::on_message(const std::shared_ptr<Connection>& conn, Message&& msg) {
   }
   if (!msg.rrefs.empty()) {
     try {
+      for (auto& r : msg.rrefs) rrefs_->validate(r, conn->peer_rank);  // all, before any binds
       for (auto& r : msg.rrefs) rrefs_->bind_received(r, conn->peer_rank);
     } catch (const std::exception& e) {
       conn->close("protocol error from " + conn->peer_address() + ": " + e.what());
@@ -517,10 +522,12 @@ void Agent::reply(const std::shared_ptr<Connection>& conn, uint64_t id, const Ra
     send_error(conn, id, ErrorCode::kRemote, std::string("cannot send the result: ") + e.what());
     return;
   }
+  const std::vector<RRefDesc> forks = frame.forks;
   try {
     conn->send(std::move(frame));
   } catch (const Error&) {
     // The caller is gone; it has already failed the call with Disconnected.
+    rrefs_->abort_forks(forks);
   }
 }
 
@@ -607,7 +614,8 @@ void Agent::shutdown(bool graceful) {
       idle_cv_.wait(lock, [this] { return pending_.empty(); });
     };
     wait_calls();
-    rrefs_->wait_idle();  // RRef deletes and confirmations still in flight
+    // RRef deletes, confirmations and hand-overs still in flight.
+    rrefs_->wait_idle(options_.init_timeout);
     wait_calls();
     try {
       barrier("shutdown");

@@ -49,10 +49,13 @@ void forward(c10::ivalue::Future& from, const RawFuture& out) {
 
 // The first of: `result` completes, or `confirmed` fails (a creation that
 // failed would otherwise leave the owner waiting for a value forever).
-RawFuture race_with_confirmation(const RawFuture& confirmed, const RawFuture& result) {
+// `rref` stays referenced until the answer is in: a caller that drops its
+// handle right after asking cannot make the owner free the value first.
+RawFuture race_with_confirmation(const RRefPtr& rref, const RawFuture& result) {
+  const RawFuture& confirmed = rref->confirmed();
   auto out = make_raw_future();
   auto once = std::make_shared<std::atomic<bool>>(false);
-  result->addCallback([out, once](c10::ivalue::Future& r) {
+  result->addCallback([out, once, rref](c10::ivalue::Future& r) {
     if (once->exchange(true)) return;
     if (r.hasError()) {
       out->setError(r.exception_ptr());
@@ -67,6 +70,7 @@ RawFuture race_with_confirmation(const RawFuture& confirmed, const RawFuture& re
 }
 
 constexpr int kControlAttempts = 3;
+constexpr auto kControlBackoff = std::chrono::microseconds(50000);
 constexpr auto kDeleteBatchDelay = std::chrono::microseconds(500);
 
 }  // namespace
@@ -160,10 +164,10 @@ RRefPtr RRefContext::bind_new(const RRefDesc& desc, RRefImpl::Kind kind, RawFutu
   return r;
 }
 
-void RRefContext::control(std::function<void(std::function<void()> done)> fn) {
+bool RRefContext::control(std::function<void(std::function<void()> done)> fn) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (closed_) return;
+    if (closed_) return false;
     ++outstanding_;
   }
   auto self = shared_from_this();
@@ -179,6 +183,7 @@ void RRefContext::control(std::function<void(std::function<void()> done)> fn) {
       done();
     }
   });
+  return true;
 }
 
 RRefPtr RRefContext::remote(int owner, const std::string& fn, std::vector<c10::IValue> args,
@@ -216,7 +221,9 @@ RRefPtr RRefContext::remote(int owner, const std::string& fn, std::vector<c10::I
     done();
     return r;
   }
-  reply->addCallback([confirmed, done](c10::ivalue::Future& f) {
+  // `self` (the value the function starts from) stays referenced until the
+  // owner has answered, even if the caller drops it at once.
+  reply->addCallback([confirmed, done, self](c10::ivalue::Future& f) {
     if (f.hasError()) {
       confirmed->setError(f.exception_ptr());
     } else {
@@ -242,21 +249,35 @@ RRefPtr RRefContext::make_local(c10::IValue value) {
   return bind_new(d, RRefImpl::Kind::kLocal, completed_future());
 }
 
+// A reference whose creation (or registration) failed raises that error
+// without asking the owner.
+static RawFuture failed_already(const RRefPtr& rref) {
+  const RawFuture& c = rref->confirmed();
+  if (c->completed() && c->hasError()) {
+    auto out = make_raw_future();
+    out->setError(c->exception_ptr());
+    return out;
+  }
+  return RawFuture();
+}
+
 RawFuture RRefContext::fetch(const RRefPtr& rref, std::chrono::milliseconds timeout) {
+  if (auto f = failed_already(rref)) return f;
   std::vector<c10::IValue> msg;
   push_id(msg, rref->desc().id);
   auto f = agent_.call(worker_name(rref->desc().owner), "tandem.rref.fetch", std::move(msg), timeout);
-  return race_with_confirmation(rref->confirmed(), f.raw());
+  return race_with_confirmation(rref, f.raw());
 }
 
 RawFuture RRefContext::call(const RRefPtr& rref, const std::string& fn,
                             std::vector<c10::IValue> args, std::chrono::milliseconds timeout) {
+  if (auto f = failed_already(rref)) return f;
   std::vector<c10::IValue> msg;
   push_id(msg, rref->desc().id);
   msg.emplace_back(fn);
   msg.push_back(list_of(std::move(args)));
   auto f = agent_.call(worker_name(rref->desc().owner), "tandem.rref.call", std::move(msg), timeout);
-  return race_with_confirmation(rref->confirmed(), f.raw());
+  return race_with_confirmation(rref, f.raw());
 }
 
 c10::IValue RRefContext::local_value(const RRefPtr& rref, std::chrono::milliseconds timeout) {
@@ -301,8 +322,31 @@ RRefDesc RRefContext::fork_for_send(const RRefPtr& rref, int dest) {
     record_locked(d.id).forks.insert(d.fork);  // the owner counts the new fork itself
   } else {
     pending_children_[d.fork] = rref;  // hold our own reference until the owner knows the child
+    ++outstanding_;                     // ... and graceful shutdown waits for that
   }
   return d;
+}
+
+void RRefContext::abort_forks(const std::vector<RRefDesc>& forks) {
+  std::vector<RRefPtr> held;
+  std::vector<std::unique_ptr<OwnerRecord>> dead;  // both released outside the lock
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& d : forks) {
+      if (d.owner == self_) {
+        auto it = owners_.find(d.id);
+        if (it == owners_.end()) continue;
+        it->second.forks.erase(d.fork);
+        if (auto r = release_if_unused_locked(d.id)) dead.push_back(std::move(r));
+      } else {
+        auto it = pending_children_.find(d.fork);
+        if (it == pending_children_.end()) continue;
+        held.push_back(std::move(it->second));
+        pending_children_.erase(it);
+        if (--outstanding_ == 0) idle_cv_.notify_all();
+      }
+    }
+  }
 }
 
 void RRefContext::send_control(int to, const std::string& fn, std::vector<c10::IValue> msg,
@@ -324,21 +368,27 @@ void RRefContext::send_control(int to, const std::string& fn, std::vector<c10::I
         std::rethrow_exception(error);
       } catch (const TimeoutError&) {
         retry = attempt < kControlAttempts;  // control messages are idempotent: try again
+      } catch (const DisconnectedError&) {
+        retry = attempt < kControlAttempts;  // the connection may drop while the peer lives
       } catch (...) {
       }
     }
+    {
+      std::lock_guard<std::mutex> lock(ctx->mu_);
+      if (ctx->closed_) retry = false;
+    }
     if (retry) {
-      ctx->pool()->post([ctx, to, fn, msg = std::move(msg), then = std::move(then),
-                         attempt]() mutable {
-        ctx->send_control(to, fn, std::move(msg), std::move(then), attempt + 1);
-      });
+      ctx->agent_.schedule_after(kControlBackoff * attempt,
+                                 [ctx, to, fn, msg = std::move(msg), then, attempt]() mutable {
+                                   ctx->send_control(to, fn, std::move(msg), then, attempt + 1);
+                                 });
     } else {
       then(error);
     }
   });
 }
 
-void RRefContext::bind_received(const RRefPtr& rref, int from) {
+void RRefContext::validate(const RRefPtr& rref, int from) const {
   const RRefDesc& d = rref->desc();
   const int world = agent_.world_size();
   if (d.owner >= world || d.parent >= world || d.id.worker >= world || d.fork.worker >= world) {
@@ -348,6 +398,11 @@ void RRefContext::bind_received(const RRefPtr& rref, int from) {
     throw ProtocolError("RRef forked by rank " + std::to_string(d.parent) + " arrived from rank " +
                         std::to_string(from));
   }
+}
+
+void RRefContext::bind_received(const RRefPtr& rref, int from) {
+  (void)from;  // validate() checked it is the parent
+  const RRefDesc& d = rref->desc();
   rref->ctx_ = weak_from_this();
   rref->is_owner_ = d.owner == self_;
   rref->owner_name_ = worker_name(d.owner);
@@ -385,7 +440,7 @@ void RRefContext::bind_received(const RRefPtr& rref, int from) {
   RawFuture confirmed = make_raw_future();
   rref->confirmed_ = confirmed;
   RRefDesc desc = d;
-  control([this, desc, confirmed](std::function<void()> done) {
+  bool started = control([this, desc, confirmed](std::function<void()> done) {
     std::vector<c10::IValue> msg;
     push_id(msg, desc.id);
     push_id(msg, desc.fork);
@@ -407,6 +462,13 @@ void RRefContext::bind_received(const RRefPtr& rref, int from) {
                    });
                  });
   });
+  if (!started) {
+    // Shutting down: this reference can never be confirmed; say so rather
+    // than leave a waiter hanging.
+    confirmed->setError(std::make_exception_ptr(
+        ShutdownError("agent " + agent_.name() + " is shutting down; " + rref->str() +
+                      " cannot be registered with its owner")));
+  }
 }
 
 void RRefContext::on_dropped(RRefImpl& rref) {
@@ -490,9 +552,9 @@ void RRefContext::flush_deletes(int owner) {
                });
 }
 
-void RRefContext::wait_idle() {
+bool RRefContext::wait_idle(std::chrono::milliseconds limit) {
   std::unique_lock<std::mutex> lock(mu_);
-  idle_cv_.wait(lock, [this] { return outstanding_ == 0; });
+  return idle_cv_.wait_for(lock, limit, [this] { return outstanding_ == 0; });
 }
 
 void RRefContext::close() {
@@ -525,8 +587,13 @@ RawFuture RRefContext::apply_when_ready(RawFuture value, const std::string& fn,
         "no function '" + fn + "' is registered on " + agent_.name())));
     return out;
   }
-  Agent* agent = &agent_;
-  auto run = [agent, handler, out, args = std::move(args)](const c10::IValue* self) mutable {
+  std::weak_ptr<Agent> weak_agent = agent_.weak_from_this();
+  auto run = [weak_agent, handler, out, args = std::move(args)](const c10::IValue* self) mutable {
+    auto agent = weak_agent.lock();
+    if (!agent) {
+      out->setError(std::make_exception_ptr(ShutdownError("the agent is gone")));
+      return;
+    }
     std::vector<c10::IValue> all;
     all.reserve(args.size() + 1);
     if (self) all.push_back(*self);
@@ -657,6 +724,7 @@ c10::IValue RRefContext::on_child_accept(std::vector<c10::IValue>& args) {
     if (it == pending_children_.end()) return c10::IValue();
     held = std::move(it->second);
     pending_children_.erase(it);
+    if (--outstanding_ == 0) idle_cv_.notify_all();
   }
   return c10::IValue();
 }

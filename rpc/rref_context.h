@@ -68,14 +68,20 @@ class RRefContext final : public RRefHook, public std::enable_shared_from_this<R
 
   // Codec and agent hooks.
   RRefDesc fork_for_send(const RRefPtr& rref, int dest) override;
-  // Called for every RRef in a message received from `from`, before anyone
-  // sees it. Throws ProtocolError for a descriptor that cannot be right.
+  void abort_forks(const std::vector<RRefDesc>& forks) override;
+  // Throws ProtocolError for a descriptor received from `from` that cannot be
+  // right; the agent checks every RRef of a message before binding any.
+  void validate(const RRefPtr& rref, int from) const;
+  // Called for every (validated) RRef in a message received from `from`,
+  // before anyone sees it.
   void bind_received(const RRefPtr& rref, int from);
   // From ~RRefImpl.
   void on_dropped(RRefImpl& rref);
 
-  // Waits until no control message is outstanding (graceful shutdown).
-  void wait_idle();
+  // Waits until no control message is outstanding and every RRef this
+  // worker passed on has been accepted (graceful shutdown). False when
+  // `limit` passed first (a peer that died can leave one unanswered).
+  bool wait_idle(std::chrono::milliseconds limit);
   // Stops issuing control messages (the agent is closing).
   void close();
   // "RRef 0:3 (owner worker1)" for every user handle still alive.
@@ -102,7 +108,8 @@ class RRefContext final : public RRefHook, public std::enable_shared_from_this<R
   // outside the lock (its value may hold RRefs whose destructors call back).
   std::unique_ptr<OwnerRecord> release_if_unused_locked(const RRefId& id);
   // Runs `fn` on the pool, counted as outstanding until `done` is called.
-  void control(std::function<void(std::function<void()> done)> fn);
+  // False (and `fn` not run) once the context is closed.
+  bool control(std::function<void(std::function<void()> done)> fn);
   // Deletes are batched per owner: the first one waits kDeleteBatchDelay
   // for company, then one "delete" message carries all that queued up.
   void queue_delete(const RRefDesc& desc);
@@ -142,7 +149,7 @@ class RRefContext final : public RRefHook, public std::enable_shared_from_this<R
   };
   std::unordered_map<int, std::vector<QueuedDelete>> delete_queue_;  // by owner
   std::unordered_set<int> delete_scheduled_;  // owners with a flush scheduled or in flight
-  int outstanding_ = 0;  // control messages in flight, and deletes queued
+  int outstanding_ = 0;  // control messages in flight, deletes queued, children pending
   bool closed_ = false;
 };
 

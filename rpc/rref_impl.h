@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "rpc/future.h"
 
@@ -93,6 +94,8 @@ class RRefHook {
  public:
   virtual ~RRefHook() = default;
   virtual RRefDesc fork_for_send(const RRefPtr& rref, int dest) = 0;
+  // The message holding these forks was certainly not sent: undo them.
+  virtual void abort_forks(const std::vector<RRefDesc>& forks) = 0;
 };
 
 }  // namespace tandem::rpc

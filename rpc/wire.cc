@@ -46,8 +46,10 @@ bool known_dtype(int v) {
 
 class Encoder {
  public:
-  Encoder(RRefHook* hook, int dest) : hook_(hook), dest_(dest) {}
+  Encoder(RRefHook* hook, int dest, std::vector<RRefDesc>& forks)
+      : forks(forks), hook_(hook), dest_(dest) {}
   std::vector<at::Tensor> tensors;
+  std::vector<RRefDesc>& forks;  // every fork made, so a failure can undo them
 
   void type(schema::TypeDesc::Builder b, const c10::TypePtr& t) {
     using K = schema::TypeKind;
@@ -128,6 +130,7 @@ class Encoder {
       if (!impl) throw std::invalid_argument("cannot send an RRef that Tandem did not make");
       if (!hook_) throw std::invalid_argument("an RRef can only travel in an agent's message");
       RRefDesc d = hook_->fork_for_send(RRefPtr::reclaim_copy(impl), dest_);
+      forks.push_back(d);
       auto r = b.initRref();
       r.setOwner(d.owner);
       r.setIdWorker(d.id.worker);
@@ -293,12 +296,14 @@ uint64_t OutFrame::total_bytes() const {
   return kPreambleBytes + envelope.size() * sizeof(capnp::word) + preamble.body_bytes;
 }
 
-OutFrame encode(const Message& m, const Limits& limits, RRefHook* rrefs, int dest) {
+namespace {
+OutFrame encode_unchecked(const Message& m, const Limits& limits, RRefHook* rrefs, int dest,
+                          std::vector<RRefDesc>& forks) {
   capnp::MallocMessageBuilder builder;
   auto env = builder.initRoot<schema::Envelope>();
   env.setId(m.id);
   env.setKind(static_cast<schema::Kind>(m.kind));
-  Encoder enc(rrefs, dest);
+  Encoder enc(rrefs, dest, forks);
   switch (m.kind) {
     case MessageKind::kRequest:
       env.setCallee(m.callee);
@@ -369,6 +374,20 @@ OutFrame encode(const Message& m, const Limits& limits, RRefHook* rrefs, int des
   frame.tensors = std::move(enc.tensors);
   return frame;
 }
+}  // namespace
+
+OutFrame encode(const Message& m, const Limits& limits, RRefHook* rrefs, int dest) {
+  std::vector<RRefDesc> forks;
+  try {
+    OutFrame frame = encode_unchecked(m, limits, rrefs, dest, forks);
+    frame.forks = std::move(forks);
+    return frame;
+  } catch (...) {
+    if (rrefs && !forks.empty()) rrefs->abort_forks(forks);  // nothing was sent
+    throw;
+  }
+}
+
 
 // ---- FrameDecoder ----------------------------------------------------------------
 

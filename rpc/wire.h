@@ -89,6 +89,9 @@ struct OutFrame {
   Preamble preamble;
   kj::Array<capnp::word> envelope;
   std::vector<at::Tensor> tensors;  // contiguous, CPU
+  // The RRef forks made for this frame: the sender undoes them
+  // (RRefHook::abort_forks) if the frame is never written.
+  std::vector<RRefDesc> forks;
   uint64_t total_bytes() const;
 };
 

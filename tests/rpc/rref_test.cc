@@ -319,3 +319,55 @@ TEST_CASE("rref: graceful shutdown reports user references still alive") {
     CHECK(what.find("owner worker1") != std::string::npos);
   }
 }
+
+TEST_CASE("rref: a message that was never sent leaves no fork behind") {
+  World w = make_world();
+  auto r = remote<at::Tensor>(w[0], "worker1", "ones", 2);
+  r.wait_confirmed();
+  // A value that cannot travel after the RRef: the fork made for it is undone.
+  CHECK_THROWS_AS(w[0].rpc_sync("worker2", "stash",
+                                c10::ivalue::Tuple::create({r.to_ivalue_checked(),
+                                                            c10::IValue(at::ones({2}).to_sparse())})),
+                  std::invalid_argument);
+  // A worker that is gone: the request never leaves.
+  w[2].shutdown(false);
+  CHECK_THROWS_AS(w[0].rpc_sync("worker2", "stash", r), DisconnectedError);
+  // The owner can also fail to send its own RRef.
+  auto mine = RRef<at::Tensor>::make_local(w[1], at::ones({1}));
+  CHECK_THROWS_AS(w[1].rpc_sync("worker2", "stash", mine), DisconnectedError);
+  mine = RRef<at::Tensor>();
+  r = RRef<at::Tensor>();
+  CHECK(eventually([&] { return w[1].rrefs().owned_values() == 0; }));
+  CHECK(eventually([&] { return w[0].rrefs().live_user_refs().empty(); }));
+  w[0].shutdown(false);
+  w[1].shutdown(false);
+}
+
+TEST_CASE("rref: a handle dropped right after an asynchronous use still gets its answer") {
+  World w = make_world();
+  for (int i = 0; i < 20; ++i) {
+    auto r = remote<at::Tensor>(w[0], "worker1", "full", 2, 1.5);
+    auto value = r.to_here_async();
+    auto scaled = r.rpc_async<at::Tensor>("scale", 2.0);
+    auto derived = r.remote<at::Tensor>("scale", 4.0);
+    r = RRef<at::Tensor>();
+    CHECK(at::allclose(value.wait(), at::full_like(at::zeros({2}), 1.5)));
+    CHECK(at::allclose(scaled.wait(), at::full_like(at::zeros({2}), 3.0)));
+    CHECK(at::allclose(derived.to_here(), at::full_like(at::zeros({2}), 6.0)));
+  }
+  expect_clean(w);
+  w.shutdown();
+}
+
+TEST_CASE("rref: everyone shutting down together after passing references on reports no leak") {
+  for (int round = 0; round < 3; ++round) {
+    auto stash = std::make_shared<Stash>();
+    World w = make_world(stash);
+    {
+      auto r = remote<at::Tensor>(w[0], "worker2", "ones", 2);
+      w[0].rpc_sync("worker1", "stash", r);
+    }  // worker0 lets go at once; worker1's fork is still being registered
+    w[0].rpc_sync("worker1", "unstash");
+    CHECK_NOTHROW(w.shutdown(true));
+  }
+}
