@@ -122,7 +122,7 @@ class Agent : public std::enable_shared_from_this<Agent> {
   template <class R = c10::IValue, class... A>
   Future<R> rpc_async(const CallOptions& opts, const std::string& to, const std::string& fn,
                       A&&... args) {
-    auto f = call(to, fn, pack(std::forward<A>(args)...), opts.timeout);
+    auto f = call(to, fn, to_ivalues(std::forward<A>(args)...), opts.timeout);
     return Future<R>(f.raw(), f.pool());
   }
 
@@ -133,7 +133,7 @@ class Agent : public std::enable_shared_from_this<Agent> {
   template <class R = c10::IValue, class... A>
   R rpc_sync(const CallOptions& opts, const std::string& to, const std::string& fn,
              A&&... args) {
-    RawFuture raw = start_call(to, fn, pack(std::forward<A>(args)...), opts.timeout);
+    RawFuture raw = start_call(to, fn, to_ivalues(std::forward<A>(args)...), opts.timeout);
     spin_until_done(raw);
     return Future<R>(std::move(raw), pool_).wait();
   }
@@ -160,14 +160,6 @@ class Agent : public std::enable_shared_from_this<Agent> {
  private:
   Agent(AgentOptions options, std::shared_ptr<Registry> registry);
   void start(c10::intrusive_ptr<c10d::Store> store);
-
-  template <class... A>
-  static std::vector<c10::IValue> pack(A&&... args) {
-    std::vector<c10::IValue> v;
-    v.reserve(sizeof...(A));
-    (v.push_back(to_ivalue(std::forward<A>(args))), ...);
-    return v;
-  }
 
   struct Pending {
     RawFuture future;

@@ -184,4 +184,13 @@ c10::IValue to_ivalue(T&& x) {
   }
 }
 
+// The argument list of a call: each value through to_ivalue.
+template <class... A>
+std::vector<c10::IValue> to_ivalues(A&&... args) {
+  std::vector<c10::IValue> v;
+  v.reserve(sizeof...(A));
+  (v.push_back(to_ivalue(std::forward<A>(args))), ...);
+  return v;
+}
+
 }  // namespace tandem::rpc

@@ -74,13 +74,13 @@ class RRef {
   template <class R = c10::IValue, class... A>
   Future<R> rpc_async(const std::string& fn, A&&... args) const {
     auto c = ctx();
-    return Future<R>(c->call(impl_, fn, pack(std::forward<A>(args)...), kDefaultTimeout),
+    return Future<R>(c->call(impl_, fn, to_ivalues(std::forward<A>(args)...), kDefaultTimeout),
                      c->pool());
   }
   // Creates fn(value, args...) on the owner and returns a reference to it.
   template <class R = c10::IValue, class... A>
   RRef<R> remote(const std::string& fn, A&&... args) const {
-    return RRef<R>(ctx()->remote(owner_rank(), fn, pack(std::forward<A>(args)...),
+    return RRef<R>(ctx()->remote(owner_rank(), fn, to_ivalues(std::forward<A>(args)...),
                                  kDefaultTimeout, impl_));
   }
 
@@ -103,14 +103,6 @@ class RRef {
     return *impl_;
   }
   std::shared_ptr<RRefContext> ctx() const { return impl().context(); }
-  template <class... A>
-  static std::vector<c10::IValue> pack(A&&... args) {
-    std::vector<c10::IValue> v;
-    v.reserve(sizeof...(A));
-    (v.push_back(to_ivalue(std::forward<A>(args))), ...);
-    return v;
-  }
-
   RRefPtr impl_;
 };
 
@@ -121,11 +113,8 @@ struct is_rref<RRef<T>> : std::true_type {};
 template <class R = c10::IValue, class... A>
 RRef<R> remote(Agent& agent, const CallOptions& opts, const std::string& to,
                const std::string& fn, A&&... args) {
-  std::vector<c10::IValue> v;
-  v.reserve(sizeof...(A));
-  (v.push_back(to_ivalue(std::forward<A>(args))), ...);
-  return RRef<R>(
-      agent.rrefs().remote(agent.get_worker_info(to).rank, fn, std::move(v), opts.timeout));
+  return RRef<R>(agent.rrefs().remote(agent.get_worker_info(to).rank, fn,
+                                      to_ivalues(std::forward<A>(args)...), opts.timeout));
 }
 template <class R = c10::IValue, class... A>
 RRef<R> remote(Agent& agent, const std::string& to, const std::string& fn, A&&... args) {
