@@ -70,6 +70,7 @@ RawFuture race_with_confirmation(const RRefPtr& rref, const RawFuture& result) {
 }
 
 constexpr int kControlAttempts = 3;
+constexpr size_t kMaxTombstones = 1 << 16;
 constexpr auto kControlBackoff = std::chrono::microseconds(50000);
 constexpr auto kDeleteBatchDelay = std::chrono::microseconds(500);
 
@@ -647,6 +648,9 @@ c10::IValue RRefContext::on_create(std::vector<c10::IValue>& args) {
   bool first = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (take_tombstone_locked(fork)) {
+      throw std::runtime_error("RRef " + id.str() + " was deleted before its creation arrived");
+    }
     auto& rec = record_locked(id);
     first = rec.forks.insert(fork).second;
     value = rec.value;
@@ -688,10 +692,15 @@ c10::IValue RRefContext::on_call(std::vector<c10::IValue>& args) {
   return c10::IValue(apply_when_ready(value, args[2].toStringRef(), items_of(args[3]), true));
 }
 
+bool RRefContext::take_tombstone_locked(const ForkId& fork) {
+  return tombstones_.erase(fork) > 0;  // its entry in tombstone_order_ ages out harmlessly
+}
+
 c10::IValue RRefContext::on_fork(std::vector<c10::IValue>& args) {
   RRefId id = id_at(args, 0);
   ForkId fork = id_at(args, 2);
   std::lock_guard<std::mutex> lock(mu_);
+  if (take_tombstone_locked(fork)) return c10::IValue();  // its holder already let go
   record_locked(id).forks.insert(fork);
   return c10::IValue();
 }
@@ -707,8 +716,18 @@ c10::IValue RRefContext::on_delete(std::vector<c10::IValue>& args) {
       RRefId id = id_at(flat, i);
       ForkId fork = id_at(flat, i + 2);
       auto it = owners_.find(id);
-      if (it == owners_.end()) continue;  // already gone: deletes are idempotent
-      it->second.forks.erase(fork);
+      if (it == owners_.end() || it->second.forks.erase(fork) == 0) {
+        // Not known (yet): remember, so a create or fork that arrives later
+        // for it does not resurrect it. Repeated deletes stay harmless.
+        if (tombstones_.insert(fork).second) {
+          tombstone_order_.push_back(fork);
+          if (tombstone_order_.size() > kMaxTombstones) {
+            tombstones_.erase(tombstone_order_.front());
+            tombstone_order_.pop_front();
+          }
+        }
+        if (it == owners_.end()) continue;
+      }
       if (auto d = release_if_unused_locked(id)) dead.push_back(std::move(d));
     }
   }

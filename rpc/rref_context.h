@@ -28,6 +28,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -148,6 +149,12 @@ class RRefContext final : public RRefHook, public std::enable_shared_from_this<R
     ForkId fork;
   };
   std::unordered_map<int, std::vector<QueuedDelete>> delete_queue_;  // by owner
+  // Owner side: forks deleted before their create/fork was processed (the
+  // pool may run messages out of order). A late create or fork for one of
+  // them must not bring it back. Bounded, oldest forgotten first.
+  std::unordered_set<ForkId, GloballyUniqueIdHash> tombstones_;
+  std::deque<ForkId> tombstone_order_;
+  bool take_tombstone_locked(const ForkId& fork);
   std::unordered_set<int> delete_scheduled_;  // owners with a flush scheduled or in flight
   int outstanding_ = 0;  // control messages in flight, deletes queued, children pending
   bool closed_ = false;

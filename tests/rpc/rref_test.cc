@@ -371,3 +371,29 @@ TEST_CASE("rref: everyone shutting down together after passing references on rep
     CHECK_NOTHROW(w.shutdown(true));
   }
 }
+
+TEST_CASE("rref: a delete that overtakes its fork or create does not resurrect it") {
+  // Drive the owner's protocol directly, in the order a busy pool may run it.
+  World w = make_world();
+  auto id = [](int64_t local) { return std::vector<c10::IValue>{int64_t(0), local}; };
+  auto cat = [](std::vector<c10::IValue> a, const std::vector<c10::IValue>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  auto del = [&](int64_t rref, int64_t fork) {
+    c10::impl::GenericList l(c10::AnyType::get());
+    for (auto& v : cat(id(rref), id(fork))) l.push_back(v);
+    w[0].call("worker1", "tandem.rref.delete", {c10::IValue(l)}).wait();
+  };
+  del(1000, 1001);
+  w[0].call("worker1", "tandem.rref.fork", cat(id(1000), id(1001))).wait();
+  CHECK(w[1].rrefs().owned_values() == 0);
+  del(2000, 2000);
+  c10::impl::GenericList no_args(c10::AnyType::get());
+  auto create = cat(cat(id(2000), id(2000)), {c10::IValue(std::string("ones"))});
+  create = cat(create, {int64_t(-1), int64_t(0), c10::IValue(no_args)});
+  CHECK_THROWS_WITH_AS(w[0].call("worker1", "tandem.rref.create", create).wait(),
+                       doctest::Contains("deleted before its creation"), RemoteError);
+  CHECK(w[1].rrefs().owned_values() == 0);
+  w.shutdown();
+}
