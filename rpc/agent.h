@@ -103,6 +103,7 @@ class Agent : public std::enable_shared_from_this<Agent> {
   const WorkerInfo& get_worker_info(int rank) const;
   std::vector<WorkerInfo> get_worker_infos() const { return workers_; }
   Registry& registry() { return *registry_; }
+  const AgentOptions& options() const { return options_; }
   // This agent's remote references (rpc/rref.h is the typed front).
   RRefContext& rrefs() { return *rrefs_; }
   // Runs `fn` as if inside a handler of this agent: current_agent() and the

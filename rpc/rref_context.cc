@@ -673,22 +673,48 @@ c10::IValue RRefContext::on_create(std::vector<c10::IValue>& args) {
   return c10::IValue(reply);
 }
 
+RawFuture RRefContext::value_for_request(const RRefId& id) {
+  bool fresh = false;
+  RawFuture value;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    fresh = owners_.find(id) == owners_.end();
+    value = record_locked(id).value;
+  }
+  if (fresh) {
+    auto life = agent_.options().rpc_timeout;
+    if (life.count() <= 0) life = std::chrono::milliseconds(60000);
+    auto ctx = shared_from_this();
+    agent_.schedule_after(life, [ctx, id] { ctx->drop_placeholder(id); });
+  }
+  return value;
+}
+
+void RRefContext::drop_placeholder(const RRefId& id) {
+  std::unique_ptr<OwnerRecord> dead;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = owners_.find(id);
+    if (it == owners_.end() || !it->second.forks.empty() || it->second.local_handles > 0 ||
+        it->second.value->completed()) {
+      return;  // claimed (or already gone) meanwhile
+    }
+    dead = std::make_unique<OwnerRecord>(std::move(it->second));
+    owners_.erase(it);
+  }
+  dead->value->setError(std::make_exception_ptr(std::runtime_error(
+      "RRef " + id.str() + " is not known to its owner " + agent_.name())));
+}
+
 c10::IValue RRefContext::on_fetch(std::vector<c10::IValue>& args) {
-  RRefId id = id_at(args, 0);
-  std::lock_guard<std::mutex> lock(mu_);
-  return c10::IValue(record_locked(id).value);
+  return c10::IValue(value_for_request(id_at(args, 0)));
 }
 
 c10::IValue RRefContext::on_call(std::vector<c10::IValue>& args) {
   if (args.size() != 4 || !args[2].isString()) {
     throw std::invalid_argument("malformed RRef control message");
   }
-  RRefId id = id_at(args, 0);
-  RawFuture value;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    value = record_locked(id).value;
-  }
+  RawFuture value = value_for_request(id_at(args, 0));
   return c10::IValue(apply_when_ready(value, args[2].toStringRef(), items_of(args[3]), true));
 }
 

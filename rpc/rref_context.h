@@ -155,6 +155,12 @@ class RRefContext final : public RRefHook, public std::enable_shared_from_this<R
   std::unordered_set<ForkId, GloballyUniqueIdHash> tombstones_;
   std::deque<ForkId> tombstone_order_;
   bool take_tombstone_locked(const ForkId& fork);
+  // The value future of `id` for a fetch or call. A request may overtake
+  // the create it depends on, so an unknown id gets a placeholder record;
+  // one that nobody claims within the agent's rpc_timeout is dropped (its
+  // waiters get an error) rather than kept forever.
+  RawFuture value_for_request(const RRefId& id);
+  void drop_placeholder(const RRefId& id);
   std::unordered_set<int> delete_scheduled_;  // owners with a flush scheduled or in flight
   int outstanding_ = 0;  // control messages in flight, deletes queued, children pending
   bool closed_ = false;

@@ -397,3 +397,13 @@ TEST_CASE("rref: a delete that overtakes its fork or create does not resurrect i
   CHECK(w[1].rrefs().owned_values() == 0);
   w.shutdown();
 }
+
+TEST_CASE("rref: a request for a value its owner never had is dropped, not kept") {
+  World w(2, [](Registry& r) { define(r, std::make_shared<Stash>()); },
+          [](AgentOptions& o) { o.rpc_timeout = 300ms; });
+  auto f = w[0].call("worker1", "tandem.rref.fetch", {int64_t(0), int64_t(4242)}, 50ms);
+  CHECK_THROWS_AS(f.wait(), TimeoutError);
+  CHECK(w[1].rrefs().owned_values() == 1);  // a placeholder, in case the create is late
+  CHECK(eventually([&] { return w[1].rrefs().owned_values() == 0; }, 2000ms));
+  w.shutdown();
+}
