@@ -238,6 +238,10 @@ RawFuture Agent::start_call(const std::string& to, const std::string& fn,
   // Bad arguments (and a failed RRef passed on) throw here, in the caller.
   OutFrame frame = encode(req, options_.limits, rrefs_.get(), dest.rank);
 
+  auto shut_down = [&] {
+    return std::make_exception_ptr(
+        ShutdownError("agent " + name() + " is shut down; cannot call '" + fn + "' on " + to));
+  };
   auto fail_now = [&](std::exception_ptr e) {
     rrefs_->abort_forks(frame.forks);  // the request never left
     fut->setError(e);
@@ -246,8 +250,7 @@ RawFuture Agent::start_call(const std::string& to, const std::string& fn,
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!accepting_) {
-      return fail_now(std::make_exception_ptr(
-          ShutdownError("agent " + name() + " is shut down; cannot call '" + fn + "' on " + to)));
+      return fail_now(shut_down());
     }
   }
   std::shared_ptr<Connection> conn;
@@ -263,8 +266,7 @@ RawFuture Agent::start_call(const std::string& to, const std::string& fn,
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!accepting_) {
-      return fail_now(std::make_exception_ptr(
-          ShutdownError("agent " + name() + " is shut down; cannot call '" + fn + "' on " + to)));
+      return fail_now(shut_down());
     }
     if (p.has_deadline) {
       bool earliest = deadlines_.empty() || p.deadline < deadlines_.begin()->first;

@@ -165,6 +165,16 @@ RRefPtr RRefContext::bind_new(const RRefDesc& desc, RRefImpl::Kind kind, RawFutu
   return r;
 }
 
+void RRefContext::finish_outstanding_locked(int n) {
+  outstanding_ -= n;
+  if (outstanding_ == 0) idle_cv_.notify_all();
+}
+
+void RRefContext::finish_outstanding(int n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  finish_outstanding_locked(n);
+}
+
 bool RRefContext::control(std::function<void(std::function<void()> done)> fn) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -172,10 +182,7 @@ bool RRefContext::control(std::function<void(std::function<void()> done)> fn) {
     ++outstanding_;
   }
   auto self = shared_from_this();
-  auto done = [self] {
-    std::lock_guard<std::mutex> lock(self->mu_);
-    if (--self->outstanding_ == 0) self->idle_cv_.notify_all();
-  };
+  auto done = [self] { self->finish_outstanding(); };
   // Control messages may connect to a peer: never on the loop thread.
   pool()->post([fn = std::move(fn), done] {
     try {
@@ -209,10 +216,7 @@ RRefPtr RRefContext::remote(int owner, const std::string& fn, std::vector<c10::I
     ++outstanding_;
   }
   auto ctx = shared_from_this();
-  auto done = [ctx] {
-    std::lock_guard<std::mutex> lock(ctx->mu_);
-    if (--ctx->outstanding_ == 0) ctx->idle_cv_.notify_all();
-  };
+  auto done = [ctx] { ctx->finish_outstanding(); };
   RawFuture reply;
   try {
     // From the caller's thread: no hand-off before the request leaves.
@@ -344,7 +348,7 @@ void RRefContext::abort_forks(const std::vector<RRefDesc>& forks) {
         if (it == pending_children_.end()) continue;
         held.push_back(std::move(it->second));
         pending_children_.erase(it);
-        if (--outstanding_ == 0) idle_cv_.notify_all();
+        finish_outstanding_locked();
       }
     }
   }
@@ -500,8 +504,7 @@ void RRefContext::on_dropped(RRefImpl& rref) {
   auto ctx = shared_from_this();
   confirmed->addCallback([ctx, d](c10::ivalue::Future&) {
     ctx->queue_delete(d);
-    std::lock_guard<std::mutex> lock(ctx->mu_);
-    if (--ctx->outstanding_ == 0) ctx->idle_cv_.notify_all();
+    ctx->finish_outstanding();
   });
 }
 
@@ -544,10 +547,9 @@ void RRefContext::flush_deletes(int owner) {
                  bool again = false;
                  {
                    std::lock_guard<std::mutex> lock(ctx->mu_);
-                   ctx->outstanding_ -= static_cast<int>(n);
+                   ctx->finish_outstanding_locked(static_cast<int>(n));
                    again = !ctx->delete_queue_[owner].empty() && !ctx->closed_;
                    if (!again) ctx->delete_scheduled_.erase(owner);
-                   if (ctx->outstanding_ == 0) ctx->idle_cv_.notify_all();
                  }
                  if (again) ctx->pool()->post([ctx, owner] { ctx->flush_deletes(owner); });
                });
@@ -769,7 +771,7 @@ c10::IValue RRefContext::on_child_accept(std::vector<c10::IValue>& args) {
     if (it == pending_children_.end()) return c10::IValue();
     held = std::move(it->second);
     pending_children_.erase(it);
-    if (--outstanding_ == 0) idle_cv_.notify_all();
+    finish_outstanding_locked();
   }
   return c10::IValue();
 }

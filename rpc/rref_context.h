@@ -155,6 +155,10 @@ class RRefContext final : public RRefHook, public std::enable_shared_from_this<R
   std::unordered_set<ForkId, GloballyUniqueIdHash> tombstones_;
   std::deque<ForkId> tombstone_order_;
   bool take_tombstone_locked(const ForkId& fork);
+  // `n` outstanding items are finished; wakes wait_idle() at zero. The
+  // _locked form is for callers already holding mu_.
+  void finish_outstanding_locked(int n = 1);
+  void finish_outstanding(int n = 1);
   // The value future of `id` for a fetch or call. A request may overtake
   // the create it depends on, so an unknown id gets a placeholder record;
   // one that nobody claims within the agent's rpc_timeout is dropped (its
