@@ -20,6 +20,7 @@ struct HandlerScope {
   Agent* agent = nullptr;
   bool has_deadline = false;
   Clock::time_point deadline;
+  uint64_t autograd_context = 0;  // inherited by the handler's own calls
 };
 thread_local HandlerScope tls_scope;
 
@@ -51,9 +52,24 @@ WorkerInfo split_worker(const std::string& s, int rank) {
 
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
+std::mutex g_extensions_mu;
+std::vector<ExtensionFactory>& extension_factories() {
+  static std::vector<ExtensionFactory> factories;
+  return factories;
+}
+
 }  // namespace
 
 Agent* handler_agent() { return tls_scope.agent; }
+
+void register_agent_extension(ExtensionFactory factory) {
+  std::lock_guard<std::mutex> lock(g_extensions_mu);
+  extension_factories().push_back(std::move(factory));
+}
+
+uint64_t handler_autograd_context(const Agent& agent) {
+  return tls_scope.agent == &agent ? tls_scope.autograd_context : 0;
+}
 
 std::shared_ptr<Agent> Agent::create(AgentOptions options, std::shared_ptr<Registry> registry,
                                      c10::intrusive_ptr<c10d::Store> store) {
@@ -120,6 +136,14 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
   internal_ = std::make_shared<Registry>();
   rrefs_ = std::make_shared<RRefContext>(*this);
   rrefs_->register_handlers(*internal_);
+  {
+    std::lock_guard<std::mutex> lock(g_extensions_mu);
+    for (const auto& make : extension_factories()) {
+      auto ext = make(*this);
+      ext->register_handlers(*internal_);
+      extensions_.push_back(std::move(ext));
+    }
+  }
   Transport::Callbacks cb;
   cb.on_message = [this](const ConnectionPtr& c, Message&& m) { on_message(c, std::move(m)); };
   cb.on_closed = [this](const ConnectionPtr& c, const std::string& r) { on_closed(c, r); };
@@ -235,8 +259,9 @@ RawFuture Agent::start_call(const std::string& to, const std::string& fn,
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(p.deadline - now).count();
     req.timeout_ms = static_cast<uint64_t>(std::max<int64_t>(left, 1));
   }
+  if (tls_scope.agent == this) req.autograd_context = tls_scope.autograd_context;
   // Bad arguments (and a failed RRef passed on) throw here, in the caller.
-  OutFrame frame = encode(req, options_.limits, rrefs_.get(), dest.rank);
+  OutFrame frame = encode_with_extensions(req, dest.rank);
 
   auto shut_down = [&] {
     return std::make_exception_ptr(
@@ -292,6 +317,18 @@ RawFuture Agent::start_call(const std::string& to, const std::string& fn,
     complete(req.id, [&](Pending& q) { finish(std::move(q), {}, eptr); }, 0);
   }
   return fut;
+}
+
+OutFrame Agent::encode_with_extensions(Message& m, int dest) {
+  for (const auto& e : extensions_) e->before_send(m, dest);
+  OutFrame frame = encode(m, options_.limits, rrefs_.get(), dest);
+  try {
+    for (const auto& e : extensions_) e->after_encode(m, frame, dest);
+  } catch (...) {
+    rrefs_->abort_forks(frame.forks);
+    throw;
+  }
+  return frame;
 }
 
 std::shared_ptr<Connection> Agent::connection_to(int rank, std::chrono::milliseconds timeout) {
@@ -373,6 +410,15 @@ void Agent::on_message(const std::shared_ptr<Connection>& conn, Message&& msg) {
       return;
     }
     case MessageKind::kResponse: {
+      if (!extensions_.empty()) {
+        try {
+          for (const auto& e : extensions_) e->after_receive(msg, conn->peer_rank);
+        } catch (...) {
+          auto eptr = std::current_exception();
+          complete(msg.id, [&](Pending& p) { finish(std::move(p), {}, eptr); }, conn->id());
+          return;
+        }
+      }
       c10::IValue value = msg.values.empty() ? c10::IValue() : std::move(msg.values[0]);
       complete(msg.id, [&](Pending& p) { finish(std::move(p), std::move(value), nullptr); },
                conn->id());
@@ -473,6 +519,7 @@ void Agent::handle_request(const std::shared_ptr<Connection>& conn, Message msg)
   }
   HandlerScope scope;
   scope.agent = this;
+  scope.autograd_context = msg.autograd_context;
   if (msg.timeout_ms > 0) {
     scope.has_deadline = true;
     scope.deadline = Clock::now() + std::min(std::chrono::milliseconds(std::min<uint64_t>(
@@ -481,17 +528,20 @@ void Agent::handle_request(const std::shared_ptr<Connection>& conn, Message msg)
   }
   ScopeGuard guard(scope);
   RawFuture result;
+  const uint64_t autograd_context = msg.autograd_context;
   try {
+    for (const auto& e : extensions_) e->after_receive(msg, conn->peer_rank);
     HandlerResult r = (*handler)(msg.values);
     if (r.future) {
       // Asynchronous: this pool thread is free now; reply when it completes.
       uint64_t id = msg.id;
       std::weak_ptr<Agent> weak = weak_from_this();
-      r.future->addCallback([weak, conn, id](c10::ivalue::Future& f) {
+      r.future->addCallback([weak, conn, id, autograd_context](c10::ivalue::Future& f) {
         // The future may complete after this agent is gone: then nobody is
         // left to answer, and the caller has failed the call already.
         if (auto self = weak.lock()) {
-          self->reply(conn, id, c10::intrusive_ptr<c10::ivalue::Future>::reclaim_copy(&f));
+          self->reply(conn, id, c10::intrusive_ptr<c10::ivalue::Future>::reclaim_copy(&f),
+                      autograd_context);
         }
       });
       return;
@@ -502,10 +552,11 @@ void Agent::handle_request(const std::shared_ptr<Connection>& conn, Message msg)
     result = make_raw_future();
     result->setError(std::current_exception());
   }
-  reply(conn, msg.id, result);
+  reply(conn, msg.id, result, autograd_context);
 }
 
-void Agent::reply(const std::shared_ptr<Connection>& conn, uint64_t id, const RawFuture& result) {
+void Agent::reply(const std::shared_ptr<Connection>& conn, uint64_t id, const RawFuture& result,
+                  uint64_t autograd_context) {
   if (result->hasError()) {
     auto [code, text] = describe_error(result->exception_ptr());
     // What the function threw is the callee's error, whatever its type (but
@@ -517,9 +568,10 @@ void Agent::reply(const std::shared_ptr<Connection>& conn, uint64_t id, const Ra
   m.kind = MessageKind::kResponse;
   m.id = id;
   m.values.push_back(result->constValue());
+  m.autograd_context = autograd_context;
   OutFrame frame;
   try {
-    frame = encode(m, options_.limits, rrefs_.get(), conn->peer_rank);
+    frame = encode_with_extensions(m, conn->peer_rank);
   } catch (const std::exception& e) {
     send_error(conn, id, ErrorCode::kRemote, std::string("cannot send the result: ") + e.what());
     return;
@@ -630,6 +682,7 @@ void Agent::shutdown(bool graceful) {
     if (graceful && barrier_error.empty()) leaked = rrefs_->live_user_refs();
     rrefs_->close();
   }
+  for (const auto& e : extensions_) e->close();
   {
     std::lock_guard<std::mutex> lock(mu_);
     accepting_ = false;

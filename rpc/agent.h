@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "rpc/convert.h"
+#include "rpc/extension.h"
 #include "rpc/future.h"
 #include "rpc/registry.h"
 #include "rpc/thread_pool.h"
@@ -106,6 +107,14 @@ class Agent : public std::enable_shared_from_this<Agent> {
   const AgentOptions& options() const { return options_; }
   // This agent's remote references (rpc/rref.h is the typed front).
   RRefContext& rrefs() { return *rrefs_; }
+  // The extension of type T this agent made (rpc/extension.h), or null.
+  template <class T>
+  std::shared_ptr<T> extension() const {
+    for (const auto& e : extensions_) {
+      if (auto t = std::dynamic_pointer_cast<T>(e)) return t;
+    }
+    return nullptr;
+  }
   // Runs `fn` as if inside a handler of this agent: current_agent() and the
   // convenience API then act on this agent.
   void run_as_handler(const std::function<void()>& fn);
@@ -177,7 +186,10 @@ class Agent : public std::enable_shared_from_this<Agent> {
   void on_message(const std::shared_ptr<Connection>& conn, Message&& msg);
   void on_closed(const std::shared_ptr<Connection>& conn, const std::string& reason);
   void handle_request(const std::shared_ptr<Connection>& conn, Message msg);
-  void reply(const std::shared_ptr<Connection>& conn, uint64_t id, const RawFuture& result);
+  void reply(const std::shared_ptr<Connection>& conn, uint64_t id, const RawFuture& result,
+             uint64_t autograd_context);
+  // Runs the extensions' before_send, encodes, runs their after_encode.
+  OutFrame encode_with_extensions(Message& m, int dest);
   void send_error(const std::shared_ptr<Connection>& conn, uint64_t id, ErrorCode code,
                   const std::string& message);
   // Takes the pending call out of the table and completes it.
@@ -193,6 +205,7 @@ class Agent : public std::enable_shared_from_this<Agent> {
   std::shared_ptr<Registry> registry_;
   std::shared_ptr<Registry> internal_;  // "tandem.*": the layers' own functions
   std::shared_ptr<RRefContext> rrefs_;
+  std::vector<std::shared_ptr<AgentExtension>> extensions_;
   std::shared_ptr<ThreadPool> pool_;
   std::unique_ptr<UvTransport> transport_;
   c10::intrusive_ptr<c10d::Store> store_;

@@ -96,6 +96,7 @@ struct TensorMeta {
   strides @2 :List(Int64);  # always contiguous on the wire
   device @3 :DeviceValue;   # where it lived on the sender
   byteLength @4 :UInt64;    # numel * itemsize, checked by the receiver
+  requiresGrad @5 :Bool;    # only with Envelope.autogradMessage: the receiver records it
 }
 
 struct ErrorInfo {
@@ -119,4 +120,12 @@ struct Envelope {
   tensors @5 :List(TensorMeta);
   error @6 :ErrorInfo;
   hello @7 :Hello;
+  # Opaque to the RPC layer (the autograd layer gives them meaning): the
+  # distributed autograd context the message belongs to (0 = none), and the
+  # id pairing its recorded send and receive (0 = nothing recorded).
+  autogradContext @8 :UInt64;
+  autogradMessage @9 :UInt64;
+  # With autogradMessage: the recorded sends (by message id) that a gradient
+  # for this message would reach, transitively (see autograd/engine.h).
+  autogradReach @10 :List(UInt64);
 }

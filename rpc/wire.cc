@@ -49,6 +49,7 @@ class Encoder {
   Encoder(RRefHook* hook, int dest, std::vector<RRefDesc>& forks)
       : forks(forks), hook_(hook), dest_(dest) {}
   std::vector<at::Tensor> tensors;
+  std::vector<at::Tensor> sources;  // the caller's tensor behind each wire tensor
   std::vector<RRefDesc>& forks;  // every fork made, so a failure can undo them
 
   void type(schema::TypeDesc::Builder b, const c10::TypePtr& t) {
@@ -171,6 +172,7 @@ class Encoder {
     auto idx = static_cast<uint32_t>(tensors.size());
     index_.emplace(t.unsafeGetTensorImpl(), idx);
     devices_.push_back(t.device());
+    sources.push_back(t);
     tensors.push_back(std::move(wire));
     return idx;
   }
@@ -327,6 +329,14 @@ OutFrame encode_unchecked(const Message& m, const Limits& limits, RRefHook* rref
       break;
     }
   }
+  if (m.kind == MessageKind::kRequest || m.kind == MessageKind::kResponse) {
+    env.setAutogradContext(m.autograd_context);
+    env.setAutogradMessage(m.autograd_message);
+    if (!m.autograd_reach.empty()) {
+      auto reach = env.initAutogradReach(m.autograd_reach.size());
+      for (size_t i = 0; i < m.autograd_reach.size(); ++i) reach.set(i, m.autograd_reach[i]);
+    }
+  }
   if (!m.values.empty()) {
     auto vals = env.initValues(m.values.size());
     for (size_t i = 0; i < m.values.size(); ++i) enc.value(vals[i], m.values[i]);
@@ -354,6 +364,10 @@ OutFrame encode_unchecked(const Message& m, const Limits& limits, RRefHook* rref
       dev.setIndex(enc.devices_[i].index());
       uint64_t nbytes = t.nbytes();
       meta.setByteLength(nbytes);
+      if (m.autograd_message != 0 && enc.sources[i].requires_grad()) {
+        meta.setRequiresGrad(true);
+        frame.grad_sources.push_back(enc.sources[i]);
+      }
       offset += padding_before(offset) + nbytes;
     }
   }
@@ -499,6 +513,20 @@ void FrameDecoder::on_envelope() {
       handshake_pending_ = false;
     }
     pending_.id = env.getId();
+    if (pending_.kind == MessageKind::kRequest || pending_.kind == MessageKind::kResponse) {
+      pending_.autograd_context = env.getAutogradContext();
+      pending_.autograd_message = env.getAutogradMessage();
+      if (pending_.autograd_message != 0 && pending_.autograd_context == 0) {
+        throw ProtocolError("autograd message " + std::to_string(pending_.autograd_message) +
+                            " outside any context");
+      }
+      auto reach = env.getAutogradReach();
+      if (reach.size() > 0 && pending_.autograd_message == 0) {
+        throw ProtocolError("autograd reach without an autograd message");
+      }
+      pending_.autograd_reach.reserve(reach.size());
+      for (uint64_t r : reach) pending_.autograd_reach.push_back(r);
+    }
     if (pending_.kind == MessageKind::kRequest) {
       pending_.callee = env.getCallee();
       pending_.timeout_ms = env.getTimeoutMs();
@@ -564,6 +592,11 @@ void FrameDecoder::on_envelope() {
                             " does not match its shape and dtype");
       }
       decode_device(meta.getDevice());
+      if (meta.getRequiresGrad() && pending_.autograd_message != 0 &&
+          !at::isFloatingType(dtype) && !at::isComplexType(dtype)) {
+        throw ProtocolError(which + "requires grad but its dtype " + c10::toString(dtype) +
+                            " is not differentiable");
+      }
       offset += padding_before(offset);
       if (__builtin_add_overflow(offset, nbytes, &offset) || offset > preamble_.body_bytes) {
         throw ProtocolError("tensors overrun the frame's body of " +
@@ -575,8 +608,11 @@ void FrameDecoder::on_envelope() {
       throw ProtocolError("frame body is " + std::to_string(preamble_.body_bytes) +
                           " bytes but its tensors need " + std::to_string(offset));
     }
-    for (auto& [dtype, shape] : shapes) {
-      tensors_.push_back(at::empty(shape, at::TensorOptions().dtype(dtype)));
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      tensors_.push_back(at::empty(shapes[i].second, at::TensorOptions().dtype(shapes[i].first)));
+      if (pending_.autograd_message != 0 && metas[i].getRequiresGrad()) {
+        pending_.grad_tensors.push_back(tensors_.back());
+      }
     }
     auto values = env.getValues();
     pending_.values.reserve(values.size());

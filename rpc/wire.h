@@ -42,6 +42,14 @@ struct Message {
   std::vector<c10::IValue> values;  // request: arguments; response: one result
   // Received: every RRef in `values`, still unbound (the agent binds them).
   std::vector<RRefPtr> rrefs;
+  // Request and response: the autograd context (0 = none) and the id of the
+  // recorded send (0 = none). With autograd_message set, the encoder flags
+  // the tensors that require grad, and the decoder lists them (in frame
+  // order) in grad_tensors.
+  uint64_t autograd_context = 0;
+  uint64_t autograd_message = 0;
+  std::vector<uint64_t> autograd_reach;  // with autograd_message; opaque to rpc
+  std::vector<at::Tensor> grad_tensors;
   // kError
   ErrorCode error_code = ErrorCode::kRemote;
   std::string error_worker;
@@ -92,6 +100,9 @@ struct OutFrame {
   // The RRef forks made for this frame: the sender undoes them
   // (RRefHook::abort_forks) if the frame is never written.
   std::vector<RRefDesc> forks;
+  // With Message::autograd_message: the caller's tensors (not their wire
+  // copies) that travel flagged as requiring grad, in frame order.
+  std::vector<at::Tensor> grad_sources;
   uint64_t total_bytes() const;
 };
 

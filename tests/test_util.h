@@ -165,5 +165,8 @@ struct World {
 
 // Path of this test binary (for tests that start worker processes).
 std::string self_exe();
+// Starts this binary again with the environment plus `env_extra`
+// ("TANDEM_TEST_WORKER=mode" makes it a worker: see main.cc).
+pid_t spawn_worker(const std::vector<std::string>& env_extra);
 
 }  // namespace tandem::test

@@ -3,7 +3,6 @@
 #include "test_util.h"
 
 #include <signal.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -12,8 +11,6 @@
 
 #include "rpc/api.h"
 #include "rpc/rendezvous.h"
-
-extern char** environ;
 
 using namespace tandem;
 using namespace tandem::rpc;
@@ -81,20 +78,6 @@ RunResult run_command(const std::string& cmd) {
   return r;
 }
 
-pid_t spawn_worker(const std::vector<std::string>& env_extra) {
-  std::vector<std::string> env;
-  for (char** e = environ; *e; ++e) env.emplace_back(*e);
-  for (auto& kv : env_extra) env.push_back(kv);
-  std::vector<char*> envp;
-  for (auto& s : env) envp.push_back(s.data());
-  envp.push_back(nullptr);
-  std::string exe = test::self_exe();
-  char* argv[] = {exe.data(), nullptr};
-  pid_t pid = -1;
-  REQUIRE(::posix_spawn(&pid, exe.c_str(), nullptr, nullptr, argv, envp.data()) == 0);
-  return pid;
-}
-
 }  // namespace
 
 TEST_CASE("process: tandem-run starts a world of real workers") {
@@ -127,7 +110,7 @@ TEST_CASE("process: a worker that dies fails calls to it within a second") {
     so.isServer = true;
     so.timeout = 30s;
     auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
-    pid_t child = spawn_worker({"TANDEM_TEST_WORKER=serve", "RANK=1", "WORLD_SIZE=2",
+    pid_t child = test::spawn_worker({"TANDEM_TEST_WORKER=serve", "RANK=1", "WORLD_SIZE=2",
                                 "MASTER_ADDR=127.0.0.1",
                                 "MASTER_PORT=" + std::to_string(store->getPort())});
     AgentOptions o;

@@ -1,0 +1,84 @@
+// Distributed autograd: backward through a model whose pieces ran on other
+// workers, as torch.distributed.autograd does for Python.
+//
+//   #include <tandem/autograd/autograd.h>
+//   namespace dist_autograd = tandem::autograd;
+//
+//   {
+//     dist_autograd::Context ctx;                       // RAII; ctx.id()
+//     at::Tensor h = rpc::rpc_sync<at::Tensor>("worker1", "layer1", x);
+//     at::Tensor loss = rpc::rpc_sync<at::Tensor>("worker2", "layer2", h).sum();
+//     dist_autograd::backward(ctx.id(), {loss});        // runs on worker0, 1 and 2
+//     auto grads = dist_autograd::get_gradients(ctx.id());  // this worker's leaves
+//     at::Tensor gx = grads.at(x);
+//   }                                                   // released on every worker
+//
+// Inside a context, every tensor that requires grad and crosses a worker
+// (arguments, results, to_here(), RRef proxies) is recorded; the context is
+// current in the handlers it reaches and in the calls they make. backward()
+// differentiates the roots through every worker that took part, running each
+// local subgraph once, after all the gradients that will reach it; tensors
+// sent but never used by the loss are skipped (autograd/engine.h). Gradients
+// accumulate per context and never touch .grad, so contexts can run side by
+// side on the same parameters. Errors: a failure on any worker raises
+// rpc::RemoteError naming it; a worker that dies raises DisconnectedError.
+#pragma once
+
+#include <ATen/core/Dict.h>
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "rpc/agent.h"
+
+namespace tandem::autograd {
+
+class Container;
+
+// A distributed autograd context, current on this thread while it lives.
+// Contexts do not nest (a second one on the same thread, or one inside a
+// handler already running in a context, throws std::logic_error). The
+// destructor releases the context on every worker that took part, waiting
+// up to the agent's rpc_timeout.
+class Context {
+ public:
+  Context();                            // on the current agent (rpc::current_agent())
+  explicit Context(rpc::Agent& agent);  // on this agent
+  ~Context();
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+
+  uint64_t id() const { return id_; }
+
+ private:
+  std::shared_ptr<Container> container_;
+  uint64_t id_ = 0;
+};
+
+// The context current on this thread (inside a Context, or in a handler
+// serving a request made inside one); 0 when none.
+uint64_t current_context_id();
+
+// Runs backward from `roots` (scalars that require grad) through every
+// worker that took part in context `context_id`; returns when all of it is
+// done, or throws the first error. With retain_graph the graph can be run
+// again. The agent is the one that owns the context on this thread, else
+// the current agent; timeout defaults to its rpc_timeout.
+void backward(uint64_t context_id, const std::vector<at::Tensor>& roots,
+              bool retain_graph = false);
+void backward(rpc::Agent& agent, uint64_t context_id, const std::vector<at::Tensor>& roots,
+              bool retain_graph = false,
+              std::chrono::milliseconds timeout = rpc::kDefaultTimeout);
+
+// This worker's leaf gradients in the context: leaf tensor -> gradient
+// (looked up by identity: grads.at(weight)).
+c10::Dict<at::Tensor, at::Tensor> get_gradients(uint64_t context_id);
+c10::Dict<at::Tensor, at::Tensor> get_gradients(rpc::Agent& agent, uint64_t context_id);
+
+// Contexts alive on `agent` (tests and leak checks).
+size_t live_contexts(rpc::Agent& agent);
+
+}  // namespace tandem::autograd

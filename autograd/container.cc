@@ -1,0 +1,470 @@
+#include "autograd/container.h"
+
+#include "autograd/autograd.h"
+#include "rpc/api.h"
+
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <unordered_set>
+
+#include "rpc/errors.h"
+#include "rpc/registry.h"
+
+namespace tandem::autograd {
+namespace {
+
+constexpr size_t kReleasedMemory = 1 << 16;  // released ids remembered
+
+// The context a Context object made current on this thread.
+struct Current {
+  const Container* owner = nullptr;
+  uint64_t id = 0;
+};
+thread_local Current tls_current;
+
+// Every tensor inside `v` that requires grad (in any order: only the set matters).
+void collect_grad_tensors(const c10::IValue& v, std::vector<at::Tensor>& out) {
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    if (t.defined() && t.requires_grad()) out.push_back(t);
+  } else if (v.isList()) {
+    for (const auto& e : v.toListRef()) collect_grad_tensors(e, out);
+  } else if (v.isTuple()) {
+    for (const auto& e : v.toTupleRef().elements()) collect_grad_tensors(e, out);
+  } else if (v.isGenericDict()) {
+    for (const auto& kv : v.toGenericDict()) {
+      collect_grad_tensors(kv.key(), out);
+      collect_grad_tensors(kv.value(), out);
+    }
+  }
+}
+
+// The reach of a message carrying `tensors` (autograd/engine.h): for every
+// RecvBackward below them on this worker, its message id and its own reach.
+std::vector<uint64_t> reach_of(const std::vector<at::Tensor>& tensors) {
+  std::vector<torch::autograd::Node*> stack;
+  std::unordered_set<torch::autograd::Node*> seen;
+  for (const auto& t : tensors) {
+    if (auto* fn = t.grad_fn().get(); fn && seen.insert(fn).second) stack.push_back(fn);
+  }
+  std::vector<uint64_t> out;
+  while (!stack.empty()) {
+    torch::autograd::Node* n = stack.back();
+    stack.pop_back();
+    if (auto* recv = dynamic_cast<RecvBackward*>(n)) {
+      out.push_back(recv->message());
+      out.insert(out.end(), recv->reach().begin(), recv->reach().end());
+      continue;
+    }
+    for (const auto& e : n->next_edges()) {
+      if (e.is_valid() && seen.insert(e.function.get()).second) stack.push_back(e.function.get());
+    }
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+// Completes when every future in `all` has (errors ignored).
+rpc::RawFuture when_all(std::vector<rpc::RawFuture> all) {
+  auto out = rpc::make_raw_future();
+  if (all.empty()) {
+    out->markCompleted(c10::IValue());
+    return out;
+  }
+  auto left = std::make_shared<std::atomic<size_t>>(all.size());
+  for (auto& f : all) {
+    f->addCallback([left, out](c10::ivalue::Future&) {
+      if (left->fetch_sub(1) == 1) out->markCompleted(c10::IValue());
+    });
+  }
+  return out;
+}
+
+bool wait_for(const rpc::RawFuture& f, std::chrono::milliseconds timeout) {
+  auto mu = std::make_shared<std::mutex>();
+  auto cv = std::make_shared<std::condition_variable>();
+  f->addCallback([mu, cv](c10::ivalue::Future&) {
+    std::lock_guard<std::mutex> lock(*mu);
+    cv->notify_all();
+  });
+  std::unique_lock<std::mutex> lock(*mu);
+  return cv->wait_for(lock, timeout, [&] { return f->completed(); });
+}
+
+const bool kRegistered = [] {
+  rpc::register_agent_extension(
+      [](rpc::Agent& agent) { return std::make_shared<Container>(agent); });
+  return true;
+}();
+
+}  // namespace
+
+variable_list RecvBackward::apply(variable_list&&) {
+  throw std::logic_error(
+      "this tensor came over RPC inside distributed autograd context " +
+      std::to_string(context_) +
+      ": differentiate it with tandem::autograd::backward(context_id, roots), not "
+      "LibTorch's own backward()");
+}
+
+Container::Container(rpc::Agent& agent) : agent_(agent), rank_(agent.rank()) { (void)kRegistered; }
+
+std::shared_ptr<Container> Container::of(rpc::Agent& agent) {
+  auto c = agent.extension<Container>();
+  if (!c) {
+    throw std::logic_error("agent " + agent.name() +
+                           " has no distributed autograd: it was created before "
+                           "Tandem's autograd library was loaded");
+  }
+  return c;
+}
+
+uint64_t Container::next_id(std::atomic<uint64_t>& counter) const {
+  return (static_cast<uint64_t>(rank_) << 48) | counter.fetch_add(1);
+}
+
+uint64_t Container::new_context() {
+  uint64_t id = next_id(next_context_);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) throw rpc::ShutdownError("agent " + agent_.name() + " is shut down");
+  contexts_.emplace(id, std::make_shared<ContextState>(id));
+  return id;
+}
+
+uint64_t Container::current_context() const {
+  if (tls_current.owner == this && tls_current.id != 0) return tls_current.id;
+  return rpc::handler_autograd_context(agent_);
+}
+
+std::shared_ptr<ContextState> Container::find(uint64_t id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = contexts_.find(id);
+  return it == contexts_.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<ContextState> Container::get(uint64_t id) const {
+  auto ctx = find(id);
+  if (!ctx) {
+    throw std::invalid_argument("no distributed autograd context " + std::to_string(id) +
+                                " on " + agent_.name() + " (never used here, or released)");
+  }
+  return ctx;
+}
+
+std::shared_ptr<ContextState> Container::get_or_create(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = contexts_.find(id);
+  if (it != contexts_.end()) return it->second;
+  if (closed_ || released_.count(id)) return nullptr;
+  return contexts_.emplace(id, std::make_shared<ContextState>(id)).first->second;
+}
+
+size_t Container::live_contexts() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return contexts_.size();
+}
+
+// ---- recording -----------------------------------------------------------------
+
+void Container::before_send(rpc::Message& m, int dest) {
+  if (m.kind == rpc::MessageKind::kRequest) {
+    if (m.callee.rfind("tandem.autograd.", 0) == 0) {  // the engine's own traffic
+      m.autograd_context = 0;
+      return;
+    }
+    if (tls_current.owner == this && tls_current.id != 0) m.autograd_context = tls_current.id;
+  } else if (m.kind != rpc::MessageKind::kResponse) {
+    return;
+  }
+  if (m.autograd_context == 0) return;
+  auto ctx = get_or_create(m.autograd_context);
+  if (!ctx) {  // released here: the message travels outside any context
+    m.autograd_context = 0;
+    return;
+  }
+  std::vector<at::Tensor> tensors;
+  for (const auto& v : m.values) collect_grad_tensors(v, tensors);
+  bool has_recvs;
+  {
+    std::lock_guard<std::mutex> lock(ctx->mu);
+    ctx->known_workers.insert(dest);
+    has_recvs = ctx->recvs > 0;
+  }
+  if (tensors.empty()) return;
+  m.autograd_message = next_id(next_message_);
+  // Nothing received here in this context: no gradient can leave this worker
+  // from below these tensors, so the reach is empty without a walk.
+  if (has_recvs) m.autograd_reach = reach_of(tensors);
+}
+
+void Container::after_encode(const rpc::Message& m, rpc::OutFrame& frame, int) {
+  if (m.autograd_message == 0) return;
+  auto ctx = find(m.autograd_context);
+  if (!ctx) return;
+  torch::autograd::edge_list edges;
+  edges.reserve(frame.grad_sources.size());
+  for (const auto& t : frame.grad_sources) edges.push_back(torch::autograd::impl::gradient_edge(t));
+  auto send = std::make_shared<SendBackward>(m.autograd_context, m.autograd_message,
+                                             std::move(edges));
+  for (const auto& t : frame.grad_sources) send->add_input_metadata(t);
+  std::lock_guard<std::mutex> lock(ctx->mu);
+  ctx->sends.emplace(m.autograd_message, std::move(send));
+}
+
+void Container::after_receive(rpc::Message& m, int from) {
+  if (m.autograd_message == 0 || m.grad_tensors.empty()) return;
+  if (id_worker(m.autograd_message) != from) {
+    throw rpc::ProtocolError("autograd message " + std::to_string(m.autograd_message) +
+                             " from rank " + std::to_string(from) + " names another sender");
+  }
+  for (uint64_t r : m.autograd_reach) {
+    if (id_worker(r) < 0 || id_worker(r) >= agent_.world_size()) {
+      throw rpc::ProtocolError("autograd reach names unknown rank " +
+                               std::to_string(id_worker(r)));
+    }
+  }
+  auto ctx = get_or_create(m.autograd_context);
+  if (!ctx) return;  // released here: the tensors arrive without history
+  auto recv = std::make_shared<RecvBackward>(m.autograd_context, m.autograd_message, from,
+                                             std::move(m.autograd_reach));
+  for (auto& t : m.grad_tensors) torch::autograd::set_history(t, recv);
+  std::lock_guard<std::mutex> lock(ctx->mu);
+  ++ctx->recvs;
+}
+
+// ---- release -------------------------------------------------------------------
+
+rpc::RawFuture Container::release(uint64_t id, int from) {
+  std::shared_ptr<ContextState> ctx;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = contexts_.find(id);
+    if (it != contexts_.end()) {
+      ctx = std::move(it->second);
+      contexts_.erase(it);
+    }
+    if (released_.insert(id).second) {
+      released_order_.push_back(id);
+      if (released_order_.size() > kReleasedMemory) {
+        released_.erase(released_order_.front());
+        released_order_.pop_front();
+      }
+    }
+  }
+  if (!ctx) return when_all({});
+  std::vector<int> workers;
+  {
+    std::lock_guard<std::mutex> lock(ctx->mu);
+    for (int w : ctx->known_workers) {
+      if (w != from && w != rank_) workers.push_back(w);
+    }
+  }
+  std::unordered_map<uint64_t, std::shared_ptr<GraphTask>> live;
+  {
+    std::lock_guard<std::mutex> lock(ctx->mu);
+    live.swap(ctx->tasks);
+  }
+  for (auto& [_, task] : live) abort_task(task, "its context was released");
+  std::vector<rpc::RawFuture> forwarded;
+  for (int w : workers) {
+    try {
+      forwarded.push_back(agent_
+                              .call(agent_.get_worker_info(w).name, "tandem.autograd.release",
+                                    {static_cast<int64_t>(id), static_cast<int64_t>(rank_)})
+                              .raw());
+    } catch (const std::exception&) {
+      // Shut down or unreachable: nothing there can be freed from here.
+    }
+  }
+  return when_all(std::move(forwarded));
+}
+
+void Container::close() {
+  std::unordered_map<uint64_t, std::shared_ptr<ContextState>> contexts;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+    contexts.swap(contexts_);
+  }
+  for (auto& [id, ctx] : contexts) {
+    std::unordered_map<uint64_t, std::shared_ptr<GraphTask>> tasks;
+    {
+      std::lock_guard<std::mutex> lock(ctx->mu);
+      tasks.swap(ctx->tasks);
+    }
+    for (auto& [tid, task] : tasks) {
+      // A backward() running here fails; a part run for another worker just
+      // stops: its root learns it from the connection closing, as if this
+      // worker had died.
+      if (task->root == rank_) {
+        fail(task, std::make_exception_ptr(rpc::ShutdownError(
+                       "agent " + agent_.name() + " shut down during distributed backward")));
+      } else {
+        std::lock_guard<std::mutex> lock(task->mu);
+        task->finished = true;
+        task->nodes.clear();
+        task->ready.clear();
+        task->early.clear();
+        task->report = nullptr;
+      }
+    }
+  }
+}
+
+// ---- handlers ------------------------------------------------------------------
+
+void Container::register_handlers(rpc::Registry& internal) {
+  std::weak_ptr<Container> weak = weak_from_this();
+  auto self = [weak] {
+    auto c = weak.lock();
+    if (!c) throw rpc::ShutdownError("distributed autograd is shut down");
+    return c;
+  };
+  internal.def("tandem.autograd.release", [self](int64_t id, int64_t from) {
+    return rpc::Future<void>(self()->release(static_cast<uint64_t>(id), static_cast<int>(from)),
+                             nullptr);
+  });
+  internal.def("tandem.autograd.run", [self](int64_t ctx, int64_t task, int64_t root, bool keep,
+                                             int64_t timeout_ms, std::vector<int64_t> sends) {
+    auto c = self();
+    std::vector<uint64_t> ids(sends.begin(), sends.end());
+    if (root < 0 || root >= c->agent_.world_size()) {
+      throw std::invalid_argument("unknown root rank " + std::to_string(root));
+    }
+    rpc::RawFuture done = c->run_part(static_cast<uint64_t>(ctx), static_cast<uint64_t>(task),
+                                      static_cast<int>(root), keep, ids,
+                                      std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0)));
+    // The reply is a value, so that the root can raise the error with its
+    // type (Disconnected, Timeout, ...) and this worker's name.
+    auto out = rpc::make_raw_future();
+    std::string me = c->agent_.name();
+    done->addCallback([out, me](c10::ivalue::Future& f) {
+      if (f.hasError()) {
+        auto [code, text] = rpc::describe_error(f.exception_ptr());
+        out->markCompleted(c10::ivalue::Tuple::create(
+            {c10::IValue(static_cast<int64_t>(code)), c10::IValue(me), c10::IValue(text)}));
+      } else {
+        out->markCompleted(c10::ivalue::Tuple::create(
+            {c10::IValue(int64_t(-1)), c10::IValue(std::string()), c10::IValue(std::string())}));
+      }
+    });
+    return rpc::Future<c10::IValue>(out, nullptr);
+  });
+  internal.def("tandem.autograd.grad", [self](int64_t ctx, int64_t task, int64_t message,
+                                              c10::IValue grads) {
+    if (!grads.isTuple()) throw std::invalid_argument("gradients must travel as a tuple");
+    variable_list list;
+    for (const auto& g : grads.toTupleRef().elements()) {
+      if (g.isNone()) {
+        list.emplace_back();
+      } else if (g.isTensor()) {
+        list.push_back(g.toTensor());
+      } else {
+        throw std::invalid_argument("a gradient must be a tensor or None, got " + g.tagKind());
+      }
+    }
+    self()->on_grad(static_cast<uint64_t>(ctx), static_cast<uint64_t>(task),
+                    static_cast<uint64_t>(message), std::move(list));
+  });
+  internal.def("tandem.autograd.fail", [self](int64_t ctx, int64_t task, int64_t code,
+                                              std::string worker, std::string message) {
+    auto c = self();
+    if (code < 0 || code > static_cast<int64_t>(rpc::ErrorCode::kProtocol)) {
+      throw std::invalid_argument("unknown error code " + std::to_string(code));
+    }
+    auto state = c->find(static_cast<uint64_t>(ctx));
+    if (!state) return;
+    std::shared_ptr<GraphTask> t;
+    {
+      std::lock_guard<std::mutex> lock(state->mu);
+      auto it = state->tasks.find(static_cast<uint64_t>(task));
+      if (it == state->tasks.end()) return;
+      t = it->second;
+    }
+    std::function<void(std::exception_ptr)> report;
+    {
+      std::lock_guard<std::mutex> lock(t->mu);
+      report = t->report;
+    }
+    if (report) report(rpc::make_error(static_cast<rpc::ErrorCode>(code), worker, message));
+  });
+  internal.def("tandem.autograd.abort", [self](int64_t ctx, int64_t task) {
+    auto c = self();
+    auto state = c->find(static_cast<uint64_t>(ctx));
+    if (!state) return;
+    std::shared_ptr<GraphTask> t;
+    {
+      std::lock_guard<std::mutex> lock(state->mu);
+      auto it = state->tasks.find(static_cast<uint64_t>(task));
+      if (it == state->tasks.end()) return;
+      t = it->second;
+      state->tasks.erase(it);
+    }
+    c->abort_task(t, "aborted by its root");
+  });
+}
+
+// ---- the public API ------------------------------------------------------------
+
+Context::Context() : Context(*rpc::current_agent()) {}
+
+Context::Context(rpc::Agent& agent) : container_(Container::of(agent)) {
+  uint64_t outer = tls_current.id != 0 ? tls_current.id : container_->current_context();
+  if (outer != 0) {
+    throw std::logic_error("distributed autograd context " + std::to_string(outer) +
+                           " is already current on this thread: contexts do not nest");
+  }
+  id_ = container_->new_context();
+  tls_current = {container_.get(), id_};
+}
+
+Context::~Context() {
+  if (tls_current.id == id_) tls_current = {};
+  try {
+    auto done = container_->release(id_);
+    auto timeout = container_->agent().options().rpc_timeout;
+    if (timeout.count() == 0) timeout = std::chrono::hours(24);
+    wait_for(done, timeout);
+  } catch (const std::exception&) {
+    // The agent is gone: nothing is left to release.
+  }
+}
+
+uint64_t current_context_id() {
+  if (tls_current.id != 0) return tls_current.id;
+  if (rpc::Agent* a = rpc::handler_agent()) return rpc::handler_autograd_context(*a);
+  return 0;
+}
+
+namespace {
+// The agent that owns `context_id` on this thread, else the current one.
+rpc::Agent& agent_for(uint64_t context_id) {
+  if (tls_current.owner && tls_current.id == context_id) return tls_current.owner->agent();
+  return *rpc::current_agent();
+}
+}  // namespace
+
+void backward(uint64_t context_id, const std::vector<at::Tensor>& roots, bool retain_graph) {
+  backward(agent_for(context_id), context_id, roots, retain_graph);
+}
+
+void backward(rpc::Agent& agent, uint64_t context_id, const std::vector<at::Tensor>& roots,
+              bool retain_graph, std::chrono::milliseconds timeout) {
+  Container::of(agent)->backward(context_id, roots, retain_graph, timeout);
+}
+
+c10::Dict<at::Tensor, at::Tensor> get_gradients(uint64_t context_id) {
+  return get_gradients(agent_for(context_id), context_id);
+}
+
+c10::Dict<at::Tensor, at::Tensor> get_gradients(rpc::Agent& agent, uint64_t context_id) {
+  return Container::of(agent)->get_gradients(context_id);
+}
+
+size_t live_contexts(rpc::Agent& agent) { return Container::of(agent)->live_contexts(); }
+
+}  // namespace tandem::autograd

@@ -1,0 +1,479 @@
+// The engine half of Container: see autograd/engine.h for the algorithm.
+#include <ATen/ops/ones_like.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/version.h>
+
+#include <map>
+#include <set>
+
+#include "autograd/container.h"
+#include "rpc/errors.h"
+
+namespace tandem::autograd {
+namespace {
+
+using torch::autograd::Edge;
+using torch::autograd::Node;
+
+// Adds the graph below `entry` to the task's reached nodes (task.mu held):
+// each node reached for the first time is added, and each edge out of a
+// newly added node counts one input for its target. Receives reached are
+// appended to `recvs` when given.
+void expand(GraphTask& t, const std::shared_ptr<Node>& entry, std::vector<RecvBackward*>* recvs) {
+  auto [first, fresh] = t.nodes.try_emplace(entry.get());
+  if (!fresh) return;
+  first->second.fn = entry;
+  std::vector<Node*> stack{entry.get()};
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    if (auto* recv = dynamic_cast<RecvBackward*>(n)) {
+      if (recvs) recvs->push_back(recv);
+      continue;
+    }
+    for (const Edge& e : n->next_edges()) {
+      if (!e.is_valid()) continue;
+      auto [it, added] = t.nodes.try_emplace(e.function.get());
+      ++it->second.deps;
+      if (added) {
+        it->second.fn = e.function;
+        stack.push_back(e.function.get());
+      }
+    }
+  }
+}
+
+// Gives a send its gradients from the paired receive (task.mu held).
+void deliver_to_send(GraphTask& t, SendBackward* send, variable_list grads,
+                     const std::string& where) {
+  auto it = t.nodes.find(send);
+  if (it == t.nodes.end() || it->second.deps <= 0) {
+    throw std::logic_error("gradient for autograd message " + std::to_string(send->message()) +
+                           " on " + where + ": that send was not expected to get one");
+  }
+  if (grads.size() != send->num_inputs()) {
+    throw std::invalid_argument("autograd message " + std::to_string(send->message()) + " sent " +
+                                std::to_string(send->num_inputs()) + " tensor(s) but got " +
+                                std::to_string(grads.size()) + " gradient(s) back");
+  }
+  it->second.inputs = std::move(grads);
+  if (--it->second.deps == 0) t.ready.push_back(send);
+}
+
+// The engine's check of a node's outputs against what the next nodes take:
+// a broadcast gradient is summed back to shape, a dtype is converted.
+void fit_outputs(const Node& fn, variable_list& outputs) {
+  const auto& edges = fn.next_edges();
+  if (outputs.size() != edges.size()) {
+    throw std::runtime_error(fn.name() + " returned " + std::to_string(outputs.size()) +
+                             " gradient(s) for " + std::to_string(edges.size()) + " input(s)");
+  }
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    at::Tensor& g = outputs[i];
+    if (!edges[i].is_valid() || !g.defined()) continue;
+    const auto& meta = edges[i].function->input_metadata(edges[i].input_nr);
+    if (!meta.is_same_shape(g)) {
+      if (!meta.is_expandable_to_shape(g)) {
+        throw std::runtime_error(fn.name() + ": " + meta.incompatible_shape_error_message(i, g).str());
+      }
+      g = meta.reduce_grad(g);
+    }
+    auto dtype = c10::typeMetaToScalarType(meta.options().dtype());
+    if (g.scalar_type() != dtype) g = g.to(dtype);
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<GraphTask> Container::task_of(ContextState& ctx, uint64_t task) {
+  auto& t = ctx.tasks[task];
+  if (!t) t = std::make_shared<GraphTask>(ctx.id, task, id_worker(task));
+  return t;
+}
+
+void Container::backward(uint64_t context, const std::vector<at::Tensor>& roots,
+                         bool retain_graph, std::chrono::milliseconds timeout) {
+  if (roots.empty()) throw std::invalid_argument("backward() needs at least one root");
+  torch::autograd::edge_list edges;
+  variable_list grads;
+  for (size_t i = 0; i < roots.size(); ++i) {
+    const at::Tensor& r = roots[i];
+    const std::string which = "backward(): root " + std::to_string(i);
+    if (!r.defined()) throw std::invalid_argument(which + " is an undefined tensor");
+    if (!r.requires_grad()) throw std::invalid_argument(which + " does not require grad");
+    if (r.numel() != 1) {
+      throw std::invalid_argument(which + " has " + std::to_string(r.numel()) +
+                                  " elements; roots must be scalars (reduce it, e.g. .sum())");
+    }
+    edges.push_back(torch::autograd::impl::gradient_edge(r));
+    grads.push_back(at::ones_like(r, at::MemoryFormat::Preserve));
+  }
+  auto ctx = get(context);
+  if (timeout.count() < 0) timeout = agent_.options().rpc_timeout;
+  const uint64_t id = next_id(next_task_);
+  auto task = std::make_shared<GraphTask>(context, id, rank_);
+  task->keep_graph = retain_graph;
+  task->timeout = timeout;
+  auto root = std::make_shared<RootBackward>(std::move(edges), std::move(grads));
+
+  // 1. Discovery: every send that will get a gradient, on every worker.
+  std::map<int, std::vector<int64_t>> parts;  // worker -> its sends that will be reached
+  {
+    std::lock_guard<std::mutex> lock(ctx->mu);
+    ctx->tasks.emplace(id, task);
+    std::lock_guard<std::mutex> task_lock(task->mu);
+    std::vector<RecvBackward*> recvs;
+    expand(*task, root, &recvs);
+    std::set<uint64_t> reached;
+    for (RecvBackward* r : recvs) {
+      reached.insert(r->message());
+      reached.insert(r->reach().begin(), r->reach().end());
+    }
+    for (uint64_t m : reached) {
+      if (id_worker(m) != rank_) {
+        parts[id_worker(m)].push_back(static_cast<int64_t>(m));
+        continue;
+      }
+      auto it = ctx->sends.find(m);
+      if (it == ctx->sends.end()) {
+        ctx->tasks.erase(id);
+        throw std::logic_error("distributed backward: autograd message " + std::to_string(m) +
+                               " is not recorded on " + agent_.name());
+      }
+      expand(*task, it->second, nullptr);
+      ++task->nodes[it->second.get()].deps;
+    }
+    task->ready.push_back(root.get());
+    task->started = true;
+  }
+
+  // 2. backward() returns when this part and every other worker's are done,
+  //    or with the first error.
+  struct Join {
+    std::mutex mu;
+    size_t left;
+    bool over = false;
+    rpc::RawFuture result = rpc::make_raw_future();
+    explicit Join(size_t n) : left(n) {}
+    void one_done() {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (over || --left > 0) return;
+        over = true;
+      }
+      result->markCompleted(c10::IValue());
+    }
+    void fail(std::exception_ptr e) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (over) return;
+        over = true;
+      }
+      result->setError(e);
+    }
+  };
+  auto join = std::make_shared<Join>(parts.size() + 1);
+  const std::string me = agent_.name();
+  {
+    std::lock_guard<std::mutex> lock(task->mu);
+    task->report = [join, me](std::exception_ptr e) {
+      auto [code, text] = rpc::describe_error(e);
+      join->fail(rpc::make_error(code, me, text));
+    };
+  }
+  task->done->addCallback([join, me](c10::ivalue::Future& f) {
+    if (!f.hasError()) return join->one_done();
+    auto [code, text] = rpc::describe_error(f.exception_ptr());
+    join->fail(rpc::make_error(code, me, text));
+  });
+  for (auto& [worker, sends] : parts) {
+    const std::string name = agent_.get_worker_info(worker).name;
+    auto f = agent_.call(name, "tandem.autograd.run",
+                         {static_cast<int64_t>(context), static_cast<int64_t>(id),
+                          static_cast<int64_t>(rank_), retain_graph,
+                          static_cast<int64_t>(timeout.count()), c10::List<int64_t>(sends)},
+                         timeout);
+    f.raw()->addCallback([join, name, context](c10::ivalue::Future& f) {
+      if (f.hasError()) {
+        auto [code, text] = rpc::describe_error(f.exception_ptr());
+        return join->fail(rpc::make_error(
+            code, name, "distributed backward of context " + std::to_string(context) + ": " + text));
+      }
+      const auto& reply = f.constValue().toTupleRef().elements();
+      int64_t code = reply.at(0).toInt();
+      if (code < 0) return join->one_done();
+      join->fail(rpc::make_error(static_cast<rpc::ErrorCode>(code), reply.at(1).toStringRef(),
+                                 reply.at(2).toStringRef()));
+    });
+  }
+
+  // 3. This worker's part runs on this thread (and on the pool, as gradients
+  //    come back).
+  drain(ctx, task);
+  join->result->wait();
+  {
+    std::lock_guard<std::mutex> lock(ctx->mu);
+    ctx->tasks.erase(id);
+  }
+  if (join->result->hasError()) {
+    abort_task(task, "backward failed");
+    for (auto& [worker, _] : parts) {
+      try {
+        agent_.call(agent_.get_worker_info(worker).name, "tandem.autograd.abort",
+                    {static_cast<int64_t>(context), static_cast<int64_t>(id)});
+      } catch (const std::exception&) {
+        // That worker is gone; so is its part.
+      }
+    }
+    std::rethrow_exception(join->result->exception_ptr());
+  }
+}
+
+rpc::RawFuture Container::run_part(uint64_t context, uint64_t id, int root, bool keep_graph,
+                                   const std::vector<uint64_t>& sends,
+                                   std::chrono::milliseconds timeout) {
+  auto ctx = get(context);
+  std::shared_ptr<GraphTask> task;
+  std::vector<std::pair<uint64_t, variable_list>> early;
+  {
+    std::lock_guard<std::mutex> lock(ctx->mu);
+    task = task_of(*ctx, id);
+    std::lock_guard<std::mutex> task_lock(task->mu);
+    if (task->started || task->finished) {
+      throw std::logic_error("graph task " + std::to_string(id) + " was already run on " +
+                             agent_.name());
+    }
+    for (uint64_t m : sends) {
+      auto it = ctx->sends.find(m);
+      if (it == ctx->sends.end()) {
+        throw std::invalid_argument("autograd message " + std::to_string(m) +
+                                    " is not recorded on " + agent_.name() + " in context " +
+                                    std::to_string(context));
+      }
+      if (task->nodes.count(it->second.get())) continue;
+      expand(*task, it->second, nullptr);
+      ++task->nodes[it->second.get()].deps;
+    }
+    task->keep_graph = keep_graph;
+    task->timeout = timeout;
+    std::weak_ptr<Container> weak = weak_from_this();
+    task->report = [weak, task_weak = std::weak_ptr<GraphTask>(task), root](std::exception_ptr e) {
+      auto self = weak.lock();
+      auto t = task_weak.lock();
+      if (!self || !t) return;
+      auto [code, text] = rpc::describe_error(e);
+      try {
+        self->agent_.call(self->agent_.get_worker_info(root).name, "tandem.autograd.fail",
+                          {static_cast<int64_t>(t->context), static_cast<int64_t>(t->id),
+                           static_cast<int64_t>(code), self->agent_.name(), text});
+      } catch (const std::exception&) {
+        // The root is gone: nobody is left to tell.
+      }
+    };
+    task->started = true;
+    early.swap(task->early);
+    for (auto& [m, grads] : early) {
+      deliver_to_send(*task, ctx->sends.at(m).get(), std::move(grads), agent_.name());
+    }
+  }
+  auto done = task->done;
+  // A part with nothing to wait for is done at once; drain() notices.
+  drain(ctx, task);
+  // Once done (or failed), this worker forgets the task; a failure after the
+  // reply still reaches the root through task->report.
+  std::weak_ptr<ContextState> weak_ctx = ctx;
+  done->addCallback([weak_ctx, id](c10::ivalue::Future& f) {
+    if (f.hasError()) return;
+    if (auto c = weak_ctx.lock()) {
+      std::lock_guard<std::mutex> lock(c->mu);
+      c->tasks.erase(id);
+    }
+  });
+  return done;
+}
+
+void Container::on_grad(uint64_t context, uint64_t id, uint64_t message, variable_list grads) {
+  auto ctx = get(context);
+  std::shared_ptr<GraphTask> task;
+  {
+    std::lock_guard<std::mutex> lock(ctx->mu);
+    auto send = ctx->sends.find(message);
+    if (send == ctx->sends.end()) {
+      throw std::invalid_argument("gradient for autograd message " + std::to_string(message) +
+                                  ", which is not recorded on " + agent_.name());
+    }
+    task = task_of(*ctx, id);
+    std::lock_guard<std::mutex> task_lock(task->mu);
+    if (task->finished) return;  // failed or aborted: nothing more runs
+    if (!task->started) {
+      task->early.emplace_back(message, std::move(grads));
+      return;
+    }
+    deliver_to_send(*task, send->second.get(), std::move(grads), agent_.name());
+  }
+  drain(ctx, task);
+}
+
+void Container::drain(const std::shared_ptr<ContextState>& ctx,
+                      const std::shared_ptr<GraphTask>& task) {
+  c10::AutoGradMode no_grad(false);
+  std::unique_lock<std::mutex> lock(task->mu);
+  if (task->draining || task->finished) return;
+  task->draining = true;
+  while (!task->ready.empty() && !task->finished) {
+    Node* n = task->ready.back();
+    task->ready.pop_back();
+    auto it = task->nodes.find(n);
+    std::shared_ptr<Node> fn = std::move(it->second.fn);
+    variable_list inputs = std::move(it->second.inputs);
+    task->nodes.erase(it);
+    lock.unlock();
+    variable_list outputs;
+    try {
+      outputs = run_node(ctx, task, *fn, std::move(inputs));
+    } catch (...) {
+      fail(task, std::current_exception());
+      lock.lock();
+      break;
+    }
+    lock.lock();
+    if (task->finished) break;
+    const auto& edges = fn->next_edges();
+    for (size_t i = 0; i < edges.size(); ++i) {
+      if (!edges[i].is_valid()) continue;
+      auto next = task->nodes.find(edges[i].function.get());
+      if (next == task->nodes.end()) continue;  // cannot happen: everything below was reached
+      auto& state = next->second;
+      if (i < outputs.size() && outputs[i].defined()) {
+        if (state.inputs.empty()) state.inputs.resize(state.fn->num_inputs());
+        at::Tensor& slot = state.inputs.at(edges[i].input_nr);
+        slot = slot.defined() ? slot + outputs[i] : std::move(outputs[i]);
+      }
+      if (--state.deps == 0) task->ready.push_back(next->first);
+    }
+  }
+  task->draining = false;
+  const bool done = !task->finished && task->started && task->nodes.empty();
+  if (done) task->finished = task->settled = true;
+  lock.unlock();
+  if (done) task->done->markCompleted(c10::IValue());
+}
+
+variable_list Container::run_node(const std::shared_ptr<ContextState>& ctx,
+                                  const std::shared_ptr<GraphTask>& task, Node& fn,
+                                  variable_list inputs) {
+  if (auto* recv = dynamic_cast<RecvBackward*>(&fn)) {
+    send_grads(ctx, task, *recv, std::move(inputs));
+    return {};
+  }
+  if (inputs.empty()) inputs.resize(fn.num_inputs());  // every input undefined
+  for (const auto& hook : fn.pre_hooks()) inputs = (*hook)(inputs);
+#if TORCH_VERSION_MAJOR >= 2
+  for (const auto& hook : fn.tensor_pre_hooks()) inputs = (*hook)(inputs);
+  for (const auto& [_, hook] : fn.retains_grad_hooks()) inputs = (*hook)(inputs);
+#endif
+  if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(&fn)) {
+    // The leaf's gradient goes to the context, never to .grad.
+    at::Tensor g = std::move(inputs.at(0));
+    if (!g.defined()) return {};
+    if (!g.is_contiguous()) {
+      g = g.contiguous();
+    } else if (g.use_count() > 1) {
+      g = g.clone();  // someone else holds it: the context gets its own
+    }
+    std::lock_guard<std::mutex> lock(ctx->mu);
+    auto it = ctx->grads.find(acc->variable);
+    if (it == ctx->grads.end()) {
+      ctx->grads.insert(acc->variable, g.detach());
+    } else {
+      it->setValue(it->value() + g);
+    }
+    return {};
+  }
+  variable_list outputs;
+  if (fn.post_hooks().empty()) {
+    outputs = fn(std::move(inputs));
+  } else {
+    variable_list copy = inputs;
+    outputs = fn(std::move(inputs));
+    for (const auto& hook : fn.post_hooks()) outputs = (*hook)(outputs, copy);
+  }
+  fit_outputs(fn, outputs);
+  if (!task->keep_graph) fn.release_variables();
+  return outputs;
+}
+
+void Container::send_grads(const std::shared_ptr<ContextState>& ctx,
+                           const std::shared_ptr<GraphTask>& task, const RecvBackward& recv,
+                           variable_list grads) {
+  if (recv.sender() == rank_) {  // a message this worker sent itself
+    on_grad(ctx->id, task->id, recv.message(), std::move(grads));
+    return;
+  }
+  std::vector<c10::IValue> items;
+  items.reserve(grads.size());
+  for (auto& g : grads) items.push_back(g.defined() ? c10::IValue(std::move(g)) : c10::IValue());
+  auto f = agent_.call(agent_.get_worker_info(recv.sender()).name, "tandem.autograd.grad",
+                       {static_cast<int64_t>(ctx->id), static_cast<int64_t>(task->id),
+                        static_cast<int64_t>(recv.message()),
+                        c10::ivalue::Tuple::create(std::move(items))},
+                       task->timeout);
+  std::weak_ptr<Container> weak = weak_from_this();
+  auto pool = agent_.pool();
+  f.raw()->addCallback([weak, task, pool](c10::ivalue::Future& done) {
+    if (!done.hasError()) return;
+    auto e = done.exception_ptr();
+    // Off the loop thread: reporting may open a connection.
+    pool->post([weak, task, e] {
+      if (auto self = weak.lock()) self->fail(task, e);
+    });
+  });
+}
+
+void Container::fail(const std::shared_ptr<GraphTask>& task, std::exception_ptr error) {
+  std::function<void(std::exception_ptr)> report;
+  bool answered;
+  {
+    std::lock_guard<std::mutex> lock(task->mu);
+    if (task->failed) return;
+    task->failed = task->finished = true;
+    answered = task->settled;
+    task->settled = true;
+    task->nodes.clear();
+    task->ready.clear();
+    task->early.clear();
+    if (answered) report = task->report;
+  }
+  if (!answered) {
+    task->done->setError(error);
+  } else if (report) {
+    report(error);  // `done` already said this part was fine
+  }
+}
+
+void Container::abort_task(const std::shared_ptr<GraphTask>& task, const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(task->mu);
+    task->finished = true;
+    task->nodes.clear();
+    task->ready.clear();
+    task->early.clear();
+    task->report = nullptr;
+    task->failed = true;
+    if (task->settled) return;
+    task->settled = true;
+  }
+  task->done->setError(std::make_exception_ptr(
+      rpc::ShutdownError("distributed backward task " + std::to_string(task->id) + " on " +
+                         agent_.name() + ": " + why)));
+}
+
+c10::Dict<at::Tensor, at::Tensor> Container::get_gradients(uint64_t context) const {
+  auto ctx = get(context);
+  std::lock_guard<std::mutex> lock(ctx->mu);
+  return ctx->grads.copy();
+}
+
+}  // namespace tandem::autograd

@@ -1,0 +1,108 @@
+// The distributed backward engine: dependency-correct ("smart") execution of
+// one backward pass over the autograd graph that a context recorded across
+// workers.
+//
+// The graph. Inside a context every message carrying tensors that require
+// grad is recorded as a pair: a SendBackward on the sender (next edges: the
+// sent tensors' gradient edges) and a RecvBackward on the receiver (the
+// received tensors' grad_fn), with the same autograd message id. Gradients
+// flow from a RecvBackward to its paired SendBackward, on another worker.
+//
+// The problem. A worker's local subgraph may be fed by its own roots and by
+// several of its SendBackwards, and only some sends will ever receive a
+// gradient: a tensor sent whose result the loss never uses gets none.
+// Running each incoming gradient through its own engine pass (PyTorch's
+// "fast mode") runs shared subgraphs several times and hangs on unused
+// sends. Waiting for every send hangs too. A node must run once, after every
+// gradient that *will* reach it, and that needs to know which sends will be
+// reached: a global question.
+//
+// Reach, recorded on the way forward. When a message is recorded, its sender
+// walks the local graph below the sent tensors (only when this context has
+// received something here; otherwise nothing below can lead off this
+// worker) and collects the RecvBackwards it reaches. The message carries
+// its reach: for each of those receives, the paired send's id plus that
+// receive's own reach. By induction the reach of a message is every send, on
+// any worker, that a gradient for it would reach. The autograd graph below a
+// tensor never changes once made, so the reach is exact.
+//
+// One backward pass (a "graph task", id (root rank << 48) | counter):
+//  1. Discovery, on the root worker alone: walk the local graph from the
+//     roots; each RecvBackward reached contributes its message id and its
+//     reach. The union is exactly the set of sends that will get a gradient,
+//     on every worker. No messages, no waiting.
+//  2. The root sends each other worker that owns such sends a `run` request
+//     naming them. Each worker (the root included) walks its local graph
+//     from its roots/sends and counts, for every node it reaches, the edges
+//     from reached nodes into it (a send counts one more: the gradient that
+//     will come from its RecvBackward). Gradients that arrive before `run`
+//     are kept until it does.
+//  3. Execution: a node whose count reaches zero is ready; a worker drains
+//     its ready nodes on whichever thread delivered the last input, one
+//     thread at a time. Ordinary nodes run with their pre- and post-hooks
+//     and their outputs go to the next nodes' input buffers (summed).
+//     AccumulateGrad nodes are not run: their gradient is added to the
+//     context's gradients (never to .grad). A RecvBackward sends its inputs
+//     to its paired send's worker (`grad`), or delivers them in place when
+//     that is this worker; undefined gradients travel as None.
+//  4. A worker's part is done when every node it reached has run. Its `run`
+//     request then completes, and backward() returns once the root's own
+//     part and every `run` are done. Sends nobody reached were never counted,
+//     so nothing waits for them.
+// Failure: a node that throws, a gradient that cannot be delivered, or a
+// part that cannot start fails that worker's `run` (or, once it has
+// answered, is reported with `fail`); a worker that dies fails its `run`
+// with DisconnectedError. The root then aborts the task everywhere and
+// backward() throws. Errors name the worker they happened on.
+#pragma once
+
+#include <torch/csrc/autograd/function.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "rpc/future.h"
+
+namespace tandem::autograd {
+
+struct GraphTask {
+  GraphTask(uint64_t context, uint64_t id, int root)
+      : context(context), id(id), root(root), done(rpc::make_raw_future()) {}
+
+  struct NodeState {
+    std::shared_ptr<torch::autograd::Node> fn;
+    int deps = 0;  // inputs still to come
+    torch::autograd::variable_list inputs;
+  };
+
+  const uint64_t context;
+  const uint64_t id;
+  const int root;
+  // Set before `started` (under mu), fixed after.
+  bool keep_graph = false;
+  std::chrono::milliseconds timeout{0};  // for the gradients this part sends
+  // Where a failure goes once `done` has completed (on the root: backward();
+  // elsewhere: a `fail` message to the root).
+  std::function<void(std::exception_ptr)> report;
+
+  std::mutex mu;
+  std::unordered_map<torch::autograd::Node*, NodeState> nodes;  // reached, not yet run
+  std::vector<torch::autograd::Node*> ready;
+  // Gradients for sends that arrived before `run`: (message id, gradients).
+  std::vector<std::pair<uint64_t, torch::autograd::variable_list>> early;
+  bool started = false;   // `run` (or backward() on the root) has counted
+  bool draining = false;  // a thread is running ready nodes
+  bool finished = false;  // every node ran, or the task failed
+  bool settled = false;   // `done` is (being) completed: by drain, fail or abort only
+  bool failed = false;    // a failure was handled (later ones are dropped)
+  // This worker's part: completes with None when done, or with the error.
+  rpc::RawFuture done;
+};
+
+}  // namespace tandem::autograd

@@ -1,0 +1,374 @@
+// Distributed autograd across workers in one process: gradients equal local
+// LibTorch's, shared subgraphs run once, unused sends never hang, contexts
+// run side by side, bad input and failures are reported, and no context is
+// left on any worker.
+#include "test_util.h"
+
+#include <ATen/ops/mm.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/tanh.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <atomic>
+
+#include "autograd/autograd.h"
+#include "rpc/api.h"
+#include "rpc/rref.h"
+#include "tests/rpc/frames.h"
+
+using namespace tandem;
+using namespace std::chrono_literals;
+using test::World;
+namespace dist = tandem::autograd;
+
+namespace {
+
+const auto kF64 = at::TensorOptions().dtype(at::kDouble);
+
+// The parameters of the test model; the same tensors serve every worker of
+// the in-process world and the local reference.
+struct Params {
+  at::Tensor w0 = at::randn({8, 8}, kF64).requires_grad_();
+  at::Tensor w1 = at::randn({8, 6}, kF64).requires_grad_();
+  at::Tensor b1 = at::randn({6}, kF64).requires_grad_();
+  at::Tensor w2 = at::randn({6, 3}, kF64).requires_grad_();
+};
+Params& P() {
+  static Params p;
+  return p;
+}
+
+// The model's pieces, called locally for the reference and remotely by name.
+at::Tensor lin1(const at::Tensor& x) { return at::tanh(at::mm(x, P().w1) + P().b1); }
+at::Tensor lin2(const at::Tensor& x) { return at::sigmoid(at::mm(x, P().w2)); }
+
+std::atomic<int> g_hook_calls{0};
+
+void define(rpc::Registry& r) {
+  r.def("lin1", [](at::Tensor x) { return lin1(x); });
+  r.def("lin2", [](at::Tensor x) { return lin2(x); });
+  r.def("pair", [](at::Tensor a, at::Tensor b) { return a * b + a; });
+  r.def("twice", [](at::Tensor a, at::Tensor b) { return a + 2 * b; });
+  r.def("scale_by", [](at::Tensor x, at::Tensor w) { return at::mm(x, w); });
+  r.def("ignore", [](at::Tensor) { return at::mm(at::ones({2, 8}, kF64), P().w1); });
+  // worker1 -> worker2 -> back, made from inside a handler: the context flows.
+  r.def("relay", [](at::Tensor x) {
+    auto h = lin1(x);
+    auto y = rpc::rpc_sync<at::Tensor>("worker2", "lin2", h);
+    return y * 2 + h.sum();
+  });
+  r.def("context_here", []() { return static_cast<int64_t>(dist::current_context_id()); });
+  r.def("throw_in_backward", [](at::Tensor x) {
+    auto y = x * 3;
+    y.register_hook([](at::Tensor) -> at::Tensor { throw std::runtime_error("boom in backward"); });
+    return y;
+  });
+  r.def("slow_backward", [](at::Tensor x) {
+    auto y = x * 3;
+    y.register_hook([](at::Tensor g) {
+      std::this_thread::sleep_for(1500ms);
+      return g;
+    });
+    return y;
+  });
+}
+
+void expect_close(const at::Tensor& got, const at::Tensor& want, const char* what) {
+  INFO(what);
+  REQUIRE(got.defined());
+  REQUIRE(got.sizes() == want.sizes());
+  double scale = std::max(1.0, want.abs().max().item<double>());
+  CHECK((got - want).abs().max().item<double>() <= 1e-6 * scale);
+}
+
+// Local gradients of `loss` for `inputs`.
+std::vector<at::Tensor> local_grads(const at::Tensor& loss, const std::vector<at::Tensor>& inputs) {
+  return torch::autograd::grad({loss}, inputs, {}, false, false, true);
+}
+
+void expect_no_contexts(World& w) {
+  for (auto& a : w.agents) {
+    for (int i = 0; i < 200 && dist::live_contexts(*a) != 0; ++i) std::this_thread::sleep_for(5ms);
+    INFO(a->name());
+    CHECK(dist::live_contexts(*a) == 0);
+  }
+}
+
+at::Tensor input(int64_t rows = 4) { return at::randn({rows, 8}, kF64).requires_grad_(); }
+
+}  // namespace
+
+TEST_CASE("autograd: a chain over 3 workers equals local autograd") {
+  test::LeakCheck leaks;
+  {
+    World w(3, define);
+    auto x = input();
+    {
+      dist::Context ctx(w[0]);
+      CHECK(dist::current_context_id() == ctx.id());
+      CHECK((ctx.id() >> 48) == 0u);
+      auto h = w[0].rpc_sync<at::Tensor>("worker1", "lin1", x);
+      auto y = w[0].rpc_sync<at::Tensor>("worker2", "lin2", h);
+      CHECK(h.requires_grad());
+      auto loss = (y * y).sum();
+      dist::backward(ctx.id(), {loss});
+      auto g0 = dist::get_gradients(ctx.id());
+      auto g1 = dist::get_gradients(w[1], ctx.id());
+      auto g2 = dist::get_gradients(w[2], ctx.id());
+      CHECK(g0.size() == 1);
+      CHECK(g1.size() == 2);
+      CHECK(g2.size() == 1);
+      auto want = local_grads((lin2(lin1(x)).pow(2)).sum(), {x, P().w1, P().b1, P().w2});
+      expect_close(g0.at(x), want[0], "x");
+      expect_close(g1.at(P().w1), want[1], "w1");
+      expect_close(g1.at(P().b1), want[2], "b1");
+      expect_close(g2.at(P().w2), want[3], "w2");
+      CHECK(!P().w1.grad().defined());  // .grad is never touched
+    }
+    CHECK(dist::current_context_id() == 0);
+    expect_no_contexts(w);
+    w.shutdown();
+  }
+  leaks.check();
+}
+
+TEST_CASE("autograd: nested calls carry the context (0 -> 1 -> 2 -> 1 -> 0)") {
+  World w(3, define);
+  auto x = input();
+  {
+    dist::Context ctx(w[0]);
+    CHECK(w[0].rpc_sync<int64_t>("worker1", "context_here") == static_cast<int64_t>(ctx.id()));
+    auto y = w[0].rpc_sync<at::Tensor>("worker1", "relay", x);
+    auto loss = y.sum();
+    dist::backward(ctx.id(), {loss});
+    auto h = lin1(x);
+    auto want = local_grads((lin2(h) * 2 + h.sum()).sum(), {x, P().w1, P().b1, P().w2});
+    expect_close(dist::get_gradients(ctx.id()).at(x), want[0], "x");
+    expect_close(dist::get_gradients(w[1], ctx.id()).at(P().w1), want[1], "w1");
+    expect_close(dist::get_gradients(w[1], ctx.id()).at(P().b1), want[2], "b1");
+    expect_close(dist::get_gradients(w[2], ctx.id()).at(P().w2), want[3], "w2");
+  }
+  CHECK(w[0].rpc_sync<int64_t>("worker1", "context_here") == 0);
+  expect_no_contexts(w);
+  w.shutdown();
+}
+
+TEST_CASE("autograd: fan-out, fan-in, a tensor sent twice, a parameter on two workers") {
+  World w(3, define);
+  auto x = input();
+  dist::Context ctx(w[0]);
+  auto h = at::mm(x, P().w0);                                      // on worker0
+  auto a = w[0].rpc_sync<at::Tensor>("worker1", "lin1", h);        // fan-out ...
+  auto b = w[0].rpc_sync<at::Tensor>("worker2", "lin1", h);        // ... h sent twice
+  auto c = w[0].rpc_sync<at::Tensor>("worker1", "pair", a, b);     // fan-in
+  auto d = w[0].rpc_sync<at::Tensor>("worker2", "twice", h, h);    // one message, h twice
+  auto e = w[0].rpc_sync<at::Tensor>("worker1", "scale_by", x, P().w0);  // w0 used remotely too
+  auto loss = c.sum() + d.pow(2).sum() + (e * h).sum();
+  dist::backward(ctx.id(), {loss});
+
+  auto lh = at::mm(x, P().w0);
+  auto la = lin1(lh), lb = lin1(lh);
+  auto lloss = (la * lb + la).sum() + (lh + 2 * lh).pow(2).sum() + (at::mm(x, P().w0) * lh).sum();
+  auto want = local_grads(lloss, {x, P().w0, P().w1, P().b1});
+  auto g0 = dist::get_gradients(ctx.id());
+  expect_close(g0.at(x), want[0], "x");
+  expect_close(g0.at(P().w0), want[1], "w0: local use plus the copy sent to worker1");
+  // lin1 ran on worker1 and worker2, both with w1: each holds its share.
+  auto g1 = dist::get_gradients(w[1], ctx.id());
+  auto g2 = dist::get_gradients(w[2], ctx.id());
+  expect_close(g1.at(P().w1) + g2.at(P().w1), want[2], "w1 (summed over workers)");
+  expect_close(g1.at(P().b1) + g2.at(P().b1), want[3], "b1 (summed over workers)");
+}
+
+TEST_CASE("autograd: A -> B -> A runs the shared subgraph once") {
+  World w(2, define);
+  auto x = input();
+  dist::Context ctx(w[0]);
+  std::atomic<int> runs{0};
+  auto h = at::mm(x, P().w0);
+  h.register_hook([&](at::Tensor g) {
+    ++runs;
+    return g;
+  });
+  auto y = w[0].rpc_sync<at::Tensor>("worker1", "lin1", h);
+  auto loss = (y * h.narrow(1, 0, 6)).sum() + h.sum();
+  dist::backward(ctx.id(), {loss});
+  CHECK(runs == 1);  // PyTorch's fast mode runs it once per incoming gradient
+  auto lh = at::mm(x, P().w0);
+  auto want = local_grads((lin1(lh) * lh.narrow(1, 0, 6)).sum() + lh.sum(), {x, P().w0, P().w1});
+  expect_close(dist::get_gradients(ctx.id()).at(x), want[0], "x");
+  expect_close(dist::get_gradients(ctx.id()).at(P().w0), want[1], "w0");
+  expect_close(dist::get_gradients(w[1], ctx.id()).at(P().w1), want[2], "w1");
+}
+
+TEST_CASE("autograd: a tensor sent and never used by the loss does not hang") {
+  World w(2, define);
+  auto x = input(2);
+  dist::Context ctx(w[0]);
+  auto h = at::mm(x, P().w0);
+  auto unused = w[0].rpc_sync<at::Tensor>("worker1", "ignore", h);   // result ignores h
+  auto dropped = w[0].rpc_sync<at::Tensor>("worker1", "lin1", h);   // result never used
+  CHECK(unused.requires_grad());
+  auto t0 = std::chrono::steady_clock::now();
+  dist::backward(ctx.id(), {(h * 3).sum() + unused.sum()});
+  CHECK(std::chrono::steady_clock::now() - t0 < 5s);
+  auto lh = at::mm(x, P().w0);
+  auto lu = at::mm(at::ones({2, 8}, kF64), P().w1);
+  auto want = local_grads((lh * 3).sum() + lu.sum(), {x, P().w1});
+  expect_close(dist::get_gradients(ctx.id()).at(x), want[0], "x");
+  auto g1 = dist::get_gradients(w[1], ctx.id());
+  expect_close(g1.at(P().w1), want[1], "w1 through the unused-input function");
+  CHECK(!g1.contains(P().b1));  // lin1's result was dropped: b1 got nothing
+}
+
+TEST_CASE("autograd: RRefs: remote() and to_here() inside a context") {
+  World w(2, define);
+  auto x = input();
+  {
+    dist::Context ctx(w[0]);
+    auto r = rpc::remote<at::Tensor>(w[0], "worker1", "lin1", x);
+    auto y = r.to_here();
+    auto z = r.rpc_sync<at::Tensor>("pair", y);
+    dist::backward(ctx.id(), {(y.sum() + z.sum())});
+    auto ly = lin1(x);
+    auto want = local_grads(ly.sum() + (ly * ly + ly).sum(), {x, P().w1});
+    expect_close(dist::get_gradients(ctx.id()).at(x), want[0], "x");
+    expect_close(dist::get_gradients(w[1], ctx.id()).at(P().w1), want[1], "w1");
+  }
+  expect_no_contexts(w);
+  w.shutdown();
+}
+
+TEST_CASE("autograd: gradients accumulate per context; retain_graph") {
+  World w(2, define);
+  auto x = input();
+  dist::Context ctx(w[0]);
+  auto y = w[0].rpc_sync<at::Tensor>("worker1", "lin1", x);
+  auto loss = y.sum();
+  dist::backward(ctx.id(), {loss}, /*retain_graph=*/true);
+  auto first = dist::get_gradients(ctx.id()).at(x).clone();
+  dist::backward(ctx.id(), {loss});
+  expect_close(dist::get_gradients(ctx.id()).at(x), first * 2, "accumulated twice");
+  // The graph is freed now: a third pass fails with LibTorch's own words.
+  CHECK_THROWS_WITH(dist::backward(ctx.id(), {loss}), doctest::Contains("second time"));
+}
+
+TEST_CASE("autograd: several contexts at once from several threads and workers") {
+  World w(3, define);
+  std::vector<std::thread> threads;
+  std::atomic<int> ok{0};
+  for (int t = 0; t < 6; ++t) {
+    threads.emplace_back([&, t] {
+      rpc::Agent& me = w[t % 2];  // threads on worker0 and worker1
+      const std::string other = t % 2 == 0 ? "worker1" : "worker2";
+      for (int iter = 0; iter < 5; ++iter) {
+        auto x = input(1 + t);
+        dist::Context ctx(me);
+        auto h = me.rpc_sync<at::Tensor>(other, "lin1", x);
+        auto y = me.rpc_sync<at::Tensor>(t % 2 == 0 ? "worker2" : "worker0", "lin2", h);
+        dist::backward(ctx.id(), {y.sum() * (t + 1)});
+        auto want = local_grads(lin2(lin1(x)).sum() * (t + 1), {x});
+        auto got = dist::get_gradients(me, ctx.id()).at(x);
+        if ((got - want[0]).abs().max().item<double>() < 1e-9) ++ok;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  CHECK(ok == 30);
+  expect_no_contexts(w);
+  w.shutdown();
+}
+
+TEST_CASE("autograd: outside a context nothing is recorded") {
+  World w(2, define);
+  auto x = input();
+  auto y = w[0].rpc_sync<at::Tensor>("worker1", "lin1", x);
+  CHECK(!y.requires_grad());
+  CHECK(w[0].rpc_sync<int64_t>("worker1", "context_here") == 0);
+  CHECK(dist::live_contexts(w[0]) == 0);
+  CHECK(dist::live_contexts(w[1]) == 0);
+}
+
+TEST_CASE("autograd: bad arguments are refused with clear errors") {
+  World w(2, define);
+  dist::Context ctx(w[0]);
+  CHECK_THROWS_WITH_AS([&] { dist::Context inner(w[0]); }(), doctest::Contains("do not nest"),
+                       std::logic_error);
+  auto x = input();
+  auto y = w[0].rpc_sync<at::Tensor>("worker1", "lin1", x);
+  CHECK_THROWS_WITH_AS(dist::backward(ctx.id(), {y}), doctest::Contains("roots must be scalars"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(dist::backward(ctx.id(), {at::ones({1})}),
+                       doctest::Contains("does not require grad"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(dist::backward(ctx.id(), {}), doctest::Contains("at least one root"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(dist::backward(w[0], ctx.id() + 999, {y.sum()}),
+                       doctest::Contains("no distributed autograd context"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(dist::get_gradients(w[1], 12345), doctest::Contains("12345"),
+                       std::invalid_argument);
+  // LibTorch's own backward through a received tensor says what to use instead.
+  CHECK_THROWS_WITH(y.sum().backward(), doctest::Contains("tandem::autograd::backward"));
+  // The failed attempts left the context usable.
+  dist::backward(ctx.id(), {y.sum()});
+  CHECK(dist::get_gradients(ctx.id()).contains(x));
+}
+
+TEST_CASE("autograd: an exception in a worker's part reaches the caller, naming it") {
+  World w(3, define);
+  auto x = input();
+  {
+    dist::Context ctx(w[0]);
+    auto a = w[0].rpc_sync<at::Tensor>("worker1", "throw_in_backward", x);
+    auto b = w[0].rpc_sync<at::Tensor>("worker2", "lin1", x);
+    try {
+      dist::backward(ctx.id(), {a.sum() + b.sum()});
+      FAIL("backward did not throw");
+    } catch (const rpc::RemoteError& e) {
+      CHECK(e.worker() == "worker1");
+      CHECK(std::string(e.what()).find("boom in backward") != std::string::npos);
+    }
+  }
+  expect_no_contexts(w);
+  w.shutdown();
+}
+
+TEST_CASE("autograd: a part slower than the timeout fails backward with TimeoutError") {
+  World w(2, define);
+  auto x = input();
+  {
+    dist::Context ctx(w[0]);
+    auto a = w[0].rpc_sync<at::Tensor>("worker1", "slow_backward", x);
+    auto t0 = std::chrono::steady_clock::now();
+    CHECK_THROWS_AS(dist::backward(w[0], ctx.id(), {a.sum()}, false, 300ms), rpc::TimeoutError);
+    CHECK(std::chrono::steady_clock::now() - t0 < 1200ms);
+  }
+  expect_no_contexts(w);
+  w.shutdown();
+}
+
+TEST_CASE("autograd: malformed autograd metadata is a protocol error") {
+  rpc::Message m;
+  m.kind = rpc::MessageKind::kRequest;
+  m.callee = "f";
+  m.autograd_message = 7;  // a recorded message outside any context
+  rpc::FrameDecoder d(rpc::Limits{});
+  std::string bytes = test::frame_bytes(rpc::encode(m));
+  CHECK_THROWS_WITH_AS(d.feed(bytes.data(), bytes.size()), doctest::Contains("outside any context"),
+                       rpc::ProtocolError);
+  // An integer tensor flagged as requiring grad.
+  std::string raw = test::raw_frame(
+      [](rpc::schema::Envelope::Builder env) {
+        env.setAutogradContext(1);
+        env.setAutogradMessage(1);
+        auto t = env.initTensors(1)[0];
+        t.setDtype(static_cast<int16_t>(at::kLong));
+        t.initSizes(1).set(0, 1);
+        t.initStrides(1).set(0, 1);
+        t.setByteLength(8);
+        t.setRequiresGrad(true);
+      },
+      8, std::string(8, '\0'));
+  rpc::FrameDecoder d2(rpc::Limits{});
+  CHECK_THROWS_WITH_AS(d2.feed(raw.data(), raw.size()), doctest::Contains("not differentiable"),
+                       rpc::ProtocolError);
+}

@@ -1,0 +1,86 @@
+// Distributed backward with a real worker process that dies in the middle.
+// The same binary is the worker (see main.cc: TANDEM_TEST_WORKER selects it).
+#include "test_util.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "autograd/autograd.h"
+#include "rpc/api.h"
+
+using namespace tandem;
+using namespace std::chrono_literals;
+namespace dist = tandem::autograd;
+
+namespace tandem::test {
+
+int worker_main(const std::string& mode) {
+  try {
+    auto reg = std::make_shared<rpc::Registry>();
+    reg->def("double", [](at::Tensor x) { return x * 2; });
+    // The process ends while its part of backward runs.
+    reg->def("die_in_backward", [](at::Tensor x) {
+      auto y = x * 2;
+      y.register_hook([](at::Tensor g) -> at::Tensor {
+        std::_Exit(9);
+        return g;
+      });
+      return y;
+    });
+    rpc::AgentOptions opts;
+    opts.init_timeout = 60s;
+    rpc::init(reg, opts);
+    (void)mode;  // "serve": answer until the others shut down (or die)
+    rpc::shutdown(true);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "worker failed: %s\n", e.what());
+    return 2;
+  }
+}
+
+}  // namespace tandem::test
+
+TEST_CASE("autograd process: a worker that dies during backward fails it with Disconnected") {
+  test::LeakCheck leaks;
+  {
+    c10d::TCPStoreOptions so;
+    so.port = 0;
+    so.isServer = true;
+    so.timeout = 30s;
+    auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+    pid_t child = test::spawn_worker({"TANDEM_TEST_WORKER=serve", "RANK=1", "WORLD_SIZE=2",
+                                      "MASTER_ADDR=127.0.0.1",
+                                      "MASTER_PORT=" + std::to_string(store->getPort())});
+    rpc::AgentOptions o;
+    o.rank = 0;
+    o.world_size = 2;
+    o.rpc_timeout = 30s;
+    auto agent = rpc::Agent::create(o, std::make_shared<rpc::Registry>(), store);
+    auto x = at::ones({3}).requires_grad_();
+    {
+      dist::Context ctx(*agent);
+      // A healthy round first: the remote part runs and returns.
+      auto y = agent->rpc_sync<at::Tensor>("worker1", "double", x);
+      dist::backward(ctx.id(), {y.sum()});
+      CHECK(at::equal(dist::get_gradients(ctx.id()).at(x), at::full({3}, 2.0)));
+
+      auto z = agent->rpc_sync<at::Tensor>("worker1", "die_in_backward", x);
+      auto t0 = std::chrono::steady_clock::now();
+      CHECK_THROWS_AS(dist::backward(ctx.id(), {z.sum()}), rpc::DisconnectedError);
+      CHECK(std::chrono::steady_clock::now() - t0 < 5s);
+    }  // releasing the context does not wait for the dead worker
+    CHECK(dist::live_contexts(*agent) == 0);
+    int status = 0;
+    ::waitpid(child, &status, 0);
+    CHECK(WIFEXITED(status));
+    CHECK(WEXITSTATUS(status) == 9);
+    agent->shutdown(false);
+    agent = nullptr;
+    store.reset();
+  }
+  leaks.check();
+}
