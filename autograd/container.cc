@@ -356,19 +356,26 @@ void Container::register_handlers(rpc::Registry& internal) {
   });
   internal.def("tandem.autograd.grad", [self](int64_t ctx, int64_t task, int64_t message,
                                               c10::IValue grads) {
-    if (!grads.isTuple()) throw std::invalid_argument("gradients must travel as a tuple");
-    variable_list list;
-    for (const auto& g : grads.toTupleRef().elements()) {
-      if (g.isNone()) {
-        list.emplace_back();
-      } else if (g.isTensor()) {
-        list.push_back(g.toTensor());
-      } else {
-        throw std::invalid_argument("a gradient must be a tensor or None, got " + g.tagKind());
+    auto c = self();
+    try {
+      if (!grads.isTuple()) throw std::invalid_argument("gradients must travel as a tuple");
+      variable_list list;
+      for (const auto& g : grads.toTupleRef().elements()) {
+        if (g.isNone()) {
+          list.emplace_back();
+        } else if (g.isTensor()) {
+          list.push_back(g.toTensor());
+        } else {
+          throw std::invalid_argument("a gradient must be a tensor or None, got " + g.tagKind());
+        }
       }
+      c->on_grad(static_cast<uint64_t>(ctx), static_cast<uint64_t>(task),
+                 static_cast<uint64_t>(message), std::move(list));
+    } catch (...) {
+      // Gradients come one way (no reply): the root hears of it from here.
+      c->report_failure(static_cast<uint64_t>(ctx), static_cast<uint64_t>(task),
+                        std::current_exception());
     }
-    self()->on_grad(static_cast<uint64_t>(ctx), static_cast<uint64_t>(task),
-                    static_cast<uint64_t>(message), std::move(list));
   });
   internal.def("tandem.autograd.fail", [self](int64_t ctx, int64_t task, int64_t code,
                                               std::string worker, std::string message) {
@@ -376,15 +383,8 @@ void Container::register_handlers(rpc::Registry& internal) {
     if (code < 0 || code > static_cast<int64_t>(rpc::ErrorCode::kProtocol)) {
       throw std::invalid_argument("unknown error code " + std::to_string(code));
     }
-    auto state = c->find(static_cast<uint64_t>(ctx));
-    if (!state) return;
-    std::shared_ptr<GraphTask> t;
-    {
-      std::lock_guard<std::mutex> lock(state->mu);
-      auto it = state->tasks.find(static_cast<uint64_t>(task));
-      if (it == state->tasks.end()) return;
-      t = it->second;
-    }
+    auto t = c->find_task(static_cast<uint64_t>(ctx), static_cast<uint64_t>(task));
+    if (!t) return;
     std::function<void(std::exception_ptr)> report;
     {
       std::lock_guard<std::mutex> lock(t->mu);
@@ -394,17 +394,9 @@ void Container::register_handlers(rpc::Registry& internal) {
   });
   internal.def("tandem.autograd.abort", [self](int64_t ctx, int64_t task) {
     auto c = self();
-    auto state = c->find(static_cast<uint64_t>(ctx));
-    if (!state) return;
-    std::shared_ptr<GraphTask> t;
-    {
-      std::lock_guard<std::mutex> lock(state->mu);
-      auto it = state->tasks.find(static_cast<uint64_t>(task));
-      if (it == state->tasks.end()) return;
-      t = it->second;
-      state->tasks.erase(it);
+    if (auto t = c->find_task(static_cast<uint64_t>(ctx), static_cast<uint64_t>(task), true)) {
+      c->abort_task(t, "aborted by its root");
     }
-    c->abort_task(t, "aborted by its root");
   });
 }
 

@@ -89,6 +89,8 @@ class Container final : public rpc::AgentExtension,
   rpc::RawFuture run_part(uint64_t context, uint64_t task, int root, bool keep_graph,
                           const std::vector<uint64_t>& sends, std::chrono::milliseconds timeout);
   std::shared_ptr<GraphTask> task_of(ContextState& ctx, uint64_t task);  // ctx.mu held
+  // The task, or null; with `erase`, the context forgets it.
+  std::shared_ptr<GraphTask> find_task(uint64_t context, uint64_t task, bool erase = false);
   void on_grad(uint64_t context, uint64_t task, uint64_t message,
                torch::autograd::variable_list grads);
   void drain(const std::shared_ptr<ContextState>& ctx, const std::shared_ptr<GraphTask>& task);
@@ -99,6 +101,8 @@ class Container final : public rpc::AgentExtension,
   void send_grads(const std::shared_ptr<ContextState>& ctx, const std::shared_ptr<GraphTask>& task,
                   const RecvBackward& recv, torch::autograd::variable_list grads);
   void fail(const std::shared_ptr<GraphTask>& task, std::exception_ptr error);
+  // A failure here in task `task` of `context`, told to the task's root.
+  void report_failure(uint64_t context, uint64_t task, std::exception_ptr error);
   // Stops `task` here without reporting (the root already knows).
   void abort_task(const std::shared_ptr<GraphTask>& task, const std::string& why);
 

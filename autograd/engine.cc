@@ -87,6 +87,17 @@ void fit_outputs(const Node& fn, variable_list& outputs) {
 
 }  // namespace
 
+std::shared_ptr<GraphTask> Container::find_task(uint64_t context, uint64_t task, bool erase) {
+  auto ctx = find(context);
+  if (!ctx) return nullptr;
+  std::lock_guard<std::mutex> lock(ctx->mu);
+  auto it = ctx->tasks.find(task);
+  if (it == ctx->tasks.end()) return nullptr;
+  auto t = it->second;
+  if (erase) ctx->tasks.erase(it);
+  return t;
+}
+
 std::shared_ptr<GraphTask> Container::task_of(ContextState& ctx, uint64_t task) {
   auto& t = ctx.tasks[task];
   if (!t) t = std::make_shared<GraphTask>(ctx.id, task, id_worker(task));
@@ -415,21 +426,29 @@ void Container::send_grads(const std::shared_ptr<ContextState>& ctx,
   std::vector<c10::IValue> items;
   items.reserve(grads.size());
   for (auto& g : grads) items.push_back(g.defined() ? c10::IValue(std::move(g)) : c10::IValue());
-  auto f = agent_.call(agent_.get_worker_info(recv.sender()).name, "tandem.autograd.grad",
-                       {static_cast<int64_t>(ctx->id), static_cast<int64_t>(task->id),
-                        static_cast<int64_t>(recv.message()),
-                        c10::ivalue::Tuple::create(std::move(items))},
-                       task->timeout);
-  std::weak_ptr<Container> weak = weak_from_this();
-  auto pool = agent_.pool();
-  f.raw()->addCallback([weak, task, pool](c10::ivalue::Future& done) {
-    if (!done.hasError()) return;
-    auto e = done.exception_ptr();
-    // Off the loop thread: reporting may open a connection.
-    pool->post([weak, task, e] {
-      if (auto self = weak.lock()) self->fail(task, e);
-    });
-  });
+  // One way: a reply would only cost both workers a message. A receiver that
+  // cannot take the gradient tells the root itself (report_failure); one
+  // that died fails the root's `run` request to it.
+  agent_.notify(agent_.get_worker_info(recv.sender()).name, "tandem.autograd.grad",
+                {static_cast<int64_t>(ctx->id), static_cast<int64_t>(task->id),
+                 static_cast<int64_t>(recv.message()),
+                 c10::ivalue::Tuple::create(std::move(items))});
+}
+
+void Container::report_failure(uint64_t context, uint64_t task, std::exception_ptr error) {
+  const int root = id_worker(task);
+  if (root == rank_) {
+    if (auto t = find_task(context, task)) fail(t, error);
+    return;
+  }
+  auto [code, text] = rpc::describe_error(error);
+  try {
+    agent_.call(agent_.get_worker_info(root).name, "tandem.autograd.fail",
+                {static_cast<int64_t>(context), static_cast<int64_t>(task),
+                 static_cast<int64_t>(code), agent_.name(), text});
+  } catch (const std::exception&) {
+    // The root is gone: nobody is left to tell.
+  }
 }
 
 void Container::fail(const std::shared_ptr<GraphTask>& task, std::exception_ptr error) {

@@ -40,13 +40,16 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "rpc/api.h"
 #include "rpc/rref.h"
 
-extern char** environ;
-
 namespace {
 
+using tandem::bench::median;
+using tandem::bench::percentile;
+using tandem::bench::set_free_master;
+using tandem::bench::spawn_self;
 using Clock = std::chrono::steady_clock;
 using tandem::rpc::Agent;
 using tandem::rpc::AgentOptions;
@@ -58,10 +61,6 @@ int iterations_for(int64_t bytes) {
   return 40;
 }
 
-double percentile(std::vector<double> v, double q) {
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))];
-}
 
 // One round's figures for one size.
 struct Round {
@@ -77,10 +76,6 @@ Round summarize(const std::vector<double>& lat_s) {
   return r;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 void emit_p50(const char* bench, int64_t bytes, const std::vector<Round>& rounds) {
   std::vector<double> p50;
@@ -110,24 +105,6 @@ void emit(const char* impl, int64_t bytes, const std::vector<Round>& rounds) {
   std::fflush(stdout);
 }
 
-pid_t spawn_self(const std::vector<std::string>& extra_env) {
-  std::vector<std::string> env;
-  for (char** e = environ; *e; ++e) env.emplace_back(*e);
-  env.insert(env.end(), extra_env.begin(), extra_env.end());
-  std::vector<char*> envp;
-  for (auto& s : env) envp.push_back(s.data());
-  envp.push_back(nullptr);
-  char exe[4096];
-  ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
-  if (n <= 0) throw std::runtime_error("cannot find my own executable");
-  exe[n] = '\0';
-  char* argv[] = {exe, nullptr};
-  pid_t pid = -1;
-  if (::posix_spawn(&pid, exe, nullptr, nullptr, argv, envp.data()) != 0) {
-    throw std::runtime_error("cannot start the callee process");
-  }
-  return pid;
-}
 
 // ---- the raw TCP floor ----------------------------------------------------------
 
@@ -261,16 +238,7 @@ void rref_round(Agent& agent, TandemRound& out) {
 TandemRound rpc_caller(const std::vector<int64_t>& sizes) {
   TandemRound result;
   std::vector<Round>& out = result.echo;
-  // Pick a free port for the store, then let both ranks meet there.
-  int port;
-  {
-    c10d::TCPStoreOptions so;
-    so.port = 0;
-    so.isServer = true;
-    port = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so)->getPort();
-  }
-  setenv("MASTER_ADDR", "127.0.0.1", 1);
-  setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  set_free_master();
   pid_t child = spawn_self({"TANDEM_BENCH_ROLE=rpc"});
   auto agent = tandem::rpc::init(registry(), options(0));
   for (int64_t bytes : sizes) {

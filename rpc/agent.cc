@@ -14,6 +14,11 @@ namespace {
 using Clock = std::chrono::steady_clock;
 // Longer timeouts are treated as this (and cannot overflow the clock).
 constexpr std::chrono::milliseconds kMaxTimeout{365ll * 24 * 3600 * 1000};
+// The timer thread wakes at least this often (so far-off deadlines need not
+// wake it when they are set).
+constexpr std::chrono::milliseconds kTimerTick{20};
+// The call id of a request sent by notify(): no reply goes back.
+constexpr uint64_t kNoReply = 0;
 
 // What a handler running on this thread inherited from its request.
 struct HandlerScope {
@@ -101,6 +106,7 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
   }
   if (options_.rpc_timeout.count() < 0) throw std::invalid_argument("rpc_timeout must be >= 0");
   if (options_.sync_spin.count() < 0) throw std::invalid_argument("sync_spin must be >= 0");
+  if (options_.pool_spin.count() < 0) throw std::invalid_argument("pool_spin must be >= 0");
   if (options_.token.empty()) {
     if (const char* t = std::getenv("TANDEM_TOKEN")) options_.token = t;
   }
@@ -132,7 +138,7 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
     }
   }
 
-  pool_ = std::make_shared<ThreadPool>(options_.num_worker_threads);
+  pool_ = std::make_shared<ThreadPool>(options_.num_worker_threads, options_.pool_spin);
   internal_ = std::make_shared<Registry>();
   rrefs_ = std::make_shared<RRefContext>(*this);
   rrefs_->register_handlers(*internal_);
@@ -294,9 +300,10 @@ RawFuture Agent::start_call(const std::string& to, const std::string& fn,
       return fail_now(shut_down());
     }
     if (p.has_deadline) {
-      bool earliest = deadlines_.empty() || p.deadline < deadlines_.begin()->first;
       deadlines_.emplace(p.deadline, req.id);
-      if (earliest) timer_cv_.notify_one();
+      // The timer thread wakes by timer_wake_ anyway; waking it for a later
+      // deadline would cost a context switch per call.
+      if (p.deadline < timer_wake_) timer_cv_.notify_one();
     }
     pending_.emplace(req.id, std::move(p));
   }
@@ -317,6 +324,33 @@ RawFuture Agent::start_call(const std::string& to, const std::string& fn,
     complete(req.id, [&](Pending& q) { finish(std::move(q), {}, eptr); }, 0);
   }
   return fut;
+}
+
+void Agent::notify(const std::string& to, const std::string& fn, std::vector<c10::IValue> args) {
+  const WorkerInfo& dest = get_worker_info(to);
+  Message req;
+  req.kind = MessageKind::kRequest;
+  req.id = kNoReply;
+  req.callee = fn;
+  req.values = std::move(args);
+  if (tls_scope.agent == this) req.autograd_context = tls_scope.autograd_context;
+  OutFrame frame = encode_with_extensions(req, dest.rank);
+  const std::vector<RRefDesc> forks = frame.forks;
+  try {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!accepting_) throw ShutdownError("agent " + name() + " is shut down; cannot notify " + to);
+    }
+    auto timeout = options_.rpc_timeout.count() > 0 ? options_.rpc_timeout
+                                                    : std::chrono::milliseconds(30000);
+    connection_to(dest.rank, timeout)->send(std::move(frame));
+  } catch (const ShutdownError&) {
+    rrefs_->abort_forks(forks);
+    throw;
+  } catch (const Error& e) {
+    rrefs_->abort_forks(forks);
+    throw DisconnectedError("cannot send '" + fn + "' to " + to + ": " + e.what());
+  }
 }
 
 OutFrame Agent::encode_with_extensions(Message& m, int dest) {
@@ -557,6 +591,7 @@ void Agent::handle_request(const std::shared_ptr<Connection>& conn, Message msg)
 
 void Agent::reply(const std::shared_ptr<Connection>& conn, uint64_t id, const RawFuture& result,
                   uint64_t autograd_context) {
+  if (id == kNoReply) return;  // notify(): nobody waits for it
   if (result->hasError()) {
     auto [code, text] = describe_error(result->exception_ptr());
     // What the function threw is the callee's error, whatever its type (but
@@ -587,6 +622,7 @@ void Agent::reply(const std::shared_ptr<Connection>& conn, uint64_t id, const Ra
 
 void Agent::send_error(const std::shared_ptr<Connection>& conn, uint64_t id, ErrorCode code,
                        const std::string& message) {
+  if (id == kNoReply) return;
   Message m;
   m.kind = MessageKind::kError;
   m.id = id;
@@ -603,29 +639,28 @@ void Agent::schedule_after(std::chrono::microseconds delay, std::function<void()
   std::lock_guard<std::mutex> lock(mu_);
   if (timer_stop_) return;
   auto at = Clock::now() + delay;
-  bool earliest = (deadlines_.empty() || at < deadlines_.begin()->first) &&
-                  (timers_.empty() || at < timers_.begin()->first);
   timers_.emplace(at, std::move(fn));
-  if (earliest) timer_cv_.notify_one();
+  if (at < timer_wake_) timer_cv_.notify_one();
 }
 
 void Agent::timer_loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!timer_stop_) {
-    if (deadlines_.empty() && timers_.empty()) {
-      timer_cv_.wait(lock);
-      continue;
-    }
-    auto first = Clock::time_point::max();
-    if (!deadlines_.empty()) first = deadlines_.begin()->first;
+    // Sleep until the earliest deadline or timer, but never longer than
+    // kTimerTick: then a call whose deadline is further away than that need
+    // not wake this thread (see start_call).
+    auto now = Clock::now();
+    auto first = now + kTimerTick;
+    if (!deadlines_.empty()) first = std::min(first, deadlines_.begin()->first);
     if (!timers_.empty()) first = std::min(first, timers_.begin()->first);
-    if (Clock::now() < first) {
+    if (now < first) {
+      timer_wake_ = first;
       timer_cv_.wait_until(lock, first);
+      timer_wake_ = Clock::time_point::min();  // awake: nothing needs to wake it
       continue;
     }
     std::vector<uint64_t> expired;
     std::vector<std::function<void()>> due;
-    auto now = Clock::now();
     for (auto it = deadlines_.begin(); it != deadlines_.end() && it->first <= now; ++it) {
       expired.push_back(it->second);
     }

@@ -55,7 +55,11 @@ RawFuture race_with_confirmation(const RRefPtr& rref, const RawFuture& result) {
   const RawFuture& confirmed = rref->confirmed();
   auto out = make_raw_future();
   auto once = std::make_shared<std::atomic<bool>>(false);
-  result->addCallback([out, once, rref](c10::ivalue::Future& r) {
+  // The RRef is held until the reply is in, and let go before the caller
+  // wakes: a caller that drops its last handle right after must find the
+  // handle gone (and the graceful-shutdown leak check must not see it).
+  result->addCallback([out, once, keep = RRefPtr(rref)](c10::ivalue::Future& r) mutable {
+    keep.reset();
     if (once->exchange(true)) return;
     if (r.hasError()) {
       out->setError(r.exception_ptr());

@@ -8,7 +8,7 @@ namespace {
 thread_local const ThreadPool* tls_pool = nullptr;
 }
 
-ThreadPool::ThreadPool(int threads) {
+ThreadPool::ThreadPool(int threads, std::chrono::microseconds spin) : spin_(spin) {
   if (threads < 1) throw std::invalid_argument("ThreadPool needs at least one thread");
   threads_.reserve(threads);
   for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });
@@ -21,7 +21,9 @@ void ThreadPool::post(std::function<void()> task) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!stopping_) {
       tasks_.push_back(std::move(task));
-      cv_.notify_one();
+      queued_.store(tasks_.size(), std::memory_order_release);
+      // A spinning thread takes it without a wake-up; wake one only for the rest.
+      if (tasks_.size() > static_cast<size_t>(spinning_)) cv_.notify_one();
       return;
     }
   }
@@ -45,11 +47,29 @@ void ThreadPool::stop() {
 void ThreadPool::run() {
   tls_pool = this;
   std::unique_lock<std::mutex> lock(mu_);
+  bool just_worked = false;
   for (;;) {
+    if (just_worked && spin_.count() > 0 && tasks_.empty() && !stopping_) {
+      ++spinning_;
+      lock.unlock();
+      auto until = std::chrono::steady_clock::now() + spin_;
+      while (queued_.load(std::memory_order_acquire) == 0 &&
+             std::chrono::steady_clock::now() < until) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#elif defined(__aarch64__)
+        asm volatile("yield");
+#endif
+      }
+      lock.lock();
+      --spinning_;
+    }
     cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
     if (tasks_.empty()) return;  // stopping and drained
     auto task = std::move(tasks_.front());
     tasks_.pop_front();
+    queued_.store(tasks_.size(), std::memory_order_release);
+    just_worked = true;
     lock.unlock();
     try {
       task();

@@ -1,0 +1,166 @@
+// autograd_bench: distributed backward over a chain of RPC hops, like
+// ../shared/anchors/dist_backward.py.
+//
+// Two processes on loopback: this one is worker0 and starts itself again as
+// worker1. worker0 holds x (64 floats, requires grad); each hop is
+// rpc_sync("worker1", "add", y, 1) inside a distributed autograd context; the
+// loss is y.sum(). It times backward() alone, and the forward with and
+// without a context (the cost of recording, per RPC). Each figure is the
+// median over --rounds fresh process pairs of the per-round p50.
+//
+// Prints, per hop count H:
+//   {"bench":"dist_backward","impl":"tandem","hops":H,"p50_us":..,"record_us_per_rpc":..}
+//
+// Usage: autograd_bench [--hops 1,4,16] [--iters 200] [--rounds 3]
+#include <ATen/ops/allclose.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/ones.h>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+
+#include "autograd/autograd.h"
+#include "bench/bench_util.h"
+#include "rpc/api.h"
+
+namespace {
+
+namespace rpc = tandem::rpc;
+namespace dist = tandem::autograd;
+using Clock = std::chrono::steady_clock;
+using tandem::bench::median;
+using tandem::bench::percentile;
+
+std::shared_ptr<rpc::Registry> registry() {
+  auto reg = std::make_shared<rpc::Registry>();
+  reg->def("add", [](at::Tensor y, double s) { return at::add(y, s); });
+  return reg;
+}
+
+rpc::AgentOptions options(int rank) {
+  rpc::AgentOptions o;
+  o.rank = rank;
+  o.world_size = 2;
+  o.num_worker_threads = 4;
+  if (const char* spin = std::getenv("SPIN")) o.sync_spin = std::chrono::microseconds(std::atoi(spin));
+  if (const char* spin = std::getenv("PSPIN")) o.pool_spin = std::chrono::microseconds(std::atoi(spin));
+  return o;
+}
+
+at::Tensor forward(rpc::Agent& agent, at::Tensor x, int hops) {
+  at::Tensor y = x;
+  for (int i = 0; i < hops; ++i) y = agent.rpc_sync<at::Tensor>("worker1", "add", y, 1.0);
+  return y;
+}
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+struct Figures {
+  double backward_p50 = 0;  // seconds
+  double record_per_rpc = 0;
+};
+
+std::vector<Figures> round_trip(const std::vector<int>& hop_counts, int iters) {
+  tandem::bench::set_free_master();
+  pid_t child = tandem::bench::spawn_self({"TANDEM_BENCH_ROLE=callee"});
+  auto agent = rpc::init(registry(), options(0));
+  at::Tensor x = at::ones({64}).requires_grad_();
+  std::vector<Figures> out;
+  for (int hops : hop_counts) {
+    std::vector<double> back, fwd_ctx, fwd_plain;
+    for (int i = 0; i < iters + 5; ++i) {
+      auto t0 = Clock::now();
+      forward(*agent, x.detach(), hops);
+      double plain = seconds_since(t0);
+      double with_ctx, backward;
+      {
+        dist::Context ctx(*agent);
+        t0 = Clock::now();
+        at::Tensor loss = forward(*agent, x, hops).sum();
+        with_ctx = seconds_since(t0);
+        t0 = Clock::now();
+        dist::backward(ctx.id(), {loss});
+        backward = seconds_since(t0);
+        if (!at::allclose(dist::get_gradients(ctx.id()).at(x), at::ones({64}))) {
+          throw std::runtime_error("wrong gradient");
+        }
+      }
+      if (i >= 5) {
+        back.push_back(backward);
+        fwd_ctx.push_back(with_ctx);
+        fwd_plain.push_back(plain);
+      }
+    }
+    out.push_back({percentile(back, 0.5),
+                   (percentile(fwd_ctx, 0.5) - percentile(fwd_plain, 0.5)) / hops});
+  }
+  rpc::shutdown(true);
+  ::waitpid(child, nullptr, 0);
+  return out;
+}
+
+std::vector<int> parse_list(const std::string& s) {
+  std::vector<int> out;
+  std::stringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ',')) out.push_back(std::stoi(item));
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    if (const char* role = std::getenv("TANDEM_BENCH_ROLE")) {
+      unsetenv("TANDEM_BENCH_ROLE");
+      if (std::strcmp(role, "callee") != 0) return 2;
+      rpc::init(registry(), options(1));
+      rpc::shutdown(true);
+      return 0;
+    }
+    std::string hops = "1,4,16";
+    int iters = 200, rounds = 3;
+    for (int i = 1; i < argc; ++i) {
+      std::string a = argv[i];
+      if (a == "--hops" && i + 1 < argc) {
+        hops = argv[++i];
+      } else if (a == "--iters" && i + 1 < argc) {
+        iters = std::atoi(argv[++i]);
+      } else if (a == "--rounds" && i + 1 < argc) {
+        rounds = std::atoi(argv[++i]);
+      } else {
+        std::fprintf(stderr, "usage: autograd_bench [--hops 1,4,16] [--iters N] [--rounds N]\n");
+        return 2;
+      }
+    }
+    auto hop_counts = parse_list(hops);
+    if (iters < 1 || rounds < 1 || hop_counts.empty()) {
+      std::fprintf(stderr, "autograd_bench: --iters, --rounds and --hops must be positive\n");
+      return 2;
+    }
+    std::vector<std::vector<double>> back(hop_counts.size()), record(hop_counts.size());
+    for (int r = 0; r < rounds; ++r) {
+      auto figures = round_trip(hop_counts, iters);
+      for (size_t i = 0; i < hop_counts.size(); ++i) {
+        back[i].push_back(figures[i].backward_p50);
+        record[i].push_back(figures[i].record_per_rpc);
+      }
+    }
+    for (size_t i = 0; i < hop_counts.size(); ++i) {
+      std::printf(
+          "{\"bench\":\"dist_backward\",\"impl\":\"tandem\",\"hops\":%d,\"p50_us\":%.1f,"
+          "\"record_us_per_rpc\":%.1f,\"rounds\":%d}\n",
+          hop_counts[i], median(back[i]) * 1e6, median(record[i]) * 1e6, rounds);
+      std::fflush(stdout);
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "autograd_bench: %s\n", e.what());
+    return 1;
+  }
+}
