@@ -354,29 +354,6 @@ void Container::register_handlers(rpc::Registry& internal) {
     });
     return rpc::Future<c10::IValue>(out, nullptr);
   });
-  internal.def("tandem.autograd.grad", [self](int64_t ctx, int64_t task, int64_t message,
-                                              c10::IValue grads) {
-    auto c = self();
-    try {
-      if (!grads.isTuple()) throw std::invalid_argument("gradients must travel as a tuple");
-      variable_list list;
-      for (const auto& g : grads.toTupleRef().elements()) {
-        if (g.isNone()) {
-          list.emplace_back();
-        } else if (g.isTensor()) {
-          list.push_back(g.toTensor());
-        } else {
-          throw std::invalid_argument("a gradient must be a tensor or None, got " + g.tagKind());
-        }
-      }
-      c->on_grad(static_cast<uint64_t>(ctx), static_cast<uint64_t>(task),
-                 static_cast<uint64_t>(message), std::move(list));
-    } catch (...) {
-      // Gradients come one way (no reply): the root hears of it from here.
-      c->report_failure(static_cast<uint64_t>(ctx), static_cast<uint64_t>(task),
-                        std::current_exception());
-    }
-  });
   internal.def("tandem.autograd.fail", [self](int64_t ctx, int64_t task, int64_t code,
                                               std::string worker, std::string message) {
     auto c = self();
@@ -396,6 +373,43 @@ void Container::register_handlers(rpc::Registry& internal) {
     auto c = self();
     if (auto t = c->find_task(static_cast<uint64_t>(ctx), static_cast<uint64_t>(task), true)) {
       c->abort_task(t, "aborted by its root");
+    }
+  });
+}
+
+void Container::register_loop_handlers(rpc::Registry& on_loop) {
+  std::weak_ptr<Container> weak = weak_from_this();
+  auto self = [weak] {
+    auto c = weak.lock();
+    if (!c) throw rpc::ShutdownError("distributed autograd is shut down");
+    return c;
+  };
+  // Delivering a gradient is bounded work; running the nodes it makes ready
+  // is not, and happens on the pool (or on the root's backward() thread).
+  on_loop.def("tandem.autograd.grad", [self](int64_t ctx, int64_t task, int64_t message,
+                                              c10::IValue grads) {
+    auto c = self();
+    try {
+      if (!grads.isTuple()) throw std::invalid_argument("gradients must travel as a tuple");
+      variable_list list;
+      for (const auto& g : grads.toTupleRef().elements()) {
+        if (g.isNone()) {
+          list.emplace_back();
+        } else if (g.isTensor()) {
+          list.push_back(g.toTensor());
+        } else {
+          throw std::invalid_argument("a gradient must be a tensor or None, got " + g.tagKind());
+        }
+      }
+      c->on_grad(static_cast<uint64_t>(ctx), static_cast<uint64_t>(task),
+                 static_cast<uint64_t>(message), std::move(list));
+    } catch (...) {
+      // Gradients come one way (no reply): the root hears of it from here,
+      // off the loop thread (telling it may mean connecting).
+      auto e = std::current_exception();
+      c->agent_.pool()->post([c, ctx, task, e] {
+        c->report_failure(static_cast<uint64_t>(ctx), static_cast<uint64_t>(task), e);
+      });
     }
   });
 }

@@ -60,6 +60,7 @@ class Container final : public rpc::AgentExtension,
 
   // rpc::AgentExtension
   void register_handlers(rpc::Registry& internal) override;
+  void register_loop_handlers(rpc::Registry& on_loop) override;
   void before_send(rpc::Message& m, int dest) override;
   void after_encode(const rpc::Message& m, rpc::OutFrame& frame, int dest) override;
   void after_receive(rpc::Message& m, int from) override;

@@ -220,10 +220,36 @@ void Container::backward(uint64_t context, const std::vector<at::Tensor>& roots,
     });
   }
 
-  // 3. This worker's part runs on this thread (and on the pool, as gradients
-  //    come back).
+  // 3. This worker's part runs on this thread: gradients that come back are
+  //    delivered on the loop thread, which wakes this one.
+  {
+    std::lock_guard<std::mutex> lock(task->mu);
+    task->attached = true;
+  }
+  join->result->addCallback([task](c10::ivalue::Future&) {
+    std::lock_guard<std::mutex> lock(task->mu);
+    ++task->signals;
+    task->cv.notify_all();
+  });
+  const auto spin = agent_.options().sync_spin;
+  uint64_t seen = task->signals.load();
   drain(ctx, task);
-  join->result->wait();
+  while (!join->result->completed()) {
+    // A wake-up costs more than a loopback hop: spin a little first.
+    auto until = std::chrono::steady_clock::now() + spin;
+    while (task->signals.load(std::memory_order_acquire) == seen &&
+           std::chrono::steady_clock::now() < until) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    }
+    {
+      std::unique_lock<std::mutex> lock(task->mu);
+      task->cv.wait(lock, [&] { return task->signals.load() != seen; });
+    }
+    seen = task->signals.load();
+    drain(ctx, task);
+  }
   {
     std::lock_guard<std::mutex> lock(ctx->mu);
     ctx->tasks.erase(id);
@@ -323,8 +349,18 @@ void Container::on_grad(uint64_t context, uint64_t id, uint64_t message, variabl
       return;
     }
     deliver_to_send(*task, send->second.get(), std::move(grads), agent_.name());
+    if (task->attached) {  // backward()'s own thread drains the root's part
+      ++task->signals;
+      task->cv.notify_one();
+      return;
+    }
+    if (task->draining) return;  // the draining thread picks it up
   }
-  drain(ctx, task);
+  // Usually on the loop thread: the nodes run on the pool.
+  std::weak_ptr<Container> weak = weak_from_this();
+  agent_.pool()->post([weak, ctx, task] {
+    if (auto self = weak.lock()) self->drain(ctx, task);
+  });
 }
 
 void Container::drain(const std::shared_ptr<ContextState>& ctx,

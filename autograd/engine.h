@@ -37,9 +37,11 @@
 //     from reached nodes into it (a send counts one more: the gradient that
 //     will come from its RecvBackward). Gradients that arrive before `run`
 //     are kept until it does.
-//  3. Execution: a node whose count reaches zero is ready; a worker drains
-//     its ready nodes on whichever thread delivered the last input, one
-//     thread at a time. Ordinary nodes run with their pre- and post-hooks
+//  3. Execution: a node whose count reaches zero is ready. Gradients from
+//     other workers are delivered on the loop thread (bounded work); the
+//     root's backward() thread drains the root's ready nodes itself, spinning
+//     briefly before it sleeps, and elsewhere a pool thread drains them, one
+//     thread at a time per task. Ordinary nodes run with their pre- and post-hooks
 //     and their outputs go to the next nodes' input buffers (summed).
 //     AccumulateGrad nodes are not run: their gradient is added to the
 //     context's gradients (never to .grad). A RecvBackward sends its inputs
@@ -58,7 +60,9 @@
 
 #include <torch/csrc/autograd/function.h>
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -101,6 +105,11 @@ struct GraphTask {
   bool finished = false;  // every node ran, or the task failed
   bool settled = false;   // `done` is (being) completed: by drain, fail or abort only
   bool failed = false;    // a failure was handled (later ones are dropped)
+  // On the root, backward()'s thread drains this part itself: gradients that
+  // arrive (on the loop thread) only wake it. Elsewhere a pool thread drains.
+  bool attached = false;
+  std::atomic<uint64_t> signals{0};  // bumped (under mu) when the attached thread has news
+  std::condition_variable cv;
   // This worker's part: completes with None when done, or with the error.
   rpc::RawFuture done;
 };

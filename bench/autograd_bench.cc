@@ -10,6 +10,12 @@
 //
 // Prints, per hop count H:
 //   {"bench":"dist_backward","impl":"tandem","hops":H,"p50_us":..,"record_us_per_rpc":..}
+// record_us_per_rpc is the anchor's measure (forward with a context minus
+// without, per hop); on a small VM it moves by tens of microseconds with
+// thread wake-ups. So it also prints the recording itself, measured in one
+// process with no network: a request and its response through encode and
+// decode with the autograd hooks, minus without them, per RPC:
+//   {"bench":"dist_record","impl":"tandem","p50_us":..}
 //
 // Usage: autograd_bench [--hops 1,4,16] [--iters 200] [--rounds 3]
 #include <ATen/ops/allclose.h>
@@ -23,6 +29,7 @@
 #include <sstream>
 
 #include "autograd/autograd.h"
+#include "autograd/container.h"
 #include "bench/bench_util.h"
 #include "rpc/api.h"
 
@@ -45,8 +52,6 @@ rpc::AgentOptions options(int rank) {
   o.rank = rank;
   o.world_size = 2;
   o.num_worker_threads = 4;
-  if (const char* spin = std::getenv("SPIN")) o.sync_spin = std::chrono::microseconds(std::atoi(spin));
-  if (const char* spin = std::getenv("PSPIN")) o.pool_spin = std::chrono::microseconds(std::atoi(spin));
   return o;
 }
 
@@ -58,6 +63,23 @@ at::Tensor forward(rpc::Agent& agent, at::Tensor x, int hops) {
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// The frame's bytes through a receiver's decoder.
+rpc::Message roundtrip(const rpc::OutFrame& f) {
+  std::string bytes(reinterpret_cast<const char*>(&f.preamble), rpc::kPreambleBytes);
+  auto env = f.envelope.asBytes();
+  bytes.append(reinterpret_cast<const char*>(env.begin()), env.size());
+  uint64_t offset = 0;
+  for (const auto& t : f.tensors) {
+    uint64_t pad = rpc::padding_before(offset);
+    bytes.append(pad, '\0');
+    bytes.append(static_cast<const char*>(t.data_ptr()), t.nbytes());
+    offset += pad + t.nbytes();
+  }
+  rpc::FrameDecoder d{rpc::Limits{}};
+  d.feed(bytes.data(), bytes.size());
+  return d.take();
 }
 
 struct Figures {
@@ -74,13 +96,18 @@ std::vector<Figures> round_trip(const std::vector<int>& hop_counts, int iters) {
   for (int hops : hop_counts) {
     std::vector<double> back, fwd_ctx, fwd_plain;
     for (int i = 0; i < iters + 5; ++i) {
-      auto t0 = Clock::now();
-      forward(*agent, x.detach(), hops);
-      double plain = seconds_since(t0);
-      double with_ctx, backward;
+      // Alternate which forward goes first, so neither always follows the
+      // previous iteration's context release.
+      double plain = 0, with_ctx = 0, backward = 0;
+      auto plain_forward = [&] {
+        auto t0 = Clock::now();
+        forward(*agent, x.detach(), hops);
+        plain = seconds_since(t0);
+      };
+      if (i % 2 == 0) plain_forward();
       {
         dist::Context ctx(*agent);
-        t0 = Clock::now();
+        auto t0 = Clock::now();
         at::Tensor loss = forward(*agent, x, hops).sum();
         with_ctx = seconds_since(t0);
         t0 = Clock::now();
@@ -90,6 +117,7 @@ std::vector<Figures> round_trip(const std::vector<int>& hop_counts, int iters) {
           throw std::runtime_error("wrong gradient");
         }
       }
+      if (i % 2 == 1) plain_forward();
       if (i >= 5) {
         back.push_back(backward);
         fwd_ctx.push_back(with_ctx);
@@ -102,6 +130,61 @@ std::vector<Figures> round_trip(const std::vector<int>& hop_counts, int iters) {
   rpc::shutdown(true);
   ::waitpid(child, nullptr, 0);
   return out;
+}
+
+// One RPC's messages (request x -> response x + 1) through the codec, with
+// or without the hooks; returns seconds per RPC (p50).
+double codec_round(rpc::Agent& agent, const at::Tensor& x, bool record, int iters) {
+  auto hooks = dist::Container::of(agent);
+  std::vector<double> lat;
+  for (int i = 0; i < iters; ++i) {
+    auto t0 = Clock::now();
+    rpc::Message req;
+    req.kind = rpc::MessageKind::kRequest;
+    req.id = 1;
+    req.callee = "add";
+    req.values = {x, 1.0};
+    if (record) hooks->before_send(req, 0);
+    rpc::OutFrame out = rpc::encode(req);
+    if (record) hooks->after_encode(req, out, 0);
+    rpc::Message got = roundtrip(out);
+    if (record) hooks->after_receive(got, 0);
+    at::Tensor y = at::add(got.values[0].toTensor(), 1.0);
+    rpc::Message resp;
+    resp.kind = rpc::MessageKind::kResponse;
+    resp.id = 1;
+    resp.values = {y};
+    resp.autograd_context = got.autograd_context;
+    if (record) hooks->before_send(resp, 0);
+    rpc::OutFrame back = rpc::encode(resp);
+    if (record) hooks->after_encode(resp, back, 0);
+    rpc::Message result = roundtrip(back);
+    if (record) hooks->after_receive(result, 0);
+    lat.push_back(seconds_since(t0));
+  }
+  return percentile(lat, 0.5);
+}
+
+// The recording cost per RPC, in one process (world of one, no network).
+double record_cost(int iters) {
+  rpc::AgentOptions o;
+  o.rank = 0;
+  o.world_size = 1;
+  o.init_method = "tcp://127.0.0.1:0";
+  auto agent = rpc::Agent::create(o, registry());
+  double cost;
+  {
+    at::Tensor x = at::ones({64}).requires_grad_();
+    dist::Context ctx(*agent);
+    at::Tensor y = at::add(x, 2.0);  // a little graph below the sent tensor
+    codec_round(*agent, y, true, 100);
+    codec_round(*agent, y.detach(), false, 100);
+    double with = codec_round(*agent, y, true, iters);
+    double without = codec_round(*agent, y.detach(), false, iters);
+    cost = with - without;
+  }
+  agent->shutdown();
+  return cost;
 }
 
 std::vector<int> parse_list(const std::string& s) {
@@ -158,6 +241,8 @@ int main(int argc, char** argv) {
           hop_counts[i], median(back[i]) * 1e6, median(record[i]) * 1e6, rounds);
       std::fflush(stdout);
     }
+    std::printf("{\"bench\":\"dist_record\",\"impl\":\"tandem\",\"p50_us\":%.2f}\n",
+                record_cost(20000) * 1e6);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "autograd_bench: %s\n", e.what());

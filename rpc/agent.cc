@@ -140,6 +140,7 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
 
   pool_ = std::make_shared<ThreadPool>(options_.num_worker_threads, options_.pool_spin);
   internal_ = std::make_shared<Registry>();
+  loop_internal_ = std::make_shared<Registry>();
   rrefs_ = std::make_shared<RRefContext>(*this);
   rrefs_->register_handlers(*internal_);
   {
@@ -147,6 +148,7 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
     for (const auto& make : extension_factories()) {
       auto ext = make(*this);
       ext->register_handlers(*internal_);
+      ext->register_loop_handlers(*loop_internal_);
       extensions_.push_back(std::move(ext));
     }
   }
@@ -439,6 +441,10 @@ void Agent::on_message(const std::shared_ptr<Connection>& conn, Message&& msg) {
   }
   switch (msg.kind) {
     case MessageKind::kRequest: {
+      if (msg.callee.rfind("tandem.", 0) == 0 && loop_internal_->contains(msg.callee)) {
+        handle_request(conn, std::move(msg));  // bounded internal work: right here
+        return;
+      }
       auto shared = std::make_shared<Message>(std::move(msg));
       pool_->post([this, conn, shared] { handle_request(conn, std::move(*shared)); });
       return;
@@ -546,6 +552,7 @@ void Agent::run_as_handler(const std::function<void()>& fn) {
 void Agent::handle_request(const std::shared_ptr<Connection>& conn, Message msg) {
   const bool internal = msg.callee.rfind("tandem.", 0) == 0;
   auto handler = (internal ? internal_ : registry_)->find(msg.callee);
+  if (!handler && internal) handler = loop_internal_->find(msg.callee);
   if (!handler) {
     send_error(conn, msg.id, ErrorCode::kUnknownFunction,
                "no function '" + msg.callee + "' is registered on " + name());

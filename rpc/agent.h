@@ -213,6 +213,7 @@ class Agent : public std::enable_shared_from_this<Agent> {
   AgentOptions options_;
   std::shared_ptr<Registry> registry_;
   std::shared_ptr<Registry> internal_;  // "tandem.*": the layers' own functions
+  std::shared_ptr<Registry> loop_internal_;  // "tandem.*" that run on the loop thread
   std::shared_ptr<RRefContext> rrefs_;
   std::vector<std::shared_ptr<AgentExtension>> extensions_;
   std::shared_ptr<ThreadPool> pool_;
