@@ -172,15 +172,15 @@ size_t Container::live_contexts() const {
 
 void Container::before_send(rpc::Message& m, int dest) {
   if (m.kind == rpc::MessageKind::kRequest) {
+    if (tls_current.owner == this && tls_current.id != 0) m.autograd_context = tls_current.id;
+    if (m.autograd_context == 0) return;  // outside any context: nothing to do
     if (m.callee.rfind("tandem.autograd.", 0) == 0) {  // the engine's own traffic
       m.autograd_context = 0;
       return;
     }
-    if (tls_current.owner == this && tls_current.id != 0) m.autograd_context = tls_current.id;
-  } else if (m.kind != rpc::MessageKind::kResponse) {
+  } else if (m.kind != rpc::MessageKind::kResponse || m.autograd_context == 0) {
     return;
   }
-  if (m.autograd_context == 0) return;
   auto ctx = get_or_create(m.autograd_context);
   if (!ctx) {  // released here: the message travels outside any context
     m.autograd_context = 0;

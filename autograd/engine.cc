@@ -63,7 +63,7 @@ void deliver_to_send(GraphTask& t, SendBackward* send, variable_list grads,
 }
 
 // The engine's check of a node's outputs against what the next nodes take:
-// a broadcast gradient is summed back to shape, a dtype is converted.
+// a broadcast gradient is summed back to shape, a dtype or device converted.
 void fit_outputs(const Node& fn, variable_list& outputs) {
   const auto& edges = fn.next_edges();
   if (outputs.size() != edges.size()) {
@@ -82,6 +82,9 @@ void fit_outputs(const Node& fn, variable_list& outputs) {
     }
     auto dtype = c10::typeMetaToScalarType(meta.options().dtype());
     if (g.scalar_type() != dtype) g = g.to(dtype);
+    // Gradients from another worker arrive on the CPU (tensors travel by
+    // way of host memory for now): back to where the tensor lived.
+    if (g.device() != meta.device()) g = g.to(meta.device());
   }
 }
 
@@ -201,11 +204,17 @@ void Container::backward(uint64_t context, const std::vector<at::Tensor>& roots,
   });
   for (auto& [worker, sends] : parts) {
     const std::string name = agent_.get_worker_info(worker).name;
-    auto f = agent_.call(name, "tandem.autograd.run",
-                         {static_cast<int64_t>(context), static_cast<int64_t>(id),
-                          static_cast<int64_t>(rank_), retain_graph,
-                          static_cast<int64_t>(timeout.count()), c10::List<int64_t>(sends)},
-                         timeout);
+    rpc::Future<c10::IValue> f;
+    try {
+      f = agent_.call(name, "tandem.autograd.run",
+                      {static_cast<int64_t>(context), static_cast<int64_t>(id),
+                       static_cast<int64_t>(rank_), retain_graph,
+                       static_cast<int64_t>(timeout.count()), c10::List<int64_t>(sends)},
+                      timeout);
+    } catch (...) {
+      join->fail(std::current_exception());
+      break;
+    }
     f.raw()->addCallback([join, name, context](c10::ivalue::Future& f) {
       if (f.hasError()) {
         auto [code, text] = rpc::describe_error(f.exception_ptr());
