@@ -4,6 +4,7 @@
 // left on any worker.
 #include "test_util.h"
 
+#include <ATen/Context.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/sigmoid.h>
 #include <ATen/ops/tanh.h>
@@ -371,4 +372,23 @@ TEST_CASE("autograd: malformed autograd metadata is a protocol error") {
   rpc::FrameDecoder d2(rpc::Limits{});
   CHECK_THROWS_WITH_AS(d2.feed(raw.data(), raw.size()), doctest::Contains("not differentiable"),
                        rpc::ProtocolError);
+}
+
+TEST_CASE("autograd: CUDA tensors: gradients come back to the device") {
+  if (!at::hasCUDA()) {
+    std::printf("skipped: no CUDA device on this machine (this test runs on GPU machines)\n");
+    return;
+  }
+  World w(2, define);
+  auto x = at::randn({4, 8}, kF64.device(at::kCUDA)).requires_grad_();
+  dist::Context ctx(w[0]);
+  auto h = x * 2;  // on the GPU
+  auto y = w[0].rpc_sync<at::Tensor>("worker1", "lin1", h);  // computed on worker1's CPU
+  auto loss = (y.to(at::kCUDA) * 3).sum() + h.sum();
+  dist::backward(ctx.id(), {loss});
+  auto g = dist::get_gradients(ctx.id()).at(x);
+  CHECK(g.device().is_cuda());
+  auto xl = x.detach().cpu().requires_grad_();
+  auto want = local_grads((lin1(xl * 2) * 3).sum() + (xl * 2).sum(), {xl});
+  expect_close(g.cpu(), want[0], "x on the GPU");
 }
