@@ -305,10 +305,7 @@ void Container::close() {
                        "agent " + agent_.name() + " shut down during distributed backward")));
       } else {
         std::lock_guard<std::mutex> lock(task->mu);
-        task->finished = true;
-        task->nodes.clear();
-        task->ready.clear();
-        task->early.clear();
+        task->stop_locked();
         task->report = nullptr;
       }
     }

@@ -502,12 +502,10 @@ void Container::fail(const std::shared_ptr<GraphTask>& task, std::exception_ptr 
   {
     std::lock_guard<std::mutex> lock(task->mu);
     if (task->failed) return;
-    task->failed = task->finished = true;
+    task->failed = true;
+    task->stop_locked();
     answered = task->settled;
     task->settled = true;
-    task->nodes.clear();
-    task->ready.clear();
-    task->early.clear();
     if (answered) report = task->report;
   }
   if (!answered) {
@@ -520,10 +518,7 @@ void Container::fail(const std::shared_ptr<GraphTask>& task, std::exception_ptr 
 void Container::abort_task(const std::shared_ptr<GraphTask>& task, const std::string& why) {
   {
     std::lock_guard<std::mutex> lock(task->mu);
-    task->finished = true;
-    task->nodes.clear();
-    task->ready.clear();
-    task->early.clear();
+    task->stop_locked();
     task->report = nullptr;
     task->failed = true;
     if (task->settled) return;

@@ -112,6 +112,14 @@ struct GraphTask {
   std::condition_variable cv;
   // This worker's part: completes with None when done, or with the error.
   rpc::RawFuture done;
+
+  // Nothing more runs here (mu held): the remaining work is dropped.
+  void stop_locked() {
+    finished = true;
+    nodes.clear();
+    ready.clear();
+    early.clear();
+  }
 };
 
 }  // namespace tandem::autograd

@@ -26,7 +26,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <sstream>
 
 #include "autograd/autograd.h"
 #include "autograd/container.h"
@@ -187,14 +186,6 @@ double record_cost(int iters) {
   return cost;
 }
 
-std::vector<int> parse_list(const std::string& s) {
-  std::vector<int> out;
-  std::stringstream in(s);
-  std::string item;
-  while (std::getline(in, item, ',')) out.push_back(std::stoi(item));
-  return out;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -221,7 +212,8 @@ int main(int argc, char** argv) {
         return 2;
       }
     }
-    auto hop_counts = parse_list(hops);
+    std::vector<int> hop_counts;
+    for (int64_t h : tandem::bench::parse_list(hops)) hop_counts.push_back(static_cast<int>(h));
     if (iters < 1 || rounds < 1 || hop_counts.empty()) {
       std::fprintf(stderr, "autograd_bench: --iters, --rounds and --hops must be positive\n");
       return 2;

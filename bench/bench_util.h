@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
+#include <sstream>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -44,6 +45,15 @@ inline pid_t spawn_self(const std::vector<std::string>& extra_env) {
     throw std::runtime_error("cannot start the callee process");
   }
   return pid;
+}
+
+// "1,4,16" -> {1, 4, 16}.
+inline std::vector<int64_t> parse_list(const std::string& s) {
+  std::vector<int64_t> out;
+  std::stringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ',')) out.push_back(std::stoll(item));
+  return out;
 }
 
 // Points MASTER_ADDR / MASTER_PORT at a free loopback port, where rank 0

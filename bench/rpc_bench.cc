@@ -260,14 +260,6 @@ TandemRound rpc_caller(const std::vector<int64_t>& sizes) {
   return result;
 }
 
-std::vector<int64_t> parse_sizes(const std::string& s) {
-  std::vector<int64_t> out;
-  std::stringstream in(s);
-  std::string item;
-  while (std::getline(in, item, ',')) out.push_back(std::stoll(item));
-  return out;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -295,7 +287,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "rpc_bench: --rounds must be at least 1\n");
       return 2;
     }
-    auto list = parse_sizes(sizes);
+    auto list = tandem::bench::parse_list(sizes);
     std::vector<std::vector<Round>> ours(list.size()), raw(list.size());
     std::vector<Round> creates;
     std::vector<std::vector<Round>> to_here(kRRefSizes.size());

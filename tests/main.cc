@@ -48,6 +48,14 @@ int main(int argc, char** argv) {
   // it for the life of the process. Start one transport up front so the leak
   // checks count only what a test itself opens.
   tandem::rpc::UvTransport(tandem::rpc::Limits{}, {}).close();
+  // Its loop thread may still be on its way out: let the count settle before
+  // the first test records it.
+  for (int i = 0, last = -1; i < 100; ++i) {
+    int now = tandem::test::thread_count();
+    if (now == last) break;
+    last = now;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   doctest::Context ctx(argc, argv);
   return ctx.run();
 }

@@ -169,4 +169,23 @@ std::string self_exe();
 // ("TANDEM_TEST_WORKER=mode" makes it a worker: see main.cc).
 pid_t spawn_worker(const std::vector<std::string>& env_extra);
 
+// A store on an ephemeral port, and this binary started again as worker 1
+// of 2 in `mode`, meeting there; the test is worker 0.
+struct ChildWorker {
+  c10::intrusive_ptr<c10d::TCPStore> store;
+  pid_t pid = -1;
+};
+inline ChildWorker start_child_worker(const std::string& mode) {
+  c10d::TCPStoreOptions so;
+  so.port = 0;
+  so.isServer = true;
+  so.timeout = std::chrono::seconds(30);
+  ChildWorker w;
+  w.store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  w.pid = spawn_worker({"TANDEM_TEST_WORKER=" + mode, "RANK=1", "WORLD_SIZE=2",
+                        "MASTER_ADDR=127.0.0.1",
+                        "MASTER_PORT=" + std::to_string(w.store->getPort())});
+  return w;
+}
+
 }  // namespace tandem::test

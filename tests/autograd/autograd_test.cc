@@ -240,7 +240,7 @@ TEST_CASE("autograd: RRefs: remote() and to_here() inside a context") {
   w.shutdown();
 }
 
-TEST_CASE("autograd: gradients accumulate per context; retain_graph") {
+TEST_CASE("autograd: gradients accumulate per context and retain_graph keeps the graph") {
   World w(2, define);
   auto x = input();
   dist::Context ctx(w[0]);

@@ -47,14 +47,7 @@ int worker_main(const std::string& mode) {
 TEST_CASE("autograd process: a worker that dies during backward fails it with Disconnected") {
   test::LeakCheck leaks;
   {
-    c10d::TCPStoreOptions so;
-    so.port = 0;
-    so.isServer = true;
-    so.timeout = 30s;
-    auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
-    pid_t child = test::spawn_worker({"TANDEM_TEST_WORKER=serve", "RANK=1", "WORLD_SIZE=2",
-                                      "MASTER_ADDR=127.0.0.1",
-                                      "MASTER_PORT=" + std::to_string(store->getPort())});
+    auto [store, child] = test::start_child_worker("serve");
     rpc::AgentOptions o;
     o.rank = 0;
     o.world_size = 2;

@@ -105,14 +105,7 @@ TEST_CASE("process: tandem-run stops everyone when one worker fails") {
 TEST_CASE("process: a worker that dies fails calls to it within a second") {
   test::LeakCheck leaks;
   {
-    c10d::TCPStoreOptions so;
-    so.port = 0;
-    so.isServer = true;
-    so.timeout = 30s;
-    auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
-    pid_t child = test::spawn_worker({"TANDEM_TEST_WORKER=serve", "RANK=1", "WORLD_SIZE=2",
-                                "MASTER_ADDR=127.0.0.1",
-                                "MASTER_PORT=" + std::to_string(store->getPort())});
+    auto [store, child] = test::start_child_worker("serve");
     AgentOptions o;
     o.rank = 0;
     o.world_size = 2;
