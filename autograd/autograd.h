@@ -55,6 +55,7 @@ class Context {
 
  private:
   std::shared_ptr<Container> container_;
+  std::chrono::milliseconds release_timeout_;
   uint64_t id_ = 0;
 };
 

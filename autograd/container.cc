@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstdio>
 #include <unordered_set>
 
 #include "rpc/errors.h"
@@ -20,10 +21,17 @@ constexpr size_t kReleasedMemory = 1 << 16;  // released ids remembered
 
 // The context a Context object made current on this thread.
 struct Current {
-  const Container* owner = nullptr;
+  std::weak_ptr<Container> owner;
+  const Container* raw = nullptr;  // owner, for a cheap comparison on hot paths
   uint64_t id = 0;
 };
 thread_local Current tls_current;
+
+// The id of the context a live Context made current on this thread for `c`, or 0.
+uint64_t tls_context_for(const Container* c) {
+  if (tls_current.raw != c || tls_current.id == 0 || tls_current.owner.expired()) return 0;
+  return tls_current.id;
+}
 
 // Every tensor inside `v` that requires grad (in any order: only the set matters).
 void collect_grad_tensors(const c10::IValue& v, std::vector<at::Tensor>& out) {
@@ -111,7 +119,15 @@ variable_list RecvBackward::apply(variable_list&&) {
       "LibTorch's own backward()");
 }
 
-Container::Container(rpc::Agent& agent) : agent_(agent), rank_(agent.rank()) { (void)kRegistered; }
+Container::Container(rpc::Agent& agent)
+    : agent_(agent), rank_(agent.rank()), name_(agent.name()) {
+  (void)kRegistered;
+}
+
+bool Container::closed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return closed_;
+}
 
 std::shared_ptr<Container> Container::of(rpc::Agent& agent) {
   auto c = agent.extension<Container>();
@@ -130,13 +146,13 @@ uint64_t Container::next_id(std::atomic<uint64_t>& counter) const {
 uint64_t Container::new_context() {
   uint64_t id = next_id(next_context_);
   std::lock_guard<std::mutex> lock(mu_);
-  if (closed_) throw rpc::ShutdownError("agent " + agent_.name() + " is shut down");
+  if (closed_) throw rpc::ShutdownError("agent " + name_ + " is shut down");
   contexts_.emplace(id, std::make_shared<ContextState>(id));
   return id;
 }
 
 uint64_t Container::current_context() const {
-  if (tls_current.owner == this && tls_current.id != 0) return tls_current.id;
+  if (uint64_t id = tls_context_for(this)) return id;
   return rpc::handler_autograd_context(agent_);
 }
 
@@ -150,7 +166,7 @@ std::shared_ptr<ContextState> Container::get(uint64_t id) const {
   auto ctx = find(id);
   if (!ctx) {
     throw std::invalid_argument("no distributed autograd context " + std::to_string(id) +
-                                " on " + agent_.name() + " (never used here, or released)");
+                                " on " + name_ + " (never used here, or released)");
   }
   return ctx;
 }
@@ -172,7 +188,7 @@ size_t Container::live_contexts() const {
 
 void Container::before_send(rpc::Message& m, int dest) {
   if (m.kind == rpc::MessageKind::kRequest) {
-    if (tls_current.owner == this && tls_current.id != 0) m.autograd_context = tls_current.id;
+    if (uint64_t id = tls_context_for(this)) m.autograd_context = id;
     if (m.autograd_context == 0) return;  // outside any context: nothing to do
     if (m.callee.rfind("tandem.autograd.", 0) == 0) {  // the engine's own traffic
       m.autograd_context = 0;
@@ -191,6 +207,10 @@ void Container::before_send(rpc::Message& m, int dest) {
   bool has_recvs;
   {
     std::lock_guard<std::mutex> lock(ctx->mu);
+    if (ctx->released) {  // released meanwhile: the message travels outside it
+      m.autograd_context = 0;
+      return;
+    }
     ctx->known_workers.insert(dest);
     has_recvs = ctx->recvs > 0;
   }
@@ -212,7 +232,7 @@ void Container::after_encode(const rpc::Message& m, rpc::OutFrame& frame, int) {
                                              std::move(edges));
   for (const auto& t : frame.grad_sources) send->add_input_metadata(t);
   std::lock_guard<std::mutex> lock(ctx->mu);
-  ctx->sends.emplace(m.autograd_message, std::move(send));
+  if (!ctx->released) ctx->sends.emplace(m.autograd_message, std::move(send));
 }
 
 void Container::after_receive(rpc::Message& m, int from) {
@@ -229,11 +249,14 @@ void Container::after_receive(rpc::Message& m, int from) {
   }
   auto ctx = get_or_create(m.autograd_context);
   if (!ctx) return;  // released here: the tensors arrive without history
+  {
+    std::lock_guard<std::mutex> lock(ctx->mu);
+    if (ctx->released) return;
+    ++ctx->recvs;
+  }
   auto recv = std::make_shared<RecvBackward>(m.autograd_context, m.autograd_message, from,
                                              std::move(m.autograd_reach));
   for (auto& t : m.grad_tensors) torch::autograd::set_history(t, recv);
-  std::lock_guard<std::mutex> lock(ctx->mu);
-  ++ctx->recvs;
 }
 
 // ---- release -------------------------------------------------------------------
@@ -259,6 +282,7 @@ rpc::RawFuture Container::release(uint64_t id, int from) {
   std::vector<int> workers;
   {
     std::lock_guard<std::mutex> lock(ctx->mu);
+    ctx->released = true;
     for (int w : ctx->known_workers) {
       if (w != from && w != rank_) workers.push_back(w);
     }
@@ -302,7 +326,7 @@ void Container::close() {
       // worker had died.
       if (task->root == rank_) {
         fail(task, std::make_exception_ptr(rpc::ShutdownError(
-                       "agent " + agent_.name() + " shut down during distributed backward")));
+                       "agent " + name_ + " shut down during distributed backward")));
       } else {
         std::lock_guard<std::mutex> lock(task->mu);
         task->stop_locked();
@@ -338,7 +362,7 @@ void Container::register_handlers(rpc::Registry& internal) {
     // The reply is a value, so that the root can raise the error with its
     // type (Disconnected, Timeout, ...) and this worker's name.
     auto out = rpc::make_raw_future();
-    std::string me = c->agent_.name();
+    std::string me = c->name_;
     done->addCallback([out, me](c10::ivalue::Future& f) {
       if (f.hasError()) {
         auto [code, text] = rpc::describe_error(f.exception_ptr());
@@ -368,9 +392,15 @@ void Container::register_handlers(rpc::Registry& internal) {
   });
   internal.def("tandem.autograd.abort", [self](int64_t ctx, int64_t task) {
     auto c = self();
-    if (auto t = c->find_task(static_cast<uint64_t>(ctx), static_cast<uint64_t>(task), true)) {
-      c->abort_task(t, "aborted by its root");
+    auto state = c->find(static_cast<uint64_t>(ctx));
+    if (!state) return;
+    std::shared_ptr<GraphTask> t;
+    {
+      // Made here when the abort overtook `run`: that `run` then finds it aborted.
+      std::lock_guard<std::mutex> lock(state->mu);
+      t = c->task_of(*state, static_cast<uint64_t>(task));
     }
+    c->abort_task(t, "aborted by its root");
   });
 }
 
@@ -383,13 +413,18 @@ void Container::register_loop_handlers(rpc::Registry& on_loop) {
   };
   // Delivering a gradient is bounded work; running the nodes it makes ready
   // is not, and happens on the pool (or on the root's backward() thread).
-  on_loop.def("tandem.autograd.grad", [self](int64_t ctx, int64_t task, int64_t message,
-                                              c10::IValue grads) {
+  on_loop.def_ivalue("tandem.autograd.grad", [self](std::vector<c10::IValue>& args) {
     auto c = self();
+    uint64_t ctx = 0, task = 0;
     try {
-      if (!grads.isTuple()) throw std::invalid_argument("gradients must travel as a tuple");
+      if (args.size() != 4 || !args[0].isInt() || !args[1].isInt() || !args[2].isInt() ||
+          !args[3].isTuple()) {
+        throw rpc::ProtocolError("'tandem.autograd.grad' takes (context, task, message, tuple)");
+      }
+      ctx = static_cast<uint64_t>(args[0].toInt());
+      task = static_cast<uint64_t>(args[1].toInt());
       variable_list list;
-      for (const auto& g : grads.toTupleRef().elements()) {
+      for (const auto& g : args[3].toTupleRef().elements()) {
         if (g.isNone()) {
           list.emplace_back();
         } else if (g.isTensor()) {
@@ -398,16 +433,21 @@ void Container::register_loop_handlers(rpc::Registry& on_loop) {
           throw std::invalid_argument("a gradient must be a tensor or None, got " + g.tagKind());
         }
       }
-      c->on_grad(static_cast<uint64_t>(ctx), static_cast<uint64_t>(task),
-                 static_cast<uint64_t>(message), std::move(list));
+      c->on_grad(ctx, task, static_cast<uint64_t>(args[2].toInt()), std::move(list));
     } catch (...) {
-      // Gradients come one way (no reply): the root hears of it from here,
-      // off the loop thread (telling it may mean connecting).
+      // Gradients come one way (no reply): the root hears of it from here.
+      // Telling another worker may mean connecting: not on the loop thread.
       auto e = std::current_exception();
-      c->agent_.pool()->post([c, ctx, task, e] {
-        c->report_failure(static_cast<uint64_t>(ctx), static_cast<uint64_t>(task), e);
-      });
+      if (task == 0) {
+        std::fprintf(stderr, "tandem[%s]: dropped a malformed gradient message\n",
+                     c->name_.c_str());
+      } else if (id_worker(task) == c->rank_) {
+        c->tell_root(ctx, task, e);
+      } else {
+        c->agent_.pool()->post([c, ctx, task, e] { c->tell_root(ctx, task, e); });
+      }
     }
+    return c10::IValue();
   });
 }
 
@@ -415,44 +455,48 @@ void Container::register_loop_handlers(rpc::Registry& on_loop) {
 
 Context::Context() : Context(*rpc::current_agent()) {}
 
-Context::Context(rpc::Agent& agent) : container_(Container::of(agent)) {
-  uint64_t outer = tls_current.id != 0 ? tls_current.id : container_->current_context();
+Context::Context(rpc::Agent& agent)
+    : container_(Container::of(agent)), release_timeout_(agent.options().rpc_timeout) {
+  uint64_t outer = current_context_id();
   if (outer != 0) {
     throw std::logic_error("distributed autograd context " + std::to_string(outer) +
                            " is already current on this thread: contexts do not nest");
   }
   id_ = container_->new_context();
-  tls_current = {container_.get(), id_};
+  tls_current = {container_, container_.get(), id_};
 }
 
 Context::~Context() {
   if (tls_current.id == id_) tls_current = {};
   try {
     auto done = container_->release(id_);
-    auto timeout = container_->agent().options().rpc_timeout;
-    if (timeout.count() == 0) timeout = std::chrono::hours(24);
-    wait_for(done, timeout);
+    wait_for(done, release_timeout_.count() > 0 ? release_timeout_ : std::chrono::hours(24));
   } catch (const std::exception&) {
     // The agent is gone: nothing is left to release.
   }
 }
 
 uint64_t current_context_id() {
-  if (tls_current.id != 0) return tls_current.id;
+  if (tls_current.id != 0 && !tls_current.owner.expired()) return tls_current.id;
   if (rpc::Agent* a = rpc::handler_agent()) return rpc::handler_autograd_context(*a);
   return 0;
 }
 
 namespace {
-// The agent that owns `context_id` on this thread, else the current one.
-rpc::Agent& agent_for(uint64_t context_id) {
-  if (tls_current.owner && tls_current.id == context_id) return tls_current.owner->agent();
-  return *rpc::current_agent();
+// The container that owns `context_id` on this thread, else the current agent's.
+std::shared_ptr<Container> container_for(uint64_t context_id) {
+  if (tls_current.id == context_id) {
+    if (auto c = tls_current.owner.lock()) {
+      if (c->closed()) throw rpc::ShutdownError("agent " + c->name() + " is shut down");
+      return c;
+    }
+  }
+  return Container::of(*rpc::current_agent());
 }
 }  // namespace
 
 void backward(uint64_t context_id, const std::vector<at::Tensor>& roots, bool retain_graph) {
-  backward(agent_for(context_id), context_id, roots, retain_graph);
+  container_for(context_id)->backward(context_id, roots, retain_graph, rpc::kDefaultTimeout);
 }
 
 void backward(rpc::Agent& agent, uint64_t context_id, const std::vector<at::Tensor>& roots,
@@ -461,7 +505,7 @@ void backward(rpc::Agent& agent, uint64_t context_id, const std::vector<at::Tens
 }
 
 c10::Dict<at::Tensor, at::Tensor> get_gradients(uint64_t context_id) {
-  return get_gradients(agent_for(context_id), context_id);
+  return container_for(context_id)->get_gradients(context_id);
 }
 
 c10::Dict<at::Tensor, at::Tensor> get_gradients(rpc::Agent& agent, uint64_t context_id) {

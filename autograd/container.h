@@ -48,7 +48,10 @@ struct ContextState {
   std::set<int> known_workers;  // sent to inside this context
   c10::Dict<at::Tensor, at::Tensor> grads;
   std::unordered_map<uint64_t, std::shared_ptr<GraphTask>> tasks;
+  bool released = false;  // set by release(): nothing more is recorded in it
 };
+
+struct Join;
 
 class Container final : public rpc::AgentExtension,
                         public std::enable_shared_from_this<Container> {
@@ -67,6 +70,8 @@ class Container final : public rpc::AgentExtension,
   void close() override;
 
   rpc::Agent& agent() const { return agent_; }
+  const std::string& name() const { return name_; }
+  bool closed() const;
   uint64_t new_context();
   // The context current on this thread for this agent (0: none).
   uint64_t current_context() const;
@@ -90,8 +95,13 @@ class Container final : public rpc::AgentExtension,
   rpc::RawFuture run_part(uint64_t context, uint64_t task, int root, bool keep_graph,
                           const std::vector<uint64_t>& sends, std::chrono::milliseconds timeout);
   std::shared_ptr<GraphTask> task_of(ContextState& ctx, uint64_t task);  // ctx.mu held
-  // The task, or null; with `erase`, the context forgets it.
-  std::shared_ptr<GraphTask> find_task(uint64_t context, uint64_t task, bool erase = false);
+  std::shared_ptr<GraphTask> find_task(uint64_t context, uint64_t task);  // or null
+  // The recorded sends of these message ids (ctx.mu held); throws naming a missing one.
+  std::vector<std::shared_ptr<SendBackward>> sends_of(ContextState& ctx,
+                                                      const std::vector<uint64_t>& messages) const;
+  void run_root_part(const std::shared_ptr<ContextState>& ctx,
+                     const std::shared_ptr<GraphTask>& task, Join& join,
+                     std::chrono::steady_clock::time_point start, std::chrono::milliseconds timeout);
   void on_grad(uint64_t context, uint64_t task, uint64_t message,
                torch::autograd::variable_list grads);
   void drain(const std::shared_ptr<ContextState>& ctx, const std::shared_ptr<GraphTask>& task);
@@ -102,13 +112,15 @@ class Container final : public rpc::AgentExtension,
   void send_grads(const std::shared_ptr<ContextState>& ctx, const std::shared_ptr<GraphTask>& task,
                   const RecvBackward& recv, torch::autograd::variable_list grads);
   void fail(const std::shared_ptr<GraphTask>& task, std::exception_ptr error);
-  // A failure here in task `task` of `context`, told to the task's root.
-  void report_failure(uint64_t context, uint64_t task, std::exception_ptr error);
+  // A failure here in task `task` of `context`, told to the task's root
+  // (bounded and without blocking when this worker is the root).
+  void tell_root(uint64_t context, uint64_t task, std::exception_ptr error);
   // Stops `task` here without reporting (the root already knows).
   void abort_task(const std::shared_ptr<GraphTask>& task, const std::string& why);
 
-  rpc::Agent& agent_;
+  rpc::Agent& agent_;  // valid until close(); the agent owns this container
   const int rank_;
+  const std::string name_;  // the agent's name, for messages
   std::atomic<uint64_t> next_context_{1};
   std::atomic<uint64_t> next_message_{1};
   std::atomic<uint64_t> next_task_{1};

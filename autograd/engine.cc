@@ -12,17 +12,45 @@
 #include "rpc/errors.h"
 
 namespace tandem::autograd {
+
+// backward() returns when the root's part and every other worker's are
+// done, or with the first error.
+struct Join {
+  std::mutex mu;
+  size_t left;
+  bool over = false;
+  rpc::RawFuture result = rpc::make_raw_future();
+  explicit Join(size_t n) : left(n) {}
+  void one_done() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (over || --left > 0) return;
+      over = true;
+    }
+    result->markCompleted(c10::IValue());
+  }
+  void fail(std::exception_ptr e) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (over) return;
+      over = true;
+    }
+    result->setError(e);
+  }
+};
+
 namespace {
 
 using torch::autograd::Edge;
 using torch::autograd::Node;
 
-// Adds the graph below `entry` to the task's reached nodes (task.mu held):
-// each node reached for the first time is added, and each edge out of a
-// newly added node counts one input for its target. Receives reached are
-// appended to `recvs` when given.
-void expand(GraphTask& t, const std::shared_ptr<Node>& entry, std::vector<RecvBackward*>* recvs) {
-  auto [first, fresh] = t.nodes.try_emplace(entry.get());
+// Adds the graph below `entry` to `nodes`: each node reached for the first
+// time is added, and each edge out of a newly added node counts one input
+// for its target. Receives reached are appended to `recvs` when given.
+// Only the caller sees `nodes` (no lock): the graph itself never changes.
+void expand(GraphTask::NodeMap& nodes, const std::shared_ptr<Node>& entry,
+            std::vector<RecvBackward*>* recvs) {
+  auto [first, fresh] = nodes.try_emplace(entry.get());
   if (!fresh) return;
   first->second.fn = entry;
   std::vector<Node*> stack{entry.get()};
@@ -35,7 +63,7 @@ void expand(GraphTask& t, const std::shared_ptr<Node>& entry, std::vector<RecvBa
     }
     for (const Edge& e : n->next_edges()) {
       if (!e.is_valid()) continue;
-      auto [it, added] = t.nodes.try_emplace(e.function.get());
+      auto [it, added] = nodes.try_emplace(e.function.get());
       ++it->second.deps;
       if (added) {
         it->second.fn = e.function;
@@ -43,6 +71,60 @@ void expand(GraphTask& t, const std::shared_ptr<Node>& entry, std::vector<RecvBa
       }
     }
   }
+}
+
+// Adds the graph below each send, each send counting one more input: the
+// gradient its receive will send.
+void expand_sends(GraphTask::NodeMap& nodes,
+                  const std::vector<std::shared_ptr<SendBackward>>& sends) {
+  for (const auto& send : sends) {
+    if (nodes.count(send.get())) continue;  // named twice
+    expand(nodes, send, nullptr);
+    ++nodes[send.get()].deps;
+  }
+}
+
+// The root node of a backward pass from `roots`, after checking them.
+std::shared_ptr<RootBackward> make_root(const std::vector<at::Tensor>& roots) {
+  if (roots.empty()) throw std::invalid_argument("backward() needs at least one root");
+  torch::autograd::edge_list edges;
+  variable_list grads;
+  for (size_t i = 0; i < roots.size(); ++i) {
+    const at::Tensor& r = roots[i];
+    const std::string which = "backward(): root " + std::to_string(i);
+    if (!r.defined()) throw std::invalid_argument(which + " is an undefined tensor");
+    if (!r.requires_grad()) throw std::invalid_argument(which + " does not require grad");
+    if (r.numel() != 1) {
+      throw std::invalid_argument(which + " has " + std::to_string(r.numel()) +
+                                  " elements; roots must be scalars (reduce it, e.g. .sum())");
+    }
+    edges.push_back(torch::autograd::impl::gradient_edge(r));
+    grads.push_back(at::ones_like(r, at::MemoryFormat::Preserve));
+  }
+  return std::make_shared<RootBackward>(std::move(edges), std::move(grads));
+}
+
+// A `run` reply: (-1, "", "") when that part is done, else (code, worker,
+// message) of its error.
+void on_run_reply(Join& join, const std::string& worker, uint64_t context,
+                  c10::ivalue::Future& f) {
+  if (f.hasError()) {
+    auto [code, text] = rpc::describe_error(f.exception_ptr());
+    return join.fail(rpc::make_error(
+        code, worker, "distributed backward of context " + std::to_string(context) + ": " + text));
+  }
+  const c10::IValue& v = f.constValue();
+  if (v.isTuple() && v.toTupleRef().elements().size() == 3) {
+    const auto& e = v.toTupleRef().elements();
+    if (e[0].isInt() && e[1].isString() && e[2].isString() && e[0].toInt() >= -1 &&
+        e[0].toInt() <= static_cast<int64_t>(rpc::ErrorCode::kProtocol)) {
+      if (e[0].toInt() < 0) return join.one_done();
+      return join.fail(rpc::make_error(static_cast<rpc::ErrorCode>(e[0].toInt()),
+                                       e[1].toStringRef(), e[2].toStringRef()));
+    }
+  }
+  join.fail(std::make_exception_ptr(
+      rpc::ProtocolError("malformed reply to 'tandem.autograd.run' from " + worker)));
 }
 
 // Gives a send its gradients from the paired receive (task.mu held).
@@ -90,15 +172,12 @@ void fit_outputs(const Node& fn, variable_list& outputs) {
 
 }  // namespace
 
-std::shared_ptr<GraphTask> Container::find_task(uint64_t context, uint64_t task, bool erase) {
+std::shared_ptr<GraphTask> Container::find_task(uint64_t context, uint64_t task) {
   auto ctx = find(context);
   if (!ctx) return nullptr;
   std::lock_guard<std::mutex> lock(ctx->mu);
   auto it = ctx->tasks.find(task);
-  if (it == ctx->tasks.end()) return nullptr;
-  auto t = it->second;
-  if (erase) ctx->tasks.erase(it);
-  return t;
+  return it == ctx->tasks.end() ? nullptr : it->second;
 }
 
 std::shared_ptr<GraphTask> Container::task_of(ContextState& ctx, uint64_t task) {
@@ -107,168 +186,109 @@ std::shared_ptr<GraphTask> Container::task_of(ContextState& ctx, uint64_t task) 
   return t;
 }
 
+std::vector<std::shared_ptr<SendBackward>> Container::sends_of(
+    ContextState& ctx, const std::vector<uint64_t>& messages) const {
+  std::vector<std::shared_ptr<SendBackward>> out;
+  for (uint64_t m : messages) {
+    auto it = ctx.sends.find(m);
+    if (it == ctx.sends.end()) {
+      throw std::invalid_argument("autograd message " + std::to_string(m) + " is not recorded on " +
+                                  name_ + " in context " + std::to_string(ctx.id));
+    }
+    out.push_back(it->second);
+  }
+  return out;
+}
+
 void Container::backward(uint64_t context, const std::vector<at::Tensor>& roots,
                          bool retain_graph, std::chrono::milliseconds timeout) {
-  if (roots.empty()) throw std::invalid_argument("backward() needs at least one root");
-  torch::autograd::edge_list edges;
-  variable_list grads;
-  for (size_t i = 0; i < roots.size(); ++i) {
-    const at::Tensor& r = roots[i];
-    const std::string which = "backward(): root " + std::to_string(i);
-    if (!r.defined()) throw std::invalid_argument(which + " is an undefined tensor");
-    if (!r.requires_grad()) throw std::invalid_argument(which + " does not require grad");
-    if (r.numel() != 1) {
-      throw std::invalid_argument(which + " has " + std::to_string(r.numel()) +
-                                  " elements; roots must be scalars (reduce it, e.g. .sum())");
-    }
-    edges.push_back(torch::autograd::impl::gradient_edge(r));
-    grads.push_back(at::ones_like(r, at::MemoryFormat::Preserve));
-  }
+  auto root = make_root(roots);
   auto ctx = get(context);
   if (timeout.count() < 0) timeout = agent_.options().rpc_timeout;
-  const uint64_t id = next_id(next_task_);
-  auto task = std::make_shared<GraphTask>(context, id, rank_);
+  const auto start = std::chrono::steady_clock::now();
+  auto task = std::make_shared<GraphTask>(context, next_id(next_task_), rank_);
   task->keep_graph = retain_graph;
   task->timeout = timeout;
-  auto root = std::make_shared<RootBackward>(std::move(edges), std::move(grads));
+  task->attached = true;
 
   // 1. Discovery: every send that will get a gradient, on every worker.
+  GraphTask::NodeMap nodes;
+  std::vector<RecvBackward*> recvs;
+  expand(nodes, root, &recvs);
+  std::set<uint64_t> reached;
+  for (RecvBackward* r : recvs) {
+    reached.insert(r->message());
+    reached.insert(r->reach().begin(), r->reach().end());
+  }
   std::map<int, std::vector<int64_t>> parts;  // worker -> its sends that will be reached
+  std::vector<uint64_t> own;
+  for (uint64_t m : reached) {
+    if (id_worker(m) == rank_) {
+      own.push_back(m);
+    } else {
+      parts[id_worker(m)].push_back(static_cast<int64_t>(m));
+    }
+  }
   {
     std::lock_guard<std::mutex> lock(ctx->mu);
-    ctx->tasks.emplace(id, task);
-    std::lock_guard<std::mutex> task_lock(task->mu);
-    std::vector<RecvBackward*> recvs;
-    expand(*task, root, &recvs);
-    std::set<uint64_t> reached;
-    for (RecvBackward* r : recvs) {
-      reached.insert(r->message());
-      reached.insert(r->reach().begin(), r->reach().end());
-    }
-    for (uint64_t m : reached) {
-      if (id_worker(m) != rank_) {
-        parts[id_worker(m)].push_back(static_cast<int64_t>(m));
-        continue;
-      }
-      auto it = ctx->sends.find(m);
-      if (it == ctx->sends.end()) {
-        ctx->tasks.erase(id);
-        throw std::logic_error("distributed backward: autograd message " + std::to_string(m) +
-                               " is not recorded on " + agent_.name());
-      }
-      expand(*task, it->second, nullptr);
-      ++task->nodes[it->second.get()].deps;
-    }
+    if (ctx->released) throw std::invalid_argument("context " + std::to_string(context) + " was released");
+    auto sends = sends_of(*ctx, own);
+    ctx->tasks.emplace(task->id, task);  // kept (finished) until the context goes
+    expand_sends(nodes, sends);
+  }
+  {
+    std::lock_guard<std::mutex> lock(task->mu);
+    task->nodes.swap(nodes);
     task->ready.push_back(root.get());
     task->started = true;
   }
 
-  // 2. backward() returns when this part and every other worker's are done,
-  //    or with the first error.
-  struct Join {
-    std::mutex mu;
-    size_t left;
-    bool over = false;
-    rpc::RawFuture result = rpc::make_raw_future();
-    explicit Join(size_t n) : left(n) {}
-    void one_done() {
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        if (over || --left > 0) return;
-        over = true;
-      }
-      result->markCompleted(c10::IValue());
-    }
-    void fail(std::exception_ptr e) {
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        if (over) return;
-        over = true;
-      }
-      result->setError(e);
-    }
-  };
+  // 2. Every other worker that has a part is told which of its sends to
+  //    count from.
   auto join = std::make_shared<Join>(parts.size() + 1);
-  const std::string me = agent_.name();
   {
     std::lock_guard<std::mutex> lock(task->mu);
-    task->report = [join, me](std::exception_ptr e) {
+    task->report = [join, me = name_](std::exception_ptr e) {
       auto [code, text] = rpc::describe_error(e);
       join->fail(rpc::make_error(code, me, text));
     };
   }
-  task->done->addCallback([join, me](c10::ivalue::Future& f) {
+  task->done->addCallback([join, me = name_](c10::ivalue::Future& f) {
     if (!f.hasError()) return join->one_done();
     auto [code, text] = rpc::describe_error(f.exception_ptr());
     join->fail(rpc::make_error(code, me, text));
   });
-  for (auto& [worker, sends] : parts) {
-    const std::string name = agent_.get_worker_info(worker).name;
-    rpc::Future<c10::IValue> f;
-    try {
-      f = agent_.call(name, "tandem.autograd.run",
-                      {static_cast<int64_t>(context), static_cast<int64_t>(id),
-                       static_cast<int64_t>(rank_), retain_graph,
-                       static_cast<int64_t>(timeout.count()), c10::List<int64_t>(sends)},
-                      timeout);
-    } catch (...) {
-      join->fail(std::current_exception());
-      break;
-    }
-    f.raw()->addCallback([join, name, context](c10::ivalue::Future& f) {
-      if (f.hasError()) {
-        auto [code, text] = rpc::describe_error(f.exception_ptr());
-        return join->fail(rpc::make_error(
-            code, name, "distributed backward of context " + std::to_string(context) + ": " + text));
-      }
-      const auto& reply = f.constValue().toTupleRef().elements();
-      int64_t code = reply.at(0).toInt();
-      if (code < 0) return join->one_done();
-      join->fail(rpc::make_error(static_cast<rpc::ErrorCode>(code), reply.at(1).toStringRef(),
-                                 reply.at(2).toStringRef()));
-    });
-  }
-
-  // 3. This worker's part runs on this thread: gradients that come back are
-  //    delivered on the loop thread, which wakes this one.
-  {
-    std::lock_guard<std::mutex> lock(task->mu);
-    task->attached = true;
-  }
   join->result->addCallback([task](c10::ivalue::Future&) {
     std::lock_guard<std::mutex> lock(task->mu);
     ++task->signals;
     task->cv.notify_all();
   });
-  const auto spin = agent_.options().sync_spin;
-  uint64_t seen = task->signals.load();
-  drain(ctx, task);
-  while (!join->result->completed()) {
-    // A wake-up costs more than a loopback hop: spin a little first.
-    auto until = std::chrono::steady_clock::now() + spin;
-    while (task->signals.load(std::memory_order_acquire) == seen &&
-           std::chrono::steady_clock::now() < until) {
-#if defined(__x86_64__) || defined(__i386__)
-      __builtin_ia32_pause();
-#endif
+  for (auto& [worker, sends] : parts) {
+    try {
+      const std::string name = agent_.get_worker_info(worker).name;
+      auto f = agent_.call(name, "tandem.autograd.run",
+                           {static_cast<int64_t>(context), static_cast<int64_t>(task->id),
+                            static_cast<int64_t>(rank_), retain_graph,
+                            static_cast<int64_t>(timeout.count()), c10::List<int64_t>(sends)},
+                           timeout);
+      f.raw()->addCallback([join, name, context](c10::ivalue::Future& f) {
+        on_run_reply(*join, name, context, f);
+      });
+    } catch (...) {
+      join->fail(std::current_exception());
+      break;
     }
-    {
-      std::unique_lock<std::mutex> lock(task->mu);
-      task->cv.wait(lock, [&] { return task->signals.load() != seen; });
-    }
-    seen = task->signals.load();
-    drain(ctx, task);
   }
-  {
-    std::lock_guard<std::mutex> lock(ctx->mu);
-    ctx->tasks.erase(id);
-  }
+
+  // 3. This worker's part runs on this thread: gradients that come back are
+  //    delivered on the loop thread, which wakes this one.
+  run_root_part(ctx, task, *join, start, timeout);
   if (join->result->hasError()) {
     abort_task(task, "backward failed");
     for (auto& [worker, _] : parts) {
       try {
         agent_.call(agent_.get_worker_info(worker).name, "tandem.autograd.abort",
-                    {static_cast<int64_t>(context), static_cast<int64_t>(id)});
+                    {static_cast<int64_t>(context), static_cast<int64_t>(task->id)});
       } catch (const std::exception&) {
         // That worker is gone; so is its part.
       }
@@ -277,87 +297,94 @@ void Container::backward(uint64_t context, const std::vector<at::Tensor>& roots,
   }
 }
 
+void Container::run_root_part(const std::shared_ptr<ContextState>& ctx,
+                              const std::shared_ptr<GraphTask>& task, Join& join,
+                              std::chrono::steady_clock::time_point start,
+                              std::chrono::milliseconds timeout) {
+  const auto spin = agent_.options().sync_spin;
+  uint64_t seen = task->signals.load();
+  while (!join.result->completed()) {
+    drain(ctx, task);
+    // A wake-up costs more than a loopback hop: spin a little first.
+    auto until = std::chrono::steady_clock::now() + spin;
+    while (task->signals.load(std::memory_order_acquire) == seen &&
+           std::chrono::steady_clock::now() < until) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    }
+    std::unique_lock<std::mutex> lock(task->mu);
+    auto news = [&] { return task->signals.load() != seen; };
+    if (timeout.count() == 0) {
+      task->cv.wait(lock, news);
+    } else if (!task->cv.wait_until(lock, start + timeout, news)) {
+      lock.unlock();
+      // The parts' own `run` calls time out too; this also covers the
+      // gradients this part still waits for.
+      join.fail(std::make_exception_ptr(rpc::TimeoutError(
+          "distributed backward of context " + std::to_string(task->context) + " on " + name_ +
+          " did not finish within " + std::to_string(timeout.count()) + " ms")));
+      return;
+    }
+    seen = task->signals.load();
+  }
+}
+
 rpc::RawFuture Container::run_part(uint64_t context, uint64_t id, int root, bool keep_graph,
-                                   const std::vector<uint64_t>& sends,
+                                   const std::vector<uint64_t>& messages,
                                    std::chrono::milliseconds timeout) {
   auto ctx = get(context);
   std::shared_ptr<GraphTask> task;
-  std::vector<std::pair<uint64_t, variable_list>> early;
+  GraphTask::NodeMap nodes;
   {
     std::lock_guard<std::mutex> lock(ctx->mu);
+    if (ctx->released) throw std::invalid_argument("context " + std::to_string(context) + " was released");
+    auto sends = sends_of(*ctx, messages);
     task = task_of(*ctx, id);
-    std::lock_guard<std::mutex> task_lock(task->mu);
+    expand_sends(nodes, sends);  // TODO(perf): walk outside ctx->mu for very large graphs
+  }
+  std::vector<std::pair<std::shared_ptr<SendBackward>, variable_list>> early;
+  {
+    std::lock_guard<std::mutex> lock(task->mu);
     if (task->started || task->finished) {
-      throw std::logic_error("graph task " + std::to_string(id) + " was already run on " +
-                             agent_.name());
+      throw std::logic_error("graph task " + std::to_string(id) + " was already run (or aborted) on " +
+                             name_);
     }
-    for (uint64_t m : sends) {
-      auto it = ctx->sends.find(m);
-      if (it == ctx->sends.end()) {
-        throw std::invalid_argument("autograd message " + std::to_string(m) +
-                                    " is not recorded on " + agent_.name() + " in context " +
-                                    std::to_string(context));
-      }
-      if (task->nodes.count(it->second.get())) continue;
-      expand(*task, it->second, nullptr);
-      ++task->nodes[it->second.get()].deps;
-    }
+    task->nodes.swap(nodes);
     task->keep_graph = keep_graph;
     task->timeout = timeout;
     std::weak_ptr<Container> weak = weak_from_this();
-    task->report = [weak, task_weak = std::weak_ptr<GraphTask>(task), root](std::exception_ptr e) {
-      auto self = weak.lock();
-      auto t = task_weak.lock();
-      if (!self || !t) return;
-      auto [code, text] = rpc::describe_error(e);
-      try {
-        self->agent_.call(self->agent_.get_worker_info(root).name, "tandem.autograd.fail",
-                          {static_cast<int64_t>(t->context), static_cast<int64_t>(t->id),
-                           static_cast<int64_t>(code), self->agent_.name(), text});
-      } catch (const std::exception&) {
-        // The root is gone: nobody is left to tell.
-      }
+    task->report = [weak, context, id](std::exception_ptr e) {
+      if (auto self = weak.lock()) self->tell_root(context, id, e);
     };
     task->started = true;
     early.swap(task->early);
-    for (auto& [m, grads] : early) {
-      deliver_to_send(*task, ctx->sends.at(m).get(), std::move(grads), agent_.name());
-    }
+    for (auto& [send, grads] : early) deliver_to_send(*task, send.get(), std::move(grads), name_);
   }
-  auto done = task->done;
   // A part with nothing to wait for is done at once; drain() notices.
   drain(ctx, task);
-  // Once done (or failed), this worker forgets the task; a failure after the
-  // reply still reaches the root through task->report.
-  std::weak_ptr<ContextState> weak_ctx = ctx;
-  done->addCallback([weak_ctx, id](c10::ivalue::Future& f) {
-    if (f.hasError()) return;
-    if (auto c = weak_ctx.lock()) {
-      std::lock_guard<std::mutex> lock(c->mu);
-      c->tasks.erase(id);
-    }
-  });
-  return done;
+  return task->done;
 }
 
 void Container::on_grad(uint64_t context, uint64_t id, uint64_t message, variable_list grads) {
   auto ctx = get(context);
+  std::shared_ptr<SendBackward> send;
   std::shared_ptr<GraphTask> task;
   {
     std::lock_guard<std::mutex> lock(ctx->mu);
-    auto send = ctx->sends.find(message);
-    if (send == ctx->sends.end()) {
-      throw std::invalid_argument("gradient for autograd message " + std::to_string(message) +
-                                  ", which is not recorded on " + agent_.name());
-    }
+    send = sends_of(*ctx, {message}).front();
+    // Before `run` the task is made here and keeps the gradient; after it
+    // finished or was aborted, its record drops the gradient.
     task = task_of(*ctx, id);
-    std::lock_guard<std::mutex> task_lock(task->mu);
+  }
+  {
+    std::lock_guard<std::mutex> lock(task->mu);
     if (task->finished) return;  // failed or aborted: nothing more runs
     if (!task->started) {
-      task->early.emplace_back(message, std::move(grads));
+      task->early.emplace_back(std::move(send), std::move(grads));
       return;
     }
-    deliver_to_send(*task, send->second.get(), std::move(grads), agent_.name());
+    deliver_to_send(*task, send.get(), std::move(grads), name_);
     if (task->attached) {  // backward()'s own thread drains the root's part
       ++task->signals;
       task->cv.notify_one();
@@ -420,11 +447,11 @@ void Container::drain(const std::shared_ptr<ContextState>& ctx,
 variable_list Container::run_node(const std::shared_ptr<ContextState>& ctx,
                                   const std::shared_ptr<GraphTask>& task, Node& fn,
                                   variable_list inputs) {
+  if (inputs.empty()) inputs.resize(fn.num_inputs());  // every input undefined
   if (auto* recv = dynamic_cast<RecvBackward*>(&fn)) {
     send_grads(ctx, task, *recv, std::move(inputs));
     return {};
   }
-  if (inputs.empty()) inputs.resize(fn.num_inputs());  // every input undefined
   for (const auto& hook : fn.pre_hooks()) inputs = (*hook)(inputs);
 #if TORCH_VERSION_MAJOR >= 2
   for (const auto& hook : fn.tensor_pre_hooks()) inputs = (*hook)(inputs);
@@ -480,7 +507,7 @@ void Container::send_grads(const std::shared_ptr<ContextState>& ctx,
                  c10::ivalue::Tuple::create(std::move(items))});
 }
 
-void Container::report_failure(uint64_t context, uint64_t task, std::exception_ptr error) {
+void Container::tell_root(uint64_t context, uint64_t task, std::exception_ptr error) {
   const int root = id_worker(task);
   if (root == rank_) {
     if (auto t = find_task(context, task)) fail(t, error);
@@ -490,7 +517,7 @@ void Container::report_failure(uint64_t context, uint64_t task, std::exception_p
   try {
     agent_.call(agent_.get_worker_info(root).name, "tandem.autograd.fail",
                 {static_cast<int64_t>(context), static_cast<int64_t>(task),
-                 static_cast<int64_t>(code), agent_.name(), text});
+                 static_cast<int64_t>(code), name_, text});
   } catch (const std::exception&) {
     // The root is gone: nobody is left to tell.
   }
@@ -526,7 +553,7 @@ void Container::abort_task(const std::shared_ptr<GraphTask>& task, const std::st
   }
   task->done->setError(std::make_exception_ptr(
       rpc::ShutdownError("distributed backward task " + std::to_string(task->id) + " on " +
-                         agent_.name() + ": " + why)));
+                         name_ + ": " + why)));
 }
 
 c10::Dict<at::Tensor, at::Tensor> Container::get_gradients(uint64_t context) const {

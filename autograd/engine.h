@@ -71,6 +71,7 @@
 #include <utility>
 #include <vector>
 
+#include "autograd/functions.h"
 #include "rpc/future.h"
 
 namespace tandem::autograd {
@@ -84,10 +85,13 @@ struct GraphTask {
     int deps = 0;  // inputs still to come
     torch::autograd::variable_list inputs;
   };
+  using NodeMap = std::unordered_map<torch::autograd::Node*, NodeState>;
 
   const uint64_t context;
   const uint64_t id;
   const int root;
+  // A task is kept (finished, its buffers freed) until its context goes, so
+  // that a late gradient or an abort that overtook `run` finds it.
   // Set before `started` (under mu), fixed after.
   bool keep_graph = false;
   std::chrono::milliseconds timeout{0};  // for the gradients this part sends
@@ -96,10 +100,10 @@ struct GraphTask {
   std::function<void(std::exception_ptr)> report;
 
   std::mutex mu;
-  std::unordered_map<torch::autograd::Node*, NodeState> nodes;  // reached, not yet run
+  NodeMap nodes;  // reached, not yet run
   std::vector<torch::autograd::Node*> ready;
-  // Gradients for sends that arrived before `run`: (message id, gradients).
-  std::vector<std::pair<uint64_t, torch::autograd::variable_list>> early;
+  // Gradients for sends that arrived before `run`.
+  std::vector<std::pair<std::shared_ptr<SendBackward>, torch::autograd::variable_list>> early;
   bool started = false;   // `run` (or backward() on the root) has counted
   bool draining = false;  // a thread is running ready nodes
   bool finished = false;  // every node ran, or the task failed

@@ -58,6 +58,10 @@ void define(rpc::Registry& r) {
     auto y = rpc::rpc_sync<at::Tensor>("worker2", "lin2", h);
     return y * 2 + h.sum();
   });
+  // Two results; callers may use only the first: the second's gradient is None.
+  r.def("two_results", [](at::Tensor x) {
+    return std::make_tuple(at::mm(at::ones({2, 8}, kF64), P().w1), x * 2);
+  });
   r.def("context_here", []() { return static_cast<int64_t>(dist::current_context_id()); });
   r.def("throw_in_backward", [](at::Tensor x) {
     auto y = x * 3;
@@ -222,6 +226,18 @@ TEST_CASE("autograd: a tensor sent and never used by the loss does not hang") {
   CHECK(!g1.contains(P().b1));  // lin1's result was dropped: b1 got nothing
 }
 
+TEST_CASE("autograd: a result the loss ignores sends None back, not an error") {
+  World w(2, define);
+  auto x = input(2);
+  dist::Context ctx(w[0]);
+  auto [a, b] = w[0].rpc_sync<std::tuple<at::Tensor, at::Tensor>>("worker1", "two_results", x);
+  CHECK(b.requires_grad());
+  dist::backward(ctx.id(), {a.sum() + x.sum()});
+  auto want = local_grads(at::mm(at::ones({2, 8}, kF64), P().w1).sum(), {P().w1});
+  expect_close(dist::get_gradients(w[1], ctx.id()).at(P().w1), want[0], "w1");
+  expect_close(dist::get_gradients(ctx.id()).at(x), at::ones_like(x), "x: only its local use");
+}
+
 TEST_CASE("autograd: RRefs: remote() and to_here() inside a context") {
   World w(2, define);
   auto x = input();
@@ -345,6 +361,46 @@ TEST_CASE("autograd: a part slower than the timeout fails backward with TimeoutE
   }
   expect_no_contexts(w);
   w.shutdown();
+}
+
+TEST_CASE("autograd: engine requests from a peer are checked") {
+  World w(2, define);
+  auto run = [&](int64_t ctx, int64_t root, std::vector<int64_t> sends) {
+    return w[0].call("worker1", "tandem.autograd.run",
+                     {ctx, int64_t(1), root, false, int64_t(1000), c10::List<int64_t>(sends)})
+        .wait();
+  };
+  CHECK_THROWS_WITH_AS(run(424242, 0, {1}), doctest::Contains("no distributed autograd context"),
+                       rpc::RemoteError);
+  CHECK_THROWS_WITH_AS(run(424242, 7, {1}), doctest::Contains("unknown root rank 7"),
+                       rpc::RemoteError);
+  {
+    dist::Context ctx(w[0]);
+    auto y = w[0].rpc_sync<at::Tensor>("worker1", "lin1", input());
+    // worker1 has this context now, but no send 99 in it.
+    CHECK_THROWS_WITH_AS(run(static_cast<int64_t>(ctx.id()), 0, {(int64_t(1) << 48) | 99}),
+                         doctest::Contains("is not recorded on worker1"), rpc::RemoteError);
+    // A malformed gradient (one way, so nobody answers) is dropped; worker1 goes on.
+    w[0].notify("worker1", "tandem.autograd.grad", {std::string("not a context")});
+    w[0].notify("worker1", "tandem.autograd.grad",
+                {int64_t(ctx.id()), int64_t(5), int64_t(6), std::string("not a tuple")});
+    dist::backward(ctx.id(), {y.sum()});
+    CHECK(dist::get_gradients(w[1], ctx.id()).contains(P().w1));
+  }
+  expect_no_contexts(w);
+  w.shutdown();
+}
+
+TEST_CASE("autograd: a context that outlives its agent is released without harm") {
+  auto w = std::make_unique<World>(2, define);
+  auto ctx = std::make_unique<dist::Context>((*w)[0]);
+  auto y = (*w)[0].rpc_sync<at::Tensor>("worker1", "lin1", input());
+  const uint64_t id = ctx->id();
+  w->shutdown(false);
+  w.reset();  // the agents are gone
+  CHECK_THROWS_AS(dist::backward(id, {y.sum()}), rpc::ShutdownError);
+  ctx.reset();  // nothing to release, nothing touched
+  CHECK(dist::current_context_id() == 0);
 }
 
 TEST_CASE("autograd: malformed autograd metadata is a protocol error") {
