@@ -338,13 +338,16 @@ void Container::close() {
 
 // ---- handlers ------------------------------------------------------------------
 
-void Container::register_handlers(rpc::Registry& internal) {
-  std::weak_ptr<Container> weak = weak_from_this();
-  auto self = [weak] {
+std::function<std::shared_ptr<Container>()> Container::locker() {
+  return [weak = weak_from_this()] {
     auto c = weak.lock();
     if (!c) throw rpc::ShutdownError("distributed autograd is shut down");
     return c;
   };
+}
+
+void Container::register_handlers(rpc::Registry& internal) {
+  auto self = locker();
   internal.def("tandem.autograd.release", [self](int64_t id, int64_t from) {
     return rpc::Future<void>(self()->release(static_cast<uint64_t>(id), static_cast<int>(from)),
                              nullptr);
@@ -405,12 +408,7 @@ void Container::register_handlers(rpc::Registry& internal) {
 }
 
 void Container::register_loop_handlers(rpc::Registry& on_loop) {
-  std::weak_ptr<Container> weak = weak_from_this();
-  auto self = [weak] {
-    auto c = weak.lock();
-    if (!c) throw rpc::ShutdownError("distributed autograd is shut down");
-    return c;
-  };
+  auto self = locker();
   // Delivering a gradient is bounded work; running the nodes it makes ready
   // is not, and happens on the pool (or on the root's backward() thread).
   on_loop.def_ivalue("tandem.autograd.grad", [self](std::vector<c10::IValue>& args) {

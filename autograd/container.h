@@ -89,6 +89,8 @@ class Container final : public rpc::AgentExtension,
 
  private:
   std::shared_ptr<ContextState> get_or_create(uint64_t id);
+  // For handlers: this container, or ShutdownError once it is gone.
+  std::function<std::shared_ptr<Container>()> locker();
   uint64_t next_id(std::atomic<uint64_t>& counter) const;
 
   // Engine internals (engine.cc).

@@ -17,7 +17,7 @@
 // decode with the autograd hooks, minus without them, per RPC:
 //   {"bench":"dist_record","impl":"tandem","p50_us":..}
 //
-// Usage: autograd_bench [--hops 1,4,16] [--iters 200] [--rounds 3]
+// Usage: autograd_bench [--hops 1,4,16] [--iters 200] [--rounds 5]
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/ones.h>
@@ -66,16 +66,7 @@ double seconds_since(Clock::time_point t0) {
 
 // The frame's bytes through a receiver's decoder.
 rpc::Message roundtrip(const rpc::OutFrame& f) {
-  std::string bytes(reinterpret_cast<const char*>(&f.preamble), rpc::kPreambleBytes);
-  auto env = f.envelope.asBytes();
-  bytes.append(reinterpret_cast<const char*>(env.begin()), env.size());
-  uint64_t offset = 0;
-  for (const auto& t : f.tensors) {
-    uint64_t pad = rpc::padding_before(offset);
-    bytes.append(pad, '\0');
-    bytes.append(static_cast<const char*>(t.data_ptr()), t.nbytes());
-    offset += pad + t.nbytes();
-  }
+  std::string bytes = f.to_bytes();
   rpc::FrameDecoder d{rpc::Limits{}};
   d.feed(bytes.data(), bytes.size());
   return d.take();
@@ -198,7 +189,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     std::string hops = "1,4,16";
-    int iters = 200, rounds = 3;
+    int iters = 200, rounds = 5;
     for (int i = 1; i < argc; ++i) {
       std::string a = argv[i];
       if (a == "--hops" && i + 1 < argc) {

@@ -294,6 +294,20 @@ c10::IValue decode_value(schema::Value::Reader r, const std::vector<at::Tensor>&
 
 }  // namespace
 
+std::string OutFrame::to_bytes() const {
+  std::string out(reinterpret_cast<const char*>(&preamble), kPreambleBytes);
+  auto env = envelope.asBytes();
+  out.append(reinterpret_cast<const char*>(env.begin()), env.size());
+  uint64_t offset = 0;
+  for (const auto& t : tensors) {
+    uint64_t pad = padding_before(offset);
+    out.append(pad, '\0');
+    out.append(static_cast<const char*>(t.data_ptr()), t.nbytes());
+    offset += pad + t.nbytes();
+  }
+  return out;
+}
+
 uint64_t OutFrame::total_bytes() const {
   return kPreambleBytes + envelope.size() * sizeof(capnp::word) + preamble.body_bytes;
 }

@@ -104,6 +104,9 @@ struct OutFrame {
   // copies) that travel flagged as requiring grad, in frame order.
   std::vector<at::Tensor> grad_sources;
   uint64_t total_bytes() const;
+  // The frame as one string of the bytes a socket carries (tests and tools;
+  // the transport writes the pieces without joining them).
+  std::string to_bytes() const;
 };
 
 // Throws std::invalid_argument for values that cannot travel (an unsupported

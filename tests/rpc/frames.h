@@ -13,19 +13,7 @@
 namespace tandem::test {
 
 // The bytes a socket carries for `f`.
-inline std::string frame_bytes(const rpc::OutFrame& f) {
-  std::string out(reinterpret_cast<const char*>(&f.preamble), rpc::kPreambleBytes);
-  auto env = f.envelope.asBytes();
-  out.append(reinterpret_cast<const char*>(env.begin()), env.size());
-  uint64_t offset = 0;
-  for (const auto& t : f.tensors) {
-    uint64_t pad = rpc::padding_before(offset);
-    out.append(pad, '\0');
-    out.append(static_cast<const char*>(t.data_ptr()), t.nbytes());
-    offset += pad + t.nbytes();
-  }
-  return out;
-}
+inline std::string frame_bytes(const rpc::OutFrame& f) { return f.to_bytes(); }
 
 // A frame from a hand-made envelope (a request to "f" unless `fill` says
 // otherwise) whose preamble announces `body_bytes`; `body` follows it.
