@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <atomic>
+#include <random>
 
 #include "autograd/autograd.h"
 #include "rpc/api.h"
@@ -43,7 +44,7 @@ Params& P() {
 at::Tensor lin1(const at::Tensor& x) { return at::tanh(at::mm(x, P().w1) + P().b1); }
 at::Tensor lin2(const at::Tensor& x) { return at::sigmoid(at::mm(x, P().w2)); }
 
-std::atomic<int> g_hook_calls{0};
+at::Tensor mix(const at::Tensor& a, const at::Tensor& b) { return a * b + at::tanh(a) * 0.5; }
 
 void define(rpc::Registry& r) {
   r.def("lin1", [](at::Tensor x) { return lin1(x); });
@@ -62,6 +63,7 @@ void define(rpc::Registry& r) {
   r.def("two_results", [](at::Tensor x) {
     return std::make_tuple(at::mm(at::ones({2, 8}, kF64), P().w1), x * 2);
   });
+  r.def("mix", [](at::Tensor a, at::Tensor b) { return mix(a, b); });
   r.def("context_here", []() { return static_cast<int64_t>(dist::current_context_id()); });
   r.def("throw_in_backward", [](at::Tensor x) {
     auto y = x * 3;
@@ -236,6 +238,76 @@ TEST_CASE("autograd: a result the loss ignores sends None back, not an error") {
   auto want = local_grads(at::mm(at::ones({2, 8}, kF64), P().w1).sum(), {P().w1});
   expect_close(dist::get_gradients(w[1], ctx.id()).at(P().w1), want[0], "w1");
   expect_close(dist::get_gradients(ctx.id()).at(x), at::ones_like(x), "x: only its local use");
+}
+
+TEST_CASE("autograd: random graphs over 3 workers equal local autograd") {
+  // Each graph: a pool of tensors that grows by local ops on worker0 and by
+  // remote ops on worker1/2 (some through a nested call), with tensors used
+  // several times, sent twice, or never used by the loss. The same ops run
+  // locally on copies; every worker's gradients must match.
+  World w(3, define);
+  for (int seed = 0; seed < 25; ++seed) {
+    INFO("seed " << seed);
+    std::mt19937 rng(seed);
+    auto pick = [&](size_t n) { return static_cast<size_t>(rng() % n); };
+    auto x = input(4).narrow(1, 0, 6).contiguous().detach().requires_grad_();
+    std::vector<at::Tensor> dp = {x}, lp = {x};  // distributed, local
+    dist::Context ctx(w[0]);
+    for (int step = 0; step < 10; ++step) {
+      size_t a = pick(dp.size()), b = pick(dp.size());
+      switch (rng() % 4) {
+        case 0:  // local, on worker0
+          dp.push_back(mix(dp[a], dp[b]));
+          lp.push_back(mix(lp[a], lp[b]));
+          break;
+        case 1:
+        case 2: {  // remote
+          std::string to = rng() % 2 ? "worker1" : "worker2";
+          dp.push_back(w[0].rpc_sync<at::Tensor>(to, "mix", dp[a], dp[b]));
+          lp.push_back(mix(lp[a], lp[b]));
+          break;
+        }
+        default: {  // 0 -> 1 -> 2 -> 1 -> 0, through the same weights
+          auto in = at::mm(dp[a], P().w1.t());
+          auto lin = at::mm(lp[a], P().w1.t());
+          auto out = w[0].rpc_sync<at::Tensor>("worker1", "relay", in);
+          auto h = lin1(lin);
+          auto lout = lin2(h) * 2 + h.sum();
+          // back to the pool's shape
+          dp.push_back(at::mm(out, P().w2.t()).mul(dp[b]));
+          lp.push_back(at::mm(lout, P().w2.t()).mul(lp[b]));
+          break;
+        }
+      }
+    }
+    // The loss uses some of the pool, always the newest tensor.
+    at::Tensor loss = dp.back().sum(), lloss = lp.back().sum();
+    for (size_t i = 0; i + 1 < dp.size(); ++i) {
+      if (rng() % 3 == 0) {
+        loss = loss + dp[i].pow(2).sum();
+        lloss = lloss + lp[i].pow(2).sum();
+      }
+    }
+    dist::backward(ctx.id(), {loss});
+    auto want = local_grads(lloss, {x, P().w1, P().b1, P().w2});
+    auto g0 = dist::get_gradients(ctx.id());
+    auto g1 = dist::get_gradients(w[1], ctx.id());
+    auto g2 = dist::get_gradients(w[2], ctx.id());
+    auto sum_of = [&](const at::Tensor& p) {
+      at::Tensor total = at::zeros_like(p);
+      for (auto* g : {&g0, &g1, &g2}) {
+        if (g->contains(p)) total = total + g->at(p);
+      }
+      return total;
+    };
+    expect_close(g0.at(x), want[0], "x");
+    for (size_t i = 1; i < want.size(); ++i) {
+      auto p = std::vector<at::Tensor>{P().w1, P().b1, P().w2}[i - 1];
+      expect_close(sum_of(p), want[i].defined() ? want[i] : at::zeros_like(p), "a weight");
+    }
+  }
+  expect_no_contexts(w);
+  w.shutdown();
 }
 
 TEST_CASE("autograd: RRefs: remote() and to_here() inside a context") {
