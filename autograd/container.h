@@ -103,7 +103,8 @@ class Container final : public rpc::AgentExtension,
                                                       const std::vector<uint64_t>& messages) const;
   void run_root_part(const std::shared_ptr<ContextState>& ctx,
                      const std::shared_ptr<GraphTask>& task, Join& join,
-                     std::chrono::steady_clock::time_point start, std::chrono::milliseconds timeout);
+                     std::chrono::steady_clock::time_point start,
+                     std::chrono::milliseconds timeout);
   void on_grad(uint64_t context, uint64_t task, uint64_t message,
                torch::autograd::variable_list grads);
   void drain(const std::shared_ptr<ContextState>& ctx, const std::shared_ptr<GraphTask>& task);

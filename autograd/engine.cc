@@ -158,7 +158,8 @@ void fit_outputs(const Node& fn, variable_list& outputs) {
     const auto& meta = edges[i].function->input_metadata(edges[i].input_nr);
     if (!meta.is_same_shape(g)) {
       if (!meta.is_expandable_to_shape(g)) {
-        throw std::runtime_error(fn.name() + ": " + meta.incompatible_shape_error_message(i, g).str());
+        throw std::runtime_error(fn.name() + ": " +
+                                 meta.incompatible_shape_error_message(i, g).str());
       }
       g = meta.reduce_grad(g);
     }
@@ -188,6 +189,9 @@ std::shared_ptr<GraphTask> Container::task_of(ContextState& ctx, uint64_t task) 
 
 std::vector<std::shared_ptr<SendBackward>> Container::sends_of(
     ContextState& ctx, const std::vector<uint64_t>& messages) const {
+  if (ctx.released) {
+    throw std::invalid_argument("context " + std::to_string(ctx.id) + " was released on " + name_);
+  }
   std::vector<std::shared_ptr<SendBackward>> out;
   for (uint64_t m : messages) {
     auto it = ctx.sends.find(m);
@@ -229,13 +233,13 @@ void Container::backward(uint64_t context, const std::vector<at::Tensor>& roots,
       parts[id_worker(m)].push_back(static_cast<int64_t>(m));
     }
   }
+  std::vector<std::shared_ptr<SendBackward>> sends;
   {
     std::lock_guard<std::mutex> lock(ctx->mu);
-    if (ctx->released) throw std::invalid_argument("context " + std::to_string(context) + " was released");
-    auto sends = sends_of(*ctx, own);
+    sends = sends_of(*ctx, own);
     ctx->tasks.emplace(task->id, task);  // kept (finished) until the context goes
-    expand_sends(nodes, sends);
   }
+  expand_sends(nodes, sends);
   {
     std::lock_guard<std::mutex> lock(task->mu);
     task->nodes.swap(nodes);
@@ -335,20 +339,21 @@ rpc::RawFuture Container::run_part(uint64_t context, uint64_t id, int root, bool
                                    std::chrono::milliseconds timeout) {
   auto ctx = get(context);
   std::shared_ptr<GraphTask> task;
-  GraphTask::NodeMap nodes;
+  std::vector<std::shared_ptr<SendBackward>> sends;
   {
     std::lock_guard<std::mutex> lock(ctx->mu);
-    if (ctx->released) throw std::invalid_argument("context " + std::to_string(context) + " was released");
-    auto sends = sends_of(*ctx, messages);
+    sends = sends_of(*ctx, messages);
     task = task_of(*ctx, id);
-    expand_sends(nodes, sends);  // TODO(perf): walk outside ctx->mu for very large graphs
   }
+  // The walk holds no lock: gradients arriving meanwhile wait in `early`.
+  GraphTask::NodeMap nodes;
+  expand_sends(nodes, sends);
   std::vector<std::pair<std::shared_ptr<SendBackward>, variable_list>> early;
   {
     std::lock_guard<std::mutex> lock(task->mu);
     if (task->started || task->finished) {
-      throw std::logic_error("graph task " + std::to_string(id) + " was already run (or aborted) on " +
-                             name_);
+      throw std::logic_error("graph task " + std::to_string(id) +
+                             " was already run (or aborted) on " + name_);
     }
     task->nodes.swap(nodes);
     task->keep_graph = keep_graph;
