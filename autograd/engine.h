@@ -37,25 +37,30 @@
 //     from reached nodes into it (a send counts one more: the gradient that
 //     will come from its RecvBackward). Gradients that arrive before `run`
 //     are kept until it does.
-//  3. Execution: a node whose count reaches zero is ready. Gradients from
-//     other workers are delivered on the loop thread (bounded work); the
-//     root's backward() thread drains the root's ready nodes itself, spinning
-//     briefly before it sleeps, and elsewhere a pool thread drains them, one
-//     thread at a time per task. Ordinary nodes run with their pre- and post-hooks
-//     and their outputs go to the next nodes' input buffers (summed).
-//     AccumulateGrad nodes are not run: their gradient is added to the
-//     context's gradients (never to .grad). A RecvBackward sends its inputs
-//     to its paired send's worker (`grad`), or delivers them in place when
-//     that is this worker; undefined gradients travel as None.
+//  3. Execution: a node whose count reaches zero is ready. Ordinary nodes
+//     run with their pre- and post-hooks, and their outputs go to the next
+//     nodes' input buffers (summed). AccumulateGrad nodes are not run: their
+//     gradient is added to the context's gradients (never to .grad). A
+//     RecvBackward sends its inputs to its paired send's worker (`grad`, one
+//     way: no reply), or delivers them in place when that is this worker;
+//     undefined gradients travel as None. Gradients from other workers are
+//     delivered on the loop thread (bounded work); the root's backward()
+//     thread runs the root's ready nodes itself, spinning briefly before it
+//     sleeps, and elsewhere a pool thread runs them, one thread at a time
+//     per task.
 //  4. A worker's part is done when every node it reached has run. Its `run`
 //     request then completes, and backward() returns once the root's own
 //     part and every `run` are done. Sends nobody reached were never counted,
-//     so nothing waits for them.
-// Failure: a node that throws, a gradient that cannot be delivered, or a
-// part that cannot start fails that worker's `run` (or, once it has
-// answered, is reported with `fail`); a worker that dies fails its `run`
-// with DisconnectedError. The root then aborts the task everywhere and
-// backward() throws. Errors name the worker they happened on.
+//     so nothing waits for them. Cost: one `run` request and reply per
+//     worker with a part, plus one message per gradient.
+// Failure: a node that throws, a gradient that cannot be delivered or taken,
+// or a part that cannot start fails that worker's `run` (or, once it has
+// answered, is told to the root with `fail`); a worker that dies fails its
+// `run` with DisconnectedError; past the timeout the root fails with
+// TimeoutError. The root then aborts the task everywhere and backward()
+// throws. Errors name the worker they happened on. A task's record stays
+// (its buffers freed) until its context is released, so late gradients and
+// aborts that overtake `run` find it and are dropped.
 #pragma once
 
 #include <torch/csrc/autograd/function.h>

@@ -18,6 +18,10 @@
 //  4. A call fails with TimeoutError at its deadline, with DisconnectedError as
 //     soon as its connection closes, and with ShutdownError on shutdown(false).
 //
+// Layers above (distributed autograd) hook into every request and response
+// through rpc/extension.h; their bounded internal functions may run on the
+// loop thread, and notify() sends a request that wants no reply.
+//
 // Start-up: the agent listens, publishes "name host port" under its rank in
 // the c10d store, and reads every other worker's entry. Graceful shutdown:
 // wait for this worker's calls to finish, meet every worker at a store
