@@ -69,7 +69,6 @@ class Container final : public rpc::AgentExtension,
   void after_receive(rpc::Message& m, int from) override;
   void close() override;
 
-  rpc::Agent& agent() const { return agent_; }
   const std::string& name() const { return name_; }
   bool closed() const;
   uint64_t new_context();

@@ -10,6 +10,7 @@
 
 #include "autograd/container.h"
 #include "rpc/errors.h"
+#include "rpc/spin.h"
 
 namespace tandem::autograd {
 
@@ -310,13 +311,8 @@ void Container::run_root_part(const std::shared_ptr<ContextState>& ctx,
   while (!join.result->completed()) {
     drain(ctx, task);
     // A wake-up costs more than a loopback hop: spin a little first.
-    auto until = std::chrono::steady_clock::now() + spin;
-    while (task->signals.load(std::memory_order_acquire) == seen &&
-           std::chrono::steady_clock::now() < until) {
-#if defined(__x86_64__) || defined(__i386__)
-      __builtin_ia32_pause();
-#endif
-    }
+    rpc::spin_until(spin,
+                    [&] { return task->signals.load(std::memory_order_acquire) != seen; });
     std::unique_lock<std::mutex> lock(task->mu);
     auto news = [&] { return task->signals.load() != seen; };
     if (timeout.count() == 0) {

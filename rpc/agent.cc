@@ -6,6 +6,7 @@
 
 #include "rpc/rendezvous.h"
 #include "rpc/rref_context.h"
+#include "rpc/spin.h"
 #include "rpc/transport/uv/uv_transport.h"
 
 namespace tandem::rpc {
@@ -221,15 +222,7 @@ void Agent::spin_until_done(const RawFuture& f) const {
   // A blocked caller is woken by the loop thread when its reply lands. On an
   // idle core that wake-up costs more than a whole loopback round trip, so
   // keep the core busy for a short while first (see AgentOptions::sync_spin).
-  if (options_.sync_spin.count() <= 0) return;
-  auto until = Clock::now() + options_.sync_spin;
-  while (!f->completed() && Clock::now() < until) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    asm volatile("yield");
-#endif
-  }
+  spin_until(options_.sync_spin, [&] { return f->completed(); });
 }
 
 Future<c10::IValue> Agent::call(const std::string& to, const std::string& fn,
@@ -441,9 +434,11 @@ void Agent::on_message(const std::shared_ptr<Connection>& conn, Message&& msg) {
   }
   switch (msg.kind) {
     case MessageKind::kRequest: {
-      if (msg.callee.rfind("tandem.", 0) == 0 && loop_internal_->contains(msg.callee)) {
-        handle_request(conn, std::move(msg));  // bounded internal work: right here
-        return;
+      if (msg.callee.rfind("tandem.", 0) == 0) {
+        if (auto on_loop = loop_internal_->find(msg.callee)) {
+          handle_request(conn, std::move(msg), on_loop);  // bounded internal work: right here
+          return;
+        }
       }
       auto shared = std::make_shared<Message>(std::move(msg));
       pool_->post([this, conn, shared] { handle_request(conn, std::move(*shared)); });
@@ -549,10 +544,12 @@ void Agent::run_as_handler(const std::function<void()>& fn) {
   fn();
 }
 
-void Agent::handle_request(const std::shared_ptr<Connection>& conn, Message msg) {
-  const bool internal = msg.callee.rfind("tandem.", 0) == 0;
-  auto handler = (internal ? internal_ : registry_)->find(msg.callee);
-  if (!handler && internal) handler = loop_internal_->find(msg.callee);
+void Agent::handle_request(const std::shared_ptr<Connection>& conn, Message msg,
+                           std::shared_ptr<const Handler> handler) {
+  if (!handler) {
+    const bool internal = msg.callee.rfind("tandem.", 0) == 0;
+    handler = (internal ? internal_ : registry_)->find(msg.callee);
+  }
   if (!handler) {
     send_error(conn, msg.id, ErrorCode::kUnknownFunction,
                "no function '" + msg.callee + "' is registered on " + name());

@@ -198,7 +198,9 @@ class Agent : public std::enable_shared_from_this<Agent> {
   std::shared_ptr<Connection> connection_to(int rank, std::chrono::milliseconds timeout);
   void on_message(const std::shared_ptr<Connection>& conn, Message&& msg);
   void on_closed(const std::shared_ptr<Connection>& conn, const std::string& reason);
-  void handle_request(const std::shared_ptr<Connection>& conn, Message msg);
+  // With `handler` null, the function is looked up by the request's callee.
+  void handle_request(const std::shared_ptr<Connection>& conn, Message msg,
+                      std::shared_ptr<const Handler> handler = nullptr);
   void reply(const std::shared_ptr<Connection>& conn, uint64_t id, const RawFuture& result,
              uint64_t autograd_context);
   // Runs the extensions' before_send, encodes, runs their after_encode.

@@ -1,5 +1,7 @@
 #include "rpc/thread_pool.h"
 
+#include "rpc/spin.h"
+
 #include <cstdio>
 #include <stdexcept>
 
@@ -52,15 +54,7 @@ void ThreadPool::run() {
     if (just_worked && spin_.count() > 0 && tasks_.empty() && !stopping_) {
       ++spinning_;
       lock.unlock();
-      auto until = std::chrono::steady_clock::now() + spin_;
-      while (queued_.load(std::memory_order_acquire) == 0 &&
-             std::chrono::steady_clock::now() < until) {
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#elif defined(__aarch64__)
-        asm volatile("yield");
-#endif
-      }
+      spin_until(spin_, [this] { return queued_.load(std::memory_order_acquire) != 0; });
       lock.lock();
       --spinning_;
     }
