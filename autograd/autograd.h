@@ -10,7 +10,7 @@
 //     at::Tensor loss = rpc::rpc_sync<at::Tensor>("worker2", "layer2", h).sum();
 //     dist_autograd::backward(ctx.id(), {loss});        // runs on worker0, 1 and 2
 //     auto grads = dist_autograd::get_gradients(ctx.id());  // this worker's leaves
-//     at::Tensor gx = grads.at(x);
+//     at::Tensor gx = grads.at(x);                    // out_of_range if x got none
 //   }                                                   // released on every worker
 //
 // Inside a context, every tensor that requires grad and crosses a worker
@@ -30,13 +30,41 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
-#include "rpc/agent.h"
+#include "tandem/rpc/agent.h"
 
 namespace tandem::autograd {
 
 class Container;
+
+// A worker's leaf gradients in one context: leaf tensor -> gradient, looked
+// up by identity (grads.at(weight)). at(t) of a tensor that got no gradient
+// in this context throws std::out_of_range naming the context and the
+// worker, where a bare c10::Dict would say only "not in the map".
+class Gradients {
+ public:
+  using Dict = c10::Dict<at::Tensor, at::Tensor>;
+  Gradients(Dict grads, uint64_t context_id, std::string worker)
+      : grads_(std::move(grads)), context_id_(context_id), worker_(std::move(worker)) {}
+
+  at::Tensor at(const at::Tensor& t) const;
+  bool contains(const at::Tensor& t) const { return grads_.contains(t); }
+  size_t size() const { return grads_.size(); }
+  bool empty() const { return grads_.empty(); }
+  Dict::iterator find(const at::Tensor& t) const { return grads_.find(t); }
+  Dict::iterator begin() const { return grads_.begin(); }
+  Dict::iterator end() const { return grads_.end(); }
+  const Dict& dict() const { return grads_; }
+  operator const Dict&() const { return grads_; }
+  uint64_t context_id() const { return context_id_; }
+
+ private:
+  Dict grads_;
+  uint64_t context_id_;
+  std::string worker_;
+};
 
 // A distributed autograd context, current on this thread while it lives.
 // Contexts do not nest (a second one on the same thread, or one inside a
@@ -57,10 +85,12 @@ class Context {
   std::shared_ptr<Container> container_;
   std::chrono::milliseconds release_timeout_;
   uint64_t id_ = 0;
+  std::unique_ptr<rpc::ScopeGuard> scope_;  // makes id_ current on this thread
 };
 
-// The context current on this thread (inside a Context, or in a handler
-// serving a request made inside one); 0 when none.
+// The context current on this thread (inside a Context, in a handler
+// serving a request made inside one, or in a Future::then callback attached
+// inside either); 0 when none.
 uint64_t current_context_id();
 
 // Runs backward from `roots` (scalars that require grad) through every
@@ -76,8 +106,8 @@ void backward(rpc::Agent& agent, uint64_t context_id, const std::vector<at::Tens
 
 // This worker's leaf gradients in the context: leaf tensor -> gradient
 // (looked up by identity: grads.at(weight)).
-c10::Dict<at::Tensor, at::Tensor> get_gradients(uint64_t context_id);
-c10::Dict<at::Tensor, at::Tensor> get_gradients(rpc::Agent& agent, uint64_t context_id);
+Gradients get_gradients(uint64_t context_id);
+Gradients get_gradients(rpc::Agent& agent, uint64_t context_id);
 
 // Contexts alive on `agent` (tests and leak checks).
 size_t live_contexts(rpc::Agent& agent);

@@ -1,7 +1,7 @@
-#include "autograd/container.h"
+#include "tandem/autograd/container.h"
 
-#include "autograd/autograd.h"
-#include "rpc/api.h"
+#include "tandem/autograd/autograd.h"
+#include "tandem/rpc/api.h"
 
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/variable.h>
@@ -11,8 +11,8 @@
 #include <cstdio>
 #include <unordered_set>
 
-#include "rpc/errors.h"
-#include "rpc/registry.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/rpc/registry.h"
 
 namespace tandem::autograd {
 namespace {
@@ -26,12 +26,6 @@ struct Current {
   uint64_t id = 0;
 };
 thread_local Current tls_current;
-
-// The id of the context a live Context made current on this thread for `c`, or 0.
-uint64_t tls_context_for(const Container* c) {
-  if (tls_current.raw != c || tls_current.id == 0 || tls_current.owner.expired()) return 0;
-  return tls_current.id;
-}
 
 // Every tensor inside `v` that requires grad (in any order: only the set matters).
 void collect_grad_tensors(const c10::IValue& v, std::vector<at::Tensor>& out) {
@@ -151,10 +145,7 @@ uint64_t Container::new_context() {
   return id;
 }
 
-uint64_t Container::current_context() const {
-  if (uint64_t id = tls_context_for(this)) return id;
-  return rpc::handler_autograd_context(agent_);
-}
+uint64_t Container::current_context() const { return rpc::autograd_context_for(agent_); }
 
 std::shared_ptr<ContextState> Container::find(uint64_t id) const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -188,7 +179,7 @@ size_t Container::live_contexts() const {
 
 void Container::before_send(rpc::Message& m, int dest) {
   if (m.kind == rpc::MessageKind::kRequest) {
-    if (uint64_t id = tls_context_for(this)) m.autograd_context = id;
+    // The agent set the context current on the sending thread (rpc/scope.h).
     if (m.autograd_context == 0) return;  // outside any context: nothing to do
     if (m.callee.rfind("tandem.autograd.", 0) == 0) {  // the engine's own traffic
       m.autograd_context = 0;
@@ -247,11 +238,15 @@ void Container::after_receive(rpc::Message& m, int from) {
                                std::to_string(id_worker(r)));
     }
   }
+  // Released here: the tensors arrive without history, as new leaves.
+  auto as_leaves = [&] {
+    for (auto& t : m.grad_tensors) t.set_requires_grad(true);
+  };
   auto ctx = get_or_create(m.autograd_context);
-  if (!ctx) return;  // released here: the tensors arrive without history
+  if (!ctx) return as_leaves();
   {
     std::lock_guard<std::mutex> lock(ctx->mu);
-    if (ctx->released) return;
+    if (ctx->released) return as_leaves();
     ++ctx->recvs;
   }
   auto recv = std::make_shared<RecvBackward>(m.autograd_context, m.autograd_message, from,
@@ -305,6 +300,16 @@ rpc::RawFuture Container::release(uint64_t id, int from) {
     }
   }
   return when_all(std::move(forwarded));
+}
+
+std::vector<std::string> Container::live_objects() const {
+  std::vector<std::string> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [id, _] : contexts_) {
+    out.push_back("distributed autograd context " + std::to_string(id));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 void Container::close() {
@@ -462,9 +467,14 @@ Context::Context(rpc::Agent& agent)
   }
   id_ = container_->new_context();
   tls_current = {container_, container_.get(), id_};
+  rpc::CallScope scope = rpc::current_scope();
+  scope.context_agent = &agent;
+  scope.autograd_context = id_;
+  scope_ = std::make_unique<rpc::ScopeGuard>(scope);
 }
 
 Context::~Context() {
+  scope_.reset();
   if (tls_current.id == id_) tls_current = {};
   try {
     auto done = container_->release(id_);
@@ -475,9 +485,8 @@ Context::~Context() {
 }
 
 uint64_t current_context_id() {
-  if (tls_current.id != 0 && !tls_current.owner.expired()) return tls_current.id;
-  if (rpc::Agent* a = rpc::handler_agent()) return rpc::handler_autograd_context(*a);
-  return 0;
+  if (tls_current.id != 0) return tls_current.owner.expired() ? 0 : tls_current.id;
+  return rpc::current_scope().autograd_context;  // a handler's or a callback's
 }
 
 namespace {
@@ -502,12 +511,25 @@ void backward(rpc::Agent& agent, uint64_t context_id, const std::vector<at::Tens
   Container::of(agent)->backward(context_id, roots, retain_graph, timeout);
 }
 
-c10::Dict<at::Tensor, at::Tensor> get_gradients(uint64_t context_id) {
-  return container_for(context_id)->get_gradients(context_id);
+Gradients get_gradients(uint64_t context_id) {
+  auto c = container_for(context_id);
+  return Gradients(c->get_gradients(context_id), context_id, c->name());
 }
 
-c10::Dict<at::Tensor, at::Tensor> get_gradients(rpc::Agent& agent, uint64_t context_id) {
-  return Container::of(agent)->get_gradients(context_id);
+Gradients get_gradients(rpc::Agent& agent, uint64_t context_id) {
+  auto c = Container::of(agent);
+  return Gradients(c->get_gradients(context_id), context_id, c->name());
+}
+
+at::Tensor Gradients::at(const at::Tensor& t) const {
+  auto it = find(t);
+  if (it == end()) {
+    throw std::out_of_range(
+        "get_gradients(" + std::to_string(context_id_) + ") on " + worker_ +
+        ": this tensor got no gradient in that context (it was not used by the roots "
+        "backward() ran from, does not require grad, or lives on another worker)");
+  }
+  return it->value();
 }
 
 size_t live_contexts(rpc::Agent& agent) { return Container::of(agent)->live_contexts(); }

@@ -32,9 +32,9 @@
 #include <unordered_set>
 #include <vector>
 
-#include "autograd/engine.h"
-#include "autograd/functions.h"
-#include "rpc/agent.h"
+#include "tandem/autograd/engine.h"
+#include "tandem/autograd/functions.h"
+#include "tandem/rpc/agent.h"
 
 namespace tandem::autograd {
 
@@ -67,6 +67,7 @@ class Container final : public rpc::AgentExtension,
   void before_send(rpc::Message& m, int dest) override;
   void after_encode(const rpc::Message& m, rpc::OutFrame& frame, int dest) override;
   void after_receive(rpc::Message& m, int from) override;
+  std::vector<std::string> live_objects() const override;
   void close() override;
 
   const std::string& name() const { return name_; }

@@ -8,9 +8,9 @@
 #include <map>
 #include <set>
 
-#include "autograd/container.h"
-#include "rpc/errors.h"
-#include "rpc/spin.h"
+#include "tandem/autograd/container.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/rpc/spin.h"
 
 namespace tandem::autograd {
 
@@ -333,6 +333,11 @@ void Container::run_root_part(const std::shared_ptr<ContextState>& ctx,
 rpc::RawFuture Container::run_part(uint64_t context, uint64_t id, int root, bool keep_graph,
                                    const std::vector<uint64_t>& messages,
                                    std::chrono::milliseconds timeout) {
+  if (root != id_worker(id)) {
+    throw std::invalid_argument("graph task " + std::to_string(id) + " names root rank " +
+                                std::to_string(root) + " but was made by rank " +
+                                std::to_string(id_worker(id)));
+  }
   auto ctx = get(context);
   std::shared_ptr<GraphTask> task;
   std::vector<std::shared_ptr<SendBackward>> sends;
@@ -467,12 +472,21 @@ variable_list Container::run_node(const std::shared_ptr<ContextState>& ctx,
     } else if (g.use_count() > 1) {
       g = g.clone();  // someone else holds it: the context gets its own
     }
-    std::lock_guard<std::mutex> lock(ctx->mu);
-    auto it = ctx->grads.find(acc->variable);
-    if (it == ctx->grads.end()) {
-      ctx->grads.insert(acc->variable, g.detach());
-    } else {
-      it->setValue(it->value() + g);
+    {
+      std::lock_guard<std::mutex> lock(ctx->mu);
+      auto it = ctx->grads.find(acc->variable);
+      if (it == ctx->grads.end()) {
+        ctx->grads.insert(acc->variable, g.detach());
+      } else {
+        it->setValue(it->value() + g);
+      }
+    }
+    // Post-hooks see the gradient that was accumulated (DDP's hybrid mode
+    // launches its buckets from them), with no outputs, as LibTorch does.
+    if (!fn.post_hooks().empty()) {
+      const variable_list outputs;
+      const variable_list hook_inputs{g};
+      for (const auto& hook : fn.post_hooks()) (*hook)(outputs, hook_inputs);
     }
     return {};
   }

@@ -76,8 +76,8 @@
 #include <utility>
 #include <vector>
 
-#include "autograd/functions.h"
-#include "rpc/future.h"
+#include "tandem/autograd/functions.h"
+#include "tandem/rpc/future.h"
 
 namespace tandem::autograd {
 

@@ -27,10 +27,10 @@
 #include <cstdio>
 #include <cstring>
 
-#include "autograd/autograd.h"
-#include "autograd/container.h"
+#include "tandem/autograd/autograd.h"
+#include "tandem/autograd/container.h"
 #include "bench/bench_util.h"
-#include "rpc/api.h"
+#include "tandem/rpc/api.h"
 
 namespace {
 

@@ -41,8 +41,8 @@
 #include <vector>
 
 #include "bench/bench_util.h"
-#include "rpc/api.h"
-#include "rpc/rref.h"
+#include "tandem/rpc/api.h"
+#include "tandem/rpc/rref.h"
 
 namespace {
 

@@ -33,10 +33,10 @@
 
 #include <cstdio>
 
-#include "autograd/autograd.h"
-#include "rpc/api.h"
-#include "rpc/rendezvous.h"
-#include "rpc/rref.h"
+#include "tandem/autograd/autograd.h"
+#include "tandem/rpc/api.h"
+#include "tandem/rpc/rendezvous.h"
+#include "tandem/rpc/rref.h"
 
 namespace rpc = tandem::rpc;
 namespace dist = tandem::autograd;

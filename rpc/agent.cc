@@ -1,13 +1,13 @@
-#include "rpc/agent.h"
+#include "tandem/rpc/agent.h"
 
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
 
-#include "rpc/rendezvous.h"
-#include "rpc/rref_context.h"
-#include "rpc/spin.h"
-#include "rpc/transport/uv/uv_transport.h"
+#include "tandem/rpc/rendezvous.h"
+#include "tandem/rpc/rref_context.h"
+#include "tandem/rpc/spin.h"
+#include "tandem/rpc/transport/uv/uv_transport.h"
 
 namespace tandem::rpc {
 namespace {
@@ -20,24 +20,6 @@ constexpr std::chrono::milliseconds kMaxTimeout{365ll * 24 * 3600 * 1000};
 constexpr std::chrono::milliseconds kTimerTick{20};
 // The call id of a request sent by notify(): no reply goes back.
 constexpr uint64_t kNoReply = 0;
-
-// What a handler running on this thread inherited from its request.
-struct HandlerScope {
-  Agent* agent = nullptr;
-  bool has_deadline = false;
-  Clock::time_point deadline;
-  uint64_t autograd_context = 0;  // inherited by the handler's own calls
-};
-thread_local HandlerScope tls_scope;
-
-class ScopeGuard {
- public:
-  explicit ScopeGuard(HandlerScope s) : saved_(tls_scope) { tls_scope = s; }
-  ~ScopeGuard() { tls_scope = saved_; }
-
- private:
-  HandlerScope saved_;
-};
 
 std::string join_worker(const WorkerInfo& w) {
   return w.name + "\t" + w.host + "\t" + std::to_string(w.port);
@@ -66,16 +48,14 @@ std::vector<ExtensionFactory>& extension_factories() {
 
 }  // namespace
 
-Agent* handler_agent() { return tls_scope.agent; }
+Agent* handler_agent() { return current_scope().agent; }
 
 void register_agent_extension(ExtensionFactory factory) {
   std::lock_guard<std::mutex> lock(g_extensions_mu);
   extension_factories().push_back(std::move(factory));
 }
 
-uint64_t handler_autograd_context(const Agent& agent) {
-  return tls_scope.agent == &agent ? tls_scope.autograd_context : 0;
-}
+uint64_t handler_autograd_context(const Agent& agent) { return autograd_context_for(agent); }
 
 std::shared_ptr<Agent> Agent::create(AgentOptions options, std::shared_ptr<Registry> registry,
                                      c10::intrusive_ptr<c10d::Store> store) {
@@ -139,7 +119,8 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
     }
   }
 
-  pool_ = std::make_shared<ThreadPool>(options_.num_worker_threads, options_.pool_spin);
+  pool_ = std::make_shared<ThreadPool>(options_.num_worker_threads, options_.pool_spin,
+                                       weak_from_this());
   internal_ = std::make_shared<Registry>();
   loop_internal_ = std::make_shared<Registry>();
   rrefs_ = std::make_shared<RRefContext>(*this);
@@ -245,10 +226,11 @@ RawFuture Agent::start_call(const std::string& to, const std::string& fn,
     p.has_deadline = true;
     p.deadline = now + timeout;
   }
-  if (tls_scope.agent == this && tls_scope.has_deadline &&
-      (!p.has_deadline || tls_scope.deadline < p.deadline)) {
+  const CallScope& scope = current_scope();
+  if (scope.agent == this && scope.has_deadline &&
+      (!p.has_deadline || scope.deadline < p.deadline)) {
     p.has_deadline = true;  // a call made by a handler inherits what its caller has left
-    p.deadline = tls_scope.deadline;
+    p.deadline = scope.deadline;
   }
 
   Message req;
@@ -260,7 +242,7 @@ RawFuture Agent::start_call(const std::string& to, const std::string& fn,
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(p.deadline - now).count();
     req.timeout_ms = static_cast<uint64_t>(std::max<int64_t>(left, 1));
   }
-  if (tls_scope.agent == this) req.autograd_context = tls_scope.autograd_context;
+  req.autograd_context = autograd_context_for(*this);
   // Bad arguments (and a failed RRef passed on) throw here, in the caller.
   OutFrame frame = encode_with_extensions(req, dest.rank);
 
@@ -328,7 +310,7 @@ void Agent::notify(const std::string& to, const std::string& fn, std::vector<c10
   req.id = kNoReply;
   req.callee = fn;
   req.values = std::move(args);
-  if (tls_scope.agent == this) req.autograd_context = tls_scope.autograd_context;
+  req.autograd_context = autograd_context_for(*this);
   OutFrame frame = encode_with_extensions(req, dest.rank);
   const std::vector<RRefDesc> forks = frame.forks;
   try {
@@ -538,7 +520,7 @@ void Agent::on_closed(const std::shared_ptr<Connection>& conn, const std::string
 }
 
 void Agent::run_as_handler(const std::function<void()>& fn) {
-  HandlerScope scope = tls_scope;
+  CallScope scope = current_scope();
   scope.agent = this;
   ScopeGuard guard(scope);
   fn();
@@ -552,11 +534,12 @@ void Agent::handle_request(const std::shared_ptr<Connection>& conn, Message msg,
   }
   if (!handler) {
     send_error(conn, msg.id, ErrorCode::kUnknownFunction,
-               "no function '" + msg.callee + "' is registered on " + name());
+               "no function '" + msg.callee + "' is registered");
     return;
   }
-  HandlerScope scope;
+  CallScope scope;
   scope.agent = this;
+  scope.context_agent = this;
   scope.autograd_context = msg.autograd_context;
   if (msg.timeout_ms > 0) {
     scope.has_deadline = true;
@@ -597,10 +580,11 @@ void Agent::reply(const std::shared_ptr<Connection>& conn, uint64_t id, const Ra
                   uint64_t autograd_context) {
   if (id == kNoReply) return;  // notify(): nobody waits for it
   if (result->hasError()) {
+    // The error keeps its kind: a handler whose own call timed out fails
+    // its caller with TimeoutError (naming this worker), so a layer can
+    // rethrow what happened. Anything but a Tandem error is a RemoteError.
     auto [code, text] = describe_error(result->exception_ptr());
-    // What the function threw is the callee's error, whatever its type (but
-    // a name nobody registered stays UnknownFunction, also via remote()).
-    send_error(conn, id, code == ErrorCode::kUnknownFunction ? code : ErrorCode::kRemote, text);
+    send_error(conn, id, code, text);
     return;
   }
   Message m;
@@ -717,10 +701,13 @@ void Agent::shutdown(bool graceful) {
     }
   }
   std::vector<std::string> leaked;
-  if (rrefs_) {
-    if (graceful && barrier_error.empty()) leaked = rrefs_->live_user_refs();
-    rrefs_->close();
+  if (graceful && barrier_error.empty()) {
+    if (rrefs_) leaked = rrefs_->live_user_refs();
+    for (const auto& e : extensions_) {
+      for (auto& l : e->live_objects()) leaked.push_back(std::move(l));
+    }
   }
+  if (rrefs_) rrefs_->close();
   for (const auto& e : extensions_) e->close();
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -758,7 +745,7 @@ void Agent::shutdown(bool graceful) {
     std::string list;
     for (const auto& l : leaked) list += (list.empty() ? "" : ", ") + l;
     throw ShutdownError("graceful shutdown of " + name() + " found " +
-                        std::to_string(leaked.size()) + " user RRef(s) still alive: " + list);
+                        std::to_string(leaked.size()) + " object(s) still alive (leaks): " + list);
   }
   if (!barrier_error.empty()) {
     throw TimeoutError("graceful shutdown of " + name() +

@@ -42,12 +42,12 @@
 #include <unordered_map>
 #include <vector>
 
-#include "rpc/convert.h"
-#include "rpc/extension.h"
-#include "rpc/future.h"
-#include "rpc/registry.h"
-#include "rpc/thread_pool.h"
-#include "rpc/wire.h"
+#include "tandem/rpc/convert.h"
+#include "tandem/rpc/extension.h"
+#include "tandem/rpc/future.h"
+#include "tandem/rpc/registry.h"
+#include "tandem/rpc/thread_pool.h"
+#include "tandem/rpc/wire.h"
 
 namespace tandem::rpc {
 

@@ -1,4 +1,4 @@
-#include "rpc/api.h"
+#include "tandem/rpc/api.h"
 
 #include <mutex>
 

@@ -11,7 +11,7 @@
 // one init() made. It is the only process-wide state in the RPC layer.
 #pragma once
 
-#include "rpc/agent.h"
+#include "tandem/rpc/agent.h"
 
 namespace tandem::rpc {
 

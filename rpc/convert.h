@@ -4,7 +4,8 @@
 // arrives as a List[int]). from_ivalue<T>(v, what) converts back and, on a
 // mismatch, throws std::invalid_argument naming `what` and both types:
 //   "argument 2 of 'scale': expected float, got Tensor".
-// Supported: c10::IValue (passed through), at::Tensor, bool, integers, floating
+// Supported: c10::IValue (passed through), at::Tensor (never None: use
+// c10::optional<at::Tensor>), bool, integers, floating
 // point, std::string, c10::Device, std::vector<T>, std::tuple<...>,
 // std::unordered_map<K, V> / std::map<K, V>, c10::optional<T>, and nesting of these.
 #pragma once
@@ -85,7 +86,9 @@ T from_ivalue(const c10::IValue& v, const std::string& what) {
   if constexpr (std::is_same_v<D, c10::IValue>) {
     return v;
   } else if constexpr (std::is_same_v<D, at::Tensor>) {
-    if (v.isNone()) return at::Tensor();
+    // None is not a tensor (a function that returns nothing, an argument
+    // left out): say so rather than hand out an undefined tensor. Take
+    // c10::optional<at::Tensor> where None is expected.
     if (!v.isTensor()) detail::mismatch(what, "Tensor", v);
     return v.toTensor();
   } else if constexpr (std::is_same_v<D, bool>) {

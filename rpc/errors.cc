@@ -1,4 +1,4 @@
-#include "rpc/errors.h"
+#include "tandem/rpc/errors.h"
 
 #include <c10/util/Exception.h>
 

@@ -14,7 +14,10 @@
 //  3. after_receive(m, from): a decoded request (on the pool thread, before
 //     its handler runs) or response (on the loop thread, before the caller's
 //     future completes); m.grad_tensors lists the flagged tensors.
-//  4. close(): the agent is shutting down; called once, before the pool stops.
+//  4. live_objects(): at a graceful shutdown, once every worker has finished
+//     its work, what the layer still holds for the user ("distributed
+//     autograd context 7"); the agent reports them as leaks, like RRefs.
+//  5. close(): the agent is shutting down; called once, before the pool stops.
 // The hooks run on hot paths: they must return at once for messages that are
 // none of their business. An exception from before_send or after_encode fails
 // the call (or reply) being sent; one from after_receive fails the request
@@ -27,8 +30,10 @@
 
 #include <functional>
 #include <memory>
+#include <string>
+#include <vector>
 
-#include "rpc/wire.h"
+#include "tandem/rpc/wire.h"
 
 namespace tandem::rpc {
 
@@ -46,6 +51,7 @@ class AgentExtension {
   virtual void before_send(Message& m, int dest) = 0;
   virtual void after_encode(const Message& m, OutFrame& frame, int dest) = 0;
   virtual void after_receive(Message& m, int from) = 0;
+  virtual std::vector<std::string> live_objects() const { return {}; }
   virtual void close() {}
 };
 

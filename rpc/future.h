@@ -1,23 +1,33 @@
 // Future<T>: the typed result of an asynchronous call, a thin wrapper over
-// LibTorch's c10::ivalue::Future.
+// LibTorch's c10::ivalue::Future, and the waiting helpers every layer uses.
 //
 // Promises:
 //  1. A future completes exactly once: with a value, or with an error
 //     (RemoteError, TimeoutError, DisconnectedError, ...). wait() returns the
-//     value converted to T, or rethrows the error with its type intact.
+//     value converted to T, or rethrows the error with its type intact;
+//     wait(timeout) throws TimeoutError if it has not completed by then.
 //  2. then(fn) runs fn(Future<T>) on the agent's thread pool once this future
 //     completes, never inline in the call to then(), and returns a future of
 //     what fn returns; if fn throws, that future carries the exception. If fn
 //     returns a Future<U>, the result is a Future<U> that completes with it.
+//  3. fn runs in the scope that was current where then() was called (the
+//     autograd context and the deadline; rpc/scope.h), acting for the agent
+//     whose future this is.
+//  4. when_all(fs) completes once every future in fs has: with their values,
+//     or with the error of the first (in order) that failed. when_any(fs)
+//     completes as the first of them does.
 #pragma once
 
 #include <ATen/core/ivalue.h>
 
+#include <chrono>
 #include <memory>
 #include <type_traits>
+#include <vector>
 
-#include "rpc/convert.h"
-#include "rpc/thread_pool.h"
+#include "tandem/rpc/convert.h"
+#include "tandem/rpc/scope.h"
+#include "tandem/rpc/thread_pool.h"
 
 namespace tandem::rpc {
 
@@ -50,6 +60,16 @@ inline RawFuture make_raw_future() {
   return c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
 }
 
+// Blocks until `f` completes or `timeout` passes (0: no limit); true if it completed.
+bool wait_raw(const RawFuture& f, std::chrono::milliseconds timeout);
+// Throws `f`'s error, or TimeoutError naming `what` if it did not complete
+// within `timeout` (0: no limit).
+void wait_raw_or_throw(const RawFuture& f, std::chrono::milliseconds timeout,
+                       const std::string& what);
+// Untyped when_all / when_any: when_all's value is a list of the values.
+RawFuture when_all_raw(const std::vector<RawFuture>& all);
+RawFuture when_any_raw(const std::vector<RawFuture>& any);
+
 template <class T = c10::IValue>
 class Future {
  public:
@@ -60,12 +80,12 @@ class Future {
   // Blocks until complete; returns the value or rethrows the error.
   T wait() const {
     raw_->wait();
-    if (raw_->hasError()) std::rethrow_exception(raw_->exception_ptr());
-    if constexpr (std::is_void_v<T>) {
-      return;
-    } else {
-      return from_ivalue<T>(raw_->constValue(), "result");
-    }
+    return value();
+  }
+  // Like wait(), but throws TimeoutError once `timeout` has passed (0: no limit).
+  T wait(std::chrono::milliseconds timeout) const {
+    wait_raw_or_throw(raw_, timeout, "future");
+    return value();
   }
 
   bool done() const { return raw_->completed(); }
@@ -80,8 +100,17 @@ class Future {
     using Out = typename detail::then_result<R>::type;
     RawFuture child = make_raw_future();
     Future<T> self = *this;
-    raw_->addCallback([self, child, fn = std::move(fn)](c10::ivalue::Future&) mutable {
-      auto task = [self, child, fn = std::move(fn)]() mutable {
+    raw_->addCallback([self, child, scope = current_scope(),
+                       fn = std::move(fn)](c10::ivalue::Future&) mutable {
+      auto task = [self, child, scope, fn = std::move(fn)]() mutable {
+        CallScope s = scope;
+        std::shared_ptr<Agent> owner = self.pool_ ? self.pool_->owner() : nullptr;
+        if (owner) {
+          // A deadline belongs to the agent whose handler set it.
+          if (s.agent != owner.get()) s.has_deadline = false;
+          s.agent = owner.get();
+        }
+        ScopeGuard guard(s);
         try {
           if constexpr (std::is_void_v<R>) {
             fn(self);
@@ -112,8 +141,39 @@ class Future {
   }
 
  private:
+  T value() const {
+    if (raw_->hasError()) std::rethrow_exception(raw_->exception_ptr());
+    if constexpr (std::is_void_v<T>) {
+      return;
+    } else {
+      return from_ivalue<T>(raw_->constValue(), "result");
+    }
+  }
+
   RawFuture raw_;
   std::shared_ptr<ThreadPool> pool_;
 };
+
+// Completes once every future in `all` has: with their values in order, or
+// with the first error (in order) among them. An empty list completes at once.
+template <class T>
+auto when_all(const std::vector<Future<T>>& all)
+    -> Future<std::conditional_t<std::is_void_v<T>, void, std::vector<T>>> {
+  using Out = std::conditional_t<std::is_void_v<T>, void, std::vector<T>>;
+  std::vector<RawFuture> raw;
+  raw.reserve(all.size());
+  for (const auto& f : all) raw.push_back(f.raw());
+  return Future<Out>(when_all_raw(raw), all.empty() ? nullptr : all.front().pool());
+}
+
+// Completes as the first future in `any` does (with its value or error).
+// Throws std::invalid_argument for an empty list.
+template <class T>
+Future<T> when_any(const std::vector<Future<T>>& any) {
+  std::vector<RawFuture> raw;
+  raw.reserve(any.size());
+  for (const auto& f : any) raw.push_back(f.raw());
+  return Future<T>(when_any_raw(raw), any.empty() ? nullptr : any.front().pool());
+}
 
 }  // namespace tandem::rpc

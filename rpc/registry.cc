@@ -1,4 +1,4 @@
-#include "rpc/registry.h"
+#include "tandem/rpc/registry.h"
 
 #include <mutex>
 

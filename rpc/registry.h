@@ -22,8 +22,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "rpc/convert.h"
-#include "rpc/future.h"
+#include "tandem/rpc/convert.h"
+#include "tandem/rpc/future.h"
 
 namespace tandem::rpc {
 

@@ -1,4 +1,4 @@
-#include "rpc/rendezvous.h"
+#include "tandem/rpc/rendezvous.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>

@@ -13,8 +13,8 @@
 // DisconnectedError. Copies of an RRef<T> in one process share one handle.
 #pragma once
 
-#include "rpc/api.h"
-#include "rpc/rref_context.h"
+#include "tandem/rpc/api.h"
+#include "tandem/rpc/rref_context.h"
 
 namespace tandem::rpc {
 

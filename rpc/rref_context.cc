@@ -1,7 +1,7 @@
-#include "rpc/rref_context.h"
+#include "tandem/rpc/rref_context.h"
 
-#include "rpc/agent.h"
-#include "rpc/registry.h"
+#include "tandem/rpc/agent.h"
+#include "tandem/rpc/registry.h"
 
 namespace tandem::rpc {
 namespace {

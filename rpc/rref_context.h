@@ -36,9 +36,9 @@
 #include <unordered_set>
 #include <vector>
 
-#include "rpc/agent.h"
-#include "rpc/rref_impl.h"
-#include "rpc/thread_pool.h"
+#include "tandem/rpc/agent.h"
+#include "tandem/rpc/rref_impl.h"
+#include "tandem/rpc/thread_pool.h"
 
 namespace tandem::rpc {
 

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "rpc/future.h"
+#include "tandem/rpc/future.h"
 
 namespace tandem::rpc {
 

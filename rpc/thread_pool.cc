@@ -1,6 +1,6 @@
-#include "rpc/thread_pool.h"
+#include "tandem/rpc/thread_pool.h"
 
-#include "rpc/spin.h"
+#include "tandem/rpc/spin.h"
 
 #include <cstdio>
 #include <stdexcept>
@@ -10,7 +10,8 @@ namespace {
 thread_local const ThreadPool* tls_pool = nullptr;
 }
 
-ThreadPool::ThreadPool(int threads, std::chrono::microseconds spin) : spin_(spin) {
+ThreadPool::ThreadPool(int threads, std::chrono::microseconds spin, std::weak_ptr<Agent> owner)
+    : spin_(spin), owner_(std::move(owner)) {
   if (threads < 1) throw std::invalid_argument("ThreadPool needs at least one thread");
   threads_.reserve(threads);
   for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });

@@ -16,15 +16,21 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
 
 namespace tandem::rpc {
 
+class Agent;
+
 class ThreadPool {
  public:
-  explicit ThreadPool(int threads, std::chrono::microseconds spin = {});
+  // `owner`: the agent whose handlers and callbacks this pool runs (the
+  // agent a Future::then callback acts for; see rpc/scope.h).
+  explicit ThreadPool(int threads, std::chrono::microseconds spin = {},
+                      std::weak_ptr<Agent> owner = {});
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -33,6 +39,7 @@ class ThreadPool {
   // Idempotent. Must not be called from one of the pool's own threads.
   void stop();
   bool in_pool() const;
+  std::shared_ptr<Agent> owner() const { return owner_.lock(); }
 
  private:
   void run();
@@ -43,6 +50,7 @@ class ThreadPool {
   std::atomic<size_t> queued_{0};  // tasks_.size(), readable without mu_
   int spinning_ = 0;               // threads spinning for a task (under mu_)
   const std::chrono::microseconds spin_;
+  const std::weak_ptr<Agent> owner_;
   bool stopping_ = false;
   bool stopped_ = false;
   std::vector<std::thread> threads_;

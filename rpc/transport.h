@@ -22,7 +22,7 @@
 #include <memory>
 #include <string>
 
-#include "rpc/wire.h"
+#include "tandem/rpc/wire.h"
 
 namespace tandem::rpc {
 

@@ -96,7 +96,7 @@ struct TensorMeta {
   strides @2 :List(Int64);  # always contiguous on the wire
   device @3 :DeviceValue;   # where it lived on the sender
   byteLength @4 :UInt64;    # numel * itemsize, checked by the receiver
-  requiresGrad @5 :Bool;    # only with Envelope.autogradMessage: the receiver records it
+  requiresGrad @5 :Bool;    # with Envelope.autogradMessage the receiver records it; else a new leaf
 }
 
 struct ErrorInfo {

@@ -1,4 +1,4 @@
-#include "rpc/wire.h"
+#include "tandem/rpc/wire.h"
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
@@ -378,9 +378,9 @@ OutFrame encode_unchecked(const Message& m, const Limits& limits, RRefHook* rref
       dev.setIndex(enc.devices_[i].index());
       uint64_t nbytes = t.nbytes();
       meta.setByteLength(nbytes);
-      if (m.autograd_message != 0 && enc.sources[i].requires_grad()) {
+      if (enc.sources[i].requires_grad()) {
         meta.setRequiresGrad(true);
-        frame.grad_sources.push_back(enc.sources[i]);
+        if (m.autograd_message != 0) frame.grad_sources.push_back(enc.sources[i]);
       }
       offset += padding_before(offset) + nbytes;
     }
@@ -606,8 +606,7 @@ void FrameDecoder::on_envelope() {
                             " does not match its shape and dtype");
       }
       decode_device(meta.getDevice());
-      if (meta.getRequiresGrad() && pending_.autograd_message != 0 &&
-          !at::isFloatingType(dtype) && !at::isComplexType(dtype)) {
+      if (meta.getRequiresGrad() && !at::isFloatingType(dtype) && !at::isComplexType(dtype)) {
         throw ProtocolError(which + "requires grad but its dtype " + c10::toString(dtype) +
                             " is not differentiable");
       }
@@ -624,8 +623,12 @@ void FrameDecoder::on_envelope() {
     }
     for (size_t i = 0; i < shapes.size(); ++i) {
       tensors_.push_back(at::empty(shapes[i].second, at::TensorOptions().dtype(shapes[i].first)));
-      if (pending_.autograd_message != 0 && metas[i].getRequiresGrad()) {
-        pending_.grad_tensors.push_back(tensors_.back());
+      if (metas[i].getRequiresGrad()) {
+        if (pending_.autograd_message != 0) {
+          pending_.grad_tensors.push_back(tensors_.back());  // the layer above records it
+        } else {
+          tensors_.back().set_requires_grad(true);  // a new leaf, as in PyTorch
+        }
       }
     }
     auto values = env.getValues();

@@ -27,8 +27,8 @@
 #include <string>
 #include <vector>
 
-#include "rpc/errors.h"
-#include "rpc/rref_impl.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/rpc/rref_impl.h"
 
 namespace tandem::rpc {
 
@@ -43,9 +43,10 @@ struct Message {
   // Received: every RRef in `values`, still unbound (the agent binds them).
   std::vector<RRefPtr> rrefs;
   // Request and response: the autograd context (0 = none) and the id of the
-  // recorded send (0 = none). With autograd_message set, the encoder flags
-  // the tensors that require grad, and the decoder lists them (in frame
-  // order) in grad_tensors.
+  // recorded send (0 = none). Tensors that require grad travel flagged.
+  // With autograd_message set the decoder lists them (in frame order) in
+  // grad_tensors for the layer above to record; without it, they arrive as
+  // new leaves that require grad (as in PyTorch).
   uint64_t autograd_context = 0;
   uint64_t autograd_message = 0;
   std::vector<uint64_t> autograd_reach;  // with autograd_message; opaque to rpc

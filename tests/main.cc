@@ -3,7 +3,7 @@
 // (started by a test through tandem-run or directly): see worker_main().
 #define DOCTEST_CONFIG_IMPLEMENT
 #include "test_util.h"
-#include "rpc/transport/uv/uv_transport.h"
+#include "tandem/rpc/transport/uv/uv_transport.h"
 
 #include <spawn.h>
 #include <unistd.h>

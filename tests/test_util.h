@@ -31,7 +31,7 @@
 #include <thread>
 #include <vector>
 
-#include "rpc/agent.h"
+#include "tandem/rpc/agent.h"
 
 namespace tandem::test {
 

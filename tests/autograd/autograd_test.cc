@@ -13,9 +13,9 @@
 #include <atomic>
 #include <random>
 
-#include "autograd/autograd.h"
-#include "rpc/api.h"
-#include "rpc/rref.h"
+#include "tandem/autograd/autograd.h"
+#include "tandem/rpc/api.h"
+#include "tandem/rpc/rref.h"
 #include "tests/rpc/frames.h"
 
 using namespace tandem;
@@ -372,7 +372,10 @@ TEST_CASE("autograd: outside a context nothing is recorded") {
   World w(2, define);
   auto x = input();
   auto y = w[0].rpc_sync<at::Tensor>("worker1", "lin1", x);
-  CHECK(!y.requires_grad());
+  // As in PyTorch: the result requires grad, as a new leaf with no history.
+  CHECK(y.requires_grad());
+  CHECK(y.is_leaf());
+  CHECK(!y.grad_fn());
   CHECK(w[0].rpc_sync<int64_t>("worker1", "context_here") == 0);
   CHECK(dist::live_contexts(w[0]) == 0);
   CHECK(dist::live_contexts(w[1]) == 0);

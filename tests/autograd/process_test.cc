@@ -8,8 +8,8 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "autograd/autograd.h"
-#include "rpc/api.h"
+#include "tandem/autograd/autograd.h"
+#include "tandem/rpc/api.h"
 
 using namespace tandem;
 using namespace std::chrono_literals;

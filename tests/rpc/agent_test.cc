@@ -4,9 +4,9 @@
 #include <atomic>
 #include <chrono>
 
-#include "rpc/api.h"
-#include "rpc/rendezvous.h"
-#include "rpc/rref.h"
+#include "tandem/rpc/api.h"
+#include "tandem/rpc/rendezvous.h"
+#include "tandem/rpc/rref.h"
 
 using namespace tandem;
 using namespace tandem::rpc;
@@ -41,6 +41,16 @@ void define_common(Registry& r) {
     return std::make_tuple(t.narrow(0, 0, 1), t.narrow(0, 1, t.size(0) - 1));
   });
   r.def("whoami", []() { return current_agent()->name(); });
+  r.def("requires_grad", [](at::Tensor t) { return t.requires_grad() && t.is_leaf(); });
+  // Trains the copy it received: a tensor that required grad arrives as a leaf that does.
+  r.def("grad_of_square_sum", [](at::Tensor t) {
+    (t * t).sum().backward();
+    return t.grad();
+  });
+  // A nested call with a short timeout that it cannot meet.
+  r.def("nested_timeout", []() {
+    return current_agent()->rpc_sync<int64_t>(CallOptions{100ms}, "worker1", "sleep_ms", 600);
+  });
   // Calls `fn` on `to` from inside a handler: nested RPC.
   r.def("relay", [](std::string to, std::string fn, int64_t arg) {
     return current_agent()->rpc_sync<int64_t>(to, fn, arg);
@@ -173,10 +183,74 @@ TEST_CASE("agent: errors arrive typed, naming the worker") {
   // A result of the wrong type is refused at the caller, naming it.
   CHECK_THROWS_WITH_AS(w[0].rpc_sync<at::Tensor>("worker1", "sleep_ms", 0),
                        "result: expected Tensor, got Int", std::invalid_argument);
+  // ... and so is a result that is missing: never an undefined tensor.
+  CHECK_THROWS_WITH_AS(w[0].rpc_sync<at::Tensor>("worker1", "nothing"),
+                       "result: expected Tensor, got None", std::invalid_argument);
+  CHECK_THROWS_WITH_AS(w[0].rpc_async<at::Tensor>("worker1", "nothing").wait(),
+                       "result: expected Tensor, got None", std::invalid_argument);
+  CHECK(!w[0].rpc_sync<c10::optional<at::Tensor>>("worker1", "nothing").has_value());
+  // The unknown-function error names the function and the worker, once each.
+  CHECK_THROWS_WITH_AS(w[0].rpc_sync("worker1", "no_such_function"),
+                       "no function 'no_such_function' is registered (worker worker1)",
+                       UnknownFunctionError);
+  // A reply keeps the kind of the error: a handler whose own call timed out
+  // fails its caller with TimeoutError, naming the handler's worker.
+  try {
+    w[0].rpc_sync("worker1", "nested_timeout");
+    FAIL("expected TimeoutError");
+  } catch (const TimeoutError& e) {
+    CHECK(std::string(e.what()).find("timed out") != std::string::npos);
+    CHECK(std::string(e.what()).find("(worker worker1)") != std::string::npos);
+  }
   // Arguments that cannot travel fail at the call site.
   CHECK_THROWS_AS(w[0].rpc_sync("worker1", "echo", c10::IValue(c10::complex<double>(1, 1))),
                   std::invalid_argument);
   CHECK(w[0].pending_calls() == 0);
+  w.shutdown();
+}
+
+TEST_CASE("agent: a tensor that requires grad arrives as a leaf that requires grad") {
+  World w(2, define_common);
+  auto x = at::arange(4, at::kDouble).requires_grad_();
+  CHECK(w[0].rpc_sync<bool>("worker1", "requires_grad", x));
+  CHECK_FALSE(w[0].rpc_sync<bool>("worker1", "requires_grad", x.detach()));
+  // The receiver can train its copy; the sender's tensor is untouched.
+  auto g = w[0].rpc_sync<at::Tensor>("worker1", "grad_of_square_sum", x);
+  CHECK(at::equal(g, 2 * x.detach()));
+  CHECK(!x.grad().defined());
+  // Results too: computed from such a copy, they come back requiring grad.
+  auto y = w[0].rpc_sync<at::Tensor>("worker1", "scale", x, 2.0);
+  CHECK(y.requires_grad());
+  CHECK(y.is_leaf());
+  w.shutdown();
+}
+
+TEST_CASE("agent: when_all, when_any and wait(timeout)") {
+  World w(2, define_common);
+  std::vector<Future<int64_t>> fs;
+  for (int64_t ms : {30, 1, 10}) fs.push_back(w[0].rpc_async<int64_t>("worker1", "sleep_ms", ms));
+  CHECK(when_all(fs).wait() == std::vector<int64_t>{30, 1, 10});
+  CHECK(when_all(std::vector<Future<int64_t>>{}).wait().empty());
+  // The first error in order, once all have completed.
+  std::vector<Future<int64_t>> mixed{w[0].rpc_async<int64_t>("worker1", "sleep_ms", 50),
+                                     w[0].rpc_async<int64_t>("worker1", "fail", std::string("first-failure")),
+                                     w[0].rpc_async<int64_t>("worker1", "fail", std::string("second-failure"))};
+  auto all = when_all(mixed);
+  CHECK_THROWS_WITH_AS(all.wait(), doctest::Contains("first-failure"), RemoteError);
+  CHECK(mixed[0].done());
+  std::vector<Future<void>> voids{w[0].rpc_async<void>("worker1", "nothing")};
+  when_all(voids).wait();
+  // when_any: the first to complete, value or error.
+  std::vector<Future<int64_t>> race{w[0].rpc_async<int64_t>("worker1", "sleep_ms", 2000),
+                                    w[0].rpc_async<int64_t>("worker1", "sleep_ms", 1)};
+  CHECK(when_any(race).wait() == 1);
+  CHECK_THROWS_AS(when_any(std::vector<Future<int64_t>>{}), std::invalid_argument);
+  // wait(timeout): TimeoutError while it runs, the value once done.
+  auto t0 = std::chrono::steady_clock::now();
+  CHECK_THROWS_AS(race[0].wait(50ms), TimeoutError);
+  CHECK(std::chrono::steady_clock::now() - t0 < 1500ms);
+  CHECK(race[0].wait(10s) == 2000);
+  CHECK(race[1].wait(1ms) == 1);
   w.shutdown();
 }
 

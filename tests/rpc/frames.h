@@ -8,7 +8,7 @@
 #include <string>
 
 #include "rpc/wire.capnp.h"
-#include "rpc/wire.h"
+#include "tandem/rpc/wire.h"
 
 namespace tandem::test {
 

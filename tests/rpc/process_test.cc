@@ -9,8 +9,8 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "rpc/api.h"
-#include "rpc/rendezvous.h"
+#include "tandem/rpc/api.h"
+#include "tandem/rpc/rendezvous.h"
 
 using namespace tandem;
 using namespace tandem::rpc;

@@ -7,7 +7,7 @@
 #include <atomic>
 #include <map>
 
-#include "rpc/rref.h"
+#include "tandem/rpc/rref.h"
 
 using namespace tandem;
 using namespace tandem::rpc;

@@ -1,4 +1,4 @@
-#include "rpc/transport/uv/uv_transport.h"
+#include "tandem/rpc/transport/uv/uv_transport.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>

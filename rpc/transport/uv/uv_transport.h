@@ -24,7 +24,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "rpc/transport.h"
+#include "tandem/rpc/transport.h"
 
 namespace tandem::rpc {
 
