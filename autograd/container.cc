@@ -2,6 +2,7 @@
 
 #include "tandem/autograd/autograd.h"
 #include "tandem/rpc/api.h"
+#include "tandem/rpc/layer.h"
 
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/variable.h>
@@ -124,7 +125,7 @@ bool Container::closed() const {
 }
 
 std::shared_ptr<Container> Container::of(rpc::Agent& agent) {
-  auto c = agent.extension<Container>();
+  auto c = rpc::layer::extension<Container>(agent);
   if (!c) {
     throw std::logic_error("agent " + agent.name() +
                            " has no distributed autograd: it was created before "
@@ -447,7 +448,7 @@ void Container::register_loop_handlers(rpc::Registry& on_loop) {
       } else if (id_worker(task) == c->rank_) {
         c->tell_root(ctx, task, e);
       } else {
-        c->agent_.pool()->post([c, ctx, task, e] { c->tell_root(ctx, task, e); });
+        rpc::layer::pool(c->agent_)->post([c, ctx, task, e] { c->tell_root(ctx, task, e); });
       }
     }
     return c10::IValue();

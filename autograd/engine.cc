@@ -10,6 +10,7 @@
 
 #include "tandem/autograd/container.h"
 #include "tandem/rpc/errors.h"
+#include "tandem/rpc/layer.h"
 #include "tandem/rpc/spin.h"
 
 namespace tandem::autograd {
@@ -400,7 +401,7 @@ void Container::on_grad(uint64_t context, uint64_t id, uint64_t message, variabl
   }
   // Usually on the loop thread: the nodes run on the pool.
   std::weak_ptr<Container> weak = weak_from_this();
-  agent_.pool()->post([weak, ctx, task] {
+  rpc::layer::pool(agent_)->post([weak, ctx, task] {
     if (auto self = weak.lock()) self->drain(ctx, task);
   });
 }
@@ -516,7 +517,7 @@ void Container::send_grads(const std::shared_ptr<ContextState>& ctx,
   // One way: a reply would only cost both workers a message. A receiver that
   // cannot take the gradient tells the root itself (report_failure); one
   // that died fails the root's `run` request to it.
-  agent_.notify(agent_.get_worker_info(recv.sender()).name, "tandem.autograd.grad",
+  rpc::layer::notify(agent_, agent_.get_worker_info(recv.sender()).name, "tandem.autograd.grad",
                 {static_cast<int64_t>(ctx->id), static_cast<int64_t>(task->id),
                  static_cast<int64_t>(recv.message()),
                  c10::ivalue::Tuple::create(std::move(items))});

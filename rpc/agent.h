@@ -18,9 +18,15 @@
 //  4. A call fails with TimeoutError at its deadline, with DisconnectedError as
 //     soon as its connection closes, and with ShutdownError on shutdown(false).
 //
-// Layers above (distributed autograd) hook into every request and response
-// through rpc/extension.h; their bounded internal functions may run on the
-// loop thread, and notify() sends a request that wants no reply.
+// Layers above (RRefs, distributed autograd) hook into every request and
+// response through rpc/extension.h, and reach the agent's pool, timers and
+// one-way messages through rpc/layer.h; tests reach its tables through
+// rpc/testing.h. Neither is part of this user-facing header.
+//
+// The implementation is one file per idea: start-up, handshake and shutdown
+// (agent.cc); the calls in flight, their deadlines and the timer
+// (call_table.h, calls.cc); dispatch of what arrives and the handler scope
+// (dispatch.cc); the connection table (connection_table.h, connections.cc).
 //
 // Start-up: the agent listens, publishes "name host port" under its rank in
 // the c10d store, and reads every other worker's entry. Graceful shutdown:
@@ -47,13 +53,15 @@
 #include "tandem/rpc/future.h"
 #include "tandem/rpc/registry.h"
 #include "tandem/rpc/thread_pool.h"
+#include "tandem/rpc/transport.h"
 #include "tandem/rpc/wire.h"
 
 namespace tandem::rpc {
 
-class UvTransport;
-class Connection;
+class CallTable;
+class ConnectionTable;
 class RRefContext;
+struct LayerAccess;
 
 constexpr std::chrono::milliseconds kDefaultTimeout{-1};  // "use the agent's default"
 constexpr std::chrono::milliseconds kNoTimeout{0};
@@ -88,6 +96,9 @@ struct AgentOptions {
   std::string advertise_host;
   std::string token;  // cluster token checked in the handshake; empty: $TANDEM_TOKEN
   Limits limits;
+  // Makes the transport (rpc/transport.h); empty: TCP (tcp_transport()).
+  // Tests wrap it in the fault-injecting decorator (rpc/transport/faulty/).
+  TransportFactory transport;
 };
 
 struct CallOptions {
@@ -115,28 +126,10 @@ class Agent : public std::enable_shared_from_this<Agent> {
   const AgentOptions& options() const { return options_; }
   // This agent's remote references (rpc/rref.h is the typed front).
   RRefContext& rrefs() { return *rrefs_; }
-  // The extension of type T this agent made (rpc/extension.h), or null.
-  template <class T>
-  std::shared_ptr<T> extension() const {
-    for (const auto& e : extensions_) {
-      if (auto t = std::dynamic_pointer_cast<T>(e)) return t;
-    }
-    return nullptr;
-  }
-  // Runs `fn` as if inside a handler of this agent: current_agent() and the
-  // convenience API then act on this agent.
-  void run_as_handler(const std::function<void()>& fn);
-  const std::shared_ptr<ThreadPool>& pool() const { return pool_; }
-
   // The untyped call every other form goes through.
   Future<c10::IValue> call(const std::string& to, const std::string& fn,
                            std::vector<c10::IValue> args,
                            std::chrono::milliseconds timeout = kDefaultTimeout);
-
-  // A request that wants no reply: `fn` runs on `to` and whatever it returns
-  // or throws is dropped there. Throws here only what encoding, connecting or
-  // writing throws (a peer that is gone: DisconnectedError).
-  void notify(const std::string& to, const std::string& fn, std::vector<c10::IValue> args);
 
   template <class R = c10::IValue, class... A>
   Future<R> rpc_async(const std::string& to, const std::string& fn, A&&... args) {
@@ -167,52 +160,40 @@ class Agent : public std::enable_shared_from_this<Agent> {
   // ShutdownError and close now. Idempotent; the destructor calls shutdown(false).
   void shutdown(bool graceful = true);
 
-  // Runs `fn` on the pool after `delay` (dropped once the agent shuts down).
-  void schedule_after(std::chrono::microseconds delay, std::function<void()> fn);
+ private:
+  friend struct LayerAccess;  // rpc/layer.h, rpc/testing.h
+
+  Agent(AgentOptions options, std::shared_ptr<Registry> registry);
+  void start(c10::intrusive_ptr<c10d::Store> store);
 
   // Spins up to AgentOptions::sync_spin for `f` to complete (the blocking
   // calls use it before they sleep).
   void spin_until_done(const RawFuture& f) const;
 
-  // Introspection for tests and tools.
-  size_t pending_calls() const;
-  size_t live_connections() const;
-  // Closes the connection to `rank` as if the network dropped it (tests).
-  void drop_connection(int rank);
-
- private:
-  Agent(AgentOptions options, std::shared_ptr<Registry> registry);
-  void start(c10::intrusive_ptr<c10d::Store> store);
-
-  struct Pending {
-    RawFuture future;
-    int peer = -1;
-    uint64_t conn_id = 0;
-    std::string callee;
-    std::chrono::steady_clock::time_point deadline;
-    bool has_deadline = false;
-  };
-
+  // calls.cc: the outgoing side.
   RawFuture start_call(const std::string& to, const std::string& fn,
                        std::vector<c10::IValue> args, std::chrono::milliseconds timeout);
-  std::shared_ptr<Connection> connection_to(int rank, std::chrono::milliseconds timeout);
-  void on_message(const std::shared_ptr<Connection>& conn, Message&& msg);
-  void on_closed(const std::shared_ptr<Connection>& conn, const std::string& reason);
-  // With `handler` null, the function is looked up by the request's callee.
-  void handle_request(const std::shared_ptr<Connection>& conn, Message msg,
-                      std::shared_ptr<const Handler> handler = nullptr);
-  void reply(const std::shared_ptr<Connection>& conn, uint64_t id, const RawFuture& result,
-             uint64_t autograd_context);
+  void notify(const std::string& to, const std::string& fn, std::vector<c10::IValue> args);
   // Runs the extensions' before_send, encodes, runs their after_encode.
   OutFrame encode_with_extensions(Message& m, int dest);
-  void send_error(const std::shared_ptr<Connection>& conn, uint64_t id, ErrorCode code,
+
+  // connections.cc: the connection to `rank`, opened and greeted on first use.
+  ConnectionPtr connection_to(int rank, std::chrono::milliseconds timeout);
+  void on_closed_from_loop(const ConnectionPtr& conn, const std::string& reason);
+
+  // dispatch.cc: the incoming side.
+  void on_message_from_loop(const ConnectionPtr& conn, Message&& msg);
+  // The peer's handshake (agent.cc): true when it was accepted.
+  bool on_hello_from_loop(const ConnectionPtr& conn, const Message& msg);
+  // With `handler` null, the function is looked up by the request's callee.
+  void handle_request(const ConnectionPtr& conn, int from, Message msg,
+                      std::shared_ptr<const Handler> handler = nullptr);
+  void reply(const ConnectionPtr& conn, int to, uint64_t id, const RawFuture& result,
+             uint64_t autograd_context);
+  void send_error(const ConnectionPtr& conn, uint64_t id, ErrorCode code,
                   const std::string& message);
-  // Takes the pending call out of the table and completes it.
-  void complete(uint64_t id, const std::function<void(Pending&)>& fill, uint64_t from_conn);
-  void finish(Pending&& p, c10::IValue value, std::exception_ptr error);
-  void fail_where(const std::function<bool(const Pending&)>& pred,
-                  const std::function<std::exception_ptr(const Pending&)>& error);
-  void timer_loop();
+  void run_as_handler(const std::function<void()>& fn);
+
   void barrier(const std::string& name, bool wait = true);
   void set_ready();
 
@@ -223,7 +204,9 @@ class Agent : public std::enable_shared_from_this<Agent> {
   std::shared_ptr<RRefContext> rrefs_;
   std::vector<std::shared_ptr<AgentExtension>> extensions_;
   std::shared_ptr<ThreadPool> pool_;
-  std::unique_ptr<UvTransport> transport_;
+  std::unique_ptr<CallTable> calls_;
+  std::unique_ptr<ConnectionTable> conns_;
+  std::unique_ptr<Transport> transport_;
   c10::intrusive_ptr<c10d::Store> store_;
   bool owns_store_ = false;
   int rank_ = -1;
@@ -233,24 +216,8 @@ class Agent : public std::enable_shared_from_this<Agent> {
   std::atomic<bool> ready_{false};  // rendezvous finished (or failed)
   std::vector<WorkerInfo> workers_;
   std::unordered_map<std::string, int> rank_of_;
-
-  std::mutex conn_mu_;
-  std::vector<std::shared_ptr<Connection>> peers_;  // by rank
-  std::vector<std::unique_ptr<std::mutex>> connect_mu_;
-
-  mutable std::mutex mu_;
-  std::condition_variable idle_cv_;   // pending_ became empty
-  std::condition_variable timer_cv_;  // a new earliest deadline, or stopping
-  std::unordered_map<uint64_t, Pending> pending_;
-  std::multimap<std::chrono::steady_clock::time_point, uint64_t> deadlines_;
-  std::multimap<std::chrono::steady_clock::time_point, std::function<void()>> timers_;
   std::atomic<uint64_t> next_id_{1};
-  bool accepting_ = true;  // new calls allowed
-  bool timer_stop_ = false;
-  // When the sleeping timer thread will wake by itself (min: it is awake).
-  std::chrono::steady_clock::time_point timer_wake_ = std::chrono::steady_clock::time_point::min();
   bool shut_down_ = false;
-  std::thread timer_;
   std::mutex shutdown_mu_;
 };
 

@@ -1,5 +1,7 @@
 #include "tandem/rpc/api.h"
 
+#include "tandem/rpc/layer.h"
+
 #include <mutex>
 
 namespace tandem::rpc {
@@ -31,7 +33,7 @@ void shutdown(bool graceful) {
   std::shared_ptr<Agent> agent;
   {
     std::lock_guard<std::mutex> lock(g_mu);
-    if (handler_agent() || (g_agent && g_agent->pool()->in_pool())) {
+    if (handler_agent() || (g_agent && layer::pool(*g_agent)->in_pool())) {
       throw std::logic_error("tandem::rpc::shutdown() cannot run inside a handler or callback");
     }
     agent = std::move(g_agent);

@@ -1,6 +1,7 @@
 #include "tandem/rpc/rref_context.h"
 
 #include "tandem/rpc/agent.h"
+#include "tandem/rpc/layer.h"
 #include "tandem/rpc/registry.h"
 
 namespace tandem::rpc {
@@ -130,9 +131,9 @@ void RRefContext::register_handlers(Registry& internal) {
   internal.def_ivalue("tandem.rref.child_accept", bind(&RRefContext::on_child_accept));
 }
 
-const std::shared_ptr<ThreadPool>& RRefContext::pool() const { return agent_.pool(); }
+const std::shared_ptr<ThreadPool>& RRefContext::pool() const { return layer::pool(agent_); }
 
-void RRefContext::spin_until_done(const RawFuture& f) const { agent_.spin_until_done(f); }
+void RRefContext::spin_until_done(const RawFuture& f) const { layer::spin_until_done(agent_, f); }
 
 WorkerInfo RRefContext::worker_info(int rank) const { return agent_.get_worker_info(rank); }
 
@@ -387,7 +388,7 @@ void RRefContext::send_control(int to, const std::string& fn, std::vector<c10::I
       if (ctx->closed_) retry = false;
     }
     if (retry) {
-      ctx->agent_.schedule_after(kControlBackoff * attempt,
+      layer::schedule_after(ctx->agent_, kControlBackoff * attempt,
                                  [ctx, to, fn, msg = std::move(msg), then, attempt]() mutable {
                                    ctx->send_control(to, fn, std::move(msg), then, attempt + 1);
                                  });
@@ -524,7 +525,7 @@ void RRefContext::queue_delete(const RRefDesc& d) {
   if (schedule) {
     auto ctx = shared_from_this();
     int owner = d.owner;
-    agent_.schedule_after(kDeleteBatchDelay, [ctx, owner] { ctx->flush_deletes(owner); });
+    layer::schedule_after(agent_, kDeleteBatchDelay, [ctx, owner] { ctx->flush_deletes(owner); });
   }
 }
 
@@ -591,7 +592,7 @@ RawFuture RRefContext::apply_when_ready(RawFuture value, const std::string& fn,
   auto handler = agent_.registry().find(fn);
   if (!handler) {
     out->setError(std::make_exception_ptr(UnknownFunctionError(
-        "no function '" + fn + "' is registered on " + agent_.name())));
+        "no function '" + fn + "' is registered")));
     return out;
   }
   std::weak_ptr<Agent> weak_agent = agent_.weak_from_this();
@@ -605,7 +606,7 @@ RawFuture RRefContext::apply_when_ready(RawFuture value, const std::string& fn,
     all.reserve(args.size() + 1);
     if (self) all.push_back(*self);
     for (auto& a : args) all.push_back(std::move(a));
-    agent->run_as_handler([&] {
+    layer::run_as_handler(*agent, [&] {
       try {
         HandlerResult r = (*handler)(all);
         if (r.future) {
@@ -622,7 +623,7 @@ RawFuture RRefContext::apply_when_ready(RawFuture value, const std::string& fn,
     run(nullptr);
     return out;
   }
-  auto pool = agent_.pool();
+  auto pool = layer::pool(agent_);
   value->addCallback([pool, run, out](c10::ivalue::Future& f) mutable {
     RawFuture ready = c10::intrusive_ptr<c10::ivalue::Future>::reclaim_copy(&f);
     pool->post([ready, run, out]() mutable {
@@ -691,7 +692,7 @@ RawFuture RRefContext::value_for_request(const RRefId& id) {
     auto life = agent_.options().rpc_timeout;
     if (life.count() <= 0) life = std::chrono::milliseconds(60000);
     auto ctx = shared_from_this();
-    agent_.schedule_after(life, [ctx, id] { ctx->drop_placeholder(id); });
+    layer::schedule_after(agent_, life, [ctx, id] { ctx->drop_placeholder(id); });
   }
   return value;
 }

@@ -1,22 +1,28 @@
-// The transport moves whole Messages between processes; the agent above it
-// decides what they mean.
+// The transport moves whole frames between processes; the agent above it
+// decides what they mean. Backends live under rpc/transport/<name>/ (today:
+// uv, TCP on a libuv loop; faulty, a fault-injecting decorator for tests),
+// and the agent takes whichever AgentOptions::transport makes.
 //
-// Contract:
+// Contract (tests/rpc/transport_test.cc checks it against every backend):
 //  1. listen() binds and starts accepting; connect() opens an outgoing
-//     connection (blocking the caller at most `timeout`) and returns at once
-//     usable for send().
+//     connection (blocking the caller at most `timeout`) and returns it at
+//     once usable for send().
 //  2. send() may be called from any thread. It encodes nothing: it writes an
 //     already encoded OutFrame, whose tensors it keeps alive until written.
 //     Frames on one connection are written in the order send() was called.
 //  3. Received messages and closed connections are reported through
 //     Callbacks on the transport's own thread, which runs no user code: the
-//     callbacks must be short and hand user work to a pool.
+//     callbacks must be short and hand user work to a pool. A callback never
+//     runs inline inside send(), close() or connect().
 //  4. Connection::close() and Transport::close() are terminal and idempotent;
-//     a connection is reported closed exactly once, and after that send()
-//     throws DisconnectedError.
+//     a connection is reported closed exactly once (also when the peer
+//     closed it or vanished), and after that send() throws DisconnectedError.
+//     Transport::close() closes every connection (each reported closed) and
+//     returns once no callback runs any more.
+//  5. A connection knows nothing of ranks or workers: the agent keeps its
+//     own table of who is at the other end.
 #pragma once
 
-#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -31,14 +37,11 @@ class Connection {
   virtual ~Connection() = default;
   virtual void send(OutFrame&& frame) = 0;
   virtual void close(const std::string& reason) = 0;
+  // Unique among the connections of one transport.
   virtual uint64_t id() const = 0;
   virtual std::string peer_address() const = 0;
   // True once the connection is closed or closing: send() would throw.
   virtual bool closed() = 0;
-
-  // The rank at the other end: set by the agent before it sends on an
-  // outgoing connection, or once the peer's handshake is accepted.
-  std::atomic<int> peer_rank{-1};
 };
 
 using ConnectionPtr = std::shared_ptr<Connection>;
@@ -56,10 +59,19 @@ class Transport {
   virtual ~Transport() = default;
   // Returns the bound port (useful with port 0).
   virtual int listen(const std::string& host, int port) = 0;
-  // `peer_rank` is stored on the connection before the loop can see it.
   virtual ConnectionPtr connect(const std::string& host, int port,
-                                std::chrono::milliseconds timeout, int peer_rank = -1) = 0;
+                                std::chrono::milliseconds timeout) = 0;
   virtual void close() = 0;
+  virtual size_t live_connections() const = 0;
+  // True on the thread that runs the callbacks (for debug assertions).
+  virtual bool on_transport_thread() const = 0;
 };
+
+// Makes a transport that checks frames against `limits` and reports to `callbacks`.
+using TransportFactory =
+    std::function<std::unique_ptr<Transport>(const Limits& limits, Transport::Callbacks callbacks)>;
+
+// The default backend: TCP on a libuv loop (rpc/transport/uv/).
+TransportFactory tcp_transport();
 
 }  // namespace tandem::rpc

@@ -408,12 +408,22 @@ OutFrame encode(const Message& m, const Limits& limits, RRefHook* rrefs, int des
   std::vector<RRefDesc> forks;
   try {
     OutFrame frame = encode_unchecked(m, limits, rrefs, dest, forks);
-    frame.forks = std::move(forks);
+    frame.forks = Forks(rrefs, std::move(forks));
     return frame;
   } catch (...) {
-    if (rrefs && !forks.empty()) rrefs->abort_forks(forks);  // nothing was sent
+    Forks undo(rrefs, std::move(forks));  // nothing was sent
     throw;
   }
+}
+
+void Forks::abort() noexcept {
+  if (!hook_ || forks_.empty()) return;
+  try {
+    hook_->abort_forks(forks_);
+  } catch (...) {
+    // The RRef context is shutting down: nothing is left to undo.
+  }
+  forks_.clear();
 }
 
 

@@ -92,15 +92,51 @@ struct Preamble {
 };
 static_assert(sizeof(Preamble) == kPreambleBytes, "preamble layout");
 
+// The RRef forks encoding a frame made (one per RRef it carries). Encoding
+// forks before anything is sent, so a frame that is never written must undo
+// them: a Forks undoes its forks when it is destroyed, unless commit() was
+// called after the write succeeded. Move-only; the sender takes it out of
+// the frame before handing the frame to the transport:
+//   Forks forks = std::move(frame.forks);
+//   conn->send(std::move(frame));   // throws: forks are undone
+//   forks.commit();
+class Forks {
+ public:
+  Forks() = default;
+  Forks(RRefHook* hook, std::vector<RRefDesc> forks) : hook_(hook), forks_(std::move(forks)) {}
+  ~Forks() { abort(); }
+  Forks(Forks&& o) noexcept : hook_(o.hook_), forks_(std::move(o.forks_)) { o.forks_.clear(); }
+  Forks& operator=(Forks&& o) noexcept {
+    if (this != &o) {
+      abort();
+      hook_ = o.hook_;
+      forks_ = std::move(o.forks_);
+      o.forks_.clear();
+    }
+    return *this;
+  }
+  Forks(const Forks&) = delete;
+  Forks& operator=(const Forks&) = delete;
+
+  // The frame was written: the forks stand.
+  void commit() { forks_.clear(); }
+  const std::vector<RRefDesc>& list() const { return forks_; }
+  bool empty() const { return forks_.empty(); }
+
+ private:
+  void abort() noexcept;
+  RRefHook* hook_ = nullptr;
+  std::vector<RRefDesc> forks_;
+};
+
 // A frame ready to be written: preamble, envelope, and the tensors whose
 // storage the tensor body is read from. Holding an OutFrame keeps them alive.
 struct OutFrame {
   Preamble preamble;
   kj::Array<capnp::word> envelope;
   std::vector<at::Tensor> tensors;  // contiguous, CPU
-  // The RRef forks made for this frame: the sender undoes them
-  // (RRefHook::abort_forks) if the frame is never written.
-  std::vector<RRefDesc> forks;
+  // The RRef forks made for this frame, undone unless committed (see Forks).
+  Forks forks;
   // With Message::autograd_message: the caller's tensors (not their wire
   // copies) that travel flagged as requiring grad, in frame order.
   std::vector<at::Tensor> grad_sources;

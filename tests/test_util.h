@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "tandem/rpc/agent.h"
+#include "tandem/rpc/testing.h"
 
 namespace tandem::test {
 

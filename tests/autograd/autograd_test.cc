@@ -456,8 +456,8 @@ TEST_CASE("autograd: engine requests from a peer are checked") {
     CHECK_THROWS_WITH_AS(run(static_cast<int64_t>(ctx.id()), 0, {(int64_t(1) << 48) | 99}),
                          doctest::Contains("is not recorded on worker1"), rpc::RemoteError);
     // A malformed gradient (one way, so nobody answers) is dropped; worker1 goes on.
-    w[0].notify("worker1", "tandem.autograd.grad", {std::string("not a context")});
-    w[0].notify("worker1", "tandem.autograd.grad",
+    rpc::layer::notify(w[0], "worker1", "tandem.autograd.grad", {std::string("not a context")});
+    rpc::layer::notify(w[0], "worker1", "tandem.autograd.grad",
                 {int64_t(ctx.id()), int64_t(5), int64_t(6), std::string("not a tuple")});
     dist::backward(ctx.id(), {y.sum()});
     CHECK(dist::get_gradients(w[1], ctx.id()).contains(P().w1));

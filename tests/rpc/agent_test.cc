@@ -205,7 +205,7 @@ TEST_CASE("agent: errors arrive typed, naming the worker") {
   // Arguments that cannot travel fail at the call site.
   CHECK_THROWS_AS(w[0].rpc_sync("worker1", "echo", c10::IValue(c10::complex<double>(1, 1))),
                   std::invalid_argument);
-  CHECK(w[0].pending_calls() == 0);
+  CHECK(rpc::testing::pending_calls(w[0]) == 0);
   w.shutdown();
 }
 
@@ -271,7 +271,7 @@ TEST_CASE("agent: timeouts (default, per call, none) and late replies") {
   // The late replies arrive and are dropped; the next call is unaffected.
   std::this_thread::sleep_for(700ms);
   CHECK(w[0].rpc_sync<int64_t>("worker1", "sleep_ms", 1) == 1);
-  CHECK(w[0].pending_calls() == 0);
+  CHECK(rpc::testing::pending_calls(w[0]) == 0);
   w.shutdown();
 }
 
@@ -291,7 +291,7 @@ TEST_CASE("agent: a nested call inherits its caller's remaining deadline") {
   // worker1's relay itself gave up too: its failure reaches nobody, and it
   // has nothing pending once its own deadline passed.
   std::this_thread::sleep_for(300ms);
-  CHECK(w[1].pending_calls() == 0);
+  CHECK(rpc::testing::pending_calls(w[1]) == 0);
   CHECK(w[0].rpc_sync<int64_t>("worker1", "relay", std::string("worker2"),
                                std::string("sleep_ms"), int64_t(5)) == 5);
   w.shutdown();
@@ -425,7 +425,7 @@ TEST_CASE("agent: a peer that shuts down fails our calls with Disconnected at on
 TEST_CASE("agent: a dropped connection is reopened by the next call") {
   World w(2, define_common);
   CHECK(w[0].rpc_sync<int64_t>("worker1", "sleep_ms", 1) == 1);
-  w[0].drop_connection(1);
+  rpc::testing::drop_connection(w[0], 1);
   std::this_thread::sleep_for(50ms);
   CHECK(w[0].rpc_sync<int64_t>("worker1", "sleep_ms", 2) == 2);
   w.shutdown();

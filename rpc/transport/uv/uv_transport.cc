@@ -225,6 +225,7 @@ UvTransport::UvTransport(Limits limits, Callbacks callbacks)
     static_cast<UvTransport*>(h->data)->run_commands();
   });
   thread_ = std::thread([this] { uv_run(&loop_->loop, UV_RUN_DEFAULT); });
+  thread_id_ = thread_.get_id();
 }
 
 UvTransport::~UvTransport() { close(); }
@@ -297,7 +298,7 @@ int UvTransport::listen(const std::string& host, int port) {
 }
 
 ConnectionPtr UvTransport::connect(const std::string& host, int port,
-                                   std::chrono::milliseconds timeout, int peer_rank) {
+                                   std::chrono::milliseconds timeout) {
   const std::string where = host + ":" + std::to_string(port);
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -352,7 +353,6 @@ ConnectionPtr UvTransport::connect(const std::string& host, int port,
     std::lock_guard<std::mutex> lock(mu_);
     conn = std::make_shared<UvConnection>(this, fd, next_id_++, where, /*accepted=*/false);
   }
-  conn->peer_rank = peer_rank;
   if (!post([this, conn] { adopt_from_loop(conn); })) {
     ::close(fd);
     throw ShutdownError("transport is closed");
@@ -487,6 +487,16 @@ void UvTransport::stop_from_loop() {
   // Commands that raced in before loop_gone_ was set still run.
   run_commands();
   uv_close(reinterpret_cast<uv_handle_t*>(&loop_->wake), nullptr);
+}
+
+bool UvTransport::on_transport_thread() const {
+  return thread_id_ == std::this_thread::get_id();
+}
+
+TransportFactory tcp_transport() {
+  return [](const Limits& limits, Transport::Callbacks callbacks) -> std::unique_ptr<Transport> {
+    return std::make_unique<UvTransport>(limits, std::move(callbacks));
+  };
 }
 
 void UvTransport::close() {

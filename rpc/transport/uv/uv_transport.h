@@ -36,11 +36,11 @@ class UvTransport final : public Transport {
   ~UvTransport() override;
 
   int listen(const std::string& host, int port) override;
-  ConnectionPtr connect(const std::string& host, int port, std::chrono::milliseconds timeout,
-                        int peer_rank = -1) override;
+  ConnectionPtr connect(const std::string& host, int port,
+                        std::chrono::milliseconds timeout) override;
   void close() override;
-
-  size_t live_connections() const { return live_connections_.load(); }
+  size_t live_connections() const override { return live_connections_.load(); }
+  bool on_transport_thread() const override;
 
  private:
   friend class UvConnection;
@@ -59,6 +59,7 @@ class UvTransport final : public Transport {
   Callbacks callbacks_;
   std::unique_ptr<Loop> loop_;
   std::thread thread_;
+  std::thread::id thread_id_;  // thread_'s, fixed once started
 
   std::mutex mu_;
   std::vector<std::function<void()>> commands_;

@@ -1,0 +1,132 @@
+// The agent's outgoing side: a call from its arguments to its frame on the
+// wire, registered in the call table until its reply, deadline or failure.
+#include "tandem/rpc/agent.h"
+#include "tandem/rpc/call_table.h"
+#include "tandem/rpc/rref_context.h"
+#include "tandem/rpc/spin.h"
+
+namespace tandem::rpc {
+namespace {
+using Clock = std::chrono::steady_clock;
+// Longer timeouts are treated as this (and cannot overflow the clock).
+constexpr std::chrono::milliseconds kMaxTimeout{365ll * 24 * 3600 * 1000};
+}  // namespace
+
+void Agent::spin_until_done(const RawFuture& f) const {
+  // A blocked caller is woken by the loop thread when its reply lands. On an
+  // idle core that wake-up costs more than a whole loopback round trip, so
+  // keep the core busy for a short while first (see AgentOptions::sync_spin).
+  spin_until(options_.sync_spin, [&] { return f->completed(); });
+}
+
+Future<c10::IValue> Agent::call(const std::string& to, const std::string& fn,
+                                std::vector<c10::IValue> args, std::chrono::milliseconds timeout) {
+  return Future<c10::IValue>(start_call(to, fn, std::move(args), timeout), pool_);
+}
+
+OutFrame Agent::encode_with_extensions(Message& m, int dest) {
+  for (const auto& e : extensions_) e->before_send(m, dest);
+  // Forks made here are undone if anything below throws (Forks is RAII).
+  OutFrame frame = encode(m, options_.limits, rrefs_.get(), dest);
+  for (const auto& e : extensions_) e->after_encode(m, frame, dest);
+  return frame;
+}
+
+RawFuture Agent::start_call(const std::string& to, const std::string& fn,
+                            std::vector<c10::IValue> args, std::chrono::milliseconds timeout) {
+  RawFuture fut = make_raw_future();
+  const WorkerInfo& dest = get_worker_info(to);
+  if (timeout.count() < 0) timeout = options_.rpc_timeout;
+  timeout = std::min(timeout, kMaxTimeout);
+  CallTable::Call call;
+  call.future = fut;
+  call.peer = dest.rank;
+  call.callee = fn;
+  auto now = Clock::now();
+  if (timeout.count() > 0) {
+    call.has_deadline = true;
+    call.deadline = now + timeout;
+  }
+  const CallScope& scope = current_scope();
+  if (scope.agent == this && scope.has_deadline &&
+      (!call.has_deadline || scope.deadline < call.deadline)) {
+    call.has_deadline = true;  // a call made by a handler inherits what its caller has left
+    call.deadline = scope.deadline;
+  }
+
+  Message req;
+  req.kind = MessageKind::kRequest;
+  req.id = next_id_.fetch_add(1);
+  req.callee = fn;
+  req.values = std::move(args);
+  if (call.has_deadline) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(call.deadline - now).count();
+    req.timeout_ms = static_cast<uint64_t>(std::max<int64_t>(left, 1));
+  }
+  req.autograd_context = autograd_context_for(*this);
+  // Bad arguments (and a failed RRef passed on) throw here, in the caller.
+  OutFrame frame = encode_with_extensions(req, dest.rank);
+  Forks forks = std::move(frame.forks);  // undone unless the frame is written
+
+  auto shut_down = [&] {
+    return std::make_exception_ptr(
+        ShutdownError("agent " + name() + " is shut down; cannot call '" + fn + "' on " + to));
+  };
+  if (!calls_->accepting()) {
+    fut->setError(shut_down());
+    return fut;
+  }
+  ConnectionPtr conn;
+  try {
+    auto connect_timeout = call.has_deadline
+                               ? std::chrono::duration_cast<std::chrono::milliseconds>(
+                                     call.deadline - Clock::now())
+                               : std::chrono::milliseconds(30000);
+    conn = connection_to(dest.rank, std::max(connect_timeout, std::chrono::milliseconds(1)));
+  } catch (...) {
+    fut->setError(std::current_exception());
+    return fut;
+  }
+  call.conn_id = conn->id();
+  if (!calls_->add(req.id, std::move(call))) {
+    fut->setError(shut_down());
+    return fut;
+  }
+  try {
+    conn->send(std::move(frame));
+    forks.commit();
+  } catch (const Error& e) {
+    // The connection broke under us (a frame cut short is dropped by the
+    // peer); on_closed may already have failed the call, in which case this
+    // finds nothing to complete. The forks are undone as `forks` goes; the
+    // table's to() skips the closed connection from now on.
+    calls_->fail(req.id,
+                 std::make_exception_ptr(
+                     DisconnectedError("cannot send '" + fn + "' to " + to + ": " + e.what())),
+                 0);
+  }
+  return fut;
+}
+
+void Agent::notify(const std::string& to, const std::string& fn, std::vector<c10::IValue> args) {
+  const WorkerInfo& dest = get_worker_info(to);
+  Message req;
+  req.kind = MessageKind::kRequest;
+  req.id = 0;  // no reply: nobody waits for one
+  req.callee = fn;
+  req.values = std::move(args);
+  req.autograd_context = autograd_context_for(*this);
+  OutFrame frame = encode_with_extensions(req, dest.rank);
+  Forks forks = std::move(frame.forks);
+  if (!calls_->accepting()) throw ShutdownError("agent " + name() + " is shut down; cannot notify " + to);
+  try {
+    auto timeout = options_.rpc_timeout.count() > 0 ? options_.rpc_timeout
+                                                    : std::chrono::milliseconds(30000);
+    connection_to(dest.rank, timeout)->send(std::move(frame));
+    forks.commit();
+  } catch (const Error& e) {
+    throw DisconnectedError("cannot send '" + fn + "' to " + to + ": " + e.what());
+  }
+}
+
+}  // namespace tandem::rpc

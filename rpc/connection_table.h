@@ -1,0 +1,51 @@
+// ConnectionTable: who is at the other end of each of an agent's
+// connections, and the one connection the agent uses to reach each peer.
+//
+//  1. A connection's rank is known from the start for one this agent opened
+//     (set before its first frame is written) and from the peer's accepted
+//     handshake for one it accepted. Until then rank_of() says -1.
+//  2. to(rank) is the connection calls to that peer go on: the first open
+//     one registered for it (opened by either side). A closed one is
+//     forgotten (forget(), from the transport's on_closed), and the next
+//     call opens a new one; connect_mutex(rank) makes that one connect at a
+//     time per peer.
+//  3. Transports keep no ranks (rpc/transport.h): this table is the only
+//     place that maps connections to workers.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "tandem/rpc/transport.h"
+
+namespace tandem::rpc {
+
+class ConnectionTable {
+ public:
+  explicit ConnectionTable(int world_size);
+
+  // The open connection calls to `rank` go on, or null.
+  ConnectionPtr to(int rank);
+  std::mutex& connect_mutex(int rank) { return *connect_mu_.at(rank); }
+  // `conn` reaches `rank`; it becomes to(rank) if that has none. A
+  // connection that closed meanwhile is not kept.
+  void add(const ConnectionPtr& conn, int rank);
+  // -1 until the rank is known.
+  int rank_of(const Connection& conn) const;
+  // `conn` closed: forgets it; returns its rank (or -1).
+  int forget(const Connection& conn);
+  // Every connection to(rank) returns now (for shutdown and tests).
+  std::vector<ConnectionPtr> current() const;
+  void clear();
+
+ private:
+  mutable std::shared_mutex mu_;
+  std::vector<ConnectionPtr> peers_;                 // by rank
+  std::unordered_map<uint64_t, int> rank_of_conn_;   // by connection id
+  std::vector<std::unique_ptr<std::mutex>> connect_mu_;
+};
+
+}  // namespace tandem::rpc

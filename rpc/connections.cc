@@ -1,0 +1,105 @@
+// The connection table, and how the agent opens and loses connections.
+#include "tandem/rpc/agent.h"
+#include "tandem/rpc/call_table.h"
+#include "tandem/rpc/connection_table.h"
+#include "tandem/rpc/rref_context.h"
+
+#include <cstdio>
+
+namespace tandem::rpc {
+
+ConnectionTable::ConnectionTable(int world_size) : peers_(world_size) {
+  for (int r = 0; r < world_size; ++r) connect_mu_.push_back(std::make_unique<std::mutex>());
+}
+
+ConnectionPtr ConnectionTable::to(int rank) {
+  {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    const auto& c = peers_.at(rank);
+    if (!c || !c->closed()) return c;
+  }
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  auto& c = peers_.at(rank);
+  if (c && c->closed()) c = nullptr;  // on_closed may not have run yet
+  return c;
+}
+
+void ConnectionTable::add(const ConnectionPtr& conn, int rank) {
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  rank_of_conn_[conn->id()] = rank;
+  if (!peers_.at(rank)) peers_[rank] = conn;
+  lock.unlock();
+  // It may have closed before it was added: then forget() ran already, or
+  // runs after this and finds it. Either way nothing stale stays.
+  if (conn->closed()) forget(*conn);
+}
+
+int ConnectionTable::rank_of(const Connection& conn) const {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  auto it = rank_of_conn_.find(conn.id());
+  return it == rank_of_conn_.end() ? -1 : it->second;
+}
+
+int ConnectionTable::forget(const Connection& conn) {
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  auto it = rank_of_conn_.find(conn.id());
+  if (it == rank_of_conn_.end()) return -1;
+  const int r = it->second;
+  rank_of_conn_.erase(it);
+  if (peers_.at(r).get() == &conn) peers_[r] = nullptr;
+  return r;
+}
+
+std::vector<ConnectionPtr> ConnectionTable::current() const {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  std::vector<ConnectionPtr> out;
+  for (const auto& c : peers_) {
+    if (c) out.push_back(c);
+  }
+  return out;
+}
+
+void ConnectionTable::clear() {
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  for (auto& c : peers_) c = nullptr;
+  rank_of_conn_.clear();
+}
+
+ConnectionPtr Agent::connection_to(int rank, std::chrono::milliseconds timeout) {
+  if (auto c = conns_->to(rank)) return c;
+  std::lock_guard<std::mutex> serial(conns_->connect_mutex(rank));
+  if (auto c = conns_->to(rank)) return c;
+  const WorkerInfo& w = workers_[rank];
+  ConnectionPtr conn;
+  try {
+    conn = transport_->connect(w.host, w.port, timeout);
+  } catch (const DisconnectedError& e) {
+    throw DisconnectedError("worker " + w.name + " is unreachable: " + e.what());
+  }
+  // Known before the first frame goes out: a reply cannot come before it.
+  conns_->add(conn, rank);
+  Message hello;
+  hello.kind = MessageKind::kHello;
+  hello.hello_worker = name();
+  hello.hello_rank = rank_;
+  hello.hello_token = options_.token;
+  conn->send(encode(hello, options_.limits));
+  return conn;
+}
+
+void Agent::on_closed_from_loop(const ConnectionPtr& conn, const std::string& reason) {
+  if (reason.rfind("protocol error", 0) == 0) {
+    std::fprintf(stderr, "tandem[%s]: %s; connection closed\n", name().c_str(), reason.c_str());
+  }
+  const int r = conns_->forget(*conn);
+  const uint64_t cid = conn->id();
+  const std::string peer = r >= 0 ? workers_[r].name : conn->peer_address();
+  calls_->fail_where([cid](const CallTable::Call& c) { return c.conn_id == cid; },
+                     [&](const CallTable::Call& c) {
+                       return std::make_exception_ptr(DisconnectedError(
+                           "connection to " + peer + " lost during '" + c.callee + "'" +
+                           (reason.empty() ? "" : ": " + reason)));
+                     });
+}
+
+}  // namespace tandem::rpc

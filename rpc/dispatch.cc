@@ -1,0 +1,192 @@
+// The agent's incoming side: what the transport delivers, on its loop
+// thread, goes to the call table (replies), to the loop's own internal
+// handlers, or to the pool, where a handler runs in its request's scope
+// (rpc/scope.h) and its result goes back as a response or a typed error.
+#include "tandem/rpc/agent.h"
+#include "tandem/rpc/call_table.h"
+#include "tandem/rpc/connection_table.h"
+#include "tandem/rpc/rref_context.h"
+
+#include <cassert>
+
+namespace tandem::rpc {
+namespace {
+using Clock = std::chrono::steady_clock;
+constexpr std::chrono::milliseconds kMaxTimeout{365ll * 24 * 3600 * 1000};
+constexpr uint64_t kNoReply = 0;  // the call id of a notify(): no reply goes back
+}  // namespace
+
+Agent* handler_agent() { return current_scope().agent; }
+
+uint64_t handler_autograd_context(const Agent& agent) { return autograd_context_for(agent); }
+
+void Agent::on_message_from_loop(const ConnectionPtr& conn, Message&& msg) {
+  assert(transport_->on_transport_thread());
+  if (!ready_.load(std::memory_order_acquire)) {
+    // A peer that finished rendezvous first may greet us before we know the
+    // world; hold this (loop) thread until start() is done, one way or the other.
+    std::unique_lock<std::mutex> lock(ready_mu_);
+    ready_cv_.wait(lock, [this] { return ready_.load(); });
+    if (workers_.empty() || !conns_) {
+      conn->close("agent failed to start");
+      return;
+    }
+  }
+  if (msg.kind == MessageKind::kHello) {
+    on_hello_from_loop(conn, msg);
+    return;
+  }
+  const int from = conns_->rank_of(*conn);
+  if (from < 0) {
+    conn->close("protocol error from " + conn->peer_address() +
+                ": the first frame must be a handshake");
+    return;
+  }
+  if (!msg.rrefs.empty()) {
+    try {
+      for (auto& r : msg.rrefs) rrefs_->validate(r, from);  // all, before any binds
+      for (auto& r : msg.rrefs) rrefs_->bind_received(r, from);
+    } catch (const std::exception& e) {
+      conn->close("protocol error from " + conn->peer_address() + ": " + e.what());
+      return;
+    }
+  }
+  switch (msg.kind) {
+    case MessageKind::kRequest: {
+      if (msg.callee.rfind("tandem.", 0) == 0) {
+        if (auto on_loop = loop_internal_->find(msg.callee)) {
+          handle_request(conn, from, std::move(msg), on_loop);  // bounded internal work: here
+          return;
+        }
+      }
+      auto shared = std::make_shared<Message>(std::move(msg));
+      pool_->post([this, conn, from, shared] { handle_request(conn, from, std::move(*shared)); });
+      return;
+    }
+    case MessageKind::kResponse: {
+      if (!extensions_.empty()) {
+        try {
+          for (const auto& e : extensions_) e->after_receive(msg, from);
+        } catch (...) {
+          calls_->fail(msg.id, std::current_exception(), conn->id());
+          return;
+        }
+      }
+      c10::IValue value = msg.values.empty() ? c10::IValue() : std::move(msg.values[0]);
+      calls_->complete(msg.id, std::move(value), conn->id());
+      return;
+    }
+    case MessageKind::kError:
+      calls_->fail(msg.id, make_error(msg.error_code, msg.error_worker, msg.error_message),
+                   conn->id());
+      return;
+    case MessageKind::kHello:
+      return;
+  }
+}
+
+void Agent::run_as_handler(const std::function<void()>& fn) {
+  CallScope scope = current_scope();
+  scope.agent = this;
+  ScopeGuard guard(scope);
+  fn();
+}
+
+void Agent::handle_request(const ConnectionPtr& conn, int from, Message msg,
+                           std::shared_ptr<const Handler> handler) {
+  if (!handler) {
+    const bool internal = msg.callee.rfind("tandem.", 0) == 0;
+    handler = (internal ? internal_ : registry_)->find(msg.callee);
+  }
+  if (!handler) {
+    send_error(conn, msg.id, ErrorCode::kUnknownFunction,
+               "no function '" + msg.callee + "' is registered");
+    return;
+  }
+  CallScope scope;
+  scope.agent = this;
+  scope.context_agent = this;
+  scope.autograd_context = msg.autograd_context;
+  if (msg.timeout_ms > 0) {
+    scope.has_deadline = true;
+    scope.deadline = Clock::now() + std::min(std::chrono::milliseconds(std::min<uint64_t>(
+                                                 msg.timeout_ms, kMaxTimeout.count())),
+                                             kMaxTimeout);
+  }
+  ScopeGuard guard(scope);
+  RawFuture result;
+  const uint64_t autograd_context = msg.autograd_context;
+  try {
+    for (const auto& e : extensions_) e->after_receive(msg, from);
+    HandlerResult r = (*handler)(msg.values);
+    if (r.future) {
+      // Asynchronous: this pool thread is free now; reply when it completes.
+      uint64_t id = msg.id;
+      std::weak_ptr<Agent> weak = weak_from_this();
+      r.future->addCallback([weak, conn, from, id, autograd_context](c10::ivalue::Future& f) {
+        // The future may complete after this agent is gone: then nobody is
+        // left to answer, and the caller has failed the call already.
+        if (auto self = weak.lock()) {
+          self->reply(conn, from, id, c10::intrusive_ptr<c10::ivalue::Future>::reclaim_copy(&f),
+                      autograd_context);
+        }
+      });
+      return;
+    }
+    result = make_raw_future();
+    result->markCompleted(std::move(r.value));
+  } catch (...) {
+    result = make_raw_future();
+    result->setError(std::current_exception());
+  }
+  reply(conn, from, msg.id, result, autograd_context);
+}
+
+void Agent::reply(const ConnectionPtr& conn, int to, uint64_t id, const RawFuture& result,
+                  uint64_t autograd_context) {
+  if (id == kNoReply) return;  // notify(): nobody waits for it
+  if (result->hasError()) {
+    // The error keeps its kind: a handler whose own call timed out fails
+    // its caller with TimeoutError (naming this worker), so a layer can
+    // rethrow what happened. Anything but a Tandem error is a RemoteError.
+    auto [code, text] = describe_error(result->exception_ptr());
+    send_error(conn, id, code, text);
+    return;
+  }
+  Message m;
+  m.kind = MessageKind::kResponse;
+  m.id = id;
+  m.values.push_back(result->constValue());
+  m.autograd_context = autograd_context;
+  OutFrame frame;
+  try {
+    frame = encode_with_extensions(m, to);
+  } catch (const std::exception& e) {
+    send_error(conn, id, ErrorCode::kRemote, std::string("cannot send the result: ") + e.what());
+    return;
+  }
+  Forks forks = std::move(frame.forks);
+  try {
+    conn->send(std::move(frame));
+    forks.commit();
+  } catch (const Error&) {
+    // The caller is gone; it has already failed the call with Disconnected.
+  }
+}
+
+void Agent::send_error(const ConnectionPtr& conn, uint64_t id, ErrorCode code,
+                       const std::string& message) {
+  if (id == kNoReply) return;
+  Message m;
+  m.kind = MessageKind::kError;
+  m.id = id;
+  m.error_code = code;
+  m.error_worker = name();
+  m.error_message = message;
+  try {
+    conn->send(encode(m, options_.limits));
+  } catch (const Error&) {
+  }
+}
+
+}  // namespace tandem::rpc

@@ -1,0 +1,77 @@
+// What the layers built on rpc/ (RRefs, distributed autograd, and the
+// optimizer, module and pipeline layers to come) use of an agent beyond the
+// user's API in rpc/agent.h: its extensions, its pool and timers, one-way
+// messages, and running code as if in one of its handlers. Not installed.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tandem/rpc/agent.h"
+
+namespace tandem::rpc {
+
+struct LayerAccess {
+  static const std::vector<std::shared_ptr<AgentExtension>>& extensions(const Agent& a) {
+    return a.extensions_;
+  }
+  static const std::shared_ptr<ThreadPool>& pool(const Agent& a) { return a.pool_; }
+  static void notify(Agent& a, const std::string& to, const std::string& fn,
+                     std::vector<c10::IValue> args) {
+    a.notify(to, fn, std::move(args));
+  }
+  static void schedule_after(Agent& a, std::chrono::microseconds delay, std::function<void()> fn);
+  static void run_as_handler(Agent& a, const std::function<void()>& fn) { a.run_as_handler(fn); }
+  static void spin_until_done(const Agent& a, const RawFuture& f) { a.spin_until_done(f); }
+  // Tests (rpc/testing.h).
+  static size_t pending_calls(const Agent& a);
+  static size_t live_connections(const Agent& a);
+  static void drop_connection(Agent& a, int rank);
+};
+
+namespace layer {
+
+// The extension of type T the agent made (rpc/extension.h), or null.
+template <class T>
+std::shared_ptr<T> extension(const Agent& agent) {
+  for (const auto& e : LayerAccess::extensions(agent)) {
+    if (auto t = std::dynamic_pointer_cast<T>(e)) return t;
+  }
+  return nullptr;
+}
+
+// The agent's thread pool (handlers and callbacks run there).
+inline const std::shared_ptr<ThreadPool>& pool(const Agent& agent) {
+  return LayerAccess::pool(agent);
+}
+
+// A request that wants no reply: `fn` runs on `to` and whatever it returns
+// or throws is dropped there. Throws here only what encoding, connecting or
+// writing throws (a peer that is gone: DisconnectedError).
+inline void notify(Agent& agent, const std::string& to, const std::string& fn,
+                   std::vector<c10::IValue> args) {
+  LayerAccess::notify(agent, to, fn, std::move(args));
+}
+
+// Runs `fn` on the pool after `delay` (dropped once the agent shuts down).
+inline void schedule_after(Agent& agent, std::chrono::microseconds delay,
+                           std::function<void()> fn) {
+  LayerAccess::schedule_after(agent, delay, std::move(fn));
+}
+
+// Runs `fn` as if inside a handler of `agent`: current_agent() and the
+// convenience API then act on it.
+inline void run_as_handler(Agent& agent, const std::function<void()>& fn) {
+  LayerAccess::run_as_handler(agent, fn);
+}
+
+// Spins up to AgentOptions::sync_spin for `f` (blocking waits do, first).
+inline void spin_until_done(const Agent& agent, const RawFuture& f) {
+  LayerAccess::spin_until_done(agent, f);
+}
+
+}  // namespace layer
+}  // namespace tandem::rpc

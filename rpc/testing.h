@@ -1,0 +1,15 @@
+// Introspection of an agent for tests and tools: not part of the user's API.
+#pragma once
+
+#include "tandem/rpc/layer.h"
+
+namespace tandem::rpc::testing {
+
+// Calls in flight from this agent.
+inline size_t pending_calls(const Agent& a) { return LayerAccess::pending_calls(a); }
+// Connections open in the agent's transport.
+inline size_t live_connections(const Agent& a) { return LayerAccess::live_connections(a); }
+// Closes the connection to `rank` as if the network dropped it.
+inline void drop_connection(Agent& a, int rank) { LayerAccess::drop_connection(a, rank); }
+
+}  // namespace tandem::rpc::testing
