@@ -16,6 +16,7 @@
 
 #include "tandem/autograd/autograd.h"
 #include "tandem/rpc/api.h"
+#include "tandem/rpc/transport/faulty/faulty_transport.h"
 
 using namespace tandem;
 using namespace std::chrono_literals;
@@ -282,4 +283,26 @@ TEST_CASE("seams: graceful shutdown reports live autograd contexts as leaks, on 
   w->agents.clear();
   w.reset();
   ctx.reset();  // its agent is gone: nothing to release
+}
+
+TEST_CASE("seams: a gradient lost on the wire fails backward at its timeout, never hangs") {
+  auto plan = std::make_shared<rpc::FaultPlan>();
+  plan->add({rpc::Fault::kDrop, rpc::MessageKind::kRequest, "tandem.autograd.grad"});
+  World w(2, define, [plan](rpc::AgentOptions& o) { o.transport = rpc::faulty_transport(plan); });
+  auto x = at::arange(1, 4, kF64).requires_grad_();
+  {
+    dist::Context ctx(w[0]);
+    auto y = w[0].rpc_sync<at::Tensor>("worker1", "scale", x, 2);
+    auto t0 = std::chrono::steady_clock::now();
+    CHECK_THROWS_WITH_AS(dist::backward(w[0], ctx.id(), {at::sum(y)}, false, 500ms),
+                         doctest::Contains("did not finish within 500 ms"), rpc::TimeoutError);
+    CHECK(std::chrono::steady_clock::now() - t0 < 2000ms);
+    CHECK(plan->hits(0) == 1);
+    // The next backward in the same context gets its gradient through.
+    auto z = w[0].rpc_sync<at::Tensor>("worker1", "scale", x, 3);
+    dist::backward(w[0], ctx.id(), {at::sum(z)}, false, 5000ms);
+    CHECK(at::allclose(dist::get_gradients(ctx.id()).at(x), at::full_like(x, 3)));
+  }
+  expect_no_contexts(w);  // released on every worker
+  w.shutdown();
 }
