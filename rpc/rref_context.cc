@@ -75,7 +75,6 @@ RawFuture race_with_confirmation(const RRefPtr& rref, const RawFuture& result) {
 }
 
 constexpr int kControlAttempts = 3;
-constexpr size_t kMaxTombstones = 1 << 16;
 constexpr auto kControlBackoff = std::chrono::microseconds(50000);
 constexpr auto kDeleteBatchDelay = std::chrono::microseconds(500);
 
@@ -304,16 +303,7 @@ c10::IValue RRefContext::local_value(const RRefPtr& rref, std::chrono::milliseco
     }
     value = it->second.value;
   }
-  if (timeout.count() > 0) {
-    auto until = std::chrono::steady_clock::now() + timeout;
-    while (!value->completed() && std::chrono::steady_clock::now() < until) {
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-    }
-    if (!value->completed()) throw TimeoutError("value of " + rref->str() + " not ready in time");
-  } else {
-    value->wait();
-  }
-  if (value->hasError()) std::rethrow_exception(value->exception_ptr());
+  wait_raw_or_throw(value, timeout, "value of " + rref->str());
   return value->constValue();
 }
 
@@ -726,7 +716,7 @@ c10::IValue RRefContext::on_call(std::vector<c10::IValue>& args) {
 }
 
 bool RRefContext::take_tombstone_locked(const ForkId& fork) {
-  return tombstones_.erase(fork) > 0;  // its entry in tombstone_order_ ages out harmlessly
+  return tombstones_.erase(fork);
 }
 
 c10::IValue RRefContext::on_fork(std::vector<c10::IValue>& args) {
@@ -752,13 +742,7 @@ c10::IValue RRefContext::on_delete(std::vector<c10::IValue>& args) {
       if (it == owners_.end() || it->second.forks.erase(fork) == 0) {
         // Not known (yet): remember, so a create or fork that arrives later
         // for it does not resurrect it. Repeated deletes stay harmless.
-        if (tombstones_.insert(fork).second) {
-          tombstone_order_.push_back(fork);
-          if (tombstone_order_.size() > kMaxTombstones) {
-            tombstones_.erase(tombstone_order_.front());
-            tombstone_order_.pop_front();
-          }
-        }
+        tombstones_.insert(fork);
         if (it == owners_.end()) continue;
       }
       if (auto d = release_if_unused_locked(id)) dead.push_back(std::move(d));

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "tandem/rpc/agent.h"
+#include "tandem/rpc/bounded_set.h"
 #include "tandem/rpc/rref_impl.h"
 #include "tandem/rpc/thread_pool.h"
 
@@ -152,8 +153,8 @@ class RRefContext final : public RRefHook, public std::enable_shared_from_this<R
   // Owner side: forks deleted before their create/fork was processed (the
   // pool may run messages out of order). A late create or fork for one of
   // them must not bring it back. Bounded, oldest forgotten first.
-  std::unordered_set<ForkId, GloballyUniqueIdHash> tombstones_;
-  std::deque<ForkId> tombstone_order_;
+  static constexpr size_t kMaxTombstones = 1 << 16;
+  BoundedSet<ForkId, GloballyUniqueIdHash> tombstones_{kMaxTombstones};
   bool take_tombstone_locked(const ForkId& fork);
   // `n` outstanding items are finished; wakes wait_idle() at zero. The
   // _locked form is for callers already holding mu_.
