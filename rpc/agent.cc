@@ -11,7 +11,7 @@
 #include "tandem/rpc/call_table.h"
 #include "tandem/rpc/connection_table.h"
 #include "tandem/rpc/rendezvous.h"
-#include "tandem/rpc/rref_context.h"
+#include "tandem/rpc/rref/context.h"
 
 namespace tandem::rpc {
 namespace {

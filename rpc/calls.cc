@@ -2,7 +2,7 @@
 // wire, registered in the call table until its reply, deadline or failure.
 #include "tandem/rpc/agent.h"
 #include "tandem/rpc/call_table.h"
-#include "tandem/rpc/rref_context.h"
+#include "tandem/rpc/rref/context.h"
 #include "tandem/rpc/spin.h"
 
 namespace tandem::rpc {

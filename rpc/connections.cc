@@ -2,7 +2,7 @@
 #include "tandem/rpc/agent.h"
 #include "tandem/rpc/call_table.h"
 #include "tandem/rpc/connection_table.h"
-#include "tandem/rpc/rref_context.h"
+#include "tandem/rpc/rref/context.h"
 
 #include <cstdio>
 
@@ -24,10 +24,15 @@ ConnectionPtr ConnectionTable::to(int rank) {
   return c;
 }
 
-void ConnectionTable::add(const ConnectionPtr& conn, int rank) {
+void ConnectionTable::use(const ConnectionPtr& conn, int rank) {
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  if (!peers_.at(rank) && rank_of_conn_.count(conn->id())) peers_[rank] = conn;
+}
+
+void ConnectionTable::add(const ConnectionPtr& conn, int rank, bool use) {
   std::unique_lock<std::shared_mutex> lock(mu_);
   rank_of_conn_[conn->id()] = rank;
-  if (!peers_.at(rank)) peers_[rank] = conn;
+  if (use && !peers_.at(rank)) peers_[rank] = conn;
   lock.unlock();
   // It may have closed before it was added: then forget() ran already, or
   // runs after this and finds it. Either way nothing stale stays.
@@ -76,14 +81,16 @@ ConnectionPtr Agent::connection_to(int rank, std::chrono::milliseconds timeout) 
   } catch (const DisconnectedError& e) {
     throw DisconnectedError("worker " + w.name + " is unreachable: " + e.what());
   }
-  // Known before the first frame goes out: a reply cannot come before it.
-  conns_->add(conn, rank);
+  // Known before the handshake goes out (nothing can come back before it),
+  // used for calls only after it went (no call may overtake it).
+  conns_->add(conn, rank, /*use=*/false);
   Message hello;
   hello.kind = MessageKind::kHello;
   hello.hello_worker = name();
   hello.hello_rank = rank_;
   hello.hello_token = options_.token;
   conn->send(encode(hello, options_.limits));
+  conns_->use(conn, rank);
   return conn;
 }
 

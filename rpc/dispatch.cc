@@ -5,7 +5,7 @@
 #include "tandem/rpc/agent.h"
 #include "tandem/rpc/call_table.h"
 #include "tandem/rpc/connection_table.h"
-#include "tandem/rpc/rref_context.h"
+#include "tandem/rpc/rref/context.h"
 
 #include <cassert>
 

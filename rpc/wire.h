@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "tandem/rpc/errors.h"
-#include "tandem/rpc/rref_impl.h"
+#include "tandem/rpc/rref/impl.h"
 
 namespace tandem::rpc {
 

@@ -375,25 +375,31 @@ TEST_CASE("rref: everyone shutting down together after passing references on rep
 TEST_CASE("rref: a delete that overtakes its fork or create does not resurrect it") {
   // Drive the owner's protocol directly, in the order a busy pool may run it.
   World w = make_world();
-  auto id = [](int64_t local) { return std::vector<c10::IValue>{int64_t(0), local}; };
-  auto cat = [](std::vector<c10::IValue> a, const std::vector<c10::IValue>& b) {
-    a.insert(a.end(), b.begin(), b.end());
-    return a;
-  };
+  // Control messages carry ids as (worker, local) tuples.
+  auto id = [](int64_t local) { return to_ivalue(std::make_tuple(int64_t(0), local)); };
   auto del = [&](int64_t rref, int64_t fork) {
-    c10::impl::GenericList l(c10::AnyType::get());
-    for (auto& v : cat(id(rref), id(fork))) l.push_back(v);
-    w[0].call("worker1", "tandem.rref.delete", {c10::IValue(l)}).wait();
+    w[0].call("worker1", "tandem.rref.delete", {to_ivalue(std::vector<int64_t>{0, rref, 0, fork})})
+        .wait();
   };
   del(1000, 1001);
-  w[0].call("worker1", "tandem.rref.fork", cat(id(1000), id(1001))).wait();
+  w[0].call("worker1", "tandem.rref.fork", {id(1000), id(1001)}).wait();
   CHECK(w[1].rrefs().owned_values() == 0);
   del(2000, 2000);
   c10::impl::GenericList no_args(c10::AnyType::get());
-  auto create = cat(cat(id(2000), id(2000)), {c10::IValue(std::string("ones"))});
-  create = cat(create, {int64_t(-1), int64_t(0), c10::IValue(no_args)});
+  std::vector<c10::IValue> create{id(2000), id(2000), std::string("ones"), c10::IValue(),
+                                  c10::IValue(no_args)};
   CHECK_THROWS_WITH_AS(w[0].call("worker1", "tandem.rref.create", create).wait(),
                        doctest::Contains("deleted before its creation"), RemoteError);
+  // Malformed control messages are refused, naming what was wrong.
+  CHECK_THROWS_WITH_AS(w[0].call("worker1", "tandem.rref.fork", {id(1), int64_t(5)}).wait(),
+                       doctest::Contains("argument 2 of 'tandem.rref.fork'"), RemoteError);
+  CHECK_THROWS_WITH_AS(
+      w[0].call("worker1", "tandem.rref.fetch", {to_ivalue(std::make_tuple(int64_t(9), int64_t(1)))})
+          .wait(),
+      doctest::Contains("worker 9 is outside the world"), RemoteError);
+  CHECK_THROWS_WITH_AS(
+      w[0].call("worker1", "tandem.rref.delete", {to_ivalue(std::vector<int64_t>{0, 1, 0})}).wait(),
+      doctest::Contains("not a multiple of 4"), RemoteError);
   CHECK(w[1].rrefs().owned_values() == 0);
   w.shutdown();
 }
@@ -401,7 +407,8 @@ TEST_CASE("rref: a delete that overtakes its fork or create does not resurrect i
 TEST_CASE("rref: a request for a value its owner never had is dropped, not kept") {
   World w(2, [](Registry& r) { define(r, std::make_shared<Stash>()); },
           [](AgentOptions& o) { o.rpc_timeout = 300ms; });
-  auto f = w[0].call("worker1", "tandem.rref.fetch", {int64_t(0), int64_t(4242)}, 50ms);
+  auto f = w[0].call("worker1", "tandem.rref.fetch",
+                     {to_ivalue(std::make_tuple(int64_t(0), int64_t(4242)))}, 50ms);
   CHECK_THROWS_AS(f.wait(), TimeoutError);
   CHECK(w[1].rrefs().owned_values() == 1);  // a placeholder, in case the create is late
   CHECK(eventually([&] { return w[1].rrefs().owned_values() == 0; }, 2000ms));

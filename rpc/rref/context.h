@@ -1,7 +1,9 @@
 // RRefContext: one agent's remote references, as owner and as user.
 //
 // Protocol (all control messages are internal RPCs named "tandem.rref.*",
-// idempotent, and retried on timeouts; see rref_context.cc):
+// idempotent, and retried on timeouts). The implementation is in three
+// parts: the owner's side (rref/owner.cc), the user's side (rref/user.cc),
+// and the control messages and handlers that join them (rref/control.cc):
 //  1. remote(): the creator picks the RRef id (its fork id is the same id),
 //     returns the handle at once, and sends `create` to the owner, which runs
 //     the registered function and keeps the result (or its error). The reply
@@ -38,7 +40,7 @@
 
 #include "tandem/rpc/agent.h"
 #include "tandem/rpc/bounded_set.h"
-#include "tandem/rpc/rref_impl.h"
+#include "tandem/rpc/rref/impl.h"
 #include "tandem/rpc/thread_pool.h"
 
 namespace tandem::rpc {
@@ -123,12 +125,14 @@ class RRefContext final : public RRefHook, public std::enable_shared_from_this<R
   RRefPtr bind_new(const RRefDesc& desc, RRefImpl::Kind kind, RawFuture confirmed);
 
   // Handlers (owner side unless noted).
-  c10::IValue on_create(std::vector<c10::IValue>& args);
-  c10::IValue on_fetch(std::vector<c10::IValue>& args);
-  c10::IValue on_call(std::vector<c10::IValue>& args);
-  c10::IValue on_fork(std::vector<c10::IValue>& args);
-  c10::IValue on_delete(std::vector<c10::IValue>& args);
-  c10::IValue on_child_accept(std::vector<c10::IValue>& args);  // parent side
+  // Completes when the value exists (with None), or with why it does not.
+  RawFuture on_create(const RRefId& id, const ForkId& fork, const std::string& fn,
+                      c10::optional<RRefId> self, std::vector<c10::IValue> args);
+  RawFuture on_fetch(const RRefId& id);
+  RawFuture on_call(const RRefId& id, const std::string& fn, std::vector<c10::IValue> args);
+  void on_fork(const RRefId& id, const ForkId& fork);
+  void on_delete(const std::vector<std::pair<RRefId, ForkId>>& batch);
+  void on_child_accept(const ForkId& fork);  // parent side
   // Runs the user's function `fn` on `value` and `args` when `value` is
   // ready; the result (or error) completes the returned future.
   RawFuture apply_when_ready(RawFuture value, const std::string& fn,

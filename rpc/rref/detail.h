@@ -1,0 +1,64 @@
+// Helpers shared by the three parts of the RRef implementation (owner.cc,
+// user.cc, control.cc). Not installed.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <tuple>
+#include <vector>
+
+#include "tandem/rpc/errors.h"
+#include "tandem/rpc/rref/impl.h"
+
+namespace tandem::rpc::rref_detail {
+
+// Ids travel as (worker, local) tuples.
+using WireId = std::tuple<int64_t, int64_t>;
+
+inline WireId wire(const GloballyUniqueId& id) {
+  return {static_cast<int64_t>(id.worker), static_cast<int64_t>(id.local)};
+}
+
+// The id a peer sent, checked against the world's size.
+inline GloballyUniqueId id_of(const WireId& w, int world_size) {
+  const int64_t worker = std::get<0>(w);
+  if (worker < 0 || worker >= world_size) {
+    throw std::invalid_argument("malformed RRef id: worker " + std::to_string(worker) +
+                                " is outside the world");
+  }
+  return {static_cast<int32_t>(worker), static_cast<uint64_t>(std::get<1>(w))};
+}
+
+inline c10::IValue list_of(std::vector<c10::IValue> items) {
+  c10::impl::GenericList list(c10::AnyType::get());
+  list.reserve(items.size());
+  for (auto& i : items) list.push_back(std::move(i));
+  return c10::IValue(std::move(list));
+}
+
+inline std::vector<c10::IValue> items_of(const c10::IValue& v) {
+  if (!v.isList()) throw std::invalid_argument("malformed RRef control message: expected a list");
+  auto l = v.toList();
+  return std::vector<c10::IValue>(l.begin(), l.end());
+}
+
+inline RawFuture completed_future() {
+  auto f = make_raw_future();
+  f->markCompleted(c10::IValue());
+  return f;
+}
+
+// Completes `out` like `from` (value or error), unless `out` already is.
+inline void forward(c10::ivalue::Future& from, const RawFuture& out) {
+  if (from.hasError()) {
+    out->setErrorIfNeeded(from.exception_ptr());
+  } else if (!out->completed()) {
+    out->markCompleted(from.constValue());
+  }
+}
+
+constexpr int kControlAttempts = 3;
+constexpr auto kControlBackoff = std::chrono::microseconds(50000);
+constexpr auto kDeleteBatchDelay = std::chrono::microseconds(500);
+
+}  // namespace tandem::rpc::rref_detail
