@@ -1,34 +1,61 @@
 // An outside project's program: built against an installed Tandem through
 // find_package(Tandem), it starts a one-worker world, calls itself, and runs
-// distributed autograd through that call.
+// distributed autograd through that call and through a handler that chains
+// its calls with then(), as the README shows.
 #include <tandem/autograd/autograd.h>
 #include <tandem/rpc/api.h>
 
+#include <ATen/ops/add.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/sum.h>
 
 #include <cstdio>
+#include <stdexcept>
+#include <string>
 
 int main() {
   auto reg = std::make_shared<tandem::rpc::Registry>();
   reg->def("twice", [](int64_t x) { return 2 * x; });
   reg->def("scale", [](at::Tensor t, double s) { return at::mul(t, s); });
+  reg->def("scale_twice", [](at::Tensor t) {
+    auto agent = tandem::rpc::current_agent();
+    return agent->rpc_async<at::Tensor>("worker0", "scale", t, 2).then(
+        [agent](tandem::rpc::Future<at::Tensor> r) {
+          return agent->rpc_async<at::Tensor>("worker0", "scale", r.wait(), 3);
+        });
+  });
   tandem::rpc::AgentOptions o;
   o.rank = 0;
   o.world_size = 1;
   o.init_method = "tcp://127.0.0.1:0";  // one worker: it hosts the store itself
   tandem::rpc::init(reg, o);
   int64_t y = tandem::rpc::rpc_sync<int64_t>("worker0", "twice", 21);
-  double g = 0;
+  double g = 0, chained = 0;
+  bool named = false;
   {
     tandem::autograd::Context ctx;
     at::Tensor x = at::ones({4}).requires_grad_();
     at::Tensor z = tandem::rpc::rpc_sync<at::Tensor>("worker0", "scale", x, 3.0);
     tandem::autograd::backward(ctx.id(), {at::sum(z)});
-    g = tandem::autograd::get_gradients(ctx.id()).at(x)[0].item<double>();
+    auto grads = tandem::autograd::get_gradients(ctx.id());
+    g = grads.at(x)[0].item<double>();
+    try {
+      grads.at(at::ones({4}).requires_grad_());
+    } catch (const std::out_of_range& e) {
+      named = std::string(e.what()).find("got no gradient") != std::string::npos;
+    }
+  }
+  {
+    tandem::autograd::Context ctx;
+    at::Tensor x = at::ones({4}).requires_grad_();
+    at::Tensor w = tandem::rpc::rpc_sync<at::Tensor>("worker0", "scale_twice", x);
+    tandem::autograd::backward(ctx.id(), {at::add(at::sum(w), at::sum(x))});
+    chained = tandem::autograd::get_gradients(ctx.id()).at(x)[0].item<double>();
   }
   tandem::rpc::shutdown();
-  std::printf("twice(21) = %lld, d(sum(3x))/dx = %.1f\n", static_cast<long long>(y), g);
-  return y == 42 && g == 3.0 ? 0 : 1;
+  std::printf("twice(21) = %lld, d(sum(3x))/dx = %.1f, d(sum(6x) + sum(x))/dx = %.1f, %s\n",
+              static_cast<long long>(y), g, chained,
+              named ? "a missing gradient is named" : "a missing gradient is NOT named");
+  return y == 42 && g == 3.0 && chained == 7.0 && named ? 0 : 1;
 }
