@@ -333,9 +333,7 @@ void Container::close() {
         fail(task, std::make_exception_ptr(rpc::ShutdownError(
                        "agent " + name_ + " shut down during distributed backward")));
       } else {
-        std::lock_guard<std::mutex> lock(task->mu);
-        task->stop_locked();
-        task->report = nullptr;
+        task->close();
       }
     }
   }

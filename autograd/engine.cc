@@ -184,7 +184,7 @@ std::shared_ptr<GraphTask> Container::find_task(uint64_t context, uint64_t task)
 
 std::shared_ptr<GraphTask> Container::task_of(ContextState& ctx, uint64_t task) {
   auto& t = ctx.tasks[task];
-  if (!t) t = std::make_shared<GraphTask>(ctx.id, task, id_worker(task));
+  if (!t) t = std::make_shared<GraphTask>(ctx.id, task, id_worker(task), /*attached=*/false);
   return t;
 }
 
@@ -211,10 +211,9 @@ void Container::backward(uint64_t context, const std::vector<at::Tensor>& roots,
   auto ctx = get(context);
   if (timeout.count() < 0) timeout = agent_.options().rpc_timeout;
   const auto start = std::chrono::steady_clock::now();
-  auto task = std::make_shared<GraphTask>(context, next_id(next_task_), rank_);
+  auto task = std::make_shared<GraphTask>(context, next_id(next_task_), rank_, /*attached=*/true);
   task->keep_graph = retain_graph;
   task->timeout = timeout;
-  task->attached = true;
 
   // 1. Discovery: every send that will get a gradient, on every worker.
   GraphTask::NodeMap nodes;
@@ -245,7 +244,8 @@ void Container::backward(uint64_t context, const std::vector<at::Tensor>& roots,
     std::lock_guard<std::mutex> lock(task->mu);
     task->nodes.swap(nodes);
     task->ready.push_back(root.get());
-    task->started = true;
+    // Not if a release aborted it meanwhile.
+    if (task->phase == GraphTask::Phase::kWaitingForRun) task->phase = GraphTask::Phase::kRunning;
   }
 
   // 2. Every other worker that has a part is told which of its sends to
@@ -352,7 +352,7 @@ rpc::RawFuture Container::run_part(uint64_t context, uint64_t id, int root, bool
   std::vector<std::pair<std::shared_ptr<SendBackward>, variable_list>> early;
   {
     std::lock_guard<std::mutex> lock(task->mu);
-    if (task->started || task->finished) {
+    if (task->phase != GraphTask::Phase::kWaitingForRun) {
       throw std::logic_error("graph task " + std::to_string(id) +
                              " was already run (or aborted) on " + name_);
     }
@@ -363,7 +363,7 @@ rpc::RawFuture Container::run_part(uint64_t context, uint64_t id, int root, bool
     task->report = [weak, context, id](std::exception_ptr e) {
       if (auto self = weak.lock()) self->tell_root(context, id, e);
     };
-    task->started = true;
+    task->phase = GraphTask::Phase::kRunning;
     early.swap(task->early);
     for (auto& [send, grads] : early) deliver_to_send(*task, send.get(), std::move(grads), name_);
   }
@@ -385,11 +385,11 @@ void Container::on_grad(uint64_t context, uint64_t id, uint64_t message, variabl
   }
   {
     std::lock_guard<std::mutex> lock(task->mu);
-    if (task->finished) return;  // failed or aborted: nothing more runs
-    if (!task->started) {
+    if (task->phase == GraphTask::Phase::kWaitingForRun) {
       task->early.emplace_back(std::move(send), std::move(grads));
       return;
     }
+    if (task->phase != GraphTask::Phase::kRunning) return;  // over: nothing more runs
     deliver_to_send(*task, send.get(), std::move(grads), name_);
     if (task->attached) {  // backward()'s own thread drains the root's part
       ++task->signals;
@@ -409,9 +409,9 @@ void Container::drain(const std::shared_ptr<ContextState>& ctx,
                       const std::shared_ptr<GraphTask>& task) {
   c10::AutoGradMode no_grad(false);
   std::unique_lock<std::mutex> lock(task->mu);
-  if (task->draining || task->finished) return;
+  if (task->draining || task->phase != GraphTask::Phase::kRunning) return;
   task->draining = true;
-  while (!task->ready.empty() && !task->finished) {
+  while (!task->ready.empty() && task->phase == GraphTask::Phase::kRunning) {
     Node* n = task->ready.back();
     task->ready.pop_back();
     auto it = task->nodes.find(n);
@@ -428,7 +428,7 @@ void Container::drain(const std::shared_ptr<ContextState>& ctx,
       break;
     }
     lock.lock();
-    if (task->finished) break;
+    if (task->phase != GraphTask::Phase::kRunning) break;
     const auto& edges = fn->next_edges();
     for (size_t i = 0; i < edges.size(); ++i) {
       if (!edges[i].is_valid()) continue;
@@ -444,8 +444,8 @@ void Container::drain(const std::shared_ptr<ContextState>& ctx,
     }
   }
   task->draining = false;
-  const bool done = !task->finished && task->started && task->nodes.empty();
-  if (done) task->finished = task->settled = true;
+  const bool done = task->phase == GraphTask::Phase::kRunning && task->nodes.empty();
+  if (done) task->phase = GraphTask::Phase::kDone;
   lock.unlock();
   if (done) task->done->markCompleted(c10::IValue());
 }
@@ -539,36 +539,11 @@ void Container::tell_root(uint64_t context, uint64_t task, std::exception_ptr er
 }
 
 void Container::fail(const std::shared_ptr<GraphTask>& task, std::exception_ptr error) {
-  std::function<void(std::exception_ptr)> report;
-  bool answered;
-  {
-    std::lock_guard<std::mutex> lock(task->mu);
-    if (task->failed) return;
-    task->failed = true;
-    task->stop_locked();
-    answered = task->settled;
-    task->settled = true;
-    if (answered) report = task->report;
-  }
-  if (!answered) {
-    task->done->setError(error);
-  } else if (report) {
-    report(error);  // `done` already said this part was fine
-  }
+  task->fail(std::move(error));
 }
 
 void Container::abort_task(const std::shared_ptr<GraphTask>& task, const std::string& why) {
-  {
-    std::lock_guard<std::mutex> lock(task->mu);
-    task->stop_locked();
-    task->report = nullptr;
-    task->failed = true;
-    if (task->settled) return;
-    task->settled = true;
-  }
-  task->done->setError(std::make_exception_ptr(
-      rpc::ShutdownError("distributed backward task " + std::to_string(task->id) + " on " +
-                         name_ + ": " + why)));
+  task->abort(name_, why);
 }
 
 c10::Dict<at::Tensor, at::Tensor> Container::get_gradients(uint64_t context) const {
