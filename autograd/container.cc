@@ -7,7 +7,6 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
-#include <condition_variable>
 #include <cstdio>
 #include <unordered_set>
 
@@ -68,33 +67,6 @@ std::vector<uint64_t> reach_of(const std::vector<at::Tensor>& tensors) {
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
-}
-
-// Completes when every future in `all` has (errors ignored).
-rpc::RawFuture when_all(std::vector<rpc::RawFuture> all) {
-  auto out = rpc::make_raw_future();
-  if (all.empty()) {
-    out->markCompleted(c10::IValue());
-    return out;
-  }
-  auto left = std::make_shared<std::atomic<size_t>>(all.size());
-  for (auto& f : all) {
-    f->addCallback([left, out](c10::ivalue::Future&) {
-      if (left->fetch_sub(1) == 1) out->markCompleted(c10::IValue());
-    });
-  }
-  return out;
-}
-
-bool wait_for(const rpc::RawFuture& f, std::chrono::milliseconds timeout) {
-  auto mu = std::make_shared<std::mutex>();
-  auto cv = std::make_shared<std::condition_variable>();
-  f->addCallback([mu, cv](c10::ivalue::Future&) {
-    std::lock_guard<std::mutex> lock(*mu);
-    cv->notify_all();
-  });
-  std::unique_lock<std::mutex> lock(*mu);
-  return cv->wait_for(lock, timeout, [&] { return f->completed(); });
 }
 
 const bool kRegistered = [] {
@@ -273,7 +245,7 @@ rpc::RawFuture Container::release(uint64_t id, int from) {
       }
     }
   }
-  if (!ctx) return when_all({});
+  if (!ctx) return rpc::when_all_raw({});
   std::vector<int> workers;
   {
     std::lock_guard<std::mutex> lock(ctx->mu);
@@ -299,7 +271,7 @@ rpc::RawFuture Container::release(uint64_t id, int from) {
       // Shut down or unreachable: nothing there can be freed from here.
     }
   }
-  return when_all(std::move(forwarded));
+  return rpc::when_all_raw(forwarded);
 }
 
 std::vector<std::string> Container::live_objects() const {
@@ -362,24 +334,13 @@ void Container::register_handlers(rpc::Registry& internal) {
     if (root < 0 || root >= c->agent_.world_size()) {
       throw std::invalid_argument("unknown root rank " + std::to_string(root));
     }
-    rpc::RawFuture done = c->run_part(static_cast<uint64_t>(ctx), static_cast<uint64_t>(task),
-                                      static_cast<int>(root), keep, ids,
-                                      std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0)));
-    // The reply is a value, so that the root can raise the error with its
-    // type (Disconnected, Timeout, ...) and this worker's name.
-    auto out = rpc::make_raw_future();
-    std::string me = c->name_;
-    done->addCallback([out, me](c10::ivalue::Future& f) {
-      if (f.hasError()) {
-        auto [code, text] = rpc::describe_error(f.exception_ptr());
-        out->markCompleted(c10::ivalue::Tuple::create(
-            {c10::IValue(static_cast<int64_t>(code)), c10::IValue(me), c10::IValue(text)}));
-      } else {
-        out->markCompleted(c10::ivalue::Tuple::create(
-            {c10::IValue(int64_t(-1)), c10::IValue(std::string()), c10::IValue(std::string())}));
-      }
-    });
-    return rpc::Future<c10::IValue>(out, nullptr);
+    // The reply is this part's outcome: an error keeps its kind (Disconnected,
+    // Timeout, ...) and names this worker (rpc::Agent::reply).
+    return rpc::Future<void>(
+        c->run_part(static_cast<uint64_t>(ctx), static_cast<uint64_t>(task),
+                    static_cast<int>(root), keep, ids,
+                    std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0))),
+        nullptr);
   });
   internal.def("tandem.autograd.fail", [self](int64_t ctx, int64_t task, int64_t code,
                                               std::string worker, std::string message) {
@@ -475,8 +436,7 @@ Context::~Context() {
   scope_.reset();
   if (tls_current.id == id_) tls_current = {};
   try {
-    auto done = container_->release(id_);
-    wait_for(done, release_timeout_.count() > 0 ? release_timeout_ : std::chrono::hours(24));
+    rpc::wait_raw(container_->release(id_), release_timeout_);
   } catch (const std::exception&) {
     // The agent is gone: nothing is left to release.
   }

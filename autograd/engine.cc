@@ -14,29 +14,15 @@
 
 namespace tandem::autograd {
 
-// backward() returns when the root's part and every other worker's are
-// done, or with the first error.
+// backward()'s outcome: every part done (rpc::when_all_raw of the root's
+// `done` and each `run` reply), or the first error from anywhere (a part, a
+// failure told to the root later, the timeout), whichever comes first.
 struct Join {
-  std::mutex mu;
-  size_t left;
-  bool over = false;
-  rpc::RawFuture result = rpc::make_raw_future();
-  explicit Join(size_t n) : left(n) {}
-  void one_done() {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      if (over || --left > 0) return;
-      over = true;
-    }
-    result->markCompleted(c10::IValue());
-  }
+  rpc::RawFuture failed = rpc::make_raw_future();  // the first error only
+  std::atomic<bool> over{false};
+  rpc::RawFuture result;  // when_any_raw({failed, when_all_raw(parts)})
   void fail(std::exception_ptr e) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      if (over) return;
-      over = true;
-    }
-    result->setError(e);
+    if (!over.exchange(true)) failed->setError(e);
   }
 };
 
@@ -103,29 +89,6 @@ std::shared_ptr<RootBackward> make_root(const std::vector<at::Tensor>& roots) {
     grads.push_back(at::ones_like(r, at::MemoryFormat::Preserve));
   }
   return std::make_shared<RootBackward>(std::move(edges), std::move(grads));
-}
-
-// A `run` reply: (-1, "", "") when that part is done, else (code, worker,
-// message) of its error.
-void on_run_reply(Join& join, const std::string& worker, uint64_t context,
-                  c10::ivalue::Future& f) {
-  if (f.hasError()) {
-    auto [code, text] = rpc::describe_error(f.exception_ptr());
-    return join.fail(rpc::make_error(
-        code, worker, "distributed backward of context " + std::to_string(context) + ": " + text));
-  }
-  const c10::IValue& v = f.constValue();
-  if (v.isTuple() && v.toTupleRef().elements().size() == 3) {
-    const auto& e = v.toTupleRef().elements();
-    if (e[0].isInt() && e[1].isString() && e[2].isString() && e[0].toInt() >= -1 &&
-        e[0].toInt() <= static_cast<int64_t>(rpc::ErrorCode::kProtocol)) {
-      if (e[0].toInt() < 0) return join.one_done();
-      return join.fail(rpc::make_error(static_cast<rpc::ErrorCode>(e[0].toInt()),
-                                       e[1].toStringRef(), e[2].toStringRef()));
-    }
-  }
-  join.fail(std::make_exception_ptr(
-      rpc::ProtocolError("malformed reply to 'tandem.autograd.run' from " + worker)));
 }
 
 // Gives a send its gradients from the paired receive (task.mu held).
@@ -250,7 +213,7 @@ void Container::backward(uint64_t context, const std::vector<at::Tensor>& roots,
 
   // 2. Every other worker that has a part is told which of its sends to
   //    count from.
-  auto join = std::make_shared<Join>(parts.size() + 1);
+  auto join = std::make_shared<Join>();
   {
     std::lock_guard<std::mutex> lock(task->mu);
     task->report = [join, me = name_](std::exception_ptr e) {
@@ -258,15 +221,13 @@ void Container::backward(uint64_t context, const std::vector<at::Tensor>& roots,
       join->fail(rpc::make_error(code, me, text));
     };
   }
+  // Each part's error reaches `join` before when_all_raw sees it (callbacks
+  // run in the order they were added), with this worker's name on the root's.
+  std::vector<rpc::RawFuture> done{task->done};
   task->done->addCallback([join, me = name_](c10::ivalue::Future& f) {
-    if (!f.hasError()) return join->one_done();
+    if (!f.hasError()) return;
     auto [code, text] = rpc::describe_error(f.exception_ptr());
     join->fail(rpc::make_error(code, me, text));
-  });
-  join->result->addCallback([task](c10::ivalue::Future&) {
-    std::lock_guard<std::mutex> lock(task->mu);
-    ++task->signals;
-    task->cv.notify_all();
   });
   for (auto& [worker, sends] : parts) {
     try {
@@ -276,14 +237,24 @@ void Container::backward(uint64_t context, const std::vector<at::Tensor>& roots,
                             static_cast<int64_t>(rank_), retain_graph,
                             static_cast<int64_t>(timeout.count()), c10::List<int64_t>(sends)},
                            timeout);
-      f.raw()->addCallback([join, name, context](c10::ivalue::Future& f) {
-        on_run_reply(*join, name, context, f);
+      // The reply's error is typed and names that worker already.
+      f.raw()->addCallback([join](c10::ivalue::Future& f) {
+        if (f.hasError()) join->fail(f.exception_ptr());
       });
+      done.push_back(f.raw());
     } catch (...) {
       join->fail(std::current_exception());
       break;
     }
   }
+
+  // `failed` first: an error already there wins.
+  join->result = rpc::when_any_raw({join->failed, rpc::when_all_raw(done)});
+  join->result->addCallback([task](c10::ivalue::Future&) {
+    std::lock_guard<std::mutex> lock(task->mu);
+    ++task->signals;
+    task->cv.notify_all();
+  });
 
   // 3. This worker's part runs on this thread: gradients that come back are
   //    delivered on the loop thread, which wakes this one.
