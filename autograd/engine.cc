@@ -138,7 +138,7 @@ void fit_outputs(const Node& fn, variable_list& outputs) {
 }  // namespace
 
 std::shared_ptr<GraphTask> Container::find_task(uint64_t context, uint64_t task) {
-  auto ctx = find(context);
+  auto ctx = contexts_->find(context);
   if (!ctx) return nullptr;
   std::lock_guard<std::mutex> lock(ctx->mu);
   auto it = ctx->tasks.find(task);
@@ -171,10 +171,10 @@ std::vector<std::shared_ptr<SendBackward>> Container::sends_of(
 void Container::backward(uint64_t context, const std::vector<at::Tensor>& roots,
                          bool retain_graph, std::chrono::milliseconds timeout) {
   auto root = make_root(roots);
-  auto ctx = get(context);
+  auto ctx = contexts_->get(context);
   if (timeout.count() < 0) timeout = agent_.options().rpc_timeout;
   const auto start = std::chrono::steady_clock::now();
-  auto task = std::make_shared<GraphTask>(context, next_id(next_task_), rank_, /*attached=*/true);
+  auto task = std::make_shared<GraphTask>(context, make_id(rank_, next_task_), rank_, /*attached=*/true);
   task->keep_graph = retain_graph;
   task->timeout = timeout;
 
@@ -309,7 +309,7 @@ rpc::RawFuture Container::run_part(uint64_t context, uint64_t id, int root, bool
                                 std::to_string(root) + " but was made by rank " +
                                 std::to_string(id_worker(id)));
   }
-  auto ctx = get(context);
+  auto ctx = contexts_->get(context);
   std::shared_ptr<GraphTask> task;
   std::vector<std::shared_ptr<SendBackward>> sends;
   {
@@ -344,7 +344,7 @@ rpc::RawFuture Container::run_part(uint64_t context, uint64_t id, int root, bool
 }
 
 void Container::on_grad(uint64_t context, uint64_t id, uint64_t message, variable_list grads) {
-  auto ctx = get(context);
+  auto ctx = contexts_->get(context);
   std::shared_ptr<SendBackward> send;
   std::shared_ptr<GraphTask> task;
   {
@@ -518,9 +518,7 @@ void Container::abort_task(const std::shared_ptr<GraphTask>& task, const std::st
 }
 
 c10::Dict<at::Tensor, at::Tensor> Container::get_gradients(uint64_t context) const {
-  auto ctx = get(context);
-  std::lock_guard<std::mutex> lock(ctx->mu);
-  return ctx->grads.copy();
+  return contexts_->gradients(context);
 }
 
 }  // namespace tandem::autograd
