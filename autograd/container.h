@@ -1,23 +1,8 @@
-// Container: one agent's distributed autograd state, and its hooks into the
-// agent (an rpc::AgentExtension, so rpc/ never knows about autograd).
-//
-// What it promises:
-//  1. Contexts: ids are (rank << 48) | counter, unique across the job. A
-//     context exists on a worker once that worker created it, or sent or
-//     received a message inside it. A request's context is the sender's
-//     current one and becomes current in its handler (and in calls the
-//     handler makes); a response carries its request's context.
-//  2. Recording (before_send / after_encode / after_receive): inside a
-//     context, a message with tensors that require grad gets a SendBackward
-//     here and a RecvBackward on the receiver (autograd/functions.h), and
-//     carries its reach (autograd/engine.h). Every worker sent to is
-//     remembered for release. Outside a context the hooks return at once.
-//  3. Release: the context is dropped here, its tasks aborted, and the
-//     release forwarded to every worker it was sent to; the returned future
-//     completes when all of them have released it. A released id is
-//     remembered (bounded), so a late message does not bring it back.
-//  4. Gradients accumulate per context (get_gradients), never into .grad.
-// The engine's half of this class lives in engine.cc.
+// Container: one agent's distributed autograd: its contexts
+// (autograd/context.h), the recording hooks (autograd/recording.h) and the
+// engine (autograd/engine.h; its half of this class lives in engine.cc),
+// plugged into the agent as an rpc::AgentExtension, so rpc/ never knows
+// about autograd.
 #pragma once
 
 #include <ATen/core/Dict.h>
@@ -32,24 +17,13 @@
 #include <unordered_set>
 #include <vector>
 
+#include "tandem/autograd/context.h"
 #include "tandem/autograd/engine.h"
 #include "tandem/autograd/functions.h"
+#include "tandem/autograd/recording.h"
 #include "tandem/rpc/agent.h"
 
 namespace tandem::autograd {
-
-// One context's state on one worker.
-struct ContextState {
-  explicit ContextState(uint64_t id) : id(id) {}
-  const uint64_t id;
-  std::mutex mu;
-  std::unordered_map<uint64_t, std::shared_ptr<SendBackward>> sends;  // by message id
-  size_t recvs = 0;             // messages received with grads; 0: sends reach nothing
-  std::set<int> known_workers;  // sent to inside this context
-  c10::Dict<at::Tensor, at::Tensor> grads;
-  std::unordered_map<uint64_t, std::shared_ptr<GraphTask>> tasks;
-  bool released = false;  // set by release(): nothing more is recorded in it
-};
 
 struct Join;
 
@@ -71,16 +45,7 @@ class Container final : public rpc::AgentExtension,
   void close() override;
 
   const std::string& name() const { return name_; }
-  bool closed() const;
-  uint64_t new_context();
-  // The context current on this thread for this agent (0: none).
-  uint64_t current_context() const;
-  std::shared_ptr<ContextState> find(uint64_t id) const;
-  // Like find(), but throws std::invalid_argument naming the id.
-  std::shared_ptr<ContextState> get(uint64_t id) const;
-  // Completes when every worker that took part has released `id`.
-  rpc::RawFuture release(uint64_t id, int from = -1);
-  size_t live_contexts() const;
+  Contexts& contexts() { return *contexts_; }
 
   // The engine (engine.cc).
   void backward(uint64_t context, const std::vector<at::Tensor>& roots, bool retain_graph,
@@ -88,10 +53,8 @@ class Container final : public rpc::AgentExtension,
   c10::Dict<at::Tensor, at::Tensor> get_gradients(uint64_t context) const;
 
  private:
-  std::shared_ptr<ContextState> get_or_create(uint64_t id);
   // For handlers: this container, or ShutdownError once it is gone.
   std::function<std::shared_ptr<Container>()> locker();
-  uint64_t next_id(std::atomic<uint64_t>& counter) const;
 
   // Engine internals (engine.cc).
   rpc::RawFuture run_part(uint64_t context, uint64_t task, int root, bool keep_graph,
@@ -124,14 +87,9 @@ class Container final : public rpc::AgentExtension,
   rpc::Agent& agent_;  // valid until close(); the agent owns this container
   const int rank_;
   const std::string name_;  // the agent's name, for messages
-  std::atomic<uint64_t> next_context_{1};
-  std::atomic<uint64_t> next_message_{1};
+  const std::shared_ptr<Contexts> contexts_;
+  Recorder recorder_;
   std::atomic<uint64_t> next_task_{1};
-  mutable std::mutex mu_;
-  std::unordered_map<uint64_t, std::shared_ptr<ContextState>> contexts_;
-  std::unordered_set<uint64_t> released_;  // recently released ids
-  std::deque<uint64_t> released_order_;
-  bool closed_ = false;
 };
 
 }  // namespace tandem::autograd

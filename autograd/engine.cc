@@ -15,29 +15,15 @@
 
 namespace tandem::autograd {
 
-// backward() returns when the root's part and every other worker's are
-// done, or with the first error.
+// backward()'s outcome: every part done (rpc::when_all_raw of the root's
+// `done` and each `run` reply), or the first error from anywhere (a part, a
+// failure told to the root later, the timeout), whichever comes first.
 struct Join {
-  std::mutex mu;
-  size_t left;
-  bool over = false;
-  rpc::RawFuture result = rpc::make_raw_future();
-  explicit Join(size_t n) : left(n) {}
-  void one_done() {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      if (over || --left > 0) return;
-      over = true;
-    }
-    result->markCompleted(c10::IValue());
-  }
+  rpc::RawFuture failed = rpc::make_raw_future();  // the first error only
+  std::atomic<bool> over{false};
+  rpc::RawFuture result;  // when_any_raw({failed, when_all_raw(parts)})
   void fail(std::exception_ptr e) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      if (over) return;
-      over = true;
-    }
-    result->setError(e);
+    if (!over.exchange(true)) failed->setError(e);
   }
 };
 
@@ -106,29 +92,6 @@ std::shared_ptr<RootBackward> make_root(const std::vector<at::Tensor>& roots) {
   return std::make_shared<RootBackward>(std::move(edges), std::move(grads));
 }
 
-// A `run` reply: (-1, "", "") when that part is done, else (code, worker,
-// message) of its error.
-void on_run_reply(Join& join, const std::string& worker, uint64_t context,
-                  c10::ivalue::Future& f) {
-  if (f.hasError()) {
-    auto [code, text] = rpc::describe_error(f.exception_ptr());
-    return join.fail(rpc::make_error(
-        code, worker, "distributed backward of context " + std::to_string(context) + ": " + text));
-  }
-  const c10::IValue& v = f.constValue();
-  if (v.isTuple() && v.toTupleRef().elements().size() == 3) {
-    const auto& e = v.toTupleRef().elements();
-    if (e[0].isInt() && e[1].isString() && e[2].isString() && e[0].toInt() >= -1 &&
-        e[0].toInt() <= static_cast<int64_t>(rpc::ErrorCode::kProtocol)) {
-      if (e[0].toInt() < 0) return join.one_done();
-      return join.fail(rpc::make_error(static_cast<rpc::ErrorCode>(e[0].toInt()),
-                                       e[1].toStringRef(), e[2].toStringRef()));
-    }
-  }
-  join.fail(std::make_exception_ptr(
-      rpc::ProtocolError("malformed reply to 'tandem.autograd.run' from " + worker)));
-}
-
 // Gives a send its gradients from the paired receive (task.mu held).
 void deliver_to_send(GraphTask& t, SendBackward* send, variable_list grads,
                      const std::string& where) {
@@ -176,7 +139,7 @@ void fit_outputs(const Node& fn, variable_list& outputs) {
 }  // namespace
 
 std::shared_ptr<GraphTask> Container::find_task(uint64_t context, uint64_t task) {
-  auto ctx = find(context);
+  auto ctx = contexts_->find(context);
   if (!ctx) return nullptr;
   std::lock_guard<std::mutex> lock(ctx->mu);
   auto it = ctx->tasks.find(task);
@@ -185,7 +148,7 @@ std::shared_ptr<GraphTask> Container::find_task(uint64_t context, uint64_t task)
 
 std::shared_ptr<GraphTask> Container::task_of(ContextState& ctx, uint64_t task) {
   auto& t = ctx.tasks[task];
-  if (!t) t = std::make_shared<GraphTask>(ctx.id, task, id_worker(task));
+  if (!t) t = std::make_shared<GraphTask>(ctx.id, task, id_worker(task), /*attached=*/false);
   return t;
 }
 
@@ -209,13 +172,12 @@ std::vector<std::shared_ptr<SendBackward>> Container::sends_of(
 void Container::backward(uint64_t context, const std::vector<at::Tensor>& roots,
                          bool retain_graph, std::chrono::milliseconds timeout) {
   auto root = make_root(roots);
-  auto ctx = get(context);
+  auto ctx = contexts_->get(context);
   if (timeout.count() < 0) timeout = agent_.options().rpc_timeout;
   const auto start = std::chrono::steady_clock::now();
-  auto task = std::make_shared<GraphTask>(context, next_id(next_task_), rank_);
+  auto task = std::make_shared<GraphTask>(context, make_id(rank_, next_task_), rank_, /*attached=*/true);
   task->keep_graph = retain_graph;
   task->timeout = timeout;
-  task->attached = true;
 
   // 1. Discovery: every send that will get a gradient, on every worker.
   GraphTask::NodeMap nodes;
@@ -246,12 +208,13 @@ void Container::backward(uint64_t context, const std::vector<at::Tensor>& roots,
     std::lock_guard<std::mutex> lock(task->mu);
     task->nodes.swap(nodes);
     task->ready.push_back(root.get());
-    task->started = true;
+    // Not if a release aborted it meanwhile.
+    if (task->phase == GraphTask::Phase::kWaitingForRun) task->phase = GraphTask::Phase::kRunning;
   }
 
   // 2. Every other worker that has a part is told which of its sends to
   //    count from.
-  auto join = std::make_shared<Join>(parts.size() + 1);
+  auto join = std::make_shared<Join>();
   {
     std::lock_guard<std::mutex> lock(task->mu);
     task->report = [join, me = name_](std::exception_ptr e) {
@@ -259,15 +222,13 @@ void Container::backward(uint64_t context, const std::vector<at::Tensor>& roots,
       join->fail(rpc::make_error(code, me, text));
     };
   }
+  // Each part's error reaches `join` before when_all_raw sees it (callbacks
+  // run in the order they were added), with this worker's name on the root's.
+  std::vector<rpc::RawFuture> done{task->done};
   task->done->addCallback([join, me = name_](c10::ivalue::Future& f) {
-    if (!f.hasError()) return join->one_done();
+    if (!f.hasError()) return;
     auto [code, text] = rpc::describe_error(f.exception_ptr());
     join->fail(rpc::make_error(code, me, text));
-  });
-  join->result->addCallback([task](c10::ivalue::Future&) {
-    std::lock_guard<std::mutex> lock(task->mu);
-    ++task->signals;
-    task->cv.notify_all();
   });
   for (auto& [worker, sends] : parts) {
     try {
@@ -277,14 +238,24 @@ void Container::backward(uint64_t context, const std::vector<at::Tensor>& roots,
                             static_cast<int64_t>(rank_), retain_graph,
                             static_cast<int64_t>(timeout.count()), c10::List<int64_t>(sends)},
                            timeout);
-      f.raw()->addCallback([join, name, context](c10::ivalue::Future& f) {
-        on_run_reply(*join, name, context, f);
+      // The reply's error is typed and names that worker already.
+      f.raw()->addCallback([join](c10::ivalue::Future& f) {
+        if (f.hasError()) join->fail(f.exception_ptr());
       });
+      done.push_back(f.raw());
     } catch (...) {
       join->fail(std::current_exception());
       break;
     }
   }
+
+  // `failed` first: an error already there wins.
+  join->result = rpc::when_any_raw({join->failed, rpc::when_all_raw(done)});
+  join->result->addCallback([task](c10::ivalue::Future&) {
+    std::lock_guard<std::mutex> lock(task->mu);
+    ++task->signals;
+    task->cv.notify_all();
+  });
 
   // 3. This worker's part runs on this thread: gradients that come back are
   //    delivered on the loop thread, which wakes this one.
@@ -339,7 +310,7 @@ rpc::RawFuture Container::run_part(uint64_t context, uint64_t id, int root, bool
                                 std::to_string(root) + " but was made by rank " +
                                 std::to_string(id_worker(id)));
   }
-  auto ctx = get(context);
+  auto ctx = contexts_->get(context);
   std::shared_ptr<GraphTask> task;
   std::vector<std::shared_ptr<SendBackward>> sends;
   {
@@ -353,7 +324,7 @@ rpc::RawFuture Container::run_part(uint64_t context, uint64_t id, int root, bool
   std::vector<std::pair<std::shared_ptr<SendBackward>, variable_list>> early;
   {
     std::lock_guard<std::mutex> lock(task->mu);
-    if (task->started || task->finished) {
+    if (task->phase != GraphTask::Phase::kWaitingForRun) {
       throw std::logic_error("graph task " + std::to_string(id) +
                              " was already run (or aborted) on " + name_);
     }
@@ -364,7 +335,7 @@ rpc::RawFuture Container::run_part(uint64_t context, uint64_t id, int root, bool
     task->report = [weak, context, id](std::exception_ptr e) {
       if (auto self = weak.lock()) self->tell_root(context, id, e);
     };
-    task->started = true;
+    task->phase = GraphTask::Phase::kRunning;
     early.swap(task->early);
     for (auto& [send, grads] : early) deliver_to_send(*task, send.get(), std::move(grads), name_);
   }
@@ -374,7 +345,7 @@ rpc::RawFuture Container::run_part(uint64_t context, uint64_t id, int root, bool
 }
 
 void Container::on_grad(uint64_t context, uint64_t id, uint64_t message, variable_list grads) {
-  auto ctx = get(context);
+  auto ctx = contexts_->get(context);
   std::shared_ptr<SendBackward> send;
   std::shared_ptr<GraphTask> task;
   {
@@ -386,11 +357,11 @@ void Container::on_grad(uint64_t context, uint64_t id, uint64_t message, variabl
   }
   {
     std::lock_guard<std::mutex> lock(task->mu);
-    if (task->finished) return;  // failed or aborted: nothing more runs
-    if (!task->started) {
+    if (task->phase == GraphTask::Phase::kWaitingForRun) {
       task->early.emplace_back(std::move(send), std::move(grads));
       return;
     }
+    if (task->phase != GraphTask::Phase::kRunning) return;  // over: nothing more runs
     deliver_to_send(*task, send.get(), std::move(grads), name_);
     if (task->attached) {  // backward()'s own thread drains the root's part
       ++task->signals;
@@ -410,9 +381,9 @@ void Container::drain(const std::shared_ptr<ContextState>& ctx,
                       const std::shared_ptr<GraphTask>& task) {
   c10::AutoGradMode no_grad(false);
   std::unique_lock<std::mutex> lock(task->mu);
-  if (task->draining || task->finished) return;
+  if (task->draining || task->phase != GraphTask::Phase::kRunning) return;
   task->draining = true;
-  while (!task->ready.empty() && !task->finished) {
+  while (!task->ready.empty() && task->phase == GraphTask::Phase::kRunning) {
     Node* n = task->ready.back();
     task->ready.pop_back();
     auto it = task->nodes.find(n);
@@ -429,7 +400,7 @@ void Container::drain(const std::shared_ptr<ContextState>& ctx,
       break;
     }
     lock.lock();
-    if (task->finished) break;
+    if (task->phase != GraphTask::Phase::kRunning) break;
     const auto& edges = fn->next_edges();
     for (size_t i = 0; i < edges.size(); ++i) {
       if (!edges[i].is_valid()) continue;
@@ -445,8 +416,8 @@ void Container::drain(const std::shared_ptr<ContextState>& ctx,
     }
   }
   task->draining = false;
-  const bool done = !task->finished && task->started && task->nodes.empty();
-  if (done) task->finished = task->settled = true;
+  const bool done = task->phase == GraphTask::Phase::kRunning && task->nodes.empty();
+  if (done) task->phase = GraphTask::Phase::kDone;
   lock.unlock();
   if (done) task->done->markCompleted(c10::IValue());
 }
@@ -540,42 +511,15 @@ void Container::tell_root(uint64_t context, uint64_t task, std::exception_ptr er
 }
 
 void Container::fail(const std::shared_ptr<GraphTask>& task, std::exception_ptr error) {
-  std::function<void(std::exception_ptr)> report;
-  bool answered;
-  {
-    std::lock_guard<std::mutex> lock(task->mu);
-    if (task->failed) return;
-    task->failed = true;
-    task->stop_locked();
-    answered = task->settled;
-    task->settled = true;
-    if (answered) report = task->report;
-  }
-  if (!answered) {
-    task->done->setError(error);
-  } else if (report) {
-    report(error);  // `done` already said this part was fine
-  }
+  task->fail(std::move(error));
 }
 
 void Container::abort_task(const std::shared_ptr<GraphTask>& task, const std::string& why) {
-  {
-    std::lock_guard<std::mutex> lock(task->mu);
-    task->stop_locked();
-    task->report = nullptr;
-    task->failed = true;
-    if (task->settled) return;
-    task->settled = true;
-  }
-  task->done->setError(std::make_exception_ptr(
-      rpc::ShutdownError("distributed backward task " + std::to_string(task->id) + " on " +
-                         name_ + ": " + why)));
+  task->abort(name_, why);
 }
 
 c10::Dict<at::Tensor, at::Tensor> Container::get_gradients(uint64_t context) const {
-  auto ctx = get(context);
-  std::lock_guard<std::mutex> lock(ctx->mu);
-  return ctx->grads.copy();
+  return contexts_->gradients(context);
 }
 
 }  // namespace tandem::autograd

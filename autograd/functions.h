@@ -1,6 +1,6 @@
 // The autograd nodes that distributed autograd adds to LibTorch's graph.
 //
-// Recording (autograd/context.h) pairs them across workers by an autograd
+// Recording (autograd/recording.h) pairs them across workers by an autograd
 // message id, (sender rank << 48) | counter:
 //  - SendBackward, on the sender of a message whose tensors require grad.
 //    Its next edges are those tensors' gradient edges; its inputs are the
@@ -15,6 +15,7 @@
 
 #include <torch/csrc/autograd/function.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -69,5 +70,10 @@ class RootBackward final : public torch::autograd::Node {
 
 // The worker rank that made an autograd message or context id.
 inline int id_worker(uint64_t id) { return static_cast<int>(id >> 48); }
+
+// A new id made by worker `rank` (contexts, autograd messages, graph tasks).
+inline uint64_t make_id(int rank, std::atomic<uint64_t>& counter) {
+  return (static_cast<uint64_t>(rank) << 48) | counter.fetch_add(1);
+}
 
 }  // namespace tandem::autograd
