@@ -36,7 +36,7 @@ std::shared_ptr<ContextState> Contexts::get_or_create(uint64_t id) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = contexts_.find(id);
   if (it != contexts_.end()) return it->second;
-  if (closed_ || released_.count(id)) return nullptr;
+  if (closed_ || released_.contains(id)) return nullptr;
   return contexts_.emplace(id, std::make_shared<ContextState>(id)).first->second;
 }
 
@@ -49,13 +49,7 @@ rpc::RawFuture Contexts::release(uint64_t id, int from) {
       ctx = std::move(it->second);
       contexts_.erase(it);
     }
-    if (released_.insert(id).second) {
-      released_order_.push_back(id);
-      if (released_order_.size() > kReleasedMemory) {
-        released_.erase(released_order_.front());
-        released_order_.pop_front();
-      }
-    }
+    released_.insert(id);
   }
   if (!ctx) return rpc::when_all_raw({});
   std::vector<int> workers;

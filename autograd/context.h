@@ -40,6 +40,7 @@
 
 #include "tandem/autograd/functions.h"
 #include "tandem/autograd/graph_task.h"
+#include "tandem/rpc/bounded_set.h"
 #include "tandem/rpc/future.h"
 
 namespace tandem::autograd {
@@ -96,8 +97,7 @@ class Contexts {
   std::atomic<uint64_t> next_context_{1};
   mutable std::mutex mu_;
   std::unordered_map<uint64_t, std::shared_ptr<ContextState>> contexts_;
-  std::unordered_set<uint64_t> released_;  // recently released ids
-  std::deque<uint64_t> released_order_;
+  rpc::BoundedSet<uint64_t> released_{kReleasedMemory};  // recently released ids
   bool closed_ = false;
 };
 
