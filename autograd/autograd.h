@@ -37,7 +37,7 @@
 
 namespace tandem::autograd {
 
-class Container;
+class DistAutograd;
 
 // A worker's leaf gradients in one context: leaf tensor -> gradient, looked
 // up by identity (grads.at(weight)). at(t) of a tensor that got no gradient
@@ -82,7 +82,7 @@ class Context {
   uint64_t id() const { return id_; }
 
  private:
-  std::shared_ptr<Container> container_;
+  std::shared_ptr<DistAutograd> owner_;
   std::chrono::milliseconds release_timeout_;
   uint64_t id_ = 0;
   std::unique_ptr<rpc::ScopeGuard> scope_;  // makes id_ current on this thread

@@ -1,14 +1,16 @@
-// The engine half of Container: see autograd/engine.h for the algorithm.
+// The distributed backward engine: autograd/engine.h has the algorithm.
+#include "tandem/autograd/engine.h"
+
 #include <ATen/ops/ones_like.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/version.h>
 
+#include <cassert>
 #include <map>
 #include <set>
 
-#include "tandem/autograd/container.h"
 #include "tandem/rpc/errors.h"
 #include "tandem/rpc/layer.h"
 #include "tandem/rpc/spin.h"
@@ -18,7 +20,7 @@ namespace tandem::autograd {
 // backward()'s outcome: every part done (rpc::when_all_raw of the root's
 // `done` and each `run` reply), or the first error from anywhere (a part, a
 // failure told to the root later, the timeout), whichever comes first.
-struct Join {
+struct Engine::Join {
   rpc::RawFuture failed = rpc::make_raw_future();  // the first error only
   std::atomic<bool> over{false};
   rpc::RawFuture result;  // when_any_raw({failed, when_all_raw(parts)})
@@ -138,7 +140,13 @@ void fit_outputs(const Node& fn, variable_list& outputs) {
 
 }  // namespace
 
-std::shared_ptr<GraphTask> Container::find_task(uint64_t context, uint64_t task) {
+Engine::Engine(std::shared_ptr<Contexts> contexts, std::shared_ptr<EngineLink> link)
+    : contexts_(std::move(contexts)),
+      link_(std::move(link)),
+      rank_(contexts_->rank()),
+      name_(contexts_->name()) {}
+
+std::shared_ptr<GraphTask> Engine::find_task(uint64_t context, uint64_t task) {
   auto ctx = contexts_->find(context);
   if (!ctx) return nullptr;
   std::lock_guard<std::mutex> lock(ctx->mu);
@@ -146,13 +154,13 @@ std::shared_ptr<GraphTask> Container::find_task(uint64_t context, uint64_t task)
   return it == ctx->tasks.end() ? nullptr : it->second;
 }
 
-std::shared_ptr<GraphTask> Container::task_of(ContextState& ctx, uint64_t task) {
+std::shared_ptr<GraphTask> Engine::task_of(ContextState& ctx, uint64_t task) {
   auto& t = ctx.tasks[task];
   if (!t) t = std::make_shared<GraphTask>(ctx.id, task, id_worker(task), /*attached=*/false);
   return t;
 }
 
-std::vector<std::shared_ptr<SendBackward>> Container::sends_of(
+std::vector<std::shared_ptr<SendBackward>> Engine::sends_of(
     ContextState& ctx, const std::vector<uint64_t>& messages) const {
   if (ctx.released) {
     throw std::invalid_argument("context " + std::to_string(ctx.id) + " was released on " + name_);
@@ -169,13 +177,14 @@ std::vector<std::shared_ptr<SendBackward>> Container::sends_of(
   return out;
 }
 
-void Container::backward(uint64_t context, const std::vector<at::Tensor>& roots,
-                         bool retain_graph, std::chrono::milliseconds timeout) {
+void Engine::backward(uint64_t context, const std::vector<at::Tensor>& roots, bool retain_graph,
+                      std::chrono::milliseconds timeout) {
   auto root = make_root(roots);
   auto ctx = contexts_->get(context);
-  if (timeout.count() < 0) timeout = agent_.options().rpc_timeout;
+  if (timeout.count() < 0) timeout = link_->default_timeout();
   const auto start = std::chrono::steady_clock::now();
-  auto task = std::make_shared<GraphTask>(context, make_id(rank_, next_task_), rank_, /*attached=*/true);
+  auto task =
+      std::make_shared<GraphTask>(context, make_id(rank_, next_task_), rank_, /*attached=*/true);
   task->keep_graph = retain_graph;
   task->timeout = timeout;
 
@@ -188,13 +197,13 @@ void Container::backward(uint64_t context, const std::vector<at::Tensor>& roots,
     reached.insert(r->message());
     reached.insert(r->reach().begin(), r->reach().end());
   }
-  std::map<int, std::vector<int64_t>> parts;  // worker -> its sends that will be reached
+  std::map<int, std::vector<uint64_t>> parts;  // worker -> its sends that will be reached
   std::vector<uint64_t> own;
   for (uint64_t m : reached) {
     if (id_worker(m) == rank_) {
       own.push_back(m);
     } else {
-      parts[id_worker(m)].push_back(static_cast<int64_t>(m));
+      parts[id_worker(m)].push_back(m);
     }
   }
   std::vector<std::shared_ptr<SendBackward>> sends;
@@ -232,17 +241,12 @@ void Container::backward(uint64_t context, const std::vector<at::Tensor>& roots,
   });
   for (auto& [worker, sends] : parts) {
     try {
-      const std::string name = agent_.get_worker_info(worker).name;
-      auto f = agent_.call(name, "tandem.autograd.run",
-                           {static_cast<int64_t>(context), static_cast<int64_t>(task->id),
-                            static_cast<int64_t>(rank_), retain_graph,
-                            static_cast<int64_t>(timeout.count()), c10::List<int64_t>(sends)},
-                           timeout);
+      auto f = link_->run(worker, {context, task->id, rank_, retain_graph, timeout, sends});
       // The reply's error is typed and names that worker already.
-      f.raw()->addCallback([join](c10::ivalue::Future& f) {
+      f->addCallback([join](c10::ivalue::Future& f) {
         if (f.hasError()) join->fail(f.exception_ptr());
       });
-      done.push_back(f.raw());
+      done.push_back(std::move(f));
     } catch (...) {
       join->fail(std::current_exception());
       break;
@@ -261,30 +265,22 @@ void Container::backward(uint64_t context, const std::vector<at::Tensor>& roots,
   //    delivered on the loop thread, which wakes this one.
   run_root_part(ctx, task, *join, start, timeout);
   if (join->result->hasError()) {
-    abort_task(task, "backward failed");
-    for (auto& [worker, _] : parts) {
-      try {
-        agent_.call(agent_.get_worker_info(worker).name, "tandem.autograd.abort",
-                    {static_cast<int64_t>(context), static_cast<int64_t>(task->id)});
-      } catch (const std::exception&) {
-        // That worker is gone; so is its part.
-      }
-    }
+    task->abort(name_, "backward failed");
+    for (auto& [worker, _] : parts) link_->abort(worker, context, task->id);
     std::rethrow_exception(join->result->exception_ptr());
   }
 }
 
-void Container::run_root_part(const std::shared_ptr<ContextState>& ctx,
-                              const std::shared_ptr<GraphTask>& task, Join& join,
-                              std::chrono::steady_clock::time_point start,
-                              std::chrono::milliseconds timeout) {
-  const auto spin = agent_.options().sync_spin;
+void Engine::run_root_part(const std::shared_ptr<ContextState>& ctx,
+                           const std::shared_ptr<GraphTask>& task, Join& join,
+                           std::chrono::steady_clock::time_point start,
+                           std::chrono::milliseconds timeout) {
+  const auto spin = link_->spin();
   uint64_t seen = task->signals.load();
   while (!join.result->completed()) {
     drain(ctx, task);
     // A wake-up costs more than a loopback hop: spin a little first.
-    rpc::spin_until(spin,
-                    [&] { return task->signals.load(std::memory_order_acquire) != seen; });
+    rpc::spin_until(spin, [&] { return task->signals.load(std::memory_order_acquire) != seen; });
     std::unique_lock<std::mutex> lock(task->mu);
     auto news = [&] { return task->signals.load() != seen; };
     if (timeout.count() == 0) {
@@ -302,9 +298,9 @@ void Container::run_root_part(const std::shared_ptr<ContextState>& ctx,
   }
 }
 
-rpc::RawFuture Container::run_part(uint64_t context, uint64_t id, int root, bool keep_graph,
-                                   const std::vector<uint64_t>& messages,
-                                   std::chrono::milliseconds timeout) {
+rpc::RawFuture Engine::run_part(const RunRequest& request) {
+  const uint64_t context = request.context, id = request.task;
+  const int root = request.root;
   if (root != id_worker(id)) {
     throw std::invalid_argument("graph task " + std::to_string(id) + " names root rank " +
                                 std::to_string(root) + " but was made by rank " +
@@ -315,7 +311,7 @@ rpc::RawFuture Container::run_part(uint64_t context, uint64_t id, int root, bool
   std::vector<std::shared_ptr<SendBackward>> sends;
   {
     std::lock_guard<std::mutex> lock(ctx->mu);
-    sends = sends_of(*ctx, messages);
+    sends = sends_of(*ctx, request.sends);
     task = task_of(*ctx, id);
   }
   // The walk holds no lock: gradients arriving meanwhile wait in `early`.
@@ -329,9 +325,9 @@ rpc::RawFuture Container::run_part(uint64_t context, uint64_t id, int root, bool
                              " was already run (or aborted) on " + name_);
     }
     task->nodes.swap(nodes);
-    task->keep_graph = keep_graph;
-    task->timeout = timeout;
-    std::weak_ptr<Container> weak = weak_from_this();
+    task->keep_graph = request.keep_graph;
+    task->timeout = request.timeout;
+    std::weak_ptr<Engine> weak = weak_from_this();
     task->report = [weak, context, id](std::exception_ptr e) {
       if (auto self = weak.lock()) self->tell_root(context, id, e);
     };
@@ -344,7 +340,49 @@ rpc::RawFuture Container::run_part(uint64_t context, uint64_t id, int root, bool
   return task->done;
 }
 
-void Container::on_grad(uint64_t context, uint64_t id, uint64_t message, variable_list grads) {
+void Engine::on_grad_from_loop(uint64_t context, uint64_t task, uint64_t message,
+                               variable_list grads) {
+  assert(link_->on_loop_thread());
+  try {
+    accept_grad(context, task, message, std::move(grads));
+  } catch (...) {
+    // Gradients come one way (no reply): the root hears of it from here.
+    fail_from_loop(context, task, std::current_exception());
+  }
+}
+
+void Engine::fail_from_loop(uint64_t context, uint64_t task, std::exception_ptr error) {
+  assert(link_->on_loop_thread());
+  if (id_worker(task) == rank_) return tell_root(context, task, error);  // bounded: in place
+  // Telling another worker may mean connecting: not on the loop thread.
+  link_->post(
+      [self = shared_from_this(), context, task, error] { self->tell_root(context, task, error); });
+}
+
+void Engine::on_failure(uint64_t context, uint64_t task, std::exception_ptr error) {
+  auto t = find_task(context, task);
+  if (!t) return;
+  std::function<void(std::exception_ptr)> report;
+  {
+    std::lock_guard<std::mutex> lock(t->mu);
+    report = t->report;
+  }
+  if (report) report(error);
+}
+
+void Engine::on_abort(uint64_t context, uint64_t task) {
+  auto ctx = contexts_->find(context);
+  if (!ctx) return;
+  std::shared_ptr<GraphTask> t;
+  {
+    // Made here when the abort overtook `run`: that `run` then finds it aborted.
+    std::lock_guard<std::mutex> lock(ctx->mu);
+    t = task_of(*ctx, task);
+  }
+  t->abort(name_, "aborted by its root");
+}
+
+void Engine::accept_grad(uint64_t context, uint64_t id, uint64_t message, variable_list grads) {
   auto ctx = contexts_->get(context);
   std::shared_ptr<SendBackward> send;
   std::shared_ptr<GraphTask> task;
@@ -371,14 +409,14 @@ void Container::on_grad(uint64_t context, uint64_t id, uint64_t message, variabl
     if (task->draining) return;  // the draining thread picks it up
   }
   // Usually on the loop thread: the nodes run on the pool.
-  std::weak_ptr<Container> weak = weak_from_this();
-  rpc::layer::pool(agent_)->post([weak, ctx, task] {
+  std::weak_ptr<Engine> weak = weak_from_this();
+  link_->post([weak, ctx, task] {
     if (auto self = weak.lock()) self->drain(ctx, task);
   });
 }
 
-void Container::drain(const std::shared_ptr<ContextState>& ctx,
-                      const std::shared_ptr<GraphTask>& task) {
+void Engine::drain(const std::shared_ptr<ContextState>& ctx,
+                   const std::shared_ptr<GraphTask>& task) {
   c10::AutoGradMode no_grad(false);
   std::unique_lock<std::mutex> lock(task->mu);
   if (task->draining || task->phase != GraphTask::Phase::kRunning) return;
@@ -395,7 +433,7 @@ void Container::drain(const std::shared_ptr<ContextState>& ctx,
     try {
       outputs = run_node(ctx, task, *fn, std::move(inputs));
     } catch (...) {
-      fail(task, std::current_exception());
+      task->fail(std::current_exception());
       lock.lock();
       break;
     }
@@ -422,9 +460,9 @@ void Container::drain(const std::shared_ptr<ContextState>& ctx,
   if (done) task->done->markCompleted(c10::IValue());
 }
 
-variable_list Container::run_node(const std::shared_ptr<ContextState>& ctx,
-                                  const std::shared_ptr<GraphTask>& task, Node& fn,
-                                  variable_list inputs) {
+variable_list Engine::run_node(const std::shared_ptr<ContextState>& ctx,
+                               const std::shared_ptr<GraphTask>& task, Node& fn,
+                               variable_list inputs) {
   if (inputs.empty()) inputs.resize(fn.num_inputs());  // every input undefined
   if (auto* recv = dynamic_cast<RecvBackward*>(&fn)) {
     send_grads(ctx, task, *recv, std::move(inputs));
@@ -475,51 +513,26 @@ variable_list Container::run_node(const std::shared_ptr<ContextState>& ctx,
   return outputs;
 }
 
-void Container::send_grads(const std::shared_ptr<ContextState>& ctx,
-                           const std::shared_ptr<GraphTask>& task, const RecvBackward& recv,
-                           variable_list grads) {
+void Engine::send_grads(const std::shared_ptr<ContextState>& ctx,
+                        const std::shared_ptr<GraphTask>& task, const RecvBackward& recv,
+                        variable_list grads) {
   if (recv.sender() == rank_) {  // a message this worker sent itself
-    on_grad(ctx->id, task->id, recv.message(), std::move(grads));
+    accept_grad(ctx->id, task->id, recv.message(), std::move(grads));
     return;
   }
-  std::vector<c10::IValue> items;
-  items.reserve(grads.size());
-  for (auto& g : grads) items.push_back(g.defined() ? c10::IValue(std::move(g)) : c10::IValue());
   // One way: a reply would only cost both workers a message. A receiver that
-  // cannot take the gradient tells the root itself (report_failure); one
+  // cannot take the gradient tells the root itself (fail_from_loop); one
   // that died fails the root's `run` request to it.
-  rpc::layer::notify(agent_, agent_.get_worker_info(recv.sender()).name, "tandem.autograd.grad",
-                {static_cast<int64_t>(ctx->id), static_cast<int64_t>(task->id),
-                 static_cast<int64_t>(recv.message()),
-                 c10::ivalue::Tuple::create(std::move(items))});
+  link_->send_grad(recv.sender(), ctx->id, task->id, recv.message(), std::move(grads));
 }
 
-void Container::tell_root(uint64_t context, uint64_t task, std::exception_ptr error) {
+void Engine::tell_root(uint64_t context, uint64_t task, std::exception_ptr error) {
   const int root = id_worker(task);
   if (root == rank_) {
-    if (auto t = find_task(context, task)) fail(t, error);
+    if (auto t = find_task(context, task)) t->fail(error);
     return;
   }
-  auto [code, text] = rpc::describe_error(error);
-  try {
-    agent_.call(agent_.get_worker_info(root).name, "tandem.autograd.fail",
-                {static_cast<int64_t>(context), static_cast<int64_t>(task),
-                 static_cast<int64_t>(code), name_, text});
-  } catch (const std::exception&) {
-    // The root is gone: nobody is left to tell.
-  }
-}
-
-void Container::fail(const std::shared_ptr<GraphTask>& task, std::exception_ptr error) {
-  task->fail(std::move(error));
-}
-
-void Container::abort_task(const std::shared_ptr<GraphTask>& task, const std::string& why) {
-  task->abort(name_, why);
-}
-
-c10::Dict<at::Tensor, at::Tensor> Container::get_gradients(uint64_t context) const {
-  return contexts_->gradients(context);
+  link_->tell_root(root, context, task, error);
 }
 
 }  // namespace tandem::autograd

@@ -57,10 +57,141 @@
 // or a part that cannot start fails that worker's `run` (or, once it has
 // answered, is told to the root with `fail`); a worker that dies fails its
 // `run` with DisconnectedError; past the timeout the root fails with
-// TimeoutError. The root then aborts the task everywhere and backward()
-// throws. Errors name the worker they happened on. A task's record stays
-// (its buffers freed) until its context is released, so late gradients and
-// aborts that overtake `run` find it and are dropped.
+// TimeoutError. Errors keep their kind on the way (a `run` reply carries
+// it) and name the worker they happened on. The root then aborts the task
+// everywhere (`abort`) and backward() throws the first error. A task's
+// record stays (its buffers freed; autograd/graph_task.h has its phases)
+// until its context is released, so late gradients and aborts that overtake
+// `run` find it and are dropped.
+//
+// The Engine class runs this on one worker over its Contexts
+// (autograd/context.h). It sends its messages (`run`, `grad`, `abort`,
+// `fail`) and reaches its threads through an EngineLink: over an rpc::Agent
+// in autograd/dist_autograd.h, in process in tests/autograd/engine_test.cc.
+// What the link promises is what the steps above need of it:
+//  1. run(worker, request) reaches that worker's Engine::run_part and its
+//     future completes with that part's `done`, or with the error that kept
+//     it from running, typed and naming the worker.
+//  2. send_grad is one way; the receiver's Engine::on_grad_from_loop gets
+//     the gradients on its delivery thread (the agent's loop thread). A
+//     gradient lost on the way is noticed at the root's timeout.
+//  3. abort and tell_root are best effort and never throw.
+//  4. post runs a function later on a thread that may block (the pool).
 #pragma once
 
+#include <torch/csrc/autograd/function.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "tandem/autograd/context.h"
 #include "tandem/autograd/graph_task.h"
+#include "tandem/rpc/future.h"
+
+namespace tandem::autograd {
+
+// What the root asks of a worker with a part: count from these sends.
+struct RunRequest {
+  uint64_t context = 0;
+  uint64_t task = 0;
+  int root = -1;
+  bool keep_graph = false;
+  std::chrono::milliseconds timeout{0};  // for the gradients the part sends
+  std::vector<uint64_t> sends;           // message ids of this worker's sends
+};
+
+// How an Engine reaches the other workers' engines and its own threads.
+class EngineLink {
+ public:
+  virtual ~EngineLink() = default;
+  // `worker`'s Engine::run_part(request), within request.timeout; the
+  // future completes as that part does: None, or its error (typed, naming
+  // the worker). Throws if `worker` cannot be reached at all.
+  virtual rpc::RawFuture run(int worker, const RunRequest& request) = 0;
+  // One way: `worker`'s Engine::on_grad_from_loop(context, task, message,
+  // grads). Throws if it cannot be sent.
+  virtual void send_grad(int worker, uint64_t context, uint64_t task, uint64_t message,
+                         torch::autograd::variable_list grads) = 0;
+  // Best effort: `worker`'s Engine::on_abort(context, task).
+  virtual void abort(int worker, uint64_t context, uint64_t task) noexcept = 0;
+  // Best effort: `root`'s Engine::on_failure(context, task, error), the
+  // error typed as it was and naming this worker.
+  virtual void tell_root(int root, uint64_t context, uint64_t task,
+                         std::exception_ptr error) noexcept = 0;
+  // Runs `fn` later on a thread that may block (the agent's pool).
+  virtual void post(std::function<void()> fn) = 0;
+  // backward()'s timeout when it is given none (the agent's rpc_timeout).
+  virtual std::chrono::milliseconds default_timeout() const = 0;
+  // How long the root's backward() thread spins for news before it sleeps.
+  virtual std::chrono::microseconds spin() const = 0;
+  // Whether this thread is the one gradients are delivered on (debug checks).
+  virtual bool on_loop_thread() const = 0;
+};
+
+class Engine : public std::enable_shared_from_this<Engine> {
+ public:
+  Engine(std::shared_ptr<Contexts> contexts, std::shared_ptr<EngineLink> link);
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Steps 1-4 from this worker as the root; returns when every part is
+  // done, or throws the first error. timeout < 0: the link's default; 0: none.
+  void backward(uint64_t context, const std::vector<at::Tensor>& roots, bool retain_graph,
+                std::chrono::milliseconds timeout);
+
+  // A `run` request: this worker's part (steps 2-4). Throws for a request
+  // that names an unknown context or send, or a task already run or aborted.
+  rpc::RawFuture run_part(const RunRequest& request);
+  // A `grad` message, on the delivery thread: bounded work that never blocks
+  // (ready nodes run on the pool, or on the root's backward() thread). A
+  // gradient that cannot be taken fails the task, told to its root.
+  void on_grad_from_loop(uint64_t context, uint64_t task, uint64_t message,
+                         torch::autograd::variable_list grads);
+  // A failure of `task` noticed on the delivery thread: told to its root,
+  // right here if that is this worker, else from a pool thread.
+  void fail_from_loop(uint64_t context, uint64_t task, std::exception_ptr error);
+  // A `fail` message: a part of this root's `task` failed after answering.
+  void on_failure(uint64_t context, uint64_t task, std::exception_ptr error);
+  // An `abort` message from the root (may overtake `run`).
+  void on_abort(uint64_t context, uint64_t task);
+
+ private:
+  struct Join;
+
+  std::shared_ptr<GraphTask> task_of(ContextState& ctx, uint64_t task);  // ctx.mu held
+  std::shared_ptr<GraphTask> find_task(uint64_t context, uint64_t task);  // or null
+  // The recorded sends of these message ids (ctx.mu held); throws naming a missing one.
+  std::vector<std::shared_ptr<SendBackward>> sends_of(ContextState& ctx,
+                                                      const std::vector<uint64_t>& messages) const;
+  void run_root_part(const std::shared_ptr<ContextState>& ctx,
+                     const std::shared_ptr<GraphTask>& task, Join& join,
+                     std::chrono::steady_clock::time_point start,
+                     std::chrono::milliseconds timeout);
+  // Gives the gradients to their send (any thread; bounded); throws if they
+  // cannot be taken.
+  void accept_grad(uint64_t context, uint64_t task, uint64_t message,
+                   torch::autograd::variable_list grads);
+  void drain(const std::shared_ptr<ContextState>& ctx, const std::shared_ptr<GraphTask>& task);
+  torch::autograd::variable_list run_node(const std::shared_ptr<ContextState>& ctx,
+                                          const std::shared_ptr<GraphTask>& task,
+                                          torch::autograd::Node& fn,
+                                          torch::autograd::variable_list inputs);
+  void send_grads(const std::shared_ptr<ContextState>& ctx, const std::shared_ptr<GraphTask>& task,
+                  const RecvBackward& recv, torch::autograd::variable_list grads);
+  // A failure here in `task`, told to its root (failing the task in place
+  // when this worker is the root). May call another worker: not on the loop.
+  void tell_root(uint64_t context, uint64_t task, std::exception_ptr error);
+
+  const std::shared_ptr<Contexts> contexts_;
+  const std::shared_ptr<EngineLink> link_;
+  const int rank_;
+  const std::string name_;  // this worker's, for messages
+  std::atomic<uint64_t> next_task_{1};
+};
+
+}  // namespace tandem::autograd

@@ -28,7 +28,7 @@
 #include <cstring>
 
 #include "tandem/autograd/autograd.h"
-#include "tandem/autograd/container.h"
+#include "tandem/autograd/dist_autograd.h"
 #include "bench/bench_util.h"
 #include "tandem/rpc/api.h"
 
@@ -125,7 +125,7 @@ std::vector<Figures> round_trip(const std::vector<int>& hop_counts, int iters) {
 // One RPC's messages (request x -> response x + 1) through the codec, with
 // or without the hooks; returns seconds per RPC (p50).
 double codec_round(rpc::Agent& agent, const at::Tensor& x, bool record, int iters) {
-  auto hooks = dist::Container::of(agent);
+  auto hooks = dist::DistAutograd::of(agent);
   std::vector<double> lat;
   for (int i = 0; i < iters; ++i) {
     auto t0 = Clock::now();

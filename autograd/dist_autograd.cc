@@ -1,0 +1,204 @@
+#include "tandem/autograd/dist_autograd.h"
+
+#include "tandem/rpc/layer.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "tandem/rpc/errors.h"
+#include "tandem/rpc/registry.h"
+
+namespace tandem::autograd {
+namespace {
+
+// The agent whose "tandem.autograd.grad" loop handler runs on this thread,
+// for the engine's debug checks: rpc::Agent does not say which thread is
+// its loop.
+thread_local const rpc::Agent* tls_loop_agent = nullptr;
+
+struct OnLoop {
+  explicit OnLoop(const rpc::Agent& agent) : saved(tls_loop_agent) { tls_loop_agent = &agent; }
+  ~OnLoop() { tls_loop_agent = saved; }
+  const rpc::Agent* saved;
+};
+
+// The engine's messages, over the agent (see dist_autograd.h for the handlers).
+class AgentLink final : public EngineLink {
+ public:
+  explicit AgentLink(rpc::Agent& agent) : agent_(agent) {}
+
+  rpc::RawFuture run(int worker, const RunRequest& r) override {
+    c10::List<int64_t> sends;
+    sends.reserve(r.sends.size());
+    for (uint64_t s : r.sends) sends.push_back(static_cast<int64_t>(s));
+    return agent_
+        .call(agent_.get_worker_info(worker).name, "tandem.autograd.run",
+              {static_cast<int64_t>(r.context), static_cast<int64_t>(r.task),
+               static_cast<int64_t>(r.root), r.keep_graph, static_cast<int64_t>(r.timeout.count()),
+               std::move(sends)},
+              r.timeout)
+        .raw();
+  }
+
+  void send_grad(int worker, uint64_t context, uint64_t task, uint64_t message,
+                 torch::autograd::variable_list grads) override {
+    std::vector<c10::IValue> items;
+    items.reserve(grads.size());
+    for (auto& g : grads) items.push_back(g.defined() ? c10::IValue(std::move(g)) : c10::IValue());
+    rpc::layer::notify(agent_, agent_.get_worker_info(worker).name, "tandem.autograd.grad",
+                  {static_cast<int64_t>(context), static_cast<int64_t>(task),
+                   static_cast<int64_t>(message), c10::ivalue::Tuple::create(std::move(items))});
+  }
+
+  void abort(int worker, uint64_t context, uint64_t task) noexcept override {
+    try {
+      agent_.call(agent_.get_worker_info(worker).name, "tandem.autograd.abort",
+                  {static_cast<int64_t>(context), static_cast<int64_t>(task)});
+    } catch (const std::exception&) {
+      // That worker is gone; so is its part.
+    }
+  }
+
+  void tell_root(int root, uint64_t context, uint64_t task,
+                 std::exception_ptr error) noexcept override {
+    try {
+      auto [code, text] = rpc::describe_error(error);
+      agent_.call(agent_.get_worker_info(root).name, "tandem.autograd.fail",
+                  {static_cast<int64_t>(context), static_cast<int64_t>(task),
+                   static_cast<int64_t>(code), agent_.name(), text});
+    } catch (const std::exception&) {
+      // The root is gone: nobody is left to tell.
+    }
+  }
+
+  void post(std::function<void()> fn) override { rpc::layer::pool(agent_)->post(std::move(fn)); }
+  std::chrono::milliseconds default_timeout() const override {
+    return agent_.options().rpc_timeout;
+  }
+  std::chrono::microseconds spin() const override { return agent_.options().sync_spin; }
+  bool on_loop_thread() const override { return tls_loop_agent == &agent_; }
+
+ private:
+  rpc::Agent& agent_;  // valid until close(); the agent owns the DistAutograd
+};
+
+const bool kRegistered = [] {
+  rpc::register_agent_extension(
+      [](rpc::Agent& agent) { return std::make_shared<DistAutograd>(agent); });
+  return true;
+}();
+
+}  // namespace
+
+DistAutograd::DistAutograd(rpc::Agent& agent)
+    : agent_(agent),
+      contexts_(std::make_shared<Contexts>(
+          agent.rank(), agent.name(),
+          [&agent](int worker, uint64_t id) {
+            return agent
+                .call(agent.get_worker_info(worker).name, "tandem.autograd.release",
+                      {static_cast<int64_t>(id), static_cast<int64_t>(agent.rank())})
+                .raw();
+          })),
+      // The world is known only once the agent has met the others.
+      recorder_(contexts_, [&agent] { return agent.world_size(); }),
+      engine_(std::make_shared<Engine>(contexts_, std::make_shared<AgentLink>(agent))) {
+  (void)kRegistered;
+}
+
+std::shared_ptr<DistAutograd> DistAutograd::of(rpc::Agent& agent) {
+  auto d = rpc::layer::extension<DistAutograd>(agent);
+  if (!d) {
+    throw std::logic_error("agent " + agent.name() +
+                           " has no distributed autograd: it was created before "
+                           "Tandem's autograd library was loaded");
+  }
+  return d;
+}
+
+std::function<std::shared_ptr<DistAutograd>()> DistAutograd::locker() {
+  return [weak = weak_from_this()] {
+    auto d = weak.lock();
+    if (!d) throw rpc::ShutdownError("distributed autograd is shut down");
+    return d;
+  };
+}
+
+void DistAutograd::register_handlers(rpc::Registry& internal) {
+  auto self = locker();
+  internal.def("tandem.autograd.release", [self](int64_t id, int64_t from) {
+    return rpc::Future<void>(
+        self()->contexts_->release(static_cast<uint64_t>(id), static_cast<int>(from)), nullptr);
+  });
+  internal.def("tandem.autograd.run", [self](int64_t ctx, int64_t task, int64_t root, bool keep,
+                                             int64_t timeout_ms, std::vector<int64_t> sends) {
+    auto d = self();
+    if (root < 0 || root >= d->agent_.world_size()) {
+      throw std::invalid_argument("unknown root rank " + std::to_string(root));
+    }
+    RunRequest r{static_cast<uint64_t>(ctx),
+                 static_cast<uint64_t>(task),
+                 static_cast<int>(root),
+                 keep,
+                 std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0)),
+                 std::vector<uint64_t>(sends.begin(), sends.end())};
+    // The reply is this part's outcome: an error keeps its kind (Disconnected,
+    // Timeout, ...) and names this worker (rpc::Agent::reply).
+    return rpc::Future<void>(d->engine_->run_part(r), nullptr);
+  });
+  internal.def("tandem.autograd.fail", [self](int64_t ctx, int64_t task, int64_t code,
+                                              std::string worker, std::string message) {
+    auto d = self();
+    if (code < 0 || code > static_cast<int64_t>(rpc::ErrorCode::kProtocol)) {
+      throw std::invalid_argument("unknown error code " + std::to_string(code));
+    }
+    d->engine_->on_failure(static_cast<uint64_t>(ctx), static_cast<uint64_t>(task),
+                           rpc::make_error(static_cast<rpc::ErrorCode>(code), worker, message));
+  });
+  internal.def("tandem.autograd.abort", [self](int64_t ctx, int64_t task) {
+    self()->engine_->on_abort(static_cast<uint64_t>(ctx), static_cast<uint64_t>(task));
+  });
+}
+
+void DistAutograd::register_loop_handlers(rpc::Registry& on_loop) {
+  auto self = locker();
+  // Delivering a gradient is bounded work; running the nodes it makes ready
+  // is not, and happens on the pool (or on the root's backward() thread).
+  on_loop.def_ivalue("tandem.autograd.grad", [self](std::vector<c10::IValue>& args) {
+    self()->grad_from_loop(args);
+    return c10::IValue();
+  });
+}
+
+void DistAutograd::grad_from_loop(std::vector<c10::IValue>& args) {
+  OnLoop mark(agent_);
+  uint64_t ctx = 0, task = 0;
+  try {
+    if (args.size() != 4 || !args[0].isInt() || !args[1].isInt() || !args[2].isInt() ||
+        !args[3].isTuple()) {
+      throw rpc::ProtocolError("'tandem.autograd.grad' takes (context, task, message, tuple)");
+    }
+    ctx = static_cast<uint64_t>(args[0].toInt());
+    task = static_cast<uint64_t>(args[1].toInt());
+    torch::autograd::variable_list list;
+    for (const auto& g : args[3].toTupleRef().elements()) {
+      if (g.isNone()) {
+        list.emplace_back();
+      } else if (g.isTensor()) {
+        list.push_back(g.toTensor());
+      } else {
+        throw std::invalid_argument("a gradient must be a tensor or None, got " + g.tagKind());
+      }
+    }
+    engine_->on_grad_from_loop(ctx, task, static_cast<uint64_t>(args[2].toInt()),
+                               std::move(list));
+  } catch (...) {
+    if (task == 0) {
+      std::fprintf(stderr, "tandem[%s]: dropped a malformed gradient message\n", name().c_str());
+    } else {
+      engine_->fail_from_loop(ctx, task, std::current_exception());
+    }
+  }
+}
+
+}  // namespace tandem::autograd
