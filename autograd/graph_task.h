@@ -3,16 +3,16 @@
 //
 // Phases (changed only under `mu`):
 //
-//   kWaitingForRun ──run counted──> kRunning ──every node ran──> kDone
-//         │                            │                           │
-//         └──────────────┬─────────────┘                           │
-//                        v                                         v
-//          kFailed (fail) / kAborted (abort) / kClosed (close)  <──┘
+//   kWaitingForRun --run counted--> kRunning --every node ran--> kDone
+//         |                            |                          |
+//         +-------------+--------------+                          |
+//                       v                                         v
+//      kFailed (fail) / kAborted (abort) / kClosed (close)  <-----+
 //
 //  1. kWaitingForRun: made here by a gradient or an abort that overtook the
 //     `run` request (Engine::task_of). Gradients wait in `early`; nothing runs.
 //  2. kRunning: `run` counted the nodes (on the root: backward() did), and
-//     ready nodes run. Tasks that backward() makes start here.
+//     ready nodes run. A `run` for a task in any other phase is refused.
 //  3. kDone: every node it reached ran: `done` completed with None. A failure
 //     noticed later still goes to the root, through `report`.
 //  4. kFailed (fail(error)): `done` fails with the error; from kDone, which
