@@ -21,7 +21,6 @@
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/ones.h>
-#include <sys/wait.h>
 
 #include <chrono>
 #include <cstdio>
@@ -31,11 +30,13 @@
 #include "tandem/autograd/container.h"
 #include "bench/bench_util.h"
 #include "tandem/rpc/api.h"
+#include "tests/support/local_job.h"
 
 namespace {
 
 namespace rpc = tandem::rpc;
 namespace dist = tandem::autograd;
+namespace support = tandem::support;
 using Clock = std::chrono::steady_clock;
 using tandem::bench::median;
 using tandem::bench::percentile;
@@ -78,8 +79,12 @@ struct Figures {
 };
 
 std::vector<Figures> round_trip(const std::vector<int>& hop_counts, int iters) {
-  tandem::bench::set_free_master();
-  pid_t child = tandem::bench::spawn_self({"TANDEM_BENCH_ROLE=callee"});
+  // This process is worker0: its init() hosts the store at MASTER_PORT.
+  const int port = support::free_port();
+  support::set_master_env(port);
+  auto env = support::worker_env(1, 2, port);
+  env.push_back("TANDEM_BENCH_ROLE=callee");
+  pid_t child = support::spawn_self(env);
   auto agent = rpc::init(registry(), options(0));
   at::Tensor x = at::ones({64}).requires_grad_();
   std::vector<Figures> out;
@@ -118,7 +123,7 @@ std::vector<Figures> round_trip(const std::vector<int>& hop_counts, int iters) {
                    (percentile(fwd_ctx, 0.5) - percentile(fwd_plain, 0.5)) / hops});
   }
   rpc::shutdown(true);
-  ::waitpid(child, nullptr, 0);
+  support::wait_exit(child);
   return out;
 }
 

@@ -25,11 +25,8 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <spawn.h>
 #include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -43,13 +40,13 @@
 #include "bench/bench_util.h"
 #include "tandem/rpc/api.h"
 #include "tandem/rpc/rref.h"
+#include "tests/support/local_job.h"
 
 namespace {
 
+namespace support = tandem::support;
 using tandem::bench::median;
 using tandem::bench::percentile;
-using tandem::bench::set_free_master;
-using tandem::bench::spawn_self;
 using Clock = std::chrono::steady_clock;
 using tandem::rpc::Agent;
 using tandem::rpc::AgentOptions;
@@ -154,7 +151,8 @@ std::vector<Round> raw_client(const std::vector<int64_t>& sizes) {
   ::listen(lfd, 1);
   socklen_t alen = sizeof(a);
   ::getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &alen);
-  pid_t child = spawn_self({"TANDEM_BENCH_ROLE=raw", "TANDEM_BENCH_PORT=" + std::to_string(ntohs(a.sin_port))});
+  pid_t child = support::spawn_self(
+      {"TANDEM_BENCH_ROLE=raw", "TANDEM_BENCH_PORT=" + std::to_string(ntohs(a.sin_port))});
   int fd = ::accept(lfd, nullptr, nullptr);
   ::close(lfd);
   nodelay(fd);
@@ -176,7 +174,7 @@ std::vector<Round> raw_client(const std::vector<int64_t>& sizes) {
     rounds.push_back(summarize(lat));
   }
   ::close(fd);
-  ::waitpid(child, nullptr, 0);
+  support::wait_exit(child);
   return rounds;
 }
 
@@ -238,8 +236,12 @@ void rref_round(Agent& agent, TandemRound& out) {
 TandemRound rpc_caller(const std::vector<int64_t>& sizes) {
   TandemRound result;
   std::vector<Round>& out = result.echo;
-  set_free_master();
-  pid_t child = spawn_self({"TANDEM_BENCH_ROLE=rpc"});
+  // This process is rank 0: its init() hosts the store at MASTER_PORT.
+  const int port = support::free_port();
+  support::set_master_env(port);
+  auto env = support::worker_env(1, 2, port);
+  env.push_back("TANDEM_BENCH_ROLE=rpc");
+  pid_t child = support::spawn_self(env);
   auto agent = tandem::rpc::init(registry(), options(0));
   for (int64_t bytes : sizes) {
     at::Tensor t = at::zeros({std::max<int64_t>(bytes / 4, 1)});
@@ -256,7 +258,7 @@ TandemRound rpc_caller(const std::vector<int64_t>& sizes) {
   }
   rref_round(*agent, result);
   tandem::rpc::shutdown(true);
-  ::waitpid(child, nullptr, 0);
+  support::wait_exit(child);
   return result;
 }
 

@@ -5,39 +5,11 @@
 #include "test_util.h"
 #include "tandem/rpc/transport/uv/uv_transport.h"
 
-#include <spawn.h>
-#include <unistd.h>
-
 #include <cstdlib>
-
-extern char** environ;
 
 namespace tandem::test {
 // Each test binary defines it (tests/*/process_test.cc).
 int worker_main(const std::string& mode);
-
-std::string self_exe() {
-  char buf[4096];
-  ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  return n > 0 ? std::string(buf, n) : std::string();
-}
-
-pid_t spawn_worker(const std::vector<std::string>& env_extra) {
-  std::vector<std::string> env;
-  for (char** e = environ; *e; ++e) env.emplace_back(*e);
-  for (auto& kv : env_extra) env.push_back(kv);
-  std::vector<char*> envp;
-  for (auto& s : env) envp.push_back(s.data());
-  envp.push_back(nullptr);
-  std::string exe = test::self_exe();
-  char* argv[] = {exe.data(), nullptr};
-  pid_t pid = -1;
-  if (::posix_spawn(&pid, exe.c_str(), nullptr, nullptr, argv, envp.data()) != 0) {
-    throw std::runtime_error("cannot start " + exe);
-  }
-  return pid;
-}
-
 }  // namespace tandem::test
 
 int main(int argc, char** argv) {

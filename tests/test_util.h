@@ -23,6 +23,7 @@
 #include <doctest/doctest.h>
 
 #include <dirent.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <functional>
@@ -31,6 +32,7 @@
 #include <thread>
 #include <vector>
 
+#include "support/local_job.h"
 #include "tandem/rpc/agent.h"
 #include "tandem/rpc/testing.h"
 
@@ -85,15 +87,8 @@ class LeakCheck {
 // N agents in this process, meeting at a TCPStore on an ephemeral port.
 struct World {
   explicit World(int n, std::function<void(rpc::Registry&)> define = {},
-                 std::function<void(rpc::AgentOptions&)> tweak = {}) {
-    c10d::TCPStoreOptions so;
-    so.port = 0;
-    so.isServer = true;
-    so.numWorkers = n;
-    so.waitWorkers = false;
-    so.timeout = std::chrono::seconds(30);
-    server = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
-    port = server->getPort();
+                 std::function<void(rpc::AgentOptions&)> tweak = {})
+      : store(support::store_server()), port(store->getPort()) {
     registry = std::make_shared<rpc::Registry>();
     if (define) define(*registry);
     agents.resize(n);
@@ -109,7 +104,7 @@ struct World {
           o.rpc_timeout = std::chrono::seconds(20);
           o.init_timeout = std::chrono::seconds(30);
           if (tweak) tweak(o);
-          agents[r] = rpc::Agent::create(o, registry, client_store());
+          agents[r] = rpc::Agent::create(o, registry, support::store_client(port));
         } catch (...) {
           errors[r] = std::current_exception();
         }
@@ -119,14 +114,6 @@ struct World {
     for (auto& e : errors) {
       if (e) std::rethrow_exception(e);
     }
-  }
-
-  c10::intrusive_ptr<c10d::Store> client_store() const {
-    c10d::TCPStoreOptions so;
-    so.port = port;
-    so.isServer = false;
-    so.timeout = std::chrono::seconds(30);
-    return c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
   }
 
   // Every agent shuts down at once (graceful waits for the others).
@@ -158,35 +145,43 @@ struct World {
 
   rpc::Agent& operator[](int r) { return *agents[r]; }
 
-  c10::intrusive_ptr<c10d::TCPStore> server;
+  c10::intrusive_ptr<c10d::TCPStore> store;  // the rendezvous, hosted here
   int port = 0;
   std::shared_ptr<rpc::Registry> registry;
   std::vector<std::shared_ptr<rpc::Agent>> agents;
 };
 
-// Path of this test binary (for tests that start worker processes).
-std::string self_exe();
-// Starts this binary again with the environment plus `env_extra`
-// ("TANDEM_TEST_WORKER=mode" makes it a worker: see main.cc).
-pid_t spawn_worker(const std::vector<std::string>& env_extra);
+// ---- a worker process ------------------------------------------------------------
 
-// A store on an ephemeral port, and this binary started again as worker 1
-// of 2 in `mode`, meeting there; the test is worker 0.
+// This test binary started again as worker 1 of 2 in `mode`
+// ("TANDEM_TEST_WORKER=mode" makes it a worker: see main.cc), meeting the
+// test (worker 0) at `store`. The destructor kills and reaps it if the test
+// did not wait for it.
 struct ChildWorker {
+  explicit ChildWorker(const std::string& mode)
+      : store(support::store_server()),
+        pid(support::spawn_self([&] {
+          auto env = support::worker_env(1, 2, store->getPort());
+          env.push_back("TANDEM_TEST_WORKER=" + mode);
+          return env;
+        }())) {}
+  ChildWorker(const ChildWorker&) = delete;
+  ChildWorker& operator=(const ChildWorker&) = delete;
+  ~ChildWorker() {
+    if (pid > 0) {
+      ::kill(pid, SIGKILL);
+      wait();
+    }
+  }
+  // Waits for the worker to end; returns its waitpid status.
+  int wait() {
+    int status = support::wait_exit(pid);
+    pid = -1;
+    return status;
+  }
+
   c10::intrusive_ptr<c10d::TCPStore> store;
   pid_t pid = -1;
 };
-inline ChildWorker start_child_worker(const std::string& mode) {
-  c10d::TCPStoreOptions so;
-  so.port = 0;
-  so.isServer = true;
-  so.timeout = std::chrono::seconds(30);
-  ChildWorker w;
-  w.store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
-  w.pid = spawn_worker({"TANDEM_TEST_WORKER=" + mode, "RANK=1", "WORLD_SIZE=2",
-                        "MASTER_ADDR=127.0.0.1",
-                        "MASTER_PORT=" + std::to_string(w.store->getPort())});
-  return w;
-}
 
 }  // namespace tandem::test

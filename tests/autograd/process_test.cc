@@ -47,12 +47,12 @@ int worker_main(const std::string& mode) {
 TEST_CASE("autograd process: a worker that dies during backward fails it with Disconnected") {
   test::LeakCheck leaks;
   {
-    auto [store, child] = test::start_child_worker("serve");
+    test::ChildWorker child("serve");
     rpc::AgentOptions o;
     o.rank = 0;
     o.world_size = 2;
     o.rpc_timeout = 30s;
-    auto agent = rpc::Agent::create(o, std::make_shared<rpc::Registry>(), store);
+    auto agent = rpc::Agent::create(o, std::make_shared<rpc::Registry>(), child.store);
     auto x = at::ones({3}).requires_grad_();
     {
       dist::Context ctx(*agent);
@@ -67,13 +67,11 @@ TEST_CASE("autograd process: a worker that dies during backward fails it with Di
       CHECK(std::chrono::steady_clock::now() - t0 < 5s);
     }  // releasing the context does not wait for the dead worker
     CHECK(dist::live_contexts(*agent) == 0);
-    int status = 0;
-    ::waitpid(child, &status, 0);
+    int status = child.wait();
     CHECK(WIFEXITED(status));
     CHECK(WEXITSTATUS(status) == 9);
     agent->shutdown(false);
     agent = nullptr;
-    store.reset();
   }
   leaks.check();
 }

@@ -171,13 +171,7 @@ TEST_CASE("seams: a callback's calls inherit the handler's remaining deadline") 
 
 TEST_CASE("seams: the convenience API inside a callback after rpc::shutdown() began") {
   test::LeakCheck leaks;
-  int port = 0;
-  {
-    c10d::TCPStoreOptions so;
-    so.port = 0;
-    so.isServer = true;
-    port = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so)->getPort();
-  }
+  const int port = support::free_port();  // worker0's init() hosts the store there
   auto reg = std::make_shared<rpc::Registry>();
   define(*reg);
   rpc::AgentOptions o;

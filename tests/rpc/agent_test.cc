@@ -432,13 +432,7 @@ TEST_CASE("agent: a dropped connection is reopened by the next call") {
 }
 
 TEST_CASE("agent: bad options and worlds are refused clearly") {
-  auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", [] {
-    c10d::TCPStoreOptions o;
-    o.port = 0;
-    o.isServer = true;
-    o.timeout = std::chrono::seconds(2);
-    return o;
-  }());
+  auto store = support::store_server(2s);
   auto reg = std::make_shared<Registry>();
   AgentOptions o;
   o.world_size = 2;
@@ -466,15 +460,7 @@ TEST_CASE("api: init from the environment, rpc to oneself, shutdown") {
   LeakCheck leaks;
   setenv("RANK", "0", 1);
   setenv("WORLD_SIZE", "1", 1);
-  setenv("MASTER_ADDR", "127.0.0.1", 1);
-  // A free port for the store.
-  {
-    c10d::TCPStoreOptions so;
-    so.port = 0;
-    so.isServer = true;
-    auto probe = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
-    setenv("MASTER_PORT", std::to_string(probe->getPort()).c_str(), 1);
-  }
+  support::set_master_env(support::free_port());  // init() hosts the store there
   auto reg = std::make_shared<Registry>();
   define_common(*reg);
   CHECK_THROWS_AS(current_agent(), std::logic_error);
