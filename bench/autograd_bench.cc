@@ -193,27 +193,12 @@ int main(int argc, char** argv) {
       rpc::shutdown(true);
       return 0;
     }
-    std::string hops = "1,4,16";
+    std::vector<int64_t> hops = {1, 4, 16};
     int iters = 200, rounds = 5;
-    for (int i = 1; i < argc; ++i) {
-      std::string a = argv[i];
-      if (a == "--hops" && i + 1 < argc) {
-        hops = argv[++i];
-      } else if (a == "--iters" && i + 1 < argc) {
-        iters = std::atoi(argv[++i]);
-      } else if (a == "--rounds" && i + 1 < argc) {
-        rounds = std::atoi(argv[++i]);
-      } else {
-        std::fprintf(stderr, "usage: autograd_bench [--hops 1,4,16] [--iters N] [--rounds N]\n");
-        return 2;
-      }
-    }
-    std::vector<int> hop_counts;
-    for (int64_t h : tandem::bench::parse_list(hops)) hop_counts.push_back(static_cast<int>(h));
-    if (iters < 1 || rounds < 1 || hop_counts.empty()) {
-      std::fprintf(stderr, "autograd_bench: --iters, --rounds and --hops must be positive\n");
-      return 2;
-    }
+    tandem::bench::Flags flags("autograd_bench");
+    flags.add("--hops", &hops, 1).add("--iters", &iters, 1).add("--rounds", &rounds, 1);
+    if (!flags.parse(argc, argv)) return 2;
+    std::vector<int> hop_counts(hops.begin(), hops.end());
     std::vector<std::vector<double>> back(hop_counts.size()), record(hop_counts.size());
     for (int r = 0; r < rounds; ++r) {
       auto figures = round_trip(hop_counts, iters);

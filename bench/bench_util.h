@@ -1,11 +1,15 @@
-// Helpers shared by the benchmark programs: percentiles and lists. The
-// second process a benchmark talks to on loopback is started with
-// tests/support/local_job.h, as the tests start theirs.
+// Helpers shared by the benchmark programs: percentiles and command-line
+// flags. The second process a benchmark talks to on loopback is started
+// with tests/support/local_job.h, as the tests start theirs.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <limits>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -21,13 +25,87 @@ inline double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// "1,4,16" -> {1, 4, 16}.
-inline std::vector<int64_t> parse_list(const std::string& s) {
-  std::vector<int64_t> out;
-  std::stringstream in(s);
-  std::string item;
-  while (std::getline(in, item, ',')) out.push_back(std::stoll(item));
-  return out;
-}
+// Command-line flags of the form `--name value`, each bound to a variable
+// that holds its default:
+//
+//   int rounds = 5;
+//   std::vector<int64_t> sizes = {0, 1024};
+//   Flags flags("rpc_bench");
+//   flags.add("--sizes", &sizes, 0).add("--rounds", &rounds, 1);
+//   if (!flags.parse(argc, argv)) return 2;
+class Flags {
+ public:
+  explicit Flags(std::string program) : program_(std::move(program)) {}
+
+  // An integer of at least `min`.
+  Flags& add(const std::string& name, int* value, int min) {
+    flags_.push_back({name, std::to_string(*value), [=](const std::string& s) {
+                        int64_t v = to_int(s);
+                        if (v < min || v > std::numeric_limits<int>::max()) throw std::invalid_argument("out of range");
+                        *value = static_cast<int>(v);
+                      }});
+    return *this;
+  }
+
+  // A comma-separated, non-empty list of integers, each at least `min`: "1,4,16".
+  Flags& add(const std::string& name, std::vector<int64_t>* values, int64_t min) {
+    std::string def;
+    for (int64_t v : *values) def += (def.empty() ? "" : ",") + std::to_string(v);
+    flags_.push_back({name, def, [=](const std::string& s) {
+                        std::vector<int64_t> out;
+                        std::stringstream in(s);
+                        std::string item;
+                        while (std::getline(in, item, ',')) {
+                          out.push_back(to_int(item));
+                          if (out.back() < min) throw std::invalid_argument("out of range");
+                        }
+                        if (out.empty()) throw std::invalid_argument("empty list");
+                        *values = std::move(out);
+                      }});
+    return *this;
+  }
+
+  // Sets the variables from argv. On an unknown flag, a missing value or a
+  // bad one, prints what is wrong and the usage to stderr; returns false.
+  bool parse(int argc, char** argv) const {
+    for (int i = 1; i < argc; ++i) {
+      const std::string name = argv[i];
+      auto f = std::find_if(flags_.begin(), flags_.end(),
+                            [&](const Flag& x) { return x.name == name; });
+      if (f == flags_.end()) return fail("unknown argument '" + name + "'");
+      if (i + 1 == argc) return fail(name + " needs a value");
+      try {
+        f->set(argv[++i]);
+      } catch (const std::exception&) {
+        return fail("bad value '" + std::string(argv[i]) + "' for " + name);
+      }
+    }
+    return true;
+  }
+
+ private:
+  struct Flag {
+    std::string name;
+    std::string default_value;
+    std::function<void(const std::string&)> set;
+  };
+
+  static int64_t to_int(const std::string& s) {
+    size_t used = 0;
+    int64_t v = std::stoll(s, &used);
+    if (used != s.size()) throw std::invalid_argument("not an integer");
+    return v;
+  }
+
+  bool fail(const std::string& why) const {
+    std::string usage = "usage: " + program_;
+    for (const auto& f : flags_) usage += " [" + f.name + " " + f.default_value + "]";
+    std::fprintf(stderr, "%s: %s\n%s\n", program_.c_str(), why.c_str(), usage.c_str());
+    return false;
+  }
+
+  std::string program_;
+  std::vector<Flag> flags_;
+};
 
 }  // namespace tandem::bench

@@ -33,7 +33,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -272,24 +271,11 @@ int main(int argc, char** argv) {
       if (std::strcmp(role, "rpc") == 0) return rpc_callee();
       return 2;
     }
-    std::string sizes = "0,1024,1048576,16777216";
+    std::vector<int64_t> list = {0, 1024, 1048576, 16777216};
     int rounds = 5;
-    for (int i = 1; i < argc; ++i) {
-      std::string a = argv[i];
-      if (a == "--sizes" && i + 1 < argc) {
-        sizes = argv[++i];
-      } else if (a == "--rounds" && i + 1 < argc) {
-        rounds = std::atoi(argv[++i]);
-      } else {
-        std::fprintf(stderr, "usage: rpc_bench [--sizes 0,1024,...] [--rounds N]\n");
-        return 2;
-      }
-    }
-    if (rounds < 1) {
-      std::fprintf(stderr, "rpc_bench: --rounds must be at least 1\n");
-      return 2;
-    }
-    auto list = tandem::bench::parse_list(sizes);
+    tandem::bench::Flags flags("rpc_bench");
+    flags.add("--sizes", &list, 0).add("--rounds", &rounds, 1);
+    if (!flags.parse(argc, argv)) return 2;
     std::vector<std::vector<Round>> ours(list.size()), raw(list.size());
     std::vector<Round> creates;
     std::vector<std::vector<Round>> to_here(kRRefSizes.size());
