@@ -18,16 +18,11 @@ int main(int argc, char** argv) {
   }
   // libuv opens a process-wide pipe the first time any loop starts and keeps
   // it for the life of the process. Start one transport up front so the leak
-  // checks count only what a test itself opens.
+  // checks count only what a test itself opens; its loop thread is joined,
+  // but leaves the kernel's count a moment later.
+  const int threads = tandem::test::thread_count();
   tandem::rpc::UvTransport(tandem::rpc::Limits{}, {}).close();
-  // Its loop thread may still be on its way out: let the count settle before
-  // the first test records it.
-  for (int i = 0, last = -1; i < 100; ++i) {
-    int now = tandem::test::thread_count();
-    if (now == last) break;
-    last = now;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  tandem::test::eventually([&] { return tandem::test::thread_count() == threads; });
   doctest::Context ctx(argc, argv);
   return ctx.run();
 }

@@ -26,6 +26,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -37,6 +38,19 @@
 #include "tandem/rpc/testing.h"
 
 namespace tandem::test {
+
+// Waits until `cond` holds, at most `limit`; returns whether it held. For
+// things that happen asynchronously (reference counting, a peer's clean-up,
+// a thread's exit): wait for the thing, never a fixed time.
+inline bool eventually(const std::function<bool()>& cond,
+                       std::chrono::milliseconds limit = std::chrono::seconds(5)) {
+  auto until = std::chrono::steady_clock::now() + limit;
+  while (!cond()) {
+    if (std::chrono::steady_clock::now() >= until) return cond();
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return true;
+}
 
 // Threads and open file descriptors of this process: what a test must give back.
 inline int count_dir(const char* path) {
@@ -71,9 +85,8 @@ class LeakCheck {
  public:
   LeakCheck() : threads_(thread_count()), fds_(fd_count()) {}
   void check() const {
-    for (int i = 0; i < 100 && (thread_count() != threads_ || fd_count() != fds_); ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
+    eventually([&] { return thread_count() == threads_ && fd_count() == fds_; },
+               std::chrono::seconds(1));
     CHECK(thread_count() == threads_);
     INFO("open fds: " << fd_list());
     CHECK(fd_count() == fds_);

@@ -11,10 +11,17 @@
 using namespace tandem;
 using namespace tandem::rpc;
 using namespace std::chrono_literals;
+using test::eventually;
 using test::LeakCheck;
 using test::World;
 
 namespace {
+
+// sleep_ms handlers that have started and that have returned, in this
+// process: a test waits on them for a call to be running, or for late work
+// to be over.
+std::atomic<int> g_sleeps_started{0};
+std::atomic<int> g_sleeps_done{0};
 
 void define_common(Registry& r) {
   r.def("add", [](at::Tensor a, at::Tensor b) { return a + b; });
@@ -22,7 +29,9 @@ void define_common(Registry& r) {
   r.def("echo", [](c10::IValue v) { return v; });
   r.def("fail", [](std::string why) -> int64_t { throw std::runtime_error(why); });
   r.def("sleep_ms", [](int64_t ms) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    ++g_sleeps_started;
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));  // the slow work under test
+    ++g_sleeps_done;
     return ms;
   });
   r.def("nothing", []() {});
@@ -256,6 +265,7 @@ TEST_CASE("agent: when_all, when_any and wait(timeout)") {
 
 TEST_CASE("agent: timeouts (default, per call, none) and late replies") {
   World w(2, define_common, [](AgentOptions& o) { o.rpc_timeout = 150ms; });
+  const int sleeps = g_sleeps_done;
   auto t0 = std::chrono::steady_clock::now();
   CHECK_THROWS_AS(w[0].rpc_sync("worker1", "sleep_ms", 600), TimeoutError);
   auto took = std::chrono::steady_clock::now() - t0;
@@ -269,7 +279,9 @@ TEST_CASE("agent: timeouts (default, per call, none) and late replies") {
   auto f = w[0].rpc_async(CallOptions{20ms}, "worker1", "sleep_ms", 200);
   CHECK_THROWS_AS(f.wait(), TimeoutError);
   // The late replies arrive and are dropped; the next call is unaffected.
-  std::this_thread::sleep_for(700ms);
+  // Once worker1 has run all five, their replies are on the connection ahead
+  // of the next call's.
+  CHECK(eventually([&] { return g_sleeps_done == sleeps + 5; }));
   CHECK(w[0].rpc_sync<int64_t>("worker1", "sleep_ms", 1) == 1);
   CHECK(rpc::testing::pending_calls(w[0]) == 0);
   w.shutdown();
@@ -288,10 +300,9 @@ TEST_CASE("agent: a nested call inherits its caller's remaining deadline") {
   }
   auto took = std::chrono::steady_clock::now() - t0;
   CHECK(took < 1000ms);
-  // worker1's relay itself gave up too: its failure reaches nobody, and it
-  // has nothing pending once its own deadline passed.
-  std::this_thread::sleep_for(300ms);
-  CHECK(rpc::testing::pending_calls(w[1]) == 0);
+  // worker1's relay itself gave up too, at its own deadline (long before
+  // worker2's 3 s are over): its failure reaches nobody, nothing is pending.
+  CHECK(eventually([&] { return rpc::testing::pending_calls(w[1]) == 0; }, 1000ms));
   CHECK(w[0].rpc_sync<int64_t>("worker1", "relay", std::string("worker2"),
                                std::string("sleep_ms"), int64_t(5)) == 5);
   w.shutdown();
@@ -325,23 +336,27 @@ TEST_CASE("agent: a handler may wait on a call it started, even with one pool th
 }
 
 TEST_CASE("agent: untyped functions see IValues") {
-  World w(2, [](Registry& r) {
+  // "later" completes its future from a thread of its own, joined below.
+  std::mutex mu;
+  std::vector<std::thread> helpers;
+  World w(2, [&](Registry& r) {
     r.def_ivalue("count", [](std::vector<c10::IValue>& args) {
       return c10::IValue(static_cast<int64_t>(args.size()));
     });
-    r.def_ivalue("later", [](std::vector<c10::IValue>& args) {
+    r.def_ivalue("later", [&](std::vector<c10::IValue>& args) {
       auto f = make_raw_future();
       int64_t v = args.at(0).toInt();
-      std::thread([f, v] {
-        std::this_thread::sleep_for(20ms);
+      std::lock_guard<std::mutex> lock(mu);
+      helpers.emplace_back([f, v] {
+        std::this_thread::sleep_for(20ms);  // slow work, finished later
         f->markCompleted(c10::IValue(v * 10));
-      }).detach();
+      });
       return c10::IValue(f);
     });
   });
   CHECK(w[0].call("worker1", "count", {1, 2.0, "x"}).wait().toInt() == 3);
   CHECK(w[0].call("worker1", "later", {4}).wait().toInt() == 40);
-  std::this_thread::sleep_for(20ms);  // let the helper thread finish before the leak checks
+  for (auto& t : helpers) t.join();
   w.shutdown();
 }
 
@@ -390,8 +405,9 @@ TEST_CASE("agent: shutdown(false) fails what is pending, then refuses new calls"
   LeakCheck leaks;
   {
     World w(2, define_common);
+    const int started = g_sleeps_started;
     auto f = w[0].rpc_async<int64_t>("worker1", "sleep_ms", 2000);
-    std::this_thread::sleep_for(50ms);
+    CHECK(eventually([&] { return g_sleeps_started == started + 1; }));  // running on worker1
     auto t0 = std::chrono::steady_clock::now();
     w[0].shutdown(false);
     CHECK_THROWS_AS(f.wait(), ShutdownError);
@@ -408,8 +424,9 @@ TEST_CASE("agent: shutdown(false) fails what is pending, then refuses new calls"
 
 TEST_CASE("agent: a peer that shuts down fails our calls with Disconnected at once") {
   World w(2, define_common);
+  const int started = g_sleeps_started;
   auto f = w[0].rpc_async<int64_t>("worker1", "sleep_ms", 1500);
-  std::this_thread::sleep_for(50ms);
+  CHECK(eventually([&] { return g_sleeps_started == started + 1; }));  // running on worker1
   auto t0 = std::chrono::steady_clock::now();
   std::thread stopper([&] { w[1].shutdown(false); });
   CHECK_THROWS_AS(f.wait(), DisconnectedError);
@@ -426,7 +443,7 @@ TEST_CASE("agent: a dropped connection is reopened by the next call") {
   World w(2, define_common);
   CHECK(w[0].rpc_sync<int64_t>("worker1", "sleep_ms", 1) == 1);
   rpc::testing::drop_connection(w[0], 1);
-  std::this_thread::sleep_for(50ms);
+  CHECK(eventually([&] { return rpc::testing::live_connections(w[0]) == 0; }));
   CHECK(w[0].rpc_sync<int64_t>("worker1", "sleep_ms", 2) == 2);
   w.shutdown();
 }

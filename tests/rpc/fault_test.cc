@@ -12,6 +12,7 @@
 using namespace tandem;
 using namespace tandem::rpc;
 using namespace std::chrono_literals;
+using test::eventually;
 using test::World;
 
 namespace {
@@ -52,14 +53,8 @@ World faulty_world(int n, const std::shared_ptr<FaultPlan>& plan) {
   });
 }
 
-bool eventually(const std::function<bool()>& cond, std::chrono::milliseconds limit = 8000ms) {
-  auto until = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < until) {
-    if (cond()) return true;
-    std::this_thread::sleep_for(5ms);
-  }
-  return cond();
-}
+// A lost RRef message is retried after a while: how long to wait for its effect.
+constexpr auto kRetried = 8000ms;
 
 }  // namespace
 
@@ -97,16 +92,16 @@ TEST_CASE("fault: RRef fork, accept and delete messages lost once are retried; n
       // tells worker0 it may let go (lost once).
       auto r = remote<at::Tensor>(w[0], "worker2", "ones", 3);
       w[0].rpc_sync("worker1", "keep", r);
-      CHECK(eventually([&] { return plan->hits(0) == 1 && plan->hits(1) == 1; }));
+      CHECK(eventually([&] { return plan->hits(0) == 1 && plan->hits(1) == 1; }, kRetried));
       CHECK(at::equal(r.to_here(), at::ones({3})));
       w[0].rpc_sync("worker1", "release");
     }
     // Both references are gone: their deletes (the first lost) reach the owner.
-    CHECK(eventually([&] { return w[2].rrefs().owned_values() == 0; }));
+    CHECK(eventually([&] { return w[2].rrefs().owned_values() == 0; }, kRetried));
     CHECK(plan->hits(2) == 1);
     for (int r = 0; r < 3; ++r) {
       INFO("worker" << r);
-      CHECK(eventually([&] { return w[r].rrefs().live_user_refs().empty(); }));
+      CHECK(eventually([&] { return w[r].rrefs().live_user_refs().empty(); }, kRetried));
     }
     w.shutdown();  // graceful: would throw naming any reference still alive
   }

@@ -23,7 +23,7 @@ int worker_main(const std::string& mode) {
     auto reg = std::make_shared<Registry>();
     reg->def("add", [](at::Tensor a, at::Tensor b) { return a + b; });
     reg->def("sleep_ms", [](int64_t ms) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));  // slow work
       return ms;
     });
     reg->def("pid", []() { return static_cast<int64_t>(::getpid()); });
@@ -112,8 +112,9 @@ TEST_CASE("process: a worker that dies fails calls to it within a second") {
     o.rpc_timeout = 30s;
     auto agent = Agent::create(o, std::make_shared<Registry>(), child.store);
     CHECK(agent->rpc_sync<int64_t>("worker1", "pid") == child.pid);
+    // In flight: the request is written by the time rpc_async returns (sends
+    // go out from the calling thread).
     auto f = agent->rpc_async<int64_t>("worker1", "sleep_ms", 10000);
-    std::this_thread::sleep_for(100ms);
     auto t0 = std::chrono::steady_clock::now();
     ::kill(child.pid, SIGKILL);
     CHECK_THROWS_AS(f.wait(), DisconnectedError);

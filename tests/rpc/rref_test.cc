@@ -12,6 +12,7 @@
 using namespace tandem;
 using namespace tandem::rpc;
 using namespace std::chrono_literals;
+using test::eventually;
 using test::World;
 
 namespace {
@@ -98,14 +99,14 @@ World make_world(std::shared_ptr<Stash> stash = std::make_shared<Stash>()) {
                [](AgentOptions& o) { o.num_worker_threads = 4; });
 }
 
-// Reference counting is asynchronous: wait (bounded) for `cond`.
-bool eventually(const std::function<bool()>& cond, std::chrono::milliseconds limit = 5000ms) {
-  auto until = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < until) {
-    if (cond()) return true;
-    std::this_thread::sleep_for(5ms);
+// Reference counting is asynchronous: waits until no worker has an RRef
+// message (fork, accept, delete, ...) unanswered. After it, what the
+// protocol was going to do has been done, and nothing more will happen.
+void settle(World& w) {
+  for (auto& a : w.agents) {
+    INFO(a->name());
+    REQUIRE(a->rrefs().wait_idle(5000ms));
   }
-  return cond();
 }
 
 void expect_clean(World& w) {
@@ -223,7 +224,7 @@ TEST_CASE("rref: a fork chain survives its root dropping out first") {
   r = RRef<at::Tensor>();
   // ... worker1 forwards its fork back to worker0 and forgets it (a fork of a fork) ...
   w[0].rpc_sync("worker1", "forward_stash", std::string("worker0"));
-  std::this_thread::sleep_for(50ms);
+  settle(w);  // every delete, fork and accept of the above has been answered
   CHECK(w[2].rrefs().owned_values() == 1);
   // ... and the value is still there for the last holder.
   CHECK(w[1].rpc_sync<double>("worker0", "use_stash") == 6.0);
@@ -279,13 +280,13 @@ TEST_CASE("rref: the owner frees the value exactly when the last reference goes"
   r.confirmation().wait();
   w[0].rpc_sync("worker2", "stash", r);  // a second holder
   r = RRef<at::Tensor>();                 // the creator lets go
-  std::this_thread::sleep_for(200ms);
+  settle(w);                              // ... and its delete has been answered
   CHECK(g_freed.load() == 0);             // worker2 still holds it
   CHECK(w[1].rrefs().owned_values() == 1);
   w[0].rpc_sync("worker2", "unstash");    // the last reference goes
   CHECK(eventually([] { return g_freed.load() == 1; }));
   CHECK(w[1].rrefs().owned_values() == 0);
-  std::this_thread::sleep_for(100ms);
+  settle(w);
   CHECK(g_freed.load() == 1);             // and exactly once
   expect_clean(w);
   w.shutdown();
