@@ -19,6 +19,8 @@ namespace {
 
 // Counts frees of tensors made by "make_counted".
 std::atomic<int> g_freed{0};
+// Counts the "sleep_then_ones" calls that have returned.
+std::atomic<int> g_slept{0};
 
 // RRefs a worker was handed and keeps until told to drop them, by worker name.
 struct Stash {
@@ -31,7 +33,8 @@ void define(Registry& r, std::shared_ptr<Stash> stash) {
   r.def("full", [](int64_t n, double v) { return at::full_like(at::zeros({n}), v); });
   r.def("fail", [](int64_t) -> at::Tensor { throw std::runtime_error("no value today"); });
   r.def("sleep_then_ones", [](int64_t ms) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));  // a slow creation
+    ++g_slept;
     return at::ones({1});
   });
   r.def("make_counted", [](int64_t n) {
@@ -204,12 +207,16 @@ TEST_CASE("rref: a failed creation raises at first use and never hangs") {
   CHECK_FALSE(bad.confirmed_by_owner());
   auto unknown = remote<at::Tensor>(w[0], "worker1", "no_such_function", 1);
   CHECK_THROWS_AS(unknown.to_here(), UnknownFunctionError);
+  const int slept = g_slept;
   auto t0 = std::chrono::steady_clock::now();
   auto slow = remote<at::Tensor>(w[0], CallOptions{50ms}, "worker1", "sleep_then_ones", 2000);
   CHECK_THROWS_AS(slow.to_here(), TimeoutError);
   CHECK(std::chrono::steady_clock::now() - t0 < 1500ms);
   bad = unknown = slow = RRef<at::Tensor>();
-  std::this_thread::sleep_for(2100ms);  // the slow creation finishes on worker1
+  // The slow creation finishes on worker1 after its user has let go: then
+  // (not before) worker1 drops the value.
+  CHECK(eventually([&] { return g_slept == slept + 1; }, 5000ms));
+  CHECK(eventually([&] { return w[1].rrefs().owned_values() == 0; }));
   expect_clean(w);
   w.shutdown();
 }
