@@ -16,6 +16,9 @@ int main(int argc, char** argv) {
   if (const char* mode = std::getenv("TANDEM_TEST_WORKER")) {
     return tandem::test::worker_main(mode);
   }
+  // Every agent made from now on is tracked, for the leak check at the end
+  // of each case (test_util.h).
+  tandem::test::track_agents();
   // libuv opens a process-wide pipe the first time any loop starts and keeps
   // it for the life of the process. Start one transport up front so the leak
   // checks count only what a test itself opens; its loop thread is joined,

