@@ -19,13 +19,16 @@ int main(int argc, char** argv) {
   // Every agent made from now on is tracked, for the leak check at the end
   // of each case (test_util.h).
   tandem::test::track_agents();
-  // libuv opens a process-wide pipe the first time any loop starts and keeps
-  // it for the life of the process. Start one transport up front so the leak
-  // checks count only what a test itself opens; its loop thread is joined,
-  // but leaves the kernel's count a moment later.
+  // Some things start on first use and stay for the life of the process:
+  // libuv's process-wide pipe (opened when any loop first starts) and
+  // LibTorch's autograd engine threads (one per GPU, at the first
+  // backward). Start them up front so that the leak checks count only what
+  // a case itself starts. The transport's loop thread is joined, but leaves
+  // the kernel's count a moment later.
   const int threads = tandem::test::thread_count();
   tandem::rpc::UvTransport(tandem::rpc::Limits{}, {}).close();
   tandem::test::eventually([&] { return tandem::test::thread_count() == threads; });
+  (at::ones({1}).requires_grad_() * 2).sum().backward();
   doctest::Context ctx(argc, argv);
   return ctx.run();
 }

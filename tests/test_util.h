@@ -198,6 +198,21 @@ struct Snapshot {
   std::map<int, std::string> fds = test::fds();
 };
 
+// The snapshot of the case running now (null between cases).
+inline Snapshot*& current_snapshot() {
+  static Snapshot* s = nullptr;
+  return s;
+}
+
+// For a case that starts something meant to live as long as the process
+// (CUDA's context, driver threads and device files): runs `start`, then
+// takes the case's snapshot again, so that what `start` made is not
+// counted as a leak.
+inline void process_lifetime(const std::function<void()>& start) {
+  start();
+  if (Snapshot* s = current_snapshot()) *s = Snapshot();
+}
+
 inline std::string thread_name(int tid) {
   std::ifstream in("/proc/self/task/" + std::to_string(tid) + "/comm");
   std::string name;
@@ -248,10 +263,11 @@ inline void check_leaks(const Snapshot& start) {
 // derived from it): hence the unlikely name.
 class LeakFixture {
  public:
-  LeakFixture() = default;
+  LeakFixture() { current_snapshot() = &leak_fixture_start_; }
   LeakFixture(const LeakFixture&) = delete;
   LeakFixture& operator=(const LeakFixture&) = delete;
   ~LeakFixture() noexcept(false) {
+    current_snapshot() = nullptr;
     if (std::uncaught_exceptions() == 0) check_leaks(leak_fixture_start_);
   }
 

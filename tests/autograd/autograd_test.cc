@@ -490,6 +490,12 @@ TEST_CASE("autograd: CUDA tensors: gradients come back to the device") {
     std::printf("skipped: no CUDA device on this machine (this test runs on GPU machines)\n");
     return;
   }
+  // CUDA's context, its driver threads and device files stay for the life
+  // of the process: made here, they are not this case's leaks.
+  test::process_lifetime([] {
+    auto t = at::ones({2}, kF64.device(at::kCUDA)).requires_grad_();
+    (t * 2).sum().backward();
+  });
   World w(2, define);
   auto x = at::randn({4, 8}, kF64.device(at::kCUDA)).requires_grad_();
   dist::Context ctx(w[0]);
