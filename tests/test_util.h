@@ -355,8 +355,8 @@ struct World {
   }
 
   // A case that did not shut its world down: the same check, then a
-  // shutdown(false). (A case that shut some agents down itself ends with
-  // shutdown(false) too: what a stopped agent holds is not checked.)
+  // shutdown(false). A case that stopped agents on purpose (an owner that
+  // dies keeps its values) ends with w.shutdown(false): nothing is checked.
   ~World() {
     if (agents.empty()) return;
     if (std::uncaught_exceptions() == 0) expect_released();
