@@ -21,7 +21,6 @@
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/ones.h>
-#include <sys/wait.h>
 
 #include <chrono>
 #include <cstdio>
@@ -31,11 +30,13 @@
 #include "tandem/autograd/dist_autograd.h"
 #include "bench/bench_util.h"
 #include "tandem/rpc/api.h"
+#include "tests/support/local_job.h"
 
 namespace {
 
 namespace rpc = tandem::rpc;
 namespace dist = tandem::autograd;
+namespace support = tandem::support;
 using Clock = std::chrono::steady_clock;
 using tandem::bench::median;
 using tandem::bench::percentile;
@@ -78,8 +79,12 @@ struct Figures {
 };
 
 std::vector<Figures> round_trip(const std::vector<int>& hop_counts, int iters) {
-  tandem::bench::set_free_master();
-  pid_t child = tandem::bench::spawn_self({"TANDEM_BENCH_ROLE=callee"});
+  // This process is worker0: its init() hosts the store at MASTER_PORT.
+  const int port = support::free_port();
+  support::set_master_env(port);
+  auto env = support::worker_env(1, 2, port);
+  env.push_back("TANDEM_BENCH_ROLE=callee");
+  pid_t child = support::spawn_self(env);
   auto agent = rpc::init(registry(), options(0));
   at::Tensor x = at::ones({64}).requires_grad_();
   std::vector<Figures> out;
@@ -118,7 +123,7 @@ std::vector<Figures> round_trip(const std::vector<int>& hop_counts, int iters) {
                    (percentile(fwd_ctx, 0.5) - percentile(fwd_plain, 0.5)) / hops});
   }
   rpc::shutdown(true);
-  ::waitpid(child, nullptr, 0);
+  support::wait_exit(child);
   return out;
 }
 
@@ -188,27 +193,12 @@ int main(int argc, char** argv) {
       rpc::shutdown(true);
       return 0;
     }
-    std::string hops = "1,4,16";
+    std::vector<int64_t> hops = {1, 4, 16};
     int iters = 200, rounds = 5;
-    for (int i = 1; i < argc; ++i) {
-      std::string a = argv[i];
-      if (a == "--hops" && i + 1 < argc) {
-        hops = argv[++i];
-      } else if (a == "--iters" && i + 1 < argc) {
-        iters = std::atoi(argv[++i]);
-      } else if (a == "--rounds" && i + 1 < argc) {
-        rounds = std::atoi(argv[++i]);
-      } else {
-        std::fprintf(stderr, "usage: autograd_bench [--hops 1,4,16] [--iters N] [--rounds N]\n");
-        return 2;
-      }
-    }
-    std::vector<int> hop_counts;
-    for (int64_t h : tandem::bench::parse_list(hops)) hop_counts.push_back(static_cast<int>(h));
-    if (iters < 1 || rounds < 1 || hop_counts.empty()) {
-      std::fprintf(stderr, "autograd_bench: --iters, --rounds and --hops must be positive\n");
-      return 2;
-    }
+    tandem::bench::Flags flags("autograd_bench");
+    flags.add("--hops", &hops, 1).add("--iters", &iters, 1).add("--rounds", &rounds, 1);
+    if (!flags.parse(argc, argv)) return 2;
+    std::vector<int> hop_counts(hops.begin(), hops.end());
     std::vector<std::vector<double>> back(hop_counts.size()), record(hop_counts.size());
     for (int r = 0; r < rounds; ++r) {
       auto figures = round_trip(hop_counts, iters);

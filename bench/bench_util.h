@@ -1,19 +1,17 @@
-// Helpers shared by the benchmark programs: percentiles, and a second
-// process of the same program to talk to on loopback.
+// Helpers shared by the benchmark programs: percentiles and command-line
+// flags. The second process a benchmark talks to on loopback is started
+// with tests/support/local_job.h, as the tests start theirs.
 #pragma once
 
-#include <spawn.h>
-#include <unistd.h>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
-
 #include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <limits>
 #include <sstream>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <vector>
-
-extern char** environ;
 
 namespace tandem::bench {
 
@@ -27,47 +25,87 @@ inline double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Starts this program again with the environment plus `extra_env`.
-inline pid_t spawn_self(const std::vector<std::string>& extra_env) {
-  std::vector<std::string> env;
-  for (char** e = environ; *e; ++e) env.emplace_back(*e);
-  env.insert(env.end(), extra_env.begin(), extra_env.end());
-  std::vector<char*> envp;
-  for (auto& s : env) envp.push_back(s.data());
-  envp.push_back(nullptr);
-  char exe[4096];
-  ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
-  if (n <= 0) throw std::runtime_error("cannot find my own executable");
-  exe[n] = '\0';
-  char* argv[] = {exe, nullptr};
-  pid_t pid = -1;
-  if (::posix_spawn(&pid, exe, nullptr, nullptr, argv, envp.data()) != 0) {
-    throw std::runtime_error("cannot start the callee process");
-  }
-  return pid;
-}
+// Command-line flags of the form `--name value`, each bound to a variable
+// that holds its default:
+//
+//   int rounds = 5;
+//   std::vector<int64_t> sizes = {0, 1024};
+//   Flags flags("rpc_bench");
+//   flags.add("--sizes", &sizes, 0).add("--rounds", &rounds, 1);
+//   if (!flags.parse(argc, argv)) return 2;
+class Flags {
+ public:
+  explicit Flags(std::string program) : program_(std::move(program)) {}
 
-// "1,4,16" -> {1, 4, 16}.
-inline std::vector<int64_t> parse_list(const std::string& s) {
-  std::vector<int64_t> out;
-  std::stringstream in(s);
-  std::string item;
-  while (std::getline(in, item, ',')) out.push_back(std::stoll(item));
-  return out;
-}
-
-// Points MASTER_ADDR / MASTER_PORT at a free loopback port, where rank 0
-// will host the rendezvous store.
-inline void set_free_master() {
-  int port;
-  {
-    c10d::TCPStoreOptions so;
-    so.port = 0;
-    so.isServer = true;
-    port = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so)->getPort();
+  // An integer of at least `min`.
+  Flags& add(const std::string& name, int* value, int min) {
+    flags_.push_back({name, std::to_string(*value), [=](const std::string& s) {
+                        int64_t v = to_int(s);
+                        if (v < min || v > std::numeric_limits<int>::max()) throw std::invalid_argument("out of range");
+                        *value = static_cast<int>(v);
+                      }});
+    return *this;
   }
-  setenv("MASTER_ADDR", "127.0.0.1", 1);
-  setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-}
+
+  // A comma-separated, non-empty list of integers, each at least `min`: "1,4,16".
+  Flags& add(const std::string& name, std::vector<int64_t>* values, int64_t min) {
+    std::string def;
+    for (int64_t v : *values) def += (def.empty() ? "" : ",") + std::to_string(v);
+    flags_.push_back({name, def, [=](const std::string& s) {
+                        std::vector<int64_t> out;
+                        std::stringstream in(s);
+                        std::string item;
+                        while (std::getline(in, item, ',')) {
+                          out.push_back(to_int(item));
+                          if (out.back() < min) throw std::invalid_argument("out of range");
+                        }
+                        if (out.empty()) throw std::invalid_argument("empty list");
+                        *values = std::move(out);
+                      }});
+    return *this;
+  }
+
+  // Sets the variables from argv. On an unknown flag, a missing value or a
+  // bad one, prints what is wrong and the usage to stderr; returns false.
+  bool parse(int argc, char** argv) const {
+    for (int i = 1; i < argc; ++i) {
+      const std::string name = argv[i];
+      auto f = std::find_if(flags_.begin(), flags_.end(),
+                            [&](const Flag& x) { return x.name == name; });
+      if (f == flags_.end()) return fail("unknown argument '" + name + "'");
+      if (i + 1 == argc) return fail(name + " needs a value");
+      try {
+        f->set(argv[++i]);
+      } catch (const std::exception&) {
+        return fail("bad value '" + std::string(argv[i]) + "' for " + name);
+      }
+    }
+    return true;
+  }
+
+ private:
+  struct Flag {
+    std::string name;
+    std::string default_value;
+    std::function<void(const std::string&)> set;
+  };
+
+  static int64_t to_int(const std::string& s) {
+    size_t used = 0;
+    int64_t v = std::stoll(s, &used);
+    if (used != s.size()) throw std::invalid_argument("not an integer");
+    return v;
+  }
+
+  bool fail(const std::string& why) const {
+    std::string usage = "usage: " + program_;
+    for (const auto& f : flags_) usage += " [" + f.name + " " + f.default_value + "]";
+    std::fprintf(stderr, "%s: %s\n%s\n", program_.c_str(), why.c_str(), usage.c_str());
+    return false;
+  }
+
+  std::string program_;
+  std::vector<Flag> flags_;
+};
 
 }  // namespace tandem::bench

@@ -25,31 +25,27 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <spawn.h>
 #include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "bench/bench_util.h"
 #include "tandem/rpc/api.h"
 #include "tandem/rpc/rref.h"
+#include "tests/support/local_job.h"
 
 namespace {
 
+namespace support = tandem::support;
 using tandem::bench::median;
 using tandem::bench::percentile;
-using tandem::bench::set_free_master;
-using tandem::bench::spawn_self;
 using Clock = std::chrono::steady_clock;
 using tandem::rpc::Agent;
 using tandem::rpc::AgentOptions;
@@ -154,7 +150,8 @@ std::vector<Round> raw_client(const std::vector<int64_t>& sizes) {
   ::listen(lfd, 1);
   socklen_t alen = sizeof(a);
   ::getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &alen);
-  pid_t child = spawn_self({"TANDEM_BENCH_ROLE=raw", "TANDEM_BENCH_PORT=" + std::to_string(ntohs(a.sin_port))});
+  pid_t child = support::spawn_self(
+      {"TANDEM_BENCH_ROLE=raw", "TANDEM_BENCH_PORT=" + std::to_string(ntohs(a.sin_port))});
   int fd = ::accept(lfd, nullptr, nullptr);
   ::close(lfd);
   nodelay(fd);
@@ -176,7 +173,7 @@ std::vector<Round> raw_client(const std::vector<int64_t>& sizes) {
     rounds.push_back(summarize(lat));
   }
   ::close(fd);
-  ::waitpid(child, nullptr, 0);
+  support::wait_exit(child);
   return rounds;
 }
 
@@ -238,8 +235,12 @@ void rref_round(Agent& agent, TandemRound& out) {
 TandemRound rpc_caller(const std::vector<int64_t>& sizes) {
   TandemRound result;
   std::vector<Round>& out = result.echo;
-  set_free_master();
-  pid_t child = spawn_self({"TANDEM_BENCH_ROLE=rpc"});
+  // This process is rank 0: its init() hosts the store at MASTER_PORT.
+  const int port = support::free_port();
+  support::set_master_env(port);
+  auto env = support::worker_env(1, 2, port);
+  env.push_back("TANDEM_BENCH_ROLE=rpc");
+  pid_t child = support::spawn_self(env);
   auto agent = tandem::rpc::init(registry(), options(0));
   for (int64_t bytes : sizes) {
     at::Tensor t = at::zeros({std::max<int64_t>(bytes / 4, 1)});
@@ -256,7 +257,7 @@ TandemRound rpc_caller(const std::vector<int64_t>& sizes) {
   }
   rref_round(*agent, result);
   tandem::rpc::shutdown(true);
-  ::waitpid(child, nullptr, 0);
+  support::wait_exit(child);
   return result;
 }
 
@@ -270,24 +271,11 @@ int main(int argc, char** argv) {
       if (std::strcmp(role, "rpc") == 0) return rpc_callee();
       return 2;
     }
-    std::string sizes = "0,1024,1048576,16777216";
+    std::vector<int64_t> list = {0, 1024, 1048576, 16777216};
     int rounds = 5;
-    for (int i = 1; i < argc; ++i) {
-      std::string a = argv[i];
-      if (a == "--sizes" && i + 1 < argc) {
-        sizes = argv[++i];
-      } else if (a == "--rounds" && i + 1 < argc) {
-        rounds = std::atoi(argv[++i]);
-      } else {
-        std::fprintf(stderr, "usage: rpc_bench [--sizes 0,1024,...] [--rounds N]\n");
-        return 2;
-      }
-    }
-    if (rounds < 1) {
-      std::fprintf(stderr, "rpc_bench: --rounds must be at least 1\n");
-      return 2;
-    }
-    auto list = tandem::bench::parse_list(sizes);
+    tandem::bench::Flags flags("rpc_bench");
+    flags.add("--sizes", &list, 0).add("--rounds", &rounds, 1);
+    if (!flags.parse(argc, argv)) return 2;
     std::vector<std::vector<Round>> ours(list.size()), raw(list.size());
     std::vector<Round> creates;
     std::vector<std::vector<Round>> to_here(kRRefSizes.size());

@@ -5,57 +5,30 @@
 #include "test_util.h"
 #include "tandem/rpc/transport/uv/uv_transport.h"
 
-#include <spawn.h>
-#include <unistd.h>
-
 #include <cstdlib>
-
-extern char** environ;
 
 namespace tandem::test {
 // Each test binary defines it (tests/*/process_test.cc).
 int worker_main(const std::string& mode);
-
-std::string self_exe() {
-  char buf[4096];
-  ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  return n > 0 ? std::string(buf, n) : std::string();
-}
-
-pid_t spawn_worker(const std::vector<std::string>& env_extra) {
-  std::vector<std::string> env;
-  for (char** e = environ; *e; ++e) env.emplace_back(*e);
-  for (auto& kv : env_extra) env.push_back(kv);
-  std::vector<char*> envp;
-  for (auto& s : env) envp.push_back(s.data());
-  envp.push_back(nullptr);
-  std::string exe = test::self_exe();
-  char* argv[] = {exe.data(), nullptr};
-  pid_t pid = -1;
-  if (::posix_spawn(&pid, exe.c_str(), nullptr, nullptr, argv, envp.data()) != 0) {
-    throw std::runtime_error("cannot start " + exe);
-  }
-  return pid;
-}
-
 }  // namespace tandem::test
 
 int main(int argc, char** argv) {
   if (const char* mode = std::getenv("TANDEM_TEST_WORKER")) {
     return tandem::test::worker_main(mode);
   }
-  // libuv opens a process-wide pipe the first time any loop starts and keeps
-  // it for the life of the process. Start one transport up front so the leak
-  // checks count only what a test itself opens.
+  // Every agent made from now on is tracked, for the leak check at the end
+  // of each case (test_util.h).
+  tandem::test::track_agents();
+  // Some things start on first use and stay for the life of the process:
+  // libuv's process-wide pipe (opened when any loop first starts) and
+  // LibTorch's autograd engine threads (one per GPU, at the first
+  // backward). Start them up front so that the leak checks count only what
+  // a case itself starts. The transport's loop thread is joined, but leaves
+  // the kernel's count a moment later.
+  const int threads = tandem::test::thread_count();
   tandem::rpc::UvTransport(tandem::rpc::Limits{}, {}).close();
-  // Its loop thread may still be on its way out: let the count settle before
-  // the first test records it.
-  for (int i = 0, last = -1; i < 100; ++i) {
-    int now = tandem::test::thread_count();
-    if (now == last) break;
-    last = now;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  tandem::test::eventually([&] { return tandem::test::thread_count() == threads; });
+  (at::ones({1}).requires_grad_() * 2).sum().backward();
   doctest::Context ctx(argc, argv);
   return ctx.run();
 }

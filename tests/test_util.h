@@ -1,5 +1,26 @@
-// Shared set-up for Tandem's test suites. LibTorch comes first: glog's CHECK
-// (pulled in by LibTorch) would otherwise replace doctest's.
+// Shared set-up for Tandem's test suites; every test file includes it first.
+//
+// LibTorch comes first: glog's CHECK (pulled in by LibTorch) would otherwise
+// replace doctest's.
+//
+// Every TEST_CASE ends with a leak check, done here once (LeakFixture): a
+// case fails, naming what it left behind, when at its end
+//  1. an agent it made is still alive (every agent is tracked from its
+//     creation: track_agents() registers a tracking extension), or the
+//     process-wide agent of rpc::init() is still up;
+//  2. the process has more or fewer threads than when it started (threads
+//     leave the kernel's bookkeeping a little after join: a bounded wait);
+//  3. the process has other open file descriptors than when it started.
+// And a World checks its agents before they go, in a graceful
+// World::shutdown() and at the end of a case that did not shut it down: no
+// agent may still hold anything for the user (user RRefs, owned RRef
+// values, what the layers report: distributed autograd contexts).
+// A case that fails by an exception (REQUIRE, an unexpected throw) is not
+// checked: it has failed already.
+//
+// The check runs inside the case (TEST_CASE is TEST_CASE_FIXTURE here, at
+// the bottom) so that doctest counts it: a listener's test_case_end comes
+// after doctest has settled the case's result, too late to fail it.
 #pragma once
 
 #include <ATen/TensorOperators.h>
@@ -23,77 +44,245 @@
 #include <doctest/doctest.h>
 
 #include <dirent.h>
+#include <signal.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <exception>
+#include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "support/local_job.h"
 #include "tandem/rpc/agent.h"
+#include "tandem/rpc/api.h"
+#include "tandem/rpc/extension.h"
+#include "tandem/rpc/layer.h"
+#include "tandem/rpc/rref_context.h"
 #include "tandem/rpc/testing.h"
 
 namespace tandem::test {
 
-// Threads and open file descriptors of this process: what a test must give back.
-inline int count_dir(const char* path) {
-  int n = 0;
-  if (DIR* d = opendir(path)) {
-    while (readdir(d)) ++n;
-    closedir(d);
+// ---- waiting -------------------------------------------------------------------
+
+// Waits until `cond` holds, at most `limit`; returns whether it held. For
+// things that happen asynchronously (reference counting, a peer's clean-up,
+// a thread's exit): wait for the thing, never a fixed time.
+inline bool eventually(const std::function<bool()>& cond,
+                       std::chrono::milliseconds limit = std::chrono::seconds(5)) {
+  auto until = std::chrono::steady_clock::now() + limit;
+  while (!cond()) {
+    if (std::chrono::steady_clock::now() >= until) return cond();
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
-  return n;
+  return true;
 }
-inline int thread_count() { return count_dir("/proc/self/task"); }
-inline int fd_count() { return count_dir("/proc/self/fd"); }
-inline std::string fd_list() {
-  std::string out;
-  if (DIR* d = opendir("/proc/self/fd")) {
+
+// ---- what this process holds ----------------------------------------------------
+
+// Entries of a /proc directory, "." and ".." left out (and, with
+// skip_own_fd, the descriptor of the listing itself).
+inline std::vector<std::string> list_dir(const char* path, bool skip_own_fd = false) {
+  std::vector<std::string> out;
+  if (DIR* d = opendir(path)) {
+    const std::string own = std::to_string(dirfd(d));
     while (dirent* e = readdir(d)) {
-      char target[512] = {};
-      std::string path = std::string("/proc/self/fd/") + e->d_name;
-      if (readlink(path.c_str(), target, sizeof(target) - 1) > 0) {
-        out += std::string(e->d_name) + "->" + target + " ";
-      }
+      std::string name = e->d_name;
+      if (name == "." || name == ".." || (skip_own_fd && name == own)) continue;
+      out.push_back(name);
     }
     closedir(d);
   }
   return out;
 }
 
-// Records threads and fds at construction; a test asserts nothing leaked with
-// check() once everything it made is gone. Threads die asynchronously after
-// join returns only in the kernel's bookkeeping, so allow a short settle.
-class LeakCheck {
- public:
-  LeakCheck() : threads_(thread_count()), fds_(fd_count()) {}
-  void check() const {
-    for (int i = 0; i < 100 && (thread_count() != threads_ || fd_count() != fds_); ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+// Thread ids of this process.
+inline std::set<int> threads() {
+  std::set<int> out;
+  for (const auto& t : list_dir("/proc/self/task")) out.insert(std::stoi(t));
+  return out;
+}
+inline int thread_count() { return static_cast<int>(threads().size()); }
+
+// Open file descriptors of this process, with what each refers to.
+inline std::map<int, std::string> fds() {
+  std::map<int, std::string> out;
+  for (const auto& f : list_dir("/proc/self/fd", true)) {
+    char target[512] = {};
+    std::string path = "/proc/self/fd/" + f;
+    ssize_t n = readlink(path.c_str(), target, sizeof(target) - 1);
+    out[std::stoi(f)] = n > 0 ? std::string(target, static_cast<size_t>(n)) : "?";
+  }
+  return out;
+}
+
+// Every agent made in this process since track_agents() (main() calls it
+// before the first test): its name, and a weak reference that expires when
+// it is destroyed. Agents are tracked through a (no-op) extension, so those
+// made by World, by Agent::create and by rpc::init() alike.
+struct TrackedAgent {
+  std::weak_ptr<rpc::Agent> agent;
+  std::string name;
+};
+struct AgentLog {
+  std::mutex mu;
+  std::vector<TrackedAgent> made;
+};
+inline AgentLog& agent_log() {
+  static AgentLog log;
+  return log;
+}
+inline size_t agents_made() {
+  std::lock_guard<std::mutex> lock(agent_log().mu);
+  return agent_log().made.size();
+}
+// Names of the agents made since the `since`-th that are still alive.
+inline std::vector<std::string> agents_alive(size_t since) {
+  std::lock_guard<std::mutex> lock(agent_log().mu);
+  std::vector<std::string> out;
+  auto& made = agent_log().made;
+  for (size_t i = since; i < made.size(); ++i) {
+    if (!made[i].agent.expired()) out.push_back(made[i].name);
+  }
+  return out;
+}
+inline void track_agents() {
+  struct Tracker : rpc::AgentExtension {
+    void before_send(rpc::Message&, int) override {}
+    void after_encode(const rpc::Message&, rpc::OutFrame&, int) override {}
+    void after_receive(rpc::Message&, int) override {}
+  };
+  static const bool registered = [] {
+    auto tracker = std::make_shared<Tracker>();
+    rpc::register_agent_extension([tracker](rpc::Agent& a) -> std::shared_ptr<rpc::AgentExtension> {
+      std::lock_guard<std::mutex> lock(agent_log().mu);
+      agent_log().made.push_back({a.weak_from_this(), a.name()});
+      return tracker;
+    });
+    return true;
+  }();
+  (void)registered;
+}
+
+// What `a` still holds for the user: live user RRefs, the RRef values it
+// owns, and what the layers above report (distributed autograd contexts).
+inline std::vector<std::string> held_objects(rpc::Agent& a) {
+  std::vector<std::string> out = a.rrefs().live_user_refs();
+  if (size_t n = a.rrefs().owned_values()) {
+    out.push_back(std::to_string(n) + " owned RRef value(s)");
+  }
+  for (const auto& e : rpc::LayerAccess::extensions(a)) {
+    for (auto& l : e->live_objects()) out.push_back(std::move(l));
+  }
+  return out;
+}
+
+inline std::string join(const std::vector<std::string>& items) {
+  std::string out;
+  for (const auto& s : items) out += (out.empty() ? "" : ", ") + s;
+  return out;
+}
+
+// ---- the end-of-case leak check ----------------------------------------------------
+
+// What a case started with; check_leaks() compares the end with it.
+struct Snapshot {
+  size_t agents = agents_made();
+  std::set<int> threads = test::threads();
+  std::map<int, std::string> fds = test::fds();
+};
+
+// The snapshot of the case running now (null between cases).
+inline Snapshot*& current_snapshot() {
+  static Snapshot* s = nullptr;
+  return s;
+}
+
+// For a case that starts something meant to live as long as the process
+// (CUDA's context, driver threads and device files): runs `start`, then
+// takes the case's snapshot again, so that what `start` made is not
+// counted as a leak.
+inline void process_lifetime(const std::function<void()>& start) {
+  start();
+  if (Snapshot* s = current_snapshot()) *s = Snapshot();
+}
+
+inline std::string thread_name(int tid) {
+  std::ifstream in("/proc/self/task/" + std::to_string(tid) + "/comm");
+  std::string name;
+  std::getline(in, name);
+  return name;
+}
+
+inline void check_leaks(const Snapshot& start) {
+  if (rpc::is_initialized()) FAIL_CHECK("leak: rpc::init() without rpc::shutdown()");
+  // Agents first: an agent that is gone has given back its threads and fds.
+  if (!eventually([&] { return agents_alive(start.agents).empty(); })) {
+    FAIL_CHECK("leak: agents made by this case are still alive (something holds them): "
+               << join(agents_alive(start.agents)));
+    return;  // their threads and fds would only repeat it
+  }
+  const size_t want = start.threads.size();
+  if (!eventually([&] { return threads().size() == want; }, std::chrono::seconds(2))) {
+    std::vector<std::string> added, ended;
+    auto now = threads();
+    for (int t : now) {
+      if (!start.threads.count(t)) added.push_back(std::to_string(t) + " " + thread_name(t));
     }
-    CHECK(thread_count() == threads_);
-    INFO("open fds: " << fd_list());
-    CHECK(fd_count() == fds_);
+    for (int t : start.threads) {
+      if (!now.count(t)) ended.push_back(std::to_string(t));
+    }
+    FAIL_CHECK("leak: " << now.size() << " threads at the end, " << want
+                        << " at the start; new: " << join(added) << "; ended: " << join(ended));
+  }
+  if (!eventually([&] { return fds() == start.fds; }, std::chrono::seconds(2))) {
+    std::vector<std::string> opened, closed;
+    auto now = fds();
+    auto differ = [](const std::map<int, std::string>& a, const std::map<int, std::string>& b) {
+      std::vector<std::string> out;
+      for (auto& [fd, what] : a) {
+        auto it = b.find(fd);
+        if (it == b.end() || it->second != what) out.push_back(std::to_string(fd) + " -> " + what);
+      }
+      return out;
+    };
+    FAIL_CHECK("leak: file descriptors left open: " << join(differ(now, start.fds))
+               << "; closed that were open at the start: " << join(differ(start.fds, now)));
+  }
+}
+
+// The fixture of every TEST_CASE (below): a snapshot when a run of the case
+// starts (each subcase path is a run), the check when it ends. Its one
+// member is visible in test bodies (they are member functions of a struct
+// derived from it): hence the unlikely name.
+class LeakFixture {
+ public:
+  LeakFixture() { current_snapshot() = &leak_fixture_start_; }
+  LeakFixture(const LeakFixture&) = delete;
+  LeakFixture& operator=(const LeakFixture&) = delete;
+  ~LeakFixture() noexcept(false) {
+    current_snapshot() = nullptr;
+    if (std::uncaught_exceptions() == 0) check_leaks(leak_fixture_start_);
   }
 
  private:
-  int threads_;
-  int fds_;
+  Snapshot leak_fixture_start_;
 };
 
+// ---- N agents in this process --------------------------------------------------------
+
 // N agents in this process, meeting at a TCPStore on an ephemeral port.
+// At the end (see the top of this file) they must hold nothing.
 struct World {
   explicit World(int n, std::function<void(rpc::Registry&)> define = {},
-                 std::function<void(rpc::AgentOptions&)> tweak = {}) {
-    c10d::TCPStoreOptions so;
-    so.port = 0;
-    so.isServer = true;
-    so.numWorkers = n;
-    so.waitWorkers = false;
-    so.timeout = std::chrono::seconds(30);
-    server = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
-    port = server->getPort();
+                 std::function<void(rpc::AgentOptions&)> tweak = {})
+      : store(support::store_server()), port(store->getPort()) {
     registry = std::make_shared<rpc::Registry>();
     if (define) define(*registry);
     agents.resize(n);
@@ -109,7 +298,7 @@ struct World {
           o.rpc_timeout = std::chrono::seconds(20);
           o.init_timeout = std::chrono::seconds(30);
           if (tweak) tweak(o);
-          agents[r] = rpc::Agent::create(o, registry, client_store());
+          agents[r] = rpc::Agent::create(o, registry, support::store_client(port));
         } catch (...) {
           errors[r] = std::current_exception();
         }
@@ -120,18 +309,20 @@ struct World {
       if (e) std::rethrow_exception(e);
     }
   }
+  World(const World&) = delete;
+  World& operator=(const World&) = delete;
 
-  c10::intrusive_ptr<c10d::Store> client_store() const {
-    c10d::TCPStoreOptions so;
-    so.port = port;
-    so.isServer = false;
-    so.timeout = std::chrono::seconds(30);
-    return c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  // Every agent shuts down at once (graceful waits for the others);
+  // rethrows the first error any of them raised. A graceful shutdown first
+  // checks that every agent has let go of everything (see expect_released).
+  void shutdown(bool graceful = true) {
+    if (graceful) expect_released();
+    shutdown_unchecked(graceful);
   }
 
-  // Every agent shuts down at once (graceful waits for the others).
-  // Rethrows the first error any of them raised.
-  void shutdown(bool graceful = true) {
+  // The same without that check: for a case about shutting down while
+  // something is still alive or on its way.
+  void shutdown_unchecked(bool graceful = true) {
     std::vector<std::thread> threads;
     std::vector<std::exception_ptr> errors(agents.size());
     for (size_t i = 0; i < agents.size(); ++i) {
@@ -152,41 +343,73 @@ struct World {
     }
   }
 
+  // Every agent holds nothing for the user: no user RRefs, no owned RRef
+  // values, no distributed autograd contexts (held_objects). Reference
+  // counting and context release are asynchronous: a bounded wait.
+  void expect_released() {
+    for (auto& a : agents) {
+      if (a && !eventually([&] { return held_objects(*a).empty(); })) {
+        FAIL_CHECK("leak: " << a->name() << " still holds: " << join(held_objects(*a)));
+      }
+    }
+  }
+
+  // A case that did not shut its world down: the same check, then a
+  // shutdown(false). A case that stopped agents on purpose (an owner that
+  // dies keeps its values) ends with w.shutdown(false): nothing is checked.
   ~World() {
-    if (!agents.empty()) shutdown(false);
+    if (agents.empty()) return;
+    if (std::uncaught_exceptions() == 0) expect_released();
+    try {
+      shutdown_unchecked(false);
+    } catch (const std::exception& e) {
+      FAIL_CHECK("shutting the world down: " << e.what());
+    }
   }
 
   rpc::Agent& operator[](int r) { return *agents[r]; }
 
-  c10::intrusive_ptr<c10d::TCPStore> server;
+  c10::intrusive_ptr<c10d::TCPStore> store;  // the rendezvous, hosted here
   int port = 0;
   std::shared_ptr<rpc::Registry> registry;
   std::vector<std::shared_ptr<rpc::Agent>> agents;
 };
 
-// Path of this test binary (for tests that start worker processes).
-std::string self_exe();
-// Starts this binary again with the environment plus `env_extra`
-// ("TANDEM_TEST_WORKER=mode" makes it a worker: see main.cc).
-pid_t spawn_worker(const std::vector<std::string>& env_extra);
+// ---- a worker process ------------------------------------------------------------
 
-// A store on an ephemeral port, and this binary started again as worker 1
-// of 2 in `mode`, meeting there; the test is worker 0.
+// This test binary started again as worker 1 of 2 in `mode`
+// ("TANDEM_TEST_WORKER=mode" makes it a worker: see main.cc), meeting the
+// test (worker 0) at `store`. The destructor kills and reaps it if the test
+// did not wait for it.
 struct ChildWorker {
+  explicit ChildWorker(const std::string& mode)
+      : store(support::store_server()),
+        pid(support::spawn_self([&] {
+          auto env = support::worker_env(1, 2, store->getPort());
+          env.push_back("TANDEM_TEST_WORKER=" + mode);
+          return env;
+        }())) {}
+  ChildWorker(const ChildWorker&) = delete;
+  ChildWorker& operator=(const ChildWorker&) = delete;
+  ~ChildWorker() {
+    if (pid > 0) {
+      ::kill(pid, SIGKILL);
+      wait();
+    }
+  }
+  // Waits for the worker to end; returns its waitpid status.
+  int wait() {
+    int status = support::wait_exit(pid);
+    pid = -1;
+    return status;
+  }
+
   c10::intrusive_ptr<c10d::TCPStore> store;
   pid_t pid = -1;
 };
-inline ChildWorker start_child_worker(const std::string& mode) {
-  c10d::TCPStoreOptions so;
-  so.port = 0;
-  so.isServer = true;
-  so.timeout = std::chrono::seconds(30);
-  ChildWorker w;
-  w.store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
-  w.pid = spawn_worker({"TANDEM_TEST_WORKER=" + mode, "RANK=1", "WORLD_SIZE=2",
-                        "MASTER_ADDR=127.0.0.1",
-                        "MASTER_PORT=" + std::to_string(w.store->getPort())});
-  return w;
-}
 
 }  // namespace tandem::test
+
+// Every TEST_CASE runs in a LeakFixture (see the top of this file).
+#undef TEST_CASE
+#define TEST_CASE(name) TEST_CASE_FIXTURE(::tandem::test::LeakFixture, name)

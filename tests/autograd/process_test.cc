@@ -45,35 +45,29 @@ int worker_main(const std::string& mode) {
 }  // namespace tandem::test
 
 TEST_CASE("autograd process: a worker that dies during backward fails it with Disconnected") {
-  test::LeakCheck leaks;
+  test::ChildWorker child("serve");
+  rpc::AgentOptions o;
+  o.rank = 0;
+  o.world_size = 2;
+  o.rpc_timeout = 30s;
+  auto agent = rpc::Agent::create(o, std::make_shared<rpc::Registry>(), child.store);
+  auto x = at::ones({3}).requires_grad_();
   {
-    auto [store, child] = test::start_child_worker("serve");
-    rpc::AgentOptions o;
-    o.rank = 0;
-    o.world_size = 2;
-    o.rpc_timeout = 30s;
-    auto agent = rpc::Agent::create(o, std::make_shared<rpc::Registry>(), store);
-    auto x = at::ones({3}).requires_grad_();
-    {
-      dist::Context ctx(*agent);
-      // A healthy round first: the remote part runs and returns.
-      auto y = agent->rpc_sync<at::Tensor>("worker1", "double", x);
-      dist::backward(ctx.id(), {y.sum()});
-      CHECK(at::equal(dist::get_gradients(ctx.id()).at(x), at::full({3}, 2.0)));
+    dist::Context ctx(*agent);
+    // A healthy round first: the remote part runs and returns.
+    auto y = agent->rpc_sync<at::Tensor>("worker1", "double", x);
+    dist::backward(ctx.id(), {y.sum()});
+    CHECK(at::equal(dist::get_gradients(ctx.id()).at(x), at::full({3}, 2.0)));
 
-      auto z = agent->rpc_sync<at::Tensor>("worker1", "die_in_backward", x);
-      auto t0 = std::chrono::steady_clock::now();
-      CHECK_THROWS_AS(dist::backward(ctx.id(), {z.sum()}), rpc::DisconnectedError);
-      CHECK(std::chrono::steady_clock::now() - t0 < 5s);
-    }  // releasing the context does not wait for the dead worker
-    CHECK(dist::live_contexts(*agent) == 0);
-    int status = 0;
-    ::waitpid(child, &status, 0);
-    CHECK(WIFEXITED(status));
-    CHECK(WEXITSTATUS(status) == 9);
-    agent->shutdown(false);
-    agent = nullptr;
-    store.reset();
-  }
-  leaks.check();
+    auto z = agent->rpc_sync<at::Tensor>("worker1", "die_in_backward", x);
+    auto t0 = std::chrono::steady_clock::now();
+    CHECK_THROWS_AS(dist::backward(ctx.id(), {z.sum()}), rpc::DisconnectedError);
+    CHECK(std::chrono::steady_clock::now() - t0 < 5s);
+  }  // releasing the context does not wait for the dead worker
+  CHECK(dist::live_contexts(*agent) == 0);
+  int status = child.wait();
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 9);
+  agent->shutdown(false);
+  agent = nullptr;
 }

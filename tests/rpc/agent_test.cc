@@ -11,10 +11,16 @@
 using namespace tandem;
 using namespace tandem::rpc;
 using namespace std::chrono_literals;
-using test::LeakCheck;
+using test::eventually;
 using test::World;
 
 namespace {
+
+// sleep_ms handlers that have started and that have returned, in this
+// process: a test waits on them for a call to be running, or for late work
+// to be over.
+std::atomic<int> g_sleeps_started{0};
+std::atomic<int> g_sleeps_done{0};
 
 void define_common(Registry& r) {
   r.def("add", [](at::Tensor a, at::Tensor b) { return a + b; });
@@ -22,7 +28,9 @@ void define_common(Registry& r) {
   r.def("echo", [](c10::IValue v) { return v; });
   r.def("fail", [](std::string why) -> int64_t { throw std::runtime_error(why); });
   r.def("sleep_ms", [](int64_t ms) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    ++g_sleeps_started;
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));  // the slow work under test
+    ++g_sleeps_done;
     return ms;
   });
   r.def("nothing", []() {});
@@ -65,33 +73,29 @@ void define_common(Registry& r) {
 }  // namespace
 
 TEST_CASE("agent: typed calls between workers") {
-  LeakCheck leaks;
-  {
-    World w(2, define_common);
-    at::Tensor x = at::randn({4, 4});
-    at::Tensor y = w[0].rpc_sync<at::Tensor>("worker1", "add", x, x);
-    CHECK(at::allclose(y, x + x));
-    CHECK(at::allclose(w[1].rpc_sync<at::Tensor>("worker0", "scale", x, 0.5), x * 0.5));
-    CHECK(w[0].rpc_sync<int64_t>("worker1", "sum_ints", std::vector<int>{1, 2, 3}) == 6);
-    CHECK(w[0].rpc_sync<std::string>(
-              "worker1", "describe", std::make_tuple(std::string("a"), int64_t(3)),
-              std::unordered_map<std::string, double>{{"k", 1.0}, {"j", 2.0}},
-              c10::optional<int64_t>(7)) == "a:3:2:7");
-    CHECK(w[0].rpc_sync<std::string>("worker1", "describe",
-                                     std::make_tuple(std::string("b"), int64_t(1)),
-                                     std::unordered_map<std::string, double>{},
-                                     c10::optional<int64_t>()) == "b:1:0:none");
-    auto [head, tail] =
-        w[0].rpc_sync<std::tuple<at::Tensor, at::Tensor>>("worker1", "split", at::arange(5));
-    CHECK(head.numel() == 1);
-    CHECK(tail.numel() == 4);
-    w[0].rpc_sync<void>("worker1", "nothing");
-    CHECK(w[0].rpc_sync("worker1", "nothing").isNone());
-    CHECK(w[1].rpc_sync<std::string>("worker1", "whoami") == "worker1");  // a call to oneself
-    CHECK(w[0].rpc_sync<std::string>("worker1", "echo", "hi") == "hi");
-    w.shutdown();
-  }
-  leaks.check();
+  World w(2, define_common);
+  at::Tensor x = at::randn({4, 4});
+  at::Tensor y = w[0].rpc_sync<at::Tensor>("worker1", "add", x, x);
+  CHECK(at::allclose(y, x + x));
+  CHECK(at::allclose(w[1].rpc_sync<at::Tensor>("worker0", "scale", x, 0.5), x * 0.5));
+  CHECK(w[0].rpc_sync<int64_t>("worker1", "sum_ints", std::vector<int>{1, 2, 3}) == 6);
+  CHECK(w[0].rpc_sync<std::string>(
+            "worker1", "describe", std::make_tuple(std::string("a"), int64_t(3)),
+            std::unordered_map<std::string, double>{{"k", 1.0}, {"j", 2.0}},
+            c10::optional<int64_t>(7)) == "a:3:2:7");
+  CHECK(w[0].rpc_sync<std::string>("worker1", "describe",
+                                   std::make_tuple(std::string("b"), int64_t(1)),
+                                   std::unordered_map<std::string, double>{},
+                                   c10::optional<int64_t>()) == "b:1:0:none");
+  auto [head, tail] =
+      w[0].rpc_sync<std::tuple<at::Tensor, at::Tensor>>("worker1", "split", at::arange(5));
+  CHECK(head.numel() == 1);
+  CHECK(tail.numel() == 4);
+  w[0].rpc_sync<void>("worker1", "nothing");
+  CHECK(w[0].rpc_sync("worker1", "nothing").isNone());
+  CHECK(w[1].rpc_sync<std::string>("worker1", "whoami") == "worker1");  // a call to oneself
+  CHECK(w[0].rpc_sync<std::string>("worker1", "echo", "hi") == "hi");
+  w.shutdown();
 }
 
 TEST_CASE("agent: large and empty tensors cross intact") {
@@ -256,6 +260,7 @@ TEST_CASE("agent: when_all, when_any and wait(timeout)") {
 
 TEST_CASE("agent: timeouts (default, per call, none) and late replies") {
   World w(2, define_common, [](AgentOptions& o) { o.rpc_timeout = 150ms; });
+  const int sleeps = g_sleeps_done;
   auto t0 = std::chrono::steady_clock::now();
   CHECK_THROWS_AS(w[0].rpc_sync("worker1", "sleep_ms", 600), TimeoutError);
   auto took = std::chrono::steady_clock::now() - t0;
@@ -269,7 +274,9 @@ TEST_CASE("agent: timeouts (default, per call, none) and late replies") {
   auto f = w[0].rpc_async(CallOptions{20ms}, "worker1", "sleep_ms", 200);
   CHECK_THROWS_AS(f.wait(), TimeoutError);
   // The late replies arrive and are dropped; the next call is unaffected.
-  std::this_thread::sleep_for(700ms);
+  // Once worker1 has run all five, their replies are on the connection ahead
+  // of the next call's.
+  CHECK(eventually([&] { return g_sleeps_done == sleeps + 5; }));
   CHECK(w[0].rpc_sync<int64_t>("worker1", "sleep_ms", 1) == 1);
   CHECK(rpc::testing::pending_calls(w[0]) == 0);
   w.shutdown();
@@ -288,10 +295,9 @@ TEST_CASE("agent: a nested call inherits its caller's remaining deadline") {
   }
   auto took = std::chrono::steady_clock::now() - t0;
   CHECK(took < 1000ms);
-  // worker1's relay itself gave up too: its failure reaches nobody, and it
-  // has nothing pending once its own deadline passed.
-  std::this_thread::sleep_for(300ms);
-  CHECK(rpc::testing::pending_calls(w[1]) == 0);
+  // worker1's relay itself gave up too, at its own deadline (long before
+  // worker2's 3 s are over): its failure reaches nobody, nothing is pending.
+  CHECK(eventually([&] { return rpc::testing::pending_calls(w[1]) == 0; }, 1000ms));
   CHECK(w[0].rpc_sync<int64_t>("worker1", "relay", std::string("worker2"),
                                std::string("sleep_ms"), int64_t(5)) == 5);
   w.shutdown();
@@ -325,23 +331,27 @@ TEST_CASE("agent: a handler may wait on a call it started, even with one pool th
 }
 
 TEST_CASE("agent: untyped functions see IValues") {
-  World w(2, [](Registry& r) {
+  // "later" completes its future from a thread of its own, joined below.
+  std::mutex mu;
+  std::vector<std::thread> helpers;
+  World w(2, [&](Registry& r) {
     r.def_ivalue("count", [](std::vector<c10::IValue>& args) {
       return c10::IValue(static_cast<int64_t>(args.size()));
     });
-    r.def_ivalue("later", [](std::vector<c10::IValue>& args) {
+    r.def_ivalue("later", [&](std::vector<c10::IValue>& args) {
       auto f = make_raw_future();
       int64_t v = args.at(0).toInt();
-      std::thread([f, v] {
-        std::this_thread::sleep_for(20ms);
+      std::lock_guard<std::mutex> lock(mu);
+      helpers.emplace_back([f, v] {
+        std::this_thread::sleep_for(20ms);  // slow work, finished later
         f->markCompleted(c10::IValue(v * 10));
-      }).detach();
+      });
       return c10::IValue(f);
     });
   });
   CHECK(w[0].call("worker1", "count", {1, 2.0, "x"}).wait().toInt() == 3);
   CHECK(w[0].call("worker1", "later", {4}).wait().toInt() == 40);
-  std::this_thread::sleep_for(20ms);  // let the helper thread finish before the leak checks
+  for (auto& t : helpers) t.join();
   w.shutdown();
 }
 
@@ -374,42 +384,36 @@ TEST_CASE("agent: many threads call concurrently") {
 }
 
 TEST_CASE("agent: graceful shutdown waits for calls in flight everywhere") {
-  LeakCheck leaks;
-  {
-    World w(3, define_common);
-    auto f = w[0].rpc_async<int64_t>("worker1", "sleep_ms", 300);
-    auto g = w[2].rpc_async<int64_t>("worker0", "sleep_ms", 200);
-    w.shutdown(true);  // all three at once
-    CHECK(f.wait() == 300);
-    CHECK(g.wait() == 200);
-  }
-  leaks.check();
+  World w(3, define_common);
+  auto f = w[0].rpc_async<int64_t>("worker1", "sleep_ms", 300);
+  auto g = w[2].rpc_async<int64_t>("worker0", "sleep_ms", 200);
+  w.shutdown(true);  // all three at once
+  CHECK(f.wait() == 300);
+  CHECK(g.wait() == 200);
 }
 
 TEST_CASE("agent: shutdown(false) fails what is pending, then refuses new calls") {
-  LeakCheck leaks;
-  {
-    World w(2, define_common);
-    auto f = w[0].rpc_async<int64_t>("worker1", "sleep_ms", 2000);
-    std::this_thread::sleep_for(50ms);
-    auto t0 = std::chrono::steady_clock::now();
-    w[0].shutdown(false);
-    CHECK_THROWS_AS(f.wait(), ShutdownError);
-    CHECK(std::chrono::steady_clock::now() - t0 < 1000ms);
-    CHECK_THROWS_AS(w[0].rpc_sync("worker1", "nothing"), ShutdownError);
-    // The callback of a future that fails at shutdown still runs, exactly once.
-    std::atomic<int> runs{0};
-    f.then([&](Future<int64_t>) { ++runs; }).wait();
-    CHECK(runs.load() == 1);
-    w.shutdown(false);
-  }
-  leaks.check();
+  World w(2, define_common);
+  const int started = g_sleeps_started;
+  auto f = w[0].rpc_async<int64_t>("worker1", "sleep_ms", 2000);
+  CHECK(eventually([&] { return g_sleeps_started == started + 1; }));  // running on worker1
+  auto t0 = std::chrono::steady_clock::now();
+  w[0].shutdown(false);
+  CHECK_THROWS_AS(f.wait(), ShutdownError);
+  CHECK(std::chrono::steady_clock::now() - t0 < 1000ms);
+  CHECK_THROWS_AS(w[0].rpc_sync("worker1", "nothing"), ShutdownError);
+  // The callback of a future that fails at shutdown still runs, exactly once.
+  std::atomic<int> runs{0};
+  f.then([&](Future<int64_t>) { ++runs; }).wait();
+  CHECK(runs.load() == 1);
+  w.shutdown(false);
 }
 
 TEST_CASE("agent: a peer that shuts down fails our calls with Disconnected at once") {
   World w(2, define_common);
+  const int started = g_sleeps_started;
   auto f = w[0].rpc_async<int64_t>("worker1", "sleep_ms", 1500);
-  std::this_thread::sleep_for(50ms);
+  CHECK(eventually([&] { return g_sleeps_started == started + 1; }));  // running on worker1
   auto t0 = std::chrono::steady_clock::now();
   std::thread stopper([&] { w[1].shutdown(false); });
   CHECK_THROWS_AS(f.wait(), DisconnectedError);
@@ -426,19 +430,13 @@ TEST_CASE("agent: a dropped connection is reopened by the next call") {
   World w(2, define_common);
   CHECK(w[0].rpc_sync<int64_t>("worker1", "sleep_ms", 1) == 1);
   rpc::testing::drop_connection(w[0], 1);
-  std::this_thread::sleep_for(50ms);
+  CHECK(eventually([&] { return rpc::testing::live_connections(w[0]) == 0; }));
   CHECK(w[0].rpc_sync<int64_t>("worker1", "sleep_ms", 2) == 2);
   w.shutdown();
 }
 
 TEST_CASE("agent: bad options and worlds are refused clearly") {
-  auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", [] {
-    c10d::TCPStoreOptions o;
-    o.port = 0;
-    o.isServer = true;
-    o.timeout = std::chrono::seconds(2);
-    return o;
-  }());
+  auto store = support::store_server(2s);
   auto reg = std::make_shared<Registry>();
   AgentOptions o;
   o.world_size = 2;
@@ -463,18 +461,9 @@ TEST_CASE("agent: two workers with one name are refused") {
 }
 
 TEST_CASE("api: init from the environment, rpc to oneself, shutdown") {
-  LeakCheck leaks;
   setenv("RANK", "0", 1);
   setenv("WORLD_SIZE", "1", 1);
-  setenv("MASTER_ADDR", "127.0.0.1", 1);
-  // A free port for the store.
-  {
-    c10d::TCPStoreOptions so;
-    so.port = 0;
-    so.isServer = true;
-    auto probe = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
-    setenv("MASTER_PORT", std::to_string(probe->getPort()).c_str(), 1);
-  }
+  support::set_master_env(support::free_port());  // init() hosts the store there
   auto reg = std::make_shared<Registry>();
   define_common(*reg);
   CHECK_THROWS_AS(current_agent(), std::logic_error);
@@ -497,5 +486,4 @@ TEST_CASE("api: init from the environment, rpc to oneself, shutdown") {
   unsetenv("WORLD_SIZE");
   unsetenv("MASTER_ADDR");
   unsetenv("MASTER_PORT");
-  leaks.check();
 }

