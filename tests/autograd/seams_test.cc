@@ -149,8 +149,8 @@ TEST_CASE("seams: a callback's calls inherit the handler's remaining deadline") 
   // The callback's own call (1500 ms of work; the agents' default timeout is
   // 20 s) gave up when the caller's 400 ms were spent.
   int64_t ms = deadline_outcome().get(5s);
-  CHECK(ms >= 0);
-  CHECK(ms < 1000);
+  CHECK(ms >= 0);     // it timed out: without the inherited deadline it succeeds after 1500 ms
+  CHECK(ms < 1400);
   CHECK(std::chrono::steady_clock::now() - t0 < 1500ms);
   w.shutdown();
 }
@@ -271,8 +271,9 @@ TEST_CASE("seams: a gradient lost on the wire fails backward at its timeout, nev
     dist::Context ctx(w[0]);
     auto y = w[0].rpc_sync<at::Tensor>("worker1", "scale", x, 2);
     auto t0 = std::chrono::steady_clock::now();
-    CHECK_THROWS_WITH_AS(dist::backward(w[0], ctx.id(), {at::sum(y)}, false, 500ms),
-                         doctest::Contains("did not finish within 500 ms"), rpc::TimeoutError);
+    // The root's own deadline or its `run` call's, whichever fires first.
+    CHECK_THROWS_AS(dist::backward(w[0], ctx.id(), {at::sum(y)}, false, 500ms),
+                    rpc::TimeoutError);
     CHECK(std::chrono::steady_clock::now() - t0 < 2000ms);
     CHECK(plan->hits(0) == 1);
     // The next backward in the same context gets its gradient through.
