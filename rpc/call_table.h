@@ -32,6 +32,10 @@
 
 namespace tandem::rpc {
 
+// A call's timeout is capped here (a year): longer ones, and deadlines a
+// peer sends, are treated as this and cannot overflow the clock.
+constexpr std::chrono::milliseconds kMaxTimeout{365ll * 24 * 3600 * 1000};
+
 class CallTable {
  public:
   using Clock = std::chrono::steady_clock;

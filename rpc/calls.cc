@@ -8,8 +8,6 @@
 namespace tandem::rpc {
 namespace {
 using Clock = std::chrono::steady_clock;
-// Longer timeouts are treated as this (and cannot overflow the clock).
-constexpr std::chrono::milliseconds kMaxTimeout{365ll * 24 * 3600 * 1000};
 }  // namespace
 
 void Agent::spin_until_done(const RawFuture& f) const {

@@ -12,7 +12,6 @@
 namespace tandem::rpc {
 namespace {
 using Clock = std::chrono::steady_clock;
-constexpr std::chrono::milliseconds kMaxTimeout{365ll * 24 * 3600 * 1000};
 constexpr uint64_t kNoReply = 0;  // the call id of a notify(): no reply goes back
 }  // namespace
 
@@ -44,8 +43,11 @@ void Agent::on_message_from_loop(const ConnectionPtr& conn, Message&& msg) {
   }
   if (!msg.rrefs.empty()) {
     try {
-      for (auto& r : msg.rrefs) rrefs_->validate(r, from);  // all, before any binds
-      for (auto& r : msg.rrefs) rrefs_->bind_received(r, from);
+      for (const auto& d : msg.rrefs) rrefs_->validate(d, from);  // all, before any is adopted
+      std::vector<RRefPtr> handles;
+      handles.reserve(msg.rrefs.size());
+      for (const auto& d : msg.rrefs) handles.push_back(rrefs_->adopt_received(d));
+      fill_rrefs(msg.values, handles);
     } catch (const std::exception& e) {
       conn->close("protocol error from " + conn->peer_address() + ": " + e.what());
       return;

@@ -80,4 +80,32 @@ RawFuture when_any_raw(const std::vector<RawFuture>& any) {
   return out;
 }
 
+void forward_raw(c10::ivalue::Future& from, const RawFuture& out) {
+  if (from.hasError()) {
+    out->setErrorIfNeeded(from.exception_ptr());
+  } else if (!out->completed()) {
+    out->markCompleted(from.constValue());
+  }
+}
+
+RawFuture error_of(const RawFuture& f) {
+  auto out = make_raw_future();
+  f->addCallback([out](c10::ivalue::Future& g) {
+    if (g.hasError()) out->setError(g.exception_ptr());
+  });
+  return out;
+}
+
+RawFuture done_of(const RawFuture& f) {
+  auto out = make_raw_future();
+  f->addCallback([out](c10::ivalue::Future& g) {
+    if (g.hasError()) {
+      out->setError(g.exception_ptr());
+    } else {
+      out->markCompleted(c10::IValue());
+    }
+  });
+  return out;
+}
+
 }  // namespace tandem::rpc

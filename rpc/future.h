@@ -69,6 +69,14 @@ void wait_raw_or_throw(const RawFuture& f, std::chrono::milliseconds timeout,
 // Untyped when_all / when_any: when_all's value is a list of the values.
 RawFuture when_all_raw(const std::vector<RawFuture>& all);
 RawFuture when_any_raw(const std::vector<RawFuture>& any);
+// Completes `out` as `from` completed (its value or its error), unless `out`
+// already has. Call it from one of `from`'s callbacks.
+void forward_raw(c10::ivalue::Future& from, const RawFuture& out);
+// Fails as `f` fails; never completes if `f` succeeds (for when_any_raw:
+// "the first of: a result, or a failure of f").
+RawFuture error_of(const RawFuture& f);
+// Completes as `f` does, with None in place of its value.
+RawFuture done_of(const RawFuture& f);
 
 template <class T = c10::IValue>
 class Future {
@@ -117,13 +125,7 @@ class Future {
             child->markCompleted(c10::IValue());
           } else if constexpr (is_future<R>::value) {
             R inner = fn(self);
-            inner.raw()->addCallback([child](c10::ivalue::Future& f) {
-              if (f.hasError()) {
-                child->setError(f.exception_ptr());
-              } else {
-                child->markCompleted(f.constValue());
-              }
-            });
+            inner.raw()->addCallback([child](c10::ivalue::Future& f) { forward_raw(f, child); });
           } else {
             child->markCompleted(to_ivalue(fn(self)));
           }

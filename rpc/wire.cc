@@ -222,8 +222,65 @@ c10::Device decode_device(schema::DeviceValue::Reader r) {
   return c10::Device(static_cast<c10::DeviceType>(type), static_cast<c10::DeviceIndex>(r.getIndex()));
 }
 
+// Where a received RRef stands in a decoded value until the agent puts the
+// handle it made from the description there (fill_rrefs). Never seen outside.
+class RRefSlot final : public c10::RRefInterface {
+ public:
+  RRefSlot(size_t index, int32_t owner) : index_(index), owner_(owner) {}
+  size_t index() const { return index_; }
+  c10::worker_id_t owner() const override { return static_cast<c10::worker_id_t>(owner_); }
+  std::string ownerName() const override { return {}; }
+  bool isOwner() const override { return false; }
+  bool confirmedByOwner() const override { return false; }
+  const c10::TypePtr type() const override { return c10::AnyType::get(); }
+
+ private:
+  size_t index_;
+  int32_t owner_;
+};
+
+// Replaces every RRefSlot under `v` with its handle; returns how many.
+size_t fill_slots(c10::IValue& v, const std::vector<RRefPtr>& handles) {
+  if (v.isRRef()) {
+    auto* slot = dynamic_cast<RRefSlot*>(v.toRRef().get());
+    if (!slot) return 0;
+    v = c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(handles.at(slot->index())));
+    return 1;
+  }
+  size_t n = 0;
+  if (v.isList()) {
+    auto list = v.toList();
+    for (size_t i = 0; i < list.size(); ++i) {
+      c10::IValue item = list.get(i);
+      if (size_t k = fill_slots(item, handles)) {
+        list.set(i, std::move(item));
+        n += k;
+      }
+    }
+  } else if (v.isTuple()) {
+    auto& tuple = v.toTupleRef();
+    for (size_t i = 0; i < tuple.elements().size(); ++i) {
+      c10::IValue item = tuple.elements()[i];
+      if (size_t k = fill_slots(item, handles)) {
+        tuple.unsafeSetElement(i, std::move(item));
+        n += k;
+      }
+    }
+  } else if (v.isGenericDict()) {
+    auto dict = v.toGenericDict();
+    for (auto it = dict.begin(); it != dict.end(); ++it) {  // keys are never RRefs (see decode)
+      c10::IValue item = it->value();
+      if (size_t k = fill_slots(item, handles)) {
+        it->setValue(std::move(item));
+        n += k;
+      }
+    }
+  }
+  return n;
+}
+
 c10::IValue decode_value(schema::Value::Reader r, const std::vector<at::Tensor>& tensors,
-                         std::vector<RRefPtr>& rrefs) {
+                         std::vector<RRefDesc>& rrefs) {
   using V = schema::Value;
   switch (r.which()) {
     case V::NONE: return c10::IValue();
@@ -284,15 +341,24 @@ c10::IValue decode_value(schema::Value::Reader r, const std::vector<at::Tensor>&
       if (d.owner < 0 || d.parent < 0 || d.id.worker < 0 || d.fork.worker < 0) {
         throw ProtocolError("RRef with a negative worker in envelope");
       }
-      auto impl = c10::make_intrusive<RRefImpl>(d);
-      rrefs.push_back(impl);
-      return c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(impl));
+      rrefs.push_back(d);
+      return c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(
+          c10::make_intrusive<RRefSlot>(rrefs.size() - 1, d.owner)));
     }
   }
   throw ProtocolError("unknown value kind " + std::to_string(static_cast<int>(r.which())));
 }
 
 }  // namespace
+
+void fill_rrefs(std::vector<c10::IValue>& values, const std::vector<RRefPtr>& handles) {
+  size_t filled = 0;
+  for (auto& v : values) filled += fill_slots(v, handles);
+  if (filled != handles.size()) {
+    throw std::logic_error("fill_rrefs: " + std::to_string(handles.size()) + " handles for " +
+                           std::to_string(filled) + " RRefs in the message");
+  }
+}
 
 std::string OutFrame::to_bytes() const {
   std::string out(reinterpret_cast<const char*>(&preamble), kPreambleBytes);

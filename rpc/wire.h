@@ -40,8 +40,10 @@ struct Message {
   std::string callee;       // request: the registered function's name
   uint64_t timeout_ms = 0;  // request: time left for the call; 0 = none
   std::vector<c10::IValue> values;  // request: arguments; response: one result
-  // Received: every RRef in `values`, still unbound (the agent binds them).
-  std::vector<RRefPtr> rrefs;
+  // Received: every RRef in `values` as its sender described it, in frame
+  // order. Until the agent puts its handles there (fill_rrefs), each stands
+  // in `values` as a placeholder that is no usable RRef.
+  std::vector<RRefDesc> rrefs;
   // Request and response: the autograd context (0 = none) and the id of the
   // recorded send (0 = none). Tensors that require grad travel flagged.
   // With autograd_message set the decoder lists them (in frame order) in
@@ -153,6 +155,10 @@ struct OutFrame {
 // a hook, a message holding an RRef is refused.
 OutFrame encode(const Message& message, const Limits& limits = Limits{},
                 RRefHook* rrefs = nullptr, int dest = -1);
+
+// Puts handles[i] where a received message's values hold the placeholder of
+// its rrefs[i]. Throws std::logic_error unless every placeholder is filled.
+void fill_rrefs(std::vector<c10::IValue>& values, const std::vector<RRefPtr>& handles);
 
 // Number of zero bytes that precede a tensor starting at body offset `offset`.
 inline uint64_t padding_before(uint64_t offset) {

@@ -74,11 +74,11 @@ class RRefContext final : public RRefHook, public std::enable_shared_from_this<R
   RRefDesc fork_for_send(const RRefPtr& rref, int dest) override;
   void abort_forks(const std::vector<RRefDesc>& forks) override;
   // Throws ProtocolError for a descriptor received from `from` that cannot be
-  // right; the agent checks every RRef of a message before binding any.
-  void validate(const RRefPtr& rref, int from) const;
-  // Called for every (validated) RRef in a message received from `from`,
-  // before anyone sees it.
-  void bind_received(const RRefPtr& rref, int from);
+  // right; the agent checks every RRef of a message before adopting any.
+  void validate(const RRefDesc& desc, int from) const;
+  // The handle for a (validated) RRef received in a message, made before
+  // anyone sees the message: counts it and starts the fork protocol (2. above).
+  RRefPtr adopt_received(const RRefDesc& desc);
   // From ~RRefImpl.
   void on_dropped(RRefImpl& rref);
 
@@ -122,7 +122,7 @@ class RRefContext final : public RRefHook, public std::enable_shared_from_this<R
   // `then` gets the final error, or null.
   void send_control(int to, const std::string& fn, std::vector<c10::IValue> msg,
                     std::function<void(std::exception_ptr)> then, int attempt = 1);
-  RRefPtr bind_new(const RRefDesc& desc, RRefImpl::Kind kind, RawFuture confirmed);
+  RRefPtr new_handle(const RRefDesc& desc, RRefImpl::Kind kind, RawFuture confirmed);
 
   // Handlers (owner side unless noted).
   // Completes when the value exists (with None), or with why it does not.

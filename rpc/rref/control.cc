@@ -89,14 +89,9 @@ std::string RRefContext::worker_name(int rank) const { return agent_.get_worker_
 
 ForkId RRefContext::new_id() { return {self_, next_local_.fetch_add(1)}; }
 
-RRefPtr RRefContext::bind_new(const RRefDesc& desc, RRefImpl::Kind kind, RawFuture confirmed) {
-  auto r = c10::make_intrusive<RRefImpl>(desc);
-  r->kind_ = kind;
-  r->is_owner_ = desc.owner == self_;
-  r->owner_name_ = worker_name(desc.owner);
-  r->confirmed_ = std::move(confirmed);
-  r->ctx_ = weak_from_this();
-  return r;
+RRefPtr RRefContext::new_handle(const RRefDesc& desc, RRefImpl::Kind kind, RawFuture confirmed) {
+  return c10::make_intrusive<RRefImpl>(desc, kind, worker_name(desc.owner), std::move(confirmed),
+                                       weak_from_this(), desc.owner == self_);
 }
 
 void RRefContext::finish_outstanding_locked(int n) {

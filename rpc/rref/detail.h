@@ -48,15 +48,6 @@ inline RawFuture completed_future() {
   return f;
 }
 
-// Completes `out` like `from` (value or error), unless `out` already is.
-inline void forward(c10::ivalue::Future& from, const RawFuture& out) {
-  if (from.hasError()) {
-    out->setErrorIfNeeded(from.exception_ptr());
-  } else if (!out->completed()) {
-    out->markCompleted(from.constValue());
-  }
-}
-
 constexpr int kControlAttempts = 3;
 constexpr auto kControlBackoff = std::chrono::microseconds(50000);
 constexpr auto kDeleteBatchDelay = std::chrono::microseconds(500);

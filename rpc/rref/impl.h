@@ -52,12 +52,20 @@ class RRefContext;
 class RRefImpl final : public c10::RRefInterface {
  public:
   enum class Kind {
-    kUnbound,  // just decoded; the agent binds it before anyone sees it
-    kFork,     // a user's fork: counted at the owner by its fork id
-    kLocal,    // a handle on the owner itself: counted as a local handle
+    kFork,   // a user's fork: counted at the owner by its fork id
+    kLocal,  // a handle on the owner itself: counted as a local handle
   };
 
-  explicit RRefImpl(const RRefDesc& desc) : desc_(desc) {}
+  // Only an RRefContext makes handles (RRefContext::new_handle): complete
+  // from the start, counted by the context that made them.
+  RRefImpl(const RRefDesc& desc, Kind kind, std::string owner_name, RawFuture confirmed,
+           std::weak_ptr<RRefContext> ctx, bool is_owner)
+      : desc_(desc),
+        kind_(kind),
+        is_owner_(is_owner),
+        owner_name_(std::move(owner_name)),
+        ctx_(std::move(ctx)),
+        confirmed_(std::move(confirmed)) {}
   ~RRefImpl() override;
 
   c10::worker_id_t owner() const override { return static_cast<c10::worker_id_t>(desc_.owner); }
@@ -77,13 +85,12 @@ class RRefImpl final : public c10::RRefInterface {
   std::string str() const;
 
  private:
-  friend class RRefContext;
-  RRefDesc desc_;
-  Kind kind_ = Kind::kUnbound;
-  bool is_owner_ = false;
-  std::string owner_name_;
-  std::weak_ptr<RRefContext> ctx_;
-  RawFuture confirmed_;
+  const RRefDesc desc_;
+  const Kind kind_;
+  const bool is_owner_;
+  const std::string owner_name_;
+  const std::weak_ptr<RRefContext> ctx_;
+  const RawFuture confirmed_;
 };
 
 using RRefPtr = c10::intrusive_ptr<RRefImpl>;

@@ -40,7 +40,7 @@ RRefPtr RRefContext::make_local(c10::IValue value) {
     rec.value->markCompleted(std::move(value));
     ++rec.local_handles;
   }
-  return bind_new(d, RRefImpl::Kind::kLocal, completed_future());
+  return new_handle(d, RRefImpl::Kind::kLocal, completed_future());
 }
 
 RawFuture RRefContext::apply_when_ready(RawFuture value, const std::string& fn,
@@ -67,7 +67,7 @@ RawFuture RRefContext::apply_when_ready(RawFuture value, const std::string& fn,
       try {
         HandlerResult r = (*handler)(all);
         if (r.future) {
-          r.future->addCallback([out](c10::ivalue::Future& f) { forward(f, out); });
+          r.future->addCallback([out](c10::ivalue::Future& f) { forward_raw(f, out); });
         } else {
           out->markCompleted(std::move(r.value));
         }
@@ -114,18 +114,10 @@ RawFuture RRefContext::on_create(const RRefId& id, const ForkId& fork, const std
   if (first && !value->completed()) {  // a retried create runs nothing twice
     RawFuture produced = self_value ? apply_when_ready(self_value, fn, std::move(user_args), true)
                                     : apply_when_ready(RawFuture(), fn, std::move(user_args), false);
-    produced->addCallback([value](c10::ivalue::Future& f) { forward(f, value); });
+    produced->addCallback([value](c10::ivalue::Future& f) { forward_raw(f, value); });
   }
   // The creator hears when the value exists (or why it does not), not the value.
-  auto reply = make_raw_future();
-  value->addCallback([reply](c10::ivalue::Future& f) {
-    if (f.hasError()) {
-      reply->setError(f.exception_ptr());
-    } else {
-      reply->markCompleted(c10::IValue());
-    }
-  });
-  return reply;
+  return done_of(value);
 }
 
 RawFuture RRefContext::value_for_request(const RRefId& id) {

@@ -11,28 +11,21 @@ using namespace rref_detail;
 namespace {
 // The first of: `result` completes, or `confirmed` fails (a creation that
 // failed would otherwise leave the owner waiting for a value forever).
-// `rref` stays referenced until the answer is in: a caller that drops its
-// handle right after asking cannot make the owner free the value first.
+// `rref` stays referenced until the answer is in, and is let go before the
+// caller wakes: a caller that drops its handle right after asking cannot make
+// the owner free the value first, and a caller that drops its last handle
+// right after must find it gone (the graceful-shutdown leak check too).
 RawFuture race_with_confirmation(const RRefPtr& rref, const RawFuture& result) {
+  // Callbacks run in the order they were added: this one before the one
+  // that completes what the caller waits on.
+  result->addCallback([keep = RRefPtr(rref)](c10::ivalue::Future&) mutable { keep.reset(); });
   const RawFuture& confirmed = rref->confirmed();
-  auto out = make_raw_future();
-  auto once = std::make_shared<std::atomic<bool>>(false);
-  // The RRef is held until the reply is in, and let go before the caller
-  // wakes: a caller that drops its last handle right after must find the
-  // handle gone (and the graceful-shutdown leak check must not see it).
-  result->addCallback([out, once, keep = RRefPtr(rref)](c10::ivalue::Future& r) mutable {
-    keep.reset();
-    if (once->exchange(true)) return;
-    if (r.hasError()) {
-      out->setError(r.exception_ptr());
-    } else {
-      out->markCompleted(r.constValue());
-    }
-  });
-  confirmed->addCallback([out, once](c10::ivalue::Future& c) {
-    if (c.hasError() && !once->exchange(true)) out->setError(c.exception_ptr());
-  });
-  return out;
+  if (confirmed->completed() && !confirmed->hasError()) {  // the usual case: no race
+    auto out = make_raw_future();
+    result->addCallback([out](c10::ivalue::Future& r) { forward_raw(r, out); });
+    return out;
+  }
+  return when_any_raw({result, error_of(confirmed)});
 }
 }  // namespace
 
@@ -44,7 +37,7 @@ RRefPtr RRefContext::remote(int owner, const std::string& fn, std::vector<c10::I
   d.fork = d.id;  // the creator's fork is the RRef's own id
   d.parent = self_;
   RawFuture confirmed = make_raw_future();
-  RRefPtr r = bind_new(d, RRefImpl::Kind::kFork, confirmed);
+  RRefPtr r = new_handle(d, RRefImpl::Kind::kFork, confirmed);
   c10::optional<WireId> from;
   if (self) from = wire(self->desc().id);
   std::vector<c10::IValue> msg =
@@ -127,7 +120,6 @@ c10::IValue RRefContext::local_value(const RRefPtr& rref, std::chrono::milliseco
 
 RRefDesc RRefContext::fork_for_send(const RRefPtr& rref, int dest) {
   (void)dest;
-  if (rref->kind() == RRefImpl::Kind::kUnbound) throw std::logic_error("unbound RRef");
   if (rref->confirmed()->completed() && rref->confirmed()->hasError()) {
     std::rethrow_exception(rref->confirmed()->exception_ptr());  // a failed remote()
   }
@@ -167,8 +159,7 @@ void RRefContext::abort_forks(const std::vector<RRefDesc>& forks) {
   }
 }
 
-void RRefContext::validate(const RRefPtr& rref, int from) const {
-  const RRefDesc& d = rref->desc();
+void RRefContext::validate(const RRefDesc& d, int from) const {
   const int world = agent_.world_size();
   if (d.owner >= world || d.parent >= world || d.id.worker >= world || d.fork.worker >= world) {
     throw ProtocolError("RRef descriptor names a worker outside the world");
@@ -179,15 +170,9 @@ void RRefContext::validate(const RRefPtr& rref, int from) const {
   }
 }
 
-void RRefContext::bind_received(const RRefPtr& rref, int from) {
-  (void)from;  // validate() checked it is the parent
-  const RRefDesc& d = rref->desc();
-  rref->ctx_ = weak_from_this();
-  rref->is_owner_ = d.owner == self_;
-  rref->owner_name_ = worker_name(d.owner);
+RRefPtr RRefContext::adopt_received(const RRefDesc& d) {
   if (d.owner == self_) {
-    rref->kind_ = RRefImpl::Kind::kLocal;
-    rref->confirmed_ = completed_future();
+    RRefPtr rref = new_handle(d, RRefImpl::Kind::kLocal, completed_future());
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto& rec = record_locked(d.id);
@@ -204,19 +189,18 @@ void RRefContext::bind_received(const RRefPtr& rref, int from) {
                      [done](std::exception_ptr) { done(); });
       });
     }
-    return;
+    return rref;
   }
-  rref->kind_ = RRefImpl::Kind::kFork;
   {
     std::lock_guard<std::mutex> lock(mu_);
     users_[d.fork] = d;
   }
   if (d.parent == d.owner) {
-    rref->confirmed_ = completed_future();  // the owner counted it when it sent it
-    return;
+    // The owner counted it when it sent it.
+    return new_handle(d, RRefImpl::Kind::kFork, completed_future());
   }
   RawFuture confirmed = make_raw_future();
-  rref->confirmed_ = confirmed;
+  RRefPtr rref = new_handle(d, RRefImpl::Kind::kFork, confirmed);
   RRefDesc desc = d;
   bool started = control([this, desc, confirmed](std::function<void()> done) {
     std::vector<c10::IValue> msg = to_ivalues(wire(desc.id), wire(desc.fork));
@@ -244,6 +228,7 @@ void RRefContext::bind_received(const RRefPtr& rref, int from) {
         ShutdownError("agent " + agent_.name() + " is shutting down; " + rref->str() +
                       " cannot be registered with its owner")));
   }
+  return rref;
 }
 
 void RRefContext::on_dropped(RRefImpl& rref) {
@@ -259,7 +244,6 @@ void RRefContext::on_dropped(RRefImpl& rref) {
     }
     return;  // `dead` (and the value) goes here, outside the lock
   }
-  if (rref.kind() != RRefImpl::Kind::kFork) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
     users_.erase(d.fork);

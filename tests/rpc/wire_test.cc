@@ -195,6 +195,85 @@ TEST_CASE("wire: errors and handshakes round-trip") {
   CHECK(out.hello_token == h.hello_token);
 }
 
+namespace {
+// Forks every RRef for the test's receiver (rank 1) as rank 0, and keeps
+// what it made; no agent is involved.
+struct RecordingHook final : RRefHook {
+  RRefDesc fork_for_send(const RRefPtr& rref, int dest) override {
+    RRefDesc d = rref->desc();
+    d.fork = {0, 100 + static_cast<uint64_t>(forks.size())};
+    d.parent = 0;
+    CHECK(dest == 1);
+    forks.push_back(d);
+    return d;
+  }
+  void abort_forks(const std::vector<RRefDesc>& undone) override { aborted += undone.size(); }
+  std::vector<RRefDesc> forks;
+  size_t aborted = 0;
+};
+
+RRefPtr handle(int32_t owner, uint64_t local) {
+  RRefDesc d{owner, {owner, local}, {owner, local}, owner};
+  return c10::make_intrusive<RRefImpl>(d, RRefImpl::Kind::kFork, "w" + std::to_string(owner),
+                                       make_raw_future(), std::weak_ptr<RRefContext>(), false);
+}
+
+bool holds(const c10::IValue& v, const RRefPtr& h) { return v.isRRef() && v.toRRef().get() == h.get(); }
+}  // namespace
+
+TEST_CASE("wire: a received RRef is a plain description until the agent puts its handle there") {
+  RecordingHook hook;
+  RRefPtr a = handle(2, 7), b = handle(0, 8), c = handle(2, 9), d = handle(1, 10);
+  c10::impl::GenericList list(c10::AnyType::get());
+  list.push_back(c10::IValue(int64_t(5)));
+  list.push_back(c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(b)));
+  c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+  dict.insert("k", c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(d)));
+  Message m;
+  m.values = {c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(a)), c10::IValue(list),
+              c10::ivalue::Tuple::create({int64_t(1), c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(c))}),
+              c10::IValue(dict)};
+  OutFrame frame = encode(m, Limits{}, &hook, 1);
+  REQUIRE(hook.forks.size() == 4);
+  std::string bytes = tandem::test::frame_bytes(frame);
+  frame.forks.commit();
+  CHECK(hook.aborted == 0);
+
+  FrameDecoder dec{Limits{}};
+  dec.feed(bytes.data(), bytes.size());
+  REQUIRE(dec.has_message());
+  Message out = dec.take();
+  REQUIRE(out.rrefs.size() == 4);
+  for (size_t i = 0; i < 4; ++i) {  // frame order: the descriptions the sender made
+    CHECK(out.rrefs[i].owner == hook.forks[i].owner);
+    CHECK(out.rrefs[i].id == hook.forks[i].id);
+    CHECK(out.rrefs[i].fork == hook.forks[i].fork);
+    CHECK(out.rrefs[i].parent == 0);
+  }
+  // Until filled, no place holds a usable handle.
+  REQUIRE(out.values[0].isRRef());
+  CHECK(dynamic_cast<RRefImpl*>(out.values[0].toRRef().get()) == nullptr);
+
+  std::vector<RRefPtr> mine = {handle(2, 1), handle(0, 2), handle(2, 3), handle(1, 4)};
+  CHECK_THROWS_AS(fill_rrefs(out.values, {mine[0], mine[1], mine[2]}), std::logic_error);  // one place left
+  FrameDecoder dec2{Limits{}};
+  std::string bytes2 = tandem::test::frame_bytes(encode(m, Limits{}, &hook, 1));
+  dec2.feed(bytes2.data(), bytes2.size());
+  Message fresh = dec2.take();
+  fill_rrefs(fresh.values, mine);
+  CHECK(holds(fresh.values[0], mine[0]));
+  CHECK(holds(fresh.values[1].toList().get(1), mine[1]));
+  CHECK(fresh.values[1].toList().get(0).toInt() == 5);
+  CHECK(holds(fresh.values[2].toTupleRef().elements()[1], mine[2]));
+  CHECK(holds(fresh.values[3].toGenericDict().at("k"), mine[3]));
+  std::vector<RRefPtr> five = mine;
+  five.push_back(handle(2, 5));
+  FrameDecoder dec3{Limits{}};
+  dec3.feed(bytes2.data(), bytes2.size());
+  Message third = dec3.take();
+  CHECK_THROWS_AS(fill_rrefs(third.values, five), std::logic_error);  // one handle has no place
+}
+
 TEST_CASE("wire: values that cannot travel are refused at the sender") {
   Message m;
   m.values = {c10::IValue(c10::complex<double>(1, 2))};
