@@ -173,15 +173,20 @@ void RRefContext::close() {
 }
 
 void RRefContext::on_child_accept(const ForkId& fork) {
-  RRefPtr held;  // released outside the lock: it may be our last handle
+  RRefPtr held;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = pending_children_.find(fork);
     if (it == pending_children_.end()) return;
     held = std::move(it->second);
     pending_children_.erase(it);
-    finish_outstanding_locked();
   }
+  // Let go outside the lock (it may be our last handle, whose delete is
+  // counted as outstanding), and only then count the hand-over done: in the
+  // other order, graceful shutdown could see nothing outstanding between the
+  // two and close before that delete went out.
+  held.reset();
+  finish_outstanding();
 }
 
 }  // namespace tandem::rpc

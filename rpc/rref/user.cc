@@ -153,10 +153,13 @@ void RRefContext::abort_forks(const std::vector<RRefDesc>& forks) {
         if (it == pending_children_.end()) continue;
         held.push_back(std::move(it->second));
         pending_children_.erase(it);
-        finish_outstanding_locked();
       }
     }
   }
+  // As in on_child_accept: let go first, then count the hand-overs done.
+  const int undone = static_cast<int>(held.size());
+  held.clear();
+  if (undone) finish_outstanding(undone);
 }
 
 void RRefContext::validate(const RRefDesc& d, int from) const {
