@@ -3,6 +3,7 @@
 #include "tandem/rpc/layer.h"
 
 #include <algorithm>
+#include <cassert>
 #include <cstdio>
 
 #include "tandem/rpc/errors.h"
@@ -10,17 +11,6 @@
 
 namespace tandem::autograd {
 namespace {
-
-// The agent whose "tandem.autograd.grad" loop handler runs on this thread,
-// for the engine's debug checks: rpc::Agent does not say which thread is
-// its loop.
-thread_local const rpc::Agent* tls_loop_agent = nullptr;
-
-struct OnLoop {
-  explicit OnLoop(const rpc::Agent& agent) : saved(tls_loop_agent) { tls_loop_agent = &agent; }
-  ~OnLoop() { tls_loop_agent = saved; }
-  const rpc::Agent* saved;
-};
 
 // The engine's messages, over the agent (see dist_autograd.h for the handlers).
 class AgentLink final : public EngineLink {
@@ -76,7 +66,7 @@ class AgentLink final : public EngineLink {
     return agent_.options().rpc_timeout;
   }
   std::chrono::microseconds spin() const override { return agent_.options().sync_spin; }
-  bool on_loop_thread() const override { return tls_loop_agent == &agent_; }
+  bool on_loop_thread() const override { return rpc::layer::on_loop_thread(agent_); }
 
  private:
   rpc::Agent& agent_;  // valid until close(); the agent owns the DistAutograd
@@ -171,7 +161,7 @@ void DistAutograd::register_loop_handlers(rpc::Registry& on_loop) {
 }
 
 void DistAutograd::grad_from_loop(std::vector<c10::IValue>& args) {
-  OnLoop mark(agent_);
+  assert(rpc::layer::on_loop_thread(agent_));
   uint64_t ctx = 0, task = 0;
   try {
     if (args.size() != 4 || !args[0].isInt() || !args[1].isInt() || !args[2].isInt() ||

@@ -4,6 +4,7 @@
 #include "tandem/rpc/connection_table.h"
 #include "tandem/rpc/rref/context.h"
 
+#include <cassert>
 #include <cstdio>
 
 namespace tandem::rpc {
@@ -95,6 +96,7 @@ ConnectionPtr Agent::connection_to(int rank, std::chrono::milliseconds timeout) 
 }
 
 void Agent::on_closed_from_loop(const ConnectionPtr& conn, const std::string& reason) {
+  assert(transport_->on_transport_thread());
   if (reason.rfind("protocol error", 0) == 0) {
     std::fprintf(stderr, "tandem[%s]: %s; connection closed\n", name().c_str(), reason.c_str());
   }

@@ -176,6 +176,15 @@ c10::IValue to_ivalue(T&& x) {
     using E = typename D::value_type;
     using W = std::conditional_t<std::is_integral_v<E>, int64_t, double>;
     return c10::IValue(std::vector<W>(x.begin(), x.end()));
+  } else if constexpr (is_tuple<D>::value) {
+    // Element by element, so a tuple may hold what c10 cannot build an
+    // IValue from by itself (RRefs, vectors of float).
+    return std::apply(
+        [](auto&&... items) {
+          return c10::IValue(c10::ivalue::Tuple::create(
+              std::vector<c10::IValue>{to_ivalue(std::forward<decltype(items)>(items))...}));
+        },
+        std::forward<T>(x));
   } else if constexpr (is_map<D>::value) {
     c10::impl::GenericDict d(detail::type_of<typename D::key_type>(),
                              detail::type_of<typename D::mapped_type>());

@@ -26,6 +26,9 @@ struct LayerAccess {
   static void schedule_after(Agent& a, std::chrono::microseconds delay, std::function<void()> fn);
   static void run_as_handler(Agent& a, const std::function<void()>& fn) { a.run_as_handler(fn); }
   static void spin_until_done(const Agent& a, const RawFuture& f) { a.spin_until_done(f); }
+  static bool on_loop_thread(const Agent& a) {
+    return a.transport_ && a.transport_->on_transport_thread();
+  }
   // Tests (rpc/testing.h).
   static size_t pending_calls(const Agent& a);
   static size_t live_connections(const Agent& a);
@@ -72,6 +75,10 @@ inline void run_as_handler(Agent& agent, const std::function<void()>& fn) {
 inline void spin_until_done(const Agent& agent, const RawFuture& f) {
   LayerAccess::spin_until_done(agent, f);
 }
+
+// True on the agent's loop (transport) thread: what `..._from_loop`
+// functions assert.
+inline bool on_loop_thread(const Agent& agent) { return LayerAccess::on_loop_thread(agent); }
 
 }  // namespace layer
 }  // namespace tandem::rpc

@@ -1,9 +1,11 @@
 // An outside project's program: built against an installed Tandem through
 // find_package(Tandem), it starts a one-worker world, calls itself, and runs
 // distributed autograd through that call and through a handler that chains
-// its calls with then(), as the README shows.
+// its calls with then(), as the README shows, and through a remote value
+// handed back to its owner inside a tuple.
 #include <tandem/autograd/autograd.h>
 #include <tandem/rpc/api.h>
+#include <tandem/rpc/rref.h>
 
 #include <ATen/ops/add.h>
 #include <ATen/ops/mul.h>
@@ -24,6 +26,10 @@ int main() {
         [agent](tandem::rpc::Future<at::Tensor> r) {
           return agent->rpc_async<at::Tensor>("worker0", "scale", r.wait(), 3);
         });
+  });
+  // The owner scales a value it holds, handed to it inside a tuple.
+  reg->def("scale_held", [](std::tuple<double, tandem::rpc::RRef<at::Tensor>> p) {
+    return at::mul(std::get<1>(p).local_value(), std::get<0>(p));
   });
   tandem::rpc::AgentOptions o;
   o.rank = 0;
@@ -53,9 +59,19 @@ int main() {
     tandem::autograd::backward(ctx.id(), {at::add(at::sum(w), at::sum(x))});
     chained = tandem::autograd::get_gradients(ctx.id()).at(x)[0].item<double>();
   }
+  double held = 0;
+  {
+    tandem::autograd::Context ctx;
+    at::Tensor x = at::ones({4}).requires_grad_();
+    auto r = tandem::rpc::remote<at::Tensor>("worker0", "scale", x, 3.0);
+    at::Tensor w = tandem::rpc::rpc_sync<at::Tensor>("worker0", "scale_held", std::make_tuple(2.0, r));
+    tandem::autograd::backward(ctx.id(), {at::sum(w)});
+    held = tandem::autograd::get_gradients(ctx.id()).at(x)[0].item<double>();
+  }
   tandem::rpc::shutdown();
-  std::printf("twice(21) = %lld, d(sum(3x))/dx = %.1f, d(sum(6x) + sum(x))/dx = %.1f, %s\n",
-              static_cast<long long>(y), g, chained,
+  std::printf("twice(21) = %lld, d(sum(3x))/dx = %.1f, d(sum(6x) + sum(x))/dx = %.1f, "
+              "through a held RRef in a tuple d(sum(2*3x))/dx = %.1f, %s\n",
+              static_cast<long long>(y), g, chained, held,
               named ? "a missing gradient is named" : "a missing gradient is NOT named");
-  return y == 42 && g == 3.0 && chained == 7.0 && named ? 0 : 1;
+  return y == 42 && g == 3.0 && chained == 7.0 && held == 6.0 && named ? 0 : 1;
 }

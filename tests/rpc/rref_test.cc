@@ -63,6 +63,9 @@ void define(Registry& r, std::shared_ptr<Stash> stash) {
     for (auto& [k, ref] : refs) s += ref.to_here().sum().item<double>();
     return s;
   });
+  r.def("sum_pair", [](std::tuple<int64_t, RRef<at::Tensor>> p) {
+    return static_cast<double>(std::get<0>(p)) + std::get<1>(p).to_here().sum().item<double>();
+  });
   // Returns an RRef that this worker owns.
   r.def("own", [](double v) {
     return RRef<at::Tensor>::make_local(*current_agent(), at::full_like(at::zeros({2}), v));
@@ -162,7 +165,7 @@ TEST_CASE("rref: method proxies run on the owner with the value first") {
   w.shutdown();
 }
 
-TEST_CASE("rref: RRefs travel as arguments and results, nested in lists") {
+TEST_CASE("rref: RRefs travel as arguments and results, nested in lists, dicts and tuples") {
   World w = make_world();
   auto a = remote<at::Tensor>(w[0], "worker1", "full", 3, 1.0);
   auto b = remote<at::Tensor>(w[0], "worker2", "full", 3, 2.0);
@@ -174,6 +177,8 @@ TEST_CASE("rref: RRefs travel as arguments and results, nested in lists") {
   std::unordered_map<std::string, RRef<at::Tensor>> named{{"a", a}, {"b", b}};
   CHECK(w[0].rpc_sync<double>("worker1", "sum_dict", named) == 9.0);
   named.clear();
+  // ... and in a tuple.
+  CHECK(w[0].rpc_sync<double>("worker1", "sum_pair", std::make_tuple(int64_t(1), b)) == 7.0);
   // A result that is an RRef owned by the callee.
   auto owned = w[0].rpc_sync<RRef<at::Tensor>>("worker2", "own", 5.0);
   CHECK(owned.owner_name() == "worker2");

@@ -14,6 +14,7 @@
 
 #include <cerrno>
 #include <algorithm>
+#include <cassert>
 #include <cstring>
 #include <deque>
 
@@ -361,6 +362,7 @@ ConnectionPtr UvTransport::connect(const std::string& host, int port,
 }
 
 void UvTransport::accept_from_loop() {
+  assert(on_transport_thread());
   for (;;) {
     sockaddr_storage ss{};
     socklen_t len = sizeof(ss);
@@ -383,6 +385,7 @@ void UvTransport::accept_from_loop() {
 }
 
 void UvTransport::adopt_from_loop(const std::shared_ptr<UvConnection>& conn) {
+  assert(on_transport_thread());
   if (stopped_) {  // raced with close(): nothing is registered, just drop the socket
     {
       std::lock_guard<std::mutex> lock(conn->write_mu_);
@@ -408,6 +411,7 @@ void UvTransport::adopt_from_loop(const std::shared_ptr<UvConnection>& conn) {
 }
 
 void UvTransport::read_from_loop(const std::shared_ptr<UvConnection>& conn) {
+  assert(on_transport_thread());
   for (int round = 0; round < kReadRoundsPerWakeup && !conn->loop_closed_; ++round) {
     auto [direct, want] = conn->decoder_.direct_target(kDirectReadMin);
     char* buf = direct ? direct : staging_.data();
@@ -444,6 +448,7 @@ void UvTransport::read_from_loop(const std::shared_ptr<UvConnection>& conn) {
 
 void UvTransport::close_from_loop(const std::shared_ptr<UvConnection>& conn,
                                   const std::string& reason) {
+  assert(on_transport_thread());
   if (conn->loop_closed_) return;
   conn->loop_closed_ = true;
   {
@@ -469,6 +474,7 @@ void UvTransport::close_from_loop(const std::shared_ptr<UvConnection>& conn,
 }
 
 void UvTransport::stop_from_loop() {
+  assert(on_transport_thread());
   stopped_ = true;
   if (loop_->listening) {
     loop_->listening = false;
