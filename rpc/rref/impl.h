@@ -56,8 +56,8 @@ class RRefImpl final : public c10::RRefInterface {
     kLocal,  // a handle on the owner itself: counted as a local handle
   };
 
-  // Only an RRefContext makes handles (RRefContext::new_handle): complete
-  // from the start, counted by the context that made them.
+  // Handles are made whole, by an RRefContext (RRefContext::new_handle),
+  // which counts them; one made with no context (a codec test) counts nothing.
   RRefImpl(const RRefDesc& desc, Kind kind, std::string owner_name, RawFuture confirmed,
            std::weak_ptr<RRefContext> ctx, bool is_owner)
       : desc_(desc),
