@@ -2,8 +2,10 @@
 // find_package(Tandem), it starts a one-worker world, calls itself, and runs
 // distributed autograd through that call and through a handler that chains
 // its calls with then(), as the README shows, and through a remote value
-// handed back to its owner inside a tuple.
+// handed back to its owner inside a tuple; a DistributedOptimizer steps a
+// parameter with that context's gradient.
 #include <tandem/autograd/autograd.h>
+#include <tandem/optim/distributed_optimizer.h>
 #include <tandem/rpc/api.h>
 #include <tandem/rpc/rref.h>
 
@@ -68,10 +70,24 @@ int main() {
     tandem::autograd::backward(ctx.id(), {at::sum(w)});
     held = tandem::autograd::get_gradients(ctx.id()).at(x)[0].item<double>();
   }
+  double stepped = 0;
+  {
+    at::Tensor weight = at::ones({4}).requires_grad_();
+    auto p = tandem::rpc::RRef<at::Tensor>::make_local(*tandem::rpc::current_agent(), weight);
+    tandem::optim::Options oo;
+    oo.lr = 0.5;
+    tandem::optim::DistributedOptimizer opt(tandem::optim::Kind::kSGD, {p}, oo);
+    tandem::autograd::Context ctx;
+    at::Tensor y = tandem::rpc::rpc_sync<at::Tensor>("worker0", "scale", weight, 3.0);
+    tandem::autograd::backward(ctx.id(), {at::sum(y)});
+    opt.step(ctx.id());
+    stepped = weight[0].item<double>();  // 1 - 0.5 * 3
+  }
   tandem::rpc::shutdown();
+  std::printf("after one SGD step the parameter is %.2f\n", stepped);
   std::printf("twice(21) = %lld, d(sum(3x))/dx = %.1f, d(sum(6x) + sum(x))/dx = %.1f, "
               "through a held RRef in a tuple d(sum(2*3x))/dx = %.1f, %s\n",
               static_cast<long long>(y), g, chained, held,
               named ? "a missing gradient is named" : "a missing gradient is NOT named");
-  return y == 42 && g == 3.0 && chained == 7.0 && held == 6.0 && named ? 0 : 1;
+  return y == 42 && g == 3.0 && chained == 7.0 && held == 6.0 && stepped == -0.5 && named ? 0 : 1;
 }

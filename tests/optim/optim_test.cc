@@ -1,0 +1,259 @@
+// DistributedOptimizer: a model split over workers and trained with it ends
+// with the parameters the unsplit model gets from the same LibTorch
+// optimizer; bad input and failures are clear; nothing is left behind.
+#include "test_util.h"
+
+#include <ATen/ops/mm.h>
+#include <ATen/ops/tanh.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+
+#include "tandem/autograd/autograd.h"
+#include "tandem/optim/distributed_optimizer.h"
+#include "tandem/rpc/rref.h"
+
+using namespace tandem;
+using test::World;
+namespace dist = tandem::autograd;
+
+namespace {
+
+const auto kF64 = at::TensorOptions().dtype(at::kDouble);
+
+// Each worker's layer of the split model: worker r holds W[r].
+struct Layers {
+  std::vector<at::Tensor> w;
+};
+Layers& L() {
+  static Layers l;
+  return l;
+}
+
+void define(rpc::Registry& r) {
+  r.def("param", [](int64_t i) {
+    return rpc::RRef<at::Tensor>::make_local(*rpc::current_agent(), L().w.at(i));
+  });
+  r.def("layer", [](int64_t i, at::Tensor x) { return at::tanh(at::mm(x, L().w.at(i))); });
+  r.def("linear", [](int64_t i, at::Tensor x) { return at::mm(x, L().w.at(i)); });
+}
+
+std::vector<at::Tensor> fresh_params(int64_t seed) {
+  at::manual_seed(seed);
+  return {at::randn({4, 5}, kF64).requires_grad_(), at::randn({5, 3}, kF64).requires_grad_()};
+}
+
+at::Tensor local_loss(const std::vector<at::Tensor>& w, const at::Tensor& x) {
+  return at::tanh(at::mm(at::tanh(at::mm(x, w[0])), w[1])).pow(2).sum();
+}
+
+std::unique_ptr<torch::optim::Optimizer> local_optimizer(optim::Kind kind,
+                                                         std::vector<at::Tensor> p,
+                                                         optim::Options o) {
+  if (o.weight_decay < 0) o.weight_decay = kind == optim::Kind::kAdamW ? 1e-2 : 0;
+  switch (kind) {
+    case optim::Kind::kSGD:
+      return std::make_unique<torch::optim::SGD>(
+          p, torch::optim::SGDOptions(o.lr).momentum(o.momentum).dampening(o.dampening)
+                 .weight_decay(o.weight_decay).nesterov(o.nesterov));
+    case optim::Kind::kAdam:
+      return std::make_unique<torch::optim::Adam>(
+          p, torch::optim::AdamOptions(o.lr).weight_decay(o.weight_decay).amsgrad(o.amsgrad));
+    case optim::Kind::kAdamW:
+      return std::make_unique<torch::optim::AdamW>(
+          p, torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay).amsgrad(o.amsgrad));
+    case optim::Kind::kAdagrad:
+      return std::make_unique<torch::optim::Adagrad>(p, torch::optim::AdagradOptions(o.lr));
+    case optim::Kind::kRMSprop:
+      return std::make_unique<torch::optim::RMSprop>(
+          p, torch::optim::RMSpropOptions(o.lr).momentum(o.momentum).centered(o.centered));
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+TEST_CASE("optim: a split model trained with DistributedOptimizer equals local training") {
+  struct Case {
+    optim::Kind kind;
+    optim::Options o;
+  };
+  std::vector<Case> cases;
+  {
+    optim::Options sgd;
+    sgd.lr = 0.1;
+    sgd.momentum = 0.9;
+    sgd.nesterov = true;
+    sgd.weight_decay = 0.01;
+    cases.push_back({optim::Kind::kSGD, sgd});
+    optim::Options adam;
+    adam.lr = 0.05;
+    adam.amsgrad = true;
+    cases.push_back({optim::Kind::kAdam, adam});
+    optim::Options adamw;
+    adamw.lr = 0.05;
+    adamw.weight_decay = 0.1;
+    cases.push_back({optim::Kind::kAdamW, adamw});
+    optim::Options adagrad;
+    adagrad.lr = 0.1;
+    cases.push_back({optim::Kind::kAdagrad, adagrad});
+    optim::Options rms;
+    rms.lr = 0.01;
+    rms.momentum = 0.5;
+    rms.centered = true;
+    cases.push_back({optim::Kind::kRMSprop, rms});
+  }
+  World w(3, define);
+  for (const auto& c : cases) {
+    CAPTURE(optim::kind_name(c.kind));
+    // Worker 1 owns W[0], worker 2 owns W[1]; worker 0 drives.
+    L().w = fresh_params(7);
+    std::vector<at::Tensor> ref;
+    for (auto& t : fresh_params(7)) ref.push_back(t.detach().clone().requires_grad_());
+    auto local = local_optimizer(c.kind, ref, c.o);
+    std::vector<rpc::RRef<at::Tensor>> params = {
+        w[0].rpc_sync<rpc::RRef<at::Tensor>>("worker1", "param", int64_t(0)),
+        w[0].rpc_sync<rpc::RRef<at::Tensor>>("worker2", "param", int64_t(1))};
+    {
+      optim::DistributedOptimizer opt(w[0], c.kind, params, c.o);
+      CHECK(opt.owners() == std::vector<int>{1, 2});
+      for (int step = 0; step < 5; ++step) {
+        at::manual_seed(100 + step);
+        at::Tensor x = at::randn({6, 4}, kF64);
+        {
+          dist::Context ctx(w[0]);
+          at::Tensor h = w[0].rpc_sync<at::Tensor>("worker1", "layer", int64_t(0), x);
+          at::Tensor y = w[0].rpc_sync<at::Tensor>("worker2", "layer", int64_t(1), h);
+          dist::backward(w[0], ctx.id(), {y.pow(2).sum()});
+          opt.step(ctx.id());
+        }
+        local->zero_grad();
+        local_loss(ref, x).backward();
+        local->step();
+      }
+      // .grad is never touched: gradients live in the contexts.
+      CHECK_FALSE(L().w[0].grad().defined());
+    }
+    CHECK(at::allclose(L().w[0], ref[0], 1e-5, 1e-8));
+    CHECK(at::allclose(L().w[1], ref[1], 1e-5, 1e-8));
+    params.clear();
+    for (int r = 0; r < 3; ++r) CHECK(optim::live_optimizers(w[r]) == 0);
+  }
+  L().w.clear();
+  w.shutdown();
+}
+
+TEST_CASE("optim: the caller's own parameters step without RPC; unused ones are left alone") {
+  World w(2, define);
+  L().w = fresh_params(3);
+  at::Tensor before1 = L().w[1].detach().clone();
+  std::vector<rpc::RRef<at::Tensor>> params = {
+      rpc::RRef<at::Tensor>::make_local(w[0], L().w[0]),
+      w[0].rpc_sync<rpc::RRef<at::Tensor>>("worker1", "param", int64_t(1))};
+  {
+    optim::Options o;
+    o.lr = 0.5;
+    optim::DistributedOptimizer opt(w[0], optim::Kind::kSGD, params, o);
+    at::Tensor before0 = L().w[0].detach().clone();
+    {
+      dist::Context ctx(w[0]);
+      // Only W[0] (on worker0) is used; worker1 took part in the context
+      // (a call in it), but its W[1] got no gradient.
+      at::Tensor x = at::ones({2, 4}, kF64);
+      at::Tensor y = at::mm(x, L().w[0]).sum();
+      w[0].rpc_sync<at::Tensor>("worker1", "layer", int64_t(1), at::ones({1, 5}, kF64));
+      dist::backward(w[0], ctx.id(), {y});
+      opt.step(ctx.id());
+      at::Tensor g = dist::get_gradients(w[0], ctx.id()).at(L().w[0]);
+      CHECK(at::allclose(L().w[0], before0 - 0.5 * g));
+    }
+    CHECK(at::equal(L().w[1], before1));
+    CHECK(optim::live_optimizers(w[0]) == 1);
+    CHECK(optim::live_optimizers(w[1]) == 1);
+  }
+  CHECK(optim::live_optimizers(w[0]) == 0);
+  CHECK(optim::live_optimizers(w[1]) == 0);
+  params.clear();
+  L().w.clear();
+  w.shutdown();
+}
+
+TEST_CASE("optim: bad input is refused, naming what was wrong") {
+  World w(2, define);
+  L().w = {at::randn({2, 2}, kF64).requires_grad_(), at::randn({2, 2}, kF64)};  // [1]: no grad
+  CHECK_THROWS_AS(optim::DistributedOptimizer(w[0], optim::Kind::kSGD, {}), std::invalid_argument);
+  auto good = w[0].rpc_sync<rpc::RRef<at::Tensor>>("worker1", "param", int64_t(0));
+  auto frozen = w[0].rpc_sync<rpc::RRef<at::Tensor>>("worker1", "param", int64_t(1));
+  CHECK_THROWS_WITH_AS(optim::DistributedOptimizer(w[0], optim::Kind::kAdam, {good, frozen}),
+                       doctest::Contains("not a leaf that requires grad"), rpc::RemoteError);
+  CHECK(optim::live_optimizers(w[1]) == 0);
+  {
+    optim::DistributedOptimizer opt(w[0], optim::Kind::kAdam, {good});
+    CHECK_THROWS_AS(opt.step(0), std::invalid_argument);
+    // A context the owner never saw: its error reaches the caller, naming the owner.
+    dist::Context ctx(w[0]);
+    CHECK_THROWS_WITH_AS(opt.step(ctx.id()), doctest::Contains("worker1"), rpc::RemoteError);
+  }
+  CHECK(optim::live_optimizers(w[1]) == 0);
+  // The owner keeps serving.
+  CHECK(w[0].rpc_sync<at::Tensor>("worker1", "layer", int64_t(0), at::ones({1, 2}, kF64)).numel() == 2);
+  good = frozen = rpc::RRef<at::Tensor>();
+  L().w.clear();
+  w.shutdown();
+}
+
+TEST_CASE("optim: an optimizer alive at graceful shutdown is reported as a leak") {
+  World w(2, define);
+  L().w = fresh_params(1);
+  auto p = w[0].rpc_sync<rpc::RRef<at::Tensor>>("worker1", "param", int64_t(0));
+  auto opt = std::make_unique<optim::DistributedOptimizer>(w[0], optim::Kind::kSGD,
+                                                           std::vector<rpc::RRef<at::Tensor>>{p});
+  p = rpc::RRef<at::Tensor>();
+  CHECK_THROWS_WITH_AS(w.shutdown_unchecked(true), doctest::Contains("distributed optimizer"),
+                       rpc::ShutdownError);
+  opt.reset();  // its agent is gone: dropping it does nothing
+  L().w.clear();
+}
+
+TEST_CASE("optim: concurrent steps on one owner are serialized, each with its own gradients") {
+  World w(2, define);
+  L().w = {at::zeros({3, 1}, kF64).requires_grad_()};
+  auto p = w[0].rpc_sync<rpc::RRef<at::Tensor>>("worker1", "param", int64_t(0));
+  optim::Options o;
+  o.lr = 1.0;
+  auto opt = std::make_unique<optim::DistributedOptimizer>(w[0], optim::Kind::kSGD,
+                                                           std::vector<rpc::RRef<at::Tensor>>{p}, o);
+  // Thread t's loss is sum(x_t @ W) with x_t = (t + 1) everywhere, so its
+  // gradient is (t + 1) in every entry whatever W is; plain SGD adds the
+  // steps up in any order, but only if no step sees another's gradient.
+  constexpr int kThreads = 4, kSteps = 20;
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      try {
+        for (int s = 0; s < kSteps; ++s) {
+          dist::Context ctx(w[0]);
+          at::Tensor x = at::full({1, 3}, double(t + 1), kF64);
+          auto y = w[0].rpc_sync<at::Tensor>("worker1", "linear", int64_t(0), x);
+          dist::backward(w[0], ctx.id(), {y.sum()});
+          opt->step(ctx.id());
+        }
+      } catch (const std::exception& e) {
+        ++failures;
+        MESSAGE("thread " << t << ": " << e.what());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  CHECK(failures == 0);
+  // Every step moved W by -(t + 1): -kSteps * (1 + 2 + 3 + 4) in all.
+  CHECK(at::allclose(L().w[0], at::full({3, 1}, -double(kSteps * 10), kF64)));
+  CHECK_FALSE(L().w[0].grad().defined());
+  opt.reset();
+  p = rpc::RRef<at::Tensor>();
+  L().w.clear();
+  w.shutdown();
+}
