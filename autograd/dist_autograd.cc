@@ -97,13 +97,7 @@ DistAutograd::DistAutograd(rpc::Agent& agent)
 }
 
 std::shared_ptr<DistAutograd> DistAutograd::of(rpc::Agent& agent) {
-  auto d = rpc::layer::extension<DistAutograd>(agent);
-  if (!d) {
-    throw std::logic_error("agent " + agent.name() +
-                           " has no distributed autograd: it was created before "
-                           "Tandem's autograd library was loaded");
-  }
-  return d;
+  return rpc::layer::require_extension<DistAutograd>(agent, "distributed autograd", "autograd");
 }
 
 std::function<std::shared_ptr<DistAutograd>()> DistAutograd::locker() {

@@ -106,18 +106,13 @@ Kind kind_of(int64_t k) {
 }
 
 // The owner's side: the optimizers over this worker's parameters.
-class OptimService final : public rpc::AgentExtension {
+class OptimService final : public rpc::AgentExtension,
+                           public std::enable_shared_from_this<OptimService> {
  public:
   explicit OptimService(rpc::Agent& agent) : agent_(agent) {}
 
   static std::shared_ptr<OptimService> of(rpc::Agent& agent) {
-    auto s = rpc::layer::extension<OptimService>(agent);
-    if (!s) {
-      throw std::logic_error("agent " + agent.name() +
-                             " has no distributed optimizer: it was created before "
-                             "Tandem's optim library was loaded");
-    }
-    return s;
+    return rpc::layer::require_extension<OptimService>(agent, "distributed optimizer", "optim");
   }
 
   void create(int64_t id, Kind kind, std::vector<at::Tensor> params, const Options& options) {
@@ -173,8 +168,7 @@ class OptimService final : public rpc::AgentExtension {
   }
 
   void register_handlers(rpc::Registry& internal) override {
-    std::weak_ptr<OptimService> weak =
-        std::static_pointer_cast<OptimService>(shared_from_this_ext());
+    std::weak_ptr<OptimService> weak = weak_from_this();
     auto self = [weak] {
       auto s = weak.lock();
       if (!s) throw rpc::ShutdownError("the distributed optimizer is shut down");
@@ -211,9 +205,6 @@ class OptimService final : public rpc::AgentExtension {
     dead.swap(optimizers_);
   }
 
-  std::shared_ptr<rpc::AgentExtension> shared_from_this_ext() { return self_.lock(); }
-  void set_self(const std::shared_ptr<OptimService>& s) { self_ = s; }
-
  private:
   struct Local {
     std::mutex mu;
@@ -236,18 +227,14 @@ class OptimService final : public rpc::AgentExtension {
   }
 
   rpc::Agent& agent_;
-  std::weak_ptr<OptimService> self_;
   mutable std::mutex mu_;
   std::map<int64_t, std::shared_ptr<Local>> optimizers_;
   bool closed_ = false;
 };
 
 const bool kRegistered = [] {
-  rpc::register_agent_extension([](rpc::Agent& agent) {
-    auto s = std::make_shared<OptimService>(agent);
-    s->set_self(s);
-    return s;
-  });
+  rpc::register_agent_extension(
+      [](rpc::Agent& agent) { return std::make_shared<OptimService>(agent); });
   return true;
 }();
 

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,20 @@ std::shared_ptr<T> extension(const Agent& agent) {
     if (auto t = std::dynamic_pointer_cast<T>(e)) return t;
   }
   return nullptr;
+}
+
+// The same, or std::logic_error saying the agent has no `what` because it
+// was made before `library` (the layer's library) was loaded.
+template <class T>
+std::shared_ptr<T> require_extension(const Agent& agent, const std::string& what,
+                                     const std::string& library) {
+  auto t = extension<T>(agent);
+  if (!t) {
+    throw std::logic_error("agent " + agent.name() + " has no " + what +
+                           ": it was created before Tandem's " + library +
+                           " library was loaded");
+  }
+  return t;
 }
 
 // The agent's thread pool (handlers and callbacks run there).

@@ -48,6 +48,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <exception>
 #include <fstream>
 #include <functional>
@@ -377,6 +378,22 @@ struct World {
 
 // ---- a worker process ------------------------------------------------------------
 
+// The body of a simple worker_main(): joins the world from the environment
+// (a 60 s rendezvous) with `reg`'s functions and serves until the others
+// shut down, or this process dies; 0, or 2 with the error on stderr.
+inline int serve(std::shared_ptr<rpc::Registry> reg) {
+  try {
+    rpc::AgentOptions opts;
+    opts.init_timeout = std::chrono::seconds(60);
+    rpc::init(std::move(reg), opts);
+    rpc::shutdown(true);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "worker failed: %s\n", e.what());
+    return 2;
+  }
+}
+
 // This test binary started again as worker 1 of 2 in `mode`
 // ("TANDEM_TEST_WORKER=mode" makes it a worker: see main.cc), meeting the
 // test (worker 0) at `store`. The destructor kills and reaps it if the test
@@ -396,6 +413,14 @@ struct ChildWorker {
       ::kill(pid, SIGKILL);
       wait();
     }
+  }
+  // The test's own agent: worker 0 of the two.
+  std::shared_ptr<rpc::Agent> parent_agent(std::chrono::milliseconds rpc_timeout) {
+    rpc::AgentOptions o;
+    o.rank = 0;
+    o.world_size = 2;
+    o.rpc_timeout = rpc_timeout;
+    return rpc::Agent::create(o, std::make_shared<rpc::Registry>(), store);
   }
   // Waits for the worker to end; returns its waitpid status.
   int wait() {

@@ -18,39 +18,26 @@ namespace dist = tandem::autograd;
 namespace tandem::test {
 
 int worker_main(const std::string& mode) {
-  try {
-    auto reg = std::make_shared<rpc::Registry>();
-    reg->def("double", [](at::Tensor x) { return x * 2; });
-    // The process ends while its part of backward runs.
-    reg->def("die_in_backward", [](at::Tensor x) {
-      auto y = x * 2;
-      y.register_hook([](at::Tensor g) -> at::Tensor {
-        std::_Exit(9);
-        return g;
-      });
-      return y;
+  (void)mode;  // "serve": answer until the others shut down (or die)
+  auto reg = std::make_shared<rpc::Registry>();
+  reg->def("double", [](at::Tensor x) { return x * 2; });
+  // The process ends while its part of backward runs.
+  reg->def("die_in_backward", [](at::Tensor x) {
+    auto y = x * 2;
+    y.register_hook([](at::Tensor g) -> at::Tensor {
+      std::_Exit(9);
+      return g;
     });
-    rpc::AgentOptions opts;
-    opts.init_timeout = 60s;
-    rpc::init(reg, opts);
-    (void)mode;  // "serve": answer until the others shut down (or die)
-    rpc::shutdown(true);
-    return 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "worker failed: %s\n", e.what());
-    return 2;
-  }
+    return y;
+  });
+  return serve(reg);
 }
 
 }  // namespace tandem::test
 
 TEST_CASE("autograd process: a worker that dies during backward fails it with Disconnected") {
   test::ChildWorker child("serve");
-  rpc::AgentOptions o;
-  o.rank = 0;
-  o.world_size = 2;
-  o.rpc_timeout = 30s;
-  auto agent = rpc::Agent::create(o, std::make_shared<rpc::Registry>(), child.store);
+  auto agent = child.parent_agent(30s);
   auto x = at::ones({3}).requires_grad_();
   {
     dist::Context ctx(*agent);
