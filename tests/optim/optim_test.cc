@@ -145,7 +145,7 @@ TEST_CASE("optim: a split model trained with DistributedOptimizer equals local t
   w.shutdown();
 }
 
-TEST_CASE("optim: the caller's own parameters step without RPC; unused ones are left alone") {
+TEST_CASE("optim: the caller's own parameters step without RPC, and unused ones are left alone") {
   World w(2, define);
   L().w = fresh_params(3);
   at::Tensor before1 = L().w[1].detach().clone();

@@ -58,7 +58,7 @@ constexpr auto kRetried = 8000ms;
 
 }  // namespace
 
-TEST_CASE("fault: a lost reply fails the call at its timeout; the next call goes through") {
+TEST_CASE("fault: a lost reply fails the call at its timeout, the next call goes through") {
   auto plan = std::make_shared<FaultPlan>();
   plan->add({Fault::kDrop, MessageKind::kResponse});
   World w = faulty_world(2, plan);
@@ -74,7 +74,7 @@ TEST_CASE("fault: a lost reply fails the call at its timeout; the next call goes
   w.shutdown();
 }
 
-TEST_CASE("fault: RRef fork, accept and delete messages lost once are retried; nothing leaks") {
+TEST_CASE("fault: RRef fork, accept and delete messages lost once are retried, nothing leaks") {
   auto plan = std::make_shared<FaultPlan>();
   plan->add({Fault::kDrop, MessageKind::kRequest, "tandem.rref.fork"});
   plan->add({Fault::kDrop, MessageKind::kRequest, "tandem.rref.child_accept"});
@@ -100,7 +100,7 @@ TEST_CASE("fault: RRef fork, accept and delete messages lost once are retried; n
   w.shutdown();  // graceful: would throw naming any reference still alive
 }
 
-TEST_CASE("fault: a connection cut under a call fails it with Disconnected; the next reconnects") {
+TEST_CASE("fault: a connection cut under a call fails it with Disconnected, the next reconnects") {
   auto plan = std::make_shared<FaultPlan>();
   plan->add({Fault::kCut, MessageKind::kRequest, "echo"});
   World w = faulty_world(2, plan);

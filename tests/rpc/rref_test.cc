@@ -117,7 +117,7 @@ void settle(World& w) {
 
 }  // namespace
 
-TEST_CASE("rref: remote() returns at once; to_here, owner and confirmation") {
+TEST_CASE("rref: remote() returns at once, to_here, owner and confirmation") {
   World w = make_world();
   auto t0 = std::chrono::steady_clock::now();
   RRef<at::Tensor> r = remote<at::Tensor>(w[0], "worker1", "sleep_then_ones", 300);

@@ -210,7 +210,7 @@ TEST_CASE("transport: callbacks never run inline, only on the transport's thread
   });
 }
 
-TEST_CASE("transport: a peer that vanishes closes the connection; sends then throw") {
+TEST_CASE("transport: a peer that vanishes closes the connection, sends then throw") {
   for_each_backend([](const TransportFactory& make) {
     Endpoint a(make);
     auto b = std::make_unique<Endpoint>(make);
