@@ -268,26 +268,30 @@ DistributedOptimizer::DistributedOptimizer(rpc::Agent& agent, Kind kind,
   for (const auto& p : params) by_owner[p.owner().rank].push_back(p);
   auto service = OptimService::of(agent);
   std::vector<rpc::RawFuture> remote;
-  for (auto& [owner, mine] : by_owner) {
-    // Ids are unique per owner: this worker's rank above a counter.
-    const int64_t id = (static_cast<int64_t>(agent.rank()) << 40) | g_next_id.fetch_add(1);
-    parts_.push_back({owner, id});
-    if (owner == agent.rank()) {  // the caller's own parameters need no RPC
-      std::vector<at::Tensor> tensors;
-      for (auto& p : mine) tensors.push_back(p.local_value());
-      service->create(id, kind, std::move(tensors), options);
-    } else {
-      remote.push_back(agent
-                           .call(agent.get_worker_info(owner).name, "tandem.optim.create",
-                                 rpc::to_ivalues(id, static_cast<int64_t>(kind), pack(options), mine))
-                           .raw());
-    }
-  }
   try {
+    for (auto& [owner, mine] : by_owner) {
+      // Ids are unique per owner: this worker's rank above a counter.
+      const int64_t id = (static_cast<int64_t>(agent.rank()) << 40) | g_next_id.fetch_add(1);
+      parts_.push_back({owner, id});
+      if (owner == agent.rank()) {  // the caller's own parameters need no RPC
+        std::vector<at::Tensor> tensors;
+        for (auto& p : mine) tensors.push_back(p.local_value());
+        service->create(id, kind, std::move(tensors), options);
+      } else {
+        remote.push_back(
+            agent
+                .call(agent.get_worker_info(owner).name, "tandem.optim.create",
+                      rpc::to_ivalues(id, static_cast<int64_t>(kind), pack(options), mine))
+                .raw());
+      }
+    }
     rpc::wait_raw_or_throw(rpc::when_all_raw(remote), std::chrono::milliseconds(0),
                            "DistributedOptimizer: creating the owners' optimizers");
   } catch (...) {
-    drop();  // what was made on the other owners, then report
+    // Every creation that started has ended (when_all waits for all of
+    // them), so dropping cannot overtake one: drop what was made, then report.
+    rpc::wait_raw(rpc::when_all_raw(remote), std::chrono::milliseconds(0));
+    drop();
     throw;
   }
 }

@@ -190,6 +190,16 @@ TEST_CASE("optim: bad input is refused, naming what was wrong") {
                        doctest::Contains("not a leaf that requires grad"), rpc::RemoteError);
   CHECK(optim::live_optimizers(w[1]) == 0);
   {
+    // Refused on the caller after an owner's creation started: that one is
+    // dropped too. (worker1 drives; worker0's part goes first.)
+    auto on0 = w[1].rpc_sync<rpc::RRef<at::Tensor>>("worker0", "param", int64_t(0));
+    auto frozen_here = rpc::RRef<at::Tensor>::make_local(w[1], L().w[1]);
+    CHECK_THROWS_WITH_AS(optim::DistributedOptimizer(w[1], optim::Kind::kSGD, {on0, frozen_here}),
+                         doctest::Contains("not a leaf that requires grad"), std::invalid_argument);
+    CHECK(optim::live_optimizers(w[0]) == 0);
+    CHECK(optim::live_optimizers(w[1]) == 0);
+  }
+  {
     optim::DistributedOptimizer opt(w[0], optim::Kind::kAdam, {good});
     CHECK_THROWS_AS(opt.step(0), std::invalid_argument);
     // A context the owner never saw: its error reaches the caller, naming the owner.
