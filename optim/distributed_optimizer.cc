@@ -330,25 +330,29 @@ void DistributedOptimizer::drop() noexcept {
 void DistributedOptimizer::step(uint64_t context_id) {
   if (context_id == 0) throw std::invalid_argument("DistributedOptimizer::step: no context (id 0)");
   auto agent = this->agent();
+  // Every other owner first, then ours on this thread (one part per owner).
   std::vector<rpc::RawFuture> all;
   all.reserve(parts_.size());
+  const Part* mine = nullptr;
   for (const auto& part : parts_) {
-    if (part.owner == agent->rank()) continue;  // last, on this thread
+    if (part.owner == agent->rank()) {
+      mine = &part;
+      continue;
+    }
     all.push_back(agent->call(agent->get_worker_info(part.owner).name, "tandem.optim.step",
                                rpc::to_ivalues(part.id, static_cast<int64_t>(context_id)))
                       .raw());
   }
   std::exception_ptr local_error;
-  for (const auto& part : parts_) {
-    if (part.owner != agent->rank()) continue;
+  if (mine) {
     try {
-      OptimService::of(*agent)->step(part.id, context_id);
+      OptimService::of(*agent)->step(mine->id, context_id);
     } catch (...) {
       local_error = std::current_exception();
     }
   }
-  rpc::RawFuture remote = rpc::when_all_raw(all);
-  rpc::wait_raw_or_throw(remote, std::chrono::milliseconds(0), "DistributedOptimizer::step");
+  rpc::wait_raw_or_throw(rpc::when_all_raw(all), std::chrono::milliseconds(0),
+                         "DistributedOptimizer::step");
   if (local_error) std::rethrow_exception(local_error);
 }
 
