@@ -193,6 +193,9 @@ class Agent : public std::enable_shared_from_this<Agent> {
   void send_error(const ConnectionPtr& conn, uint64_t id, ErrorCode code,
                   const std::string& message);
   void run_as_handler(const std::function<void()>& fn);
+  // The function registered as `fn`: "tandem.*" names are the layers' own
+  // (internal_), every other name the user's registry.
+  std::shared_ptr<const Handler> find_handler(const std::string& fn) const;
 
   void barrier(const std::string& name, bool wait = true);
   void set_ready();

@@ -87,6 +87,11 @@ void Agent::on_message_from_loop(const ConnectionPtr& conn, Message&& msg) {
   }
 }
 
+std::shared_ptr<const Handler> Agent::find_handler(const std::string& fn) const {
+  const bool internal = fn.rfind("tandem.", 0) == 0;
+  return (internal ? internal_ : registry_)->find(fn);
+}
+
 void Agent::run_as_handler(const std::function<void()>& fn) {
   CallScope scope = current_scope();
   scope.agent = this;
@@ -96,10 +101,7 @@ void Agent::run_as_handler(const std::function<void()>& fn) {
 
 void Agent::handle_request(const ConnectionPtr& conn, int from, Message msg,
                            std::shared_ptr<const Handler> handler) {
-  if (!handler) {
-    const bool internal = msg.callee.rfind("tandem.", 0) == 0;
-    handler = (internal ? internal_ : registry_)->find(msg.callee);
-  }
+  if (!handler) handler = find_handler(msg.callee);
   if (!handler) {
     send_error(conn, msg.id, ErrorCode::kUnknownFunction,
                "no function '" + msg.callee + "' is registered");

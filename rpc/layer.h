@@ -26,6 +26,9 @@ struct LayerAccess {
   }
   static void schedule_after(Agent& a, std::chrono::microseconds delay, std::function<void()> fn);
   static void run_as_handler(Agent& a, const std::function<void()>& fn) { a.run_as_handler(fn); }
+  static std::shared_ptr<const Handler> find_handler(const Agent& a, const std::string& fn) {
+    return a.find_handler(fn);
+  }
   static void spin_until_done(const Agent& a, const RawFuture& f) { a.spin_until_done(f); }
   static bool on_loop_thread(const Agent& a) {
     return a.transport_ && a.transport_->on_transport_thread();
@@ -84,6 +87,12 @@ inline void schedule_after(Agent& agent, std::chrono::microseconds delay,
 // convenience API then act on it.
 inline void run_as_handler(Agent& agent, const std::function<void()>& fn) {
   LayerAccess::run_as_handler(agent, fn);
+}
+
+// The function a request naming `fn` would run ("tandem.*": a layer's own),
+// or null.
+inline std::shared_ptr<const Handler> find_handler(const Agent& agent, const std::string& fn) {
+  return LayerAccess::find_handler(agent, fn);
 }
 
 // Spins up to AgentOptions::sync_spin for `f` (blocking waits do, first).

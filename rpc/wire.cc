@@ -302,31 +302,38 @@ c10::IValue decode_value(schema::Value::Reader r, const std::vector<at::Tensor>&
     case V::LIST: {
       auto l = r.getList();
       c10::impl::GenericList list(decode_type(l.getElementType()));
-      list.reserve(l.getItems().size());
-      for (auto item : l.getItems()) list.push_back(decode_value(item, tensors, rrefs));
+      auto items = l.getItems();
+      list.reserve(items.size());
+      for (auto item : items) list.push_back(decode_value(item, tensors, rrefs));
       return c10::IValue(std::move(list));
     }
     case V::TUPLE: {
+      auto tuple = r.getTuple();
       std::vector<c10::IValue> items;
-      items.reserve(r.getTuple().size());
-      for (auto item : r.getTuple()) items.push_back(decode_value(item, tensors, rrefs));
+      items.reserve(tuple.size());
+      for (auto item : tuple) items.push_back(decode_value(item, tensors, rrefs));
       return c10::IValue(c10::ivalue::Tuple::create(std::move(items)));
     }
     case V::DICT: {
       auto d = r.getDict();
-      if (d.getKeys().size() != d.getValues().size()) {
-        throw ProtocolError("dict with " + std::to_string(d.getKeys().size()) + " keys and " +
-                            std::to_string(d.getValues().size()) + " values");
+      // Each list once: every get*() follows its pointer again and counts
+      // against the traversal limit (a dict of n entries read as 2n lists
+      // would exceed it).
+      auto keys = d.getKeys();
+      auto values = d.getValues();
+      if (keys.size() != values.size()) {
+        throw ProtocolError("dict with " + std::to_string(keys.size()) + " keys and " +
+                            std::to_string(values.size()) + " values");
       }
       c10::impl::GenericDict dict(decode_type(d.getKeyType()), decode_type(d.getValueType()));
-      dict.reserve(d.getKeys().size());
-      for (size_t i = 0; i < d.getKeys().size(); ++i) {
-        auto key = decode_value(d.getKeys()[i], tensors, rrefs);
+      dict.reserve(keys.size());
+      for (size_t i = 0; i < keys.size(); ++i) {
+        auto key = decode_value(keys[i], tensors, rrefs);
         if (!(key.isString() || key.isInt() || key.isDouble() || key.isBool() ||
               key.isTensor() || key.isDevice())) {
           throw ProtocolError("unhashable dict key of type " + key.tagKind());
         }
-        dict.insert_or_assign(std::move(key), decode_value(d.getValues()[i], tensors, rrefs));
+        dict.insert_or_assign(std::move(key), decode_value(values[i], tensors, rrefs));
       }
       return c10::IValue(std::move(dict));
     }

@@ -46,7 +46,9 @@ RRefPtr RRefContext::make_local(c10::IValue value) {
 RawFuture RRefContext::apply_when_ready(RawFuture value, const std::string& fn,
                                         std::vector<c10::IValue> args, bool with_value) {
   auto out = make_raw_future();
-  auto handler = agent_.registry().find(fn);
+  // A layer's own "tandem.*" function may run on a value too (a
+  // RemoteModule's forward runs on the module its RRef holds).
+  auto handler = layer::find_handler(agent_, fn);
   if (!handler) {
     out->setError(std::make_exception_ptr(UnknownFunctionError(
         "no function '" + fn + "' is registered")));

@@ -78,6 +78,28 @@ TEST_CASE("wire: scalars, strings and containers round-trip with their types") {
   CHECK(out.values[9].toDevice() == c10::Device(c10::kCPU));
 }
 
+TEST_CASE("wire: a large dict, list and tuple decode within the traversal limit") {
+  // A module's state dict: each list is read once, not once per entry.
+  c10::impl::GenericDict d(c10::StringType::get(), c10::TensorType::get());
+  std::vector<c10::IValue> items;
+  for (int i = 0; i < 64; ++i) {
+    d.insert("layer" + std::to_string(i) + ".weight", at::full({2}, i));
+    items.push_back(int64_t(i));
+  }
+  Message m;
+  m.kind = MessageKind::kRequest;
+  m.id = 1;
+  m.callee = "load";
+  m.values = {c10::IValue(d), c10::IValue(std::vector<int64_t>(200, 3)),
+              c10::ivalue::Tuple::create(items)};
+  Message out = round_trip(m);
+  auto dd = out.values[0].toGenericDict();
+  CHECK(dd.size() == 64);
+  CHECK(dd.at("layer63.weight").toTensor()[1].item<float>() == 63);
+  CHECK(out.values[1].toIntVector().size() == 200);
+  CHECK(out.values[2].toTupleRef().elements().size() == 64);
+}
+
 TEST_CASE("wire: tensors of every dtype arrive equal, contiguous and 64-byte aligned") {
   std::vector<at::Tensor> ts = {
       at::randn({3, 5}),
