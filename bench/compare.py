@@ -15,7 +15,8 @@ import json
 import sys
 
 SIZE_KEYS = ("bytes", "hops", "world")
-METRICS = ("p50_us", "p99_us", "gbps", "ms", "local_ms", "record_us_per_rpc",
+METRICS = ("p50_us", "p99_us", "gbps", "ms", "local_ms", "overhead_ms", "ms_per_local",
+           "record_us_per_rpc",
            "init_ms", "all_to_all_ms", "shutdown_ms")
 HIGHER_IS_BETTER = {"gbps"}
 HEADER = ("bench", "size", "metric", "tandem", "pytorch", "path", "raw_tcp",
@@ -34,7 +35,16 @@ def read_records(streams):
             except ValueError:
                 continue
             if isinstance(rec, dict) and "bench" in rec and "impl" in rec:
-                yield rec
+                yield with_derived(rec)
+
+
+def with_derived(rec):
+    """A step timed beside its local twin (ms, local_ms) also shows the
+    distributed overhead, as a difference and as a ratio."""
+    ms, local = rec.get("ms"), rec.get("local_ms")
+    if isinstance(ms, (int, float)) and isinstance(local, (int, float)) and local > 0:
+        rec = dict(rec, overhead_ms=round(ms - local, 3), ms_per_local=round(ms / local, 3))
+    return rec
 
 
 def size_of(rec):

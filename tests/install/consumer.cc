@@ -3,15 +3,18 @@
 // distributed autograd through that call and through a handler that chains
 // its calls with then(), as the README shows, and through a remote value
 // handed back to its owner inside a tuple; a DistributedOptimizer steps a
-// parameter with that context's gradient.
+// parameter with that context's gradient, and a RemoteModule's parameters
+// train through its forward.
 #include <tandem/autograd/autograd.h>
 #include <tandem/optim/distributed_optimizer.h>
+#include <tandem/remote_module/remote_module.h>
 #include <tandem/rpc/api.h>
 #include <tandem/rpc/rref.h>
 
 #include <ATen/ops/add.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/ones.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/sum.h>
 
 #include <cstdio>
@@ -83,11 +86,28 @@ int main() {
     opt.step(ctx.id());
     stepped = weight[0].item<double>();  // 1 - 0.5 * 3
   }
+  double module_weight = 0;
+  {
+    tandem::nn::RemoteModule fc("worker0/cpu", "Linear", {2, 1});
+    fc.load_state_dict({{"weight", at::ones({1, 2})}, {"bias", at::zeros({1})}});
+    tandem::optim::Options oo;
+    oo.lr = 0.5;
+    tandem::optim::DistributedOptimizer opt(tandem::optim::Kind::kSGD, fc.remote_parameters(), oo);
+    tandem::autograd::Context ctx;
+    at::Tensor y = fc.forward(at::ones({1, 2}));
+    tandem::autograd::backward(ctx.id(), {at::sum(y)});
+    opt.step(ctx.id());
+    module_weight = fc.state_dict().at("weight")[0][0].item<double>();  // 1 - 0.5 * 1
+  }
   tandem::rpc::shutdown();
-  std::printf("after one SGD step the parameter is %.2f\n", stepped);
+  std::printf("after one SGD step the parameter is %.2f, the RemoteModule's weight %.2f\n",
+              stepped, module_weight);
   std::printf("twice(21) = %lld, d(sum(3x))/dx = %.1f, d(sum(6x) + sum(x))/dx = %.1f, "
               "through a held RRef in a tuple d(sum(2*3x))/dx = %.1f, %s\n",
               static_cast<long long>(y), g, chained, held,
               named ? "a missing gradient is named" : "a missing gradient is NOT named");
-  return y == 42 && g == 3.0 && chained == 7.0 && held == 6.0 && stepped == -0.5 && named ? 0 : 1;
+  return y == 42 && g == 3.0 && chained == 7.0 && held == 6.0 && stepped == -0.5 &&
+                 module_weight == 0.5 && named
+             ? 0
+             : 1;
 }

@@ -1,0 +1,163 @@
+// mp_bench: one model-parallel training step, like
+// ../shared/anchors/model_parallel.py.
+//
+// The model is Linear(256,1024)-ReLU on the trainer (worker0) and two
+// RemoteModules on worker1: Linear(1024,1024), then ReLU on the trainer, then
+// Linear(1024,10); cross-entropy loss, SGD lr=0.01, batch 64, seed 0. A step
+// is the forward in a distributed autograd context, backward and
+// DistributedOptimizer::step. The same step on one process, with the same
+// LibTorch layers and optimizer, is timed too (local_ms), so the distributed
+// overhead reads as a ratio. Two processes on loopback: this one is worker0
+// and starts itself again as worker1. Each figure is the median over
+// --rounds fresh process pairs of the mean step time of --steps steps
+// (after --warmup).
+//
+// Prints: {"bench":"mp_mlp_step","impl":"tandem","ms":..,"local_ms":..,"loss":..}
+//
+// Usage: mp_bench [--steps 50] [--warmup 10] [--rounds 3]
+#include <ATen/Parallel.h>
+#include <ATen/ops/randint.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/relu.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+
+#include "bench/bench_util.h"
+#include "tandem/autograd/autograd.h"
+#include "tandem/optim/distributed_optimizer.h"
+#include "tandem/remote_module/remote_module.h"
+#include "tandem/rpc/api.h"
+#include "tests/support/local_job.h"
+
+namespace {
+
+namespace rpc = tandem::rpc;
+namespace dist = tandem::autograd;
+namespace support = tandem::support;
+using Clock = std::chrono::steady_clock;
+using tandem::bench::median;
+
+rpc::AgentOptions options(int rank) {
+  rpc::AgentOptions o;
+  o.rank = rank;
+  o.world_size = 2;
+  o.num_worker_threads = 4;
+  return o;
+}
+
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+struct Batch {
+  at::Tensor x, y;
+};
+Batch batch() {
+  return {at::randn({64, 256}), at::randint(0, 10, {64}, at::kLong)};
+}
+
+double local_step_ms(int steps, int warmup) {
+  at::manual_seed(0);
+  torch::nn::Linear first(256, 1024), mid(1024, 1024), last(1024, 10);
+  std::vector<at::Tensor> params;
+  for (auto* m : {first.get(), mid.get(), last.get()}) {
+    for (auto& p : m->parameters()) params.push_back(p);
+  }
+  torch::optim::SGD opt(params, torch::optim::SGDOptions(0.01));
+  Batch b = batch();
+  Clock::time_point start;
+  for (int it = 0; it < warmup + steps; ++it) {
+    if (it == warmup) start = Clock::now();
+    opt.zero_grad();
+    at::Tensor out = last(at::relu(mid(at::relu(first(b.x)))));
+    torch::nn::functional::cross_entropy(out, b.y).backward();
+    opt.step();
+  }
+  return ms_since(start) / steps;
+}
+
+struct Figures {
+  double ms, local_ms, loss;
+};
+
+Figures round(int steps, int warmup) {
+  // This process is worker0: its init() hosts the store at MASTER_PORT.
+  const int port = support::free_port();
+  support::set_master_env(port);
+  auto env = support::worker_env(1, 2, port);
+  env.push_back("TANDEM_BENCH_ROLE=worker1");
+  pid_t child = support::spawn_self(env);
+  auto agent = rpc::init(std::make_shared<rpc::Registry>(), options(0));
+  Figures f{};
+  {
+    at::manual_seed(0);
+    torch::nn::Linear first(256, 1024);
+    tandem::nn::RemoteModule mid("worker1/cpu", "Linear", {1024, 1024});
+    tandem::nn::RemoteModule last("worker1/cpu", "Linear", {1024, 10});
+    std::vector<rpc::RRef<at::Tensor>> params;
+    for (auto& p : first->parameters()) params.push_back(rpc::RRef<at::Tensor>(p));
+    for (auto* m : {&mid, &last}) {
+      for (auto& p : m->remote_parameters()) params.push_back(p);
+    }
+    tandem::optim::Options o;
+    o.lr = 0.01;
+    tandem::optim::DistributedOptimizer opt(tandem::optim::Kind::kSGD, params, o);
+    Batch b = batch();
+    at::Tensor loss;
+    Clock::time_point start;
+    for (int it = 0; it < warmup + steps; ++it) {
+      if (it == warmup) start = Clock::now();
+      dist::Context ctx;
+      at::Tensor out = last.forward(at::relu(mid.forward(at::relu(first(b.x)))));
+      loss = torch::nn::functional::cross_entropy(out, b.y);
+      dist::backward(ctx.id(), {loss});
+      opt.step(ctx.id());
+    }
+    f.ms = ms_since(start) / steps;
+    f.loss = loss.item<double>();
+  }
+  rpc::shutdown(true);
+  support::wait_exit(child);
+  // With worker1 gone, so that it takes no CPU from the local run.
+  f.local_ms = local_step_ms(steps, warmup);
+  return f;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    if (const char* role = std::getenv("TANDEM_BENCH_ROLE")) {
+      unsetenv("TANDEM_BENCH_ROLE");
+      if (std::strcmp(role, "worker1") != 0) return 2;
+      rpc::init(std::make_shared<rpc::Registry>(), options(1));
+      rpc::shutdown(true);
+      return 0;
+    }
+    int steps = 50, warmup = 10, rounds = 3;
+    tandem::bench::Flags flags("mp_bench");
+    flags.add("--steps", &steps, 1).add("--warmup", &warmup, 0).add("--rounds", &rounds, 1);
+    if (!flags.parse(argc, argv)) return 2;
+    std::vector<double> ms, local_ms;
+    double loss = 0;
+    for (int r = 0; r < rounds; ++r) {
+      Figures f = round(steps, warmup);
+      ms.push_back(f.ms);
+      local_ms.push_back(f.local_ms);
+      loss = f.loss;
+    }
+    std::printf(
+        "{\"bench\":\"mp_mlp_step\",\"impl\":\"tandem\",\"ms\":%.3f,\"local_ms\":%.3f,"
+        "\"loss\":%.4f,\"rounds\":%d}\n",
+        median(ms), median(local_ms), loss, rounds);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "mp_bench: %s\n", e.what());
+    return 1;
+  }
+}
