@@ -17,7 +17,6 @@
 #include <ATen/ops/full.h>
 #include <ATen/ops/max.h>
 #include <ATen/ops/norm.h>
-#include <ATen/ops/reciprocal.h>
 #include <ATen/ops/stack.h>
 
 #include <atomic>
@@ -26,10 +25,10 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
-#include <limits>
 #include <map>
 #include <mutex>
 #include <sstream>
+#include <utility>
 
 #include "tandem/autograd/autograd.h"
 #include "tandem/rpc/api.h"
@@ -85,6 +84,23 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(Kind kind,
                       .centered(o.centered));
   }
   throw std::invalid_argument("unknown optimizer kind " + std::to_string(static_cast<int>(kind)));
+}
+
+// The tensors LibTorch keeps for one parameter (some may be undefined).
+std::vector<at::Tensor> state_tensors(const torch::optim::OptimizerParamState& s) {
+  using namespace torch::optim;
+  if (auto* x = dynamic_cast<const SGDParamState*>(&s)) return {x->momentum_buffer()};
+  if (auto* x = dynamic_cast<const AdamParamState*>(&s)) {
+    return {x->exp_avg(), x->exp_avg_sq(), x->max_exp_avg_sq()};
+  }
+  if (auto* x = dynamic_cast<const AdamWParamState*>(&s)) {
+    return {x->exp_avg(), x->exp_avg_sq(), x->max_exp_avg_sq()};
+  }
+  if (auto* x = dynamic_cast<const AdagradParamState*>(&s)) return {x->sum()};
+  if (auto* x = dynamic_cast<const RMSpropParamState*>(&s)) {
+    return {x->square_avg(), x->momentum_buffer(), x->grad_avg()};
+  }
+  return {};
 }
 
 // Options travel as a flat list of numbers, in this order.
@@ -246,6 +262,21 @@ class OptimService final : public rpc::AgentExtension,
     } catch (const c10::Error& e) {
       throw std::invalid_argument("the optimizer state for " + agent_.name() +
                                   " cannot be read: " + e.what_without_backtrace());
+    }
+    // Counts matched on the caller; shapes can only be seen here. A state of
+    // another model would otherwise fail only at the next step.
+    for (size_t i = 0; i < local->params.size(); ++i) {
+      const at::Tensor& p = local->params[i];
+      auto it = fresh->state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+      if (it == fresh->state().end()) continue;
+      for (const at::Tensor& t : state_tensors(*it->second)) {
+        if (t.defined() && t.sizes() != p.sizes()) {
+          std::ostringstream msg;
+          msg << "the optimizer state for " << agent_.name() << " does not fit its parameter " << i
+              << ": the state is of shape " << t.sizes() << ", the parameter " << p.sizes();
+          throw std::invalid_argument(msg.str());
+        }
+      }
     }
     set_lr(*fresh, lr);
     std::unique_ptr<torch::optim::Optimizer> old;  // freed outside the lock

@@ -486,8 +486,9 @@ TEST_CASE("optim: bad rates, clipping and checkpoints are refused clearly, and t
   TempDir dir;
   at::manual_seed(3);
   L().w = {at::randn({2, 2}, kF64).requires_grad_(), at::randn({2, 2}, kF64).requires_grad_(),
-           at::randn({2, 2}, kF64).requires_grad_()};
+           at::randn({2, 2}, kF64).requires_grad_(), at::randn({2, 3}, kF64).requires_grad_()};
   auto p1 = w[0].rpc_sync<rpc::RRef<at::Tensor>>("worker1", "param", int64_t(1));
+  auto p1_2x3 = w[0].rpc_sync<rpc::RRef<at::Tensor>>("worker1", "param", int64_t(3));
   auto p1b = w[0].rpc_sync<rpc::RRef<at::Tensor>>("worker1", "param", int64_t(0));
   auto p2 = w[0].rpc_sync<rpc::RRef<at::Tensor>>("worker2", "param", int64_t(2));
   {
@@ -539,6 +540,19 @@ TEST_CASE("optim: bad rates, clipping and checkpoints are refused clearly, and t
     CHECK_THROWS_WITH_AS(adam.load_state_dict(adam_two.state_dict()),
                          doctest::Contains("the state has 2 parameter(s) on worker1, this optimizer 1"),
                          std::invalid_argument);
+    {
+      // The same counts, but another model's state: seen by the owner.
+      optim::DistributedOptimizer adam_2x3(w[0], optim::Kind::kAdam, {p1_2x3}, o);
+      dist::Context ctx(w[0]);
+      at::Tensor y = w[0].rpc_sync<at::Tensor>("worker1", "linear", int64_t(3), at::ones({1, 2}, kF64));
+      dist::backward(w[0], ctx.id(), {y.sum()});
+      adam_2x3.step(ctx.id());
+      CHECK_THROWS_WITH_AS(
+          adam.load_state_dict(adam_2x3.state_dict()),
+          doctest::Contains("the optimizer state for worker1 does not fit its parameter 0: the "
+                            "state is of shape [2, 3], the parameter [2, 2]"),
+          rpc::RemoteError);
+    }
     {
       auto bad = adam.state_dict();
       bad.lr = -3;
@@ -599,7 +613,7 @@ TEST_CASE("optim: bad rates, clipping and checkpoints are refused clearly, and t
     CHECK_FALSE(at::equal(L().w[1], before));
   }
   for (int r = 0; r < 3; ++r) CHECK(optim::live_optimizers(w[r]) == 0);
-  p1 = p1b = p2 = rpc::RRef<at::Tensor>();
+  p1 = p1b = p2 = p1_2x3 = rpc::RRef<at::Tensor>();
   L().w.clear();
   w.shutdown();
 }
