@@ -131,6 +131,8 @@ class DistributedOptimizer {
 
   // Sets the learning rate of every owner's optimizer (all param groups).
   // std::invalid_argument if lr is negative or not finite (nothing changes).
+  // If an owner fails, the others have the new rate and lr() the old one.
+  // Calls from several threads at once are not ordered against each other.
   void set_lr(double lr);
   // The learning rate set last (by Options, set_lr or a load).
   double lr() const { return lr_.load(); }
@@ -150,8 +152,10 @@ class DistributedOptimizer {
   double clip_grad_norm(uint64_t context_id, double max_norm, double norm_type = 2.0);
 
   // Every owner's optimizer state, and back (see OptimizerState). A state
-  // that does not fit this optimizer is refused with std::invalid_argument
-  // naming the mismatch, before any owner is touched. Each owner loads into
+  // of another kind, other owners or other parameter counts is refused with
+  // std::invalid_argument naming the mismatch, before any owner is touched;
+  // state tensors whose shapes do not fit the parameters are refused by
+  // their owner (naming the parameter and both shapes). Each owner loads into
   // a fresh LibTorch optimizer and swaps it in only when all of it was read
   // (LibTorch's load would merge into the old state instead); an owner
   // that fails (rpc::RemoteError naming it) keeps its old state, but the
