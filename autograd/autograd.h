@@ -105,7 +105,11 @@ void backward(rpc::Agent& agent, uint64_t context_id, const std::vector<at::Tens
               std::chrono::milliseconds timeout = rpc::kDefaultTimeout);
 
 // This worker's leaf gradients in the context: leaf tensor -> gradient
-// (looked up by identity: grads.at(weight)).
+// (looked up by identity: grads.at(weight)). The map is a copy, the
+// gradients are not: they are the context's own tensors, so changing one in
+// place (DistributedOptimizer::clip_grad_norm scales them) is what the next
+// get_gradients and step see. Not while a backward() in the same context
+// runs: accumulating replaces the context's tensor with a new sum.
 Gradients get_gradients(uint64_t context_id);
 Gradients get_gradients(rpc::Agent& agent, uint64_t context_id);
 

@@ -326,6 +326,24 @@ TEST_CASE("autograd: gradients accumulate per context and retain_graph keeps the
   CHECK_THROWS_WITH(dist::backward(ctx.id(), {loss}), doctest::Contains("second time"));
 }
 
+TEST_CASE("autograd: get_gradients hands out the context's own tensors (in-place changes stay)") {
+  // DistributedOptimizer::clip_grad_norm scales the gradients in place and
+  // relies on the next get_gradients (and the optimizer's step) seeing it.
+  World w(2, define);
+  auto x = input();
+  dist::Context ctx(w[0]);
+  dist::backward(ctx.id(), {w[0].rpc_sync<at::Tensor>("worker1", "lin1", x).sum()});
+  auto on1 = dist::get_gradients(w[1], ctx.id());
+  REQUIRE(on1.contains(P().w1));
+  const at::Tensor before = on1.at(P().w1).clone();
+  on1.at(P().w1).mul_(0.5);
+  CHECK(at::equal(dist::get_gradients(w[1], ctx.id()).at(P().w1), before * 0.5));
+  // The root's leaf too.
+  const at::Tensor gx = dist::get_gradients(ctx.id()).at(x).clone();
+  dist::get_gradients(ctx.id()).at(x).zero_();
+  CHECK(at::equal(dist::get_gradients(ctx.id()).at(x), at::zeros_like(gx)));
+}
+
 TEST_CASE("autograd: several contexts at once from several threads and workers") {
   World w(3, define);
   std::vector<std::thread> threads;
