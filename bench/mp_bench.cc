@@ -14,7 +14,7 @@
 //
 // Prints: {"bench":"mp_mlp_step","impl":"tandem","ms":..,"local_ms":..,"loss":..}
 //
-// Usage: mp_bench [--steps 50] [--warmup 10] [--rounds 3]
+// Usage: mp_bench [--steps 50] [--warmup 10] [--rounds 3] [--phases 1]
 #include <ATen/Parallel.h>
 #include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
@@ -61,6 +61,8 @@ Batch batch() {
   return {at::randn({64, 256}), at::randint(0, 10, {64}, at::kLong)};
 }
 
+bool phases = false;  // --phases 1: each phase's mean time on stderr
+
 double local_step_ms(int steps, int warmup) {
   at::manual_seed(0);
   torch::nn::Linear first(256, 1024), mid(1024, 1024), last(1024, 10);
@@ -71,12 +73,27 @@ double local_step_ms(int steps, int warmup) {
   torch::optim::SGD opt(params, torch::optim::SGDOptions(0.01));
   Batch b = batch();
   Clock::time_point start;
+  double phase[3] = {0, 0, 0};  // forward, backward, step (ms, summed)
   for (int it = 0; it < warmup + steps; ++it) {
-    if (it == warmup) start = Clock::now();
+    if (it == warmup) {
+      start = Clock::now();
+      phase[0] = phase[1] = phase[2] = 0;
+    }
+    auto t0 = Clock::now();
     opt.zero_grad();
     at::Tensor out = last(at::relu(mid(at::relu(first(b.x)))));
-    torch::nn::functional::cross_entropy(out, b.y).backward();
+    at::Tensor loss = torch::nn::functional::cross_entropy(out, b.y);
+    phase[0] += ms_since(t0);
+    t0 = Clock::now();
+    loss.backward();
+    phase[1] += ms_since(t0);
+    t0 = Clock::now();
     opt.step();
+    phase[2] += ms_since(t0);
+  }
+  if (phases) {
+    std::fprintf(stderr, "mp_bench: local forward %.3f ms, backward %.3f ms, step %.3f ms\n",
+                 phase[0] / steps, phase[1] / steps, phase[2] / steps);
   }
   return ms_since(start) / steps;
 }
@@ -110,15 +127,29 @@ Figures round(int steps, int warmup) {
     Batch b = batch();
     at::Tensor loss;
     Clock::time_point start;
+    double phase[3] = {0, 0, 0};  // forward, backward, step (ms, summed)
     for (int it = 0; it < warmup + steps; ++it) {
-      if (it == warmup) start = Clock::now();
+      if (it == warmup) {
+        start = Clock::now();
+        phase[0] = phase[1] = phase[2] = 0;
+      }
       dist::Context ctx;
+      auto t0 = Clock::now();
       at::Tensor out = last.forward(at::relu(mid.forward(at::relu(first(b.x)))));
       loss = torch::nn::functional::cross_entropy(out, b.y);
+      phase[0] += ms_since(t0);
+      t0 = Clock::now();
       dist::backward(ctx.id(), {loss});
+      phase[1] += ms_since(t0);
+      t0 = Clock::now();
       opt.step(ctx.id());
+      phase[2] += ms_since(t0);
     }
     f.ms = ms_since(start) / steps;
+    if (phases) {
+      std::fprintf(stderr, "mp_bench: forward %.3f ms, backward %.3f ms, step %.3f ms\n",
+                   phase[0] / steps, phase[1] / steps, phase[2] / steps);
+    }
     f.loss = loss.item<double>();
   }
   rpc::shutdown(true);
@@ -139,10 +170,12 @@ int main(int argc, char** argv) {
       rpc::shutdown(true);
       return 0;
     }
-    int steps = 50, warmup = 10, rounds = 3;
+    int steps = 50, warmup = 10, rounds = 3, show_phases = 0;
     tandem::bench::Flags flags("mp_bench");
     flags.add("--steps", &steps, 1).add("--warmup", &warmup, 0).add("--rounds", &rounds, 1);
+    flags.add("--phases", &show_phases, 0);
     if (!flags.parse(argc, argv)) return 2;
+    phases = show_phases != 0;
     std::vector<double> ms, local_ms;
     double loss = 0;
     for (int r = 0; r < rounds; ++r) {
