@@ -4,6 +4,7 @@
 // owner keeps serving, and go when their last reference does.
 #include "tandem/remote_module/remote_module.h"
 
+#include <ATen/Context.h>
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/equal.h>
@@ -413,5 +414,33 @@ TEST_CASE(
   }
   // The module went with the RemoteModule: the owner holds nothing.
   CHECK(test::eventually([&] { return w[1].rrefs().owned_values() == 0; }));
+  w.shutdown();
+}
+
+TEST_CASE("nn: a module on cuda:0 computes there and answers with CPU tensors") {
+  if (!at::hasCUDA()) {
+    std::printf("skipped: no CUDA device on this machine (this test runs on GPU machines)\n");
+    return;
+  }
+  // CUDA's context and driver threads stay for the life of the process.
+  test::process_lifetime([] { (at::ones({2}).to(at::kCUDA) * 2).sum().item<float>(); });
+  World w(2, define);
+  {
+    RemoteModule fc(w[0], "worker1/cuda:0", "Linear", {4, 3});
+    torch::nn::Linear local(4, 3);
+    copy_into(fc, *local);
+    at::Tensor x = at::randn({5, 4});
+    at::Tensor y = fc.forward(x);
+    CHECK(y.device().is_cpu());
+    CHECK(at::allclose(y, local(x), 1e-4, 1e-5));
+    auto params = fc.remote_parameters();
+    CHECK(params[0].to_here().device().is_cuda());
+    // Trains there: the gradient crosses back to the module's device.
+    dist::Context ctx(w[0]);
+    at::Tensor xg = x.clone().requires_grad_();
+    dist::backward(w[0], ctx.id(), {fc.forward(xg).sum()});
+    CHECK(at::allclose(dist::get_gradients(w[0], ctx.id()).at(xg),
+                       local->weight.detach().sum(0).expand({5, 4}), 1e-4, 1e-5));
+  }
   w.shutdown();
 }
