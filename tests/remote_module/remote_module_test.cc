@@ -444,3 +444,14 @@ TEST_CASE("nn: a module on cuda:0 computes there and answers with CPU tensors") 
   }
   w.shutdown();
 }
+
+TEST_CASE("nn: a RemoteModule that outlives its agent fails cleanly, and goes quietly") {
+  World w(2, define);
+  auto fc = std::make_unique<RemoteModule>(w[0], "worker1/cpu", "Linear",
+                                           std::vector<c10::IValue>{2, 2});
+  CHECK(fc->forward(at::ones({1, 2})).numel() == 2);
+  // Alive at a graceful shutdown: reported like any RRef left behind.
+  CHECK_THROWS_WITH(w.shutdown_unchecked(true), doctest::Contains("leak"));
+  CHECK_THROWS_AS(fc->forward(at::ones({1, 2})), rpc::ShutdownError);
+  fc.reset();  // after shutdown: nothing to tell the owner, nothing to crash
+}
