@@ -484,11 +484,11 @@ int main(int argc, char** argv) {
     flags.add("--steps", &cfg.steps, 1, "total training steps")
         .add("--corpus", &cfg.corpus, "text file to train on (default: /usr/share/common-licenses/*)")
         .add("--checkpoint", &cfg.checkpoint, "checkpoint file")
-        .add("--checkpoint-every", &cfg.checkpoint_every, 1, "write the checkpoint every K steps")
+        .add("--checkpoint-every", &cfg.checkpoint_every, 1, "write the checkpoint every N steps")
         .add_switch("--resume", &cfg.resume, "continue from --checkpoint up to --steps")
         .add("--seed", &cfg.seed, 0, "seed of the initial parameters, batches and sample")
         .add("--lr", &cfg.lr, "Adam's learning rate")
-        .add("--log-every", &cfg.log_every, 1, "print the mean loss every K steps");
+        .add("--log-every", &cfg.log_every, 1, "print the mean loss every N steps");
     std::string error = flags.parse(argc, argv);
     std::optional<Corpus> corpus;
     std::optional<Checkpoint> resume;

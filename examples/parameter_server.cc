@@ -1,7 +1,7 @@
 // parameter_server: trainers sharing one embedding table that lives on a
 // parameter server, as in PyTorch's parameter-server tutorial.
 //
-//   build/bin/tandem-run --nproc-per-node 3 build/bin/parameter_server [--steps 200] [--lr 0.05]
+//   build/bin/tandem-run --nproc-per-node 3 build/bin/parameter_server [--steps 200] [--lr 1.0]
 //
 // worker0 is the parameter server: it builds EmbeddingBag(1000, 16, "sum")
 // as a RemoteModule on itself and hands the module's reference to whoever
@@ -21,6 +21,7 @@
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/one_hot.h>
 #include <ATen/ops/randint.h>
+#include <ATen/ops/randn.h>
 #include <torch/nn/modules/linear.h>
 
 #include <chrono>
@@ -65,6 +66,9 @@ int serve(Server& s, int trainers) {
   {
     // On this worker itself: the RemoteModule is how its reference is made.
     tandem::nn::RemoteModule table("worker0/cpu", "EmbeddingBag", {kItems, kDim, std::string("sum")});
+    // Small rows to start with: a sum of 8 rows drawn from N(0, 1) (the
+    // default) drowns what SGD learns about each item for hundreds of steps.
+    table.load_state_dict({{"weight", at::randn({kItems, kDim}) * 0.1}});
     {
       std::lock_guard<std::mutex> lock(s.mu);
       s.table = table.get_module_rref();
@@ -161,7 +165,7 @@ int main(int argc, char** argv) {
     }
 
     int64_t steps = 200;
-    double lr = 0.05;
+    double lr = 1.0;
     examples::Flags flags("parameter_server");
     flags.add("--steps", &steps, 1, "training steps of each trainer")
         .add("--lr", &lr, "SGD learning rate");
