@@ -348,16 +348,18 @@ std::string generate(Model& m, const Corpus& c, std::string prompt, int n, doubl
     out += c.vocab[next.item<int64_t>()];
     std::tie(logits, state) = m.forward(next.view({1, 1}), state);
   }
-  // One line on the terminal: white space as blanks, other control bytes as '?'.
-  for (char& ch : out) {
+  // One line on the terminal: each run of white space as one blank (the
+  // licences are full of indentation), other control bytes as '?'.
+  std::string line;
+  for (char ch : out) {
     const auto u = static_cast<unsigned char>(ch);
-    if (ch == '\n' || ch == '\t' || ch == '\r') {
-      ch = ' ';
-    } else if (u < 0x20 || u == 0x7f) {
-      ch = '?';
+    if (ch == ' ' || ch == '\n' || ch == '\t' || ch == '\r') {
+      if (line.empty() || line.back() != ' ') line += ' ';
+    } else {
+      line += (u < 0x20 || u == 0x7f) ? '?' : ch;
     }
   }
-  return out;
+  return line;
 }
 
 double seconds_since(Clock::time_point t0) {

@@ -10,6 +10,7 @@
 #  c. model_parallel_mlp --steps 20 exits 0 and reports agreement with the
 #     local run;
 #  d. parameter_server on 3 processes and on 2 exits 0, every trainer reports;
+#     rpc_demo exits 0;
 #  e. bad input exits 2 with a one-line reason, without hanging: a missing
 #     --corpus, --resume without a checkpoint, an unknown flag.
 set -uo pipefail
@@ -92,6 +93,9 @@ for n in 3 2; do
     done
   fi
 done
+
+rc=$(launch rpc_demo.log 2 rpc_demo)
+expect_rc "rpc_demo" "$rc" 0 rpc_demo.log
 
 # e. bad input: exit 2, one clear line, nobody left waiting
 check_bad() {  # check_bad NAME PATTERN ARGS...
