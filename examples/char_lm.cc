@@ -1,0 +1,557 @@
+// char_lm: a character-level language model trained across two workers
+// (what `./dev demo` runs).
+//
+//   build/bin/tandem-run --nproc-per-node 2 build/bin/char_lm [--steps 400] [--corpus FILE]
+//       [--checkpoint char_lm.ckpt] [--checkpoint-every 100] [--resume] [--seed 0] [--lr 0.006]
+//
+// worker1 is a parameter server: it only serves. worker0 trains
+//   Embedding(V, 32) -> LSTM(32, 128) -> Linear(128, V) -> cross-entropy
+// where the embedding and the decoder are RemoteModules living on worker1 and
+// the LSTM is an ordinary torch::nn::LSTM on the trainer. Every step runs in a
+// distributed autograd context: the forward hops trainer -> worker1 ->
+// trainer -> worker1, backward() comes back through both, and one
+// DistributedOptimizer (Adam) over the remote modules' parameters and the
+// LSTM's clips the global gradient norm and steps every owner at once.
+//
+// The text is, by default, every regular file in /usr/share/common-licenses
+// (sorted by name; the symbolic links there only repeat other files), so the
+// demo runs on any Debian machine; --corpus takes any other file. The
+// vocabulary is the distinct bytes of the text.
+//
+// Determinism: step s trains on a batch drawn from a generator seeded by
+// (seed, s) alone, and the initial parameters come from at::manual_seed(seed)
+// on the trainer (the remote modules get theirs with load_state_dict), so a
+// run resumed from a checkpoint prints exactly the losses of an uninterrupted
+// one (the last line's loss is printed with %.6f to compare).
+//
+// The checkpoint is ONE file (torch::serialize archive, written to PATH.tmp
+// and renamed over PATH), with these keys:
+//   step, seed          int: steps done, and the seed they were drawn with
+//   corpus_fnv, vocab   int, string: FNV-1a hash of the text and its vocabulary;
+//                       resuming on another text is refused
+//   lstm, embedding, decoder
+//                       archives of named tensors: the trainer's LSTM and the
+//                       two RemoteModules' state_dict()
+//   optim               the DistributedOptimizer's state_dict(): kind, lr,
+//                       parts; per part i an archive "part<i>" with rank,
+//                       worker, num_params and the owner's LibTorch optimizer
+//                       bytes (a uint8 tensor)
+//
+// Errors in the flags, the corpus or the checkpoint are found before
+// training; the trainer still joins the world and shuts down so that the
+// parameter server exits too, then exits with code 2.
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/ivalue.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cross_entropy_loss.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/multinomial.h>
+#include <ATen/ops/randint.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/tensor.h>
+#include <c10/core/GradMode.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/rnn.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <optional>
+#include <set>
+
+#include "examples/flags.h"
+#include "examples/threads.h"
+#include "tandem/autograd/autograd.h"
+#include "tandem/optim/distributed_optimizer.h"
+#include "tandem/remote_module/remote_module.h"
+#include "tandem/rpc/api.h"
+#include "tandem/rpc/rendezvous.h"
+#include "tandem/rpc/rref.h"
+
+namespace {
+
+namespace rpc = tandem::rpc;
+namespace dist = tandem::autograd;
+namespace optim = tandem::optim;
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+constexpr int64_t kBatch = 32;
+constexpr int64_t kWindow = 64;  // characters predicted per sequence (+1 read)
+constexpr int64_t kEmbed = 32;
+constexpr int64_t kHidden = 128;
+constexpr const char* kDefaultCorpus = "/usr/share/common-licenses";
+constexpr const char* kServer = "worker1";
+
+struct Config {
+  int64_t steps = 400;
+  int64_t checkpoint_every = 100;
+  int64_t seed = 0;
+  int64_t log_every = 25;
+  double lr = 6e-3;
+  std::string corpus;  // empty: kDefaultCorpus
+  std::string checkpoint = "char_lm.ckpt";
+  bool resume = false;
+};
+
+// A failure the user can fix (bad flag, file): exit code 2, no stack of context.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  if (!in) throw UsageError("cannot read '" + p.string() + "'");
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+struct Corpus {
+  std::string name;
+  std::string text;
+  std::string vocab;  // the distinct bytes, in order
+  at::Tensor tokens;  // int64, each byte's index in vocab
+  uint64_t fingerprint = 0;
+};
+
+Corpus load_corpus(const std::string& flag) {
+  Corpus c;
+  if (flag.empty()) {
+    std::error_code ec;
+    std::vector<fs::path> files;
+    for (const auto& e : fs::directory_iterator(kDefaultCorpus, ec)) {
+      if (e.is_regular_file() && !e.is_symlink()) files.push_back(e.path());
+    }
+    if (ec || files.empty()) {
+      throw UsageError(std::string("no text in ") + kDefaultCorpus + "; pass --corpus FILE");
+    }
+    std::sort(files.begin(), files.end());
+    for (const auto& f : files) c.text += read_file(f);
+    c.name = std::string(kDefaultCorpus) + "/* (" + std::to_string(files.size()) + " files)";
+  } else {
+    std::error_code ec;
+    if (!fs::exists(flag, ec)) throw UsageError("corpus file '" + flag + "' does not exist");
+    if (fs::is_directory(flag, ec)) throw UsageError("corpus '" + flag + "' is a directory");
+    c.text = read_file(flag);
+    c.name = flag;
+  }
+  if (c.text.empty()) throw UsageError("corpus '" + c.name + "' is empty");
+  if (static_cast<int64_t>(c.text.size()) < kWindow + 1) {
+    throw UsageError("corpus '" + c.name + "' has " + std::to_string(c.text.size()) +
+                     " bytes; at least " + std::to_string(kWindow + 1) + " are needed");
+  }
+  std::set<unsigned char> bytes(c.text.begin(), c.text.end());
+  c.vocab.assign(bytes.begin(), bytes.end());
+  int64_t index[256] = {};
+  for (size_t i = 0; i < c.vocab.size(); ++i) index[static_cast<unsigned char>(c.vocab[i])] = i;
+  c.tokens = at::empty({static_cast<int64_t>(c.text.size())}, at::kLong);
+  auto* t = c.tokens.data_ptr<int64_t>();
+  for (size_t i = 0; i < c.text.size(); ++i) t[i] = index[static_cast<unsigned char>(c.text[i])];
+  c.fingerprint = fnv1a(c.text);
+  return c;
+}
+
+// The batch of step `step`: a function of (seed, step) alone, so that a
+// resumed run draws exactly the batches an uninterrupted one would.
+struct Batch {
+  at::Tensor x, y;  // [B, T] int64: inputs and the characters that follow them
+};
+Batch batch_at(const Corpus& c, int64_t seed, int64_t step) {
+  // splitmix64 of (seed, step): neighbouring steps get unrelated streams.
+  uint64_t z = static_cast<uint64_t>(seed) * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(step) +
+               0x632BE59BD9B4E019ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(z);
+  const int64_t n = c.tokens.size(0);
+  at::Tensor starts = at::randint(0, n - kWindow, {kBatch, 1}, gen, at::kLong);
+  at::Tensor windows = c.tokens.index_select(0, (starts + at::arange(kWindow + 1)).reshape(-1))
+                           .view({kBatch, kWindow + 1});
+  return {windows.narrow(1, 0, kWindow), windows.narrow(1, 1, kWindow)};
+}
+
+// ---- checkpoint ------------------------------------------------------------
+
+using Named = std::map<std::string, at::Tensor>;
+
+struct Checkpoint {
+  int64_t step = 0;
+  int64_t seed = 0;
+  uint64_t corpus_fnv = 0;
+  std::string vocab;
+  Named lstm, embedding, decoder;
+  optim::OptimizerState optim;
+};
+
+void write_named(torch::serialize::OutputArchive& out, const std::string& key, const Named& m) {
+  torch::serialize::OutputArchive sub;
+  for (const auto& [name, t] : m) sub.write(name, t.detach().clone(), /*is_buffer=*/true);
+  out.write(key, sub);
+}
+
+Named read_named(torch::serialize::InputArchive& in, const std::string& key) {
+  torch::serialize::InputArchive sub;
+  in.read(key, sub);
+  Named m;
+  for (const auto& name : sub.keys()) {
+    at::Tensor t;
+    sub.read(name, t, /*is_buffer=*/true);
+    m[name] = t;
+  }
+  return m;
+}
+
+void save_checkpoint(const Checkpoint& ck, const std::string& path) {
+  torch::serialize::OutputArchive out;
+  out.write("step", c10::IValue(ck.step));
+  out.write("seed", c10::IValue(ck.seed));
+  out.write("corpus_fnv", c10::IValue(static_cast<int64_t>(ck.corpus_fnv)));
+  out.write("vocab", c10::IValue(ck.vocab));
+  write_named(out, "lstm", ck.lstm);
+  write_named(out, "embedding", ck.embedding);
+  write_named(out, "decoder", ck.decoder);
+  torch::serialize::OutputArchive opt;
+  opt.write("kind", c10::IValue(static_cast<int64_t>(ck.optim.kind)));
+  opt.write("lr", c10::IValue(ck.optim.lr));
+  opt.write("parts", c10::IValue(static_cast<int64_t>(ck.optim.parts.size())));
+  for (size_t i = 0; i < ck.optim.parts.size(); ++i) {
+    const auto& p = ck.optim.parts[i];
+    torch::serialize::OutputArchive part;
+    part.write("rank", c10::IValue(static_cast<int64_t>(p.rank)));
+    part.write("worker", c10::IValue(p.worker));
+    part.write("num_params", c10::IValue(p.num_params));
+    // The owner's archive is binary: a byte tensor, not a (pickled) string.
+    at::Tensor bytes = at::empty({static_cast<int64_t>(p.bytes.size())}, at::kByte);
+    std::memcpy(bytes.data_ptr(), p.bytes.data(), p.bytes.size());
+    part.write("bytes", bytes, /*is_buffer=*/true);
+    opt.write("part" + std::to_string(i), part);
+  }
+  out.write("optim", opt);
+  // A crash mid-write leaves the old checkpoint whole.
+  const std::string tmp = path + ".tmp";
+  out.save_to(tmp);
+  fs::rename(tmp, path);
+}
+
+Checkpoint load_checkpoint(const std::string& path) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) {
+    throw UsageError("--resume: no checkpoint at '" + path + "' (set it with --checkpoint)");
+  }
+  Checkpoint ck;
+  try {
+    torch::serialize::InputArchive in;
+    in.load_from(path);
+    c10::IValue v;
+    in.read("step", v);
+    ck.step = v.toInt();
+    in.read("seed", v);
+    ck.seed = v.toInt();
+    in.read("corpus_fnv", v);
+    ck.corpus_fnv = static_cast<uint64_t>(v.toInt());
+    in.read("vocab", v);
+    ck.vocab = v.toStringRef();
+    ck.lstm = read_named(in, "lstm");
+    ck.embedding = read_named(in, "embedding");
+    ck.decoder = read_named(in, "decoder");
+    torch::serialize::InputArchive opt;
+    in.read("optim", opt);
+    opt.read("kind", v);
+    ck.optim.kind = static_cast<optim::Kind>(v.toInt());
+    opt.read("lr", v);
+    ck.optim.lr = v.toDouble();
+    opt.read("parts", v);
+    const int64_t parts = v.toInt();
+    for (int64_t i = 0; i < parts; ++i) {
+      torch::serialize::InputArchive part;
+      opt.read("part" + std::to_string(i), part);
+      optim::OptimizerState::Part p;
+      part.read("rank", v);
+      p.rank = static_cast<int>(v.toInt());
+      part.read("worker", v);
+      p.worker = v.toStringRef();
+      part.read("num_params", v);
+      p.num_params = v.toInt();
+      at::Tensor bytes;
+      part.read("bytes", bytes, /*is_buffer=*/true);
+      p.bytes.assign(static_cast<const char*>(bytes.data_ptr()), bytes.numel());
+      ck.optim.parts.push_back(std::move(p));
+    }
+  } catch (const c10::Error& e) {
+    // LibTorch's message carries a C++ backtrace; its first line says enough.
+    std::string what = e.what_without_backtrace();
+    throw UsageError("'" + path + "' is not a char_lm checkpoint (" +
+                     what.substr(0, what.find('\n')) + ")");
+  }
+  return ck;
+}
+
+Named named_parameters(const torch::nn::Module& m) {
+  Named out;
+  for (const auto& p : m.named_parameters()) out[p.key()] = p.value();
+  return out;
+}
+
+// ---- the model -------------------------------------------------------------
+
+struct Model {
+  tandem::nn::RemoteModule embedding;  // on worker1
+  torch::nn::LSTM lstm;                // here
+  tandem::nn::RemoteModule decoder;    // on worker1
+
+  // Logits [B, T, V] and the LSTM's state after the last character.
+  std::pair<at::Tensor, std::tuple<at::Tensor, at::Tensor>> forward(
+      const at::Tensor& x, c10::optional<std::tuple<at::Tensor, at::Tensor>> state = {}) {
+    at::Tensor e = embedding.forward(x);
+    auto [h, hc] = lstm->forward(e, state);
+    return {decoder.forward(h), hc};
+  }
+};
+
+// `n` characters after `prompt`, sampled at `temperature`. No autograd
+// context: the remote forwards record nothing outside one.
+std::string generate(Model& m, const Corpus& c, std::string prompt, int n, double temperature,
+                     uint64_t seed) {
+  c10::NoGradGuard no_grad;
+  std::vector<int64_t> ids;
+  std::string kept;
+  for (char ch : prompt) {
+    auto pos = c.vocab.find(ch);
+    if (pos != std::string::npos) {
+      ids.push_back(static_cast<int64_t>(pos));
+      kept += ch;
+    }
+  }
+  if (ids.empty()) {  // a corpus without those letters: start from its first byte
+    ids.push_back(c.tokens[0].item<int64_t>());
+    kept = c.vocab.substr(ids[0], 1);
+  }
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto [logits, state] = m.forward(at::tensor(ids).view({1, -1}));
+  std::string out = kept;
+  for (int i = 0; i < n; ++i) {
+    at::Tensor last = logits[0][-1] / temperature;
+    at::Tensor next = at::multinomial(at::softmax(last, 0), 1, false, gen);
+    out += c.vocab[next.item<int64_t>()];
+    std::tie(logits, state) = m.forward(next.view({1, 1}), state);
+  }
+  // One line on the terminal: each run of white space as one blank (the
+  // licences are full of indentation), other control bytes as '?'.
+  std::string line;
+  for (char ch : out) {
+    const auto u = static_cast<unsigned char>(ch);
+    if (ch == ' ' || ch == '\n' || ch == '\t' || ch == '\r') {
+      if (line.empty() || line.back() != ' ') line += ' ';
+    } else {
+      line += (u < 0x20 || u == 0x7f) ? '?' : ch;
+    }
+  }
+  return line;
+}
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+int train(const Config& cfg, const Corpus& corpus, const std::optional<Checkpoint>& resume,
+          Clock::time_point started) {
+  const int64_t V = static_cast<int64_t>(corpus.vocab.size());
+  // Every parameter's first value comes from this seed, here; the remote
+  // modules are overwritten with the trainer's draw (or the checkpoint), so
+  // the run does not depend on worker1's generator.
+  at::manual_seed(static_cast<uint64_t>(cfg.seed));
+  torch::nn::Embedding embedding_init(V, kEmbed);
+  torch::nn::LSTM lstm(torch::nn::LSTMOptions(kEmbed, kHidden).batch_first(true));
+  torch::nn::Linear decoder_init(kHidden, V);
+  Model m{tandem::nn::RemoteModule(std::string(kServer) + "/cpu", "Embedding", {V, kEmbed}), lstm,
+          tandem::nn::RemoteModule(std::string(kServer) + "/cpu", "Linear", {kHidden, V})};
+
+  int64_t start = 0;
+  if (resume) {
+    m.embedding.load_state_dict(resume->embedding);
+    m.decoder.load_state_dict(resume->decoder);
+    c10::NoGradGuard no_grad;
+    for (auto& p : lstm->named_parameters()) {
+      auto it = resume->lstm.find(p.key());
+      if (it == resume->lstm.end() || !it->second.sizes().equals(p.value().sizes())) {
+        throw UsageError("checkpoint '" + cfg.checkpoint + "': LSTM parameter '" + p.key() +
+                         "' is missing or has another shape");
+      }
+      p.value().copy_(it->second);
+    }
+    start = resume->step;
+  } else {
+    m.embedding.load_state_dict(named_parameters(*embedding_init));
+    m.decoder.load_state_dict(named_parameters(*decoder_init));
+  }
+
+  // One optimizer over all three modules; the LSTM's parameters are local
+  // RRefs, stepped here without RPC.
+  std::vector<rpc::RRef<at::Tensor>> params = m.embedding.remote_parameters();
+  for (auto& p : lstm->parameters()) params.emplace_back(p);
+  for (auto& p : m.decoder.remote_parameters()) params.push_back(p);
+  optim::Options o;
+  o.lr = cfg.lr;
+  optim::DistributedOptimizer opt(optim::Kind::kAdam, params, o);
+  if (resume) opt.load_state_dict(resume->optim);
+
+  auto checkpoint = [&](int64_t step) {
+    Checkpoint ck;
+    ck.step = step;
+    ck.seed = cfg.seed;
+    ck.corpus_fnv = corpus.fingerprint;
+    ck.vocab = corpus.vocab;
+    ck.lstm = named_parameters(*lstm);
+    ck.embedding = m.embedding.state_dict();
+    ck.decoder = m.decoder.state_dict();
+    ck.optim = opt.state_dict();
+    save_checkpoint(ck, cfg.checkpoint);
+  };
+
+  std::printf("char_lm: %s, %zu bytes, vocabulary %lld; embedding and decoder on %s, "
+              "LSTM(%lld->%lld) here; %s steps %lld..%lld\n",
+              corpus.name.c_str(), corpus.text.size(), static_cast<long long>(V), kServer,
+              static_cast<long long>(kEmbed), static_cast<long long>(kHidden),
+              resume ? "resuming," : "training", static_cast<long long>(start + 1),
+              static_cast<long long>(cfg.steps));
+  std::fflush(stdout);
+
+  double sum = 0, loss_value = 0;
+  int64_t since = 0;
+  Clock::time_point last_line = Clock::now();
+  for (int64_t step = start; step < cfg.steps; ++step) {
+    Batch b = batch_at(corpus, cfg.seed, step);
+    {
+      dist::Context ctx;
+      at::Tensor logits = m.forward(b.x).first;
+      at::Tensor loss = at::cross_entropy_loss(logits.reshape({-1, V}), b.y.reshape(-1));
+      dist::backward(ctx.id(), {loss});
+      opt.clip_grad_norm(ctx.id(), 1.0);
+      opt.step(ctx.id());
+      loss_value = loss.item<double>();
+    }
+    sum += loss_value;
+    ++since;
+    const int64_t done = step + 1;
+    if (done % cfg.log_every == 0 || done == cfg.steps || done == 1) {
+      const double dt = seconds_since(last_line);
+      std::printf("step %lld/%lld  loss %.3f  tokens/s %.0f  elapsed %.1fs\n",
+                  static_cast<long long>(done), static_cast<long long>(cfg.steps), sum / since,
+                  since * kBatch * kWindow / dt, seconds_since(started));
+      std::fflush(stdout);
+      sum = 0;
+      since = 0;
+      last_line = Clock::now();
+    }
+    if (done % cfg.checkpoint_every == 0 || done == cfg.steps) checkpoint(done);
+  }
+  std::printf("final step %lld loss %.6f  (checkpoint %s)\n", static_cast<long long>(cfg.steps),
+              loss_value, cfg.checkpoint.c_str());
+  std::printf("sample: %s\n",
+              generate(m, corpus, "The ", 200, 0.8, static_cast<uint64_t>(cfg.seed) + 1).c_str());
+  std::fflush(stdout);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Clock::time_point started = Clock::now();
+  examples::share_cores();
+  try {
+    const rpc::WorldEnv env = rpc::world_from_env();
+    if (env.rank > 0) {
+      // The parameter server: serves the remote modules (and its part of
+      // the optimizer) until the trainer is done. It reads no flags.
+      rpc::init(std::make_shared<rpc::Registry>());
+      rpc::shutdown();
+      return 0;
+    }
+
+    Config cfg;
+    examples::Flags flags("char_lm");
+    flags.add("--steps", &cfg.steps, 1, "total training steps")
+        .add("--corpus", &cfg.corpus, "text file to train on (default: /usr/share/common-licenses/*)")
+        .add("--checkpoint", &cfg.checkpoint, "checkpoint file")
+        .add("--checkpoint-every", &cfg.checkpoint_every, 1, "write the checkpoint every N steps")
+        .add_switch("--resume", &cfg.resume, "continue from --checkpoint up to --steps")
+        .add("--seed", &cfg.seed, 0, "seed of the initial parameters, batches and sample")
+        .add("--lr", &cfg.lr, "Adam's learning rate")
+        .add("--log-every", &cfg.log_every, 1, "print the mean loss every N steps");
+    std::string error = flags.parse(argc, argv);
+    std::optional<Corpus> corpus;
+    std::optional<Checkpoint> resume;
+    if (error.empty() && !flags.help()) {
+      try {
+        corpus = load_corpus(cfg.corpus);
+        if (cfg.resume) {
+          resume = load_checkpoint(cfg.checkpoint);
+          if (resume->corpus_fnv != corpus->fingerprint || resume->vocab != corpus->vocab) {
+            throw UsageError("checkpoint '" + cfg.checkpoint +
+                             "' was trained on another corpus; pass the same --corpus");
+          }
+          if (resume->seed != cfg.seed) {
+            throw UsageError("checkpoint '" + cfg.checkpoint + "' was trained with --seed " +
+                             std::to_string(resume->seed));
+          }
+          if (resume->step >= cfg.steps) {
+            throw UsageError("checkpoint '" + cfg.checkpoint + "' is at step " +
+                             std::to_string(resume->step) + "; pass a larger --steps");
+          }
+        }
+      } catch (const UsageError& e) {
+        error = e.what();
+      }
+    }
+    if (env.rank < 0 || env.world_size < 2) {
+      if (flags.help()) {
+        std::printf("%s", flags.usage().c_str());
+        return 0;
+      }
+      std::fprintf(stderr, "char_lm: %s\n",
+                   !error.empty() ? error.c_str()
+                                  : "start me with 2 workers: build/bin/tandem-run "
+                                    "--nproc-per-node 2 build/bin/char_lm");
+      return 2;
+    }
+
+    // Join the world even when there is nothing to train, so that the
+    // parameter server's shutdown() returns and it exits on its own.
+    rpc::init(std::make_shared<rpc::Registry>());
+    int rc = 0;
+    if (flags.help()) {
+      std::printf("%s", flags.usage().c_str());
+    } else if (!error.empty()) {
+      std::fprintf(stderr, "char_lm: %s\n", error.c_str());
+      rc = 2;
+    } else {
+      try {
+        rc = train(cfg, *corpus, resume, started);
+      } catch (const UsageError& e) {
+        std::fprintf(stderr, "char_lm: %s\n", e.what());
+        rc = 2;
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "char_lm: %s\n", e.what());
+        rc = 1;
+      }
+    }
+    rpc::shutdown();
+    return rc;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "char_lm: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Runs the example programs for real, briefly, under tandem-run (ctest entry
+# "examples"). Usage: check_examples.sh BIN_DIR   (BIN_DIR holds tandem-run
+# and the examples, e.g. build/bin).
+#
+#  a. char_lm --steps 60: exits 0, its last mean loss is below its first
+#     (step 1's), the final loss line and a sample line are printed;
+#  b. char_lm --steps 30 then --steps 60 --resume prints the same final loss
+#     (%.6f) and the same sample as the uninterrupted run of a;
+#  c. model_parallel_mlp --steps 20 exits 0 and reports agreement with the
+#     local run;
+#  d. parameter_server on 3 processes and on 2 exits 0, every trainer reports;
+#     rpc_demo exits 0;
+#  e. bad input exits 2 with a one-line reason, without hanging: a missing
+#     --corpus, --resume without a checkpoint, an unknown flag.
+set -uo pipefail
+bin="$(readlink -f "${1:?usage: check_examples.sh BIN_DIR}")"
+run="$bin/tandem-run"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+cd "$tmp" || exit 1
+failures=0
+
+fail() {
+  echo "FAIL: $*"
+  failures=$((failures + 1))
+}
+
+# launch LOG NPROC PROGRAM ARGS...: runs it (at most 120 s), output in LOG; prints the exit code.
+launch() {
+  local log="$1" nproc="$2" program="$3"
+  shift 3
+  timeout 120 "$run" --nproc-per-node "$nproc" "$bin/$program" "$@" >"$log" 2>&1
+  echo $?
+}
+
+# expect_rc WHAT RC WANT LOG
+expect_rc() {
+  if [[ $2 != "$3" ]]; then
+    fail "$1: exit code $2, expected $3; its output:"
+    sed 's/^/    /' "$4"
+    return 1
+  fi
+  echo "ok: $1 (exit $2)"
+}
+
+# The loss of a progress line "step N/M  loss X ...", by position (first, last).
+losses() { sed -n 's/.*step [0-9]*\/[0-9]*  loss \([0-9.]*\) .*/\1/p' "$1"; }
+final_line() { grep -o 'final step .* loss [0-9.]*' "$1"; }
+sample_line() { grep -o 'sample: .*' "$1"; }
+
+# a. a short training run
+rc=$(launch a.log 2 char_lm --steps 60 --log-every 20 --checkpoint a.ckpt)
+if expect_rc "char_lm --steps 60" "$rc" 0 a.log; then
+  first=$(losses a.log | head -n1)
+  last=$(losses a.log | tail -n1)
+  if [[ -z $first || -z $last ]] || ! awk -v f="$first" -v l="$last" 'BEGIN { exit !(l < f) }'; then
+    fail "char_lm: the loss did not fall (first '$first', last '$last')"
+  else
+    echo "ok: char_lm loss $first -> $last"
+  fi
+  [[ -n $(final_line a.log) ]] || fail "char_lm printed no final loss line"
+  [[ $(sample_line a.log) == "sample: "?* ]] || fail "char_lm printed no sample"
+  [[ -s a.ckpt ]] || fail "char_lm wrote no checkpoint"
+fi
+
+# b. interrupted at 30, resumed to 60: the same numbers as a
+rc=$(launch b1.log 2 char_lm --steps 30 --checkpoint b.ckpt)
+expect_rc "char_lm --steps 30" "$rc" 0 b1.log
+rc=$(launch b2.log 2 char_lm --steps 60 --resume --checkpoint b.ckpt)
+if expect_rc "char_lm --steps 60 --resume" "$rc" 0 b2.log; then
+  if [[ -z $(final_line a.log) || "$(final_line a.log)" != "$(final_line b2.log)" ]]; then
+    fail "resumed run: '$(final_line b2.log)', uninterrupted: '$(final_line a.log)'"
+  else
+    echo "ok: resumed run ends as the uninterrupted one: $(final_line b2.log)"
+  fi
+  [[ "$(sample_line a.log)" == "$(sample_line b2.log)" ]] ||
+    fail "resumed run sampled another text than the uninterrupted one"
+fi
+
+# c. model parallelism against the local twin
+rc=$(launch c.log 2 model_parallel_mlp --steps 20)
+if expect_rc "model_parallel_mlp --steps 20" "$rc" 0 c.log; then
+  grep -q 'final parameters agree with' c.log || { fail "model_parallel_mlp reported no agreement"; cat c.log; }
+fi
+
+# d. a parameter server and two trainers, then one
+for n in 3 2; do
+  rc=$(launch "d$n.log" "$n" parameter_server --steps 40)
+  if expect_rc "parameter_server on $n processes" "$rc" 0 "d$n.log"; then
+    for ((r = 1; r < n; r++)); do
+      grep -q "trainer $r: step 40/40" "d$n.log" || fail "parameter_server: trainer $r did not finish"
+    done
+  fi
+done
+
+rc=$(launch rpc_demo.log 2 rpc_demo)
+expect_rc "rpc_demo" "$rc" 0 rpc_demo.log
+
+# e. bad input: exit 2, one clear line, nobody left waiting
+check_bad() {  # check_bad NAME PATTERN ARGS...
+  local name="$1" pattern="$2"
+  shift 2
+  local rc
+  rc=$(launch e.log 2 char_lm "$@")
+  if expect_rc "char_lm $*" "$rc" 2 e.log; then
+    grep -q "$pattern" e.log || { fail "char_lm $*: no message matching '$pattern'"; cat e.log; }
+  fi
+}
+check_bad missing "corpus file '$tmp/missing.txt' does not exist" --corpus "$tmp/missing.txt"
+check_bad resume "no checkpoint at" --resume --checkpoint "$tmp/none.ckpt"
+check_bad flag "unknown flag '--bogus'" --bogus
+
+if ((failures)); then
+  echo "check_examples: $failures failure(s)"
+  exit 1
+fi
+echo "check_examples: all passed"
