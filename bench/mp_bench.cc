@@ -14,7 +14,7 @@
 //
 // Prints: {"bench":"mp_mlp_step","impl":"tandem","ms":..,"local_ms":..,"loss":..}
 //
-// Usage: mp_bench [--steps 50] [--warmup 10] [--rounds 3] [--phases 1]
+// Usage: mp_bench [--steps 50] [--warmup 10] [--rounds 3] [--phases 1] [--local 0]
 #include <ATen/Parallel.h>
 #include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
@@ -61,7 +61,8 @@ Batch batch() {
   return {at::randn({64, 256}), at::randint(0, 10, {64}, at::kLong)};
 }
 
-bool phases = false;  // --phases 1: each phase's mean time on stderr
+bool phases = false;     // --phases 1: each phase's mean time on stderr
+bool with_local = true;  // --local 0: the distributed step alone (for profiling)
 
 double local_step_ms(int steps, int warmup) {
   at::manual_seed(0);
@@ -128,14 +129,23 @@ Figures round(int steps, int warmup) {
     at::Tensor loss;
     Clock::time_point start;
     double phase[3] = {0, 0, 0};  // forward, backward, step (ms, summed)
+    double fwd[3] = {0, 0, 0};    // the forward's three layers
     for (int it = 0; it < warmup + steps; ++it) {
       if (it == warmup) {
         start = Clock::now();
         phase[0] = phase[1] = phase[2] = 0;
+        fwd[0] = fwd[1] = fwd[2] = 0;
       }
       dist::Context ctx;
       auto t0 = Clock::now();
-      at::Tensor out = last.forward(at::relu(mid.forward(at::relu(first(b.x)))));
+      at::Tensor h = at::relu(first(b.x));
+      fwd[0] += ms_since(t0);
+      auto t1 = Clock::now();
+      at::Tensor m = mid.forward(h);
+      fwd[1] += ms_since(t1);
+      t1 = Clock::now();
+      at::Tensor out = last.forward(at::relu(m));
+      fwd[2] += ms_since(t1);
       loss = torch::nn::functional::cross_entropy(out, b.y);
       phase[0] += ms_since(t0);
       t0 = Clock::now();
@@ -147,15 +157,18 @@ Figures round(int steps, int warmup) {
     }
     f.ms = ms_since(start) / steps;
     if (phases) {
-      std::fprintf(stderr, "mp_bench: forward %.3f ms, backward %.3f ms, step %.3f ms\n",
-                   phase[0] / steps, phase[1] / steps, phase[2] / steps);
+      std::fprintf(stderr,
+                   "mp_bench: forward %.3f ms (first %.3f, mid %.3f, last %.3f), backward %.3f ms, "
+                   "step %.3f ms\n",
+                   phase[0] / steps, fwd[0] / steps, fwd[1] / steps, fwd[2] / steps,
+                   phase[1] / steps, phase[2] / steps);
     }
     f.loss = loss.item<double>();
   }
   rpc::shutdown(true);
   support::wait_exit(child);
   // With worker1 gone, so that it takes no CPU from the local run.
-  f.local_ms = local_step_ms(steps, warmup);
+  f.local_ms = with_local ? local_step_ms(steps, warmup) : 0;
   return f;
 }
 
@@ -170,12 +183,13 @@ int main(int argc, char** argv) {
       rpc::shutdown(true);
       return 0;
     }
-    int steps = 50, warmup = 10, rounds = 3, show_phases = 0;
+    int steps = 50, warmup = 10, rounds = 3, show_phases = 0, local = 1;
     tandem::bench::Flags flags("mp_bench");
     flags.add("--steps", &steps, 1).add("--warmup", &warmup, 0).add("--rounds", &rounds, 1);
-    flags.add("--phases", &show_phases, 0);
+    flags.add("--phases", &show_phases, 0).add("--local", &local, 0);
     if (!flags.parse(argc, argv)) return 2;
     phases = show_phases != 0;
+    with_local = local != 0;
     std::vector<double> ms, local_ms;
     double loss = 0;
     for (int r = 0; r < rounds; ++r) {

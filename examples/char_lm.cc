@@ -67,7 +67,6 @@
 #include <set>
 
 #include "examples/flags.h"
-#include "examples/threads.h"
 #include "tandem/autograd/autograd.h"
 #include "tandem/optim/distributed_optimizer.h"
 #include "tandem/remote_module/remote_module.h"
@@ -470,7 +469,6 @@ int train(const Config& cfg, const Corpus& corpus, const std::optional<Checkpoin
 
 int main(int argc, char** argv) {
   const Clock::time_point started = Clock::now();
-  examples::share_cores();
   try {
     const rpc::WorldEnv env = rpc::world_from_env();
     if (env.rank > 0) {

@@ -31,7 +31,6 @@
 #include <cstdio>
 
 #include "examples/flags.h"
-#include "examples/threads.h"
 #include "tandem/autograd/autograd.h"
 #include "tandem/optim/distributed_optimizer.h"
 #include "tandem/remote_module/remote_module.h"
@@ -162,7 +161,6 @@ int train(int64_t steps, int64_t seed) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  examples::share_cores();
   try {
     const rpc::WorldEnv env = rpc::world_from_env();
     if (env.rank > 0) {  // worker1 only serves the remote layers

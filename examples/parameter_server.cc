@@ -32,7 +32,6 @@
 #include <thread>
 
 #include "examples/flags.h"
-#include "examples/threads.h"
 #include "tandem/autograd/autograd.h"
 #include "tandem/optim/distributed_optimizer.h"
 #include "tandem/remote_module/remote_module.h"
@@ -137,7 +136,6 @@ int train(int rank, int64_t steps, double lr) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  examples::share_cores();
   try {
     const rpc::WorldEnv env = rpc::world_from_env();
     Server server;

@@ -17,6 +17,11 @@
 //   * Signal forwarding. SIGINT and SIGTERM sent to the launcher are passed on to every live
 //     worker. As with torchrun, each worker runs in its own session (process group), and signals
 //     go to the whole group, so processes a worker started (a shell's children) get them too.
+//   * Cores shared out. Unless OMP_NUM_THREADS is set, each of N > 1 workers gets
+//     OMP_NUM_THREADS = cores / N (at least 1), as torchrun does (it sets 1): LibTorch's
+//     intra-op pool and OpenBLAS's threads default to every core in every process, and
+//     OpenBLAS's idle threads spin for a while after each call, so N workers on one node would
+//     compete for the cores the one that computes needs.
 //   * Fail fast. When a worker exits non-zero or is killed by a signal, the launcher says which,
 //     sends SIGTERM to the other workers, SIGKILLs those still alive 5 seconds later, and exits
 //     with the failed worker's exit code (128 + signal number for a signal). It exits 0 only
@@ -30,6 +35,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/types.h>
@@ -40,6 +46,7 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <stdexcept>
@@ -72,6 +79,7 @@ constexpr char kHelp[] =
     "  --help               print this help and exit\n"
     "  --                   end of options; PROGRAM follows\n"
     "\n"
+    "Unless OMP_NUM_THREADS is set, each worker gets OMP_NUM_THREADS = cores / N.\n"
     "Worker output is prefixed with \"[RANK]: \". SIGINT and SIGTERM are forwarded to the\n"
     "workers. When a worker fails the others get SIGTERM (SIGKILL after 5 s) and tandem-run\n"
     "exits with the failed worker's code (128 + signal when it was killed).\n";
@@ -454,6 +462,8 @@ class Launcher {
   void start_workers();
   bool spawn(int local_rank);
   std::vector<std::string> worker_environment(int local_rank) const;
+  // OMP_NUM_THREADS for each worker when the user did not set it; 0: leave it unset.
+  int threads_per_worker() const;
   void poll_once();
   int poll_timeout_ms() const;
   void handle_signals();
@@ -485,7 +495,24 @@ int Launcher::run() {
   return exit_code_;
 }
 
+int Launcher::threads_per_worker() const {
+  if (options_.nproc_per_node <= 1 || std::getenv("OMP_NUM_THREADS") != nullptr) return 0;
+  cpu_set_t set;
+  long cores = 0;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    cores = CPU_COUNT(&set);  // the cores this launcher may use, as its workers will
+  } else {
+    cores = sysconf(_SC_NPROCESSORS_ONLN);
+  }
+  return static_cast<int>(std::max(1L, cores / options_.nproc_per_node));
+}
+
 void Launcher::start_workers() {
+  if (const int threads = threads_per_worker()) {
+    report("OMP_NUM_THREADS=" + std::to_string(threads) + " for each of " +
+           std::to_string(options_.nproc_per_node) +
+           " workers (the node's cores shared out); set OMP_NUM_THREADS to choose");
+  }
   workers_.reserve(options_.nproc_per_node);
   for (int local_rank = 0; local_rank < options_.nproc_per_node; ++local_rank) {
     if (!spawn(local_rank)) {
@@ -511,6 +538,7 @@ std::vector<std::string> Launcher::worker_environment(int local_rank) const {
   add("GROUP_RANK", std::to_string(options_.node_rank));
   add("MASTER_ADDR", options_.master_addr);
   add("MASTER_PORT", std::to_string(options_.master_port));
+  if (const int threads = threads_per_worker()) add("OMP_NUM_THREADS", std::to_string(threads));
   return env;
 }
 
