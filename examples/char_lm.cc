@@ -32,10 +32,8 @@
 //   lstm, embedding, decoder
 //                       archives of named tensors: the trainer's LSTM and the
 //                       two RemoteModules' state_dict()
-//   optim               the DistributedOptimizer's state_dict(): kind, lr,
-//                       parts; per part i an archive "part<i>" with rank,
-//                       worker, num_params and the owner's LibTorch optimizer
-//                       bytes (a uint8 tensor)
+//   optim               the DistributedOptimizer's state_dict() as
+//                       optim::state_to_bytes gives it (a uint8 tensor)
 //
 // Errors in the flags, the corpus or the checkpoint are found before
 // training; the trainer still joins the world and shuts down so that the
@@ -222,23 +220,11 @@ void save_checkpoint(const Checkpoint& ck, const std::string& path) {
   write_named(out, "lstm", ck.lstm);
   write_named(out, "embedding", ck.embedding);
   write_named(out, "decoder", ck.decoder);
-  torch::serialize::OutputArchive opt;
-  opt.write("kind", c10::IValue(static_cast<int64_t>(ck.optim.kind)));
-  opt.write("lr", c10::IValue(ck.optim.lr));
-  opt.write("parts", c10::IValue(static_cast<int64_t>(ck.optim.parts.size())));
-  for (size_t i = 0; i < ck.optim.parts.size(); ++i) {
-    const auto& p = ck.optim.parts[i];
-    torch::serialize::OutputArchive part;
-    part.write("rank", c10::IValue(static_cast<int64_t>(p.rank)));
-    part.write("worker", c10::IValue(p.worker));
-    part.write("num_params", c10::IValue(p.num_params));
-    // The owner's archive is binary: a byte tensor, not a (pickled) string.
-    at::Tensor bytes = at::empty({static_cast<int64_t>(p.bytes.size())}, at::kByte);
-    std::memcpy(bytes.data_ptr(), p.bytes.data(), p.bytes.size());
-    part.write("bytes", bytes, /*is_buffer=*/true);
-    opt.write("part" + std::to_string(i), part);
-  }
-  out.write("optim", opt);
+  // The optimizer's own bytes (checked by a hash), as a byte tensor.
+  const std::string optim_bytes = optim::state_to_bytes(ck.optim);
+  at::Tensor bytes = at::empty({static_cast<int64_t>(optim_bytes.size())}, at::kByte);
+  std::memcpy(bytes.data_ptr(), optim_bytes.data(), optim_bytes.size());
+  out.write("optim", bytes, /*is_buffer=*/true);
   // A crash mid-write leaves the old checkpoint whole.
   const std::string tmp = path + ".tmp";
   out.save_to(tmp);
@@ -266,29 +252,13 @@ Checkpoint load_checkpoint(const std::string& path) {
     ck.lstm = read_named(in, "lstm");
     ck.embedding = read_named(in, "embedding");
     ck.decoder = read_named(in, "decoder");
-    torch::serialize::InputArchive opt;
-    in.read("optim", opt);
-    opt.read("kind", v);
-    ck.optim.kind = static_cast<optim::Kind>(v.toInt());
-    opt.read("lr", v);
-    ck.optim.lr = v.toDouble();
-    opt.read("parts", v);
-    const int64_t parts = v.toInt();
-    for (int64_t i = 0; i < parts; ++i) {
-      torch::serialize::InputArchive part;
-      opt.read("part" + std::to_string(i), part);
-      optim::OptimizerState::Part p;
-      part.read("rank", v);
-      p.rank = static_cast<int>(v.toInt());
-      part.read("worker", v);
-      p.worker = v.toStringRef();
-      part.read("num_params", v);
-      p.num_params = v.toInt();
-      at::Tensor bytes;
-      part.read("bytes", bytes, /*is_buffer=*/true);
-      p.bytes.assign(static_cast<const char*>(bytes.data_ptr()), bytes.numel());
-      ck.optim.parts.push_back(std::move(p));
-    }
+    at::Tensor bytes;
+    in.read("optim", bytes, /*is_buffer=*/true);
+    ck.optim = optim::state_from_bytes(
+        std::string(static_cast<const char*>(bytes.data_ptr()), bytes.numel()),
+        "the optimizer state in '" + path + "'");
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(e.what());
   } catch (const c10::Error& e) {
     // LibTorch's message carries a C++ backtrace; its first line says enough.
     std::string what = e.what_without_backtrace();

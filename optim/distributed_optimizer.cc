@@ -713,12 +713,12 @@ void put_bytes(std::string& out, const std::string& s) {
   out += s;
 }
 
-// Reads the fields of a checkpoint whose hash matched; a length that runs
-// past the end is still refused, naming the file.
+// Reads the fields of a state whose hash matched; a length that runs past
+// the end is still refused, naming the source.
 class Reader {
  public:
-  Reader(const std::string& data, size_t end, const std::string& path)
-      : data_(data), end_(end), path_(path) {}
+  Reader(const std::string& data, size_t end, const std::string& source)
+      : data_(data), end_(end), source_(source) {}
   uint64_t uint(int bytes) {
     need(static_cast<uint64_t>(bytes), "a number");
     uint64_t v = 0;
@@ -744,7 +744,7 @@ class Reader {
   }
   size_t left() const { return end_ - pos_; }
   [[noreturn]] void bad(const std::string& why) const {
-    throw std::invalid_argument("optimizer checkpoint '" + path_ + "' is corrupt: " + why);
+    throw std::invalid_argument(source_ + " is corrupt: " + why);
   }
 
  private:
@@ -753,13 +753,13 @@ class Reader {
   }
   const std::string& data_;
   const size_t end_;
-  const std::string& path_;
+  const std::string& source_;
   size_t pos_ = kMagicSize;
 };
 
 }  // namespace
 
-void save_state(const OptimizerState& state, const std::string& path) {
+std::string state_to_bytes(const OptimizerState& state) {
   std::string out(kMagic, kMagicSize);
   put_uint(out, kVersion, 4);
   put_uint(out, static_cast<uint64_t>(state.kind), 8);
@@ -772,6 +772,54 @@ void save_state(const OptimizerState& state, const std::string& path) {
     put_bytes(out, p.bytes);
   }
   put_uint(out, fnv1a(out.data(), out.size()), 8);
+  return out;
+}
+
+OptimizerState state_from_bytes(const std::string& data, const std::string& source) {
+  if (data.size() < kMagicSize || data.compare(0, kMagicSize, kMagic, kMagicSize) != 0) {
+    throw std::invalid_argument(source + " is not an optimizer checkpoint (it does not "
+                                "start with TANDEM-OPTIM-STATE)");
+  }
+  auto corrupt = [&](const std::string& why) {
+    return std::invalid_argument(source + " is corrupt: " + why);
+  };
+  if (data.size() < kMagicSize + 8) throw corrupt("it is truncated");
+  // The last 8 bytes hash everything before them.
+  const size_t end = data.size() - 8;
+  uint64_t stored = 0;
+  for (size_t i = 0; i < 8; ++i) {
+    stored |= static_cast<uint64_t>(static_cast<unsigned char>(data[end + i])) << (8 * i);
+  }
+  if (stored != fnv1a(data.data(), end)) {
+    throw corrupt("its hash does not match (truncated or altered)");
+  }
+  Reader in(data, end, source);
+  if (uint64_t version = in.uint(4); version != kVersion) {
+    in.bad("version " + std::to_string(version) + ", this build reads " + std::to_string(kVersion));
+  }
+  OptimizerState state;
+  const int64_t kind = in.i64();
+  if (kind < 0 || kind > static_cast<int64_t>(Kind::kRMSprop)) {
+    in.bad("unknown optimizer kind " + std::to_string(kind));
+  }
+  state.kind = static_cast<Kind>(kind);
+  state.lr = in.f64();
+  const uint64_t parts = in.uint(8);
+  if (parts > in.left() / 32) in.bad(std::to_string(parts) + " parts cannot fit in it");
+  for (uint64_t i = 0; i < parts; ++i) {
+    OptimizerState::Part p;
+    p.rank = static_cast<int>(in.i64());
+    p.worker = in.bytes("a worker name");
+    p.num_params = in.i64();
+    p.bytes = in.bytes("an optimizer state");
+    state.parts.push_back(std::move(p));
+  }
+  if (in.left() != 0) in.bad(std::to_string(in.left()) + " bytes after its last part");
+  return state;
+}
+
+void save_state(const OptimizerState& state, const std::string& path) {
+  const std::string out = state_to_bytes(state);
   // Beside the target, then renamed over it: never half a checkpoint.
   const std::string tmp = path + ".tmp";
   {
@@ -807,46 +855,7 @@ OptimizerState load_state(const std::string& path) {
     if (file.bad()) throw std::runtime_error("cannot read optimizer checkpoint '" + path + "'");
     data = std::move(all).str();
   }
-  if (data.size() < kMagicSize || data.compare(0, kMagicSize, kMagic, kMagicSize) != 0) {
-    throw std::invalid_argument("'" + path + "' is not an optimizer checkpoint (it does not "
-                                "start with TANDEM-OPTIM-STATE)");
-  }
-  auto corrupt = [&](const std::string& why) {
-    return std::invalid_argument("optimizer checkpoint '" + path + "' is corrupt: " + why);
-  };
-  if (data.size() < kMagicSize + 8) throw corrupt("it is truncated");
-  // The last 8 bytes hash everything before them.
-  const size_t end = data.size() - 8;
-  uint64_t stored = 0;
-  for (size_t i = 0; i < 8; ++i) {
-    stored |= static_cast<uint64_t>(static_cast<unsigned char>(data[end + i])) << (8 * i);
-  }
-  if (stored != fnv1a(data.data(), end)) {
-    throw corrupt("its hash does not match (truncated or altered)");
-  }
-  Reader in(data, end, path);
-  if (uint64_t version = in.uint(4); version != kVersion) {
-    in.bad("version " + std::to_string(version) + ", this build reads " + std::to_string(kVersion));
-  }
-  OptimizerState state;
-  const int64_t kind = in.i64();
-  if (kind < 0 || kind > static_cast<int64_t>(Kind::kRMSprop)) {
-    in.bad("unknown optimizer kind " + std::to_string(kind));
-  }
-  state.kind = static_cast<Kind>(kind);
-  state.lr = in.f64();
-  const uint64_t parts = in.uint(8);
-  if (parts > in.left() / 32) in.bad(std::to_string(parts) + " parts cannot fit in it");
-  for (uint64_t i = 0; i < parts; ++i) {
-    OptimizerState::Part p;
-    p.rank = static_cast<int>(in.i64());
-    p.worker = in.bytes("a worker name");
-    p.num_params = in.i64();
-    p.bytes = in.bytes("an optimizer state");
-    state.parts.push_back(std::move(p));
-  }
-  if (in.left() != 0) in.bad(std::to_string(in.left()) + " bytes after its last part");
-  return state;
+  return state_from_bytes(data, "'" + path + "'");
 }
 
 std::vector<int> DistributedOptimizer::owners() const {

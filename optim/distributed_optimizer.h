@@ -113,6 +113,11 @@ struct OptimizerState {
 // (another file, truncated, corrupt).
 void save_state(const OptimizerState& state, const std::string& path);
 OptimizerState load_state(const std::string& path);
+// The same bytes, for a checkpoint of one's own that holds more than the
+// optimizer (examples/char_lm.cc). `source` names the bytes in errors.
+std::string state_to_bytes(const OptimizerState& state);
+OptimizerState state_from_bytes(const std::string& data,
+                                const std::string& source = "the optimizer state");
 
 class DistributedOptimizer {
  public:

@@ -566,6 +566,18 @@ TEST_CASE("optim: bad rates, clipping and checkpoints are refused clearly, and t
       CHECK(adam.lr() == 0.1);
     }
 
+    // Bytes, for a checkpoint of one's own: the same state back, and a
+    // flipped byte refused.
+    {
+      const std::string bytes = optim::state_to_bytes(adam.state_dict());
+      adam.load_state_dict(optim::state_from_bytes(bytes));
+      std::string flipped = bytes;
+      flipped[flipped.size() / 2] ^= 1;
+      CHECK_THROWS_WITH_AS(optim::state_from_bytes(flipped, "my checkpoint's optimizer"),
+                           doctest::Contains("my checkpoint's optimizer is corrupt"),
+                           std::invalid_argument);
+    }
+
     // Files.
     const std::string missing = dir.file("missing.ckpt");
     CHECK_THROWS_WITH_AS(adam.load(missing), doctest::Contains(("'" + missing + "'").c_str()),
