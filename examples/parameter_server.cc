@@ -29,7 +29,6 @@
 #include <cstdio>
 #include <mutex>
 #include <optional>
-#include <thread>
 
 #include "examples/flags.h"
 #include "tandem/autograd/autograd.h"
@@ -56,7 +55,8 @@ constexpr int64_t kBatch = 32;
 struct Server {
   std::mutex mu;
   std::condition_variable cv;
-  std::optional<ModuleRef> table;  // set once the module exists
+  // Completed once the module exists: a trainer's "table" call waits for it.
+  std::optional<rpc::Promise<ModuleRef>> table{rpc::Promise<ModuleRef>()};
   int done = 0;
 };
 
@@ -68,10 +68,7 @@ int serve(Server& s, int trainers) {
     // Small rows to start with: a sum of 8 rows drawn from N(0, 1) (the
     // default) drowns what SGD learns about each item for hundreds of steps.
     table.load_state_dict({{"weight", at::randn({kItems, kDim}) * 0.1}});
-    {
-      std::lock_guard<std::mutex> lock(s.mu);
-      s.table = table.get_module_rref();
-    }
+    s.table->set_value(table.get_module_rref());
     std::printf("parameter server: EmbeddingBag(%lld, %lld, sum) ready for %d trainer(s)\n",
                 static_cast<long long>(kItems), static_cast<long long>(kDim), trainers);
     std::fflush(stdout);
@@ -84,14 +81,7 @@ int serve(Server& s, int trainers) {
 }
 
 int train(int rank, int64_t steps, double lr) {
-  // Wait for the server to have built the table (it starts with us).
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (!rpc::rpc_sync<bool>("worker0", "table_ready")) {
-    if (std::chrono::steady_clock::now() > deadline) {
-      throw std::runtime_error("the parameter server built no table within 60 s");
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  // Answered once the server has built the table (it starts with us).
   tandem::nn::RemoteModule table(rpc::rpc_sync<ModuleRef>("worker0", "table"));
 
   at::manual_seed(static_cast<uint64_t>(rank));
@@ -140,14 +130,10 @@ int main(int argc, char** argv) {
     const rpc::WorldEnv env = rpc::world_from_env();
     Server server;
     auto registry = std::make_shared<rpc::Registry>();
-    registry->def("table_ready", [&server] {
-      std::lock_guard<std::mutex> lock(server.mu);
-      return server.table.has_value();
-    });
     registry->def("table", [&server] {
       std::lock_guard<std::mutex> lock(server.mu);
-      if (!server.table) throw std::logic_error("the table is not built yet");
-      return *server.table;
+      if (!server.table) throw std::logic_error("the table is gone: training is over");
+      return server.table->future();
     });
     registry->def("trainer_done", [&server](int64_t) {
       std::lock_guard<std::mutex> lock(server.mu);

@@ -22,6 +22,7 @@
 
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -154,6 +155,47 @@ class Future {
 
   RawFuture raw_;
   std::shared_ptr<ThreadPool> pool_;
+};
+
+// The writing end of a Future, for a value that comes later: a handler can
+// return promise.future() and another handler (or any thread) completes it.
+//
+//   rpc::Promise<int64_t> ready;
+//   reg->def("wait_ready", [&] { return ready.future(); });   // answers once set
+//   reg->def("set_ready", [&](int64_t v) { ready.set_value(v); });
+//
+// A promise completes once: a second set_value or set_error throws
+// std::logic_error. Its future's then() callbacks run on the thread that
+// completes it.
+template <class T = c10::IValue>
+class Promise {
+ public:
+  Promise() : raw_(make_raw_future()) {}
+
+  Future<T> future() const { return Future<T>(raw_, nullptr); }
+  bool done() const { return raw_->completed(); }
+
+  template <class U = T, class = std::enable_if_t<!std::is_void_v<U>>>
+  void set_value(U value) {
+    complete([&] { raw_->markCompleted(to_ivalue(std::move(value))); });
+  }
+  template <class U = T, class = std::enable_if_t<std::is_void_v<U>>>
+  void set_value() {
+    complete([&] { raw_->markCompleted(c10::IValue()); });
+  }
+  void set_error(std::exception_ptr error) {
+    complete([&] { raw_->setError(std::move(error)); });
+  }
+
+ private:
+  template <class F>
+  void complete(F set) {
+    std::lock_guard<std::mutex> lock(*mu_);
+    if (raw_->completed()) throw std::logic_error("this promise was completed already");
+    set();
+  }
+  RawFuture raw_;
+  std::shared_ptr<std::mutex> mu_ = std::make_shared<std::mutex>();
 };
 
 // Completes once every future in `all` has: with their values in order, or

@@ -330,6 +330,31 @@ TEST_CASE("agent: a handler may wait on a call it started, even with one pool th
   w.shutdown();
 }
 
+TEST_CASE("agent: a handler answers with a promise's future once another call completes it") {
+  auto ready = std::make_shared<Promise<int64_t>>();
+  auto never = std::make_shared<Promise<void>>();
+  World w(2, [&](Registry& r) {
+    r.def("wait_ready", [ready] { return ready->future(); });
+    r.def("set_ready", [ready](int64_t v) { ready->set_value(v); });
+    r.def("fail_never", [never] {
+      never->set_error(std::make_exception_ptr(std::runtime_error("the table is gone")));
+    });
+    r.def("wait_never", [never] { return never->future(); });
+  }, [](AgentOptions& o) { o.num_worker_threads = 1; });  // waiting holds no pool thread
+  auto a = w[0].rpc_async<int64_t>("worker1", "wait_ready");
+  auto b = w[0].rpc_async<int64_t>("worker1", "wait_ready");
+  auto c = w[0].rpc_async<void>("worker1", "wait_never");
+  CHECK_FALSE(a.done());
+  w[0].rpc_sync<void>("worker1", "set_ready", int64_t(7));
+  CHECK(a.wait() == 7);
+  CHECK(b.wait() == 7);
+  CHECK_THROWS_WITH_AS(w[0].rpc_sync<void>("worker1", "set_ready", int64_t(8)),
+                       doctest::Contains("completed already"), RemoteError);
+  w[0].rpc_sync<void>("worker1", "fail_never");
+  CHECK_THROWS_WITH_AS(c.wait(), doctest::Contains("the table is gone"), RemoteError);
+  w.shutdown();
+}
+
 TEST_CASE("agent: untyped functions see IValues") {
   // "later" completes its future from a thread of its own, joined below.
   std::mutex mu;
