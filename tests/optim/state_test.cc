@@ -34,35 +34,20 @@ using namespace at;  // NOLINT
 #include "tandem/optim/distributed_optimizer.h"
 #include "tandem/optim/lr_scheduler.h"
 #include "tandem/rpc/rref.h"
+#include "optim/optim_support.h"
 
 using namespace tandem;
+using namespace tandem::test::optim_support;
 using test::World;
 namespace dist = tandem::autograd;
 namespace fs = std::filesystem;
 
 namespace {
 
-const auto kF64 = at::TensorOptions().dtype(at::kDouble);
 constexpr int kSteps = 6;
 
-// The split model: worker r holds W[r]; worker0 drives, so W[0] is the
+// The split model (optim_support.h): worker0 drives, so W[0] is the
 // caller's own parameter (no RPC) and W[1], W[2] are remote.
-struct Layers {
-  std::vector<at::Tensor> w;
-};
-Layers& L() {
-  static Layers l;
-  return l;
-}
-
-void define(rpc::Registry& r) {
-  r.def("param", [](int64_t i) {
-    return rpc::RRef<at::Tensor>::make_local(*rpc::current_agent(), L().w.at(i));
-  });
-  r.def("layer", [](int64_t i, at::Tensor x) { return at::tanh(at::mm(x, L().w.at(i))); });
-  r.def("linear", [](int64_t i, at::Tensor x) { return at::mm(x, L().w.at(i)); });
-}
-
 std::vector<at::Tensor> fresh_params(int64_t seed) {
   at::manual_seed(seed);
   return {at::randn({4, 5}, kF64).requires_grad_(), at::randn({5, 3}, kF64).requires_grad_(),
@@ -106,62 +91,6 @@ double dist_step(World& w, optim::DistributedOptimizer& opt, int step, double ma
   if (after_clip) after_clip(ctx.id());
   opt.step(ctx.id());
   return norm;
-}
-
-struct Case {
-  optim::Kind kind;
-  optim::Options o;
-};
-
-std::vector<Case> every_kind() {
-  std::vector<Case> cases;
-  optim::Options sgd;
-  sgd.lr = 0.1;
-  sgd.momentum = 0.9;
-  sgd.nesterov = true;
-  sgd.weight_decay = 0.01;
-  cases.push_back({optim::Kind::kSGD, sgd});
-  optim::Options adam;
-  adam.lr = 0.05;
-  adam.amsgrad = true;
-  cases.push_back({optim::Kind::kAdam, adam});
-  optim::Options adamw;
-  adamw.lr = 0.05;
-  adamw.weight_decay = 0.1;
-  cases.push_back({optim::Kind::kAdamW, adamw});
-  optim::Options adagrad;
-  adagrad.lr = 0.1;
-  cases.push_back({optim::Kind::kAdagrad, adagrad});
-  optim::Options rms;
-  rms.lr = 0.01;
-  rms.momentum = 0.5;
-  rms.centered = true;
-  cases.push_back({optim::Kind::kRMSprop, rms});
-  return cases;
-}
-
-std::unique_ptr<torch::optim::Optimizer> local_optimizer(optim::Kind kind,
-                                                         std::vector<at::Tensor> p,
-                                                         optim::Options o) {
-  if (o.weight_decay < 0) o.weight_decay = kind == optim::Kind::kAdamW ? 1e-2 : 0;
-  switch (kind) {
-    case optim::Kind::kSGD:
-      return std::make_unique<torch::optim::SGD>(
-          p, torch::optim::SGDOptions(o.lr).momentum(o.momentum).dampening(o.dampening)
-                 .weight_decay(o.weight_decay).nesterov(o.nesterov));
-    case optim::Kind::kAdam:
-      return std::make_unique<torch::optim::Adam>(
-          p, torch::optim::AdamOptions(o.lr).weight_decay(o.weight_decay).amsgrad(o.amsgrad));
-    case optim::Kind::kAdamW:
-      return std::make_unique<torch::optim::AdamW>(
-          p, torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay).amsgrad(o.amsgrad));
-    case optim::Kind::kAdagrad:
-      return std::make_unique<torch::optim::Adagrad>(p, torch::optim::AdagradOptions(o.lr));
-    case optim::Kind::kRMSprop:
-      return std::make_unique<torch::optim::RMSprop>(
-          p, torch::optim::RMSpropOptions(o.lr).momentum(o.momentum).centered(o.centered));
-  }
-  return nullptr;
 }
 
 // SGD, AdamW and RMSprop get a StepLR, Adam and Adagrad a cosine schedule;
