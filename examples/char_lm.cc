@@ -98,10 +98,7 @@ struct Config {
   bool resume = false;
 };
 
-// A failure the user can fix (bad flag, file): exit code 2, no stack of context.
-struct UsageError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
+using examples::UsageError;
 
 uint64_t fnv1a(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
@@ -485,37 +482,16 @@ int main(int argc, char** argv) {
       }
     }
     if (env.rank < 0 || env.world_size < 2) {
-      if (flags.help()) {
-        std::printf("%s", flags.usage().c_str());
-        return 0;
-      }
-      std::fprintf(stderr, "char_lm: %s\n",
-                   !error.empty() ? error.c_str()
-                                  : "start me with 2 workers: build/bin/tandem-run "
-                                    "--nproc-per-node 2 build/bin/char_lm");
-      return 2;
+      return examples::outside_world(
+          flags, error, "start me with 2 workers: build/bin/tandem-run --nproc-per-node 2 "
+                        "build/bin/char_lm");
     }
 
     // Join the world even when there is nothing to train, so that the
     // parameter server's shutdown() returns and it exits on its own.
     rpc::init(std::make_shared<rpc::Registry>());
-    int rc = 0;
-    if (flags.help()) {
-      std::printf("%s", flags.usage().c_str());
-    } else if (!error.empty()) {
-      std::fprintf(stderr, "char_lm: %s\n", error.c_str());
-      rc = 2;
-    } else {
-      try {
-        rc = train(cfg, *corpus, resume, started);
-      } catch (const UsageError& e) {
-        std::fprintf(stderr, "char_lm: %s\n", e.what());
-        rc = 2;
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "char_lm: %s\n", e.what());
-        rc = 1;
-      }
-    }
+    const int rc = examples::run_worker(flags, error, /*speak=*/true,
+                                        [&] { return train(cfg, *corpus, resume, started); });
     rpc::shutdown();
     return rc;
   } catch (const std::exception& e) {

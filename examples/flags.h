@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <limits>
 #include <sstream>
@@ -102,6 +103,7 @@ class Flags {
   }
 
   bool help() const { return help_; }
+  const std::string& program() const { return program_; }
 
   std::string usage() const {
     std::string out = "usage: " + program_ + " [flags]\n";
@@ -135,5 +137,50 @@ class Flags {
   std::vector<Flag> flags_;
   bool help_ = false;
 };
+
+// A failure the user can fix (a bad flag, file or checkpoint): exit code 2,
+// its message alone.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// A program started outside a world (not by tandem-run): --help prints the
+// usage (0); otherwise the flag error, or `how_to_start`, and 2.
+inline int outside_world(const Flags& flags, const std::string& error,
+                         const std::string& how_to_start) {
+  if (flags.help()) {
+    std::printf("%s", flags.usage().c_str());
+    return 0;
+  }
+  std::fprintf(stderr, "%s: %s\n", flags.program().c_str(),
+               error.empty() ? how_to_start.c_str() : error.c_str());
+  return 2;
+}
+
+// A worker's part once it has joined the world (it joins even on a bad
+// flag, so that its peers' shutdown() returns): --help prints the usage (0),
+// a flag error is printed (2); otherwise run()'s exit code, 2 for a
+// UsageError it throws and 1 for any other exception. Only a worker with
+// `speak` prints the usage and the flag error (one line per job, not per worker).
+inline int run_worker(const Flags& flags, const std::string& error, bool speak,
+                      const std::function<int()>& run) {
+  if (flags.help()) {
+    if (speak) std::printf("%s", flags.usage().c_str());
+    return 0;
+  }
+  if (!error.empty()) {
+    if (speak) std::fprintf(stderr, "%s: %s\n", flags.program().c_str(), error.c_str());
+    return 2;
+  }
+  try {
+    return run();
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "%s: %s\n", flags.program().c_str(), e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", flags.program().c_str(), e.what());
+    return 1;
+  }
+}
 
 }  // namespace examples

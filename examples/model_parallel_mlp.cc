@@ -173,32 +173,14 @@ int main(int argc, char** argv) {
     flags.add("--steps", &steps, 1, "training steps").add("--seed", &seed, 0, "seed");
     const std::string error = flags.parse(argc, argv);
     if (env.rank < 0 || env.world_size < 2) {
-      if (flags.help()) {
-        std::printf("%s", flags.usage().c_str());
-        return 0;
-      }
-      std::fprintf(stderr, "model_parallel_mlp: %s\n",
-                   !error.empty() ? error.c_str()
-                                  : "start me with 2 workers: build/bin/tandem-run "
-                                    "--nproc-per-node 2 build/bin/model_parallel_mlp");
-      return 2;
+      return examples::outside_world(
+          flags, error, "start me with 2 workers: build/bin/tandem-run --nproc-per-node 2 "
+                        "build/bin/model_parallel_mlp");
     }
     // Joined even on a bad flag, so that worker1's shutdown() returns.
     rpc::init(std::make_shared<rpc::Registry>());
-    int rc = 0;
-    if (flags.help()) {
-      std::printf("%s", flags.usage().c_str());
-    } else if (!error.empty()) {
-      std::fprintf(stderr, "model_parallel_mlp: %s\n", error.c_str());
-      rc = 2;
-    } else {
-      try {
-        rc = train(steps, seed);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "model_parallel_mlp: %s\n", e.what());
-        rc = 1;
-      }
-    }
+    const int rc =
+        examples::run_worker(flags, error, /*speak=*/true, [&] { return train(steps, seed); });
     rpc::shutdown();
     return rc;
   } catch (const std::exception& e) {

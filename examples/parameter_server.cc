@@ -155,31 +155,19 @@ int main(int argc, char** argv) {
         .add("--lr", &lr, "SGD learning rate");
     const std::string error = flags.parse(argc, argv);
     if (env.rank < 0 || env.world_size < 2) {
-      if (flags.help()) {
-        std::printf("%s", flags.usage().c_str());
-        return 0;
-      }
-      std::fprintf(stderr, "parameter_server: %s\n",
-                   !error.empty() ? error.c_str()
-                                  : "start me with 2 or more workers: build/bin/tandem-run "
-                                    "--nproc-per-node 3 build/bin/parameter_server");
-      return 2;
+      return examples::outside_world(
+          flags, error, "start me with 2 or more workers: build/bin/tandem-run "
+                        "--nproc-per-node 3 build/bin/parameter_server");
     }
     rpc::init(registry);
-    int rc = 0;
-    if (flags.help()) {
-      if (env.rank == 1) std::printf("%s", flags.usage().c_str());
-    } else if (!error.empty()) {
-      if (env.rank == 1) std::fprintf(stderr, "parameter_server: %s\n", error.c_str());
-      rc = 2;
-    } else {
+    // Every trainer parses the same flags: the first one speaks for them.
+    const int rc = examples::run_worker(flags, error, /*speak=*/env.rank == 1, [&] {
       try {
-        rc = train(env.rank, steps, lr);
+        return train(env.rank, steps, lr);
       } catch (const std::exception& e) {
-        std::fprintf(stderr, "parameter_server: trainer %d: %s\n", env.rank, e.what());
-        rc = 1;
+        throw std::runtime_error("trainer " + std::to_string(env.rank) + ": " + e.what());
       }
-    }
+    });
     // Always, so that the server stops waiting for this trainer.
     rpc::rpc_sync("worker0", "trainer_done", static_cast<int64_t>(env.rank));
     rpc::shutdown();
