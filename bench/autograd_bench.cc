@@ -79,12 +79,7 @@ struct Figures {
 };
 
 std::vector<Figures> round_trip(const std::vector<int>& hop_counts, int iters) {
-  // This process is worker0: its init() hosts the store at MASTER_PORT.
-  const int port = support::free_port();
-  support::set_master_env(port);
-  auto env = support::worker_env(1, 2, port);
-  env.push_back("TANDEM_BENCH_ROLE=callee");
-  pid_t child = support::spawn_self(env);
+  pid_t child = tandem::bench::spawn_peer("callee");
   auto agent = rpc::init(registry(), options(0));
   at::Tensor x = at::ones({64}).requires_grad_();
   std::vector<Figures> out;

@@ -13,7 +13,20 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/local_job.h"
+
 namespace tandem::bench {
+
+// Starts this program again as worker 1 of 2 with TANDEM_BENCH_ROLE=`role`,
+// meeting this process (worker 0, whose init() hosts the store) at a free
+// port it puts in MASTER_PORT; returns the child's pid.
+inline pid_t spawn_peer(const std::string& role) {
+  const int port = support::free_port();
+  support::set_master_env(port);
+  auto env = support::worker_env(1, 2, port);
+  env.push_back("TANDEM_BENCH_ROLE=" + role);
+  return support::spawn_self(env);
+}
 
 inline double percentile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());

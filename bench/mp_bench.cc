@@ -104,12 +104,7 @@ struct Figures {
 };
 
 Figures round(int steps, int warmup) {
-  // This process is worker0: its init() hosts the store at MASTER_PORT.
-  const int port = support::free_port();
-  support::set_master_env(port);
-  auto env = support::worker_env(1, 2, port);
-  env.push_back("TANDEM_BENCH_ROLE=worker1");
-  pid_t child = support::spawn_self(env);
+  pid_t child = tandem::bench::spawn_peer("worker1");
   auto agent = rpc::init(std::make_shared<rpc::Registry>(), options(0));
   Figures f{};
   {

@@ -235,12 +235,7 @@ void rref_round(Agent& agent, TandemRound& out) {
 TandemRound rpc_caller(const std::vector<int64_t>& sizes) {
   TandemRound result;
   std::vector<Round>& out = result.echo;
-  // This process is rank 0: its init() hosts the store at MASTER_PORT.
-  const int port = support::free_port();
-  support::set_master_env(port);
-  auto env = support::worker_env(1, 2, port);
-  env.push_back("TANDEM_BENCH_ROLE=rpc");
-  pid_t child = support::spawn_self(env);
+  pid_t child = tandem::bench::spawn_peer("rpc");
   auto agent = tandem::rpc::init(registry(), options(0));
   for (int64_t bytes : sizes) {
     at::Tensor t = at::zeros({std::max<int64_t>(bytes / 4, 1)});
