@@ -45,6 +45,7 @@
 
 #include <dirent.h>
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -427,6 +428,13 @@ struct ChildWorker {
     int status = support::wait_exit(pid);
     pid = -1;
     return status;
+  }
+  // Waits for the worker and checks that it exited with `code` (the code a
+  // test's "die" function gives std::_Exit).
+  void expect_exit(int code) {
+    const int status = wait();
+    CHECK(WIFEXITED(status));
+    CHECK(WEXITSTATUS(status) == code);
   }
 
   c10::intrusive_ptr<c10d::TCPStore> store;

@@ -3,7 +3,6 @@
 #include "test_util.h"
 
 #include <signal.h>
-#include <sys/wait.h>
 
 #include <ATen/ops/mm.h>
 
@@ -53,9 +52,7 @@ TEST_CASE("optim process: an owner that dies fails step with Disconnected, never
     }
     p = rpc::RRef<at::Tensor>();
   }  // dropping the optimizer does not wait for the dead owner
-  int status = child.wait();
-  CHECK(WIFEXITED(status));
-  CHECK(WEXITSTATUS(status) == 9);
+  child.expect_exit(9);
   agent->shutdown(false);
   agent = nullptr;
 }

@@ -2,7 +2,6 @@
 // though its own code never names the layer, and its death fails a forward
 // with Disconnected, never a hang. The same binary is the owner (see
 // main.cc: TANDEM_TEST_WORKER selects it).
-#include <sys/wait.h>
 
 #include <cstdlib>
 
@@ -41,9 +40,7 @@ TEST_CASE(
     CHECK_THROWS_AS(fc.remote_parameters(), rpc::DisconnectedError);
     CHECK(std::chrono::steady_clock::now() - t0 < 5s);
   }  // dropping the module does not wait for the dead owner
-  int status = child.wait();
-  CHECK(WIFEXITED(status));
-  CHECK(WEXITSTATUS(status) == 9);
+  child.expect_exit(9);
   agent->shutdown(false);
   agent = nullptr;
 }
