@@ -308,12 +308,7 @@ std::string RemoteDevice::str() const {
   return (rank >= 0 ? "rank:" + std::to_string(rank) : worker) + "/" + device.str();
 }
 
-c10::IValue list(std::vector<c10::IValue> items) {
-  c10::impl::GenericList out(c10::AnyType::get());
-  out.reserve(items.size());
-  for (auto& item : items) out.push_back(std::move(item));
-  return out;
-}
+c10::IValue list(std::vector<c10::IValue> items) { return rpc::list_of(std::move(items)); }
 
 c10::IValue spec(const std::string& factory, std::vector<c10::IValue> args) {
   return c10::ivalue::Tuple::create({c10::IValue(factory), list(std::move(args))});

@@ -196,6 +196,16 @@ c10::IValue to_ivalue(T&& x) {
   }
 }
 
+// Values of any types as one list value (List[Any]): how a call's
+// arguments travel inside another call's (an RRef's method, a module's
+// constructor arguments).
+inline c10::IValue list_of(std::vector<c10::IValue> items) {
+  c10::impl::GenericList list(c10::AnyType::get());
+  list.reserve(items.size());
+  for (auto& item : items) list.push_back(std::move(item));
+  return c10::IValue(std::move(list));
+}
+
 // The argument list of a call: each value through to_ivalue.
 template <class... A>
 std::vector<c10::IValue> to_ivalues(A&&... args) {

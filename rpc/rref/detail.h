@@ -29,13 +29,6 @@ inline GloballyUniqueId id_of(const WireId& w, int world_size) {
   return {static_cast<int32_t>(worker), static_cast<uint64_t>(std::get<1>(w))};
 }
 
-inline c10::IValue list_of(std::vector<c10::IValue> items) {
-  c10::impl::GenericList list(c10::AnyType::get());
-  list.reserve(items.size());
-  for (auto& i : items) list.push_back(std::move(i));
-  return c10::IValue(std::move(list));
-}
-
 inline std::vector<c10::IValue> items_of(const c10::IValue& v) {
   if (!v.isList()) throw std::invalid_argument("malformed RRef control message: expected a list");
   auto l = v.toList();
