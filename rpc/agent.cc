@@ -10,6 +10,7 @@
 
 #include "tandem/rpc/call_table.h"
 #include "tandem/rpc/connection_table.h"
+#include "tandem/rpc/host_memory.h"
 #include "tandem/rpc/rendezvous.h"
 #include "tandem/rpc/rref/context.h"
 
@@ -110,6 +111,7 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
     }
   }
 
+  if (options_.retain_freed_memory) retain_freed_memory();
   pool_ = std::make_shared<ThreadPool>(options_.num_worker_threads, options_.pool_spin,
                                        weak_from_this());
   internal_ = std::make_shared<Registry>();

@@ -99,6 +99,9 @@ struct AgentOptions {
   // Makes the transport (rpc/transport.h); empty: TCP (tcp_transport()).
   // Tests wrap it in the fault-injecting decorator (rpc/transport/faulty/).
   TransportFactory transport;
+  // Keep freed host memory mapped for the next step instead of giving it back
+  // to the kernel (rpc/host_memory.h); skipped where the user tuned malloc.
+  bool retain_freed_memory = true;
 };
 
 struct CallOptions {

@@ -3,13 +3,16 @@
 #include "test_util.h"
 
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 #include "tandem/rpc/api.h"
+#include "tandem/rpc/host_memory.h"
 #include "tandem/rpc/rendezvous.h"
 
 using namespace tandem;
@@ -17,8 +20,46 @@ using namespace tandem::rpc;
 using namespace std::chrono_literals;
 
 namespace tandem::test {
+namespace {
+
+long minor_faults() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return u.ru_minflt;
+}
+
+// What a training step does to malloc: several blocks of MiBs allocated,
+// written and freed together, again and again. Returns the page faults of
+// the rounds after the first two (by then glibc's own threshold adjustment
+// has settled).
+long step_pattern_faults() {
+  constexpr size_t kBlock = 4 << 20;
+  long before = 0;
+  for (int round = 0; round < 20; ++round) {
+    if (round == 2) before = minor_faults();
+    char* blocks[3];
+    for (auto& b : blocks) {
+      b = static_cast<char*>(std::malloc(kBlock));
+      std::memset(b, round, kBlock);
+      asm volatile("" : : "r"(b) : "memory");  // keep the writes and the block
+    }
+    for (auto* b : blocks) std::free(b);
+  }
+  return minor_faults() - before;
+}
+
+}  // namespace
 
 int worker_main(const std::string& mode) {
+  if (mode == "malloc_faults") {
+    World w(1, {}, [](AgentOptions& o) {
+      o.retain_freed_memory = std::getenv("TANDEM_TEST_NO_RETAIN") == nullptr;
+    });
+    long faults = step_pattern_faults();
+    std::printf("applied %d faults %ld\n", rpc::freed_memory_retained() ? 1 : 0, faults);
+    w.shutdown();
+    return 0;
+  }
   try {
     auto reg = std::make_shared<Registry>();
     reg->def("add", [](at::Tensor a, at::Tensor b) { return a + b; });
@@ -150,4 +191,27 @@ TEST_CASE("process: launcher variables from Slurm and Open MPI") {
   setenv("RANK", "x1", 1);
   CHECK_THROWS_WITH_AS(world_from_env(), doctest::Contains("RANK='x1'"), std::invalid_argument);
   unsetenv("RANK");
+}
+
+TEST_CASE("process: freed host memory stays mapped for the next step unless the user opts out") {
+  auto probe = [](const std::string& env) {
+    RunResult r = run_command(env + " TANDEM_TEST_WORKER=malloc_faults " + support::self_exe());
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    int applied = -1;
+    long faults = -1;
+    REQUIRE(std::sscanf(r.output.c_str(), "applied %d faults %ld", &applied, &faults) == 2);
+    return std::make_pair(applied, faults);
+  };
+  // 18 rounds of 3 x 4 MiB: 55,296 pages if every round faults them in anew.
+  auto retained = probe("");
+  CHECK(retained.first == 1);
+  CHECK(retained.second < 2000);
+  auto given_back = probe("TANDEM_TEST_NO_RETAIN=1");  // AgentOptions::retain_freed_memory
+  CHECK(given_back.first == 0);
+  CHECK(given_back.second > 20000);
+  CHECK(probe("TANDEM_RETAIN_MEMORY=0").first == 0);
+  // A user's own malloc settings win.
+  CHECK(probe("MALLOC_TRIM_THRESHOLD_=1073741824").first == 0);
+  CHECK(probe("GLIBC_TUNABLES=glibc.malloc.trim_threshold=1073741824").first == 0);
 }

@@ -1,0 +1,52 @@
+#include "tandem/rpc/host_memory.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
+namespace tandem::rpc {
+namespace {
+
+std::atomic<bool> g_retained{false};
+
+bool user_tuned_malloc() {
+  if (std::getenv("MALLOC_MMAP_THRESHOLD_") || std::getenv("MALLOC_TRIM_THRESHOLD_")) return true;
+  const char* tunables = std::getenv("GLIBC_TUNABLES");
+  if (tunables && std::strstr(tunables, "glibc.malloc.")) return true;
+  const char* retain = std::getenv("TANDEM_RETAIN_MEMORY");
+  return retain && std::strcmp(retain, "0") == 0;
+}
+
+bool apply() {
+#if defined(__GLIBC__)
+  if (user_tuned_malloc()) return false;
+  // The mmap threshold's ceiling is half a thread heap (32 MiB on 64-bit);
+  // setting either value turns off glibc's own adjustment of both, so both
+  // are set: the mmap threshold alone would leave trimming at 128 KiB.
+  constexpr int kMmapThreshold = 32 << 20;
+  constexpr int kTrimThreshold = 256 << 20;
+  return mallopt(M_MMAP_THRESHOLD, kMmapThreshold) == 1 &&
+         mallopt(M_TRIM_THRESHOLD, kTrimThreshold) == 1;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool retain_freed_memory() {
+  static const bool applied = [] {
+    bool ok = apply();
+    g_retained.store(ok);
+    return ok;
+  }();
+  return applied;
+}
+
+bool freed_memory_retained() { return g_retained.load(); }
+
+}  // namespace tandem::rpc

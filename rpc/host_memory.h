@@ -1,0 +1,28 @@
+#pragma once
+// Keeping freed host memory in the process.
+//
+// A training step allocates and frees the same large tensors every time
+// (activations, gradients, received messages of hundreds of KiB to MiBs).
+// glibc's malloc hands blocks over 128 KiB back to the kernel when they are
+// freed, or trims them off the top of a thread's heap, so the next step
+// faults every page in again, zero-filled: on a VM each fault costs
+// microseconds, and mp_bench's step spent about 2 ms of its 10 in them.
+// A thread other than the one that allocated also frees into a different
+// arena than the local case would, so glibc's dynamic threshold (which keeps
+// a single-threaded loop warm) does not help.
+//
+// retain_freed_memory() raises both thresholds once per process, so blocks up
+// to 32 MiB come from the heaps and up to 256 MiB of free memory stays mapped
+// for reuse: the CPU counterpart of a GPU caching allocator. It leaves malloc
+// alone when the user tuned it (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_,
+// GLIBC_TUNABLES naming glibc.malloc), when TANDEM_RETAIN_MEMORY=0, or where
+// the C library is not glibc. rpc::init calls it unless
+// AgentOptions::retain_freed_memory is false.
+namespace tandem::rpc {
+
+// Applies the settings (once per process); true when they are in effect.
+bool retain_freed_memory();
+// Whether an earlier retain_freed_memory() put them in effect.
+bool freed_memory_retained();
+
+}  // namespace tandem::rpc
