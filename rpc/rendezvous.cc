@@ -87,6 +87,9 @@ c10::intrusive_ptr<c10d::Store> make_store(const std::string& host, int port, in
   opts.numWorkers = world_size;
   opts.waitWorkers = false;
   opts.timeout = timeout;
+  // One server per port in a process: an RPC agent and a process group of
+  // the same job meet at the same MASTER_PORT (each under its own keys).
+  opts.multiTenant = true;
   return c10::make_intrusive<c10d::TCPStore>(host, opts);
 }
 

@@ -1,0 +1,296 @@
+#include "tandem/ddp/process_group.h"
+
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#if defined(TANDEM_WITH_NCCL)
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <cstdlib>
+#include <mutex>
+
+#include "tandem/rpc/rendezvous.h"
+
+namespace tandem::ddp {
+namespace {
+
+std::string ms_text(std::chrono::milliseconds t) { return std::to_string(t.count()) + " ms"; }
+
+c10d::ReduceOp c10d_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:  // summed, then divided here (Gloo has no AVG)
+      return c10d::ReduceOp::SUM;
+    case ReduceOp::kProduct:
+      return c10d::ReduceOp::PRODUCT;
+    case ReduceOp::kMin:
+      return c10d::ReduceOp::MIN;
+    case ReduceOp::kMax:
+      return c10d::ReduceOp::MAX;
+  }
+  throw std::invalid_argument("unknown ReduceOp");
+}
+
+// The Gloo device: GLOO_SOCKET_IFNAME as PyTorch reads it, else the address
+// that routes towards the master (loopback for a local job).
+std::shared_ptr<::gloo::transport::Device> gloo_device(const std::string& master_host) {
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
+    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+  }
+  std::string host = "127.0.0.1";
+  if (!master_host.empty() && !rpc::is_loopback_host(master_host)) {
+    host = rpc::local_address_towards(master_host);
+    if (host.empty()) {
+      throw std::invalid_argument("cannot tell this host's address towards the master " +
+                                  master_host + "; set GLOO_SOCKET_IFNAME");
+    }
+  }
+  return c10d::ProcessGroupGloo::createDeviceForHostname(host);
+}
+
+std::mutex g_default_mu;
+std::shared_ptr<ProcessGroup> g_default;
+
+}  // namespace
+
+const char* to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kAvg: return "avg";
+    case ReduceOp::kProduct: return "product";
+    case ReduceOp::kMin: return "min";
+    case ReduceOp::kMax: return "max";
+  }
+  return "?";
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::create(ProcessGroupOptions o) {
+  if (o.backend != "gloo" && o.backend != "nccl") {
+    throw std::invalid_argument("unknown process group backend '" + o.backend +
+                                "' (gloo or nccl)");
+  }
+#if !defined(TANDEM_WITH_NCCL)
+  if (o.backend == "nccl") {
+    throw std::invalid_argument(
+        "backend 'nccl' needs a LibTorch built with CUDA and NCCL; this build has neither "
+        "(use 'gloo' for CPU tensors)");
+  }
+#endif
+  if (o.timeout.count() <= 0) throw std::invalid_argument("process group timeout must be > 0");
+  rpc::WorldEnv env = rpc::world_from_env();
+  int rank = o.rank >= 0 ? o.rank : env.rank;
+  int size = o.world_size >= 0 ? o.world_size : env.world_size;
+  if (size <= 0) {
+    throw std::invalid_argument(
+        "world size unknown: pass world_size or set WORLD_SIZE (or SLURM_NTASKS, "
+        "OMPI_COMM_WORLD_SIZE)");
+  }
+  if (rank < 0 || rank >= size) {
+    throw std::invalid_argument("rank " + std::to_string(rank) + " is not in [0, world size " +
+                                std::to_string(size) + "): pass rank or set RANK");
+  }
+  std::string master_host;
+  c10::intrusive_ptr<c10d::Store> store = o.store;
+  if (!store) {
+    auto [host, port] = rpc::master_from_init_method(o.init_method);
+    master_host = host;
+    store = rpc::make_store(host, port, rank, size, o.timeout);
+  } else if (o.init_method.rfind("tcp://", 0) == 0 || !env.master_addr.empty()) {
+    master_host = o.init_method.rfind("tcp://", 0) == 0
+                      ? rpc::master_from_init_method(o.init_method).first
+                      : env.master_addr;
+  }
+  std::string name = o.group_name.empty() ? "default" : o.group_name;
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("tandem/pg/" + name, store);
+
+  std::shared_ptr<ProcessGroup> pg(new ProcessGroup());
+  pg->store_ = store;
+  pg->rank_ = rank;
+  pg->size_ = size;
+  pg->backend_ = o.backend;
+  pg->timeout_ = o.timeout;
+  try {
+    if (o.backend == "gloo") {
+      auto opts = c10d::ProcessGroupGloo::Options::create(o.timeout);
+      opts->devices.push_back(gloo_device(master_host));
+      pg->pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, opts);
+    } else {
+#if defined(TANDEM_WITH_NCCL)
+      auto opts = c10d::ProcessGroupNCCL::Options::create();
+      opts->timeout = o.timeout;
+      pg->pg_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, rank, size, opts);
+#endif
+    }
+  } catch (const std::invalid_argument&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw CollectiveError("process group '" + name + "' (" + o.backend + ", rank " +
+                          std::to_string(rank) + " of " + std::to_string(size) +
+                          ") could not meet its peers within " + ms_text(o.timeout) + ": " +
+                          e.what());
+  }
+  return pg;
+}
+
+ProcessGroup::~ProcessGroup() = default;
+
+void ProcessGroup::check_tensor(const at::Tensor& t, const char* what) const {
+  if (!t.defined()) throw std::invalid_argument(std::string(what) + ": the tensor is undefined");
+  if (!t.is_contiguous()) {
+    throw std::invalid_argument(std::string(what) + ": the tensor must be contiguous");
+  }
+  if (backend_ == "gloo" && !t.device().is_cpu()) {
+    throw std::invalid_argument(std::string(what) + ": the gloo group takes CPU tensors, not " +
+                                t.device().str());
+  }
+  if (backend_ == "nccl" && !t.device().is_cuda()) {
+    throw std::invalid_argument(std::string(what) + ": the nccl group takes CUDA tensors, not " +
+                                t.device().str());
+  }
+}
+
+ProcessGroup::Pending ProcessGroup::pending(c10::intrusive_ptr<c10d::Work> work,
+                                            const std::string& what,
+                                            std::chrono::milliseconds timeout) const {
+  Pending p;
+  p.work_ = std::move(work);
+  p.what_ = what + " on rank " + std::to_string(rank_) + " of " + std::to_string(size_);
+  p.timeout_ = resolve(timeout);
+  return p;
+}
+
+void ProcessGroup::all_reduce(at::Tensor& tensor, ReduceOp op, std::chrono::milliseconds timeout) {
+  all_reduce_async(tensor, op, timeout).wait();
+  if (op == ReduceOp::kAvg) tensor.div_(size_);
+}
+
+ProcessGroup::Pending ProcessGroup::all_reduce_async(at::Tensor& tensor, ReduceOp op,
+                                                     std::chrono::milliseconds timeout) {
+  check_tensor(tensor, "all_reduce");
+  if (op == ReduceOp::kAvg && !at::isFloatingType(tensor.scalar_type())) {
+    throw std::invalid_argument("all_reduce: avg needs a floating-point tensor, not " +
+                                std::string(c10::toString(tensor.scalar_type())));
+  }
+  std::vector<at::Tensor> ts{tensor};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d_op(op);
+  opts.timeout = resolve(timeout);
+  return pending(pg_->allreduce(ts, opts), std::string("all_reduce(") + to_string(op) + ")",
+                 timeout);
+}
+
+void ProcessGroup::broadcast(at::Tensor& tensor, int src, std::chrono::milliseconds timeout) {
+  broadcast_async(tensor, src, timeout).wait();
+}
+
+ProcessGroup::Pending ProcessGroup::broadcast_async(at::Tensor& tensor, int src,
+                                                    std::chrono::milliseconds timeout) {
+  check_tensor(tensor, "broadcast");
+  if (src < 0 || src >= size_) {
+    throw std::invalid_argument("broadcast: source rank " + std::to_string(src) +
+                                " is not in [0, " + std::to_string(size_) + ")");
+  }
+  std::vector<at::Tensor> ts{tensor};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = src;
+  opts.timeout = resolve(timeout);
+  return pending(pg_->broadcast(ts, opts), "broadcast from rank " + std::to_string(src), timeout);
+}
+
+std::vector<at::Tensor> ProcessGroup::all_gather(const at::Tensor& tensor,
+                                                 std::chrono::milliseconds timeout) {
+  check_tensor(tensor, "all_gather");
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int r = 0; r < size_; ++r) out[0].push_back(at::empty_like(tensor));
+  std::vector<at::Tensor> in{tensor};
+  c10d::AllgatherOptions opts;
+  opts.timeout = resolve(timeout);
+  pending(pg_->allgather(out, in, opts), "all_gather", timeout).wait();
+  return out[0];
+}
+
+void ProcessGroup::barrier(std::chrono::milliseconds timeout) {
+  c10d::BarrierOptions opts;
+  opts.timeout = resolve(timeout);
+  pending(pg_->barrier(opts), "barrier", timeout).wait();
+}
+
+void ProcessGroup::Pending::wait(std::chrono::milliseconds timeout) {
+  if (!work_) throw std::logic_error("wait on an empty or finished ProcessGroup::Pending");
+  auto work = std::move(work_);
+  auto limit = timeout.count() < 0 ? timeout_ : timeout;
+  try {
+    work->wait(limit);
+  } catch (const std::exception& e) {
+    std::string msg = e.what();
+    // c10d's text carries a C++ stack trace on some builds: keep its first line.
+    if (auto nl = msg.find('\n'); nl != std::string::npos) msg.resize(nl);
+    throw CollectiveError(what_ + " failed (timeout " + ms_text(limit) + "): " + msg);
+  }
+}
+
+// ---- the default group --------------------------------------------------------------
+
+void init_process_group(ProcessGroupOptions options) {
+  {
+    std::lock_guard<std::mutex> lock(g_default_mu);
+    if (g_default) {
+      throw std::logic_error(
+          "init_process_group: the default group exists already (destroy_process_group first)");
+    }
+  }
+  auto pg = ProcessGroup::create(std::move(options));
+  std::lock_guard<std::mutex> lock(g_default_mu);
+  if (g_default) throw std::logic_error("init_process_group: the default group exists already");
+  g_default = std::move(pg);
+}
+
+void init_process_group(const std::string& backend, const std::string& init_method,
+                        int world_size, int rank, std::chrono::milliseconds timeout) {
+  ProcessGroupOptions o;
+  o.backend = backend;
+  o.init_method = init_method;
+  o.world_size = world_size;
+  o.rank = rank;
+  o.timeout = timeout;
+  init_process_group(std::move(o));
+}
+
+void destroy_process_group() {
+  std::shared_ptr<ProcessGroup> pg;
+  {
+    std::lock_guard<std::mutex> lock(g_default_mu);
+    pg = std::move(g_default);
+  }
+}
+
+bool is_initialized() {
+  std::lock_guard<std::mutex> lock(g_default_mu);
+  return g_default != nullptr;
+}
+
+std::shared_ptr<ProcessGroup> default_group_ptr() {
+  std::lock_guard<std::mutex> lock(g_default_mu);
+  if (!g_default) {
+    throw std::logic_error("no default process group: call ddp::init_process_group first");
+  }
+  return g_default;
+}
+
+ProcessGroup& default_group() { return *default_group_ptr(); }
+int get_rank() { return default_group().rank(); }
+int get_world_size() { return default_group().size(); }
+
+void all_reduce(at::Tensor& tensor, ReduceOp op, std::chrono::milliseconds timeout) {
+  default_group_ptr()->all_reduce(tensor, op, timeout);
+}
+void broadcast(at::Tensor& tensor, int src, std::chrono::milliseconds timeout) {
+  default_group_ptr()->broadcast(tensor, src, timeout);
+}
+std::vector<at::Tensor> all_gather(const at::Tensor& tensor, std::chrono::milliseconds timeout) {
+  return default_group_ptr()->all_gather(tensor, timeout);
+}
+void barrier(std::chrono::milliseconds timeout) { default_group_ptr()->barrier(timeout); }
+
+}  // namespace tandem::ddp

@@ -1,0 +1,149 @@
+#pragma once
+// Process groups and collectives for data parallelism.
+//
+// A ProcessGroup is c10d's engine (ProcessGroupGloo on CPU, ProcessGroupNCCL
+// on CUDA where LibTorch has it) behind a small front that speaks
+// milliseconds and names what went wrong: no collective here is our own.
+// Every collective is called by every rank of the group in the same order,
+// as in PyTorch.
+//
+//   ddp::init_process_group("gloo");              // env://, as tandem-run sets
+//   ddp::all_reduce(t);                            // sum over the default group
+//   ddp::destroy_process_group();
+//
+// A collective that does not finish within its timeout throws
+// ddp::CollectiveError naming the collective, the group's rank and the time;
+// so does one whose peer died (Gloo reports the broken connection). After
+// either, the group is unusable, as in PyTorch: destroy it and make a new one.
+// A call's own timeout only bounds the caller's wait: Gloo's operation itself
+// ends at the group's timeout, and destroying the group waits for that.
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace c10d {
+class ProcessGroup;
+}  // namespace c10d
+
+namespace tandem::ddp {
+
+// What a collective raises when it fails or times out.
+class CollectiveError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+enum class ReduceOp { kSum, kAvg, kProduct, kMin, kMax };
+
+// PyTorch's default: 30 minutes. Each call may give its own.
+constexpr std::chrono::milliseconds kDefaultCollectiveTimeout{30 * 60 * 1000};
+// "Use the group's timeout" for a call's timeout argument.
+constexpr std::chrono::milliseconds kGroupTimeout{-1};
+
+struct ProcessGroupOptions {
+  std::string backend = "gloo";        // "gloo" (CPU tensors) or "nccl" (CUDA tensors)
+  std::string init_method = "env://";  // or "tcp://host:port"; ignored when store is given
+  int world_size = -1;                 // -1: from the environment (WORLD_SIZE, ...)
+  int rank = -1;                       // -1: from the environment (RANK, ...)
+  std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
+  // Meet at this store instead of init_method's (keys go under a prefix of
+  // the group's own, so an RPC agent may share it).
+  c10::intrusive_ptr<c10d::Store> store;
+  std::string group_name;  // empty: "default" for the default group
+};
+
+class ProcessGroup {
+ public:
+  // Meets the other ranks and builds the backend's group. Throws
+  // std::invalid_argument for a bad backend, rank, size or init_method, and
+  // CollectiveError when the others do not come within the timeout.
+  static std::shared_ptr<ProcessGroup> create(ProcessGroupOptions options);
+  ~ProcessGroup();
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const std::string& backend() const { return backend_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+  // In place on every rank. kAvg divides the sum by size() (floating point only).
+  void all_reduce(at::Tensor& tensor, ReduceOp op = ReduceOp::kSum,
+                  std::chrono::milliseconds timeout = kGroupTimeout);
+  // In place: every rank ends with src's values (same shape and dtype everywhere).
+  void broadcast(at::Tensor& tensor, int src, std::chrono::milliseconds timeout = kGroupTimeout);
+  // Every rank's tensor, in rank order (same shape and dtype everywhere).
+  std::vector<at::Tensor> all_gather(const at::Tensor& tensor,
+                                     std::chrono::milliseconds timeout = kGroupTimeout);
+  void barrier(std::chrono::milliseconds timeout = kGroupTimeout);
+
+  // The asynchronous forms DDP's buckets use: start now, wait() later.
+  class Pending {
+   public:
+    Pending() = default;
+    // Throws CollectiveError on failure or after `timeout` (the group's
+    // when kGroupTimeout). Once only.
+    void wait(std::chrono::milliseconds timeout = kGroupTimeout);
+    bool valid() const { return work_ != nullptr; }
+
+   private:
+    friend class ProcessGroup;
+    c10::intrusive_ptr<c10d::Work> work_;
+    std::string what_;  // "all_reduce(sum) on rank 1 of 2"
+    std::chrono::milliseconds timeout_{};
+  };
+  // In place, finished by wait(). kAvg sums only: callers scale first (DDP
+  // divides its buckets before they go).
+  Pending all_reduce_async(at::Tensor& tensor, ReduceOp op = ReduceOp::kSum,
+                           std::chrono::milliseconds timeout = kGroupTimeout);
+  Pending broadcast_async(at::Tensor& tensor, int src,
+                          std::chrono::milliseconds timeout = kGroupTimeout);
+
+  // The c10d group itself, for what this front does not cover.
+  c10d::ProcessGroup& c10d() { return *pg_; }
+
+ private:
+  ProcessGroup() = default;
+  void check_tensor(const at::Tensor& t, const char* what) const;
+  Pending pending(c10::intrusive_ptr<c10d::Work> work, const std::string& what,
+                  std::chrono::milliseconds timeout) const;
+  std::chrono::milliseconds resolve(std::chrono::milliseconds timeout) const {
+    return timeout.count() < 0 ? timeout_ : timeout;
+  }
+
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  int rank_ = -1, size_ = 0;
+  std::string backend_;
+  std::chrono::milliseconds timeout_{};
+};
+
+// The default group, as torch.distributed has one.
+void init_process_group(ProcessGroupOptions options = {});
+void init_process_group(const std::string& backend, const std::string& init_method = "env://",
+                        int world_size = -1, int rank = -1,
+                        std::chrono::milliseconds timeout = kDefaultCollectiveTimeout);
+void destroy_process_group();
+bool is_initialized();
+// Throws std::logic_error when init_process_group has not been called.
+ProcessGroup& default_group();
+std::shared_ptr<ProcessGroup> default_group_ptr();
+int get_rank();
+int get_world_size();
+
+void all_reduce(at::Tensor& tensor, ReduceOp op = ReduceOp::kSum,
+                std::chrono::milliseconds timeout = kGroupTimeout);
+void broadcast(at::Tensor& tensor, int src, std::chrono::milliseconds timeout = kGroupTimeout);
+std::vector<at::Tensor> all_gather(const at::Tensor& tensor,
+                                   std::chrono::milliseconds timeout = kGroupTimeout);
+void barrier(std::chrono::milliseconds timeout = kGroupTimeout);
+
+const char* to_string(ReduceOp op);
+
+}  // namespace tandem::ddp

@@ -1,0 +1,102 @@
+// Process groups across real worker processes: env:// under tandem-run (with
+// and without an RPC agent at the same MASTER_PORT), and a rank that dies.
+#include "ddp_support.h"
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "tandem/rpc/api.h"
+
+using namespace tandem;
+using namespace std::chrono_literals;
+
+namespace {
+
+struct RunResult {
+  int status = -1;
+  std::string output;
+};
+
+RunResult run_command(const std::string& cmd) {
+  RunResult r;
+  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  REQUIRE(p != nullptr);
+  char buf[4096];
+  while (size_t n = std::fread(buf, 1, sizeof(buf), p)) r.output.append(buf, n);
+  int st = ::pclose(p);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  return r;
+}
+
+void expect_sums(const std::string& env) {
+  RunResult r = run_command(env + " TANDEM_TEST_WORKER=sum " + TANDEM_RUN_PATH +
+                            " --nproc-per-node 3 " + support::self_exe());
+  INFO(r.output);
+  CHECK(r.status == 0);
+  for (int rank = 0; rank < 3; ++rank) {
+    CHECK(r.output.find("[" + std::to_string(rank) + "]: rank " + std::to_string(rank) +
+                        " of 3 sum 6") != std::string::npos);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("ddp process: init_process_group from tandem-run's environment") {
+  expect_sums("");
+}
+
+TEST_CASE("ddp process: a process group and an RPC agent share the job's MASTER_PORT") {
+  expect_sums("TANDEM_TEST_WITH_RPC=1");
+}
+
+TEST_CASE("ddp process: a rank that dies fails the others' collective, not hangs it") {
+  test::ChildWorker child("join_then_die");
+  ddp::ProcessGroupOptions o;
+  o.rank = 0;
+  o.world_size = 2;
+  o.timeout = 30s;
+  o.store = child.store;
+  auto pg = ddp::ProcessGroup::create(o);
+  child.expect_exit(7);
+  at::Tensor t = at::ones({1024});
+  auto t0 = std::chrono::steady_clock::now();
+  std::string err;
+  try {
+    pg->all_reduce(t);
+  } catch (const ddp::CollectiveError& e) {
+    err = e.what();
+  }
+  CHECK(err.find("all_reduce(sum) on rank 0 of 2 failed") != std::string::npos);
+  CHECK(std::chrono::steady_clock::now() - t0 < 5s);
+  INFO(err);
+}
+
+namespace tandem::test {
+
+// A worker process of this binary (TANDEM_TEST_WORKER=mode; see main.cc).
+//   "sum": joins the default group through env:// and all-reduces its rank + 1,
+//          printing the sum; with an RPC agent at the same MASTER_PORT when
+//          TANDEM_TEST_WITH_RPC is set (the two share the store).
+//   "join_then_die": joins, then exits abruptly in its first collective's place.
+int worker_main(const std::string& mode) {
+  try {
+    bool with_rpc = std::getenv("TANDEM_TEST_WITH_RPC") != nullptr;
+    if (with_rpc) rpc::init(std::make_shared<rpc::Registry>());
+    ddp::init_process_group("gloo", "env://", -1, -1, 30s);
+    if (mode == "join_then_die") std::_Exit(7);
+    at::Tensor t = at::full_like(at::zeros({4}), ddp::get_rank() + 1);
+    ddp::all_reduce(t);
+    std::printf("rank %d of %d sum %g\n", ddp::get_rank(), ddp::get_world_size(),
+                t[0].item<double>());
+    std::fflush(stdout);
+    ddp::barrier();
+    ddp::destroy_process_group();
+    if (with_rpc) rpc::shutdown(true);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "worker failed: %s\n", e.what());
+    return 2;
+  }
+}
+
+}  // namespace tandem::test
