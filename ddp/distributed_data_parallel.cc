@@ -1,0 +1,456 @@
+#include "tandem/ddp/distributed_data_parallel.h"
+
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <mutex>
+#include <sstream>
+#include <unordered_set>
+
+namespace tandem::ddp {
+namespace detail {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+std::string shape_text(at::IntArrayRef sizes) {
+  std::ostringstream s;
+  s << sizes;
+  return s.str();
+}
+
+// Rank 0's values of `tensors` on every rank, one broadcast per dtype.
+void broadcast_coalesced(const std::vector<at::Tensor>& tensors, ProcessGroup& group,
+                         std::chrono::milliseconds timeout) {
+  std::vector<at::ScalarType> dtypes;
+  for (const auto& t : tensors) {
+    if (std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) == dtypes.end()) {
+      dtypes.push_back(t.scalar_type());
+    }
+  }
+  for (auto dtype : dtypes) {
+    std::vector<at::Tensor> same;
+    for (const auto& t : tensors) {
+      if (t.scalar_type() == dtype) same.push_back(t.detach().reshape({-1}));
+    }
+    at::Tensor flat = at::cat(same);
+    group.broadcast(flat, 0, timeout);
+    int64_t offset = 0;
+    for (const auto& t : tensors) {
+      if (t.scalar_type() != dtype) continue;
+      int64_t n = t.numel();
+      t.detach().copy_(flat.narrow(0, offset, n).view(t.sizes()));
+      offset += n;
+    }
+  }
+}
+
+// Every rank's string, in rank order.
+std::vector<std::string> all_gather_strings(const std::string& mine, ProcessGroup& group,
+                                            std::chrono::milliseconds timeout) {
+  at::Tensor len = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
+  auto lens = group.all_gather(len, timeout);
+  int64_t longest = 1;
+  for (const auto& l : lens) longest = std::max(longest, l.item<int64_t>());
+  at::Tensor bytes = at::zeros({longest}, at::kByte);
+  std::copy(mine.begin(), mine.end(), bytes.data_ptr<uint8_t>());
+  auto all = group.all_gather(bytes, timeout);
+  std::vector<std::string> out;
+  for (size_t r = 0; r < all.size(); ++r) {
+    const auto* p = reinterpret_cast<const char*>(all[r].data_ptr<uint8_t>());
+    out.emplace_back(p, static_cast<size_t>(lens[r].item<int64_t>()));
+  }
+  return out;
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream s(text);
+  for (std::string line; std::getline(s, line);) out.push_back(line);
+  return out;
+}
+
+}  // namespace
+
+struct Reducer::Impl {
+  struct Param {
+    std::string name;
+    at::Tensor tensor;
+    std::shared_ptr<torch::autograd::Node> accumulator;  // kept alive: it carries the hook
+    uintptr_t hook_key = 0;
+    size_t bucket = 0;
+    int64_t offset = 0;  // elements into the bucket
+    at::Tensor slot;     // the .grad it gets: an alias of its part of the bucket
+  };
+  struct Bucket {
+    at::Tensor buffer;
+    std::vector<size_t> params;
+    size_t pending = 0;
+    ProcessGroup::Pending work;
+  };
+
+  // Runs after a parameter's AccumulateGrad: its .grad is complete.
+  struct ReadyHook final : torch::autograd::FunctionPostHook {
+    ReadyHook(Impl* impl, size_t index) : impl(impl), index(index) {}
+    torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                              const torch::autograd::variable_list&) override {
+      impl->mark_ready(index);
+      return outputs;
+    }
+    Impl* impl;
+    size_t index;
+  };
+
+  Impl(std::shared_ptr<torch::nn::Module> m, DDPOptions o, ProcessGroup& g)
+      : module(std::move(m)), opt(o), group(g) {}
+
+  std::shared_ptr<torch::nn::Module> module;
+  DDPOptions opt;
+  ProcessGroup& group;
+  std::vector<Param> params;
+  std::vector<at::Tensor> buffers;
+  std::vector<Bucket> buckets;
+
+  mutable std::mutex mu;
+  bool sync = true;       // the user's setting (no_sync turns it off)
+  bool iter_sync = true;  // taken at forward: whether this backward averages
+  bool in_backward = false;
+  std::vector<char> ready;
+  size_t next_bucket = 0;
+  bool record_order = true;  // until the buckets are rebuilt once
+  bool rebuild_pending = false;
+  bool rebuilt = false;
+  std::vector<size_t> ready_order;
+  Clock::time_point first_hook, last_launch;
+  double backward_ms = 0, tail_wait_ms = 0, allreduce_ms = 0;
+
+  std::chrono::milliseconds timeout() const {
+    return opt.timeout.count() < 0 ? group.timeout() : opt.timeout;
+  }
+
+  // Parameters in `order` into buckets of one dtype each, the first
+  // first_bucket_mb, the rest bucket_cap_mb; each parameter's slot aliases
+  // its part, and a gradient it already has is copied there.
+  void build_buckets(const std::vector<size_t>& order) {
+    std::vector<Bucket> fresh;
+    std::vector<int64_t> sizes;  // elements per bucket
+    auto cap_bytes = [&](size_t k) {
+      double mb = k == 0 ? opt.first_bucket_mb : opt.bucket_cap_mb;
+      return static_cast<int64_t>(mb * 1024 * 1024);
+    };
+    int64_t bytes = 0;
+    for (size_t i : order) {
+      Param& p = params[i];
+      int64_t nbytes = p.tensor.numel() * static_cast<int64_t>(p.tensor.element_size());
+      bool start = fresh.empty() ||
+                   p.tensor.scalar_type() !=
+                       params[fresh.back().params.front()].tensor.scalar_type() ||
+                   (bytes > 0 && bytes + nbytes > cap_bytes(fresh.size() - 1));
+      if (start) {
+        fresh.emplace_back();
+        sizes.push_back(0);
+        bytes = 0;
+      }
+      p.bucket = fresh.size() - 1;
+      p.offset = sizes.back();
+      sizes.back() += p.tensor.numel();
+      bytes += nbytes;
+      fresh.back().params.push_back(i);
+    }
+    c10::AutoGradMode no_grad(false);
+    for (size_t b = 0; b < fresh.size(); ++b) {
+      const at::Tensor& like = params[fresh[b].params.front()].tensor;
+      fresh[b].buffer = at::zeros({sizes[b]}, like.options());
+      fresh[b].pending = fresh[b].params.size();
+    }
+    for (auto& p : params) {
+      const at::Tensor& buffer = fresh[p.bucket].buffer;
+      at::Tensor slot = at::empty({0}, buffer.options());
+      slot.set_(buffer.storage(), buffer.storage_offset() + p.offset, p.tensor.sizes(),
+                c10::contiguous_strides(p.tensor.sizes()));
+      at::Tensor grad = p.tensor.grad();
+      if (grad.defined()) {
+        slot.copy_(grad);
+        p.tensor.mutable_grad() = slot;
+      }
+      p.slot = slot;
+    }
+    buckets = std::move(fresh);
+  }
+
+  bool holds_slot(const Param& p) const {
+    const at::Tensor& g = p.tensor.grad();
+    return g.defined() && g.data_ptr() == p.slot.data_ptr() && g.is_contiguous() &&
+           g.sizes() == p.slot.sizes();
+  }
+
+  // The parameter's gradient in its slot, and .grad pointing there.
+  void gather_grad(Param& p) {
+    if (holds_slot(p)) return;
+    c10::AutoGradMode no_grad(false);
+    at::Tensor g = p.tensor.grad();
+    if (g.defined()) {
+      p.slot.copy_(g);
+    } else {
+      p.slot.zero_();
+    }
+    p.tensor.mutable_grad() = p.slot;
+  }
+
+  void launch_ready() {
+    while (next_bucket < buckets.size() && buckets[next_bucket].pending == 0) {
+      Bucket& b = buckets[next_bucket++];
+      {
+        c10::AutoGradMode no_grad(false);
+        b.buffer.div_(group.size());
+      }
+      b.work = group.all_reduce_async(b.buffer, ReduceOp::kSum, timeout());
+      last_launch = Clock::now();
+    }
+  }
+
+  void mark_ready(size_t i) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!in_backward) {
+      in_backward = true;
+      first_hook = Clock::now();
+      // At the end of this backward (the engine runs it after every node).
+      torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
+    }
+    if (ready[i]) return;
+    ready[i] = 1;
+    Param& p = params[i];
+    gather_grad(p);
+    if (!iter_sync) return;
+    if (record_order) ready_order.push_back(i);  // the first synced backward's order
+    if (--buckets[p.bucket].pending == 0) launch_ready();
+  }
+
+  void reset_iteration() {
+    in_backward = false;
+    std::fill(ready.begin(), ready.end(), 0);
+    next_bucket = 0;
+    for (auto& b : buckets) b.pending = b.params.size();
+  }
+
+  // Waits for every launched bucket, whatever happens; the first failure is rethrown.
+  void wait_launched() {
+    std::exception_ptr first;
+    for (size_t b = 0; b < next_bucket; ++b) {
+      if (!buckets[b].work.valid()) continue;
+      try {
+        buckets[b].work.wait();
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    if (first) std::rethrow_exception(first);
+  }
+
+  void finalize() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!iter_sync) {
+      reset_iteration();
+      return;
+    }
+    std::vector<size_t> missing;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (!ready[i]) missing.push_back(i);
+    }
+    std::vector<size_t> had_no_grad;  // missing and without any gradient here
+    if (!missing.empty() && !opt.find_unused_parameters) {
+      try {
+        wait_launched();
+      } catch (...) {
+      }
+      reset_iteration();
+      std::string names = "'" + params[missing[0]].name + "'";
+      for (size_t k = 1; k < std::min<size_t>(missing.size(), 5); ++k) {
+        names += ", '" + params[missing[k]].name + "'";
+      }
+      if (missing.size() > 5) names += " and " + std::to_string(missing.size() - 5) + " more";
+      throw std::runtime_error(
+          "DistributedDataParallel: parameter" + std::string(missing.size() > 1 ? "s " : " ") +
+          names + " got no gradient in this backward; if the model leaves parameters unused "
+          "in some steps, construct it with DDPOptions::find_unused_parameters = true");
+    }
+    at::Tensor used;
+    ProcessGroup::Pending used_work;
+    if (!missing.empty()) {
+      used = at::zeros({static_cast<int64_t>(params.size())}, at::kInt);
+      for (size_t i = 0; i < params.size(); ++i) used[i] = ready[i] ? 1 : 0;
+      for (size_t i : missing) {
+        if (!params[i].tensor.grad().defined()) had_no_grad.push_back(i);
+        gather_grad(params[i]);  // this rank's accumulated gradient, or zeros
+        ready[i] = 1;
+        buckets[params[i].bucket].pending -= 1;
+      }
+      launch_ready();
+      used_work = group.all_reduce_async(used, ReduceOp::kSum, timeout());
+    }
+    auto t0 = Clock::now();
+    try {
+      wait_launched();
+      if (used_work.valid()) used_work.wait();
+    } catch (...) {
+      reset_iteration();
+      throw;
+    }
+    auto t1 = Clock::now();
+    // A parameter no rank used keeps no gradient, as it had none.
+    for (size_t i : had_no_grad) {
+      if (used[static_cast<int64_t>(i)].item<int>() == 0) params[i].tensor.mutable_grad() = at::Tensor();
+    }
+    backward_ms = ms_between(first_hook, last_launch);
+    tail_wait_ms = ms_between(t0, t1);
+    allreduce_ms = ms_between(first_hook, t1);
+    if (record_order) {
+      record_order = false;
+      rebuild_pending = true;
+    }
+    reset_iteration();
+  }
+
+  // Rank 0's order of readiness (parameters it never saw come last, in
+  // reverse order), on every rank.
+  std::vector<size_t> agreed_order() {
+    std::vector<size_t> order = ready_order;
+    std::vector<char> seen(params.size(), 0);
+    for (size_t i : order) seen[i] = 1;
+    for (size_t i = params.size(); i-- > 0;) {
+      if (!seen[i]) order.push_back(i);
+    }
+    at::Tensor t = at::empty({static_cast<int64_t>(order.size())}, at::kLong);
+    for (size_t k = 0; k < order.size(); ++k) t[static_cast<int64_t>(k)] = static_cast<int64_t>(order[k]);
+    group.broadcast(t, 0, timeout());
+    for (size_t k = 0; k < order.size(); ++k) order[k] = static_cast<size_t>(t[static_cast<int64_t>(k)].item<int64_t>());
+    return order;
+  }
+};
+
+Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, DDPOptions options,
+                 std::shared_ptr<ProcessGroup> group)
+    : group_(std::move(group)) {
+  if (!module) throw std::invalid_argument("DistributedDataParallel: the module is null");
+  if (!(options.bucket_cap_mb > 0) || !(options.first_bucket_mb > 0)) {
+    throw std::invalid_argument("DistributedDataParallel: bucket_cap_mb and first_bucket_mb must be > 0");
+  }
+  impl_ = std::make_unique<Impl>(std::move(module), options, *group_);
+  Impl& m = *impl_;
+  std::unordered_set<c10::TensorImpl*> seen;
+  for (const auto& item : m.module->named_parameters(/*recurse=*/true)) {
+    const at::Tensor& t = item.value();
+    if (!t.requires_grad() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
+    if (group_->backend() == "gloo" && !t.device().is_cpu()) {
+      throw std::invalid_argument("DistributedDataParallel: parameter '" + item.key() + "' is on " +
+                                  t.device().str() + "; a gloo group takes CPU parameters");
+    }
+    Impl::Param p;
+    p.name = item.key();
+    p.tensor = t;
+    m.params.push_back(std::move(p));
+  }
+  if (m.params.empty()) {
+    throw std::invalid_argument("DistributedDataParallel: the module has no parameter that requires grad");
+  }
+  std::string fingerprint;
+  for (const auto& p : m.params) {
+    fingerprint += "'" + p.name + "' " + shape_text(p.tensor.sizes()) + " " +
+                   c10::toString(p.tensor.scalar_type()) + "\n";
+  }
+  for (const auto& item : m.module->named_buffers(true)) {
+    m.buffers.push_back(item.value());
+    fingerprint += "buffer '" + item.key() + "' " + shape_text(item.value().sizes()) + " " +
+                   c10::toString(item.value().scalar_type()) + "\n";
+  }
+  auto all = all_gather_strings(fingerprint, *group_, m.timeout());
+  for (size_t r = 1; r < all.size(); ++r) {
+    if (all[r] == all[0]) continue;
+    auto a = lines_of(all[0]), b = lines_of(all[r]);
+    size_t k = 0;
+    while (k < a.size() && k < b.size() && a[k] == b[k]) ++k;
+    auto has = [&](const std::vector<std::string>& lines, size_t rank) {
+      return "rank " + std::to_string(rank) + " has " +
+             (k < lines.size() ? lines[k] : "no entry #" + std::to_string(k) + " (" +
+                                                std::to_string(lines.size()) + " in all)");
+    };
+    throw std::invalid_argument(
+        "DistributedDataParallel: the ranks' models differ at parameter #" + std::to_string(k) +
+        ": " + has(a, 0) + ", " + has(b, r) + " (every rank must build the same model)");
+  }
+  std::vector<at::Tensor> state;
+  for (const auto& p : m.params) state.push_back(p.tensor);
+  for (const auto& b : m.buffers) state.push_back(b);
+  if (group_->size() > 1) broadcast_coalesced(state, *group_, m.timeout());
+
+  std::vector<size_t> order;
+  for (size_t i = m.params.size(); i-- > 0;) order.push_back(i);
+  m.build_buckets(order);
+  m.ready.assign(m.params.size(), 0);
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    auto& p = m.params[i];
+    p.accumulator = torch::autograd::impl::grad_accumulator(p.tensor);
+    p.hook_key = p.accumulator->add_post_hook(std::make_unique<Impl::ReadyHook>(&m, i));
+  }
+}
+
+Reducer::~Reducer() {
+  for (auto& p : impl_->params) {
+    if (p.accumulator) p.accumulator->del_post_hook(p.hook_key);
+  }
+}
+
+void Reducer::prepare_forward() {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  if (m.rebuild_pending) {
+    m.rebuild_pending = false;
+    m.build_buckets(m.agreed_order());
+    m.rebuilt = true;
+  }
+  m.iter_sync = m.sync;
+  if (m.opt.broadcast_buffers && !m.buffers.empty() && group_->size() > 1) {
+    broadcast_coalesced(m.buffers, *group_, m.timeout());
+  }
+}
+
+void Reducer::set_sync(bool sync) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->sync = sync;
+}
+
+bool Reducer::sync() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->sync;
+}
+
+Reducer::Stats Reducer::stats() const {
+  const Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  Stats s;
+  s.buckets = m.buckets.size();
+  for (const auto& b : m.buckets) {
+    s.bucket_bytes.push_back(static_cast<size_t>(b.buffer.numel() * b.buffer.element_size()));
+    s.bucket_params.push_back(b.params);
+  }
+  s.rebuilt = m.rebuilt;
+  s.backward_ms = m.backward_ms;
+  s.tail_wait_ms = m.tail_wait_ms;
+  s.allreduce_ms = m.allreduce_ms;
+  return s;
+}
+
+}  // namespace detail
+}  // namespace tandem::ddp

@@ -1,0 +1,147 @@
+#pragma once
+// DistributedDataParallel: one replica of a torch::nn::Module per rank, its
+// gradients averaged over the process group while backward still runs.
+//
+//   ddp::init_process_group("gloo");
+//   auto model = torch::nn::Sequential(...);
+//   ddp::DistributedDataParallel net(model);
+//   torch::optim::SGD opt(net.parameters(), 0.01);
+//   auto loss = loss_fn(net(x), y);
+//   loss.backward();          // buckets all-reduce as their gradients land
+//   opt.step();               // every rank steps the same averaged gradients
+//
+// At construction the ranks compare their parameters' names, shapes and
+// dtypes (a mismatch fails on every rank naming the first parameter that
+// differs and the ranks involved) and take rank 0's parameters and buffers.
+// Gradients live in flat buckets (`bucket_cap_mb`, the first one
+// `first_bucket_mb`, parameters in reverse order at first, rebuilt after the
+// first step in the order their gradients became ready, rank 0's order on
+// every rank); each parameter's .grad aliases its slot, so the averaged
+// gradient is written straight out of the bucket. A bucket is averaged with
+// one all_reduce launched by the hook of its last gradient, in bucket order
+// (the same on every rank); backward returns when all have finished.
+//
+// Differences from PyTorch worth knowing: a parameter that got no gradient
+// while find_unused_parameters is off fails that backward on every rank,
+// naming the parameter (PyTorch fails the next iteration naming none).
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tandem/ddp/process_group.h"
+
+namespace tandem::ddp {
+
+struct DDPOptions {
+  double bucket_cap_mb = 25;    // MiB per bucket
+  double first_bucket_mb = 1;   // the first bucket is small so communication starts early
+  // Parameters that may get no gradient in a step (a branch not taken): their
+  // slot counts as zero, and one that no rank used keeps its .grad untouched.
+  bool find_unused_parameters = false;
+  // Rank 0's buffers (batch-norm statistics) copied to every rank before each forward.
+  bool broadcast_buffers = true;
+  std::chrono::milliseconds timeout = kGroupTimeout;  // each bucket's all_reduce
+};
+
+namespace detail {
+
+// The gradient bookkeeping behind DistributedDataParallel<M> (one per model).
+class Reducer {
+ public:
+  Reducer(std::shared_ptr<torch::nn::Module> module, DDPOptions options,
+          std::shared_ptr<ProcessGroup> group);
+  ~Reducer();
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  // Before each forward: buffers from rank 0, buckets rebuilt after the first step.
+  void prepare_forward();
+  void set_sync(bool sync);
+  bool sync() const;
+
+  // What tests and benchmarks read.
+  struct Stats {
+    size_t buckets = 0;
+    std::vector<size_t> bucket_bytes;
+    // Per bucket: its parameters' indices in module->parameters() order.
+    std::vector<std::vector<size_t>> bucket_params;
+    bool rebuilt = false;
+    // The last synced backward: from its first gradient hook to the last
+    // bucket's launch (backward_ms), the wait after backward's own work for
+    // the buckets still running (tail_wait_ms), first hook to all done
+    // (allreduce_ms).
+    double backward_ms = 0, tail_wait_ms = 0, allreduce_ms = 0;
+  };
+  Stats stats() const;
+  ProcessGroup& group() { return *group_; }
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  std::shared_ptr<ProcessGroup> group_;
+};
+
+}  // namespace detail
+
+template <class M>
+class DistributedDataParallel {
+ public:
+  // `group` null: the default process group.
+  explicit DistributedDataParallel(std::shared_ptr<M> module, DDPOptions options = {},
+                                   std::shared_ptr<ProcessGroup> group = nullptr)
+      : module_(std::move(module)),
+        reducer_(std::make_unique<detail::Reducer>(
+            module_, options, group ? std::move(group) : default_group_ptr())) {}
+  explicit DistributedDataParallel(torch::nn::ModuleHolder<M> module, DDPOptions options = {},
+                                   std::shared_ptr<ProcessGroup> group = nullptr)
+      : DistributedDataParallel(module.ptr(), options, std::move(group)) {}
+
+  template <class... Args>
+  decltype(auto) forward(Args&&... args) {
+    reducer_->prepare_forward();
+    return module_->forward(std::forward<Args>(args)...);
+  }
+  template <class... Args>
+  decltype(auto) operator()(Args&&... args) {
+    return forward(std::forward<Args>(args)...);
+  }
+
+  // Gradient accumulation: backwards inside a NoSync scope only add to the
+  // local gradients; the first backward after it averages everything.
+  class NoSync {
+   public:
+    explicit NoSync(detail::Reducer& r) : r_(&r), was_(r.sync()) { r.set_sync(false); }
+    ~NoSync() {
+      if (r_) r_->set_sync(was_);
+    }
+    NoSync(NoSync&& o) noexcept : r_(std::exchange(o.r_, nullptr)), was_(o.was_) {}
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+    NoSync& operator=(NoSync&&) = delete;
+
+   private:
+    detail::Reducer* r_;
+    bool was_;
+  };
+  [[nodiscard]] NoSync no_sync() { return NoSync(*reducer_); }
+
+  std::shared_ptr<M> module() const { return module_; }
+  M* operator->() const { return module_.get(); }
+  std::vector<at::Tensor> parameters() const { return module_->parameters(); }
+  detail::Reducer& reducer() { return *reducer_; }
+
+ private:
+  std::shared_ptr<M> module_;
+  std::unique_ptr<detail::Reducer> reducer_;
+};
+
+template <class M>
+DistributedDataParallel(torch::nn::ModuleHolder<M>, DDPOptions = {},
+                        std::shared_ptr<ProcessGroup> = nullptr) -> DistributedDataParallel<M>;
+
+}  // namespace tandem::ddp

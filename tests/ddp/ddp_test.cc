@@ -1,0 +1,247 @@
+// DistributedDataParallel against single-process LibTorch: ranks are threads
+// of this process, each with its own replica and its own part of the batch.
+#include "ddp_support.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/randint.h>
+#include <ATen/ops/relu.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+
+#include "tandem/ddp/distributed_data_parallel.h"
+
+using namespace tandem;
+using namespace std::chrono_literals;
+using test::Groups;
+using test::on_ranks;
+
+namespace {
+
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(int hidden = 8, bool with_unused = false) {
+    fc1 = register_module("fc1", torch::nn::Linear(5, hidden));
+    fc2 = register_module("fc2", torch::nn::Linear(hidden, 3));
+    if (with_unused) unused = register_module("unused", torch::nn::Linear(3, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc2(at::relu(fc1(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, unused{nullptr};
+};
+TORCH_MODULE(Net);
+
+struct Batch {
+  at::Tensor x, y;
+};
+
+// Rank r's batch k of 4 samples (its own generator: ranks are threads).
+Batch batch(int r, int k) {
+  auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(1000 + 17 * r + k));
+  return {at::randn({4, 5}, gen), at::randint(0, 3, {4}, gen, at::kLong)};
+}
+
+// The global generator makes the weights: one thread at a time.
+std::mutex g_seed_mu;
+Net make_net(uint64_t seed, bool with_unused = false, int hidden = 8) {
+  std::lock_guard<std::mutex> lock(g_seed_mu);
+  at::manual_seed(seed);
+  return Net(hidden, with_unused);
+}
+
+double loss_of(Net& net, const Batch& b) {
+  auto loss = torch::nn::functional::cross_entropy(net->forward(b.x), b.y);
+  loss.backward();
+  return loss.item<double>();
+}
+
+// The same training on one process: each step's batch is every rank's
+// batch concatenated; `micro` micro-batches accumulate before a step.
+std::vector<at::Tensor> local_training(int world, int steps, int micro, bool with_unused = false) {
+  Net net = make_net(0, with_unused);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+  for (int s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    for (int k = 0; k < micro; ++k) {
+      std::vector<at::Tensor> xs, ys;
+      for (int r = 0; r < world; ++r) {
+        Batch b = batch(r, s * micro + k);
+        xs.push_back(b.x);
+        ys.push_back(b.y);
+      }
+      Batch all{at::cat(xs), at::cat(ys)};
+      loss_of(net, all);
+    }
+    opt.step();
+  }
+  std::vector<at::Tensor> out;
+  for (auto& p : net->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+void expect_close(const std::vector<at::Tensor>& got, const std::vector<at::Tensor>& want) {
+  REQUIRE(got.size() == want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    INFO("parameter " << i);
+    CHECK(at::allclose(got[i], want[i], 1e-5, 1e-6));
+  }
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("ddp: DistributedDataParallel trains as one process on the concatenated batches") {
+  const int steps = 3;
+  for (int world : {2, 3}) {
+    for (double cap : {25.0, 1e-4}) {  // one bucket; a bucket per parameter
+      INFO("world " << world << " bucket_cap_mb " << cap);
+      Groups g(world);
+      std::vector<std::vector<at::Tensor>> result(world);
+      on_ranks(world, [&](int r) {
+        Net net = make_net(r == 0 ? 0 : r + 7);  // others differ on purpose: rank 0's are taken
+        ddp::DDPOptions o;
+        o.bucket_cap_mb = cap;
+        o.first_bucket_mb = cap;
+        ddp::DistributedDataParallel model(net, o, g.groups[r]);
+        auto before = model.reducer().stats();
+        CHECK(before.buckets == (cap < 1 ? 4u : 1u));
+        // Reverse parameter order at first: fc2.bias is the first bucket's.
+        CHECK(before.bucket_params.front().front() == 3u);
+        torch::optim::SGD opt(model.parameters(), torch::optim::SGDOptions(0.1));
+        for (int s = 0; s < steps; ++s) {
+          opt.zero_grad();
+          Batch b = batch(r, s);
+          auto loss = torch::nn::functional::cross_entropy(model(b.x), b.y);
+          loss.backward();
+          // The averaged gradient lives in the bucket: .grad aliases it.
+          for (auto& p : model.parameters()) CHECK(p.grad().defined());
+          opt.step();
+        }
+        CHECK(model.reducer().stats().rebuilt);
+        for (auto& p : net->parameters()) result[r].push_back(p.detach().clone());
+      });
+      auto want = local_training(world, steps, 1);
+      for (int r = 0; r < world; ++r) expect_close(result[r], want);
+    }
+  }
+}
+
+TEST_CASE("ddp: no_sync accumulates locally and the next backward averages it all") {
+  const int world = 2, steps = 2, micro = 3;
+  Groups g(world);
+  std::vector<std::vector<at::Tensor>> result(world);
+  on_ranks(world, [&](int r) {
+    Net net = make_net(0);
+    ddp::DistributedDataParallel model(net, {}, g.groups[r]);
+    torch::optim::SGD opt(model.parameters(), torch::optim::SGDOptions(0.1));
+    for (int s = 0; s < steps; ++s) {
+      opt.zero_grad();
+      for (int k = 0; k < micro; ++k) {
+        Batch b = batch(r, s * micro + k);
+        if (k + 1 < micro) {
+          auto scope = model.no_sync();
+          torch::nn::functional::cross_entropy(model(b.x), b.y).backward();
+        } else {
+          torch::nn::functional::cross_entropy(model(b.x), b.y).backward();
+        }
+      }
+      opt.step();
+    }
+    for (auto& p : net->parameters()) result[r].push_back(p.detach().clone());
+  });
+  auto want = local_training(world, steps, micro);
+  for (int r = 0; r < world; ++r) expect_close(result[r], want);
+}
+
+TEST_CASE("ddp: an unused parameter fails the backward by name, or is skipped with find_unused_parameters") {
+  const int world = 2;
+  {
+    Groups g(world);
+    std::vector<std::string> errors(world);
+    on_ranks(world, [&](int r) {
+      Net net = make_net(0, /*with_unused=*/true);
+      ddp::DistributedDataParallel model(net, {}, g.groups[r]);
+      Batch b = batch(r, 0);
+      errors[r] = error_of([&] { torch::nn::functional::cross_entropy(model(b.x), b.y).backward(); });
+    });
+    for (const auto& e : errors) {
+      CHECK(e.find("parameters 'unused.weight', 'unused.bias' got no gradient in this backward") !=
+            std::string::npos);
+      CHECK(e.find("find_unused_parameters = true") != std::string::npos);
+    }
+  }
+  Groups g(world);
+  std::vector<std::vector<at::Tensor>> result(world);
+  on_ranks(world, [&](int r) {
+    Net net = make_net(0, true);
+    ddp::DDPOptions o;
+    o.find_unused_parameters = true;
+    o.bucket_cap_mb = o.first_bucket_mb = 1e-4;
+    ddp::DistributedDataParallel model(net, o, g.groups[r]);
+    torch::optim::SGD opt(model.parameters(), torch::optim::SGDOptions(0.1));
+    for (int s = 0; s < 3; ++s) {
+      opt.zero_grad();
+      Batch b = batch(r, s);
+      torch::nn::functional::cross_entropy(model(b.x), b.y).backward();
+      // No rank used it: it keeps no gradient, as in PyTorch.
+      CHECK_FALSE(net->unused->weight.grad().defined());
+      opt.step();
+    }
+    for (auto& p : net->parameters()) result[r].push_back(p.detach().clone());
+  });
+  auto want = local_training(world, 3, 1, /*with_unused=*/true);
+  for (int r = 0; r < world; ++r) expect_close(result[r], want);
+}
+
+TEST_CASE("ddp: ranks whose models differ fail at construction naming the parameter and ranks") {
+  Groups g(2);
+  std::vector<std::string> errors(2);
+  on_ranks(2, [&](int r) {
+    Net net = make_net(0, false, r == 0 ? 8 : 9);
+    errors[r] = error_of([&] { ddp::DistributedDataParallel model(net, {}, g.groups[r]); });
+  });
+  for (const auto& e : errors) {
+    INFO(e);
+    CHECK(e.find("the ranks' models differ at parameter #0: rank 0 has 'fc1.weight' [8, 5] Float, "
+                 "rank 1 has 'fc1.weight' [9, 5] Float") != std::string::npos);
+  }
+}
+
+TEST_CASE("ddp: a rank that stops taking part fails the others' backward within the timeout") {
+  Groups g(2, 2s);
+  Net net = make_net(0);
+  std::string err;
+  on_ranks(2, [&](int r) {
+    Net mine = make_net(0);
+    ddp::DDPOptions o;
+    o.timeout = 500ms;
+    ddp::DistributedDataParallel model(mine, o, g.groups[r]);
+    if (r == 1) return;  // never runs a step
+    Batch b = batch(0, 0);
+    auto t0 = std::chrono::steady_clock::now();
+    err = error_of([&] { torch::nn::functional::cross_entropy(model(b.x), b.y).backward(); });
+    CHECK(std::chrono::steady_clock::now() - t0 < 5s);
+  });
+  CHECK(err.find("all_reduce(sum) on rank 0 of 2 failed (timeout 500 ms)") != std::string::npos);
+}
+
+TEST_CASE("ddp: bad DistributedDataParallel arguments are refused") {
+  Groups g(1);
+  Net net = make_net(0);
+  ddp::DDPOptions o;
+  o.bucket_cap_mb = 0;
+  CHECK(error_of([&] { ddp::DistributedDataParallel m(net, o, g.groups[0]); })
+            .find("bucket_cap_mb and first_bucket_mb must be > 0") != std::string::npos);
+  for (auto& p : net->parameters()) p.set_requires_grad(false);
+  CHECK(error_of([&] { ddp::DistributedDataParallel m(net, {}, g.groups[0]); })
+            .find("no parameter that requires grad") != std::string::npos);
+  CHECK(error_of([&] { ddp::DistributedDataParallel m(net); }).find("init_process_group") !=
+        std::string::npos);
+}
