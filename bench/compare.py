@@ -16,9 +16,9 @@ import sys
 
 SIZE_KEYS = ("bytes", "hops", "world")
 METRICS = ("p50_us", "p99_us", "gbps", "ms", "local_ms", "overhead_ms", "ms_per_local",
-           "record_us_per_rpc",
+           "record_us_per_rpc", "overlap",
            "init_ms", "all_to_all_ms", "shutdown_ms")
-HIGHER_IS_BETTER = {"gbps"}
+HIGHER_IS_BETTER = {"gbps", "overlap"}
 HEADER = ("bench", "size", "metric", "tandem", "pytorch", "path", "raw_tcp",
           "tandem/pytorch", "tandem/raw_tcp")
 LEFT = {"bench", "size", "metric", "path"}  # text columns; the rest align right

@@ -10,7 +10,7 @@
 
 #include "tandem/rpc/call_table.h"
 #include "tandem/rpc/connection_table.h"
-#include "tandem/rpc/host_memory.h"
+#include "tandem/rpc/host.h"
 #include "tandem/rpc/rendezvous.h"
 #include "tandem/rpc/rref/context.h"
 

@@ -100,7 +100,7 @@ struct AgentOptions {
   // Tests wrap it in the fault-injecting decorator (rpc/transport/faulty/).
   TransportFactory transport;
   // Keep freed host memory mapped for the next step instead of giving it back
-  // to the kernel (rpc/host_memory.h); skipped where the user tuned malloc.
+  // to the kernel (rpc/host.h); skipped where the user tuned malloc.
   bool retain_freed_memory = true;
 };
 

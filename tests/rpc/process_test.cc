@@ -12,7 +12,7 @@
 #include <cstring>
 
 #include "tandem/rpc/api.h"
-#include "tandem/rpc/host_memory.h"
+#include "tandem/rpc/host.h"
 #include "tandem/rpc/rendezvous.h"
 
 using namespace tandem;

@@ -1,5 +1,8 @@
 #pragma once
-// Keeping freed host memory in the process.
+// Process-wide host settings a training job wants: freed memory kept for the
+// next step, and how many threads the CPU kernels use.
+//
+// ---- Keeping freed host memory in the process ----
 //
 // A training step allocates and frees the same large tensors every time
 // (activations, gradients, received messages of hundreds of KiB to MiBs).
@@ -24,5 +27,14 @@ namespace tandem::rpc {
 bool retain_freed_memory();
 // Whether an earlier retain_freed_memory() put them in effect.
 bool freed_memory_retained();
+
+// ---- Threads ----
+// at::set_num_threads(n), and the same for OpenBLAS's own thread pool, which
+// at::set_num_threads leaves alone: with several processes on one host
+// (one per rank), each running OpenBLAS with a thread per core, the ranks'
+// GEMMs fight for the cores (ddp_bench's forward took 40% longer). tandem-run
+// sets OMP_NUM_THREADS, which OpenBLAS reads too, for the processes it starts.
+// Throws std::invalid_argument for n < 1.
+void set_num_threads(int n);
 
 }  // namespace tandem::rpc
