@@ -4,8 +4,11 @@
 // its calls with then(), as the README shows, and through a remote value
 // handed back to its owner inside a tuple; a DistributedOptimizer steps a
 // parameter with that context's gradient, and a RemoteModule's parameters
-// train through its forward.
+// train through its forward. A one-rank DistributedDataParallel model takes a
+// step, and a DistributedSampler gives its share.
 #include <tandem/autograd/autograd.h>
+#include <tandem/ddp/distributed_data_parallel.h>
+#include <tandem/ddp/sampler.h>
 #include <tandem/optim/distributed_optimizer.h>
 #include <tandem/remote_module/remote_module.h>
 #include <tandem/rpc/api.h>
@@ -16,6 +19,8 @@
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/sum.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
 
 #include <cstdio>
 #include <stdexcept>
@@ -99,7 +104,22 @@ int main() {
     opt.step(ctx.id());
     module_weight = fc.state_dict().at("weight")[0][0].item<double>();  // 1 - 0.5 * 1
   }
+  double ddp_weight = 0;
+  size_t share = 0;
+  {
+    tandem::ddp::init_process_group("gloo", "tcp://127.0.0.1:0", 1, 0);
+    torch::nn::Linear fc(2, 1);
+    fc->weight.data().fill_(1);
+    tandem::ddp::DistributedDataParallel net(fc);
+    torch::optim::SGD opt(net.parameters(), torch::optim::SGDOptions(0.5));
+    at::sum(net(at::ones({1, 2}))).backward();
+    opt.step();
+    ddp_weight = fc->weight[0][0].item<double>();  // 1 - 0.5 * 1
+    share = tandem::ddp::DistributedSampler(10).indices().size();  // the default group's 1 rank
+    tandem::ddp::destroy_process_group();
+  }
   tandem::rpc::shutdown();
+  std::printf("DDP's weight after one step %.2f, the sampler's share %zu\n", ddp_weight, share);
   std::printf("after one SGD step the parameter is %.2f, the RemoteModule's weight %.2f\n",
               stepped, module_weight);
   std::printf("twice(21) = %lld, d(sum(3x))/dx = %.1f, d(sum(6x) + sum(x))/dx = %.1f, "
@@ -107,7 +127,7 @@ int main() {
               static_cast<long long>(y), g, chained, held,
               named ? "a missing gradient is named" : "a missing gradient is NOT named");
   return y == 42 && g == 3.0 && chained == 7.0 && held == 6.0 && stepped == -0.5 &&
-                 module_weight == 0.5 && named
+                 module_weight == 0.5 && named && ddp_weight == 0.5 && share == 10
              ? 0
              : 1;
 }
