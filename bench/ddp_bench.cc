@@ -41,10 +41,14 @@ double ms_since(Clock::time_point t0) {
 
 torch::nn::Sequential make_model() {
   at::manual_seed(0);
-  return torch::nn::Sequential(torch::nn::Linear(512, 2048), torch::nn::ReLU(),
-                               torch::nn::Linear(2048, 2048), torch::nn::ReLU(),
-                               torch::nn::Linear(2048, 512), torch::nn::ReLU(),
-                               torch::nn::Linear(512, 10));
+  // One statement per layer: the weights come from the generator in
+  // PyTorch's order (a function's arguments are made in no fixed order).
+  torch::nn::Linear fc1(512, 2048);
+  torch::nn::Linear fc2(2048, 2048);
+  torch::nn::Linear fc3(2048, 512);
+  torch::nn::Linear fc4(512, 10);
+  return torch::nn::Sequential(fc1, torch::nn::ReLU(), fc2, torch::nn::ReLU(), fc3,
+                               torch::nn::ReLU(), fc4);
 }
 
 struct Batch {
