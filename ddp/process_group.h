@@ -20,6 +20,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/version.h>
 
 #include <chrono>
 #include <memory>
@@ -29,6 +30,7 @@
 
 namespace c10d {
 class ProcessGroup;
+class Backend;
 }  // namespace c10d
 
 namespace tandem::ddp {
@@ -40,6 +42,14 @@ class CollectiveError : public std::runtime_error {
 };
 
 enum class ReduceOp { kSum, kAvg, kProduct, kMin, kMax };
+
+// The c10d class Gloo's and NCCL's groups derive from: ProcessGroup in
+// LibTorch 1.x, Backend from 2.0 on.
+#if TORCH_VERSION_MAJOR >= 2
+using C10dEngine = c10d::Backend;
+#else
+using C10dEngine = c10d::ProcessGroup;
+#endif
 
 // PyTorch's default: 30 minutes. Each call may give its own.
 constexpr std::chrono::milliseconds kDefaultCollectiveTimeout{30 * 60 * 1000};
@@ -106,7 +116,7 @@ class ProcessGroup {
                           std::chrono::milliseconds timeout = kGroupTimeout);
 
   // The c10d group itself, for what this front does not cover.
-  c10d::ProcessGroup& c10d() { return *pg_; }
+  C10dEngine& c10d() { return *pg_; }
 
  private:
   ProcessGroup() = default;
@@ -117,7 +127,7 @@ class ProcessGroup {
     return timeout.count() < 0 ? timeout_ : timeout;
   }
 
-  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  c10::intrusive_ptr<C10dEngine> pg_;
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_ = -1, size_ = 0;
   std::string backend_;
