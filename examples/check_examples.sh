@@ -12,7 +12,10 @@
 #  d. parameter_server on 3 processes and on 2 exits 0, every trainer reports;
 #     rpc_demo exits 0;
 #  e. bad input exits 2 with a one-line reason, without hanging: a missing
-#     --corpus, --resume without a checkpoint, an unknown flag.
+#     --corpus, --resume without a checkpoint, an unknown flag;
+#  f. ddp_mlp on 2 processes, and as two one-process "nodes" (two tandem-run
+#     --nnodes 2), exits 0 with identical replicas and a falling loss; a bad
+#     flag exits 2.
 set -uo pipefail
 bin="$(readlink -f "${1:?usage: check_examples.sh BIN_DIR}")"
 run="$bin/tandem-run"
@@ -110,6 +113,34 @@ check_bad() {  # check_bad NAME PATTERN ARGS...
 check_bad missing "corpus file '$tmp/missing.txt' does not exist" --corpus "$tmp/missing.txt"
 check_bad resume "no checkpoint at" --resume --checkpoint "$tmp/none.ckpt"
 check_bad flag "unknown flag '--bogus'" --bogus
+
+# f. data parallelism
+ddp_ok() {  # ddp_ok WHAT LOG: the replicas agree and the loss fell
+  local line
+  line=$(grep -o 'final loss [0-9.]* (first step [0-9.]*); replicas [a-zA-Z]*' "$2")
+  if [[ $line != *"replicas identical" ]]; then
+    fail "$1: no 'replicas identical' line"
+    sed 's/^/    /' "$2"
+  elif ! awk -v l="$(echo "$line" | awk '{print $3}')" -v f="$(echo "$line" | awk '{print $6}' | tr -d ')')" \
+      'BEGIN { exit !(l < f) }'; then
+    fail "$1: the loss did not fall ($line)"
+  else
+    echo "ok: $1: $line"
+  fi
+}
+rc=$(launch f.log 2 ddp_mlp --epochs 2 --samples 2048)
+expect_rc "ddp_mlp on 2 processes" "$rc" 0 f.log && ddp_ok "ddp_mlp" f.log
+port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+for node in 0 1; do
+  timeout 120 "$run" --nnodes 2 --node-rank "$node" --master-addr 127.0.0.1 --master-port "$port" \
+    --nproc-per-node 1 "$bin/ddp_mlp" --epochs 2 --samples 2048 >"f$node.log" 2>&1 &
+done
+wait %1; rc0=$?
+wait %2; rc1=$?
+expect_rc "ddp_mlp node 0 of 2" "$rc0" 0 f0.log && ddp_ok "ddp_mlp on two nodes" f0.log
+expect_rc "ddp_mlp node 1 of 2" "$rc1" 0 f1.log
+rc=$(launch f.log 2 ddp_mlp --bogus)
+expect_rc "ddp_mlp --bogus" "$rc" 2 f.log && { grep -q "unknown flag '--bogus'" f.log || fail "ddp_mlp --bogus: no message"; }
 
 if ((failures)); then
   echo "check_examples: $failures failure(s)"
