@@ -11,6 +11,8 @@
 // Prints: {"bench":"ddp_step","impl":"tandem","world":2,"ms":..,"local_ms":..,"overlap":..,"loss":..}
 //
 // Usage: ddp_bench [--steps 30] [--warmup 5] [--rounds 3]
+// Env: TANDEM_BENCH_BUCKET_MB=N sets bucket_cap_mb (default 25);
+//      TANDEM_BENCH_VERBOSE=1 prints each rank's phases and buckets on stderr.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
