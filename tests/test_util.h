@@ -379,6 +379,33 @@ struct World {
 
 // ---- a worker process ------------------------------------------------------------
 
+// A shell command's exit code (128 + signal when killed) and its output,
+// stdout and stderr together.
+struct RunResult {
+  int status = -1;
+  std::string output;
+};
+inline RunResult run_command(const std::string& cmd) {
+  RunResult r;
+  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  REQUIRE(p != nullptr);
+  char buf[4096];
+  while (size_t n = std::fread(buf, 1, sizeof(buf), p)) r.output.append(buf, n);
+  int st = ::pclose(p);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  return r;
+}
+
+// What `fn` threw, or "" when it did not.
+inline std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
 // The body of a simple worker_main(): joins the world from the environment
 // (a 60 s rendezvous) with `reg`'s functions and serves until the others
 // shut down, or this process dies; 0, or 2 with the error on stderr.

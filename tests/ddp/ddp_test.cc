@@ -15,6 +15,7 @@
 using namespace tandem;
 using namespace std::chrono_literals;
 using test::Groups;
+using test::error_of;
 using test::on_ranks;
 
 namespace {
@@ -84,15 +85,6 @@ void expect_close(const std::vector<at::Tensor>& got, const std::vector<at::Tens
     INFO("parameter " << i);
     CHECK(at::allclose(got[i], want[i], 1e-5, 1e-6));
   }
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
 }
 
 }  // namespace

@@ -4,21 +4,13 @@
 using namespace tandem;
 using namespace std::chrono_literals;
 using test::Groups;
+using test::error_of;
 using test::on_ranks;
 
 namespace {
 
 // What rank r holds before a collective: r + 1 in every element.
 at::Tensor rank_tensor(int r) { return at::full_like(at::zeros({2, 3}), r + 1); }
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
 
 bool contains(const std::string& s, const std::string& part) {
   return s.find(part) != std::string::npos;

@@ -12,24 +12,8 @@ using namespace std::chrono_literals;
 
 namespace {
 
-struct RunResult {
-  int status = -1;
-  std::string output;
-};
-
-RunResult run_command(const std::string& cmd) {
-  RunResult r;
-  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  REQUIRE(p != nullptr);
-  char buf[4096];
-  while (size_t n = std::fread(buf, 1, sizeof(buf), p)) r.output.append(buf, n);
-  int st = ::pclose(p);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  return r;
-}
-
 void expect_sums(const std::string& env) {
-  RunResult r = run_command(env + " TANDEM_TEST_WORKER=sum " + TANDEM_RUN_PATH +
+  test::RunResult r = test::run_command(env + " TANDEM_TEST_WORKER=sum " + TANDEM_RUN_PATH +
                             " --nproc-per-node 3 " + support::self_exe());
   INFO(r.output);
   CHECK(r.status == 0);

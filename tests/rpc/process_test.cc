@@ -101,28 +101,8 @@ int worker_main(const std::string& mode) {
 
 }  // namespace tandem::test
 
-namespace {
-
-struct RunResult {
-  int status = -1;
-  std::string output;
-};
-
-RunResult run_command(const std::string& cmd) {
-  RunResult r;
-  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  REQUIRE(p != nullptr);
-  char buf[4096];
-  while (size_t n = std::fread(buf, 1, sizeof(buf), p)) r.output.append(buf, n);
-  int st = ::pclose(p);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  return r;
-}
-
-}  // namespace
-
 TEST_CASE("process: tandem-run starts a world of real workers") {
-  RunResult r = run_command(std::string("TANDEM_TEST_WORKER=launch ") + TANDEM_RUN_PATH +
+  test::RunResult r = test::run_command(std::string("TANDEM_TEST_WORKER=launch ") + TANDEM_RUN_PATH +
                             " --nproc-per-node 3 " + support::self_exe());
   INFO(r.output);
   CHECK(r.status == 0);
@@ -134,7 +114,7 @@ TEST_CASE("process: tandem-run starts a world of real workers") {
 
 TEST_CASE("process: tandem-run stops everyone when one worker fails") {
   auto t0 = std::chrono::steady_clock::now();
-  RunResult r = run_command(std::string("TANDEM_TEST_WORKER=launch TANDEM_TEST_FAIL_RANK=1 ") +
+  test::RunResult r = test::run_command(std::string("TANDEM_TEST_WORKER=launch TANDEM_TEST_FAIL_RANK=1 ") +
                             TANDEM_RUN_PATH + " --nproc-per-node 2 " + support::self_exe());
   INFO(r.output);
   CHECK(r.status == 3);
@@ -195,7 +175,7 @@ TEST_CASE("process: launcher variables from Slurm and Open MPI") {
 
 TEST_CASE("process: freed host memory stays mapped for the next step unless the user opts out") {
   auto probe = [](const std::string& env) {
-    RunResult r = run_command(env + " TANDEM_TEST_WORKER=malloc_faults " + support::self_exe());
+    test::RunResult r = test::run_command(env + " TANDEM_TEST_WORKER=malloc_faults " + support::self_exe());
     INFO(r.output);
     REQUIRE(r.status == 0);
     int applied = -1;
