@@ -12,6 +12,7 @@
 //
 // Usage: ddp_bench [--steps 30] [--warmup 5] [--rounds 3]
 // Env: TANDEM_BENCH_BUCKET_MB=N sets bucket_cap_mb (default 25);
+//      TANDEM_BENCH_HOOK=fp16 averages in float16 (fp16_compress_hook);
 //      TANDEM_BENCH_VERBOSE=1 prints each rank's phases and buckets on stderr.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/randint.h>
@@ -86,6 +87,9 @@ Figures run_rank(int steps, int warmup) {
     auto model = make_model();
     ddp::DDPOptions o;
     if (const char* mb = std::getenv("TANDEM_BENCH_BUCKET_MB")) o.bucket_cap_mb = std::atof(mb);
+    if (const char* hook = std::getenv("TANDEM_BENCH_HOOK"); hook && std::strcmp(hook, "fp16") == 0) {
+      o.comm_hook = ddp::fp16_compress_hook();
+    }
     ddp::DistributedDataParallel net(model, o);
     torch::optim::SGD opt(net.parameters(), torch::optim::SGDOptions(0.01));
     Batch b = batch(ddp::get_rank());

@@ -16,6 +16,45 @@
 #include <unordered_set>
 
 namespace tandem::ddp {
+namespace {
+
+CommHook compress_hook(at::ScalarType wire) {
+  return [wire](ProcessGroup& group, at::Tensor& bucket) {
+    if (!at::isFloatingType(bucket.scalar_type())) {
+      throw std::invalid_argument(std::string("DistributedDataParallel: a compression hook takes ") +
+                                  "floating-point buckets, not " + c10::toString(bucket.scalar_type()));
+    }
+    at::Tensor packed = bucket.div(group.size()).to(wire);
+    BucketWork w;
+    w.pending = group.all_reduce_async(packed, ReduceOp::kSum);
+    w.finish = [bucket, packed]() mutable { bucket.copy_(packed); };
+    return w;
+  };
+}
+
+}  // namespace
+
+CommHook allreduce_hook() {
+  return [](ProcessGroup& group, at::Tensor& bucket) {
+    bucket.div_(group.size());
+    return BucketWork{group.all_reduce_async(bucket, ReduceOp::kSum), nullptr};
+  };
+}
+CommHook fp16_compress_hook() { return compress_hook(at::kHalf); }
+CommHook bf16_compress_hook() {
+  CommHook inner = compress_hook(at::kBFloat16);
+  return [inner](ProcessGroup& group, at::Tensor& bucket) {
+#if TORCH_VERSION_MAJOR < 2
+    if (group.backend() == "gloo") {
+      throw std::invalid_argument(
+          "bf16_compress_hook: Gloo in LibTorch 1.x cannot sum bfloat16 (LibTorch 2.x's can, "
+          "and so can nccl); use fp16_compress_hook");
+    }
+#endif
+    return inner(group, bucket);
+  };
+}
+
 namespace detail {
 namespace {
 
@@ -98,7 +137,7 @@ struct Reducer::Impl {
     at::Tensor buffer;
     std::vector<size_t> params;
     size_t pending = 0;
-    ProcessGroup::Pending work;
+    BucketWork work;
   };
 
   // Runs after a parameter's AccumulateGrad: its .grad is complete.
@@ -114,7 +153,9 @@ struct Reducer::Impl {
   };
 
   Impl(std::shared_ptr<torch::nn::Module> m, DDPOptions o, ProcessGroup& g)
-      : module(std::move(m)), opt(o), group(g) {}
+      : module(std::move(m)), opt(std::move(o)), group(g) {
+    if (!opt.comm_hook) opt.comm_hook = allreduce_hook();
+  }
 
   std::shared_ptr<torch::nn::Module> module;
   DDPOptions opt;
@@ -212,11 +253,11 @@ struct Reducer::Impl {
   void launch_ready() {
     while (next_bucket < buckets.size() && buckets[next_bucket].pending == 0) {
       Bucket& b = buckets[next_bucket++];
-      {
-        c10::AutoGradMode no_grad(false);
-        b.buffer.div_(group.size());
+      c10::AutoGradMode no_grad(false);
+      b.work = opt.comm_hook(group, b.buffer);
+      if (!b.work.pending.valid()) {
+        throw std::logic_error("DistributedDataParallel: the communication hook started nothing");
       }
-      b.work = group.all_reduce_async(b.buffer, ReduceOp::kSum, timeout());
       last_launch = Clock::now();
     }
   }
@@ -235,7 +276,24 @@ struct Reducer::Impl {
     gather_grad(p);
     if (!iter_sync) return;
     if (record_order) ready_order.push_back(i);  // the first synced backward's order
-    if (--buckets[p.bucket].pending == 0) launch_ready();
+    if (--buckets[p.bucket].pending == 0) {
+      try {
+        launch_ready();
+      } catch (...) {
+        abandon_iteration();  // the engine will not run finalize() after this error
+        throw;
+      }
+    }
+  }
+
+  // Ends an iteration that cannot complete: what was launched is waited for
+  // (the group stays in step as far as this rank goes), errors dropped.
+  void abandon_iteration() {
+    try {
+      wait_launched();
+    } catch (...) {
+    }
+    reset_iteration();
   }
 
   void reset_iteration() {
@@ -249,12 +307,18 @@ struct Reducer::Impl {
   void wait_launched() {
     std::exception_ptr first;
     for (size_t b = 0; b < next_bucket; ++b) {
-      if (!buckets[b].work.valid()) continue;
+      BucketWork& w = buckets[b].work;
+      if (!w.pending.valid()) continue;
       try {
-        buckets[b].work.wait();
+        w.pending.wait(timeout());
+        if (w.finish && !first) {
+          c10::AutoGradMode no_grad(false);
+          w.finish();
+        }
       } catch (...) {
         if (!first) first = std::current_exception();
       }
+      w.finish = nullptr;
     }
     if (first) std::rethrow_exception(first);
   }
@@ -271,11 +335,7 @@ struct Reducer::Impl {
     }
     std::vector<size_t> had_no_grad;  // missing and without any gradient here
     if (!missing.empty() && !opt.find_unused_parameters) {
-      try {
-        wait_launched();
-      } catch (...) {
-      }
-      reset_iteration();
+      abandon_iteration();
       std::string names = "'" + params[missing[0]].name + "'";
       for (size_t k = 1; k < std::min<size_t>(missing.size(), 5); ++k) {
         names += ", '" + params[missing[k]].name + "'";
@@ -415,6 +475,9 @@ Reducer::~Reducer() {
 void Reducer::prepare_forward() {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
+  // The last backward failed before its end (an error in the graph): what it
+  // started is finished here, so that this one starts clean.
+  if (m.in_backward) m.abandon_iteration();
   if (m.rebuild_pending) {
     m.rebuild_pending = false;
     m.build_buckets(m.agreed_order());

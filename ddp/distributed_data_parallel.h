@@ -28,6 +28,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -36,6 +37,30 @@
 #include "tandem/ddp/process_group.h"
 
 namespace tandem::ddp {
+
+// ---- communication hooks ----
+// How a bucket is averaged. A hook gets the group and the bucket's flat
+// gradient (this rank's, summed over any no_sync steps) and starts the
+// reduction; once `pending` has finished, `finish` (if any) runs, and then
+// the bucket must hold the average over the ranks. Hooks run on the thread
+// that runs backward, in bucket order, the same on every rank.
+struct BucketWork {
+  ProcessGroup::Pending pending;
+  std::function<void()> finish;
+};
+using CommHook = std::function<BucketWork(ProcessGroup& group, at::Tensor& bucket)>;
+
+// The default: divide by the group's size, all_reduce in place.
+CommHook allreduce_hook();
+// Send half the bytes: the averaged bucket travels as float16 (or bfloat16)
+// and is written back into the bucket; gradients lose precision accordingly
+// (float16: 11 significant bits, bfloat16: 8). Floating-point buckets only.
+// It pays where bytes are dear (a slow network, NCCL): Gloo sums float16
+// element by element on the CPU, so over loopback it costs more than it
+// saves (ddp_bench: 159 ms a step against 62). Gloo in LibTorch 1.x cannot
+// sum bfloat16 at all; the bf16 hook says so.
+CommHook fp16_compress_hook();
+CommHook bf16_compress_hook();
 
 struct DDPOptions {
   double bucket_cap_mb = 25;    // MiB per bucket
@@ -46,6 +71,7 @@ struct DDPOptions {
   // Rank 0's buffers (batch-norm statistics) copied to every rank before each forward.
   bool broadcast_buffers = true;
   std::chrono::milliseconds timeout = kGroupTimeout;  // each bucket's all_reduce
+  CommHook comm_hook;  // empty: allreduce_hook()
 };
 
 namespace detail {
