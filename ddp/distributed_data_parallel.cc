@@ -72,7 +72,7 @@ std::string shape_text(at::IntArrayRef sizes) {
 
 // Rank 0's values of `tensors` on every rank, one broadcast per dtype.
 void broadcast_coalesced(const std::vector<at::Tensor>& tensors, ProcessGroup& group,
-                         std::chrono::milliseconds timeout) {
+                         std::chrono::milliseconds timeout, int src = 0) {
   std::vector<at::ScalarType> dtypes;
   for (const auto& t : tensors) {
     if (std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) == dtypes.end()) {
@@ -85,7 +85,7 @@ void broadcast_coalesced(const std::vector<at::Tensor>& tensors, ProcessGroup& g
       if (t.scalar_type() == dtype) same.push_back(t.detach().reshape({-1}));
     }
     at::Tensor flat = at::cat(same);
-    group.broadcast(flat, 0, timeout);
+    group.broadcast(flat, src, timeout);
     int64_t offset = 0;
     for (const auto& t : tensors) {
       if (t.scalar_type() != dtype) continue;
@@ -174,6 +174,10 @@ struct Reducer::Impl {
   bool rebuild_pending = false;
   bool rebuilt = false;
   std::vector<size_t> ready_order;
+  // join(): whether a scope is open, the rounds counted so far (one per
+  // forward of any rank still training), this rank's last real round.
+  bool join_enabled = false;
+  int64_t join_round = 0, last_real_round = -1;
   Clock::time_point first_hook, last_launch;
   double backward_ms = 0, tail_wait_ms = 0, allreduce_ms = 0;
 
@@ -348,7 +352,9 @@ struct Reducer::Impl {
     }
     at::Tensor used;
     ProcessGroup::Pending used_work;
-    if (!missing.empty()) {
+    // With find_unused_parameters the used map is summed every synced step
+    // (a joined rank mirrors it without knowing whether anything was missing).
+    if (opt.find_unused_parameters) {
       used = at::zeros({static_cast<int64_t>(params.size())}, at::kInt);
       for (size_t i = 0; i < params.size(); ++i) used[i] = ready[i] ? 1 : 0;
       for (size_t i : missing) {
@@ -381,6 +387,66 @@ struct Reducer::Impl {
       rebuild_pending = true;
     }
     reset_iteration();
+  }
+
+  // The start of each forward (and of each round a joined rank shadows).
+  void begin_iteration() {
+    if (rebuild_pending) {
+      rebuild_pending = false;
+      build_buckets(agreed_order());
+      rebuilt = true;
+    }
+    if (opt.broadcast_buffers && !buffers.empty() && group.size() > 1) {
+      broadcast_coalesced(buffers, group, timeout());
+    }
+  }
+
+  // One join round: this rank's {training?, averaging?} summed over the
+  // group; returns the sums.
+  std::pair<int, int> join_round_sums(bool training, bool averaging) {
+    at::Tensor t = at::zeros({2}, at::kInt);
+    t[0] = training ? 1 : 0;
+    t[1] = averaging ? 1 : 0;
+    group.all_reduce(t, ReduceOp::kSum, timeout());
+    ++join_round;
+    return {t[0].item<int>(), t[1].item<int>()};
+  }
+
+  // A rank out of inputs takes part in the others' steps with zero
+  // gradients until every rank is out, then all take the parameters and
+  // buffers of the rank that trained last (its optimizer stepped most).
+  void finish_join() {
+    for (;;) {
+      auto [training, averaging] = join_round_sums(false, false);
+      if (training == 0) break;
+      begin_iteration();
+      if (averaging == 0) continue;
+      for (auto& b : buckets) {
+        b.buffer.zero_();
+        b.work = opt.comm_hook(group, b.buffer);
+      }
+      next_bucket = buckets.size();
+      ProcessGroup::Pending used_work;
+      at::Tensor used;
+      if (opt.find_unused_parameters) {
+        used = at::zeros({static_cast<int64_t>(params.size())}, at::kInt);
+        used_work = group.all_reduce_async(used, ReduceOp::kSum, timeout());
+      }
+      wait_launched();
+      if (used_work.valid()) used_work.wait();
+      reset_iteration();
+      if (record_order) {
+        record_order = false;
+        rebuild_pending = true;
+      }
+    }
+    at::Tensor last = at::full({1}, last_real_round * group.size() + group.rank(), at::kLong);
+    group.all_reduce(last, ReduceOp::kMax, timeout());
+    const int src = static_cast<int>(last.item<int64_t>() % group.size());
+    std::vector<at::Tensor> state;
+    for (const auto& p : params) state.push_back(p.tensor);
+    for (const auto& b : buffers) state.push_back(b);
+    broadcast_coalesced(state, group, timeout(), src);
   }
 
   // Rank 0's order of readiness (parameters it never saw come last, in
@@ -478,15 +544,28 @@ void Reducer::prepare_forward() {
   // The last backward failed before its end (an error in the graph): what it
   // started is finished here, so that this one starts clean.
   if (m.in_backward) m.abandon_iteration();
-  if (m.rebuild_pending) {
-    m.rebuild_pending = false;
-    m.build_buckets(m.agreed_order());
-    m.rebuilt = true;
-  }
   m.iter_sync = m.sync;
-  if (m.opt.broadcast_buffers && !m.buffers.empty() && group_->size() > 1) {
-    broadcast_coalesced(m.buffers, *group_, m.timeout());
+  if (m.join_enabled) {
+    m.last_real_round = m.join_round;
+    m.join_round_sums(true, m.iter_sync);
   }
+  m.begin_iteration();
+}
+
+void Reducer::begin_join() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (impl_->join_enabled) throw std::logic_error("DistributedDataParallel: join() scopes do not nest");
+  impl_->join_enabled = true;
+  impl_->join_round = 0;
+  impl_->last_real_round = -1;
+}
+
+void Reducer::end_join() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (!impl_->join_enabled) return;
+  impl_->join_enabled = false;
+  if (impl_->in_backward) impl_->abandon_iteration();
+  impl_->finish_join();
 }
 
 void Reducer::set_sync(bool sync) {

@@ -89,6 +89,11 @@ class Reducer {
   void prepare_forward();
   void set_sync(bool sync);
   bool sync() const;
+  // join(): open the scope (every forward then counts the ranks still
+  // training), and close it (shadow the others until all are done, then
+  // take the last trainer's state). Collective: every rank closes it.
+  void begin_join();
+  void end_join();
 
   // What tests and benchmarks read.
   struct Stats {
@@ -155,6 +160,41 @@ class DistributedDataParallel {
     bool was_;
   };
   [[nodiscard]] NoSync no_sync() { return NoSync(*reducer_); }
+
+  // Uneven inputs: train inside a join scope and close it (end() or the
+  // destructor) when this rank runs out of batches. Until every rank is
+  // out, a rank that has closed it joins the others' gradient averages with
+  // zeros (each average still divides by the whole group, as PyTorch's
+  // default); then every rank takes the parameters and buffers of the rank
+  // that trained longest. Each forward inside the scope costs one small
+  // all_reduce more.
+  //
+  //   {
+  //     auto join = net.join();
+  //     for (auto& b : my_batches) { ... net(b.x) ... backward ... step ... }
+  //     join.end();   // throws what went wrong; the destructor would swallow it
+  //   }
+  class Join {
+   public:
+    explicit Join(detail::Reducer& r) : r_(&r) { r.begin_join(); }
+    ~Join() {
+      try {
+        end();
+      } catch (...) {
+      }
+    }
+    void end() {
+      if (auto* r = std::exchange(r_, nullptr)) r->end_join();
+    }
+    Join(Join&& o) noexcept : r_(std::exchange(o.r_, nullptr)) {}
+    Join(const Join&) = delete;
+    Join& operator=(const Join&) = delete;
+    Join& operator=(Join&&) = delete;
+
+   private:
+    detail::Reducer* r_;
+  };
+  [[nodiscard]] Join join() { return Join(*reducer_); }
 
   std::shared_ptr<M> module() const { return module_; }
   M* operator->() const { return module_.get(); }

@@ -328,3 +328,49 @@ TEST_CASE("ddp: a backward that fails midway leaves the next step working") {
   auto mine = net->parameters(), theirs = local->parameters();
   for (size_t i = 0; i < mine.size(); ++i) CHECK(at::allclose(mine[i].grad(), theirs[i].grad()));
 }
+
+TEST_CASE("ddp: uneven inputs under join() end as PyTorch's join: zeros from ranks that ran out") {
+  for (bool find_unused : {false, true}) {
+    const std::vector<int> batches = {3, 1, 4};  // per rank
+    const int world = 3, longest = 4;
+    INFO("find_unused_parameters " << find_unused);
+    // The reference: each step averages the gradients of the ranks still
+    // training over the whole group.
+    Net local = make_net(0);
+    torch::optim::SGD ref(local->parameters(), torch::optim::SGDOptions(0.1));
+    for (int s = 0; s < longest; ++s) {
+      ref.zero_grad();
+      for (int r = 0; r < world; ++r) {
+        if (s < batches[r]) loss_of(local, batch(r, s));
+      }
+      for (auto& p : local->parameters()) p.mutable_grad().div_(world);
+      ref.step();
+    }
+    std::vector<at::Tensor> want;
+    for (auto& p : local->parameters()) want.push_back(p.detach().clone());
+
+    Groups g(world);
+    std::vector<std::vector<at::Tensor>> result(world);
+    on_ranks(world, [&](int r) {
+      Net net = make_net(0);
+      ddp::DDPOptions o;
+      o.find_unused_parameters = find_unused;
+      o.bucket_cap_mb = o.first_bucket_mb = 1e-4;
+      ddp::DistributedDataParallel model(net, o, g.groups[r]);
+      torch::optim::SGD opt(model.parameters(), torch::optim::SGDOptions(0.1));
+      auto join = model.join();
+      for (int s = 0; s < batches[r]; ++s) {
+        opt.zero_grad();
+        Batch b = batch(r, s);
+        torch::nn::functional::cross_entropy(model(b.x), b.y).backward();
+        opt.step();
+      }
+      join.end();
+      for (auto& p : net->parameters()) result[r].push_back(p.detach().clone());
+    });
+    for (int r = 0; r < world; ++r) {
+      INFO("rank " << r);
+      expect_close(result[r], want);
+    }
+  }
+}
