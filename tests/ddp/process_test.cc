@@ -5,6 +5,10 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include <ATen/ops/sum.h>
+#include <torch/nn/modules/linear.h>
+
+#include "tandem/ddp/distributed_data_parallel.h"
 #include "tandem/rpc/api.h"
 
 using namespace tandem;
@@ -55,6 +59,24 @@ TEST_CASE("ddp process: a rank that dies fails the others' collective, not hangs
   INFO(err);
 }
 
+TEST_CASE("ddp process: a rank killed mid-training fails the others' backward, not hangs it") {
+  test::ChildWorker child("ddp_then_die");
+  ddp::ProcessGroupOptions o;
+  o.rank = 0;
+  o.world_size = 2;
+  o.timeout = 30s;
+  o.store = child.store;
+  auto pg = ddp::ProcessGroup::create(o);
+  torch::nn::Linear fc(4, 4);
+  ddp::DistributedDataParallel net(fc, {}, pg);
+  child.expect_exit(7);
+  auto t0 = std::chrono::steady_clock::now();
+  std::string err = test::error_of([&] { at::sum(net(at::ones({2, 4}))).backward(); });
+  INFO(err);
+  CHECK(err.find("all_reduce(sum) on rank 0 of 2 failed") != std::string::npos);
+  CHECK(std::chrono::steady_clock::now() - t0 < 5s);
+}
+
 namespace tandem::test {
 
 // A worker process of this binary (TANDEM_TEST_WORKER=mode; see main.cc).
@@ -62,12 +84,19 @@ namespace tandem::test {
 //          printing the sum; with an RPC agent at the same MASTER_PORT when
 //          TANDEM_TEST_WITH_RPC is set (the two share the store).
 //   "join_then_die": joins, then exits abruptly in its first collective's place.
+//   "ddp_then_die": wraps a model in DDP (a collective with the test), then
+//          exits abruptly before its first backward.
 int worker_main(const std::string& mode) {
   try {
     bool with_rpc = std::getenv("TANDEM_TEST_WITH_RPC") != nullptr;
     if (with_rpc) rpc::init(std::make_shared<rpc::Registry>());
     ddp::init_process_group("gloo", "env://", -1, -1, 30s);
     if (mode == "join_then_die") std::_Exit(7);
+    if (mode == "ddp_then_die") {
+      torch::nn::Linear fc(4, 4);
+      ddp::DistributedDataParallel net(fc);
+      std::_Exit(7);
+    }
     at::Tensor t = at::full_like(at::zeros({4}), ddp::get_rank() + 1);
     ddp::all_reduce(t);
     std::printf("rank %d of %d sum %g\n", ddp::get_rank(), ddp::get_world_size(),
