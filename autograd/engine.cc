@@ -1,5 +1,6 @@
 // The distributed backward engine: autograd/engine.h has the algorithm.
 #include "tandem/autograd/engine.h"
+#include "tandem/autograd/pass.h"
 
 #include <ATen/ops/ones_like.h>
 #include <c10/core/GradMode.h>
@@ -415,6 +416,63 @@ void Engine::accept_grad(uint64_t context, uint64_t id, uint64_t message, variab
   });
 }
 
+namespace {
+
+// The pass a thread is running a node of (autograd/pass.h).
+struct CurrentPass {
+  ContextState* ctx = nullptr;
+  GraphTask* task = nullptr;
+};
+thread_local CurrentPass t_pass;
+
+class PassScope {
+ public:
+  PassScope(ContextState* ctx, GraphTask* task) : saved_(t_pass) { t_pass = {ctx, task}; }
+  ~PassScope() { t_pass = saved_; }
+  PassScope(const PassScope&) = delete;
+  PassScope& operator=(const PassScope&) = delete;
+
+ private:
+  CurrentPass saved_;
+};
+
+CurrentPass& current_pass(const char* what) {
+  if (!t_pass.ctx) {
+    throw std::logic_error(std::string("autograd::pass::") + what +
+                           ": not inside a node of a distributed backward pass");
+  }
+  return t_pass;
+}
+
+}  // namespace
+
+namespace pass {
+
+bool active() { return t_pass.ctx != nullptr; }
+
+uint64_t context_id() { return current_pass("context_id").ctx->id; }
+
+at::Tensor gradient(const at::Tensor& leaf) {
+  ContextState* ctx = current_pass("gradient").ctx;
+  std::lock_guard<std::mutex> lock(ctx->mu);
+  auto it = ctx->grads.find(leaf);
+  return it == ctx->grads.end() ? at::Tensor() : it->value();
+}
+
+void set_gradient(const at::Tensor& leaf, at::Tensor grad) {
+  ContextState* ctx = current_pass("set_gradient").ctx;
+  std::lock_guard<std::mutex> lock(ctx->mu);
+  ctx->grads.insert_or_assign(leaf, std::move(grad));
+}
+
+void on_part_done(std::function<void()> fn) {
+  GraphTask* task = current_pass("on_part_done").task;
+  std::lock_guard<std::mutex> lock(task->mu);
+  task->on_done.push_back(std::move(fn));
+}
+
+}  // namespace pass
+
 void Engine::drain(const std::shared_ptr<ContextState>& ctx,
                    const std::shared_ptr<GraphTask>& task) {
   c10::AutoGradMode no_grad(false);
@@ -431,6 +489,7 @@ void Engine::drain(const std::shared_ptr<ContextState>& ctx,
     lock.unlock();
     variable_list outputs;
     try {
+      PassScope scope(ctx.get(), task.get());
       outputs = run_node(ctx, task, *fn, std::move(inputs));
     } catch (...) {
       task->fail(std::current_exception());
@@ -453,8 +512,27 @@ void Engine::drain(const std::shared_ptr<ContextState>& ctx,
       if (--state.deps == 0) task->ready.push_back(next->first);
     }
   }
+  bool done = task->phase == GraphTask::Phase::kRunning && task->nodes.empty();
+  if (done && !task->on_done.empty()) {
+    // The hooks' part-end work, still as "draining" (nothing else can run:
+    // every node has), before the part reports done.
+    auto callbacks = std::move(task->on_done);
+    task->on_done.clear();
+    lock.unlock();
+    try {
+      PassScope scope(ctx.get(), task.get());
+      for (auto& fn : callbacks) fn();
+    } catch (...) {
+      lock.lock();
+      task->draining = false;
+      lock.unlock();
+      task->fail(std::current_exception());
+      return;
+    }
+    lock.lock();
+    done = task->phase == GraphTask::Phase::kRunning;
+  }
   task->draining = false;
-  const bool done = task->phase == GraphTask::Phase::kRunning && task->nodes.empty();
   if (done) task->phase = GraphTask::Phase::kDone;
   lock.unlock();
   if (done) task->done->markCompleted(c10::IValue());

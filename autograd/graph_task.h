@@ -88,6 +88,8 @@ struct GraphTask {
   std::condition_variable cv;
   // This worker's part: completes with None when done, or with the error.
   rpc::RawFuture done;
+  // Queued by hooks (autograd/pass.h): run when the part has run its nodes.
+  std::vector<std::function<void()>> on_done;
 
   // No more failures are taken (mu held).
   bool final_locked() const {
@@ -99,6 +101,7 @@ struct GraphTask {
     nodes.clear();
     ready.clear();
     early.clear();
+    on_done.clear();
   }
 
   // -> kFailed: `done` fails with `error`, or (from kDone) `report` gets it.

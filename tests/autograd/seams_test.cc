@@ -15,6 +15,7 @@
 #include <mutex>
 
 #include "tandem/autograd/autograd.h"
+#include "tandem/autograd/pass.h"
 #include "tandem/rpc/api.h"
 #include "tandem/rpc/transport/faulty/faulty_transport.h"
 
@@ -231,6 +232,73 @@ TEST_CASE("seams: AccumulateGrad post-hooks run with the leaf's gradient") {
     CHECK(at::allclose(dist::get_gradients(ctx.id()).at(x), at::full_like(x, 6)));
   }
   CHECK(!x.grad().defined());
+  w.shutdown();
+}
+
+// A post-hook that does what DDP's hybrid mode does with the pass: replaces
+// the context's gradient and queues a part-end callback.
+struct PassHook : torch::autograd::FunctionPostHook {
+  struct Seen {
+    bool active = false;
+    uint64_t context = 0, context_at_end = 0;
+    at::Tensor gradient;
+    int ends = 0;
+    bool throw_at_end = false;
+  };
+  PassHook(at::Tensor leaf, std::shared_ptr<Seen> seen) : leaf(std::move(leaf)), seen(std::move(seen)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    seen->active = dist::pass::active();
+    seen->context = dist::pass::context_id();
+    seen->gradient = dist::pass::gradient(leaf).clone();
+    auto s = seen;
+    auto l = leaf;
+    dist::pass::on_part_done([s, l] {
+      ++s->ends;
+      s->context_at_end = dist::pass::context_id();
+      dist::pass::set_gradient(l, dist::pass::gradient(l) * 10);
+      if (s->throw_at_end) throw std::runtime_error("part-end callback failed");
+    });
+    return outputs;
+  }
+  at::Tensor leaf;
+  std::shared_ptr<Seen> seen;
+};
+
+TEST_CASE("seams: a leaf hook reads and replaces the context's gradient and runs at the part's end") {
+  World w(2, define);
+  auto x = at::arange(1, 4, kF64).requires_grad_();
+  auto seen = std::make_shared<PassHook::Seen>();
+  auto acc = torch::autograd::impl::grad_accumulator(x);
+  auto key = acc->add_post_hook(std::make_unique<PassHook>(x, seen));
+  CHECK_FALSE(dist::pass::active());
+  CHECK_THROWS_AS(dist::pass::context_id(), std::logic_error);
+  CHECK_THROWS_AS(dist::pass::on_part_done([] {}), std::logic_error);
+  {
+    dist::Context ctx(w[0]);
+    auto y = w[0].rpc_sync<at::Tensor>("worker1", "scale", x, 5);
+    dist::backward(ctx.id(), {at::sum(y)});
+    CHECK(seen->active);
+    CHECK(seen->context == ctx.id());
+    CHECK(at::allclose(seen->gradient, at::full_like(x, 5)));
+    CHECK(seen->ends == 1);
+    CHECK(seen->context_at_end == ctx.id());
+    // Replaced before backward() returned.
+    CHECK(at::allclose(dist::get_gradients(ctx.id()).at(x), at::full_like(x, 50)));
+  }
+  {
+    seen->throw_at_end = true;
+    dist::Context ctx(w[0]);
+    auto y = w[0].rpc_sync<at::Tensor>("worker1", "scale", x, 5);
+    std::string err;
+    try {
+      dist::backward(ctx.id(), {at::sum(y)});
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+    CHECK(err.find("part-end callback failed") != std::string::npos);
+  }
+  acc->del_post_hook(key);
   w.shutdown();
 }
 
