@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <mutex>
+
+#include "tandem/autograd/pass.h"
 #include <sstream>
 #include <unordered_set>
 
@@ -168,6 +170,9 @@ struct Reducer::Impl {
   bool sync = true;       // the user's setting (no_sync turns it off)
   bool iter_sync = true;  // taken at forward: whether this backward averages
   bool in_backward = false;
+  // This backward runs in the distributed engine (a context): gradients
+  // come from and go back to the context, never .grad.
+  bool hybrid = false;
   std::vector<char> ready;
   size_t next_bucket = 0;
   bool record_order = true;  // until the buckets are rebuilt once
@@ -241,8 +246,19 @@ struct Reducer::Impl {
            g.sizes() == p.slot.sizes();
   }
 
-  // The parameter's gradient in its slot, and .grad pointing there.
+  // The parameter's gradient in its slot, and .grad pointing there (in a
+  // distributed backward: the context's gradient, copied in).
   void gather_grad(Param& p) {
+    if (hybrid) {
+      c10::AutoGradMode no_grad(false);
+      at::Tensor g = autograd::pass::gradient(p.tensor);
+      if (g.defined()) {
+        p.slot.copy_(g);
+      } else {
+        p.slot.zero_();
+      }
+      return;
+    }
     if (holds_slot(p)) return;
     c10::AutoGradMode no_grad(false);
     at::Tensor g = p.tensor.grad();
@@ -271,8 +287,14 @@ struct Reducer::Impl {
     if (!in_backward) {
       in_backward = true;
       first_hook = Clock::now();
-      // At the end of this backward (the engine runs it after every node).
-      torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
+      hybrid = autograd::pass::active();
+      // At the end of this backward (the engine runs it after every node),
+      // or of this worker's part of a distributed one.
+      if (hybrid) {
+        autograd::pass::on_part_done([this] { finalize(); });
+      } else {
+        torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
+      }
     }
     if (ready[i]) return;
     ready[i] = 1;
@@ -358,7 +380,9 @@ struct Reducer::Impl {
       used = at::zeros({static_cast<int64_t>(params.size())}, at::kInt);
       for (size_t i = 0; i < params.size(); ++i) used[i] = ready[i] ? 1 : 0;
       for (size_t i : missing) {
-        if (!params[i].tensor.grad().defined()) had_no_grad.push_back(i);
+        const bool none = hybrid ? !autograd::pass::gradient(params[i].tensor).defined()
+                                 : !params[i].tensor.grad().defined();
+        if (none) had_no_grad.push_back(i);
         gather_grad(params[i]);  // this rank's accumulated gradient, or zeros
         ready[i] = 1;
         buckets[params[i].bucket].pending -= 1;
@@ -376,8 +400,19 @@ struct Reducer::Impl {
     }
     auto t1 = Clock::now();
     // A parameter no rank used keeps no gradient, as it had none.
+    std::vector<char> unused_everywhere(params.size(), 0);
     for (size_t i : had_no_grad) {
-      if (used[static_cast<int64_t>(i)].item<int>() == 0) params[i].tensor.mutable_grad() = at::Tensor();
+      if (used[static_cast<int64_t>(i)].item<int>() == 0) {
+        unused_everywhere[i] = 1;
+        if (!hybrid) params[i].tensor.mutable_grad() = at::Tensor();
+      }
+    }
+    // In a context, the averages become the context's gradients (views of
+    // the buckets until the next backward, as .grad is).
+    if (hybrid) {
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (!unused_everywhere[i]) autograd::pass::set_gradient(params[i].tensor, params[i].slot);
+      }
     }
     backward_ms = ms_between(first_hook, last_launch);
     tail_wait_ms = ms_between(t0, t1);
