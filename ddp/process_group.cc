@@ -95,7 +95,10 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(ProcessGroupOptions o) {
   if (!store) {
     auto [host, port] = rpc::master_from_init_method(o.init_method);
     master_host = host;
-    store = rpc::make_store(host, port, rank, size, o.timeout);
+    // The job's rank 0 hosts the store (for a group of some ranks only, the
+    // group's rank 0 may be another process); without a job rank, the group's.
+    const int store_rank = env.rank >= 0 ? env.rank : rank;
+    store = rpc::make_store(host, port, store_rank, size, o.timeout);
   } else if (o.init_method.rfind("tcp://", 0) == 0 || !env.master_addr.empty()) {
     master_host = o.init_method.rfind("tcp://", 0) == 0
                       ? rpc::master_from_init_method(o.init_method).first

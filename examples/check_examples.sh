@@ -10,6 +10,7 @@
 #  c. model_parallel_mlp --steps 20 exits 0 and reports agreement with the
 #     local run;
 #  d. parameter_server on 3 processes and on 2 exits 0, every trainer reports;
+#     with --ddp (the trainers' heads one DDP model) on 3, the heads end identical;
 #     rpc_demo exits 0;
 #  e. bad input exits 2 with a one-line reason, without hanging: a missing
 #     --corpus, --resume without a checkpoint, an unknown flag;
@@ -96,6 +97,13 @@ for n in 3 2; do
     done
   fi
 done
+
+# d'. the same with one DistributedDataParallel head for the trainers (hybrid)
+rc=$(launch dd.log 3 parameter_server --steps 40 --ddp)
+if expect_rc "parameter_server --ddp on 3 processes" "$rc" 0 dd.log; then
+  for r in 1 2; do grep -q "trainer $r: step 40/40" dd.log || fail "parameter_server --ddp: trainer $r did not finish"; done
+  grep -q "trainers' heads identical" dd.log || fail "parameter_server --ddp: the heads differ or were not compared"
+fi
 
 rc=$(launch rpc_demo.log 2 rpc_demo)
 expect_rc "rpc_demo" "$rc" 0 rpc_demo.log

@@ -15,10 +15,18 @@
 // The task is synthetic: each of the 1000 items belongs to one of 4
 // classes; a bag is 8 random items, labelled with the class most of them
 // belong to. Every trainer prints its mean loss every 20 steps.
+//
+// With --ddp (PyTorch's "DDP + distributed RPC" tutorial) the trainers'
+// heads are one data-parallel head: DistributedDataParallel over a process
+// group of the trainers alone, inside the same distributed autograd step,
+// so the head's gradients are averaged while the table's go to the server.
+// At the end the trainers check that their heads are identical.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/argmax.h>
 #include <ATen/ops/cross_entropy_loss.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/one_hot.h>
 #include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
@@ -32,6 +40,7 @@
 
 #include "examples/flags.h"
 #include "tandem/autograd/autograd.h"
+#include "tandem/ddp/distributed_data_parallel.h"
 #include "tandem/optim/distributed_optimizer.h"
 #include "tandem/remote_module/remote_module.h"
 #include "tandem/rpc/api.h"
@@ -80,12 +89,23 @@ int serve(Server& s, int trainers) {
   return 0;
 }
 
-int train(int rank, int64_t steps, double lr) {
+int train(int rank, int trainers, int64_t steps, double lr, bool data_parallel) {
   // Answered once the server has built the table (it starts with us).
   tandem::nn::RemoteModule table(rpc::rpc_sync<ModuleRef>("worker0", "table"));
 
   at::manual_seed(static_cast<uint64_t>(rank));
   torch::nn::Linear head(kDim, kClasses);
+  // --ddp: the trainers' heads are one, averaged over a group of the trainers.
+  std::shared_ptr<tandem::ddp::ProcessGroup> group;
+  std::optional<tandem::ddp::DistributedDataParallel<torch::nn::LinearImpl>> ddp_head;
+  if (data_parallel) {
+    tandem::ddp::ProcessGroupOptions g;
+    g.rank = rank - 1;
+    g.world_size = trainers;
+    g.group_name = "trainers";
+    group = tandem::ddp::ProcessGroup::create(g);
+    ddp_head.emplace(head, tandem::ddp::DDPOptions{}, group);
+  }
   std::vector<rpc::RRef<at::Tensor>> params = table.remote_parameters();
   for (auto& p : head->parameters()) params.emplace_back(p);
   optim::Options o;
@@ -106,7 +126,8 @@ int train(int rank, int64_t steps, double lr) {
     at::Tensor labels = at::argmax(votes.sum(1), 1);
 
     dist::Context ctx;
-    at::Tensor logits = head(table.forward(items, offsets));
+    at::Tensor features = table.forward(items, offsets);
+    at::Tensor logits = ddp_head ? (*ddp_head)(features) : head(features);
     at::Tensor loss = at::cross_entropy_loss(logits, labels);
     dist::backward(ctx.id(), {loss});
     opt.step(ctx.id());
@@ -119,6 +140,21 @@ int train(int rank, int64_t steps, double lr) {
       sum = 0;
       since = 0;
     }
+  }
+  if (data_parallel) {
+    // Every trainer's head against the first trainer's.
+    bool same = true;
+    for (auto& p : head->parameters()) {
+      at::Tensor first = p.detach().clone();
+      group->broadcast(first, 0);
+      same = same && at::equal(first, p.detach());
+    }
+    at::Tensor all = at::full({1}, same ? 1 : 0, at::kInt);
+    group->all_reduce(all, tandem::ddp::ReduceOp::kMin);
+    if (rank == 1) {
+      std::printf("trainers' heads %s\n", all.item<int>() == 1 ? "identical" : "DIFFER");
+    }
+    if (all.item<int>() != 1) return 1;
   }
   return 0;
 }
@@ -150,9 +186,11 @@ int main(int argc, char** argv) {
 
     int64_t steps = 200;
     double lr = 1.0;
+    bool data_parallel = false;
     examples::Flags flags("parameter_server");
     flags.add("--steps", &steps, 1, "training steps of each trainer")
-        .add("--lr", &lr, "SGD learning rate");
+        .add("--lr", &lr, "SGD learning rate")
+        .add_switch("--ddp", &data_parallel, "one DistributedDataParallel head for all trainers");
     const std::string error = flags.parse(argc, argv);
     if (env.rank < 0 || env.world_size < 2) {
       return examples::outside_world(
@@ -163,7 +201,7 @@ int main(int argc, char** argv) {
     // Every trainer parses the same flags: the first one speaks for them.
     const int rc = examples::run_worker(flags, error, /*speak=*/env.rank == 1, [&] {
       try {
-        return train(env.rank, steps, lr);
+        return train(env.rank, env.world_size - 1, steps, lr, data_parallel);
       } catch (const std::exception& e) {
         throw std::runtime_error("trainer " + std::to_string(env.rank) + ": " + e.what());
       }
