@@ -9,6 +9,7 @@
 
 #include <cstdlib>
 #include <mutex>
+#include <thread>
 
 #include "tandem/rpc/rendezvous.h"
 
@@ -108,7 +109,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(ProcessGroupOptions o) {
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("tandem/pg/" + name, store);
 
   std::shared_ptr<ProcessGroup> pg(new ProcessGroup());
-  pg->store_ = store;
+  pg->store_ = prefixed;
   pg->rank_ = rank;
   pg->size_ = size;
   pg->backend_ = o.backend;
@@ -136,7 +137,23 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(ProcessGroupOptions o) {
   return pg;
 }
 
-ProcessGroup::~ProcessGroup() = default;
+ProcessGroup::~ProcessGroup() {
+  if (size_ < 2 || !store_ || !pg_) return;  // (a group that never met: nothing to close)
+  // Every rank counts itself in; a healthy one waits until the whole group
+  // has (each incarnation of a group name adds `size` to the count).
+  try {
+    const int64_t mine = store_->add("closing", 1);
+    if (broken_->load()) return;
+    const int64_t all = (mine + size_ - 1) / size_ * size_;
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::min<std::chrono::milliseconds>(timeout_, std::chrono::seconds(10));
+    while (store_->add("closing", 0) < all && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  } catch (...) {
+    // The store is gone (its host exited): nobody is left to wait for.
+  }
+}
 
 void ProcessGroup::check_tensor(const at::Tensor& t, const char* what) const {
   if (!t.defined()) throw std::invalid_argument(std::string(what) + ": the tensor is undefined");
@@ -160,6 +177,7 @@ ProcessGroup::Pending ProcessGroup::pending(c10::intrusive_ptr<c10d::Work> work,
   p.work_ = std::move(work);
   p.what_ = what + " on rank " + std::to_string(rank_) + " of " + std::to_string(size_);
   p.timeout_ = resolve(timeout);
+  p.broken_ = broken_;
   return p;
 }
 
@@ -226,6 +244,7 @@ void ProcessGroup::Pending::wait(std::chrono::milliseconds timeout) {
   try {
     work->wait(limit);
   } catch (const std::exception& e) {
+    if (broken_) broken_->store(true);
     std::string msg = e.what();
     // c10d's text carries a C++ stack trace on some builds: keep its first line.
     if (auto nl = msg.find('\n'); nl != std::string::npos) msg.resize(nl);

@@ -17,12 +17,16 @@
 // either, the group is unusable, as in PyTorch: destroy it and make a new one.
 // A call's own timeout only bounds the caller's wait: Gloo's operation itself
 // ends at the group's timeout, and destroying the group waits for that.
+// Destroying a healthy group first waits (10 s at most) until every rank is
+// destroying it too, so that no rank closes its connections while a peer
+// still reads its last collective's data from them.
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/version.h>
 
 #include <chrono>
+#include <atomic>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -107,6 +111,7 @@ class ProcessGroup {
     c10::intrusive_ptr<c10d::Work> work_;
     std::string what_;  // "all_reduce(sum) on rank 1 of 2"
     std::chrono::milliseconds timeout_{};
+    std::shared_ptr<std::atomic<bool>> broken_;  // the group's: set when this fails
   };
   // In place, finished by wait(). kAvg sums only: callers scale first (DDP
   // divides its buckets before they go).
@@ -128,7 +133,9 @@ class ProcessGroup {
   }
 
   c10::intrusive_ptr<C10dEngine> pg_;
-  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::Store> store_;  // the group's own keys (prefixed)
+  // A collective failed: the peers may be gone, so closing waits for nobody.
+  std::shared_ptr<std::atomic<bool>> broken_ = std::make_shared<std::atomic<bool>>(false);
   int rank_ = -1, size_ = 0;
   std::string backend_;
   std::chrono::milliseconds timeout_{};

@@ -45,6 +45,12 @@ struct Groups {
       groups[r] = ddp::ProcessGroup::create(o);
     });
   }
+  // All at once: closing a group waits for its peers to close it too.
+  ~Groups() {
+    on_ranks(size(), [&](int r) { groups[r].reset(); });
+  }
+  Groups(const Groups&) = delete;
+  Groups& operator=(const Groups&) = delete;
   ddp::ProcessGroup& operator[](int r) { return *groups[r]; }
   int size() const { return static_cast<int>(groups.size()); }
 
