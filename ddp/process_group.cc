@@ -7,6 +7,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <signal.h>
+
 #include <cstdlib>
 #include <mutex>
 #include <thread>
@@ -48,6 +50,21 @@ std::shared_ptr<::gloo::transport::Device> gloo_device(const std::string& master
     }
   }
   return c10d::ProcessGroupGloo::createDeviceForHostname(host);
+}
+
+// Gloo writes to its sockets without MSG_NOSIGNAL: a peer that died would
+// kill this process with SIGPIPE instead of failing the collective. Python
+// ignores SIGPIPE from startup, which is why PyTorch users never see it; a
+// C++ program gets the same here, unless it installed a handler of its own.
+void ignore_sigpipe_once() {
+  static const bool done = [] {
+    struct sigaction current {};
+    if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+      ::signal(SIGPIPE, SIG_IGN);
+    }
+    return true;
+  }();
+  (void)done;
 }
 
 std::mutex g_default_mu;
@@ -108,6 +125,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(ProcessGroupOptions o) {
   std::string name = o.group_name.empty() ? "default" : o.group_name;
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("tandem/pg/" + name, store);
 
+  ignore_sigpipe_once();
   std::shared_ptr<ProcessGroup> pg(new ProcessGroup());
   pg->store_ = prefixed;
   pg->rank_ = rank;

@@ -17,6 +17,9 @@
 // either, the group is unusable, as in PyTorch: destroy it and make a new one.
 // A call's own timeout only bounds the caller's wait: Gloo's operation itself
 // ends at the group's timeout, and destroying the group waits for that.
+// Making a group sets SIGPIPE to ignored when it has its default action (as
+// Python does at startup): Gloo's sockets would otherwise kill the process
+// when a peer dies, instead of failing the collective.
 // Destroying a healthy group first waits (10 s at most) until every rank is
 // destroying it too, so that no rank closes its connections while a peer
 // still reads its last collective's data from them.

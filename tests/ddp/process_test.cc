@@ -2,6 +2,8 @@
 // and without an RPC agent at the same MASTER_PORT), and a rank that dies.
 #include "ddp_support.h"
 
+#include <signal.h>
+
 #include <cstdio>
 #include <cstdlib>
 
@@ -27,6 +29,16 @@ void expect_sums(const std::string& env) {
   }
 }
 
+// The test's own rank (0 of 2) in a group with `child`.
+std::shared_ptr<ddp::ProcessGroup> parent_group(test::ChildWorker& child) {
+  ddp::ProcessGroupOptions o;
+  o.rank = 0;
+  o.world_size = 2;
+  o.timeout = 30s;
+  o.store = child.store;
+  return ddp::ProcessGroup::create(o);
+}
+
 }  // namespace
 
 TEST_CASE("ddp process: init_process_group from tandem-run's environment") {
@@ -39,12 +51,7 @@ TEST_CASE("ddp process: a process group and an RPC agent share the job's MASTER_
 
 TEST_CASE("ddp process: a rank that dies fails the others' collective, not hangs it") {
   test::ChildWorker child("join_then_die");
-  ddp::ProcessGroupOptions o;
-  o.rank = 0;
-  o.world_size = 2;
-  o.timeout = 30s;
-  o.store = child.store;
-  auto pg = ddp::ProcessGroup::create(o);
+  auto pg = parent_group(child);
   child.expect_exit(7);
   at::Tensor t = at::ones({1024});
   auto t0 = std::chrono::steady_clock::now();
@@ -61,12 +68,12 @@ TEST_CASE("ddp process: a rank that dies fails the others' collective, not hangs
 
 TEST_CASE("ddp process: a rank killed mid-training fails the others' backward, not hangs it") {
   test::ChildWorker child("ddp_then_die");
-  ddp::ProcessGroupOptions o;
-  o.rank = 0;
-  o.world_size = 2;
-  o.timeout = 30s;
-  o.store = child.store;
-  auto pg = ddp::ProcessGroup::create(o);
+  auto pg = parent_group(child);
+  // Gloo's writes to the dead peer must fail the collective, not kill us.
+  struct sigaction pipe {};
+  REQUIRE(::sigaction(SIGPIPE, nullptr, &pipe) == 0);
+  const bool ignored = pipe.sa_handler == SIG_IGN;
+  CHECK(ignored);
   torch::nn::Linear fc(4, 4);
   ddp::DistributedDataParallel net(fc, {}, pg);
   child.expect_exit(7);
