@@ -37,10 +37,7 @@ namespace {
 namespace ddp = tandem::ddp;
 using Clock = std::chrono::steady_clock;
 using tandem::bench::median;
-
-double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
+using tandem::bench::ms_since;
 
 torch::nn::Sequential make_model() {
   at::manual_seed(0);

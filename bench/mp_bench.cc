@@ -41,6 +41,7 @@ namespace dist = tandem::autograd;
 namespace support = tandem::support;
 using Clock = std::chrono::steady_clock;
 using tandem::bench::median;
+using tandem::bench::ms_since;
 
 rpc::AgentOptions options(int rank) {
   rpc::AgentOptions o;
@@ -48,10 +49,6 @@ rpc::AgentOptions options(int rank) {
   o.world_size = 2;
   o.num_worker_threads = 4;
   return o;
-}
-
-double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
 struct Batch {

@@ -12,10 +12,10 @@
 
 #include <algorithm>
 #include <mutex>
-
-#include "tandem/autograd/pass.h"
 #include <sstream>
 #include <unordered_set>
+
+#include "tandem/autograd/pass.h"
 
 namespace tandem::ddp {
 namespace {
@@ -246,28 +246,51 @@ struct Reducer::Impl {
            g.sizes() == p.slot.sizes();
   }
 
-  // The parameter's gradient in its slot, and .grad pointing there (in a
-  // distributed backward: the context's gradient, copied in).
+  // This rank's gradient of `p`: .grad, or in a distributed backward the
+  // context's (undefined when there is none).
+  at::Tensor local_grad(const Param& p) const {
+    return hybrid ? autograd::pass::gradient(p.tensor) : p.tensor.grad();
+  }
+
+  // The parameter's gradient in its slot (zeros when it has none), and .grad
+  // pointing there; a context's gradient is only copied in.
   void gather_grad(Param& p) {
-    if (hybrid) {
-      c10::AutoGradMode no_grad(false);
-      at::Tensor g = autograd::pass::gradient(p.tensor);
-      if (g.defined()) {
-        p.slot.copy_(g);
-      } else {
-        p.slot.zero_();
-      }
-      return;
-    }
-    if (holds_slot(p)) return;
+    if (!hybrid && holds_slot(p)) return;
     c10::AutoGradMode no_grad(false);
-    at::Tensor g = p.tensor.grad();
+    at::Tensor g = local_grad(p);
     if (g.defined()) {
       p.slot.copy_(g);
     } else {
       p.slot.zero_();
     }
-    p.tensor.mutable_grad() = p.slot;
+    if (!hybrid) p.tensor.mutable_grad() = p.slot;
+  }
+
+  // The parameters then the buffers: what rank 0 (or the last trainer) hands out.
+  std::vector<at::Tensor> state() const {
+    std::vector<at::Tensor> out;
+    for (const auto& p : params) out.push_back(p.tensor);
+    out.insert(out.end(), buffers.begin(), buffers.end());
+    return out;
+  }
+
+  // find_unused_parameters: 1 for each parameter this rank has a gradient of
+  // in this step (a joined rank: all 0), to be summed over the group after
+  // the buckets, in the same order on every rank.
+  at::Tensor used_map(bool joined) const {
+    at::Tensor used = at::zeros({static_cast<int64_t>(params.size())}, at::kInt);
+    if (!joined) {
+      int* u = used.data_ptr<int>();
+      for (size_t i = 0; i < params.size(); ++i) u[i] = ready[i] ? 1 : 0;
+    }
+    return used;
+  }
+
+  // After the first synced step: the buckets are rebuilt at the next forward.
+  void first_sync_done() {
+    if (!record_order) return;
+    record_order = false;
+    rebuild_pending = true;
   }
 
   void launch_ready() {
@@ -377,12 +400,9 @@ struct Reducer::Impl {
     // With find_unused_parameters the used map is summed every synced step
     // (a joined rank mirrors it without knowing whether anything was missing).
     if (opt.find_unused_parameters) {
-      used = at::zeros({static_cast<int64_t>(params.size())}, at::kInt);
-      for (size_t i = 0; i < params.size(); ++i) used[i] = ready[i] ? 1 : 0;
+      used = used_map(/*joined=*/false);
       for (size_t i : missing) {
-        const bool none = hybrid ? !autograd::pass::gradient(params[i].tensor).defined()
-                                 : !params[i].tensor.grad().defined();
-        if (none) had_no_grad.push_back(i);
+        if (!local_grad(params[i]).defined()) had_no_grad.push_back(i);
         gather_grad(params[i]);  // this rank's accumulated gradient, or zeros
         ready[i] = 1;
         buckets[params[i].bucket].pending -= 1;
@@ -402,7 +422,7 @@ struct Reducer::Impl {
     // A parameter no rank used keeps no gradient, as it had none.
     std::vector<char> unused_everywhere(params.size(), 0);
     for (size_t i : had_no_grad) {
-      if (used[static_cast<int64_t>(i)].item<int>() == 0) {
+      if (used.data_ptr<int>()[i] == 0) {
         unused_everywhere[i] = 1;
         if (!hybrid) params[i].tensor.mutable_grad() = at::Tensor();
       }
@@ -417,10 +437,7 @@ struct Reducer::Impl {
     backward_ms = ms_between(first_hook, last_launch);
     tail_wait_ms = ms_between(t0, t1);
     allreduce_ms = ms_between(first_hook, t1);
-    if (record_order) {
-      record_order = false;
-      rebuild_pending = true;
-    }
+    first_sync_done();
     reset_iteration();
   }
 
@@ -464,24 +481,18 @@ struct Reducer::Impl {
       ProcessGroup::Pending used_work;
       at::Tensor used;
       if (opt.find_unused_parameters) {
-        used = at::zeros({static_cast<int64_t>(params.size())}, at::kInt);
+        used = used_map(/*joined=*/true);
         used_work = group.all_reduce_async(used, ReduceOp::kSum, timeout());
       }
       wait_launched();
       if (used_work.valid()) used_work.wait();
       reset_iteration();
-      if (record_order) {
-        record_order = false;
-        rebuild_pending = true;
-      }
+      first_sync_done();
     }
     at::Tensor last = at::full({1}, last_real_round * group.size() + group.rank(), at::kLong);
     group.all_reduce(last, ReduceOp::kMax, timeout());
     const int src = static_cast<int>(last.item<int64_t>() % group.size());
-    std::vector<at::Tensor> state;
-    for (const auto& p : params) state.push_back(p.tensor);
-    for (const auto& b : buffers) state.push_back(b);
-    broadcast_coalesced(state, group, timeout(), src);
+    broadcast_coalesced(state(), group, timeout(), src);
   }
 
   // Rank 0's order of readiness (parameters it never saw come last, in
@@ -494,9 +505,10 @@ struct Reducer::Impl {
       if (!seen[i]) order.push_back(i);
     }
     at::Tensor t = at::empty({static_cast<int64_t>(order.size())}, at::kLong);
-    for (size_t k = 0; k < order.size(); ++k) t[static_cast<int64_t>(k)] = static_cast<int64_t>(order[k]);
+    int64_t* o = t.data_ptr<int64_t>();
+    for (size_t k = 0; k < order.size(); ++k) o[k] = static_cast<int64_t>(order[k]);
     group.broadcast(t, 0, timeout());
-    for (size_t k = 0; k < order.size(); ++k) order[k] = static_cast<size_t>(t[static_cast<int64_t>(k)].item<int64_t>());
+    for (size_t k = 0; k < order.size(); ++k) order[k] = static_cast<size_t>(o[k]);
     return order;
   }
 };
@@ -551,10 +563,7 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, DDPOptions options,
         "DistributedDataParallel: the ranks' models differ at parameter #" + std::to_string(k) +
         ": " + has(a, 0) + ", " + has(b, r) + " (every rank must build the same model)");
   }
-  std::vector<at::Tensor> state;
-  for (const auto& p : m.params) state.push_back(p.tensor);
-  for (const auto& b : m.buffers) state.push_back(b);
-  if (group_->size() > 1) broadcast_coalesced(state, *group_, m.timeout());
+  if (group_->size() > 1) broadcast_coalesced(m.state(), *group_, m.timeout());
 
   std::vector<size_t> order;
   for (size_t i = m.params.size(); i-- > 0;) order.push_back(i);

@@ -96,18 +96,8 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(ProcessGroupOptions o) {
   }
 #endif
   if (o.timeout.count() <= 0) throw std::invalid_argument("process group timeout must be > 0");
-  rpc::WorldEnv env = rpc::world_from_env();
-  int rank = o.rank >= 0 ? o.rank : env.rank;
-  int size = o.world_size >= 0 ? o.world_size : env.world_size;
-  if (size <= 0) {
-    throw std::invalid_argument(
-        "world size unknown: pass world_size or set WORLD_SIZE (or SLURM_NTASKS, "
-        "OMPI_COMM_WORLD_SIZE)");
-  }
-  if (rank < 0 || rank >= size) {
-    throw std::invalid_argument("rank " + std::to_string(rank) + " is not in [0, world size " +
-                                std::to_string(size) + "): pass rank or set RANK");
-  }
+  const rpc::WorldEnv env = rpc::world_from_env();
+  const auto [rank, size] = rpc::rank_and_size(o.rank, o.world_size, env, "ProcessGroupOptions");
   std::string master_host;
   c10::intrusive_ptr<c10d::Store> store = o.store;
   if (!store) {
@@ -117,10 +107,10 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(ProcessGroupOptions o) {
     // group's rank 0 may be another process); without a job rank, the group's.
     const int store_rank = env.rank >= 0 ? env.rank : rank;
     store = rpc::make_store(host, port, store_rank, size, o.timeout);
-  } else if (o.init_method.rfind("tcp://", 0) == 0 || !env.master_addr.empty()) {
-    master_host = o.init_method.rfind("tcp://", 0) == 0
-                      ? rpc::master_from_init_method(o.init_method).first
-                      : env.master_addr;
+  } else if (o.init_method.rfind("tcp://", 0) == 0) {
+    master_host = rpc::master_from_init_method(o.init_method).first;
+  } else {
+    master_host = env.master_addr;  // empty without one: loopback
   }
   std::string name = o.group_name.empty() ? "default" : o.group_name;
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("tandem/pg/" + name, store);

@@ -34,6 +34,7 @@
 #include <cstdio>
 
 #include "examples/flags.h"
+#include "examples/replicas.h"
 #include "tandem/ddp/distributed_data_parallel.h"
 #include "tandem/ddp/sampler.h"
 #include "tandem/rpc/rendezvous.h"
@@ -116,20 +117,12 @@ int train(int64_t epochs, int64_t samples, int64_t batch, double lr, int64_t log
     }
   }
   // Every replica must hold rank 0's parameters.
-  bool same = true;
-  for (auto& p : model->parameters()) {
-    at::Tensor mine = p.detach().clone();
-    at::Tensor theirs = mine.clone();
-    ddp::broadcast(theirs, 0);
-    same = same && at::equal(mine, theirs);
-  }
-  at::Tensor all_same = at::tensor({same ? 1.0 : 0.0});
-  ddp::all_reduce(all_same, ddp::ReduceOp::kMin);
+  const bool same = examples::same_on_every_rank(model->parameters(), ddp::default_group());
   if (rank == 0) {
     std::printf("final loss %.4f (first step %.4f); replicas %s\n", last_loss, first_loss,
-                all_same.item<double>() == 1.0 ? "identical" : "DIFFER");
+                same ? "identical" : "DIFFER");
   }
-  return all_same.item<double>() == 1.0 ? 0 : 1;
+  return same ? 0 : 1;
 }
 
 }  // namespace

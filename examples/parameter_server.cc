@@ -25,8 +25,6 @@
 #include <ATen/ops/arange.h>
 #include <ATen/ops/argmax.h>
 #include <ATen/ops/cross_entropy_loss.h>
-#include <ATen/ops/equal.h>
-#include <ATen/ops/full.h>
 #include <ATen/ops/one_hot.h>
 #include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
@@ -39,6 +37,7 @@
 #include <optional>
 
 #include "examples/flags.h"
+#include "examples/replicas.h"
 #include "tandem/autograd/autograd.h"
 #include "tandem/ddp/distributed_data_parallel.h"
 #include "tandem/optim/distributed_optimizer.h"
@@ -143,18 +142,9 @@ int train(int rank, int trainers, int64_t steps, double lr, bool data_parallel) 
   }
   if (data_parallel) {
     // Every trainer's head against the first trainer's.
-    bool same = true;
-    for (auto& p : head->parameters()) {
-      at::Tensor first = p.detach().clone();
-      group->broadcast(first, 0);
-      same = same && at::equal(first, p.detach());
-    }
-    at::Tensor all = at::full({1}, same ? 1 : 0, at::kInt);
-    group->all_reduce(all, tandem::ddp::ReduceOp::kMin);
-    if (rank == 1) {
-      std::printf("trainers' heads %s\n", all.item<int>() == 1 ? "identical" : "DIFFER");
-    }
-    if (all.item<int>() != 1) return 1;
+    const bool same = examples::same_on_every_rank(head->parameters(), *group);
+    if (rank == 1) std::printf("trainers' heads %s\n", same ? "identical" : "DIFFER");
+    if (!same) return 1;
   }
   return 0;
 }

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
+#include <tuple>
 
 #include "tandem/rpc/call_table.h"
 #include "tandem/rpc/connection_table.h"
@@ -62,18 +63,8 @@ Agent::Agent(AgentOptions options, std::shared_ptr<Registry> registry)
 
 void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
   WorldEnv env = world_from_env();
-  rank_ = options_.rank >= 0 ? options_.rank : env.rank;
-  int world = options_.world_size >= 0 ? options_.world_size : env.world_size;
-  if (world <= 0) {
-    throw std::invalid_argument(
-        "world size unknown: set AgentOptions::world_size or WORLD_SIZE (or SLURM_NTASKS, "
-        "OMPI_COMM_WORLD_SIZE)");
-  }
-  if (rank_ < 0 || rank_ >= world) {
-    throw std::invalid_argument("rank " + std::to_string(rank_) +
-                                " is not in [0, world size " + std::to_string(world) +
-                                "): set AgentOptions::rank or RANK");
-  }
+  int world = 0;
+  std::tie(rank_, world) = rank_and_size(options_.rank, options_.world_size, env, "AgentOptions");
   if (options_.num_worker_threads < 1) {
     throw std::invalid_argument("num_worker_threads must be at least 1");
   }

@@ -5,9 +5,10 @@
 
 #include <atomic>
 #include <cstdlib>
-#include <string>
 #include <cstring>
+#include <mutex>
 #include <stdexcept>
+#include <string>
 
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -44,12 +45,9 @@ bool apply() {
 }  // namespace
 
 bool retain_freed_memory() {
-  static const bool applied = [] {
-    bool ok = apply();
-    g_retained.store(ok);
-    return ok;
-  }();
-  return applied;
+  static std::once_flag once;
+  std::call_once(once, [] { g_retained.store(apply()); });
+  return g_retained.load();
 }
 
 bool freed_memory_retained() { return g_retained.load(); }

@@ -46,6 +46,22 @@ WorldEnv world_from_env() {
   return w;
 }
 
+std::pair<int, int> rank_and_size(int rank, int world_size, const WorldEnv& env,
+                                  const std::string& options) {
+  const int r = rank >= 0 ? rank : env.rank;
+  const int world = world_size >= 0 ? world_size : env.world_size;
+  if (world <= 0) {
+    throw std::invalid_argument("world size unknown: set " + options +
+                                "::world_size or WORLD_SIZE (or SLURM_NTASKS, "
+                                "OMPI_COMM_WORLD_SIZE)");
+  }
+  if (r < 0 || r >= world) {
+    throw std::invalid_argument("rank " + std::to_string(r) + " is not in [0, world size " +
+                                std::to_string(world) + "): set " + options + "::rank or RANK");
+  }
+  return {r, world};
+}
+
 std::pair<std::string, int> master_from_init_method(const std::string& init_method) {
   if (init_method.empty() || init_method == "env://") {
     WorldEnv w = world_from_env();

@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <string>
+#include <utility>
 
 namespace tandem::rpc {
 
@@ -27,6 +28,12 @@ struct WorldEnv {
 
 // Fills what the environment has; fields it lacks stay at -1 / empty.
 WorldEnv world_from_env();
+
+// The rank and world size given (>= 0), or else the environment's. Throws
+// std::invalid_argument when the size is unknown or the rank outside it,
+// naming how to set them (`options`: "AgentOptions", say).
+std::pair<int, int> rank_and_size(int rank, int world_size, const WorldEnv& env,
+                                  const std::string& options);
 
 // Parses "env://" or "tcp://host:port" into host and port (env:// reads the
 // environment). Throws std::invalid_argument naming what is missing or wrong.

@@ -1,0 +1,28 @@
+// The data-parallel examples' closing check: every rank holds rank 0's values.
+#pragma once
+
+#include <ATen/ops/equal.h>
+#include <ATen/ops/full.h>
+
+#include <vector>
+
+#include "tandem/ddp/process_group.h"
+
+namespace examples {
+
+// Whether `tensors` are equal to rank 0's on every rank of `group`
+// (collective: every rank calls it, with the same tensors' shapes).
+inline bool same_on_every_rank(const std::vector<at::Tensor>& tensors,
+                               tandem::ddp::ProcessGroup& group) {
+  bool same = true;
+  for (const auto& t : tensors) {
+    at::Tensor first = t.detach().clone();
+    group.broadcast(first, 0);
+    same = same && at::equal(first, t.detach());
+  }
+  at::Tensor all = at::full({1}, same ? 1 : 0, at::kInt);
+  group.all_reduce(all, tandem::ddp::ReduceOp::kMin);
+  return all.item<int>() == 1;
+}
+
+}  // namespace examples
