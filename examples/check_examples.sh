@@ -11,7 +11,9 @@
 #     local run;
 #  d. parameter_server on 3 processes and on 2 exits 0, every trainer reports;
 #     with --ddp (the trainers' heads one DDP model) on 3, the heads end identical;
-#     rpc_demo exits 0;
+#     hybrid_ddp_rpc on 4 (master, parameter server, two DDP trainers) exits 0,
+#     both trainers report to the master, their DDP layers end identical and
+#     trainer0's loss falls; rpc_demo exits 0;
 #  e. bad input exits 2 with a one-line reason, without hanging: a missing
 #     --corpus, --resume without a checkpoint, an unknown flag;
 #  f. ddp_mlp on 2 processes, and as two one-process "nodes" (two tandem-run
@@ -103,6 +105,20 @@ rc=$(launch dd.log 3 parameter_server --steps 40 --ddp)
 if expect_rc "parameter_server --ddp on 3 processes" "$rc" 0 dd.log; then
   for r in 1 2; do grep -q "trainer $r: step 40/40" dd.log || fail "parameter_server --ddp: trainer $r did not finish"; done
   grep -q "trainers' heads identical" dd.log || fail "parameter_server --ddp: the heads differ or were not compared"
+fi
+
+# d''. PyTorch's DDP + RPC tutorial: a master, a parameter server, two DDP trainers
+rc=$(launch h.log 4 hybrid_ddp_rpc --epochs 30)
+if expect_rc "hybrid_ddp_rpc on 4 processes" "$rc" 0 h.log; then
+  for t in 0 1; do grep -q "master: trainer$t done" h.log || fail "hybrid_ddp_rpc: trainer$t did not report to the master"; done
+  grep -q "trainers' DDP layers identical" h.log || fail "hybrid_ddp_rpc: the DDP layers differ or were not compared"
+  first=$(sed -n 's/.*trainer0: epoch 1\/30  loss \([0-9.]*\)/\1/p' h.log)
+  last=$(sed -n 's/.*trainer0: epoch 30\/30  loss \([0-9.]*\)/\1/p' h.log)
+  if [[ -z $first || -z $last ]] || ! awk -v f="$first" -v l="$last" 'BEGIN { exit !(l < f) }'; then
+    fail "hybrid_ddp_rpc: trainer0's loss did not fall (first '$first', last '$last')"
+  else
+    echo "ok: hybrid_ddp_rpc trainer0 loss $first -> $last"
+  fi
 fi
 
 rc=$(launch rpc_demo.log 2 rpc_demo)

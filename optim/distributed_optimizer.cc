@@ -179,6 +179,10 @@ class OptimService final : public rpc::AgentExtension,
     auto local = find(id);
     autograd::Gradients grads = autograd::get_gradients(agent_, context_id);
     std::lock_guard<std::mutex> lock(local->mu);  // steps on one optimizer are serialized
+    // So are steps of different optimizers here: they may share parameters
+    // (two trainers' optimizers over one parameter server's table), and a
+    // step lends each parameter's .grad to its optimizer for its duration.
+    std::lock_guard<std::mutex> steps(step_mu_);
     std::vector<at::Tensor> saved;
     saved.reserve(local->params.size());
     for (auto& p : local->params) {
@@ -378,6 +382,7 @@ class OptimService final : public rpc::AgentExtension,
 
   rpc::Agent& agent_;
   mutable std::mutex mu_;
+  std::mutex step_mu_;  // one step at a time on this worker (after a Local's mu)
   std::map<int64_t, std::shared_ptr<Local>> optimizers_;
   bool closed_ = false;
 };

@@ -18,7 +18,10 @@
 //     context (autograd::get_gradients on the owner) and returns when all
 //     are done, or throws the first failure (rpc::RemoteError naming the
 //     worker). A parameter with no gradient in the context is left alone.
-//     Steps on one owner's optimizer are serialized.
+//     Steps on one owner are serialized, those of different optimizers too
+//     (as PyTorch's local optimizers share one lock): several trainers'
+//     optimizers may step the same parameters (a parameter server's table),
+//     and each step lends the parameters' .grad to its optimizer.
 //  3. The destructor drops every owner's optimizer (best effort: an owner
 //     that is gone has nothing left to drop). An optimizer still alive at a
 //     graceful shutdown is reported as a leak, like an RRef.

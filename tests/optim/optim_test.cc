@@ -150,42 +150,52 @@ TEST_CASE("optim: an optimizer alive at graceful shutdown is reported as a leak"
 }
 
 TEST_CASE("optim: concurrent steps on one owner are serialized, each with its own gradients") {
-  World w(2, define);
-  L().w = {at::zeros({3, 1}, kF64).requires_grad_()};
-  auto p = w[0].rpc_sync<rpc::RRef<at::Tensor>>("worker1", "param", int64_t(0));
-  optim::Options o;
-  o.lr = 1.0;
-  auto opt = std::make_unique<optim::DistributedOptimizer>(w[0], optim::Kind::kSGD,
-                                                           std::vector<rpc::RRef<at::Tensor>>{p}, o);
-  // Thread t's loss is sum(x_t @ W) with x_t = (t + 1) everywhere, so its
-  // gradient is (t + 1) in every entry whatever W is; plain SGD adds the
-  // steps up in any order, but only if no step sees another's gradient.
-  constexpr int kThreads = 4, kSteps = 20;
-  std::vector<std::thread> threads;
-  std::atomic<int> failures{0};
-  for (int t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&, t] {
-      try {
-        for (int s = 0; s < kSteps; ++s) {
-          dist::Context ctx(w[0]);
-          at::Tensor x = at::full({1, 3}, double(t + 1), kF64);
-          auto y = w[0].rpc_sync<at::Tensor>("worker1", "linear", int64_t(0), x);
-          dist::backward(w[0], ctx.id(), {y.sum()});
-          opt->step(ctx.id());
+  // Over one optimizer, and over one optimizer per thread sharing the
+  // parameter (trainers stepping a parameter server's table).
+  for (bool shared : {true, false}) {
+    CAPTURE(shared);
+    World w(2, define);
+    // Big enough that steps take a while, and would overlap if let.
+    L().w = {at::zeros({512, 64}, kF64).requires_grad_()};
+    auto p = w[0].rpc_sync<rpc::RRef<at::Tensor>>("worker1", "param", int64_t(0));
+    optim::Options o;
+    o.lr = 1.0;
+    constexpr int kThreads = 4, kSteps = 30;
+    std::vector<std::unique_ptr<optim::DistributedOptimizer>> opts;
+    for (int t = 0; t < (shared ? 1 : kThreads); ++t) {
+      opts.push_back(std::make_unique<optim::DistributedOptimizer>(
+          w[0], optim::Kind::kSGD, std::vector<rpc::RRef<at::Tensor>>{p}, o));
+    }
+    // Thread t's loss is sum(x_t @ W) with x_t = (t + 1) everywhere, so its
+    // gradient is (t + 1) in every entry whatever W is; plain SGD adds the
+    // steps up in any order, but only if no step sees another's gradient.
+    std::vector<std::thread> threads;
+    std::atomic<int> failures{0};
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        try {
+          auto& opt = *opts[shared ? 0 : t];
+          for (int s = 0; s < kSteps; ++s) {
+            dist::Context ctx(w[0]);
+            at::Tensor x = at::full({1, 512}, double(t + 1), kF64);
+            auto y = w[0].rpc_sync<at::Tensor>("worker1", "linear", int64_t(0), x);
+            dist::backward(w[0], ctx.id(), {y.sum()});
+            opt.step(ctx.id());
+          }
+        } catch (const std::exception& e) {
+          ++failures;
+          MESSAGE("thread " << t << ": " << e.what());
         }
-      } catch (const std::exception& e) {
-        ++failures;
-        MESSAGE("thread " << t << ": " << e.what());
-      }
-    });
+      });
+    }
+    for (auto& t : threads) t.join();
+    CHECK(failures == 0);
+    // Every step moved W by -(t + 1): -kSteps * (1 + 2 + 3 + 4) in all.
+    CHECK(at::equal(L().w[0], at::full({512, 64}, -double(kSteps * 10), kF64)));
+    CHECK_FALSE(L().w[0].grad().defined());
+    opts.clear();
+    p = rpc::RRef<at::Tensor>();
+    L().w.clear();
+    w.shutdown();
   }
-  for (auto& t : threads) t.join();
-  CHECK(failures == 0);
-  // Every step moved W by -(t + 1): -kSteps * (1 + 2 + 3 + 4) in all.
-  CHECK(at::allclose(L().w[0], at::full({3, 1}, -double(kSteps * 10), kF64)));
-  CHECK_FALSE(L().w[0].grad().defined());
-  opt.reset();
-  p = rpc::RRef<at::Tensor>();
-  L().w.clear();
-  w.shutdown();
 }
