@@ -3,8 +3,9 @@
 //
 //   build/bin/tandem-run --nproc-per-node 2 build/bin/char_lm [--steps 400] [--corpus FILE]
 //       [--checkpoint char_lm.ckpt] [--checkpoint-every 100] [--resume] [--seed 0] [--lr 0.006]
+//   build/bin/tandem-run --nproc-per-node 3 build/bin/char_lm --mode hybrid [...]
 //
-// worker1 is a parameter server: it only serves. worker0 trains
+// The last worker (worker1 of two) is a parameter server: it only serves. worker0 trains
 //   Embedding(V, 32) -> LSTM(32, 128) -> Linear(128, V) -> cross-entropy
 // where the embedding and the decoder are RemoteModules living on worker1 and
 // the LSTM is an ordinary torch::nn::LSTM on the trainer. Every step runs in a
@@ -12,6 +13,21 @@
 // trainer -> worker1, backward() comes back through both, and one
 // DistributedOptimizer (Adam) over the remote modules' parameters and the
 // LSTM's clips the global gradient norm and steps every owner at once.
+//
+// --mode hybrid (data and model parallelism together) runs N - 1 trainers on
+// N processes, sharing the parameter server's embedding and decoder (worker0
+// makes them and hands their references to the others). Each trainer's LSTM
+// is wrapped in DistributedDataParallel over a process group of the
+// trainers, so every backward averages the LSTM's gradients among them
+// while the remote modules' gradients go to the server; each trainer steps
+// the shared modules with its own optimizer, as in PyTorch's DDP + RPC
+// tutorial, but never while another trainer's forward or backward uses
+// them (the trainers meet before and after stepping). Gradients are not
+// clipped in this mode (see the training loop). Trainer r trains on the batches of steps s * (N - 1) + r, so the
+// trainers read different text. The shared modules take the trainers' steps
+// in no fixed order, so a hybrid run is not reproducible to the bit and
+// writes no checkpoint (--resume is refused); at the end the trainers check
+// that their LSTMs are identical.
 //
 // The text is, by default, every regular file in /usr/share/common-licenses
 // (sorted by name; the symbolic links there only repeat other files), so the
@@ -65,7 +81,9 @@
 #include <set>
 
 #include "examples/flags.h"
+#include "examples/replicas.h"
 #include "tandem/autograd/autograd.h"
+#include "tandem/ddp/distributed_data_parallel.h"
 #include "tandem/optim/distributed_optimizer.h"
 #include "tandem/remote_module/remote_module.h"
 #include "tandem/rpc/api.h"
@@ -85,7 +103,8 @@ constexpr int64_t kWindow = 64;  // characters predicted per sequence (+1 read)
 constexpr int64_t kEmbed = 32;
 constexpr int64_t kHidden = 128;
 constexpr const char* kDefaultCorpus = "/usr/share/common-licenses";
-constexpr const char* kServer = "worker1";
+using ModuleRef = rpc::RRef<c10::IValue>;
+using DdpLstm = tandem::ddp::DistributedDataParallel<torch::nn::LSTMImpl>;
 
 struct Config {
   int64_t steps = 400;
@@ -95,7 +114,24 @@ struct Config {
   double lr = 6e-3;
   std::string corpus;  // empty: kDefaultCorpus
   std::string checkpoint = "char_lm.ckpt";
+  std::string mode = "single";  // or "hybrid"
   bool resume = false;
+  bool hybrid() const { return mode == "hybrid"; }
+};
+
+// Where the processes are: trainers 0..trainers-1, then the parameter server.
+struct Place {
+  int rank = 0;
+  int trainers = 1;
+  std::string server() const { return "worker" + std::to_string(trainers); }
+};
+
+// --mode hybrid: worker0's references to the shared modules, for the other
+// trainers' "shared_module" calls (answered once worker0 made them).
+struct Shared {
+  std::mutex mu;
+  std::optional<rpc::Promise<ModuleRef>> embedding{rpc::Promise<ModuleRef>()};
+  std::optional<rpc::Promise<ModuleRef>> decoder{rpc::Promise<ModuleRef>()};
 };
 
 using examples::UsageError;
@@ -274,15 +310,16 @@ Named named_parameters(const torch::nn::Module& m) {
 // ---- the model -------------------------------------------------------------
 
 struct Model {
-  tandem::nn::RemoteModule embedding;  // on worker1
+  tandem::nn::RemoteModule embedding;  // on the parameter server
   torch::nn::LSTM lstm;                // here
-  tandem::nn::RemoteModule decoder;    // on worker1
+  tandem::nn::RemoteModule decoder;    // on the parameter server
+  DdpLstm* ddp = nullptr;              // --mode hybrid: the LSTM, data-parallel
 
   // Logits [B, T, V] and the LSTM's state after the last character.
   std::pair<at::Tensor, std::tuple<at::Tensor, at::Tensor>> forward(
       const at::Tensor& x, c10::optional<std::tuple<at::Tensor, at::Tensor>> state = {}) {
     at::Tensor e = embedding.forward(x);
-    auto [h, hc] = lstm->forward(e, state);
+    auto [h, hc] = ddp ? ddp->forward(e, state) : lstm->forward(e, state);
     return {decoder.forward(h), hc};
   }
 };
@@ -332,21 +369,60 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+// The remote modules: made on the server by worker0, the other trainers'
+// views of them in --mode hybrid.
+std::pair<tandem::nn::RemoteModule, tandem::nn::RemoteModule> remote_modules(const Place& at,
+                                                                             int64_t V) {
+  if (at.rank == 0) {
+    return {tandem::nn::RemoteModule(at.server() + "/cpu", "Embedding", {V, kEmbed}),
+            tandem::nn::RemoteModule(at.server() + "/cpu", "Linear", {kHidden, V})};
+  }
+  return {tandem::nn::RemoteModule(rpc::rpc_sync<ModuleRef>("worker0", "shared_module", int64_t(0))),
+          tandem::nn::RemoteModule(rpc::rpc_sync<ModuleRef>("worker0", "shared_module", int64_t(1)))};
+}
+
+// The trainers' process group for the life of a hybrid run.
+struct TrainerGroup {
+  explicit TrainerGroup(const Place& at) {
+    tandem::ddp::init_process_group("gloo", "env://", at.trainers, at.rank);
+  }
+  ~TrainerGroup() { tandem::ddp::destroy_process_group(); }
+};
+
 int train(const Config& cfg, const Corpus& corpus, const std::optional<Checkpoint>& resume,
-          Clock::time_point started) {
+          Clock::time_point started, const Place& at, Shared& shared) {
   const int64_t V = static_cast<int64_t>(corpus.vocab.size());
   // Every parameter's first value comes from this seed, here; the remote
-  // modules are overwritten with the trainer's draw (or the checkpoint), so
-  // the run does not depend on worker1's generator.
+  // modules are overwritten with worker0's draw (or the checkpoint), so
+  // the run does not depend on the server's generator.
   at::manual_seed(static_cast<uint64_t>(cfg.seed));
   torch::nn::Embedding embedding_init(V, kEmbed);
   torch::nn::LSTM lstm(torch::nn::LSTMOptions(kEmbed, kHidden).batch_first(true));
   torch::nn::Linear decoder_init(kHidden, V);
-  Model m{tandem::nn::RemoteModule(std::string(kServer) + "/cpu", "Embedding", {V, kEmbed}), lstm,
-          tandem::nn::RemoteModule(std::string(kServer) + "/cpu", "Linear", {kHidden, V})};
+  auto [embedding, decoder] = remote_modules(at, V);
+  Model m{std::move(embedding), lstm, std::move(decoder)};
+  std::optional<TrainerGroup> group;
+  std::optional<DdpLstm> ddp_lstm;
 
   int64_t start = 0;
-  if (resume) {
+  if (cfg.hybrid()) {
+    // The others' "shared_module" calls wait for these.
+    if (at.rank == 0) {
+      m.embedding.load_state_dict(named_parameters(*embedding_init));
+      m.decoder.load_state_dict(named_parameters(*decoder_init));
+      std::lock_guard<std::mutex> lock(shared.mu);
+      shared.embedding->set_value(m.embedding.get_module_rref());
+      shared.decoder->set_value(m.decoder.get_module_rref());
+    }
+    // Every trainer takes worker0's LSTM here, and averages its gradients.
+    group.emplace(at);
+    ddp_lstm.emplace(lstm);
+    m.ddp = &*ddp_lstm;
+    // Every trainer has its references by now (DDP's construction met them all).
+    std::lock_guard<std::mutex> lock(shared.mu);
+    shared.embedding.reset();
+    shared.decoder.reset();
+  } else if (resume) {
     m.embedding.load_state_dict(resume->embedding);
     m.decoder.load_state_dict(resume->decoder);
     c10::NoGradGuard no_grad;
@@ -375,6 +451,7 @@ int train(const Config& cfg, const Corpus& corpus, const std::optional<Checkpoin
   if (resume) opt.load_state_dict(resume->optim);
 
   auto checkpoint = [&](int64_t step) {
+    if (cfg.hybrid()) return;
     Checkpoint ck;
     ck.step = step;
     ck.seed = cfg.seed;
@@ -387,36 +464,54 @@ int train(const Config& cfg, const Corpus& corpus, const std::optional<Checkpoin
     save_checkpoint(ck, cfg.checkpoint);
   };
 
-  std::printf("char_lm: %s, %zu bytes, vocabulary %lld; embedding and decoder on %s, "
-              "LSTM(%lld->%lld) here; %s steps %lld..%lld\n",
-              corpus.name.c_str(), corpus.text.size(), static_cast<long long>(V), kServer,
-              static_cast<long long>(kEmbed), static_cast<long long>(kHidden),
-              resume ? "resuming," : "training", static_cast<long long>(start + 1),
-              static_cast<long long>(cfg.steps));
-  std::fflush(stdout);
+  const bool speak = at.rank == 0;
+  if (speak) {
+    std::printf("char_lm: %s, %zu bytes, vocabulary %lld; embedding and decoder on %s, "
+                "LSTM(%lld->%lld) %s; %s steps %lld..%lld\n",
+                corpus.name.c_str(), corpus.text.size(), static_cast<long long>(V),
+                at.server().c_str(), static_cast<long long>(kEmbed),
+                static_cast<long long>(kHidden),
+                cfg.hybrid() ? ("on each of " + std::to_string(at.trainers) +
+                                " DDP trainers").c_str()
+                             : "here",
+                resume ? "resuming," : "training", static_cast<long long>(start + 1),
+                static_cast<long long>(cfg.steps));
+    std::fflush(stdout);
+  }
 
   double sum = 0, loss_value = 0;
   int64_t since = 0;
   Clock::time_point last_line = Clock::now();
   for (int64_t step = start; step < cfg.steps; ++step) {
-    Batch b = batch_at(corpus, cfg.seed, step);
+    Batch b = batch_at(corpus, cfg.seed, step * at.trainers + at.rank);
     {
       dist::Context ctx;
       at::Tensor logits = m.forward(b.x).first;
       at::Tensor loss = at::cross_entropy_loss(logits.reshape({-1, V}), b.y.reshape(-1));
       dist::backward(ctx.id(), {loss});
-      opt.clip_grad_norm(ctx.id(), 1.0);
+      // Clipping scales every gradient of the context by one factor, from
+      // the norm of all of them; hybrid trainers' remote gradients differ, so
+      // their factors would too, and their LSTMs drift apart: not clipped.
+      if (!cfg.hybrid()) opt.clip_grad_norm(ctx.id(), 1.0);
+      // Hybrid: no trainer steps the shared modules while another one's
+      // backward still needs their values (autograd saved the decoder's and
+      // the embedding's weights; a step in between fails that backward with
+      // "modified by an inplace operation"), nor before another one's
+      // forward has read them.
+      if (cfg.hybrid()) tandem::ddp::barrier();
       opt.step(ctx.id());
+      if (cfg.hybrid()) tandem::ddp::barrier();
       loss_value = loss.item<double>();
     }
     sum += loss_value;
     ++since;
     const int64_t done = step + 1;
-    if (done % cfg.log_every == 0 || done == cfg.steps || done == 1) {
+    if (speak && (done % cfg.log_every == 0 || done == cfg.steps || done == 1)) {
+      // Tokens of all trainers (they step together): worker0's loss.
       const double dt = seconds_since(last_line);
       std::printf("step %lld/%lld  loss %.3f  tokens/s %.0f  elapsed %.1fs\n",
                   static_cast<long long>(done), static_cast<long long>(cfg.steps), sum / since,
-                  since * kBatch * kWindow / dt, seconds_since(started));
+                  since * kBatch * kWindow * at.trainers / dt, seconds_since(started));
       std::fflush(stdout);
       sum = 0;
       since = 0;
@@ -424,8 +519,19 @@ int train(const Config& cfg, const Corpus& corpus, const std::optional<Checkpoin
     }
     if (done % cfg.checkpoint_every == 0 || done == cfg.steps) checkpoint(done);
   }
-  std::printf("final step %lld loss %.6f  (checkpoint %s)\n", static_cast<long long>(cfg.steps),
-              loss_value, cfg.checkpoint.c_str());
+  if (cfg.hybrid()) {
+    // Every trainer's LSTM against worker0's; and no trainer still steps
+    // the shared modules while worker0 samples from them.
+    const bool same = examples::same_on_every_rank(lstm->parameters(), tandem::ddp::default_group());
+    if (!same) throw std::runtime_error("the trainers' LSTMs differ after training");
+    if (!speak) return 0;
+    std::printf("trainers' LSTMs identical\nfinal step %lld loss %.6f\n",
+                static_cast<long long>(cfg.steps), loss_value);
+  } else {
+    std::printf("final step %lld loss %.6f  (checkpoint %s)\n", static_cast<long long>(cfg.steps),
+                loss_value, cfg.checkpoint.c_str());
+  }
+  m.ddp = nullptr;  // sampling needs no gradients averaged
   std::printf("sample: %s\n",
               generate(m, corpus, "The ", 200, 0.8, static_cast<uint64_t>(cfg.seed) + 1).c_str());
   std::fflush(stdout);
@@ -438,9 +544,9 @@ int main(int argc, char** argv) {
   const Clock::time_point started = Clock::now();
   try {
     const rpc::WorldEnv env = rpc::world_from_env();
-    if (env.rank > 0) {
+    if (env.world_size >= 2 && env.rank == env.world_size - 1) {
       // The parameter server: serves the remote modules (and its part of
-      // the optimizer) until the trainer is done. It reads no flags.
+      // the optimizers) until the trainers are done. It reads no flags.
       rpc::init(std::make_shared<rpc::Registry>());
       rpc::shutdown();
       return 0;
@@ -455,8 +561,24 @@ int main(int argc, char** argv) {
         .add_switch("--resume", &cfg.resume, "continue from --checkpoint up to --steps")
         .add("--seed", &cfg.seed, 0, "seed of the initial parameters, batches and sample")
         .add("--lr", &cfg.lr, "Adam's learning rate")
-        .add("--log-every", &cfg.log_every, 1, "print the mean loss every N steps");
+        .add("--log-every", &cfg.log_every, 1, "print the mean loss every N steps")
+        .add_choice("--mode", &cfg.mode, {"single", "hybrid"},
+                    "one trainer (2 processes), or N - 1 DDP trainers sharing the parameter "
+                    "server (N >= 3 processes)");
     std::string error = flags.parse(argc, argv);
+    const Place at{env.rank, env.world_size - 1};
+    if (error.empty() && env.world_size >= 2) {
+      if (cfg.hybrid() && at.trainers < 2) {
+        error = "--mode hybrid needs 3 or more processes (trainers and a parameter server): "
+                "tandem-run --nproc-per-node 3";
+      } else if (!cfg.hybrid() && at.trainers > 1) {
+        error = "--mode single runs on 2 processes; pass --mode hybrid for " +
+                std::to_string(at.trainers) + " data-parallel trainers";
+      } else if (cfg.hybrid() && cfg.resume) {
+        error = "--resume is for --mode single: hybrid trainers step the shared modules in no "
+                "fixed order, so a hybrid run writes no checkpoint";
+      }
+    }
     std::optional<Corpus> corpus;
     std::optional<Checkpoint> resume;
     if (error.empty() && !flags.help()) {
@@ -489,9 +611,18 @@ int main(int argc, char** argv) {
 
     // Join the world even when there is nothing to train, so that the
     // parameter server's shutdown() returns and it exits on its own.
-    rpc::init(std::make_shared<rpc::Registry>());
-    const int rc = examples::run_worker(flags, error, /*speak=*/true,
-                                        [&] { return train(cfg, *corpus, resume, started); });
+    Shared shared;
+    auto registry = std::make_shared<rpc::Registry>();
+    registry->def("shared_module", [&shared](int64_t which) {
+      std::lock_guard<std::mutex> lock(shared.mu);
+      auto& promise = which == 0 ? shared.embedding : shared.decoder;
+      if (!promise) throw std::logic_error("the shared modules were handed out already");
+      return promise->future();
+    });
+    rpc::init(registry);
+    const int rc = examples::run_worker(flags, error, /*speak=*/at.rank == 0, [&] {
+      return train(cfg, *corpus, resume, started, at, shared);
+    });
     rpc::shutdown();
     return rc;
   } catch (const std::exception& e) {

@@ -4,7 +4,8 @@
 # and the examples, e.g. build/bin).
 #
 #  a. char_lm --steps 60: exits 0, its last mean loss is below its first
-#     (step 1's), the final loss line and a sample line are printed;
+#     (step 1's), the final loss line and a sample line are printed; the same
+#     with --mode hybrid on 3 processes, whose trainers' LSTMs end identical;
 #  b. char_lm --steps 30 then --steps 60 --resume prints the same final loss
 #     (%.6f) and the same sample as the uninterrupted run of a;
 #  c. model_parallel_mlp --steps 20 exits 0 and reports agreement with the
@@ -15,7 +16,8 @@
 #     both trainers report to the master, their DDP layers end identical and
 #     trainer0's loss falls; rpc_demo exits 0;
 #  e. bad input exits 2 with a one-line reason, without hanging: a missing
-#     --corpus, --resume without a checkpoint, an unknown flag;
+#     --corpus, --resume without a checkpoint, an unknown flag, a bad --mode,
+#     hybrid on 2 processes, hybrid with --resume, 3 processes without hybrid;
 #  f. ddp_mlp on 2 processes, and as two one-process "nodes" (two tandem-run
 #     --nnodes 2), exits 0 with identical replicas and a falling loss; a bad
 #     flag exits 2.
@@ -84,6 +86,20 @@ if expect_rc "char_lm --steps 60 --resume" "$rc" 0 b2.log; then
     fail "resumed run sampled another text than the uninterrupted one"
 fi
 
+# a'. --mode hybrid: two DDP trainers sharing the parameter server
+rc=$(launch ah.log 3 char_lm --mode hybrid --steps 60 --log-every 20)
+if expect_rc "char_lm --mode hybrid --steps 60 on 3 processes" "$rc" 0 ah.log; then
+  first=$(losses ah.log | head -n1)
+  last=$(losses ah.log | tail -n1)
+  if [[ -z $first || -z $last ]] || ! awk -v f="$first" -v l="$last" 'BEGIN { exit !(l < f) }'; then
+    fail "char_lm --mode hybrid: the loss did not fall (first '$first', last '$last')"
+  else
+    echo "ok: char_lm --mode hybrid loss $first -> $last"
+  fi
+  grep -q "trainers' LSTMs identical" ah.log || fail "char_lm --mode hybrid: the LSTMs differ or were not compared"
+  [[ $(sample_line ah.log) == "sample: "?* ]] || fail "char_lm --mode hybrid printed no sample"
+fi
+
 # c. model parallelism against the local twin
 rc=$(launch c.log 2 model_parallel_mlp --steps 20)
 if expect_rc "model_parallel_mlp --steps 20" "$rc" 0 c.log; then
@@ -137,6 +153,12 @@ check_bad() {  # check_bad NAME PATTERN ARGS...
 check_bad missing "corpus file '$tmp/missing.txt' does not exist" --corpus "$tmp/missing.txt"
 check_bad resume "no checkpoint at" --resume --checkpoint "$tmp/none.ckpt"
 check_bad flag "unknown flag '--bogus'" --bogus
+check_bad mode "bad value 'bogus' for --mode" --mode bogus
+check_bad hybrid2 "needs 3 or more processes" --mode hybrid
+rc=$(launch e.log 3 char_lm --mode hybrid --resume)
+expect_rc "char_lm --mode hybrid --resume" "$rc" 2 e.log && { grep -q "resume is for --mode single" e.log || fail "char_lm --mode hybrid --resume: no message"; }
+rc=$(launch e.log 3 char_lm)
+expect_rc "char_lm on 3 processes without --mode hybrid" "$rc" 2 e.log && { grep -q "pass --mode hybrid" e.log || fail "char_lm on 3: no message"; }
 
 # f. data parallelism
 ddp_ok() {  # ddp_ok WHAT LOG: the replicas agree and the loss fell

@@ -65,6 +65,19 @@ class Flags {
     });
   }
 
+  // One of `choices` (the metavar lists them: "single|hybrid").
+  Flags& add_choice(const std::string& name, std::string* value, std::vector<std::string> choices,
+                    const std::string& help) {
+    std::string metavar;
+    for (const auto& c : choices) metavar += (metavar.empty() ? "" : "|") + c;
+    return add_flag(name, *value, help, metavar, [=](const std::string& s) {
+      if (std::find(choices.begin(), choices.end(), s) == choices.end()) {
+        throw std::invalid_argument(metavar);
+      }
+      *value = s;
+    });
+  }
+
   // A switch without a value: present means true.
   Flags& add_switch(const std::string& name, bool* value, const std::string& help) {
     flags_.push_back({name, "", help, "", [=](const std::string&) { *value = true; }, false});
