@@ -190,9 +190,11 @@ struct Reducer::Impl {
     return opt.timeout.count() < 0 ? group.timeout() : opt.timeout;
   }
 
-  // Parameters in `order` into buckets of one dtype each, the first
-  // first_bucket_mb, the rest bucket_cap_mb; each parameter's slot aliases
-  // its part, and a gradient it already has is copied there.
+  // Parameters in `order` into buckets of one dtype each, filled as
+  // PyTorch fills them: a bucket takes parameters until it holds at least
+  // its cap (first_bucket_mb for the first, bucket_cap_mb after), so the
+  // parameter that crosses the cap is still in it. Each parameter's slot
+  // aliases its part, and a gradient it already has is copied there.
   void build_buckets(const std::vector<size_t>& order) {
     std::vector<Bucket> fresh;
     std::vector<int64_t> sizes;  // elements per bucket
@@ -201,14 +203,11 @@ struct Reducer::Impl {
       return static_cast<int64_t>(mb * 1024 * 1024);
     };
     int64_t bytes = 0;
+    bool full = false;
     for (size_t i : order) {
       Param& p = params[i];
-      int64_t nbytes = p.tensor.numel() * static_cast<int64_t>(p.tensor.element_size());
-      bool start = fresh.empty() ||
-                   p.tensor.scalar_type() !=
-                       params[fresh.back().params.front()].tensor.scalar_type() ||
-                   (bytes > 0 && bytes + nbytes > cap_bytes(fresh.size() - 1));
-      if (start) {
+      if (fresh.empty() || full ||
+          p.tensor.scalar_type() != params[fresh.back().params.front()].tensor.scalar_type()) {
         fresh.emplace_back();
         sizes.push_back(0);
         bytes = 0;
@@ -216,7 +215,8 @@ struct Reducer::Impl {
       p.bucket = fresh.size() - 1;
       p.offset = sizes.back();
       sizes.back() += p.tensor.numel();
-      bytes += nbytes;
+      bytes += p.tensor.numel() * static_cast<int64_t>(p.tensor.element_size());
+      full = bytes >= cap_bytes(fresh.size() - 1);
       fresh.back().params.push_back(i);
     }
     c10::AutoGradMode no_grad(false);

@@ -14,7 +14,8 @@
 // dtypes (a mismatch fails on every rank naming the first parameter that
 // differs and the ranks involved) and take rank 0's parameters and buffers.
 // Gradients live in flat buckets (`bucket_cap_mb`, the first one
-// `first_bucket_mb`, parameters in reverse order at first, rebuilt after the
+// `first_bucket_mb`, each filled until it holds at least its cap, as
+// PyTorch's are; parameters in reverse order at first, rebuilt after the
 // first step in the order their gradients became ready, rank 0's order on
 // every rank); each parameter's .grad aliases its slot, so the averaged
 // gradient is written straight out of the bucket. A bucket is averaged with

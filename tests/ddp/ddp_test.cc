@@ -116,7 +116,7 @@ std::vector<std::vector<at::Tensor>> ddp_training(int world, int steps, const dd
 TEST_CASE("ddp: DistributedDataParallel trains as one process on the concatenated batches") {
   const int steps = 3;
   for (int world : {2, 3}) {
-    for (double cap : {25.0, 1e-4}) {  // one bucket; a bucket per parameter
+    for (double cap : {25.0, 1e-6}) {  // one bucket; a bucket per parameter
       INFO("world " << world << " bucket_cap_mb " << cap);
       Groups g(world);
       std::vector<std::vector<at::Tensor>> result(world);
@@ -199,7 +199,7 @@ TEST_CASE("ddp: an unused parameter fails the backward by name, or is skipped wi
     Net net = make_net(0, true);
     ddp::DDPOptions o;
     o.find_unused_parameters = true;
-    o.bucket_cap_mb = o.first_bucket_mb = 1e-4;
+    o.bucket_cap_mb = o.first_bucket_mb = 1e-6;
     ddp::DistributedDataParallel model(net, o, g.groups[r]);
     torch::optim::SGD opt(model.parameters(), torch::optim::SGDOptions(0.1));
     for (int s = 0; s < 3; ++s) {
@@ -262,11 +262,25 @@ TEST_CASE("ddp: bad DistributedDataParallel arguments are refused") {
         std::string::npos);
 }
 
+TEST_CASE("ddp: buckets fill as PyTorch's do: the parameter that crosses the cap stays in") {
+  // Reverse order: fc2.bias (12 bytes), fc2.weight (96), fc1.bias (32), fc1.weight (160).
+  Groups g(1);
+  Net net = make_net(0);
+  ddp::DDPOptions o;
+  o.first_bucket_mb = 50.0 / (1024 * 1024);  // crossed by fc2.weight
+  o.bucket_cap_mb = 100.0 / (1024 * 1024);   // crossed by fc1.weight
+  ddp::DistributedDataParallel model(net, o, g.groups[0]);
+  auto stats = model.reducer().stats();
+  CHECK(stats.buckets == 2u);
+  CHECK(stats.bucket_params == std::vector<std::vector<size_t>>{{3, 2}, {1, 0}});
+  CHECK(stats.bucket_bytes == std::vector<size_t>{108, 192});
+}
+
 TEST_CASE("ddp: communication hooks: fp16 and bf16 compression, and a hook of the user's") {
   const int world = 2, steps = 3;
   auto want = local_training(world, steps, 1);
   ddp::DDPOptions o;
-  o.bucket_cap_mb = o.first_bucket_mb = 1e-4;  // a hook call per parameter
+  o.bucket_cap_mb = o.first_bucket_mb = 1e-6;  // a hook call per parameter
   // float16 keeps 11 significant bits: three steps stay within 1e-3.
   o.comm_hook = ddp::fp16_compress_hook();
   auto fp16 = ddp_training(world, steps, o);
@@ -355,7 +369,7 @@ TEST_CASE("ddp: uneven inputs under join() end as PyTorch's join: zeros from ran
       Net net = make_net(0);
       ddp::DDPOptions o;
       o.find_unused_parameters = find_unused;
-      o.bucket_cap_mb = o.first_bucket_mb = 1e-4;
+      o.bucket_cap_mb = o.first_bucket_mb = 1e-6;
       ddp::DistributedDataParallel model(net, o, g.groups[r]);
       torch::optim::SGD opt(model.parameters(), torch::optim::SGDOptions(0.1));
       auto join = model.join();
