@@ -13,7 +13,8 @@
 // Usage: ddp_bench [--steps 30] [--warmup 5] [--rounds 3]
 // Env: TANDEM_BENCH_BUCKET_MB=N sets bucket_cap_mb (default 25);
 //      TANDEM_BENCH_HOOK=fp16 averages in float16 (fp16_compress_hook);
-//      TANDEM_BENCH_VERBOSE=1 prints each rank's phases and buckets on stderr.
+//      TANDEM_BENCH_VERBOSE=1 prints each rank's phases and buckets on stderr, and how
+//      many cores the buckets kept busy when all-reduced alone.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
@@ -23,6 +24,8 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
+
+#include <sys/resource.h>
 
 #include <chrono>
 #include <cstdio>
@@ -58,6 +61,14 @@ Batch batch(int rank) {
   auto g = at::detail::createCPUGenerator(static_cast<uint64_t>(100 + rank));
   at::Tensor x = at::randn({64, 512}, g);
   return {x, at::randint(0, 10, {64}, g, at::kLong)};
+}
+
+// This process's CPU time so far (user + system), in ms.
+double cpu_ms() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  auto ms = [](const timeval& t) { return t.tv_sec * 1e3 + t.tv_usec / 1e3; };
+  return ms(u.ru_utime) + ms(u.ru_stime);
 }
 
 // Mean step time of `step` over `steps` after `warmup`; the last loss.
@@ -112,18 +123,22 @@ Figures run_rank(int steps, int warmup) {
     auto stats = net.reducer().stats();
     std::vector<at::Tensor> buckets;
     for (size_t bytes : stats.bucket_bytes) buckets.push_back(at::zeros({static_cast<int64_t>(bytes / 4)}));
+    const double cpu_before = cpu_ms();
+    const auto wall_before = Clock::now();
     double alone = timed(steps / 2 + 1, 2, [&](bool) {
       std::vector<ddp::ProcessGroup::Pending> works;
       for (auto& t : buckets) works.push_back(ddp::default_group().all_reduce_async(t));
       for (auto& w : works) w.wait();
     });
+    // Cores this process kept busy while the buckets were all-reduced alone.
+    const double busy = (cpu_ms() - cpu_before) / ms_since(wall_before);
     f.overlap = std::max(0.0, std::min(1.0, 1.0 - (tail / steps) / alone));
     if (std::getenv("TANDEM_BENCH_VERBOSE")) {
       std::fprintf(stderr,
                    "ddp_bench rank %d: step %.2f ms (forward %.2f, backward %.2f, step %.2f), tail "
-                   "wait %.2f ms, buckets alone %.2f ms, %zu buckets:",
+                   "wait %.2f ms, buckets alone %.2f ms (%.2f cores busy), %zu buckets:",
                    ddp::get_rank(), f.ms, phase[0] / steps, phase[1] / steps, phase[2] / steps,
-                   tail / steps, alone, stats.buckets);
+                   tail / steps, alone, busy, stats.buckets);
       for (size_t b : stats.bucket_bytes) std::fprintf(stderr, " %zu", b);
       std::fprintf(stderr, "\n");
     }

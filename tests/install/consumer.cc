@@ -5,7 +5,9 @@
 // handed back to its owner inside a tuple; a DistributedOptimizer steps a
 // parameter with that context's gradient, and a RemoteModule's parameters
 // train through its forward. A one-rank DistributedDataParallel model takes a
-// step, and a DistributedSampler gives its share.
+// step, and a DistributedSampler gives its share; then one hybrid step: a
+// DDP layer on a RemoteModule's output, inside a distributed autograd
+// context, stepped with the module by one DistributedOptimizer.
 #include <tandem/autograd/autograd.h>
 #include <tandem/ddp/distributed_data_parallel.h>
 #include <tandem/ddp/sampler.h>
@@ -104,8 +106,9 @@ int main() {
     opt.step(ctx.id());
     module_weight = fc.state_dict().at("weight")[0][0].item<double>();  // 1 - 0.5 * 1
   }
-  double ddp_weight = 0;
+  double ddp_weight = 0, hybrid_head = -1, hybrid_first = -1;
   size_t share = 0;
+  bool hybrid_grad_untouched = false;
   {
     tandem::ddp::init_process_group("gloo", "tcp://127.0.0.1:0", 1, 0);
     torch::nn::Linear fc(2, 1);
@@ -116,10 +119,33 @@ int main() {
     opt.step();
     ddp_weight = fc->weight[0][0].item<double>();  // 1 - 0.5 * 1
     share = tandem::ddp::DistributedSampler(10).indices().size();  // the default group's 1 rank
+    {
+      tandem::nn::RemoteModule first("worker0/cpu", "Linear", {2, 2});
+      first.load_state_dict({{"weight", at::ones({2, 2})}, {"bias", at::zeros({2})}});
+      torch::nn::Linear head(2, 1);
+      head->weight.data().fill_(1);
+      head->bias.data().fill_(0);
+      tandem::ddp::DistributedDataParallel dense(head);
+      auto params = first.remote_parameters();
+      for (auto& p : dense.parameters()) params.emplace_back(p);
+      tandem::optim::Options oo;
+      oo.lr = 0.5;
+      tandem::optim::DistributedOptimizer opt(tandem::optim::Kind::kSGD, params, oo);
+      tandem::autograd::Context ctx;
+      at::Tensor h = first.forward(at::ones({1, 2}));  // [2, 2]
+      tandem::autograd::backward(ctx.id(), {at::sum(dense(h))});
+      opt.step(ctx.id());
+      hybrid_head = head->weight[0][0].item<double>();                     // 1 - 0.5 * 2
+      hybrid_first = first.state_dict().at("weight")[0][0].item<double>();  // 1 - 0.5 * 1
+      hybrid_grad_untouched = !head->weight.grad().defined();  // the context held it
+    }
     tandem::ddp::destroy_process_group();
   }
   tandem::rpc::shutdown();
-  std::printf("DDP's weight after one step %.2f, the sampler's share %zu\n", ddp_weight, share);
+  std::printf("DDP's weight after one step %.2f, the sampler's share %zu; after a hybrid step the "
+              "DDP layer's weight %.2f, the RemoteModule's %.2f, .grad %s\n",
+              ddp_weight, share, hybrid_head, hybrid_first,
+              hybrid_grad_untouched ? "untouched" : "SET");
   std::printf("after one SGD step the parameter is %.2f, the RemoteModule's weight %.2f\n",
               stepped, module_weight);
   std::printf("twice(21) = %lld, d(sum(3x))/dx = %.1f, d(sum(6x) + sum(x))/dx = %.1f, "
@@ -127,7 +153,8 @@ int main() {
               static_cast<long long>(y), g, chained, held,
               named ? "a missing gradient is named" : "a missing gradient is NOT named");
   return y == 42 && g == 3.0 && chained == 7.0 && held == 6.0 && stepped == -0.5 &&
-                 module_weight == 0.5 && named && ddp_weight == 0.5 && share == 10
+                 module_weight == 0.5 && named && ddp_weight == 0.5 && share == 10 &&
+                 hybrid_head == 0.0 && hybrid_first == 0.5 && hybrid_grad_untouched
              ? 0
              : 1;
 }
