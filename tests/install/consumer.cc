@@ -7,11 +7,13 @@
 // train through its forward. A one-rank DistributedDataParallel model takes a
 // step, and a DistributedSampler gives its share; then one hybrid step: a
 // DDP layer on a RemoteModule's output, inside a distributed autograd
-// context, stepped with the module by one DistributedOptimizer.
+// context, stepped with the module by one DistributedOptimizer. A 1F1B
+// pipeline schedule is simulated.
 #include <tandem/autograd/autograd.h>
 #include <tandem/ddp/distributed_data_parallel.h>
 #include <tandem/ddp/sampler.h>
 #include <tandem/optim/distributed_optimizer.h>
+#include <tandem/pipeline/schedule.h>
 #include <tandem/remote_module/remote_module.h>
 #include <tandem/rpc/api.h>
 #include <tandem/rpc/rref.h>
@@ -142,6 +144,10 @@ int main() {
     tandem::ddp::destroy_process_group();
   }
   tandem::rpc::shutdown();
+  // 2 workers, 4 micro-batches: (4 + 2 - 1) slots of forward 1 + backward 2.
+  const double makespan =
+      tandem::pipeline::simulate(tandem::pipeline::OneFOneB().plan(2, 4)).makespan;
+  std::printf("a 1F1B schedule of 4 micro-batches on 2 workers takes %.0f units\n", makespan);
   std::printf("DDP's weight after one step %.2f, the sampler's share %zu; after a hybrid step the "
               "DDP layer's weight %.2f, the RemoteModule's %.2f, .grad %s\n",
               ddp_weight, share, hybrid_head, hybrid_first,
@@ -154,7 +160,8 @@ int main() {
               named ? "a missing gradient is named" : "a missing gradient is NOT named");
   return y == 42 && g == 3.0 && chained == 7.0 && held == 6.0 && stepped == -0.5 &&
                  module_weight == 0.5 && named && ddp_weight == 0.5 && share == 10 &&
-                 hybrid_head == 0.0 && hybrid_first == 0.5 && hybrid_grad_untouched
+                 hybrid_head == 0.0 && hybrid_first == 0.5 && hybrid_grad_untouched &&
+                 makespan == 15.0
              ? 0
              : 1;
 }
