@@ -1,6 +1,8 @@
 // The public API (autograd/autograd.h) over each agent's DistAutograd.
 #include "tandem/autograd/autograd.h"
 
+#include <ATen/ops/add.h>
+
 #include "tandem/autograd/dist_autograd.h"
 #include "tandem/rpc/api.h"
 #include "tandem/rpc/errors.h"
@@ -90,6 +92,32 @@ at::Tensor Gradients::at(const at::Tensor& t) const {
         "backward() ran from, does not require grad, or lives on another worker)");
   }
   return it->value();
+}
+
+void accumulate_gradient(rpc::Agent& agent, uint64_t context_id, const at::Tensor& leaf,
+                         const at::Tensor& grad) {
+  auto c = DistAutograd::of(agent);
+  auto ctx = c->contexts().get_or_create(context_id);
+  if (!ctx) {
+    throw std::invalid_argument("accumulate_gradient: context " + std::to_string(context_id) +
+                                " was released on " + c->name() + " (or the agent is closing)");
+  }
+  if (!leaf.defined() || !grad.defined() || !leaf.sizes().equals(grad.sizes())) {
+    throw std::invalid_argument("accumulate_gradient in context " + std::to_string(context_id) +
+                                " on " + c->name() +
+                                ": the leaf and its gradient must be defined and of one shape");
+  }
+  std::lock_guard<std::mutex> lock(ctx->mu);
+  if (ctx->released) {
+    throw std::invalid_argument("accumulate_gradient: context " + std::to_string(context_id) +
+                                " was released on " + c->name());
+  }
+  auto it = ctx->grads.find(leaf);
+  if (it == ctx->grads.end()) {
+    ctx->grads.insert(leaf, grad.detach().clone());
+  } else {
+    ctx->grads.insert_or_assign(leaf, at::add(it->value(), grad.detach()));
+  }
 }
 
 size_t live_contexts(rpc::Agent& agent) { return DistAutograd::of(agent)->contexts().live(); }

@@ -113,6 +113,17 @@ void backward(rpc::Agent& agent, uint64_t context_id, const std::vector<at::Tens
 Gradients get_gradients(uint64_t context_id);
 Gradients get_gradients(rpc::Agent& agent, uint64_t context_id);
 
+// Adds `grad` to this worker's gradient of `leaf` in context `context_id`,
+// as a backward() reaching the leaf would (the pipeline's stages compute
+// their gradients themselves, micro-batch by micro-batch, and put them here
+// for DistributedOptimizer::step). Call it where a message inside the
+// context arrived (a handler serving a call made inside it): the context
+// joins this worker as that message would have made it, and goes with the
+// context's release. One released here is std::invalid_argument naming
+// it. Not while a backward() in the same context runs here.
+void accumulate_gradient(rpc::Agent& agent, uint64_t context_id, const at::Tensor& leaf,
+                         const at::Tensor& grad);
+
 // Contexts alive on `agent` (tests and leak checks).
 size_t live_contexts(rpc::Agent& agent);
 

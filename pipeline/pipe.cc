@@ -1,0 +1,543 @@
+#include "tandem/pipeline/pipe.h"
+
+#include <ATen/ops/cross_entropy_loss.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/full_like.h>
+#include <ATen/ops/mse_loss.h>
+#include <ATen/ops/tensor_split.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "tandem/autograd/autograd.h"
+#include "tandem/remote_module/served.h"
+#include "tandem/rpc/api.h"
+#include "tandem/rpc/bounded_set.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/rpc/layer.h"
+
+namespace tandem::pipeline {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// ---- losses ----
+
+std::mutex g_losses_mu;
+std::map<std::string, LossFn>& losses() {
+  static std::map<std::string, LossFn> all = {
+      {"cross_entropy",
+       [](const at::Tensor& out, const at::Tensor& target) {
+         return at::cross_entropy_loss(out, target);
+       }},
+      {"mse", [](const at::Tensor& out, const at::Tensor& target) {
+         return at::mse_loss(out, target);
+       }}};
+  return all;
+}
+
+LossFn loss_named(const std::string& name, const std::string& where) {
+  std::lock_guard<std::mutex> lock(g_losses_mu);
+  auto it = losses().find(name);
+  if (it == losses().end()) {
+    std::string known;
+    for (const auto& [n, _] : losses()) known += (known.empty() ? "" : ", ") + n;
+    throw std::invalid_argument("no pipeline loss '" + name + "' on " + where + " (known: " +
+                                known + "; pipeline::register_loss adds one)");
+  }
+  return it->second;
+}
+
+// ---- a worker's side of one step ----
+
+enum Slot : int64_t { kActivation = 0, kGradient = 1 };
+
+// What other workers sent this one for a step: stage inputs and output
+// gradients, by (slot, stage, chunk).
+struct Box {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<std::tuple<int64_t, int64_t, int64_t>, at::Tensor> items;
+  std::string aborted;  // non-empty: the step failed elsewhere
+
+  void put(int64_t slot, int64_t stage, int64_t chunk, at::Tensor t) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      items[{slot, stage, chunk}] = std::move(t);
+    }
+    cv.notify_all();
+  }
+  void abort(const std::string& why) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (aborted.empty()) aborted = why;
+    }
+    cv.notify_all();
+  }
+  at::Tensor take(int64_t slot, int64_t stage, int64_t chunk, std::chrono::milliseconds timeout,
+                  const std::string& waiting) {
+    std::unique_lock<std::mutex> lock(mu);
+    const auto key = std::make_tuple(slot, stage, chunk);
+    const bool came = cv.wait_for(lock, timeout, [&] { return items.count(key) || !aborted.empty(); });
+    if (!aborted.empty()) throw std::runtime_error("step aborted: " + aborted);
+    if (!came) {
+      throw rpc::TimeoutError(waiting + ": its " +
+                              (slot == kActivation ? std::string("input") : "output's gradient") +
+                              " did not come within " + std::to_string(timeout.count()) + " ms");
+    }
+    at::Tensor t = std::move(items[key]);
+    items.erase(key);
+    return t;
+  }
+};
+
+struct RunArgs {
+  int64_t step = 0, chunks = 0, stages = 0, workers = 0, me = 0;
+  std::chrono::milliseconds timeout{0};
+  std::vector<int64_t> stage_ids;
+  std::vector<rpc::RRef<c10::IValue>> modules;
+  at::Tensor actions;  // [n, 3] int64: kind, stage, chunk
+  std::vector<std::string> worker_names;
+  std::string loss;
+  std::vector<at::Tensor> inputs, targets;  // this worker's, when it holds stage 0 / the last
+  std::vector<double> weights;              // each chunk's share of the batch
+};
+
+class PipeService final : public rpc::AgentExtension,
+                          public std::enable_shared_from_this<PipeService> {
+ public:
+  explicit PipeService(rpc::Agent& agent) : agent_(agent) {}
+
+  static std::shared_ptr<PipeService> of(rpc::Agent& agent) {
+    return rpc::layer::require_extension<PipeService>(agent, "pipeline service", "pipeline");
+  }
+
+  std::shared_ptr<Box> box(int64_t step, bool create = true) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finished_.contains(static_cast<uint64_t>(step))) return nullptr;  // late: dropped
+    auto it = boxes_.find(step);
+    if (it != boxes_.end()) return it->second;
+    if (!create || closed_) return nullptr;
+    return boxes_.emplace(step, std::make_shared<Box>()).first->second;
+  }
+
+  void finish(int64_t step) {
+    std::lock_guard<std::mutex> lock(mu_);
+    boxes_.erase(step);
+    finished_.insert(static_cast<uint64_t>(step));
+  }
+
+  // Hands `t` to `worker` (this one: straight into the box).
+  void send(const RunArgs& a, int64_t worker, int64_t slot, int64_t stage, int64_t chunk,
+            at::Tensor t) {
+    if (worker == a.me) {
+      if (auto b = box(a.step)) b->put(slot, stage, chunk, std::move(t));
+      return;
+    }
+    rpc::LayerAccess::notify(agent_, a.worker_names[worker], "tandem.pipe.put",
+                             rpc::to_ivalues(a.step, slot, stage, chunk, std::move(t)));
+  }
+
+  void abort_others(const RunArgs& a, const std::string& why) {
+    for (int64_t w = 0; w < a.workers; ++w) {
+      if (w == a.me) continue;
+      try {
+        rpc::LayerAccess::notify(agent_, a.worker_names[w], "tandem.pipe.abort",
+                                 rpc::to_ivalues(a.step, why));
+      } catch (const std::exception&) {
+        // A worker we cannot reach waits out its timeout instead.
+      }
+    }
+  }
+
+  std::tuple<at::Tensor, at::Tensor, int64_t> run(RunArgs a) {
+    const uint64_t context = autograd::current_context_id();
+    auto b = box(a.step);
+    if (!b) throw rpc::ShutdownError("agent " + agent_.name() + " is shutting down");
+    try {
+      auto result = run_passes(a, *b, context);
+      finish(a.step);
+      return result;
+    } catch (const std::exception& e) {
+      finish(a.step);
+      abort_others(a, e.what());
+      throw;
+    }
+  }
+
+  void register_handlers(rpc::Registry& internal) override {
+    std::weak_ptr<PipeService> weak = weak_from_this();
+    auto self = [weak] {
+      auto s = weak.lock();
+      if (!s) throw rpc::ShutdownError("the pipeline service is shut down");
+      return s;
+    };
+    internal.def("tandem.pipe.put", [self](int64_t step, int64_t slot, int64_t stage,
+                                           int64_t chunk, at::Tensor t) {
+      if (auto b = self()->box(step)) b->put(slot, stage, chunk, std::move(t));
+    });
+    internal.def("tandem.pipe.abort", [self](int64_t step, std::string why) {
+      if (auto b = self()->box(step)) b->abort(why);
+    });
+    internal.def("tandem.pipe.run",
+                 [self](std::vector<int64_t> header, std::vector<int64_t> stage_ids,
+                        std::vector<rpc::RRef<c10::IValue>> modules, at::Tensor actions,
+                        std::vector<std::string> worker_names, std::string loss,
+                        std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets,
+                        std::vector<double> weights) {
+                   if (header.size() != 6) throw std::invalid_argument("tandem.pipe.run: bad header");
+                   RunArgs a;
+                   a.step = header[0];
+                   a.chunks = header[1];
+                   a.stages = header[2];
+                   a.workers = header[3];
+                   a.me = header[4];
+                   a.timeout = std::chrono::milliseconds(header[5]);
+                   a.stage_ids = std::move(stage_ids);
+                   a.modules = std::move(modules);
+                   a.actions = std::move(actions);
+                   a.worker_names = std::move(worker_names);
+                   a.loss = std::move(loss);
+                   a.inputs = std::move(inputs);
+                   a.targets = std::move(targets);
+                   a.weights = std::move(weights);
+                   return self()->run(std::move(a));
+                 });
+  }
+
+  void before_send(rpc::Message&, int) override {}
+  void after_encode(const rpc::Message&, rpc::OutFrame&, int) override {}
+  void after_receive(rpc::Message&, int) override {}
+  std::vector<std::string> live_objects() const override { return {}; }
+
+  void close() override {
+    std::map<int64_t, std::shared_ptr<Box>> boxes;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closed_ = true;
+      boxes.swap(boxes_);
+    }
+    for (auto& [_, b] : boxes) b->abort("agent " + agent_.name() + " shut down");
+  }
+
+ private:
+  struct Stash {
+    at::Tensor input;   // a leaf (requires grad past stage 0)
+    at::Tensor output;  // the stage's output, or the weighted loss on the last stage
+  };
+
+  std::tuple<at::Tensor, at::Tensor, int64_t> run_passes(const RunArgs& a, Box& box,
+                                                         uint64_t context) {
+    std::map<int64_t, std::shared_ptr<nn::Served>> served;
+    std::map<int64_t, std::vector<at::Tensor>> params;
+    for (size_t i = 0; i < a.stage_ids.size(); ++i) {
+      auto s = nn::served_of(a.modules[i].local_value());
+      if (!s) throw std::invalid_argument("pipeline stage " + std::to_string(a.stage_ids[i]) +
+                                          " is not a RemoteModule's module");
+      served[a.stage_ids[i]] = s;
+      for (auto& [_, p] : s->parameters()) {
+        if (p.requires_grad()) params[a.stage_ids[i]].push_back(p);
+      }
+    }
+    const int64_t last = a.stages - 1;
+    LossFn loss_fn;
+    if (served.count(last)) loss_fn = loss_named(a.loss, agent_.name());
+    std::map<std::pair<int64_t, int64_t>, Stash> stash;
+    std::map<int64_t, std::vector<at::Tensor>> sums;  // per stage, per parameter
+    at::Tensor losses = at::full({a.chunks}, std::numeric_limits<double>::quiet_NaN(), at::kDouble);
+    const int64_t n = a.actions.size(0);
+    at::Tensor record = at::empty({n, 5}, at::kDouble);
+    auto acts = a.actions.accessor<int64_t, 2>();
+    auto rec = record.accessor<double, 2>();
+    const auto t0 = Clock::now();
+    auto us = [&] { return std::chrono::duration<double, std::micro>(Clock::now() - t0).count(); };
+    int64_t held = 0, peak = 0;
+    c10::AutoGradMode grad_on(true);
+    for (int64_t i = 0; i < n; ++i) {
+      const bool fwd = acts[i][0] == 0;
+      const int64_t stage = acts[i][1], chunk = acts[i][2];
+      const std::string what = std::string(fwd ? "forward" : "backward") + " of micro-batch " +
+                               std::to_string(chunk) + " through stage " + std::to_string(stage) +
+                               " on " + agent_.name();
+      rec[i][0] = fwd ? 0 : 1;
+      rec[i][1] = static_cast<double>(stage);
+      rec[i][2] = static_cast<double>(chunk);
+      rec[i][3] = us();
+      try {
+        if (fwd) {
+          at::Tensor x = stage == 0 ? a.inputs.at(chunk)
+                                    : box.take(kActivation, stage, chunk, a.timeout, what);
+          x = x.detach();
+          if (stage > 0 && x.is_floating_point()) x.requires_grad_(true);
+          std::vector<c10::IValue> args{x};
+          c10::IValue out = served.at(stage)->forward(args);
+          if (!out.isTensor()) {
+            throw std::invalid_argument("the stage's forward gave a " + out.tagKind() +
+                                        ", not one tensor");
+          }
+          at::Tensor y = out.toTensor();
+          if (stage == last) {
+            at::Tensor l = loss_fn(y, a.targets.at(chunk));
+            losses.data_ptr<double>()[chunk] = l.detach().item<double>();
+            stash[{stage, chunk}] = {x, l * a.weights.at(chunk)};
+          } else {
+            stash[{stage, chunk}] = {x, y};
+            send(a, (stage + 1) % a.workers, kActivation, stage + 1, chunk, y.detach());
+          }
+          peak = std::max(peak, ++held);
+        } else {
+          auto it = stash.find({stage, chunk});
+          if (it == stash.end()) throw std::logic_error("no forward ran before this backward");
+          Stash s = std::move(it->second);
+          stash.erase(it);
+          --held;
+          at::Tensor g = stage == last ? at::ones_like(s.output)
+                                       : box.take(kGradient, stage, chunk, a.timeout, what);
+          std::vector<at::Tensor> wrt = params[stage];
+          const bool input_grad = stage > 0 && s.input.requires_grad();
+          if (input_grad) wrt.push_back(s.input);
+          if (!wrt.empty() && s.output.requires_grad()) {
+            auto grads = torch::autograd::grad({s.output}, wrt, {g}, /*retain_graph=*/false,
+                                               /*create_graph=*/false, /*allow_unused=*/true);
+            auto& sum = sums[stage];
+            sum.resize(params[stage].size());
+            for (size_t p = 0; p < params[stage].size(); ++p) {
+              if (!grads[p].defined()) continue;
+              sum[p] = sum[p].defined() ? sum[p] + grads[p] : grads[p];
+            }
+            if (input_grad) {
+              at::Tensor gx = grads.back().defined() ? grads.back() : at::zeros_like(s.input);
+              send(a, (stage - 1) % a.workers, kGradient, stage - 1, chunk, gx);
+            }
+          } else if (input_grad) {
+            send(a, (stage - 1) % a.workers, kGradient, stage - 1, chunk, at::zeros_like(s.input));
+          }
+        }
+      } catch (const std::exception& e) {
+        const std::string msg = e.what();
+        // The first failure names its pass; "step aborted" ones keep theirs.
+        if (msg.rfind("step aborted: ", 0) == 0 || msg.find(" of micro-batch ") != std::string::npos) throw;
+        throw std::runtime_error(what + ": " + msg);
+      }
+      rec[i][4] = us();
+    }
+    for (auto& [stage, sum] : sums) {
+      for (size_t p = 0; p < sum.size(); ++p) {
+        if (sum[p].defined()) autograd::accumulate_gradient(agent_, context, params[stage][p], sum[p]);
+      }
+    }
+    return {losses, record, peak};
+  }
+
+  rpc::Agent& agent_;
+  std::mutex mu_;
+  std::map<int64_t, std::shared_ptr<Box>> boxes_;
+  rpc::BoundedSet<uint64_t> finished_{1024};
+  bool closed_ = false;
+};
+
+const bool kRegistered = [] {
+  rpc::register_agent_extension(
+      [](rpc::Agent& agent) { return std::make_shared<PipeService>(agent); });
+  return true;
+}();
+
+std::atomic<int64_t> g_next_step{1};
+
+}  // namespace
+
+void register_loss(const std::string& name, LossFn fn) {
+  std::lock_guard<std::mutex> lock(g_losses_mu);
+  if (!losses().emplace(name, std::move(fn)).second) {
+    throw std::invalid_argument("pipeline loss '" + name + "' is registered already");
+  }
+}
+
+Pipe::Pipe(std::vector<nn::RemoteModule> stages, PipeOptions options)
+    : Pipe(*rpc::current_agent(), std::move(stages), std::move(options)) {}
+
+Pipe::Pipe(rpc::Agent& agent, std::vector<nn::RemoteModule> stages, PipeOptions options,
+           std::shared_ptr<const Schedule> schedule)
+    : agent_(agent.weak_from_this()),
+      stages_(std::move(stages)),
+      options_(std::move(options)),
+      schedule_(schedule ? std::move(schedule) : make_schedule(options_.schedule)) {
+  (void)kRegistered;
+  PipeService::of(agent);  // this agent knows the pipeline (it was made after the library loaded)
+  if (stages_.empty()) throw std::invalid_argument("Pipe: no stages");
+  if (options_.chunks < 1) {
+    throw std::invalid_argument("Pipe: chunks must be at least 1, got " +
+                                std::to_string(options_.chunks));
+  }
+  if (options_.timeout.count() <= 0) throw std::invalid_argument("Pipe: timeout must be > 0");
+  const int per = schedule_->stages_per_worker();
+  const int n = static_cast<int>(stages_.size());
+  if (n % per != 0) {
+    throw std::invalid_argument("Pipe: schedule " + schedule_->name() + " holds " +
+                                std::to_string(per) + " stages per worker; " + std::to_string(n) +
+                                " stages are not a multiple of that");
+  }
+  workers_ = n / per;
+  for (int s = 0; s < n; ++s) {
+    const std::string owner = stages_[s].owner().name;
+    if (s < workers_) {
+      for (int w = 0; w < s; ++w) {
+        if (worker_names_[w] == owner) {
+          throw std::invalid_argument("Pipe: stages " + std::to_string(w) + " and " +
+                                      std::to_string(s) + " both live on " + owner + "; schedule " +
+                                      schedule_->name() + " wants stage s on the worker of stage s % " +
+                                      std::to_string(workers_) + ", one worker each");
+        }
+      }
+      worker_names_.push_back(owner);
+    } else if (owner != worker_names_[s % workers_]) {
+      throw std::invalid_argument("Pipe: stage " + std::to_string(s) + " lives on " + owner +
+                                  "; schedule " + schedule_->name() + " wants it on " +
+                                  worker_names_[s % workers_] + " (the worker of stage " +
+                                  std::to_string(s % workers_) + ")");
+    }
+  }
+  // The plan is checked once here; a user's schedule that cannot run fails now.
+  check(schedule_->plan(workers_, options_.chunks));
+}
+
+std::vector<rpc::RRef<at::Tensor>> Pipe::parameters() const {
+  std::vector<rpc::RRef<at::Tensor>> out;
+  for (const auto& s : stages_) {
+    for (auto& p : s.remote_parameters()) out.push_back(std::move(p));
+  }
+  return out;
+}
+
+at::Tensor Pipe::forward(const at::Tensor& inputs) const {
+  at::Tensor x = inputs;
+  for (const auto& s : stages_) x = s.forward(x);
+  return x;
+}
+
+double Pipe::step(uint64_t context_id, const at::Tensor& inputs, const at::Tensor& targets) {
+  if (context_id == 0) throw std::invalid_argument("Pipe::step: no distributed autograd context");
+  if (!inputs.defined() || inputs.dim() < 1 || !targets.defined() || targets.dim() < 1) {
+    throw std::invalid_argument("Pipe::step: inputs and targets must be tensors of a batch");
+  }
+  const int64_t batch = inputs.size(0);
+  if (targets.size(0) != batch) {
+    throw std::invalid_argument("Pipe::step: " + std::to_string(batch) + " inputs but " +
+                                std::to_string(targets.size(0)) + " targets");
+  }
+  if (batch < options_.chunks) {
+    throw std::invalid_argument("Pipe::step: a batch of " + std::to_string(batch) +
+                                " cannot make " + std::to_string(options_.chunks) +
+                                " micro-batches");
+  }
+  Plan plan = schedule_->plan(workers_, options_.chunks);
+  std::vector<at::Tensor> xs = at::tensor_split(inputs, options_.chunks);
+  std::vector<at::Tensor> ys = at::tensor_split(targets, options_.chunks);
+  std::vector<double> weights;
+  for (const auto& x : xs) weights.push_back(static_cast<double>(x.size(0)) / batch);
+
+  auto agent = agent_.lock();
+  if (!agent) throw rpc::ShutdownError("Pipe::step: its agent is gone");
+  const int64_t step = (static_cast<int64_t>(agent->rank()) << 40) | g_next_step.fetch_add(1);
+  const int64_t stages = static_cast<int64_t>(stages_.size());
+  rpc::CallOptions untimed;
+  untimed.timeout = rpc::kNoTimeout;  // each pass has its own timeout
+
+  struct Wait {
+    std::mutex mu;
+    std::condition_variable cv;
+    size_t done = 0;
+    bool failed = false;
+  };
+  auto wait = std::make_shared<Wait>();
+  std::vector<rpc::Future<std::tuple<at::Tensor, at::Tensor, int64_t>>> runs;
+  for (int w = 0; w < workers_; ++w) {
+    std::vector<int64_t> ids;
+    std::vector<rpc::RRef<c10::IValue>> modules;
+    for (int64_t s = w; s < stages; s += workers_) {
+      ids.push_back(s);
+      modules.push_back(stages_[s].get_module_rref());
+    }
+    const auto& list = plan.actions[w];
+    at::Tensor actions = at::empty({static_cast<int64_t>(list.size()), 3}, at::kLong);
+    auto acc = actions.accessor<int64_t, 2>();
+    for (size_t i = 0; i < list.size(); ++i) {
+      acc[i][0] = list[i].kind == Action::kForward ? 0 : 1;
+      acc[i][1] = list[i].stage;
+      acc[i][2] = list[i].chunk;
+    }
+    std::vector<int64_t> header = {step, options_.chunks, stages, workers_, w,
+                                   static_cast<int64_t>(options_.timeout.count())};
+    auto f = agent->rpc_async<std::tuple<at::Tensor, at::Tensor, int64_t>>(
+        untimed, worker_names_[w], "tandem.pipe.run", header, ids, modules, actions,
+        worker_names_, options_.loss, w == 0 ? xs : std::vector<at::Tensor>{},
+        plan.worker_of(static_cast<int>(stages - 1)) == w ? ys : std::vector<at::Tensor>{},
+        weights);
+    f.raw()->addCallback([wait](c10::ivalue::Future& done) {
+      std::lock_guard<std::mutex> lock(wait->mu);
+      ++wait->done;
+      if (done.hasError()) wait->failed = true;
+      wait->cv.notify_all();
+    });
+    runs.push_back(std::move(f));
+  }
+  {
+    // A worker that failed has told the others; one that died (its call
+    // failed here) has not: tell them, so nobody waits out a timeout.
+    std::unique_lock<std::mutex> lock(wait->mu);
+    wait->cv.wait(lock, [&] { return wait->done == runs.size() || wait->failed; });
+    if (wait->failed && wait->done < runs.size()) {
+      lock.unlock();
+      for (int w = 0; w < workers_; ++w) {
+        try {
+          rpc::LayerAccess::notify(*agent, worker_names_[w], "tandem.pipe.abort",
+                                   rpc::to_ivalues(step, std::string("a worker of the step failed")));
+        } catch (const std::exception&) {
+        }
+      }
+    }
+  }
+  std::string first_error, aborted_error;
+  StepStats stats;
+  double loss = 0;
+  for (int w = 0; w < workers_; ++w) {
+    try {
+      auto [losses, record, peak] = runs[w].wait();
+      stats.peak_stash.push_back(static_cast<int>(peak));
+      auto rec = record.accessor<double, 2>();
+      for (int64_t i = 0; i < record.size(0); ++i) {
+        PassRecord p;
+        p.action = {rec[i][0] == 0 ? Action::kForward : Action::kBackward,
+                    static_cast<int>(rec[i][1]), static_cast<int>(rec[i][2])};
+        p.worker = w;
+        p.start_us = rec[i][3];
+        p.end_us = rec[i][4];
+        stats.passes.push_back(p);
+      }
+      if (plan.worker_of(static_cast<int>(stages - 1)) == w) {
+        for (int64_t m = 0; m < options_.chunks; ++m) loss += losses[m].item<double>() * weights[m];
+      }
+    } catch (const std::exception& e) {
+      std::string msg = e.what();
+      if (msg.find("step aborted: ") != std::string::npos) {
+        if (aborted_error.empty()) aborted_error = msg;
+      } else if (first_error.empty()) {
+        first_error = msg;
+      }
+    }
+  }
+  if (!first_error.empty()) throw std::runtime_error("Pipe::step: " + first_error);
+  if (!aborted_error.empty()) throw std::runtime_error("Pipe::step: " + aborted_error);
+  last_ = std::move(stats);
+  return loss;
+}
+
+}  // namespace tandem::pipeline

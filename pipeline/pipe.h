@@ -1,0 +1,113 @@
+#pragma once
+// Pipe: a sequential model whose stages are RemoteModules on several
+// workers, trained micro-batch by micro-batch in the order a schedule gives
+// (pipeline/schedule.h).
+//
+//   std::vector<nn::RemoteModule> stages = {
+//       nn::RemoteModule("worker1/cpu", "Linear", {512, 2048}), ...};
+//   pipeline::PipeOptions o;
+//   o.chunks = 8;
+//   o.schedule = "1f1b";
+//   pipeline::Pipe pipe(stages, o);
+//   optim::DistributedOptimizer opt(optim::Kind::kSGD, pipe.parameters(), so);
+//   {
+//     autograd::Context ctx;
+//     double loss = pipe.step(ctx.id(), x, y);   // forward and backward of every micro-batch
+//     opt.step(ctx.id());
+//   }
+//
+// How a step runs: the driver splits the batch into `chunks` micro-batches
+// (as at::tensor_split does: the first ones a row larger when the batch does
+// not divide evenly) and asks every worker holding stages to run its list of
+// the schedule's passes. A forward takes its input from the driver (stage 0)
+// or from the previous stage, which sends its output there directly; the
+// last stage computes the micro-batch's loss (a named loss, mean over its
+// rows, weighted by its share of the batch, so the gradients are those of
+// the whole batch's mean loss). A backward takes its output's gradient from
+// the next stage, computes its parameters' and input's gradients with
+// LibTorch's autograd and sends the input's gradient back. Activations and
+// gradients go from stage to stage, never through the driver. At the end
+// each worker adds its stages' parameter gradients to the distributed
+// autograd context, so DistributedOptimizer::step(ctx) steps them where
+// they live. A failing pass fails the step on every worker at once, with
+// the first error naming its stage and worker.
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tandem/pipeline/schedule.h"
+#include "tandem/remote_module/remote_module.h"
+#include "tandem/rpc/rref.h"
+
+namespace tandem::pipeline {
+
+// A loss from the last stage's output and the micro-batch's targets, mean
+// over the rows. Built in: "cross_entropy" (targets: class indices) and
+// "mse". register_loss adds one, on the process holding the last stage
+// (std::invalid_argument if the name is taken).
+using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
+void register_loss(const std::string& name, LossFn fn);
+
+struct PipeOptions {
+  int chunks = 1;                      // micro-batches per batch
+  std::string schedule = "gpipe";      // make_schedule's names; see also Pipe's last constructor
+  std::string loss = "cross_entropy";
+  // How long a pass may wait for its input or gradient from another stage.
+  std::chrono::milliseconds timeout{60000};
+};
+
+// When one pass ran, on its worker's clock, in µs since that worker began the step.
+struct PassRecord {
+  Action action;
+  int worker = 0;
+  double start_us = 0, end_us = 0;
+};
+
+// What the last step did on each worker.
+struct StepStats {
+  std::vector<int> peak_stash;  // per worker: most micro-batches held between F and B
+  std::vector<PassRecord> passes;
+};
+
+class Pipe {
+ public:
+  // Stage s must live on the same worker as stage s % W, W being the
+  // schedule's worker count (stages / stages per worker); plain schedules
+  // want a worker per stage. Throws std::invalid_argument for bad options
+  // or placement.
+  // The driver is the current agent (rpc::init's), or `agent`; `schedule`
+  // (one of the user's, say) replaces options.schedule.
+  Pipe(std::vector<nn::RemoteModule> stages, PipeOptions options = {});
+  Pipe(rpc::Agent& agent, std::vector<nn::RemoteModule> stages, PipeOptions options = {},
+       std::shared_ptr<const Schedule> schedule = nullptr);
+
+  // Inside distributed autograd context `context_id`: every micro-batch's
+  // forward and backward; returns the batch's mean loss. Throws
+  // std::invalid_argument for a batch smaller than chunks or inputs and
+  // targets of different lengths, before any work starts.
+  double step(uint64_t context_id, const at::Tensor& inputs, const at::Tensor& targets);
+  // The whole batch through the stages, no gradients.
+  at::Tensor forward(const at::Tensor& inputs) const;
+
+  // Every stage's parameters, in stage order (for DistributedOptimizer).
+  std::vector<rpc::RRef<at::Tensor>> parameters() const;
+  const std::vector<nn::RemoteModule>& stages() const { return stages_; }
+  const Schedule& schedule() const { return *schedule_; }
+  int workers() const { return workers_; }
+  const StepStats& last_step() const { return last_; }
+
+ private:
+  std::weak_ptr<rpc::Agent> agent_;
+  std::vector<nn::RemoteModule> stages_;
+  PipeOptions options_;
+  std::shared_ptr<const Schedule> schedule_;
+  int workers_ = 0;
+  std::vector<std::string> worker_names_;  // by schedule worker index
+  StepStats last_;
+};
+
+}  // namespace tandem::pipeline
