@@ -163,3 +163,145 @@ TEST_CASE("pipeline: GPipe and 1F1B train as the unsplit model, uneven micro-bat
 TEST_CASE("pipeline: interleaved 1F1B (two stages per worker) trains as the unsplit model") {
   for (int chunks : {2, 4}) expect_trained_like_local("interleaved", 2, 2, chunks);
 }
+
+TEST_CASE("pipeline: bad input is refused before any work, naming what was wrong") {
+  World w(3);
+  {
+    Weights init = initial(2, 1);
+    auto stages = make_stages(*w.agents[0], init, [](int s) { return 1 + s; });
+    auto error_making = [&](pipeline::PipeOptions o, std::vector<RemoteModule> st = {}) {
+      if (st.empty()) st = stages;
+      return test::error_of([&] { pipeline::Pipe(*w.agents[0], st, o); });
+    };
+    pipeline::PipeOptions o;
+    o.schedule = "zero-bubble";
+    CHECK(error_making(o).find("unknown pipeline schedule 'zero-bubble'") != std::string::npos);
+    o = {};
+    o.chunks = 0;
+    CHECK(error_making(o).find("Pipe: chunks must be at least 1, got 0") != std::string::npos);
+    // Interleaving two stages per worker: 2 stages make one worker, and the
+    // second stage lives elsewhere than the first.
+    o = {};
+    o.schedule = "interleaved";
+    CHECK(error_making(o).find("Pipe: stage 1 lives on worker2; schedule interleaved:2 wants it on "
+                               "worker1 (the worker of stage 0)") != std::string::npos);
+    // Plain schedules want a worker per stage.
+    o = {};
+    auto same = make_stages(*w.agents[0], init, [](int) { return 1; });
+    CHECK(error_making(o, same).find("stages 0 and 1 both live on worker1") != std::string::npos);
+
+    pipeline::PipeOptions four;
+    four.chunks = 4;
+    pipeline::Pipe pipe(*w.agents[0], stages, four);
+    dist::Context ctx(*w.agents[0]);
+    Batch b = batch(3, 0);
+    CHECK(test::error_of([&] { pipe.step(ctx.id(), b.x, b.y); })
+              .find("a batch of 3 cannot make 4 micro-batches") != std::string::npos);
+    Batch c = batch(8, 0);
+    CHECK(test::error_of([&] { pipe.step(ctx.id(), c.x, b.y); })
+              .find("8 inputs but 3 targets") != std::string::npos);
+    CHECK(test::error_of([&] { pipe.step(0, c.x, c.y); }).find("no distributed autograd context") !=
+          std::string::npos);
+  }
+  w.shutdown();
+}
+
+TEST_CASE("pipeline: a failing stage fails the step on every worker, naming the stage") {
+  World w(4);
+  {
+    // Stage 1 expects 5 features but stage 0 gives 8: its forward fails.
+    std::vector<RemoteModule> stages;
+    stages.emplace_back(*w.agents[0], "worker1/cpu", "Linear", std::vector<c10::IValue>{kIn, kHidden});
+    stages.emplace_back(*w.agents[0], "worker2/cpu", "Linear", std::vector<c10::IValue>{5, kHidden});
+    stages.emplace_back(*w.agents[0], "worker3/cpu", "Linear", std::vector<c10::IValue>{kHidden, kClasses});
+    for (const char* schedule : {"gpipe", "1f1b"}) {
+      CAPTURE(schedule);
+      pipeline::PipeOptions o;
+      o.chunks = 2;
+      o.schedule = schedule;
+      pipeline::Pipe pipe(*w.agents[0], stages, o);
+      dist::Context ctx(*w.agents[0]);
+      Batch b = batch(6, 0);
+      const auto started = std::chrono::steady_clock::now();
+      const std::string error = test::error_of([&] { pipe.step(ctx.id(), b.x, b.y); });
+      CHECK(error.find("forward of micro-batch 0 through stage 1 on worker2") != std::string::npos);
+      CHECK(error.find("step aborted") == std::string::npos);  // the cause, not the echo
+      // Nobody waited out a timeout (60 s).
+      CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(10));
+    }
+    // An unknown loss fails on the last stage's worker, named there.
+    pipeline::PipeOptions o;
+    o.loss = "hinge";
+    std::vector<RemoteModule> good;
+    good.emplace_back(*w.agents[0], "worker1/cpu", "Linear", std::vector<c10::IValue>{kIn, kClasses});
+    pipeline::Pipe pipe(*w.agents[0], good, o);
+    dist::Context ctx(*w.agents[0]);
+    Batch b = batch(4, 0);
+    const std::string error = test::error_of([&] { pipe.step(ctx.id(), b.x, b.y); });
+    CHECK(error.find("no pipeline loss 'hinge' on worker1 (known: cross_entropy, mse") !=
+          std::string::npos);
+    // The stages still serve: a good step after the failures.
+    pipeline::Pipe fine(*w.agents[0], good);
+    CHECK(fine.step(ctx.id(), b.x, b.y) > 0);
+  }
+  w.shutdown();
+}
+
+TEST_CASE("pipeline: a user's loss, a user's schedule, and inference") {
+  pipeline::register_loss("sum_squares", [](const at::Tensor& out, const at::Tensor& target) {
+    return (out - target).pow(2).sum(1).mean();
+  });
+  CHECK(test::error_of([] { pipeline::register_loss("mse", {}); })
+            .find("pipeline loss 'mse' is registered already") != std::string::npos);
+  // GPipe with the backwards in reverse order.
+  struct Reverse final : pipeline::Schedule {
+    std::string name() const override { return "reverse"; }
+    pipeline::Plan plan(int workers, int chunks) const override {
+      pipeline::Plan p = pipeline::GPipe().plan(workers, chunks);
+      for (auto& list : p.actions) std::reverse(list.begin() + chunks, list.end());
+      return p;
+    }
+  };
+  World w(3);
+  {
+    std::vector<RemoteModule> stages;
+    stages.emplace_back(*w.agents[0], "worker1/cpu", "Linear", std::vector<c10::IValue>{4, 4});
+    stages.emplace_back(*w.agents[0], "worker2/cpu", "Linear", std::vector<c10::IValue>{4, 2});
+    pipeline::PipeOptions o;
+    o.chunks = 3;
+    o.loss = "sum_squares";
+    pipeline::Pipe pipe(*w.agents[0], stages, o, std::make_shared<Reverse>());
+    at::manual_seed(3);
+    at::Tensor x = at::randn({7, 4}), y = at::randn({7, 2});
+    // The local twin: the same weights, the same loss on the whole batch.
+    auto s0 = stages[0].state_dict(), s1 = stages[1].state_dict();
+    at::Tensor w0 = s0.at("weight").requires_grad_(), b0 = s0.at("bias").requires_grad_();
+    at::Tensor w1 = s1.at("weight").requires_grad_(), b1 = s1.at("bias").requires_grad_();
+    at::Tensor out = at::addmm(b1, at::addmm(b0, x, w0.t()), w1.t());
+    at::Tensor want = (out - y).pow(2).sum(1).mean();
+    want.backward();
+    CHECK(at::allclose(pipe.forward(x), out.detach(), 1e-5, 1e-6));
+    dist::Context ctx(*w.agents[0]);
+    CHECK(pipe.step(ctx.id(), x, y) == doctest::Approx(want.item<double>()).epsilon(1e-5));
+    CHECK(pipe.parameters().size() == 4);
+    // The stages' gradients are in the context, on their owners, and equal
+    // the whole batch's (every micro-batch's share added up).
+    auto expect_grads = [&](int worker, const at::Tensor& weight, const at::Tensor& bias) {
+      auto grads = dist::get_gradients(*w.agents[worker], ctx.id());
+      CHECK(grads.size() == 2);
+      for (const auto& g : grads) {
+        const at::Tensor& want_grad = g.key().dim() == 2 ? weight.grad() : bias.grad();
+        CHECK(at::allclose(g.value(), want_grad, 1e-5, 1e-6));
+      }
+    };
+    expect_grads(1, w0, b0);
+    expect_grads(2, w1, b1);
+    // Every pass was recorded, on its worker, in the user's order.
+    const auto& passes = pipe.last_step().passes;
+    REQUIRE(passes.size() == 12);
+    CHECK(pipeline::to_string(passes[3].action) == "B2@0");
+    CHECK(passes[3].worker == 0);
+    for (const auto& p : passes) CHECK(p.end_us >= p.start_us);
+  }
+  w.shutdown();
+}
