@@ -12,8 +12,12 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
+#include <fstream>
+#include <limits>
 #include <map>
 #include <mutex>
+#include <set>
 #include <tuple>
 
 #include "tandem/autograd/autograd.h"
@@ -536,8 +540,63 @@ double Pipe::step(uint64_t context_id, const at::Tensor& inputs, const at::Tenso
   }
   if (!first_error.empty()) throw std::runtime_error("Pipe::step: " + first_error);
   if (!aborted_error.empty()) throw std::runtime_error("Pipe::step: " + aborted_error);
+  double span = 0;
+  std::vector<double> busy(workers_, 0);
+  for (const auto& p : stats.passes) {
+    span = std::max(span, p.end_us);
+    busy[p.worker] += p.end_us - p.start_us;
+  }
+  for (int w = 0; w < workers_; ++w) stats.bubble.push_back(span > 0 ? 1 - busy[w] / span : 0);
   last_ = std::move(stats);
   return loss;
+}
+
+void Pipe::write_trace(const std::string& path) const {
+  pipeline::write_trace(last_, worker_names_, path);
+}
+
+void write_trace(const StepStats& stats, const std::vector<std::string>& worker_names,
+                 const std::string& path) {
+  std::ofstream out(path);
+  if (!out) throw std::runtime_error("write_trace: cannot write '" + path + "'");
+  out << "{\"traceEvents\":[\n";
+  bool first = true;
+  auto sep = [&] {
+    if (!first) out << ",\n";
+    first = false;
+  };
+  std::set<std::pair<int, int>> tracks;
+  for (const auto& p : stats.passes) tracks.insert({p.worker, p.action.stage});
+  for (size_t w = 0; w < worker_names.size(); ++w) {
+    sep();
+    // Worker names are rank names ("worker1"), but quote them safely all the same.
+    std::string name;
+    for (char c : worker_names[w]) {
+      if (c == '"' || c == '\\') name += '\\';
+      if (static_cast<unsigned char>(c) >= 0x20) name += c;
+    }
+    out << "{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":" << w
+        << ",\"args\":{\"name\":\"" << name << "\"}}";
+  }
+  for (const auto& [w, stage] : tracks) {
+    sep();
+    out << "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":" << w << ",\"tid\":" << stage
+        << ",\"args\":{\"name\":\"stage " << stage << "\"}}";
+  }
+  char buf[64];
+  for (const auto& p : stats.passes) {
+    sep();
+    const bool fwd = p.action.kind == Action::kForward;
+    std::snprintf(buf, sizeof buf, "%.3f", p.start_us);
+    out << "{\"ph\":\"X\",\"name\":\"" << (fwd ? "F" : "B") << p.action.chunk
+        << "\",\"cat\":\"" << (fwd ? "forward" : "backward") << "\",\"pid\":" << p.worker
+        << ",\"tid\":" << p.action.stage << ",\"ts\":" << buf;
+    std::snprintf(buf, sizeof buf, "%.3f", p.end_us - p.start_us);
+    out << ",\"dur\":" << buf << ",\"args\":{\"micro_batch\":" << p.action.chunk << "}}";
+  }
+  out << "\n]}\n";
+  out.close();
+  if (!out) throw std::runtime_error("write_trace: writing '" + path + "' failed");
 }
 
 }  // namespace tandem::pipeline

@@ -67,11 +67,23 @@ struct PassRecord {
   double start_us = 0, end_us = 0;
 };
 
-// What the last step did on each worker.
+// What the last step did on each worker. The workers' clocks start when
+// each began the step (the driver asks them all at once, so they agree to
+// within a message's latency).
 struct StepStats {
   std::vector<int> peak_stash;  // per worker: most micro-batches held between F and B
   std::vector<PassRecord> passes;
+  // Per worker: the share of the step's span (first start to last end over
+  // all workers) it spent waiting rather than running passes.
+  std::vector<double> bubble;
 };
+
+// Writes the passes as Chrome trace-event JSON (chrome://tracing and
+// Perfetto open it): one process per worker, one track per stage, a slice
+// per pass ("F3" / "B3": micro-batch 3). Throws std::runtime_error naming
+// the path when it cannot be written.
+void write_trace(const StepStats& stats, const std::vector<std::string>& worker_names,
+                 const std::string& path);
 
 class Pipe {
  public:
@@ -99,6 +111,10 @@ class Pipe {
   const Schedule& schedule() const { return *schedule_; }
   int workers() const { return workers_; }
   const StepStats& last_step() const { return last_; }
+  // write_trace of the last step.
+  void write_trace(const std::string& path) const;
+  // Who holds the stages, by schedule worker index (stage s: s % workers()).
+  const std::vector<std::string>& worker_names() const { return worker_names_; }
 
  private:
   std::weak_ptr<rpc::Agent> agent_;

@@ -302,6 +302,25 @@ TEST_CASE("pipeline: a user's loss, a user's schedule, and inference") {
     CHECK(pipeline::to_string(passes[3].action) == "B2@0");
     CHECK(passes[3].worker == 0);
     for (const auto& p : passes) CHECK(p.end_us >= p.start_us);
+    REQUIRE(pipe.last_step().bubble.size() == 2);
+    for (double b : pipe.last_step().bubble) CHECK((b >= 0 && b < 1));
+    // The timeline: valid trace-event JSON with a slice per pass.
+    const std::string path = "/tmp/tandem_pipe_trace_" + std::to_string(::getpid()) + ".json";
+    pipe.write_trace(path);
+    std::ifstream in(path);
+    std::string text((std::istreambuf_iterator<char>(in)), {});
+    std::remove(path.c_str());
+    CHECK(text.rfind("{\"traceEvents\":[", 0) == 0);
+    size_t slices = 0;
+    for (size_t at = text.find("\"ph\":\"X\""); at != std::string::npos;
+         at = text.find("\"ph\":\"X\"", at + 1)) {
+      ++slices;
+    }
+    CHECK(slices == 12);
+    CHECK(text.find("\"name\":\"B2\",\"cat\":\"backward\",\"pid\":0,\"tid\":0") != std::string::npos);
+    CHECK(text.find("\"args\":{\"name\":\"worker2\"}") != std::string::npos);
+    CHECK(test::error_of([&] { pipe.write_trace("/nonexistent/dir/t.json"); })
+              .find("write_trace: cannot write '/nonexistent/dir/t.json'") != std::string::npos);
   }
   w.shutdown();
 }
