@@ -66,6 +66,15 @@ class Flags {
     return *this;
   }
 
+  // Any non-empty text (a path).
+  Flags& add(const std::string& name, std::string* value) {
+    flags_.push_back({name, *value, [=](const std::string& s) {
+                        if (s.empty()) throw std::invalid_argument("empty");
+                        *value = s;
+                      }});
+    return *this;
+  }
+
   // A comma-separated, non-empty list of integers, each at least `min`: "1,4,16".
   Flags& add(const std::string& name, std::vector<int64_t>* values, int64_t min) {
     std::string def;

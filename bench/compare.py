@@ -4,7 +4,7 @@
 Reads JSON lines (as printed by build/bin/rpc_bench and ../shared/anchors/*.py)
 from the files given, or stdin; lines that are not JSON objects are ignored.
 Lines are grouped by `bench` and their size key (`bytes`, `hops` or `world`,
-possibly absent). For each metric of the tandem line it prints the tandem,
+possibly absent; a pipeline line by its schedule, stages and chunks). For each metric of the tandem line it prints the tandem,
 PyTorch and raw_tcp values and the ratios tandem/pytorch and tandem/raw_tcp.
 Where PyTorch reports several paths (rpc_echo: python, builtin) the better one
 is used: lowest time, highest gbps; its path is shown.
@@ -14,11 +14,13 @@ Usage: compare.py [--markdown] [FILE ...]
 import json
 import sys
 
-SIZE_KEYS = ("bytes", "hops", "world")
+SIZE_KEYS = ("config", "bytes", "hops", "world")
 METRICS = ("p50_us", "p99_us", "gbps", "ms", "local_ms", "overhead_ms", "ms_per_local",
-           "record_us_per_rpc", "overlap",
+           "record_us_per_rpc", "overlap", "samples_per_s", "single_worker_samples_per_s",
+           "efficiency", "bubble",
            "init_ms", "all_to_all_ms", "shutdown_ms")
-HIGHER_IS_BETTER = {"gbps", "overlap"}
+HIGHER_IS_BETTER = {"gbps", "overlap", "samples_per_s", "single_worker_samples_per_s",
+                    "efficiency"}
 HEADER = ("bench", "size", "metric", "tandem", "pytorch", "path", "raw_tcp",
           "tandem/pytorch", "tandem/raw_tcp")
 LEFT = {"bench", "size", "metric", "path"}  # text columns; the rest align right
@@ -41,6 +43,9 @@ def read_records(streams):
 def with_derived(rec):
     """A step timed beside its local twin (ms, local_ms) also shows the
     distributed overhead, as a difference and as a ratio."""
+    if rec.get("bench") == "pipeline" and "schedule" in rec:
+        # One row group per schedule and shape.
+        rec = dict(rec, config=f"{rec['schedule']} K={rec.get('stages')} M={rec.get('chunks')}")
     ms, local = rec.get("ms"), rec.get("local_ms")
     if isinstance(ms, (int, float)) and isinstance(local, (int, float)) and local > 0:
         rec = dict(rec, overhead_ms=round(ms - local, 3), ms_per_local=round(ms / local, 3))
@@ -57,6 +62,8 @@ def size_of(rec):
 def fmt_size(key, value):
     if key is None:
         return "-"
+    if key == "config":
+        return str(value)
     if key == "bytes":
         n = int(value)
         for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):

@@ -1,5 +1,6 @@
 #include "tandem/pipeline/pipe.h"
 
+#include <ATen/ops/cat.h>
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
@@ -103,8 +104,11 @@ struct Box {
   }
 };
 
+using RunResult = std::tuple<at::Tensor, at::Tensor, int64_t, std::vector<at::Tensor>>;
+
 struct RunArgs {
   int64_t step = 0, chunks = 0, stages = 0, workers = 0, me = 0;
+  bool train = true;  // false: forwards only, no gradients; the last stage answers its outputs
   std::chrono::milliseconds timeout{0};
   std::vector<int64_t> stage_ids;
   std::vector<rpc::RRef<c10::IValue>> modules;
@@ -162,7 +166,7 @@ class PipeService final : public rpc::AgentExtension,
     }
   }
 
-  std::tuple<at::Tensor, at::Tensor, int64_t> run(RunArgs a) {
+  RunResult run(RunArgs a) {
     const uint64_t context = autograd::current_context_id();
     auto b = box(a.step);
     if (!b) throw rpc::ShutdownError("agent " + agent_.name() + " is shutting down");
@@ -197,7 +201,7 @@ class PipeService final : public rpc::AgentExtension,
                         std::vector<std::string> worker_names, std::string loss,
                         std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets,
                         std::vector<double> weights) {
-                   if (header.size() != 6) throw std::invalid_argument("tandem.pipe.run: bad header");
+                   if (header.size() != 7) throw std::invalid_argument("tandem.pipe.run: bad header");
                    RunArgs a;
                    a.step = header[0];
                    a.chunks = header[1];
@@ -205,6 +209,7 @@ class PipeService final : public rpc::AgentExtension,
                    a.workers = header[3];
                    a.me = header[4];
                    a.timeout = std::chrono::milliseconds(header[5]);
+                   a.train = header[6] != 0;
                    a.stage_ids = std::move(stage_ids);
                    a.modules = std::move(modules);
                    a.actions = std::move(actions);
@@ -238,8 +243,7 @@ class PipeService final : public rpc::AgentExtension,
     at::Tensor output;  // the stage's output, or the weighted loss on the last stage
   };
 
-  std::tuple<at::Tensor, at::Tensor, int64_t> run_passes(const RunArgs& a, Box& box,
-                                                         uint64_t context) {
+  RunResult run_passes(const RunArgs& a, Box& box, uint64_t context) {
     std::map<int64_t, std::shared_ptr<nn::Served>> served;
     std::map<int64_t, std::vector<at::Tensor>> params;
     for (size_t i = 0; i < a.stage_ids.size(); ++i) {
@@ -253,7 +257,8 @@ class PipeService final : public rpc::AgentExtension,
     }
     const int64_t last = a.stages - 1;
     LossFn loss_fn;
-    if (served.count(last)) loss_fn = loss_named(a.loss, agent_.name());
+    if (served.count(last) && a.train) loss_fn = loss_named(a.loss, agent_.name());
+    std::vector<at::Tensor> outputs(served.count(last) && !a.train ? a.chunks : 0);
     std::map<std::pair<int64_t, int64_t>, Stash> stash;
     std::map<int64_t, std::vector<at::Tensor>> sums;  // per stage, per parameter
     at::Tensor losses = at::full({a.chunks}, std::numeric_limits<double>::quiet_NaN(), at::kDouble);
@@ -264,7 +269,7 @@ class PipeService final : public rpc::AgentExtension,
     const auto t0 = Clock::now();
     auto us = [&] { return std::chrono::duration<double, std::micro>(Clock::now() - t0).count(); };
     int64_t held = 0, peak = 0;
-    c10::AutoGradMode grad_on(true);
+    c10::AutoGradMode grad_on(a.train);
     for (int64_t i = 0; i < n; ++i) {
       const bool fwd = acts[i][0] == 0;
       const int64_t stage = acts[i][1], chunk = acts[i][2];
@@ -280,7 +285,7 @@ class PipeService final : public rpc::AgentExtension,
           at::Tensor x = stage == 0 ? a.inputs.at(chunk)
                                     : box.take(kActivation, stage, chunk, a.timeout, what);
           x = x.detach();
-          if (stage > 0 && x.is_floating_point()) x.requires_grad_(true);
+          if (a.train && stage > 0 && x.is_floating_point()) x.requires_grad_(true);
           std::vector<c10::IValue> args{x};
           c10::IValue out = served.at(stage)->forward(args);
           if (!out.isTensor()) {
@@ -288,7 +293,13 @@ class PipeService final : public rpc::AgentExtension,
                                         ", not one tensor");
           }
           at::Tensor y = out.toTensor();
-          if (stage == last) {
+          if (!a.train) {
+            if (stage == last) {
+              outputs.at(chunk) = y;
+            } else {
+              send(a, (stage + 1) % a.workers, kActivation, stage + 1, chunk, y);
+            }
+          } else if (stage == last) {
             at::Tensor l = loss_fn(y, a.targets.at(chunk));
             losses.data_ptr<double>()[chunk] = l.detach().item<double>();
             stash[{stage, chunk}] = {x, l * a.weights.at(chunk)};
@@ -296,7 +307,7 @@ class PipeService final : public rpc::AgentExtension,
             stash[{stage, chunk}] = {x, y};
             send(a, (stage + 1) % a.workers, kActivation, stage + 1, chunk, y.detach());
           }
-          peak = std::max(peak, ++held);
+          if (a.train) peak = std::max(peak, ++held);
         } else {
           auto it = stash.find({stage, chunk});
           if (it == stash.end()) throw std::logic_error("no forward ran before this backward");
@@ -338,7 +349,7 @@ class PipeService final : public rpc::AgentExtension,
         if (sum[p].defined()) autograd::accumulate_gradient(agent_, context, params[stage][p], sum[p]);
       }
     }
-    return {losses, record, peak};
+    return {losses, record, peak, outputs};
   }
 
   rpc::Agent& agent_;
@@ -421,37 +432,15 @@ std::vector<rpc::RRef<at::Tensor>> Pipe::parameters() const {
   return out;
 }
 
-at::Tensor Pipe::forward(const at::Tensor& inputs) const {
-  at::Tensor x = inputs;
-  for (const auto& s : stages_) x = s.forward(x);
-  return x;
-}
-
-double Pipe::step(uint64_t context_id, const at::Tensor& inputs, const at::Tensor& targets) {
-  if (context_id == 0) throw std::invalid_argument("Pipe::step: no distributed autograd context");
-  if (!inputs.defined() || inputs.dim() < 1 || !targets.defined() || targets.dim() < 1) {
-    throw std::invalid_argument("Pipe::step: inputs and targets must be tensors of a batch");
-  }
-  const int64_t batch = inputs.size(0);
-  if (targets.size(0) != batch) {
-    throw std::invalid_argument("Pipe::step: " + std::to_string(batch) + " inputs but " +
-                                std::to_string(targets.size(0)) + " targets");
-  }
-  if (batch < options_.chunks) {
-    throw std::invalid_argument("Pipe::step: a batch of " + std::to_string(batch) +
-                                " cannot make " + std::to_string(options_.chunks) +
-                                " micro-batches");
-  }
-  Plan plan = schedule_->plan(workers_, options_.chunks);
-  std::vector<at::Tensor> xs = at::tensor_split(inputs, options_.chunks);
-  std::vector<at::Tensor> ys = at::tensor_split(targets, options_.chunks);
-  std::vector<double> weights;
-  for (const auto& x : xs) weights.push_back(static_cast<double>(x.size(0)) / batch);
-
+Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
+                    const std::vector<at::Tensor>& ys, const std::vector<double>& weights,
+                    bool train) {
   auto agent = agent_.lock();
-  if (!agent) throw rpc::ShutdownError("Pipe::step: its agent is gone");
+  if (!agent) throw rpc::ShutdownError("Pipe: its agent is gone");
   const int64_t step = (static_cast<int64_t>(agent->rank()) << 40) | g_next_step.fetch_add(1);
   const int64_t stages = static_cast<int64_t>(stages_.size());
+  const int chunks = static_cast<int>(xs.size());
+  const int last_worker = plan.worker_of(static_cast<int>(stages - 1));
   rpc::CallOptions untimed;
   untimed.timeout = rpc::kNoTimeout;  // each pass has its own timeout
 
@@ -462,7 +451,7 @@ double Pipe::step(uint64_t context_id, const at::Tensor& inputs, const at::Tenso
     bool failed = false;
   };
   auto wait = std::make_shared<Wait>();
-  std::vector<rpc::Future<std::tuple<at::Tensor, at::Tensor, int64_t>>> runs;
+  std::vector<rpc::Future<RunResult>> runs;
   for (int w = 0; w < workers_; ++w) {
     std::vector<int64_t> ids;
     std::vector<rpc::RRef<c10::IValue>> modules;
@@ -478,13 +467,12 @@ double Pipe::step(uint64_t context_id, const at::Tensor& inputs, const at::Tenso
       acc[i][1] = list[i].stage;
       acc[i][2] = list[i].chunk;
     }
-    std::vector<int64_t> header = {step, options_.chunks, stages, workers_, w,
-                                   static_cast<int64_t>(options_.timeout.count())};
-    auto f = agent->rpc_async<std::tuple<at::Tensor, at::Tensor, int64_t>>(
+    std::vector<int64_t> header = {step, chunks, stages, workers_, w,
+                                   static_cast<int64_t>(options_.timeout.count()), train ? 1 : 0};
+    auto f = agent->rpc_async<RunResult>(
         untimed, worker_names_[w], "tandem.pipe.run", header, ids, modules, actions,
         worker_names_, options_.loss, w == 0 ? xs : std::vector<at::Tensor>{},
-        plan.worker_of(static_cast<int>(stages - 1)) == w ? ys : std::vector<at::Tensor>{},
-        weights);
+        w == last_worker ? ys : std::vector<at::Tensor>{}, weights);
     f.raw()->addCallback([wait](c10::ivalue::Future& done) {
       std::lock_guard<std::mutex> lock(wait->mu);
       ++wait->done;
@@ -510,12 +498,11 @@ double Pipe::step(uint64_t context_id, const at::Tensor& inputs, const at::Tenso
     }
   }
   std::string first_error, aborted_error;
-  StepStats stats;
-  double loss = 0;
+  Run out;
   for (int w = 0; w < workers_; ++w) {
     try {
-      auto [losses, record, peak] = runs[w].wait();
-      stats.peak_stash.push_back(static_cast<int>(peak));
+      auto [losses, record, peak, outputs] = runs[w].wait();
+      out.stats.peak_stash.push_back(static_cast<int>(peak));
       auto rec = record.accessor<double, 2>();
       for (int64_t i = 0; i < record.size(0); ++i) {
         PassRecord p;
@@ -524,10 +511,11 @@ double Pipe::step(uint64_t context_id, const at::Tensor& inputs, const at::Tenso
         p.worker = w;
         p.start_us = rec[i][3];
         p.end_us = rec[i][4];
-        stats.passes.push_back(p);
+        out.stats.passes.push_back(p);
       }
-      if (plan.worker_of(static_cast<int>(stages - 1)) == w) {
-        for (int64_t m = 0; m < options_.chunks; ++m) loss += losses[m].item<double>() * weights[m];
+      if (w == last_worker) {
+        out.losses = losses;
+        out.outputs = std::move(outputs);
       }
     } catch (const std::exception& e) {
       std::string msg = e.what();
@@ -538,17 +526,64 @@ double Pipe::step(uint64_t context_id, const at::Tensor& inputs, const at::Tenso
       }
     }
   }
-  if (!first_error.empty()) throw std::runtime_error("Pipe::step: " + first_error);
-  if (!aborted_error.empty()) throw std::runtime_error("Pipe::step: " + aborted_error);
+  const char* what = train ? "Pipe::step: " : "Pipe::forward: ";
+  if (!first_error.empty()) throw std::runtime_error(what + first_error);
+  if (!aborted_error.empty()) throw std::runtime_error(what + aborted_error);
   double span = 0;
   std::vector<double> busy(workers_, 0);
-  for (const auto& p : stats.passes) {
+  for (const auto& p : out.stats.passes) {
     span = std::max(span, p.end_us);
     busy[p.worker] += p.end_us - p.start_us;
   }
-  for (int w = 0; w < workers_; ++w) stats.bubble.push_back(span > 0 ? 1 - busy[w] / span : 0);
-  last_ = std::move(stats);
+  for (int w = 0; w < workers_; ++w) {
+    out.stats.bubble.push_back(span > 0 ? 1 - busy[w] / span : 0);
+  }
+  return out;
+}
+
+double Pipe::step(uint64_t context_id, const at::Tensor& inputs, const at::Tensor& targets) {
+  if (context_id == 0) throw std::invalid_argument("Pipe::step: no distributed autograd context");
+  if (!inputs.defined() || inputs.dim() < 1 || !targets.defined() || targets.dim() < 1) {
+    throw std::invalid_argument("Pipe::step: inputs and targets must be tensors of a batch");
+  }
+  const int64_t batch = inputs.size(0);
+  if (targets.size(0) != batch) {
+    throw std::invalid_argument("Pipe::step: " + std::to_string(batch) + " inputs but " +
+                                std::to_string(targets.size(0)) + " targets");
+  }
+  if (batch < options_.chunks) {
+    throw std::invalid_argument("Pipe::step: a batch of " + std::to_string(batch) +
+                                " cannot make " + std::to_string(options_.chunks) +
+                                " micro-batches");
+  }
+  std::vector<at::Tensor> xs = at::tensor_split(inputs, options_.chunks);
+  std::vector<at::Tensor> ys = at::tensor_split(targets, options_.chunks);
+  std::vector<double> weights;
+  for (const auto& x : xs) weights.push_back(static_cast<double>(x.size(0)) / batch);
+  Run r = run(schedule_->plan(workers_, options_.chunks), xs, ys, weights, /*train=*/true);
+  double loss = 0;
+  for (int m = 0; m < options_.chunks; ++m) loss += r.losses[m].item<double>() * weights[m];
+  last_ = std::move(r.stats);
   return loss;
+}
+
+at::Tensor Pipe::forward(const at::Tensor& inputs) {
+  if (!inputs.defined() || inputs.dim() < 1 || inputs.size(0) < 1) {
+    throw std::invalid_argument("Pipe::forward: inputs must be a non-empty batch");
+  }
+  const int chunks = static_cast<int>(std::min<int64_t>(options_.chunks, inputs.size(0)));
+  // Forwards only: each worker takes the micro-batches in turn through its stages.
+  Plan plan;
+  plan.workers = workers_;
+  plan.stages = static_cast<int>(stages_.size());
+  plan.chunks = chunks;
+  plan.actions.resize(workers_);
+  for (int m = 0; m < chunks; ++m) {
+    for (int s = 0; s < plan.stages; ++s) plan.actions[s % workers_].push_back({Action::kForward, s, m});
+  }
+  Run r = run(plan, at::tensor_split(inputs, chunks), {}, std::vector<double>(chunks, 0),
+              /*train=*/false);
+  return at::cat(r.outputs);
 }
 
 void Pipe::write_trace(const std::string& path) const {

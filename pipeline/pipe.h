@@ -102,8 +102,9 @@ class Pipe {
   // std::invalid_argument for a batch smaller than chunks or inputs and
   // targets of different lengths, before any work starts.
   double step(uint64_t context_id, const at::Tensor& inputs, const at::Tensor& targets);
-  // The whole batch through the stages, no gradients.
-  at::Tensor forward(const at::Tensor& inputs) const;
+  // The batch through the stages in `chunks` micro-batches, no gradients
+  // (stage to stage as in step; the last stage's outputs come back).
+  at::Tensor forward(const at::Tensor& inputs);
 
   // Every stage's parameters, in stage order (for DistributedOptimizer).
   std::vector<rpc::RRef<at::Tensor>> parameters() const;
@@ -117,6 +118,14 @@ class Pipe {
   const std::vector<std::string>& worker_names() const { return worker_names_; }
 
  private:
+  struct Run {
+    at::Tensor losses;                // per micro-batch (train)
+    std::vector<at::Tensor> outputs;  // per micro-batch (forward only)
+    StepStats stats;
+  };
+  Run run(const Plan& plan, const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& ys,
+          const std::vector<double>& weights, bool train);
+
   std::weak_ptr<rpc::Agent> agent_;
   std::vector<nn::RemoteModule> stages_;
   PipeOptions options_;

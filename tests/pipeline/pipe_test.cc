@@ -280,7 +280,11 @@ TEST_CASE("pipeline: a user's loss, a user's schedule, and inference") {
     at::Tensor out = at::addmm(b1, at::addmm(b0, x, w0.t()), w1.t());
     at::Tensor want = (out - y).pow(2).sum(1).mean();
     want.backward();
-    CHECK(at::allclose(pipe.forward(x), out.detach(), 1e-5, 1e-6));
+    // Inference: 3 micro-batches through both stages, no gradients.
+    at::Tensor inferred = pipe.forward(x);
+    CHECK(at::allclose(inferred, out.detach(), 1e-5, 1e-6));
+    CHECK_FALSE(inferred.requires_grad());
+    CHECK(pipe.last_step().passes.empty());  // forward() leaves the last step's record alone
     dist::Context ctx(*w.agents[0]);
     CHECK(pipe.step(ctx.id(), x, y) == doctest::Approx(want.item<double>()).epsilon(1e-5));
     CHECK(pipe.parameters().size() == 4);

@@ -1,0 +1,204 @@
+// pipeline_bench: a compute-bound MLP pipelined over two processes on this
+// host (worker0 drives and holds the even stages, worker1 the odd ones), one
+// intra-op thread each, against the same model trained whole in one process.
+//
+// Model: 4 x (Linear(W, W) + ReLU), then Linear(W, 10); batch B, SGD.
+// Lines, each a Pipe over the same layers:
+//   gpipe, 1f1b      2 stages (2 blocks each, the head on the second), M micro-batches;
+//   interleaved:2    4 stages of one block (the head on the last), 2 per worker;
+//   gpipe, 1 stage   the whole model on worker1, one micro-batch: the framework's own cost.
+// Prints per line: {"bench":"pipeline","impl":"tandem","schedule":S,"stages":K,"chunks":M,
+//   "samples_per_s":..,"single_worker_samples_per_s":..,"efficiency":..,"bubble":..}
+// efficiency: the speedup over one worker divided by GPipe's ideal
+// K*M/(M+K-1), K counting workers (the one-stage line: the speedup itself).
+// bubble: the last step's measured idle share, averaged over the workers.
+//
+// Usage: pipeline_bench [--steps 5] [--warmup 2] [--batch 256] [--chunks 8] [--width 1024]
+//        [--trace PATH]   (writes the 1F1B line's last step as a Chrome trace)
+#include <ATen/ops/randint.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/relu.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+
+#include "bench/bench_util.h"
+#include "tandem/autograd/autograd.h"
+#include "tandem/optim/distributed_optimizer.h"
+#include "tandem/pipeline/pipe.h"
+#include "tandem/rpc/api.h"
+#include "tandem/rpc/host.h"
+
+namespace {
+
+namespace rpc = tandem::rpc;
+namespace nn = tandem::nn;
+namespace pipeline = tandem::pipeline;
+namespace dist = tandem::autograd;
+namespace optim = tandem::optim;
+using Clock = std::chrono::steady_clock;
+using tandem::bench::ms_since;
+
+constexpr int64_t kClasses = 10;
+
+struct Config {
+  int steps = 5, warmup = 2;
+  int batch = 256, chunks = 8, width = 1024;
+  std::string trace;
+};
+
+rpc::AgentOptions options(int rank) {
+  rpc::AgentOptions o;
+  o.rank = rank;
+  o.world_size = 2;
+  o.rpc_timeout = std::chrono::minutes(5);
+  return o;
+}
+
+// `blocks` Linear+ReLU blocks, then the head if `head`.
+c10::IValue stage_spec(const Config& c, int blocks, bool head) {
+  std::vector<c10::IValue> layers;
+  for (int i = 0; i < blocks; ++i) {
+    layers.push_back(nn::spec("Linear", {int64_t{c.width}, int64_t{c.width}}));
+    layers.push_back(nn::spec("ReLU"));
+  }
+  if (head) layers.push_back(nn::spec("Linear", {int64_t{c.width}, kClasses}));
+  return nn::list(layers);
+}
+
+struct Batch {
+  at::Tensor x, y;
+};
+Batch batch(const Config& c) {
+  at::manual_seed(1);
+  return {at::randn({int64_t{c.batch}, int64_t{c.width}}), at::randint(0, kClasses, {int64_t{c.batch}}, at::kLong)};
+}
+
+// Samples per second of `step` over c.steps after c.warmup.
+template <class Step>
+double samples_per_s(const Config& c, Step step) {
+  Clock::time_point start;
+  for (int i = 0; i < c.warmup + c.steps; ++i) {
+    if (i == c.warmup) start = Clock::now();
+    step();
+  }
+  return c.batch * c.steps / (ms_since(start) / 1e3);
+}
+
+double single_worker(const Config& c) {
+  std::vector<torch::nn::Linear> layers;
+  std::vector<at::Tensor> params;
+  for (int i = 0; i < 4; ++i) layers.emplace_back(c.width, c.width);
+  layers.emplace_back(c.width, kClasses);
+  for (auto& l : layers) {
+    for (auto& p : l->parameters()) params.push_back(p);
+  }
+  torch::optim::SGD opt(params, torch::optim::SGDOptions(0.01));
+  Batch b = batch(c);
+  return samples_per_s(c, [&] {
+    opt.zero_grad();
+    at::Tensor h = b.x;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      h = layers[i](h);
+      if (i + 1 < layers.size()) h = at::relu(h);
+    }
+    torch::nn::functional::cross_entropy(h, b.y).backward();
+    opt.step();
+  });
+}
+
+struct Line {
+  std::string schedule;
+  int stages, workers;
+  int chunks;
+  double sps, bubble;
+};
+
+Line run_pipe(const Config& c, const std::string& schedule, std::vector<nn::RemoteModule> stages,
+              int chunks, bool trace) {
+  pipeline::PipeOptions o;
+  o.chunks = chunks;
+  o.schedule = schedule;
+  pipeline::Pipe pipe(stages, o);
+  optim::Options so;
+  so.lr = 0.01;
+  optim::DistributedOptimizer opt(optim::Kind::kSGD, pipe.parameters(), so);
+  Batch b = batch(c);
+  const double sps = samples_per_s(c, [&] {
+    dist::Context ctx;
+    pipe.step(ctx.id(), b.x, b.y);
+    opt.step(ctx.id());
+  });
+  const auto& bubble = pipe.last_step().bubble;
+  if (trace && !c.trace.empty()) pipe.write_trace(c.trace);
+  return {schedule, static_cast<int>(stages.size()), pipe.workers(), chunks, sps,
+          std::accumulate(bubble.begin(), bubble.end(), 0.0) / bubble.size()};
+}
+
+void print(const Line& l, double single) {
+  const double ideal = static_cast<double>(l.workers * l.chunks) / (l.chunks + l.workers - 1);
+  std::printf(
+      "{\"bench\":\"pipeline\",\"impl\":\"tandem\",\"schedule\":\"%s\",\"stages\":%d,"
+      "\"chunks\":%lld,\"samples_per_s\":%.1f,\"single_worker_samples_per_s\":%.1f,"
+      "\"efficiency\":%.3f,\"bubble\":%.3f}\n",
+      l.schedule.c_str(), l.stages, static_cast<long long>(l.chunks), l.sps, single,
+      l.sps / single / ideal, l.bubble);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    tandem::rpc::set_num_threads(1);
+    if (const char* role = std::getenv("TANDEM_BENCH_ROLE")) {
+      unsetenv("TANDEM_BENCH_ROLE");
+      if (std::strcmp(role, "worker1") != 0) return 2;
+      rpc::init(std::make_shared<rpc::Registry>(), options(1));
+      rpc::shutdown(true);
+      return 0;
+    }
+    Config c;
+    tandem::bench::Flags flags("pipeline_bench");
+    flags.add("--steps", &c.steps, 1).add("--warmup", &c.warmup, 0);
+    flags.add("--batch", &c.batch, 1).add("--chunks", &c.chunks, 1).add("--width", &c.width, 1);
+    flags.add("--trace", &c.trace);
+    if (!flags.parse(argc, argv)) return 2;
+
+    pid_t child = tandem::bench::spawn_peer("worker1");
+    rpc::init(std::make_shared<rpc::Registry>(), options(0));
+    std::vector<Line> lines;
+    {
+      auto two = [&] {
+        return std::vector<nn::RemoteModule>{
+            nn::RemoteModule("worker0/cpu", "Sequential", {stage_spec(c, 2, false)}),
+            nn::RemoteModule("worker1/cpu", "Sequential", {stage_spec(c, 2, true)})};
+      };
+      lines.push_back(run_pipe(c, "gpipe", two(), c.chunks, false));
+      lines.push_back(run_pipe(c, "1f1b", two(), c.chunks, true));
+      std::vector<nn::RemoteModule> four;
+      for (int s = 0; s < 4; ++s) {
+        four.emplace_back("worker" + std::to_string(s % 2) + "/cpu", "Sequential",
+                          std::vector<c10::IValue>{stage_spec(c, 1, s == 3)});
+      }
+      if (c.chunks % 2 == 0) lines.push_back(run_pipe(c, "interleaved", four, c.chunks, false));
+      std::vector<nn::RemoteModule> one = {
+          nn::RemoteModule("worker1/cpu", "Sequential", {stage_spec(c, 4, true)})};
+      lines.push_back(run_pipe(c, "gpipe", one, 1, false));
+    }
+    rpc::shutdown(true);
+    tandem::support::wait_exit(child);
+    // With worker1 gone, so that it takes no CPU from the single-worker run.
+    const double single = single_worker(c);
+    for (const auto& l : lines) print(l, single);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "pipeline_bench: %s\n", e.what());
+    return 1;
+  }
+}
