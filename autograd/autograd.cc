@@ -114,7 +114,7 @@ void accumulate_gradient(rpc::Agent& agent, uint64_t context_id, const at::Tenso
   }
   auto it = ctx->grads.find(leaf);
   if (it == ctx->grads.end()) {
-    ctx->grads.insert(leaf, grad.detach().clone());
+    ctx->grads.insert(leaf, grad.detach());
   } else {
     ctx->grads.insert_or_assign(leaf, at::add(it->value(), grad.detach()));
   }

@@ -120,7 +120,9 @@ Gradients get_gradients(rpc::Agent& agent, uint64_t context_id);
 // context arrived (a handler serving a call made inside it): the context
 // joins this worker as that message would have made it, and goes with the
 // context's release. One released here is std::invalid_argument naming
-// it. Not while a backward() in the same context runs here.
+// it. Not while a backward() in the same context runs here. The first
+// gradient of a leaf is kept as given, without a copy (as backward keeps
+// the ones it computes): do not change it afterwards.
 void accumulate_gradient(rpc::Agent& agent, uint64_t context_id, const at::Tensor& leaf,
                          const at::Tensor& grad);
 

@@ -13,7 +13,7 @@
 // K*M/(M+K-1), K counting workers (the one-stage line: the speedup itself).
 // bubble: the last step's measured idle share, averaged over the workers.
 //
-// Usage: pipeline_bench [--steps 5] [--warmup 2] [--batch 256] [--chunks 8] [--width 1024]
+// Usage: pipeline_bench [--steps 10] [--warmup 3] [--batch 256] [--chunks 8] [--width 1024]
 //        [--trace PATH]   (writes the 1F1B line's last step as a Chrome trace)
 #include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
@@ -47,7 +47,7 @@ using tandem::bench::ms_since;
 constexpr int64_t kClasses = 10;
 
 struct Config {
-  int steps = 5, warmup = 2;
+  int steps = 10, warmup = 3;
   int batch = 256, chunks = 8, width = 1024;
   std::string trace;
 };
@@ -129,11 +129,25 @@ Line run_pipe(const Config& c, const std::string& schedule, std::vector<nn::Remo
   so.lr = 0.01;
   optim::DistributedOptimizer opt(optim::Kind::kSGD, pipe.parameters(), so);
   Batch b = batch(c);
+  double phase[3] = {0, 0, 0};
   const double sps = samples_per_s(c, [&] {
-    dist::Context ctx;
-    pipe.step(ctx.id(), b.x, b.y);
-    opt.step(ctx.id());
+    auto t0 = Clock::now();
+    {
+      dist::Context ctx;
+      pipe.step(ctx.id(), b.x, b.y);
+      phase[0] += ms_since(t0);
+      t0 = Clock::now();
+      opt.step(ctx.id());
+      phase[1] += ms_since(t0);
+      t0 = Clock::now();
+    }
+    phase[2] += ms_since(t0);
   });
+  if (std::getenv("TANDEM_BENCH_VERBOSE")) {
+    const int n = c.warmup + c.steps;
+    std::fprintf(stderr, "pipeline_bench %s: pipe.step %.2f ms, optimizer %.2f ms, release %.2f ms\n",
+                 schedule.c_str(), phase[0] / n, phase[1] / n, phase[2] / n);
+  }
   const auto& bubble = pipe.last_step().bubble;
   if (trace && !c.trace.empty()) pipe.write_trace(c.trace);
   return {schedule, static_cast<int>(stages.size()), pipe.workers(), chunks, sps,

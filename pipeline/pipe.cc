@@ -284,6 +284,7 @@ class PipeService final : public rpc::AgentExtension,
         if (fwd) {
           at::Tensor x = stage == 0 ? a.inputs.at(chunk)
                                     : box.take(kActivation, stage, chunk, a.timeout, what);
+          rec[i][3] = us();  // the pass runs from here; waiting for its input is bubble
           x = x.detach();
           if (a.train && stage > 0 && x.is_floating_point()) x.requires_grad_(true);
           std::vector<c10::IValue> args{x};
@@ -316,6 +317,7 @@ class PipeService final : public rpc::AgentExtension,
           --held;
           at::Tensor g = stage == last ? at::ones_like(s.output)
                                        : box.take(kGradient, stage, chunk, a.timeout, what);
+          rec[i][3] = us();
           std::vector<at::Tensor> wrt = params[stage];
           const bool input_grad = stage > 0 && s.input.requires_grad();
           if (input_grad) wrt.push_back(s.input);
@@ -326,7 +328,12 @@ class PipeService final : public rpc::AgentExtension,
             sum.resize(params[stage].size());
             for (size_t p = 0; p < params[stage].size(); ++p) {
               if (!grads[p].defined()) continue;
-              sum[p] = sum[p].defined() ? sum[p] + grads[p] : grads[p];
+              // autograd::grad's results are fresh tensors of ours: add in place.
+              if (sum[p].defined()) {
+                sum[p].add_(grads[p]);
+              } else {
+                sum[p] = grads[p];
+              }
             }
             if (input_grad) {
               at::Tensor gx = grads.back().defined() ? grads.back() : at::zeros_like(s.input);
