@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/rpc/api.h"
 #include "tests/support/local_job.h"
 
 namespace tandem::bench {
@@ -27,6 +28,20 @@ inline pid_t spawn_peer(const std::string& role) {
   auto env = support::worker_env(1, 2, port);
   env.push_back("TANDEM_BENCH_ROLE=" + role);
   return support::spawn_self(env);
+}
+
+// In the process spawn_peer started (TANDEM_BENCH_ROLE=`role`): joins as
+// worker 1 of 2 with `options`, serves until worker 0 shuts down, and
+// returns the exit code; -1 in the first process (no role), 2 for another role.
+inline int serve_as_peer(const std::string& role, rpc::AgentOptions options) {
+  const char* mine = std::getenv("TANDEM_BENCH_ROLE");
+  if (mine == nullptr) return -1;
+  const bool known = role == mine;
+  unsetenv("TANDEM_BENCH_ROLE");
+  if (!known) return 2;
+  rpc::init(std::make_shared<rpc::Registry>(), options);
+  rpc::shutdown(true);
+  return 0;
 }
 
 inline double percentile(std::vector<double> v, double q) {

@@ -168,13 +168,7 @@ Figures round(int steps, int warmup) {
 
 int main(int argc, char** argv) {
   try {
-    if (const char* role = std::getenv("TANDEM_BENCH_ROLE")) {
-      unsetenv("TANDEM_BENCH_ROLE");
-      if (std::strcmp(role, "worker1") != 0) return 2;
-      rpc::init(std::make_shared<rpc::Registry>(), options(1));
-      rpc::shutdown(true);
-      return 0;
-    }
+    if (int rc = tandem::bench::serve_as_peer("worker1", options(1)); rc >= 0) return rc;
     int steps = 50, warmup = 10, rounds = 3, show_phases = 0, local = 1;
     tandem::bench::Flags flags("mp_bench");
     flags.add("--steps", &steps, 1).add("--warmup", &warmup, 0).add("--rounds", &rounds, 1);

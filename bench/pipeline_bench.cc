@@ -170,13 +170,7 @@ void print(const Line& l, double single) {
 int main(int argc, char** argv) {
   try {
     tandem::rpc::set_num_threads(1);
-    if (const char* role = std::getenv("TANDEM_BENCH_ROLE")) {
-      unsetenv("TANDEM_BENCH_ROLE");
-      if (std::strcmp(role, "worker1") != 0) return 2;
-      rpc::init(std::make_shared<rpc::Registry>(), options(1));
-      rpc::shutdown(true);
-      return 0;
-    }
+    if (int rc = tandem::bench::serve_as_peer("worker1", options(1)); rc >= 0) return rc;
     Config c;
     tandem::bench::Flags flags("pipeline_bench");
     flags.add("--steps", &c.steps, 1).add("--warmup", &c.warmup, 0);

@@ -52,6 +52,15 @@ expect_rc() {
   echo "ok: $1 (exit $2)"
 }
 
+# fell WHAT FIRST LAST: passes when the loss went down from FIRST to LAST.
+fell() {
+  if [[ -z $2 || -z $3 ]] || ! awk -v f="$2" -v l="$3" 'BEGIN { exit !(l < f) }'; then
+    fail "$1: the loss did not fall (first '$2', last '$3')"
+  else
+    echo "ok: $1 loss $2 -> $3"
+  fi
+}
+
 # The loss of a progress line "step N/M  loss X ...", by position (first, last).
 losses() { sed -n 's/.*step [0-9]*\/[0-9]*  loss \([0-9.]*\) .*/\1/p' "$1"; }
 final_line() { grep -o 'final step .* loss [0-9.]*' "$1"; }
@@ -60,13 +69,7 @@ sample_line() { grep -o 'sample: .*' "$1"; }
 # a. a short training run
 rc=$(launch a.log 2 char_lm --steps 60 --log-every 20 --checkpoint a.ckpt)
 if expect_rc "char_lm --steps 60" "$rc" 0 a.log; then
-  first=$(losses a.log | head -n1)
-  last=$(losses a.log | tail -n1)
-  if [[ -z $first || -z $last ]] || ! awk -v f="$first" -v l="$last" 'BEGIN { exit !(l < f) }'; then
-    fail "char_lm: the loss did not fall (first '$first', last '$last')"
-  else
-    echo "ok: char_lm loss $first -> $last"
-  fi
+  fell char_lm "$(losses a.log | head -n1)" "$(losses a.log | tail -n1)"
   [[ -n $(final_line a.log) ]] || fail "char_lm printed no final loss line"
   [[ $(sample_line a.log) == "sample: "?* ]] || fail "char_lm printed no sample"
   [[ -s a.ckpt ]] || fail "char_lm wrote no checkpoint"
@@ -89,13 +92,7 @@ fi
 # a'. --mode hybrid: two DDP trainers sharing the parameter server
 rc=$(launch ah.log 3 char_lm --mode hybrid --steps 60 --log-every 20)
 if expect_rc "char_lm --mode hybrid --steps 60 on 3 processes" "$rc" 0 ah.log; then
-  first=$(losses ah.log | head -n1)
-  last=$(losses ah.log | tail -n1)
-  if [[ -z $first || -z $last ]] || ! awk -v f="$first" -v l="$last" 'BEGIN { exit !(l < f) }'; then
-    fail "char_lm --mode hybrid: the loss did not fall (first '$first', last '$last')"
-  else
-    echo "ok: char_lm --mode hybrid loss $first -> $last"
-  fi
+  fell "char_lm --mode hybrid" "$(losses ah.log | head -n1)" "$(losses ah.log | tail -n1)"
   grep -q "trainers' LSTMs identical" ah.log || fail "char_lm --mode hybrid: the LSTMs differ or were not compared"
   [[ $(sample_line ah.log) == "sample: "?* ]] || fail "char_lm --mode hybrid printed no sample"
 fi
@@ -128,13 +125,8 @@ rc=$(launch h.log 4 hybrid_ddp_rpc --epochs 30)
 if expect_rc "hybrid_ddp_rpc on 4 processes" "$rc" 0 h.log; then
   for t in 0 1; do grep -q "master: trainer$t done" h.log || fail "hybrid_ddp_rpc: trainer$t did not report to the master"; done
   grep -q "trainers' DDP layers identical" h.log || fail "hybrid_ddp_rpc: the DDP layers differ or were not compared"
-  first=$(sed -n 's/.*trainer0: epoch 1\/30  loss \([0-9.]*\)/\1/p' h.log)
-  last=$(sed -n 's/.*trainer0: epoch 30\/30  loss \([0-9.]*\)/\1/p' h.log)
-  if [[ -z $first || -z $last ]] || ! awk -v f="$first" -v l="$last" 'BEGIN { exit !(l < f) }'; then
-    fail "hybrid_ddp_rpc: trainer0's loss did not fall (first '$first', last '$last')"
-  else
-    echo "ok: hybrid_ddp_rpc trainer0 loss $first -> $last"
-  fi
+  fell "hybrid_ddp_rpc trainer0" "$(sed -n 's/.*trainer0: epoch 1\/30  loss \([0-9.]*\)/\1/p' h.log)" \
+    "$(sed -n 's/.*trainer0: epoch 30\/30  loss \([0-9.]*\)/\1/p' h.log)"
 fi
 
 rc=$(launch rpc_demo.log 2 rpc_demo)
