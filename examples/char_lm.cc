@@ -4,6 +4,7 @@
 //   build/bin/tandem-run --nproc-per-node 2 build/bin/char_lm [--steps 400] [--corpus FILE]
 //       [--checkpoint char_lm.ckpt] [--checkpoint-every 100] [--resume] [--seed 0] [--lr 0.006]
 //   build/bin/tandem-run --nproc-per-node 3 build/bin/char_lm --mode hybrid [...]
+//   build/bin/tandem-run --nproc-per-node 2 build/bin/char_lm --mode pipeline [...]
 //
 // The last worker (worker1 of two) is a parameter server: it only serves. worker0 trains
 //   Embedding(V, 32) -> LSTM(32, 128) -> Linear(128, V) -> cross-entropy
@@ -33,6 +34,15 @@
 // (sorted by name; the symbolic links there only repeat other files), so the
 // demo runs on any Debian machine; --corpus takes any other file. The
 // vocabulary is the distinct bytes of the text.
+//
+// --mode pipeline trains the same model as a pipeline (pipeline/pipe.h) of
+// two stages: Embedding + LSTM on worker0, the decoder on worker1; each
+// batch goes through in 4 micro-batches by the 1F1B schedule, the stages'
+// gradients land in the distributed autograd context and one
+// DistributedOptimizer (Adam, clipped) steps both. It starts from the same
+// parameters and batches as single mode, so its losses follow single
+// mode's (to float rounding). It writes no checkpoint; the sample feeds the
+// last 64 characters through the pipe for each new one.
 //
 // Determinism: step s trains on a batch drawn from a generator seeded by
 // (seed, s) alone, and the initial parameters come from at::manual_seed(seed)
@@ -76,6 +86,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <optional>
 #include <set>
@@ -85,6 +96,7 @@
 #include "tandem/autograd/autograd.h"
 #include "tandem/ddp/distributed_data_parallel.h"
 #include "tandem/optim/distributed_optimizer.h"
+#include "tandem/pipeline/pipe.h"
 #include "tandem/remote_module/remote_module.h"
 #include "tandem/rpc/api.h"
 #include "tandem/rpc/rendezvous.h"
@@ -114,9 +126,10 @@ struct Config {
   double lr = 6e-3;
   std::string corpus;  // empty: kDefaultCorpus
   std::string checkpoint = "char_lm.ckpt";
-  std::string mode = "single";  // or "hybrid"
+  std::string mode = "single";  // or "hybrid", "pipeline"
   bool resume = false;
   bool hybrid() const { return mode == "hybrid"; }
+  bool pipeline() const { return mode == "pipeline"; }
 };
 
 // Where the processes are: trainers 0..trainers-1, then the parameter server.
@@ -324,10 +337,24 @@ struct Model {
   }
 };
 
+// Feeds new characters [1, k] to a model and answers the logits [V] that
+// follow the last of them (the model keeps what it needs of the earlier ones).
+using NextLogits = std::function<at::Tensor(const at::Tensor& ids)>;
+
+// The split model's next logits: the LSTM's state carried over.
+NextLogits stateful(Model& m) {
+  auto state = std::make_shared<c10::optional<std::tuple<at::Tensor, at::Tensor>>>();
+  return [&m, state](const at::Tensor& ids) {
+    auto [logits, hc] = m.forward(ids, *state);
+    *state = hc;
+    return logits[0][-1];
+  };
+}
+
 // `n` characters after `prompt`, sampled at `temperature`. No autograd
 // context: the remote forwards record nothing outside one.
-std::string generate(Model& m, const Corpus& c, std::string prompt, int n, double temperature,
-                     uint64_t seed) {
+std::string generate(const NextLogits& model, const Corpus& c, std::string prompt, int n,
+                     double temperature, uint64_t seed) {
   c10::NoGradGuard no_grad;
   std::vector<int64_t> ids;
   std::string kept;
@@ -343,13 +370,12 @@ std::string generate(Model& m, const Corpus& c, std::string prompt, int n, doubl
     kept = c.vocab.substr(ids[0], 1);
   }
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  auto [logits, state] = m.forward(at::tensor(ids).view({1, -1}));
+  at::Tensor logits = model(at::tensor(ids).view({1, -1}));
   std::string out = kept;
   for (int i = 0; i < n; ++i) {
-    at::Tensor last = logits[0][-1] / temperature;
-    at::Tensor next = at::multinomial(at::softmax(last, 0), 1, false, gen);
+    at::Tensor next = at::multinomial(at::softmax(logits / temperature, 0), 1, false, gen);
     out += c.vocab[next.item<int64_t>()];
-    std::tie(logits, state) = m.forward(next.view({1, 1}), state);
+    logits = model(next.view({1, 1}));
   }
   // One line on the terminal: each run of white space as one blank (the
   // licences are full of indentation), other control bytes as '?'.
@@ -368,6 +394,31 @@ std::string generate(Model& m, const Corpus& c, std::string prompt, int n, doubl
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
+
+// The progress lines: the mean loss since the last one, every log_every
+// steps, after the first and after the last.
+struct Progress {
+  const Config& cfg;
+  Clock::time_point started;
+  int64_t tokens_per_step;  // of all trainers
+  double sum = 0;
+  int64_t since = 0;
+  Clock::time_point last_line = Clock::now();
+
+  void add(int64_t done, double loss) {
+    sum += loss;
+    ++since;
+    if (done % cfg.log_every != 0 && done != cfg.steps && done != 1) return;
+    const double dt = seconds_since(last_line);
+    std::printf("step %lld/%lld  loss %.3f  tokens/s %.0f  elapsed %.1fs\n",
+                static_cast<long long>(done), static_cast<long long>(cfg.steps), sum / since,
+                since * tokens_per_step / dt, seconds_since(started));
+    std::fflush(stdout);
+    sum = 0;
+    since = 0;
+    last_line = Clock::now();
+  }
+};
 
 // The remote modules: made on the server by worker0, the other trainers'
 // views of them in --mode hybrid.
@@ -388,6 +439,92 @@ struct TrainerGroup {
   }
   ~TrainerGroup() { tandem::ddp::destroy_process_group(); }
 };
+
+// --mode pipeline, stage 0: the embedding and the LSTM (its output only).
+struct FrontImpl : torch::nn::Module {
+  explicit FrontImpl(int64_t vocab)
+      : embedding(register_module("embedding", torch::nn::Embedding(vocab, kEmbed))),
+        lstm(register_module(
+            "lstm", torch::nn::LSTM(torch::nn::LSTMOptions(kEmbed, kHidden).batch_first(true)))) {}
+  at::Tensor forward(at::Tensor x) { return std::get<0>(lstm->forward(embedding->forward(x))); }
+  torch::nn::Embedding embedding;
+  torch::nn::LSTM lstm;
+};
+
+// Registered on every process (each may hold a stage): the front, and the
+// loss over every character of the micro-batch.
+const bool kPipelineParts = [] {
+  tandem::nn::register_module("char_lm_front",
+                              [](int64_t vocab) { return std::make_shared<FrontImpl>(vocab); });
+  tandem::pipeline::register_loss("char_lm", [](const at::Tensor& logits, const at::Tensor& y) {
+    return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.reshape(-1));
+  });
+  return true;
+}();
+
+// --mode pipeline: the same model as two pipeline stages, Embedding + LSTM
+// on worker0 and the decoder on the server, each batch in 4 micro-batches
+// by the 1F1B schedule; Adam with clipping as in single mode, from the same
+// initial parameters. No checkpoint.
+int train_pipeline(const Config& cfg, const Corpus& corpus, Clock::time_point started,
+                   const Place& at) {
+  (void)kPipelineParts;
+  const int64_t V = static_cast<int64_t>(corpus.vocab.size());
+  at::manual_seed(static_cast<uint64_t>(cfg.seed));
+  torch::nn::Embedding embedding_init(V, kEmbed);
+  torch::nn::LSTM lstm_init(torch::nn::LSTMOptions(kEmbed, kHidden).batch_first(true));
+  torch::nn::Linear decoder_init(kHidden, V);
+  std::vector<tandem::nn::RemoteModule> stages = {
+      tandem::nn::RemoteModule("worker0/cpu", "char_lm_front", {V}),
+      tandem::nn::RemoteModule(at.server() + "/cpu", "Linear", {kHidden, V})};
+  Named front;
+  for (const auto& [name, t] : named_parameters(*embedding_init)) front["embedding." + name] = t;
+  for (const auto& [name, t] : named_parameters(*lstm_init)) front["lstm." + name] = t;
+  stages[0].load_state_dict(front);
+  stages[1].load_state_dict(named_parameters(*decoder_init));
+
+  tandem::pipeline::PipeOptions po;
+  po.chunks = 4;
+  po.schedule = "1f1b";
+  po.loss = "char_lm";
+  tandem::pipeline::Pipe pipe(stages, po);
+  optim::Options o;
+  o.lr = cfg.lr;
+  optim::DistributedOptimizer opt(optim::Kind::kAdam, pipe.parameters(), o);
+  std::printf("char_lm: %s, %zu bytes, vocabulary %lld; pipeline: Embedding + LSTM(%lld->%lld) "
+              "on worker0, decoder on %s; %d micro-batches a step (%s); training steps 1..%lld\n",
+              corpus.name.c_str(), corpus.text.size(), static_cast<long long>(V),
+              static_cast<long long>(kEmbed), static_cast<long long>(kHidden),
+              at.server().c_str(), po.chunks, po.schedule.c_str(),
+              static_cast<long long>(cfg.steps));
+  std::fflush(stdout);
+
+  double loss_value = 0;
+  Progress progress{cfg, started, kBatch * kWindow};
+  for (int64_t step = 0; step < cfg.steps; ++step) {
+    Batch b = batch_at(corpus, cfg.seed, step);
+    {
+      dist::Context ctx;
+      loss_value = pipe.step(ctx.id(), b.x, b.y);
+      opt.clip_grad_norm(ctx.id(), 1.0);
+      opt.step(ctx.id());
+    }
+    progress.add(step + 1, loss_value);
+  }
+  std::printf("final step %lld loss %.6f\n", static_cast<long long>(cfg.steps), loss_value);
+  // Sampling feeds the last kWindow characters through both stages each time.
+  std::vector<int64_t> seen;
+  auto next = [&](const at::Tensor& ids) {
+    for (int64_t i = 0; i < ids.numel(); ++i) seen.push_back(ids.view(-1)[i].item<int64_t>());
+    const size_t from = seen.size() > static_cast<size_t>(kWindow) ? seen.size() - kWindow : 0;
+    std::vector<int64_t> window(seen.begin() + static_cast<std::ptrdiff_t>(from), seen.end());
+    return pipe.forward(at::tensor(window).view({1, -1}))[0][-1];
+  };
+  std::printf("sample: %s\n",
+              generate(next, corpus, "The ", 200, 0.8, static_cast<uint64_t>(cfg.seed) + 1).c_str());
+  std::fflush(stdout);
+  return 0;
+}
 
 int train(const Config& cfg, const Corpus& corpus, const std::optional<Checkpoint>& resume,
           Clock::time_point started, const Place& at, Shared& shared) {
@@ -479,9 +616,9 @@ int train(const Config& cfg, const Corpus& corpus, const std::optional<Checkpoin
     std::fflush(stdout);
   }
 
-  double sum = 0, loss_value = 0;
-  int64_t since = 0;
-  Clock::time_point last_line = Clock::now();
+  double loss_value = 0;
+  // Tokens of all trainers (they step together); worker0's loss.
+  Progress progress{cfg, started, kBatch * kWindow * at.trainers};
   for (int64_t step = start; step < cfg.steps; ++step) {
     Batch b = batch_at(corpus, cfg.seed, step * at.trainers + at.rank);
     {
@@ -503,20 +640,8 @@ int train(const Config& cfg, const Corpus& corpus, const std::optional<Checkpoin
       if (cfg.hybrid()) tandem::ddp::barrier();
       loss_value = loss.item<double>();
     }
-    sum += loss_value;
-    ++since;
     const int64_t done = step + 1;
-    if (speak && (done % cfg.log_every == 0 || done == cfg.steps || done == 1)) {
-      // Tokens of all trainers (they step together): worker0's loss.
-      const double dt = seconds_since(last_line);
-      std::printf("step %lld/%lld  loss %.3f  tokens/s %.0f  elapsed %.1fs\n",
-                  static_cast<long long>(done), static_cast<long long>(cfg.steps), sum / since,
-                  since * kBatch * kWindow * at.trainers / dt, seconds_since(started));
-      std::fflush(stdout);
-      sum = 0;
-      since = 0;
-      last_line = Clock::now();
-    }
+    if (speak) progress.add(done, loss_value);
     if (done % cfg.checkpoint_every == 0 || done == cfg.steps) checkpoint(done);
   }
   if (cfg.hybrid()) {
@@ -533,7 +658,8 @@ int train(const Config& cfg, const Corpus& corpus, const std::optional<Checkpoin
   }
   m.ddp = nullptr;  // sampling needs no gradients averaged
   std::printf("sample: %s\n",
-              generate(m, corpus, "The ", 200, 0.8, static_cast<uint64_t>(cfg.seed) + 1).c_str());
+              generate(stateful(m), corpus, "The ", 200, 0.8, static_cast<uint64_t>(cfg.seed) + 1)
+                  .c_str());
   std::fflush(stdout);
   return 0;
 }
@@ -562,9 +688,9 @@ int main(int argc, char** argv) {
         .add("--seed", &cfg.seed, 0, "seed of the initial parameters, batches and sample")
         .add("--lr", &cfg.lr, "Adam's learning rate")
         .add("--log-every", &cfg.log_every, 1, "print the mean loss every N steps")
-        .add_choice("--mode", &cfg.mode, {"single", "hybrid"},
-                    "one trainer (2 processes), or N - 1 DDP trainers sharing the parameter "
-                    "server (N >= 3 processes)");
+        .add_choice("--mode", &cfg.mode, {"single", "hybrid", "pipeline"},
+                    "one trainer (2 processes); N - 1 DDP trainers sharing the parameter "
+                    "server (N >= 3 processes); or the model pipelined over 2 processes");
     std::string error = flags.parse(argc, argv);
     const Place at{env.rank, env.world_size - 1};
     if (error.empty() && env.world_size >= 2) {
@@ -572,11 +698,13 @@ int main(int argc, char** argv) {
         error = "--mode hybrid needs 3 or more processes (trainers and a parameter server): "
                 "tandem-run --nproc-per-node 3";
       } else if (!cfg.hybrid() && at.trainers > 1) {
-        error = "--mode single runs on 2 processes; pass --mode hybrid for " +
+        error = "--mode " + cfg.mode + " runs on 2 processes; pass --mode hybrid for " +
                 std::to_string(at.trainers) + " data-parallel trainers";
       } else if (cfg.hybrid() && cfg.resume) {
         error = "--resume is for --mode single: hybrid trainers step the shared modules in no "
                 "fixed order, so a hybrid run writes no checkpoint";
+      } else if (cfg.pipeline() && cfg.resume) {
+        error = "--resume is for --mode single: a pipeline run writes no checkpoint";
       }
     }
     std::optional<Corpus> corpus;
@@ -621,6 +749,7 @@ int main(int argc, char** argv) {
     });
     rpc::init(registry);
     const int rc = examples::run_worker(flags, error, /*speak=*/at.rank == 0, [&] {
+      if (cfg.pipeline()) return train_pipeline(cfg, *corpus, started, at);
       return train(cfg, *corpus, resume, started, at, shared);
     });
     rpc::shutdown();
