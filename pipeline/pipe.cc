@@ -168,15 +168,24 @@ class PipeService final : public rpc::AgentExtension,
 
   RunResult run(RunArgs a) {
     const uint64_t context = autograd::current_context_id();
+    if (a.train && context == 0) {
+      throw std::invalid_argument("tandem.pipe.run: a training step must come inside a "
+                                  "distributed autograd context");
+    }
     auto b = box(a.step);
-    if (!b) throw rpc::ShutdownError("agent " + agent_.name() + " is shutting down");
+    if (!b) {
+      throw rpc::ShutdownError("agent " + agent_.name() + " is shutting down, or step " +
+                               std::to_string(a.step) + " ran here already");
+    }
     try {
       auto result = run_passes(a, *b, context);
       finish(a.step);
       return result;
     } catch (const std::exception& e) {
       finish(a.step);
-      abort_others(a, e.what());
+      // An abort came from the worker that failed, which told everyone.
+      const std::string why = e.what();
+      if (why.rfind("step aborted: ", 0) != 0) abort_others(a, why);
       throw;
     }
   }
@@ -188,13 +197,6 @@ class PipeService final : public rpc::AgentExtension,
       if (!s) throw rpc::ShutdownError("the pipeline service is shut down");
       return s;
     };
-    internal.def("tandem.pipe.put", [self](int64_t step, int64_t slot, int64_t stage,
-                                           int64_t chunk, at::Tensor t) {
-      if (auto b = self()->box(step)) b->put(slot, stage, chunk, std::move(t));
-    });
-    internal.def("tandem.pipe.abort", [self](int64_t step, std::string why) {
-      if (auto b = self()->box(step)) b->abort(why);
-    });
     internal.def("tandem.pipe.run",
                  [self](std::vector<int64_t> header, std::vector<int64_t> stage_ids,
                         std::vector<rpc::RRef<c10::IValue>> modules, at::Tensor actions,
@@ -220,6 +222,23 @@ class PipeService final : public rpc::AgentExtension,
                    a.weights = std::move(weights);
                    return self()->run(std::move(a));
                  });
+  }
+
+  // Puts and aborts are bounded and never block: on the loop thread, so
+  // that runs holding pool threads for a whole step cannot starve them.
+  void register_loop_handlers(rpc::Registry& on_loop) override {
+    std::weak_ptr<PipeService> weak = weak_from_this();
+    on_loop.def("tandem.pipe.put", [weak](int64_t step, int64_t slot, int64_t stage,
+                                          int64_t chunk, at::Tensor t) {
+      auto s = weak.lock();
+      if (!s) return;
+      if (auto b = s->box(step)) b->put(slot, stage, chunk, std::move(t));
+    });
+    on_loop.def("tandem.pipe.abort", [weak](int64_t step, std::string why) {
+      auto s = weak.lock();
+      if (!s) return;
+      if (auto b = s->box(step)) b->abort(why);
+    });
   }
 
   void before_send(rpc::Message&, int) override {}
@@ -285,7 +304,8 @@ class PipeService final : public rpc::AgentExtension,
           at::Tensor x = stage == 0 ? a.inputs.at(chunk)
                                     : box.take(kActivation, stage, chunk, a.timeout, what);
           rec[i][3] = us();  // the pass runs from here; waiting for its input is bubble
-          x = x.detach();
+          const c10::Device device = served.at(stage)->device;
+          x = x.detach().to(device);  // tensors arrive on the CPU; the stage may be on a GPU
           if (a.train && stage > 0 && x.is_floating_point()) x.requires_grad_(true);
           std::vector<c10::IValue> args{x};
           c10::IValue out = served.at(stage)->forward(args);
@@ -301,7 +321,7 @@ class PipeService final : public rpc::AgentExtension,
               send(a, (stage + 1) % a.workers, kActivation, stage + 1, chunk, y);
             }
           } else if (stage == last) {
-            at::Tensor l = loss_fn(y, a.targets.at(chunk));
+            at::Tensor l = loss_fn(y, a.targets.at(chunk).to(y.device()));
             losses.data_ptr<double>()[chunk] = l.detach().item<double>();
             stash[{stage, chunk}] = {x, l * a.weights.at(chunk)};
           } else {
@@ -316,10 +336,12 @@ class PipeService final : public rpc::AgentExtension,
           stash.erase(it);
           --held;
           at::Tensor g = stage == last ? at::ones_like(s.output)
-                                       : box.take(kGradient, stage, chunk, a.timeout, what);
+                                       : box.take(kGradient, stage, chunk, a.timeout, what)
+                                             .to(s.output.device());
           rec[i][3] = us();
           std::vector<at::Tensor> wrt = params[stage];
           const bool input_grad = stage > 0 && s.input.requires_grad();
+          bool continue_after_send = false;
           if (input_grad) wrt.push_back(s.input);
           if (!wrt.empty() && s.output.requires_grad()) {
             auto grads = torch::autograd::grad({s.output}, wrt, {g}, /*retain_graph=*/false,
@@ -335,11 +357,14 @@ class PipeService final : public rpc::AgentExtension,
                 sum[p] = grads[p];
               }
             }
-            if (input_grad) {
-              at::Tensor gx = grads.back().defined() ? grads.back() : at::zeros_like(s.input);
-              send(a, (stage - 1) % a.workers, kGradient, stage - 1, chunk, gx);
+            if (input_grad && grads.back().defined()) {
+              send(a, (stage - 1) % a.workers, kGradient, stage - 1, chunk, grads.back());
+              continue_after_send = true;
             }
-          } else if (input_grad) {
+          }
+          // The previous stage waits for an answer even when its output got
+          // no gradient (not floating point, or not used): zeros.
+          if (stage > 0 && !continue_after_send) {
             send(a, (stage - 1) % a.workers, kGradient, stage - 1, chunk, at::zeros_like(s.input));
           }
         }
@@ -427,8 +452,17 @@ Pipe::Pipe(rpc::Agent& agent, std::vector<nn::RemoteModule> stages, PipeOptions 
                                   std::to_string(s % workers_) + ")");
     }
   }
-  // The plan is checked once here; a user's schedule that cannot run fails now.
-  check(schedule_->plan(workers_, options_.chunks));
+  // The plan is checked once here; a user's schedule that cannot run, or
+  // that plans another shape than this pipe's, fails now.
+  Plan plan = schedule_->plan(workers_, options_.chunks);
+  check(plan);
+  if (plan.workers != workers_ || plan.stages != n || plan.chunks != options_.chunks) {
+    throw std::invalid_argument("Pipe: schedule " + schedule_->name() + " planned " +
+                                std::to_string(plan.workers) + " workers and " +
+                                std::to_string(plan.stages) + " stages for a pipe of " +
+                                std::to_string(workers_) + " workers and " + std::to_string(n) +
+                                " stages");
+  }
 }
 
 std::vector<rpc::RRef<at::Tensor>> Pipe::parameters() const {
@@ -458,7 +492,25 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
     bool failed = false;
   };
   auto wait = std::make_shared<Wait>();
+  if (plan.workers != workers_ || plan.stages != stages || plan.chunks != chunks) {
+    throw std::invalid_argument(
+        "Pipe: schedule " + schedule_->name() + " planned " + std::to_string(plan.workers) +
+        " workers, " + std::to_string(plan.stages) + " stages and " + std::to_string(plan.chunks) +
+        " chunks for a pipe of " + std::to_string(workers_) + ", " + std::to_string(stages) +
+        " and " + std::to_string(chunks));
+  }
+  // Tells workers 0 .. n - 1 that the step is off.
+  auto abort_all = [&](const std::string& why, size_t n) {
+    for (size_t w = 0; w < n; ++w) {
+      try {
+        rpc::LayerAccess::notify(*agent, worker_names_[w], "tandem.pipe.abort",
+                                 rpc::to_ivalues(step, why));
+      } catch (const std::exception&) {
+      }
+    }
+  };
   std::vector<rpc::Future<RunResult>> runs;
+  try {
   for (int w = 0; w < workers_; ++w) {
     std::vector<int64_t> ids;
     std::vector<rpc::RRef<c10::IValue>> modules;
@@ -488,6 +540,12 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
     });
     runs.push_back(std::move(f));
   }
+  } catch (...) {
+    // Those already started would wait for passes that never come.
+    abort_all("the driver could not start every worker", runs.size());
+    for (auto& r : runs) rpc::wait_raw(r.raw(), std::chrono::milliseconds(0));
+    throw;
+  }
   {
     // A worker that failed has told the others; one that died (its call
     // failed here) has not: tell them, so nobody waits out a timeout.
@@ -495,13 +553,7 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
     wait->cv.wait(lock, [&] { return wait->done == runs.size() || wait->failed; });
     if (wait->failed && wait->done < runs.size()) {
       lock.unlock();
-      for (int w = 0; w < workers_; ++w) {
-        try {
-          rpc::LayerAccess::notify(*agent, worker_names_[w], "tandem.pipe.abort",
-                                   rpc::to_ivalues(step, std::string("a worker of the step failed")));
-        } catch (const std::exception&) {
-        }
-      }
+      abort_all("a worker of the step failed", runs.size());
     }
   }
   std::string first_error, aborted_error;
@@ -550,6 +602,11 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
 
 double Pipe::step(uint64_t context_id, const at::Tensor& inputs, const at::Tensor& targets) {
   if (context_id == 0) throw std::invalid_argument("Pipe::step: no distributed autograd context");
+  if (context_id != autograd::current_context_id()) {
+    throw std::invalid_argument("Pipe::step: context " + std::to_string(context_id) +
+                                " is not the one current on this thread; call step inside its "
+                                "autograd::Context");
+  }
   if (!inputs.defined() || inputs.dim() < 1 || !targets.defined() || targets.dim() < 1) {
     throw std::invalid_argument("Pipe::step: inputs and targets must be tensors of a batch");
   }

@@ -30,7 +30,8 @@
 // each worker adds its stages' parameter gradients to the distributed
 // autograd context, so DistributedOptimizer::step(ctx) steps them where
 // they live. A failing pass fails the step on every worker at once, with
-// the first error naming its stage and worker.
+// the first error naming its stage and worker; some workers may have added
+// their gradients to the context by then, so do not step with it.
 #include <ATen/core/Tensor.h>
 
 #include <chrono>

@@ -328,3 +328,56 @@ TEST_CASE("pipeline: a user's loss, a user's schedule, and inference") {
   }
   w.shutdown();
 }
+
+namespace {
+
+// A stage without parameters whose output is not floating point: ids + 1.
+struct NextIdImpl : torch::nn::Module {
+  at::Tensor forward(at::Tensor ids) { return ids + 1; }
+};
+
+}  // namespace
+
+TEST_CASE("pipeline: integer activations, a schedule of the wrong shape, a context not current") {
+  static const bool registered = [] {
+    nn::register_module("test_next_id", [] { return std::make_shared<NextIdImpl>(); });
+    return true;
+  }();
+  (void)registered;
+  World w(3);
+  {
+    // Stage 0 hands token ids on; stage 1 embeds them. Stage 0 still gets
+    // its (empty) gradient answer, so nobody waits out a timeout.
+    std::vector<RemoteModule> stages;
+    stages.emplace_back(*w.agents[0], "worker1/cpu", "test_next_id");
+    stages.emplace_back(*w.agents[0], "worker2/cpu", "Embedding", std::vector<c10::IValue>{10, 3});
+    pipeline::PipeOptions o;
+    o.chunks = 2;
+    o.loss = "mse";
+    o.timeout = std::chrono::seconds(5);
+    pipeline::Pipe pipe(*w.agents[0], stages, o);
+    at::Tensor ids = at::arange(6, at::kLong), target = at::zeros({6, 3});
+    {
+      dist::Context ctx(*w.agents[0]);
+      const auto started = std::chrono::steady_clock::now();
+      CHECK(pipe.step(ctx.id(), ids, target) > 0);
+      CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(4));
+      CHECK(dist::get_gradients(*w.agents[2], ctx.id()).size() == 1);  // the embedding's
+      // A context id that is not the one current here is refused.
+      CHECK(test::error_of([&] { pipe.step(ctx.id() + 1, ids, target); })
+                .find("is not the one current on this thread") != std::string::npos);
+    }
+
+    // A user's schedule that plans another shape than the pipe's.
+    struct Wrong final : pipeline::Schedule {
+      std::string name() const override { return "wrong"; }
+      pipeline::Plan plan(int, int chunks) const override {
+        return pipeline::GPipe().plan(3, chunks);  // 3 workers, whatever is asked
+      }
+    };
+    CHECK(test::error_of([&] { pipeline::Pipe(*w.agents[0], stages, o, std::make_shared<Wrong>()); })
+              .find("schedule wrong planned 3 workers and 3 stages for a pipe of 2 workers and 2 "
+                    "stages") != std::string::npos);
+  }
+  w.shutdown();
+}
