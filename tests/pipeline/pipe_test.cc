@@ -3,10 +3,12 @@
 // one process; 1F1B and GPipe hold what they should; bad input is refused
 // before work starts, and a failing stage fails the step everywhere, named.
 #include "tandem/pipeline/pipe.h"
+#include "tandem/pipeline/partition.h"
 
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/randint.h>
+#include <ATen/ops/relu.h>
 #include <ATen/ops/tanh.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
@@ -378,6 +380,53 @@ TEST_CASE("pipeline: integer activations, a schedule of the wrong shape, a conte
     CHECK(test::error_of([&] { pipeline::Pipe(*w.agents[0], stages, o, std::make_shared<Wrong>()); })
               .find("schedule wrong planned 3 workers and 3 stages for a pipe of 2 workers and 2 "
                     "stages") != std::string::npos);
+  }
+  w.shutdown();
+}
+
+TEST_CASE("pipeline: a sequential model's layers cut into stages, by counts or balanced") {
+  CHECK(pipeline::balance({1, 1, 1, 1}, 2) == std::vector<int>{2, 2});
+  CHECK(pipeline::balance({5, 1, 1, 1, 1, 1}, 2) == std::vector<int>{1, 5});
+  CHECK(pipeline::balance({1, 2, 3, 4, 5}, 3) == std::vector<int>{3, 1, 1});  // 6, 4, 5
+  CHECK(test::error_of([] { pipeline::balance({1, 2}, 3); })
+            .find("balance: 3 stages for 2 layers") != std::string::npos);
+  CHECK(test::error_of([] { pipeline::balance({1, -2}, 1); }).find("costs must be >= 0") !=
+        std::string::npos);
+
+  // Parameters: 500, 0, 10100, 0, 404.
+  const std::vector<c10::IValue> layers = {spec("Linear", {4, 100}), spec("ReLU"),
+                                           spec("Linear", {100, 100}), spec("ReLU"),
+                                           spec("Linear", {100, 4})};
+  const std::vector<int> counts = pipeline::balance_by_parameters(layers, 2);
+  CHECK(counts == std::vector<int>{1, 4});
+  CHECK(test::error_of([] { pipeline::balance_by_parameters({c10::IValue(int64_t{3})}, 1); })
+            .find("layer 0 is not an nn::spec(factory, args)") != std::string::npos);
+
+  World w(3);
+  {
+    auto stages = pipeline::partition(*w.agents[0], layers, {"worker1/cpu", "worker2/cpu"}, counts);
+    REQUIRE(stages.size() == 2);
+    auto s0 = stages[0].state_dict(), s1 = stages[1].state_dict();
+    CHECK(s0.size() == 2);  // 0.weight, 0.bias
+    CHECK(s1.size() == 4);  // 1.* and 3.*: the Linear layers among ReLU, Linear, ReLU, Linear
+    pipeline::PipeOptions o;
+    o.chunks = 2;
+    pipeline::Pipe pipe(*w.agents[0], stages, o);
+    at::manual_seed(5);
+    at::Tensor x = at::randn({5, 4});
+    at::Tensor h = at::relu(at::addmm(s0.at("0.bias"), x, s0.at("0.weight").t()));
+    h = at::relu(at::addmm(s1.at("1.bias"), h, s1.at("1.weight").t()));
+    at::Tensor want = at::addmm(s1.at("3.bias"), h, s1.at("3.weight").t());
+    CHECK(at::allclose(pipe.forward(x), want, 1e-5, 1e-6));
+
+    CHECK(test::error_of([&] { pipeline::partition(*w.agents[0], layers, {"worker1/cpu"}, {5, 0}); })
+              .find("2 stage counts but 1 devices") != std::string::npos);
+    CHECK(test::error_of([&] {
+            pipeline::partition(*w.agents[0], layers, {"worker1/cpu", "worker2/cpu"}, {5, 0});
+          }).find("stage 1 has 0 layers; each needs at least 1") != std::string::npos);
+    CHECK(test::error_of([&] {
+            pipeline::partition(*w.agents[0], layers, {"worker1/cpu", "worker2/cpu"}, {2, 2});
+          }).find("the counts add up to 4 layers, the model has 5") != std::string::npos);
   }
   w.shutdown();
 }
