@@ -142,13 +142,3 @@ TEST_CASE("pipeline schedules: a schedule of the user's plugs in") {
   CHECK(sim.makespan == doctest::Approx((4 + 3 - 1) * 3.0));
   CHECK(sim.peak_stash == std::vector<int>{4, 4, 4});
 }
-
-namespace tandem::test {
-
-// This binary starts no child workers (yet): any mode is unknown.
-int worker_main(const std::string& mode) {
-  std::fprintf(stderr, "test_pipeline: no child worker mode '%s'\n", mode.c_str());
-  return 2;
-}
-
-}  // namespace tandem::test
