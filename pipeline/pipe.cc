@@ -65,6 +65,23 @@ LossFn loss_named(const std::string& name, const std::string& where) {
 
 enum Slot : int64_t { kActivation = 0, kGradient = 1 };
 
+// How a pass that was stopped because the step failed elsewhere begins its
+// error: such errors are echoes, and the cause is reported instead.
+constexpr const char* kAborted = "step aborted: ";
+
+// Tells workers 0 .. count - 1 of `names` but `skip` that `step` is off.
+// Best effort: a worker that cannot be reached waits out its pass timeout.
+void abort_step(rpc::Agent& agent, const std::vector<std::string>& names, size_t count,
+                int64_t step, const std::string& why, int64_t skip = -1) {
+  for (size_t w = 0; w < count; ++w) {
+    if (static_cast<int64_t>(w) == skip) continue;
+    try {
+      rpc::LayerAccess::notify(agent, names[w], "tandem.pipe.abort", rpc::to_ivalues(step, why));
+    } catch (const std::exception&) {
+    }
+  }
+}
+
 // What other workers sent this one for a step: stage inputs and output
 // gradients, by (slot, stage, chunk).
 struct Box {
@@ -92,7 +109,7 @@ struct Box {
     std::unique_lock<std::mutex> lock(mu);
     const auto key = std::make_tuple(slot, stage, chunk);
     const bool came = cv.wait_for(lock, timeout, [&] { return items.count(key) || !aborted.empty(); });
-    if (!aborted.empty()) throw std::runtime_error("step aborted: " + aborted);
+    if (!aborted.empty()) throw std::runtime_error(kAborted + aborted);
     if (!came) {
       throw rpc::TimeoutError(waiting + ": its " +
                               (slot == kActivation ? std::string("input") : "output's gradient") +
@@ -128,12 +145,12 @@ class PipeService final : public rpc::AgentExtension,
     return rpc::layer::require_extension<PipeService>(agent, "pipeline service", "pipeline");
   }
 
-  std::shared_ptr<Box> box(int64_t step, bool create = true) {
+  std::shared_ptr<Box> box(int64_t step) {
     std::lock_guard<std::mutex> lock(mu_);
     if (finished_.contains(static_cast<uint64_t>(step))) return nullptr;  // late: dropped
     auto it = boxes_.find(step);
     if (it != boxes_.end()) return it->second;
-    if (!create || closed_) return nullptr;
+    if (closed_) return nullptr;
     return boxes_.emplace(step, std::make_shared<Box>()).first->second;
   }
 
@@ -152,18 +169,6 @@ class PipeService final : public rpc::AgentExtension,
     }
     rpc::LayerAccess::notify(agent_, a.worker_names[worker], "tandem.pipe.put",
                              rpc::to_ivalues(a.step, slot, stage, chunk, std::move(t)));
-  }
-
-  void abort_others(const RunArgs& a, const std::string& why) {
-    for (int64_t w = 0; w < a.workers; ++w) {
-      if (w == a.me) continue;
-      try {
-        rpc::LayerAccess::notify(agent_, a.worker_names[w], "tandem.pipe.abort",
-                                 rpc::to_ivalues(a.step, why));
-      } catch (const std::exception&) {
-        // A worker we cannot reach waits out its timeout instead.
-      }
-    }
   }
 
   RunResult run(RunArgs a) {
@@ -185,7 +190,9 @@ class PipeService final : public rpc::AgentExtension,
       finish(a.step);
       // An abort came from the worker that failed, which told everyone.
       const std::string why = e.what();
-      if (why.rfind("step aborted: ", 0) != 0) abort_others(a, why);
+      if (why.rfind(kAborted, 0) != 0) {
+        abort_step(agent_, a.worker_names, static_cast<size_t>(a.workers), a.step, why, a.me);
+      }
       throw;
     }
   }
@@ -287,7 +294,7 @@ class PipeService final : public rpc::AgentExtension,
     auto rec = record.accessor<double, 2>();
     const auto t0 = Clock::now();
     auto us = [&] { return std::chrono::duration<double, std::micro>(Clock::now() - t0).count(); };
-    int64_t held = 0, peak = 0;
+    int64_t peak = 0;
     c10::AutoGradMode grad_on(a.train);
     for (int64_t i = 0; i < n; ++i) {
       const bool fwd = acts[i][0] == 0;
@@ -298,7 +305,6 @@ class PipeService final : public rpc::AgentExtension,
       rec[i][0] = fwd ? 0 : 1;
       rec[i][1] = static_cast<double>(stage);
       rec[i][2] = static_cast<double>(chunk);
-      rec[i][3] = us();
       try {
         if (fwd) {
           at::Tensor x = stage == 0 ? a.inputs.at(chunk)
@@ -328,20 +334,19 @@ class PipeService final : public rpc::AgentExtension,
             stash[{stage, chunk}] = {x, y};
             send(a, (stage + 1) % a.workers, kActivation, stage + 1, chunk, y.detach());
           }
-          if (a.train) peak = std::max(peak, ++held);
+          peak = std::max(peak, static_cast<int64_t>(stash.size()));
         } else {
           auto it = stash.find({stage, chunk});
           if (it == stash.end()) throw std::logic_error("no forward ran before this backward");
           Stash s = std::move(it->second);
           stash.erase(it);
-          --held;
           at::Tensor g = stage == last ? at::ones_like(s.output)
                                        : box.take(kGradient, stage, chunk, a.timeout, what)
                                              .to(s.output.device());
           rec[i][3] = us();
           std::vector<at::Tensor> wrt = params[stage];
           const bool input_grad = stage > 0 && s.input.requires_grad();
-          bool continue_after_send = false;
+          at::Tensor input_gradient;
           if (input_grad) wrt.push_back(s.input);
           if (!wrt.empty() && s.output.requires_grad()) {
             auto grads = torch::autograd::grad({s.output}, wrt, {g}, /*retain_graph=*/false,
@@ -357,21 +362,19 @@ class PipeService final : public rpc::AgentExtension,
                 sum[p] = grads[p];
               }
             }
-            if (input_grad && grads.back().defined()) {
-              send(a, (stage - 1) % a.workers, kGradient, stage - 1, chunk, grads.back());
-              continue_after_send = true;
-            }
+            if (input_grad) input_gradient = grads.back();
           }
           // The previous stage waits for an answer even when its output got
           // no gradient (not floating point, or not used): zeros.
-          if (stage > 0 && !continue_after_send) {
-            send(a, (stage - 1) % a.workers, kGradient, stage - 1, chunk, at::zeros_like(s.input));
+          if (stage > 0) {
+            send(a, (stage - 1) % a.workers, kGradient, stage - 1, chunk,
+                 input_gradient.defined() ? input_gradient : at::zeros_like(s.input));
           }
         }
       } catch (const std::exception& e) {
         const std::string msg = e.what();
         // The first failure names its pass; "step aborted" ones keep theirs.
-        if (msg.rfind("step aborted: ", 0) == 0 || msg.find(" of micro-batch ") != std::string::npos) throw;
+        if (msg.rfind(kAborted, 0) == 0 || msg.find(" of micro-batch ") != std::string::npos) throw;
         throw std::runtime_error(what + ": " + msg);
       }
       rec[i][4] = us();
@@ -454,12 +457,12 @@ Pipe::Pipe(rpc::Agent& agent, std::vector<nn::RemoteModule> stages, PipeOptions 
   }
   // The plan is checked once here; a user's schedule that cannot run, or
   // that plans another shape than this pipe's, fails now.
-  Plan plan = schedule_->plan(workers_, options_.chunks);
-  check(plan);
-  if (plan.workers != workers_ || plan.stages != n || plan.chunks != options_.chunks) {
+  plan_ = schedule_->plan(workers_, options_.chunks);
+  check(plan_);
+  if (plan_.workers != workers_ || plan_.stages != n || plan_.chunks != options_.chunks) {
     throw std::invalid_argument("Pipe: schedule " + schedule_->name() + " planned " +
-                                std::to_string(plan.workers) + " workers and " +
-                                std::to_string(plan.stages) + " stages for a pipe of " +
+                                std::to_string(plan_.workers) + " workers and " +
+                                std::to_string(plan_.stages) + " stages for a pipe of " +
                                 std::to_string(workers_) + " workers and " + std::to_string(n) +
                                 " stages");
   }
@@ -480,7 +483,7 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
   if (!agent) throw rpc::ShutdownError("Pipe: its agent is gone");
   const int64_t step = (static_cast<int64_t>(agent->rank()) << 40) | g_next_step.fetch_add(1);
   const int64_t stages = static_cast<int64_t>(stages_.size());
-  const int chunks = static_cast<int>(xs.size());
+  const int64_t chunks = static_cast<int64_t>(xs.size());
   const int last_worker = plan.worker_of(static_cast<int>(stages - 1));
   rpc::CallOptions untimed;
   untimed.timeout = rpc::kNoTimeout;  // each pass has its own timeout
@@ -492,23 +495,6 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
     bool failed = false;
   };
   auto wait = std::make_shared<Wait>();
-  if (plan.workers != workers_ || plan.stages != stages || plan.chunks != chunks) {
-    throw std::invalid_argument(
-        "Pipe: schedule " + schedule_->name() + " planned " + std::to_string(plan.workers) +
-        " workers, " + std::to_string(plan.stages) + " stages and " + std::to_string(plan.chunks) +
-        " chunks for a pipe of " + std::to_string(workers_) + ", " + std::to_string(stages) +
-        " and " + std::to_string(chunks));
-  }
-  // Tells workers 0 .. n - 1 that the step is off.
-  auto abort_all = [&](const std::string& why, size_t n) {
-    for (size_t w = 0; w < n; ++w) {
-      try {
-        rpc::LayerAccess::notify(*agent, worker_names_[w], "tandem.pipe.abort",
-                                 rpc::to_ivalues(step, why));
-      } catch (const std::exception&) {
-      }
-    }
-  };
   std::vector<rpc::Future<RunResult>> runs;
   try {
   for (int w = 0; w < workers_; ++w) {
@@ -542,7 +528,7 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
   }
   } catch (...) {
     // Those already started would wait for passes that never come.
-    abort_all("the driver could not start every worker", runs.size());
+    abort_step(*agent, worker_names_, runs.size(), step, "the driver could not start every worker");
     for (auto& r : runs) rpc::wait_raw(r.raw(), std::chrono::milliseconds(0));
     throw;
   }
@@ -553,7 +539,7 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
     wait->cv.wait(lock, [&] { return wait->done == runs.size() || wait->failed; });
     if (wait->failed && wait->done < runs.size()) {
       lock.unlock();
-      abort_all("a worker of the step failed", runs.size());
+      abort_step(*agent, worker_names_, runs.size(), step, "a worker of the step failed");
     }
   }
   std::string first_error, aborted_error;
@@ -578,7 +564,7 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
       }
     } catch (const std::exception& e) {
       std::string msg = e.what();
-      if (msg.find("step aborted: ") != std::string::npos) {
+      if (msg.find(kAborted) != std::string::npos) {
         if (aborted_error.empty()) aborted_error = msg;
       } else if (first_error.empty()) {
         first_error = msg;
@@ -624,7 +610,7 @@ double Pipe::step(uint64_t context_id, const at::Tensor& inputs, const at::Tenso
   std::vector<at::Tensor> ys = at::tensor_split(targets, options_.chunks);
   std::vector<double> weights;
   for (const auto& x : xs) weights.push_back(static_cast<double>(x.size(0)) / batch);
-  Run r = run(schedule_->plan(workers_, options_.chunks), xs, ys, weights, /*train=*/true);
+  Run r = run(plan_, xs, ys, weights, /*train=*/true);
   double loss = 0;
   for (int m = 0; m < options_.chunks; ++m) loss += r.losses[m].item<double>() * weights[m];
   last_ = std::move(r.stats);

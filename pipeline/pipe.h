@@ -132,6 +132,7 @@ class Pipe {
   PipeOptions options_;
   std::shared_ptr<const Schedule> schedule_;
   int workers_ = 0;
+  Plan plan_;  // the schedule's, checked once against this pipe
   std::vector<std::string> worker_names_;  // by schedule worker index
   StepStats last_;
 };
