@@ -440,6 +440,23 @@ struct TrainerGroup {
   ~TrainerGroup() { tandem::ddp::destroy_process_group(); }
 };
 
+// Every parameter's first value, drawn here from the seed in one fixed
+// order, whatever the mode: the remote modules are overwritten with it (or
+// the checkpoint), so a run depends on no other worker's generator, and the
+// modes start from the same parameters.
+struct Initial {
+  torch::nn::Embedding embedding;
+  torch::nn::LSTM lstm;
+  torch::nn::Linear decoder;
+};
+Initial initial_parameters(const Config& cfg, int64_t vocab) {
+  at::manual_seed(static_cast<uint64_t>(cfg.seed));
+  torch::nn::Embedding embedding(vocab, kEmbed);
+  torch::nn::LSTM lstm(torch::nn::LSTMOptions(kEmbed, kHidden).batch_first(true));
+  torch::nn::Linear decoder(kHidden, vocab);
+  return {embedding, lstm, decoder};
+}
+
 // --mode pipeline, stage 0: the embedding and the LSTM (its output only).
 struct FrontImpl : torch::nn::Module {
   explicit FrontImpl(int64_t vocab)
@@ -470,18 +487,15 @@ int train_pipeline(const Config& cfg, const Corpus& corpus, Clock::time_point st
                    const Place& at) {
   (void)kPipelineParts;
   const int64_t V = static_cast<int64_t>(corpus.vocab.size());
-  at::manual_seed(static_cast<uint64_t>(cfg.seed));
-  torch::nn::Embedding embedding_init(V, kEmbed);
-  torch::nn::LSTM lstm_init(torch::nn::LSTMOptions(kEmbed, kHidden).batch_first(true));
-  torch::nn::Linear decoder_init(kHidden, V);
+  const Initial init = initial_parameters(cfg, V);
   std::vector<tandem::nn::RemoteModule> stages = {
       tandem::nn::RemoteModule("worker0/cpu", "char_lm_front", {V}),
       tandem::nn::RemoteModule(at.server() + "/cpu", "Linear", {kHidden, V})};
   Named front;
-  for (const auto& [name, t] : named_parameters(*embedding_init)) front["embedding." + name] = t;
-  for (const auto& [name, t] : named_parameters(*lstm_init)) front["lstm." + name] = t;
+  for (const auto& [name, t] : named_parameters(*init.embedding)) front["embedding." + name] = t;
+  for (const auto& [name, t] : named_parameters(*init.lstm)) front["lstm." + name] = t;
   stages[0].load_state_dict(front);
-  stages[1].load_state_dict(named_parameters(*decoder_init));
+  stages[1].load_state_dict(named_parameters(*init.decoder));
 
   tandem::pipeline::PipeOptions po;
   po.chunks = 4;
@@ -529,13 +543,8 @@ int train_pipeline(const Config& cfg, const Corpus& corpus, Clock::time_point st
 int train(const Config& cfg, const Corpus& corpus, const std::optional<Checkpoint>& resume,
           Clock::time_point started, const Place& at, Shared& shared) {
   const int64_t V = static_cast<int64_t>(corpus.vocab.size());
-  // Every parameter's first value comes from this seed, here; the remote
-  // modules are overwritten with worker0's draw (or the checkpoint), so
-  // the run does not depend on the server's generator.
-  at::manual_seed(static_cast<uint64_t>(cfg.seed));
-  torch::nn::Embedding embedding_init(V, kEmbed);
-  torch::nn::LSTM lstm(torch::nn::LSTMOptions(kEmbed, kHidden).batch_first(true));
-  torch::nn::Linear decoder_init(kHidden, V);
+  const Initial init = initial_parameters(cfg, V);
+  torch::nn::LSTM lstm = init.lstm;  // trained here
   auto [embedding, decoder] = remote_modules(at, V);
   Model m{std::move(embedding), lstm, std::move(decoder)};
   std::optional<TrainerGroup> group;
@@ -545,8 +554,8 @@ int train(const Config& cfg, const Corpus& corpus, const std::optional<Checkpoin
   if (cfg.hybrid()) {
     // The others' "shared_module" calls wait for these.
     if (at.rank == 0) {
-      m.embedding.load_state_dict(named_parameters(*embedding_init));
-      m.decoder.load_state_dict(named_parameters(*decoder_init));
+      m.embedding.load_state_dict(named_parameters(*init.embedding));
+      m.decoder.load_state_dict(named_parameters(*init.decoder));
       std::lock_guard<std::mutex> lock(shared.mu);
       shared.embedding->set_value(m.embedding.get_module_rref());
       shared.decoder->set_value(m.decoder.get_module_rref());
@@ -573,8 +582,8 @@ int train(const Config& cfg, const Corpus& corpus, const std::optional<Checkpoin
     }
     start = resume->step;
   } else {
-    m.embedding.load_state_dict(named_parameters(*embedding_init));
-    m.decoder.load_state_dict(named_parameters(*decoder_init));
+    m.embedding.load_state_dict(named_parameters(*init.embedding));
+    m.decoder.load_state_dict(named_parameters(*init.decoder));
   }
 
   // One optimizer over all three modules; the LSTM's parameters are local
