@@ -30,6 +30,7 @@
 #include "bench/bench_util.h"
 #include "tandem/autograd/autograd.h"
 #include "tandem/optim/distributed_optimizer.h"
+#include "tandem/pipeline/partition.h"
 #include "tandem/pipeline/pipe.h"
 #include "tandem/rpc/api.h"
 #include "tandem/rpc/host.h"
@@ -60,15 +61,15 @@ rpc::AgentOptions options(int rank) {
   return o;
 }
 
-// `blocks` Linear+ReLU blocks, then the head if `head`.
-c10::IValue stage_spec(const Config& c, int blocks, bool head) {
-  std::vector<c10::IValue> layers;
-  for (int i = 0; i < blocks; ++i) {
-    layers.push_back(nn::spec("Linear", {int64_t{c.width}, int64_t{c.width}}));
-    layers.push_back(nn::spec("ReLU"));
+// The model's layers: 4 x (Linear + ReLU), then the head.
+std::vector<c10::IValue> layers(const Config& c) {
+  std::vector<c10::IValue> out;
+  for (int i = 0; i < 4; ++i) {
+    out.push_back(nn::spec("Linear", {int64_t{c.width}, int64_t{c.width}}));
+    out.push_back(nn::spec("ReLU"));
   }
-  if (head) layers.push_back(nn::spec("Linear", {int64_t{c.width}, kClasses}));
-  return nn::list(layers);
+  out.push_back(nn::spec("Linear", {int64_t{c.width}, kClasses}));
+  return out;
 }
 
 struct Batch {
@@ -182,22 +183,17 @@ int main(int argc, char** argv) {
     rpc::init(std::make_shared<rpc::Registry>(), options(0));
     std::vector<Line> lines;
     {
-      auto two = [&] {
-        return std::vector<nn::RemoteModule>{
-            nn::RemoteModule("worker0/cpu", "Sequential", {stage_spec(c, 2, false)}),
-            nn::RemoteModule("worker1/cpu", "Sequential", {stage_spec(c, 2, true)})};
-      };
+      // Two blocks a stage (the head with the last), or one.
+      const auto all = layers(c);
+      auto two = [&] { return pipeline::partition(all, {"worker0/cpu", "worker1/cpu"}, {4, 5}); };
       lines.push_back(run_pipe(c, "gpipe", two(), c.chunks, false));
       lines.push_back(run_pipe(c, "1f1b", two(), c.chunks, true));
-      std::vector<nn::RemoteModule> four;
-      for (int s = 0; s < 4; ++s) {
-        four.emplace_back("worker" + std::to_string(s % 2) + "/cpu", "Sequential",
-                          std::vector<c10::IValue>{stage_spec(c, 1, s == 3)});
+      if (c.chunks % 2 == 0) {
+        auto four = pipeline::partition(
+            all, {"worker0/cpu", "worker1/cpu", "worker0/cpu", "worker1/cpu"}, {2, 2, 2, 3});
+        lines.push_back(run_pipe(c, "interleaved", four, c.chunks, false));
       }
-      if (c.chunks % 2 == 0) lines.push_back(run_pipe(c, "interleaved", four, c.chunks, false));
-      std::vector<nn::RemoteModule> one = {
-          nn::RemoteModule("worker1/cpu", "Sequential", {stage_spec(c, 4, true)})};
-      lines.push_back(run_pipe(c, "gpipe", one, 1, false));
+      lines.push_back(run_pipe(c, "gpipe", pipeline::partition(all, {"worker1/cpu"}, {9}), 1, false));
     }
     rpc::shutdown(true);
     tandem::support::wait_exit(child);
