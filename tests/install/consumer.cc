@@ -8,11 +8,13 @@
 // step, and a DistributedSampler gives its share; then one hybrid step: a
 // DDP layer on a RemoteModule's output, inside a distributed autograd
 // context, stepped with the module by one DistributedOptimizer. A 1F1B
-// pipeline schedule is simulated.
+// pipeline schedule is simulated, and a one-stage Pipe takes a step in two
+// micro-batches inside a context, stepped by a DistributedOptimizer.
 #include <tandem/autograd/autograd.h>
 #include <tandem/ddp/distributed_data_parallel.h>
 #include <tandem/ddp/sampler.h>
 #include <tandem/optim/distributed_optimizer.h>
+#include <tandem/pipeline/pipe.h>
 #include <tandem/pipeline/schedule.h>
 #include <tandem/remote_module/remote_module.h>
 #include <tandem/rpc/api.h>
@@ -143,7 +145,25 @@ int main() {
     }
     tandem::ddp::destroy_process_group();
   }
+  double pipe_loss = -1, pipe_weight = 0;
+  {
+    tandem::nn::RemoteModule fc("worker0/cpu", "Linear", {2, 1});
+    fc.load_state_dict({{"weight", at::ones({1, 2})}, {"bias", at::zeros({1})}});
+    tandem::pipeline::PipeOptions po;
+    po.chunks = 2;
+    po.loss = "mse";
+    tandem::pipeline::Pipe pipe({fc}, po);
+    tandem::optim::Options oo;
+    oo.lr = 0.5;
+    tandem::optim::DistributedOptimizer opt(tandem::optim::Kind::kSGD, pipe.parameters(), oo);
+    tandem::autograd::Context ctx;
+    pipe_loss = pipe.step(ctx.id(), at::ones({2, 2}), at::zeros({2, 1}));  // (2 - 0)^2
+    opt.step(ctx.id());
+    pipe_weight = fc.state_dict().at("weight")[0][0].item<double>();  // 1 - 0.5 * 2 * 2
+  }
   tandem::rpc::shutdown();
+  std::printf("a one-stage pipe's loss %.2f, its weight after one SGD step %.2f\n", pipe_loss,
+              pipe_weight);
   // 2 workers, 4 micro-batches: (4 + 2 - 1) slots of forward 1 + backward 2.
   const double makespan =
       tandem::pipeline::simulate(tandem::pipeline::OneFOneB().plan(2, 4)).makespan;
@@ -161,7 +181,7 @@ int main() {
   return y == 42 && g == 3.0 && chained == 7.0 && held == 6.0 && stepped == -0.5 &&
                  module_weight == 0.5 && named && ddp_weight == 0.5 && share == 10 &&
                  hybrid_head == 0.0 && hybrid_first == 0.5 && hybrid_grad_untouched &&
-                 makespan == 15.0
+                 makespan == 15.0 && pipe_loss == 4.0 && pipe_weight == -1.0
              ? 0
              : 1;
 }
