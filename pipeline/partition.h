@@ -4,6 +4,7 @@
 //
 //   std::vector<c10::IValue> layers = {nn::spec("Linear", {512, 2048}), nn::spec("ReLU"), ...};
 //   auto counts = pipeline::balance_by_parameters(layers, 2);   // {2, 3}, say
+//   auto timed = pipeline::balance_by_time(layers, 2, one_micro_batch);
 //   auto stages = pipeline::partition(layers, {"worker1/cpu", "worker2/cpu"}, counts);
 //   pipeline::Pipe pipe(stages, options);
 #include <ATen/core/ivalue.h>
@@ -32,7 +33,24 @@ std::vector<nn::RemoteModule> partition(rpc::Agent& agent, const std::vector<c10
 // process's factories, to count its parameters). Every stage gets a layer.
 std::vector<int> balance_by_parameters(const std::vector<c10::IValue>& layers, int stages);
 
-// The same for any per-layer cost (measured times, say).
+// The same for any per-layer cost.
 std::vector<int> balance(const std::vector<double>& costs, int stages);
+
+// Each layer's forward plus backward time in microseconds, measured here:
+// the layers are built in this process (its factories) on `device`, and
+// `sample` (typically one micro-batch) goes through them in order, each
+// layer's forward and its backward (its parameters' gradients and, but for
+// the first layer's, its input's, for an output gradient of ones) timed
+// apart. The median of
+// `repeats` runs after one warm-up. Throws std::invalid_argument naming the
+// layer that is not a spec, whose forward fails, or whose output is not a
+// tensor; a layer whose output is not floating point counts its forward only.
+std::vector<double> layer_times(const std::vector<c10::IValue>& layers, const at::Tensor& sample,
+                                int repeats = 5, c10::Device device = c10::kCPU);
+
+// balance() of layer_times(): stages of even measured time.
+std::vector<int> balance_by_time(const std::vector<c10::IValue>& layers, int stages,
+                                 const at::Tensor& sample, int repeats = 5,
+                                 c10::Device device = c10::kCPU);
 
 }  // namespace tandem::pipeline

@@ -11,7 +11,10 @@
 #include <ATen/ops/relu.h>
 #include <ATen/ops/tanh.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/optim/sgd.h>
+
+#include <map>
 
 #include "tandem/autograd/autograd.h"
 #include "tandem/optim/distributed_optimizer.h"
@@ -419,6 +422,32 @@ TEST_CASE("pipeline: a sequential model's layers cut into stages, by counts or b
     at::Tensor want = at::addmm(s1.at("3.bias"), h, s1.at("3.weight").t());
     CHECK(at::allclose(pipe.forward(x), want, 1e-5, 1e-6));
 
+    // Counts measured rather than counted: a heavy Linear among cheap ReLUs
+    // gets a stage of its own, and two heavy ones go to different stages.
+    auto relu = spec("ReLU");
+    auto heavy = spec("Linear", {256, 256});
+    const at::Tensor sample = at::randn({64, 256});
+    const std::vector<c10::IValue> one = {heavy, relu, relu, relu, relu, relu};
+    auto times = pipeline::layer_times(one, sample);
+    REQUIRE(times.size() == one.size());
+    for (size_t i = 1; i < times.size(); ++i) CHECK(times[0] > 5 * times[i]);
+    CHECK(pipeline::balance_by_time(one, 2, sample) == std::vector<int>{1, 5});
+    const std::vector<c10::IValue> two = {relu, heavy, relu, heavy, relu};
+    auto split = pipeline::balance_by_time(two, 3, sample);
+    REQUIRE(split.size() == 3);
+    CAPTURE(split);
+    auto apart = [](int cut) { return cut == 2 || cut == 3; };  // a cut between layers 1 and 3
+    CHECK((apart(split[0]) || apart(split[0] + split[1])));
+    CHECK(test::error_of([&] { pipeline::layer_times({spec("Linear", {3, 4})}, sample); })
+              .find("layer_times: layer 0 (Linear) failed on its input of shape [64, 256]") !=
+          std::string::npos);
+    CHECK(test::error_of([&] { pipeline::layer_times({relu, c10::IValue(int64_t{3})}, sample); })
+              .find("layer_times: layer 1 is not an nn::spec(factory, args)") != std::string::npos);
+    CHECK(test::error_of([&] { pipeline::layer_times(one, sample, 0); })
+              .find("repeats must be >= 1, not 0") != std::string::npos);
+    CHECK(test::error_of([&] { pipeline::balance_by_time(one, 7, sample); })
+              .find("balance: 7 stages for 6 layers") != std::string::npos);
+
     CHECK(test::error_of([&] { pipeline::partition(*w.agents[0], layers, {"worker1/cpu"}, {5, 0}); })
               .find("2 stage counts but 1 devices") != std::string::npos);
     CHECK(test::error_of([&] {
@@ -427,6 +456,63 @@ TEST_CASE("pipeline: a sequential model's layers cut into stages, by counts or b
     CHECK(test::error_of([&] {
             pipeline::partition(*w.agents[0], layers, {"worker1/cpu", "worker2/cpu"}, {2, 2});
           }).find("the counts add up to 4 layers, the model has 5") != std::string::npos);
+  }
+  w.shutdown();
+}
+
+TEST_CASE("pipeline: a TorchScript stage trains beside a factory-built one as the unsplit model") {
+  // Stage 0: Linear(5, 4) built by its factory on worker1; stage 1: the
+  // TorchScript MLP of scripted_mlp.pt (fc1 4->8, tanh, fc2 8->3) on worker2.
+  const std::string script = std::string(TANDEM_TEST_DATA) + "/scripted_mlp.pt";
+  World w(3);
+  {
+    std::vector<RemoteModule> stages;
+    stages.emplace_back(*w.agents[0], "worker1/cpu", "Linear", std::vector<c10::IValue>{int64_t{5}, int64_t{4}});
+    stages.push_back(RemoteModule::from_torchscript(*w.agents[0], "worker2/cpu", script));
+    std::map<std::string, at::Tensor> local;  // "0.weight", ..., "1.fc2.bias"
+    for (int s = 0; s < 2; ++s) {
+      for (auto& [name, t] : stages[s].state_dict()) {
+        local["" + std::to_string(s) + "." + name] = t.clone().requires_grad_();
+      }
+    }
+    REQUIRE(local.size() == 6);
+    auto forward = [&](const at::Tensor& x) {
+      at::Tensor h = at::addmm(local.at("0.bias"), x, local.at("0.weight").t());
+      h = at::tanh(at::addmm(local.at("1.fc1.bias"), h, local.at("1.fc1.weight").t()));
+      return at::addmm(local.at("1.fc2.bias"), h, local.at("1.fc2.weight").t());
+    };
+    pipeline::PipeOptions o;
+    o.chunks = 3;  // 7 rows: 3 + 2 + 2
+    o.schedule = "1f1b";
+    pipeline::Pipe pipe(*w.agents[0], stages, o);
+    optim::Options so;
+    so.lr = 0.3;
+    optim::DistributedOptimizer opt(*w.agents[0], optim::Kind::kSGD, pipe.parameters(), so);
+    for (int step = 0; step < 3; ++step) {
+      at::manual_seed(40 + step);
+      at::Tensor x = at::randn({7, 5});
+      at::Tensor y = at::randint(0, kClasses, {7}, at::kLong);
+      at::Tensor want = at::cross_entropy_loss(forward(x), y);
+      auto grads = torch::autograd::grad({want}, [&] {
+        std::vector<at::Tensor> v;
+        for (auto& [_, t] : local) v.push_back(t);
+        return v;
+      }());
+      {
+        at::NoGradGuard no_grad;
+        size_t i = 0;
+        for (auto& [_, t] : local) t.sub_(grads[i++] * 0.3);
+      }
+      dist::Context ctx(*w.agents[0]);
+      CHECK(pipe.step(ctx.id(), x, y) == doctest::Approx(want.item<double>()).epsilon(1e-5));
+      opt.step(ctx.id());
+    }
+    for (int s = 0; s < 2; ++s) {
+      for (auto& [name, t] : stages[s].state_dict()) {
+        CAPTURE(name);
+        CHECK(at::allclose(t, local.at(std::to_string(s) + "." + name).detach(), 1e-5, 1e-6));
+      }
+    }
   }
   w.shutdown();
 }
