@@ -10,6 +10,7 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -69,22 +70,29 @@ enum Slot : int64_t { kActivation = 0, kGradient = 1 };
 // error: such errors are echoes, and the cause is reported instead.
 constexpr const char* kAborted = "step aborted: ";
 
-// Tells workers 0 .. count - 1 of `names` but `skip` that `step` is off.
-// Best effort: a worker that cannot be reached waits out its pass timeout.
+// Tells workers 0 .. count - 1 of `names` but `skip` that `step` (whose
+// passes wait `timeout` for their messages) is off. Best effort: a worker
+// that cannot be reached waits out its pass timeout.
 void abort_step(rpc::Agent& agent, const std::vector<std::string>& names, size_t count,
-                int64_t step, const std::string& why, int64_t skip = -1) {
+                int64_t step, std::chrono::milliseconds timeout, const std::string& why,
+                int64_t skip = -1) {
   for (size_t w = 0; w < count; ++w) {
     if (static_cast<int64_t>(w) == skip) continue;
     try {
-      rpc::LayerAccess::notify(agent, names[w], "tandem.pipe.abort", rpc::to_ivalues(step, why));
+      rpc::LayerAccess::notify(agent, names[w], "tandem.pipe.abort",
+                               rpc::to_ivalues(step, static_cast<int64_t>(timeout.count()), why));
     } catch (const std::exception&) {
     }
   }
 }
 
 // What other workers sent this one for a step: stage inputs and output
-// gradients, by (slot, stage, chunk).
+// gradients, by (slot, stage, chunk). A box whose step's run has not come
+// (it was never sent, or its driver died) is dropped once the step's pass
+// timeout has passed since its last message.
 struct Box {
+  bool claimed = false;           // the step's run is here (PipeService::mu_)
+  Clock::time_point expires{};    // unclaimed past this: dropped (PipeService::mu_)
   std::mutex mu;
   std::condition_variable cv;
   std::map<std::tuple<int64_t, int64_t, int64_t>, at::Tensor> items;
@@ -145,13 +153,31 @@ class PipeService final : public rpc::AgentExtension,
     return rpc::layer::require_extension<PipeService>(agent, "pipeline service", "pipeline");
   }
 
-  std::shared_ptr<Box> box(int64_t step) {
+  // The box of `step`, made if need be; null when the step is over here or
+  // the service is closed. A message for it keeps an unclaimed box
+  // `timeout` longer; the run claims it.
+  std::shared_ptr<Box> box(int64_t step, std::chrono::milliseconds timeout, bool claim) {
+    timeout = std::clamp(timeout, std::chrono::milliseconds(0),
+                         std::chrono::milliseconds(std::chrono::hours(24)));  // from the wire
     std::lock_guard<std::mutex> lock(mu_);
     if (finished_.contains(static_cast<uint64_t>(step))) return nullptr;  // late: dropped
     auto it = boxes_.find(step);
-    if (it != boxes_.end()) return it->second;
-    if (closed_) return nullptr;
-    return boxes_.emplace(step, std::make_shared<Box>()).first->second;
+    if (it == boxes_.end()) {
+      if (closed_) return nullptr;
+      drop_expired();
+      it = boxes_.emplace(step, std::make_shared<Box>()).first;
+    }
+    Box& b = *it->second;
+    if (claim) b.claimed = true;
+    b.expires = std::max(b.expires, Clock::now() + timeout);
+    return it->second;
+  }
+
+  // Steps with a box here: running, or sent messages whose run has not come.
+  size_t pending() {
+    std::lock_guard<std::mutex> lock(mu_);
+    drop_expired();
+    return boxes_.size();
   }
 
   void finish(int64_t step) {
@@ -160,15 +186,30 @@ class PipeService final : public rpc::AgentExtension,
     finished_.insert(static_cast<uint64_t>(step));
   }
 
+  // mu_ held.
+  void drop_expired() {
+    const auto now = Clock::now();
+    for (auto it = boxes_.begin(); it != boxes_.end();) {
+      if (!it->second->claimed && it->second->expires < now) {
+        finished_.insert(static_cast<uint64_t>(it->first));
+        it = boxes_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
   // Hands `t` to `worker` (this one: straight into the box).
   void send(const RunArgs& a, int64_t worker, int64_t slot, int64_t stage, int64_t chunk,
             at::Tensor t) {
     if (worker == a.me) {
-      if (auto b = box(a.step)) b->put(slot, stage, chunk, std::move(t));
+      if (auto b = box(a.step, a.timeout, false)) b->put(slot, stage, chunk, std::move(t));
       return;
     }
-    rpc::LayerAccess::notify(agent_, a.worker_names[worker], "tandem.pipe.put",
-                             rpc::to_ivalues(a.step, slot, stage, chunk, std::move(t)));
+    rpc::LayerAccess::notify(
+        agent_, a.worker_names[worker], "tandem.pipe.put",
+        rpc::to_ivalues(a.step, static_cast<int64_t>(a.timeout.count()), slot, stage, chunk,
+                        std::move(t)));
   }
 
   RunResult run(RunArgs a) {
@@ -177,10 +218,11 @@ class PipeService final : public rpc::AgentExtension,
       throw std::invalid_argument("tandem.pipe.run: a training step must come inside a "
                                   "distributed autograd context");
     }
-    auto b = box(a.step);
+    auto b = box(a.step, a.timeout, true);
     if (!b) {
       throw rpc::ShutdownError("agent " + agent_.name() + " is shutting down, or step " +
-                               std::to_string(a.step) + " ran here already");
+                               std::to_string(a.step) +
+                               " is over here (it ran, or its messages expired waiting for it)");
     }
     try {
       auto result = run_passes(a, *b, context);
@@ -191,7 +233,8 @@ class PipeService final : public rpc::AgentExtension,
       // An abort came from the worker that failed, which told everyone.
       const std::string why = e.what();
       if (why.rfind(kAborted, 0) != 0) {
-        abort_step(agent_, a.worker_names, static_cast<size_t>(a.workers), a.step, why, a.me);
+        abort_step(agent_, a.worker_names, static_cast<size_t>(a.workers), a.step, a.timeout, why,
+                   a.me);
       }
       throw;
     }
@@ -235,16 +278,18 @@ class PipeService final : public rpc::AgentExtension,
   // that runs holding pool threads for a whole step cannot starve them.
   void register_loop_handlers(rpc::Registry& on_loop) override {
     std::weak_ptr<PipeService> weak = weak_from_this();
-    on_loop.def("tandem.pipe.put", [weak](int64_t step, int64_t slot, int64_t stage,
-                                          int64_t chunk, at::Tensor t) {
+    on_loop.def("tandem.pipe.put", [weak](int64_t step, int64_t timeout_ms, int64_t slot,
+                                          int64_t stage, int64_t chunk, at::Tensor t) {
       auto s = weak.lock();
       if (!s) return;
-      if (auto b = s->box(step)) b->put(slot, stage, chunk, std::move(t));
+      if (auto b = s->box(step, std::chrono::milliseconds(timeout_ms), false)) {
+        b->put(slot, stage, chunk, std::move(t));
+      }
     });
-    on_loop.def("tandem.pipe.abort", [weak](int64_t step, std::string why) {
+    on_loop.def("tandem.pipe.abort", [weak](int64_t step, int64_t timeout_ms, std::string why) {
       auto s = weak.lock();
       if (!s) return;
-      if (auto b = s->box(step)) b->abort(why);
+      if (auto b = s->box(step, std::chrono::milliseconds(timeout_ms), false)) b->abort(why);
     });
   }
 
@@ -404,6 +449,8 @@ std::atomic<int64_t> g_next_step{1};
 
 }  // namespace
 
+size_t pending_steps(rpc::Agent& agent) { return PipeService::of(agent)->pending(); }
+
 void register_loss(const std::string& name, LossFn fn) {
   std::lock_guard<std::mutex> lock(g_losses_mu);
   if (!losses().emplace(name, std::move(fn)).second) {
@@ -528,7 +575,8 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
   }
   } catch (...) {
     // Those already started would wait for passes that never come.
-    abort_step(*agent, worker_names_, runs.size(), step, "the driver could not start every worker");
+    abort_step(*agent, worker_names_, runs.size(), step, options_.timeout,
+               "the driver could not start every worker");
     for (auto& r : runs) rpc::wait_raw(r.raw(), std::chrono::milliseconds(0));
     throw;
   }
@@ -539,7 +587,8 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
     wait->cv.wait(lock, [&] { return wait->done == runs.size() || wait->failed; });
     if (wait->failed && wait->done < runs.size()) {
       lock.unlock();
-      abort_step(*agent, worker_names_, runs.size(), step, "a worker of the step failed");
+      abort_step(*agent, worker_names_, runs.size(), step, options_.timeout,
+                 "a worker of the step failed");
     }
   }
   std::string first_error, aborted_error;

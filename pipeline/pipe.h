@@ -86,6 +86,11 @@ struct StepStats {
 void write_trace(const StepStats& stats, const std::vector<std::string>& worker_names,
                  const std::string& path);
 
+// Steps `agent` holds messages for: running ones, and ones whose run has not
+// come. The latter (a driver that died, a run that was never sent) are
+// dropped once the step's pass timeout has passed since their last message.
+size_t pending_steps(rpc::Agent& agent);
+
 class Pipe {
  public:
   // Stage s must live on the same worker as stage s % W, W being the

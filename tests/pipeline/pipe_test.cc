@@ -14,7 +14,9 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/optim/sgd.h>
 
+#include <limits>
 #include <map>
+#include <thread>
 
 #include "tandem/autograd/autograd.h"
 #include "tandem/optim/distributed_optimizer.h"
@@ -513,6 +515,45 @@ TEST_CASE("pipeline: a TorchScript stage trains beside a factory-built one as th
         CHECK(at::allclose(t, local.at(std::to_string(s) + "." + name).detach(), 1e-5, 1e-6));
       }
     }
+  }
+  w.shutdown();
+}
+
+TEST_CASE("pipeline: messages for a step whose run never comes are dropped after its timeout") {
+  World w(2);
+  {
+    auto& from = *w.agents[0];
+    auto& to = *w.agents[1];
+    auto pending_within = [&](size_t want, std::chrono::milliseconds limit) {
+      const auto until = std::chrono::steady_clock::now() + limit;
+      while (pipeline::pending_steps(to) != want && std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      return pipeline::pending_steps(to);
+    };
+    CHECK(pipeline::pending_steps(to) == 0);
+    // An activation for step 77 (pass timeout 300 ms) and an abort for step
+    // 78: no run comes for either.
+    rpc::LayerAccess::notify(from, "worker1", "tandem.pipe.put",
+                             rpc::to_ivalues(int64_t{77}, int64_t{300}, int64_t{0}, int64_t{1},
+                                             int64_t{0}, at::ones({2, 3})));
+    rpc::LayerAccess::notify(from, "worker1", "tandem.pipe.abort",
+                             rpc::to_ivalues(int64_t{78}, int64_t{300}, std::string("gone")));
+    CHECK(pending_within(2, std::chrono::seconds(5)) == 2);
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    CHECK(pipeline::pending_steps(to) == 2);  // not yet
+    CHECK(pending_within(0, std::chrono::seconds(5)) == 0);
+    // A late message for an expired step is dropped, not kept again.
+    rpc::LayerAccess::notify(from, "worker1", "tandem.pipe.put",
+                             rpc::to_ivalues(int64_t{77}, int64_t{300}, int64_t{0}, int64_t{1},
+                                             int64_t{1}, at::ones({2, 3})));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    CHECK(pipeline::pending_steps(to) == 0);
+    // A timeout from the wire that would overflow the clock is clamped.
+    rpc::LayerAccess::notify(from, "worker1", "tandem.pipe.put",
+                             rpc::to_ivalues(int64_t{79}, std::numeric_limits<int64_t>::max(),
+                                             int64_t{0}, int64_t{1}, int64_t{0}, at::ones({1})));
+    CHECK(pending_within(1, std::chrono::seconds(5)) == 1);
   }
   w.shutdown();
 }
