@@ -49,7 +49,7 @@ constexpr int64_t kClasses = 10;
 
 struct Config {
   int steps = 10, warmup = 3;
-  int batch = 256, chunks = 8, width = 1024;
+  int batch = 256, chunks = 8, width = 1024, blocks = 4;
   std::string trace;
 };
 
@@ -61,10 +61,10 @@ rpc::AgentOptions options(int rank) {
   return o;
 }
 
-// The model's layers: 4 x (Linear + ReLU), then the head.
+// The model's layers: blocks x (Linear + ReLU), then the head.
 std::vector<c10::IValue> layers(const Config& c) {
   std::vector<c10::IValue> out;
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < c.blocks; ++i) {
     out.push_back(nn::spec("Linear", {int64_t{c.width}, int64_t{c.width}}));
     out.push_back(nn::spec("ReLU"));
   }
@@ -97,7 +97,7 @@ double samples_per_s(const Config& c, Step step) {
 double single_worker(const Config& c) {
   std::vector<torch::nn::Linear> layers;
   std::vector<at::Tensor> params;
-  for (int i = 0; i < 4; ++i) layers.emplace_back(c.width, c.width);
+  for (int i = 0; i < c.blocks; ++i) layers.emplace_back(c.width, c.width);
   layers.emplace_back(c.width, kClasses);
   for (auto& l : layers) {
     for (auto& p : l->parameters()) params.push_back(p);
@@ -174,11 +174,14 @@ void print(const Line& l, double single) {
 int main(int argc, char** argv) {
   try {
     tandem::rpc::set_num_threads(1);
+    // As rpc::init does, but before the first single-worker run.
+    tandem::rpc::retain_freed_memory();
     if (int rc = tandem::bench::serve_as_peer("worker1", options(1)); rc >= 0) return rc;
     Config c;
     tandem::bench::Flags flags("pipeline_bench");
     flags.add("--steps", &c.steps, 1).add("--warmup", &c.warmup, 0);
     flags.add("--batch", &c.batch, 1).add("--chunks", &c.chunks, 1).add("--width", &c.width, 1);
+    flags.add("--blocks", &c.blocks, 1);
     flags.add("--trace", &c.trace);
     if (!flags.parse(argc, argv)) return 2;
 
@@ -189,17 +192,32 @@ int main(int argc, char** argv) {
     rpc::init(std::make_shared<rpc::Registry>(), options(0));
     std::vector<Line> lines;
     {
-      // Two blocks a stage (the head with the last), or one.
+      // Stages of even measured time, each layer timed here on one micro-batch.
       const auto all = layers(c);
-      auto two = [&] { return pipeline::partition(all, {"worker0/cpu", "worker1/cpu"}, {4, 5}); };
+      const at::Tensor sample = batch(c).x.narrow(0, 0, std::max(1, c.batch / c.chunks));
+      const auto times = pipeline::layer_times(all, sample);
+      auto counts = [&](int stages) {
+        auto n = pipeline::balance(times, stages);
+        if (std::getenv("TANDEM_BENCH_VERBOSE")) {
+          std::string text;
+          for (int k : n) text += " " + std::to_string(k);
+          std::fprintf(stderr, "pipeline_bench: %d stages of%s layers\n", stages, text.c_str());
+        }
+        return n;
+      };
+      const auto two_counts = counts(2);
+      auto two = [&] { return pipeline::partition(all, {"worker0/cpu", "worker1/cpu"}, two_counts); };
       lines.push_back(run_pipe(c, "gpipe", two(), c.chunks, false));
       lines.push_back(run_pipe(c, "1f1b", two(), c.chunks, true));
-      if (c.chunks % 2 == 0) {
+      lines.push_back(run_pipe(c, "zero-bubble", two(), c.chunks, false));
+      if (c.chunks % 2 == 0 && all.size() >= 4) {
         auto four = pipeline::partition(
-            all, {"worker0/cpu", "worker1/cpu", "worker0/cpu", "worker1/cpu"}, {2, 2, 2, 3});
+            all, {"worker0/cpu", "worker1/cpu", "worker0/cpu", "worker1/cpu"}, counts(4));
         lines.push_back(run_pipe(c, "interleaved", four, c.chunks, false));
       }
-      lines.push_back(run_pipe(c, "gpipe", pipeline::partition(all, {"worker1/cpu"}, {9}), 1, false));
+      lines.push_back(run_pipe(c, "gpipe",
+                               pipeline::partition(all, {"worker1/cpu"}, {static_cast<int>(all.size())}),
+                               1, false));
     }
     rpc::shutdown(true);
     tandem::support::wait_exit(child);

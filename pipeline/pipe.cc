@@ -9,6 +9,10 @@
 #include <ATen/ops/tensor_split.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <atomic>
@@ -21,6 +25,7 @@
 #include <mutex>
 #include <set>
 #include <tuple>
+#include <unordered_map>
 
 #include "tandem/autograd/autograd.h"
 #include "tandem/remote_module/served.h"
@@ -60,6 +65,112 @@ LossFn loss_named(const std::string& name, const std::string& where) {
                                 known + "; pipeline::register_loss adds one)");
   }
   return it->second;
+}
+
+// ---- a backward split in two (I: the input's gradient, W: the weights') ----
+//
+// The I pass runs the engine from the stage's output to its input only, so
+// nodes compute no parameter gradients. On the way it records what reached
+// each node that lies between output and input and also leads to
+// parameters (a Linear's AddmmBackward, say): those nodes are where the
+// parameters' gradients leave the input's path. The W pass then cuts those
+// nodes' edges toward the input and runs the engine from them, with what
+// they got in the I pass, to the parameters: each gradient path to a
+// parameter leaves the input's path exactly once, so nothing is computed
+// twice and every contribution is counted once.
+
+namespace ag = torch::autograd;
+
+class Capture final : public ag::FunctionPreHook {
+ public:
+  explicit Capture(std::shared_ptr<ag::variable_list> into) : into_(std::move(into)) {}
+  ag::variable_list operator()(const ag::variable_list& grads) override {
+    *into_ = grads;
+    return grads;
+  }
+
+ private:
+  std::shared_ptr<ag::variable_list> into_;
+};
+
+struct WeightWork {
+  struct Root {
+    std::shared_ptr<ag::Node> node;
+    std::vector<size_t> toward_input;  // its edges to cut before the W pass
+    std::shared_ptr<ag::variable_list> grads = std::make_shared<ag::variable_list>();
+  };
+  bool reaches_input = false;  // false: the W pass is the whole parameter backward
+  std::vector<Root> roots;
+};
+
+// The W pass's roots for `output`'s graph back to leaf `input`, with their
+// capture hooks in place (run the I pass next).
+std::shared_ptr<WeightWork> plan_weight_pass(const at::Tensor& output, const at::Tensor& input,
+                                             const std::vector<at::Tensor>& params) {
+  auto work = std::make_shared<WeightWork>();
+  ag::Node* target = ag::impl::gradient_edge(input).function.get();
+  std::unordered_map<ag::Node*, bool> to_input, to_params;
+  std::unordered_map<ag::Node*, bool> is_param;
+  for (const auto& p : params) is_param[ag::impl::gradient_edge(p).function.get()] = true;
+  // Depth-first with memo, without recursion (graphs can be deep).
+  auto reaches = [](ag::Node* start, std::unordered_map<ag::Node*, bool>& memo, const auto& goal) {
+    std::vector<std::pair<ag::Node*, size_t>> path{{start, 0}};
+    if (memo.count(start)) return memo[start];
+    memo[start] = goal(start);
+    while (!path.empty()) {
+      auto& [n, next] = path.back();
+      if (next < n->next_edges().size()) {
+        ag::Node* child = n->next_edges()[next++].function.get();
+        if (!child) continue;
+        auto it = memo.find(child);
+        if (it == memo.end()) {
+          memo[child] = goal(child);
+          path.emplace_back(child, 0);
+        } else if (it->second) {
+          memo[n] = true;
+        }
+      } else {
+        const bool r = memo[n];
+        path.pop_back();
+        if (r && !path.empty()) memo[path.back().first] = true;
+      }
+    }
+    return memo[start];
+  };
+  auto is_target = [&](ag::Node* n) { return n == target; };
+  auto is_a_param = [&](ag::Node* n) { return is_param.count(n) > 0; };
+  ag::Node* root = output.grad_fn().get();
+  if (!root || !target || !reaches(root, to_input, is_target)) return work;
+  work->reaches_input = true;
+  // Every node on the input's path (to_input true, reached from root).
+  std::vector<std::shared_ptr<ag::Node>> stack{output.grad_fn()};
+  std::unordered_map<ag::Node*, bool> seen{{root, true}};
+  while (!stack.empty()) {
+    std::shared_ptr<ag::Node> n = std::move(stack.back());
+    stack.pop_back();
+    WeightWork::Root r;
+    bool side = false;
+    const auto& edges = n->next_edges();
+    for (size_t i = 0; i < edges.size(); ++i) {
+      ag::Node* child = edges[i].function.get();
+      if (!child) continue;
+      if (reaches(child, to_input, is_target)) {
+        r.toward_input.push_back(i);
+        if (child != target && !seen[child]) {
+          seen[child] = true;
+          stack.push_back(edges[i].function);
+        }
+      } else if (reaches(child, to_params, is_a_param)) {
+        side = true;
+      }
+    }
+    if (side) {
+      r.node = n;
+      r.node->add_pre_hook(std::make_unique<Capture>(r.grads));
+      work->roots.push_back(std::move(r));
+    }
+  }
+  return work;
 }
 
 // ---- a worker's side of one step ----
@@ -312,6 +423,10 @@ class PipeService final : public rpc::AgentExtension,
   struct Stash {
     at::Tensor input;   // a leaf (requires grad past stage 0)
     at::Tensor output;  // the stage's output, or the weighted loss on the last stage
+    // Between a split backward's I and W passes:
+    at::Tensor grad;                    // the output's gradient
+    std::shared_ptr<WeightWork> work;   // null: W runs the whole parameter backward
+    bool input_done = false;
   };
 
   RunResult run_passes(const RunArgs& a, Box& box, uint64_t context) {
@@ -341,13 +456,30 @@ class PipeService final : public rpc::AgentExtension,
     auto us = [&] { return std::chrono::duration<double, std::micro>(Clock::now() - t0).count(); };
     int64_t peak = 0;
     c10::AutoGradMode grad_on(a.train);
+    // Adds one pass's parameter gradients to the stage's sums.
+    auto add_to_sums = [&](int64_t stage, const std::vector<at::Tensor>& grads) {
+      auto& sum = sums[stage];
+      sum.resize(params[stage].size());
+      for (size_t p = 0; p < params[stage].size(); ++p) {
+        if (!grads[p].defined()) continue;
+        // autograd's results are fresh tensors of ours: add in place.
+        if (sum[p].defined()) {
+          sum[p].add_(grads[p]);
+        } else {
+          sum[p] = grads[p];
+        }
+      }
+    };
     for (int64_t i = 0; i < n; ++i) {
-      const bool fwd = acts[i][0] == 0;
+      const auto kind = static_cast<Action::Kind>(acts[i][0]);
+      const bool fwd = kind == Action::kForward;
       const int64_t stage = acts[i][1], chunk = acts[i][2];
-      const std::string what = std::string(fwd ? "forward" : "backward") + " of micro-batch " +
+      static const char* const kWhat[] = {"forward", "backward", "input-gradient pass",
+                                          "weight-gradient pass"};
+      const std::string what = std::string(kWhat[kind]) + " of micro-batch " +
                                std::to_string(chunk) + " through stage " + std::to_string(stage) +
                                " on " + agent_.name();
-      rec[i][0] = fwd ? 0 : 1;
+      rec[i][0] = static_cast<double>(kind);
       rec[i][1] = static_cast<double>(stage);
       rec[i][2] = static_cast<double>(chunk);
       try {
@@ -374,40 +506,90 @@ class PipeService final : public rpc::AgentExtension,
           } else if (stage == last) {
             at::Tensor l = loss_fn(y, a.targets.at(chunk).to(y.device()));
             losses.data_ptr<double>()[chunk] = l.detach().item<double>();
-            stash[{stage, chunk}] = {x, l * a.weights.at(chunk)};
+            Stash& held = stash[{stage, chunk}];
+            held.input = x;
+            held.output = l * a.weights.at(chunk);
           } else {
-            stash[{stage, chunk}] = {x, y};
+            Stash& held = stash[{stage, chunk}];
+            held.input = x;
+            held.output = y;
             send(a, (stage + 1) % a.workers, kActivation, stage + 1, chunk, y.detach());
           }
           peak = std::max(peak, static_cast<int64_t>(stash.size()));
+        } else if (kind == Action::kWeightGrad) {
+          auto it = stash.find({stage, chunk});
+          if (it == stash.end() || !it->second.input_done) {
+            throw std::logic_error("no input-gradient pass ran before this weight-gradient pass");
+          }
+          Stash s = std::move(it->second);
+          stash.erase(it);
+          rec[i][3] = us();
+          if (s.work && s.work->reaches_input) {
+            ag::edge_list roots;
+            ag::variable_list grads;
+            for (auto& r : s.work->roots) {
+              for (size_t e : r.toward_input) r.node->next_edges()[e] = ag::Edge();
+              for (size_t k = 0; k < r.grads->size(); ++k) {
+                if (!(*r.grads)[k].defined()) continue;
+                roots.emplace_back(r.node, static_cast<uint32_t>(k));
+                grads.push_back((*r.grads)[k]);
+              }
+            }
+            ag::edge_list outs;
+            for (const auto& p : params[stage]) outs.push_back(ag::impl::gradient_edge(p));
+            if (!roots.empty() && !outs.empty()) {
+              add_to_sums(stage, ag::Engine::get_default_engine().execute(
+                                     roots, grads, /*keep_graph=*/false, /*create_graph=*/false,
+                                     /*accumulate_grad=*/false, outs));
+            }
+          } else if (!params[stage].empty() && s.output.requires_grad()) {
+            add_to_sums(stage, torch::autograd::grad({s.output}, params[stage], {s.grad},
+                                                     /*retain_graph=*/false,
+                                                     /*create_graph=*/false, /*allow_unused=*/true));
+          }
         } else {
           auto it = stash.find({stage, chunk});
           if (it == stash.end()) throw std::logic_error("no forward ran before this backward");
-          Stash s = std::move(it->second);
-          stash.erase(it);
+          if (it->second.input_done) throw std::logic_error("this backward's input gradient ran already");
+          const bool split = kind == Action::kInputGrad;
+          Stash whole;
+          if (!split) {
+            whole = std::move(it->second);
+            stash.erase(it);
+          }
+          Stash& s = split ? it->second : whole;
           at::Tensor g = stage == last ? at::ones_like(s.output)
                                        : box.take(kGradient, stage, chunk, a.timeout, what)
                                              .to(s.output.device());
           rec[i][3] = us();
-          std::vector<at::Tensor> wrt = params[stage];
           const bool input_grad = stage > 0 && s.input.requires_grad();
           at::Tensor input_gradient;
-          if (input_grad) wrt.push_back(s.input);
-          if (!wrt.empty() && s.output.requires_grad()) {
-            auto grads = torch::autograd::grad({s.output}, wrt, {g}, /*retain_graph=*/false,
-                                               /*create_graph=*/false, /*allow_unused=*/true);
-            auto& sum = sums[stage];
-            sum.resize(params[stage].size());
-            for (size_t p = 0; p < params[stage].size(); ++p) {
-              if (!grads[p].defined()) continue;
-              // autograd::grad's results are fresh tensors of ours: add in place.
-              if (sum[p].defined()) {
-                sum[p].add_(grads[p]);
-              } else {
-                sum[p] = grads[p];
+          if (split) {
+            s.input_done = true;
+            s.grad = g;
+            if (input_grad && s.output.requires_grad()) {
+              s.work = plan_weight_pass(s.output, s.input, params[stage]);
+              if (s.work->reaches_input) {
+                // Only the input's gradient; the graph stays for the W pass.
+                auto got = ag::Engine::get_default_engine().execute(
+                    {ag::impl::gradient_edge(s.output)}, {g}, /*keep_graph=*/true,
+                    /*create_graph=*/false, /*accumulate_grad=*/false,
+                    {ag::impl::gradient_edge(s.input)});
+                input_gradient = got.at(0);
               }
             }
-            if (input_grad) input_gradient = grads.back();
+          } else {
+            std::vector<at::Tensor> wrt = params[stage];
+            if (input_grad) wrt.push_back(s.input);
+            if (!wrt.empty() && s.output.requires_grad()) {
+              auto grads = torch::autograd::grad({s.output}, wrt, {g}, /*retain_graph=*/false,
+                                                 /*create_graph=*/false, /*allow_unused=*/true);
+              if (input_grad) {
+                input_gradient = grads.back();
+                grads.pop_back();
+              }
+              add_to_sums(stage, grads);
+            }
           }
           // The previous stage waits for an answer even when its output got
           // no gradient (not floating point, or not used): zeros.
@@ -555,7 +737,7 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
     at::Tensor actions = at::empty({static_cast<int64_t>(list.size()), 3}, at::kLong);
     auto acc = actions.accessor<int64_t, 2>();
     for (size_t i = 0; i < list.size(); ++i) {
-      acc[i][0] = list[i].kind == Action::kForward ? 0 : 1;
+      acc[i][0] = static_cast<int64_t>(list[i].kind);
       acc[i][1] = list[i].stage;
       acc[i][2] = list[i].chunk;
     }
@@ -600,7 +782,7 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
       auto rec = record.accessor<double, 2>();
       for (int64_t i = 0; i < record.size(0); ++i) {
         PassRecord p;
-        p.action = {rec[i][0] == 0 ? Action::kForward : Action::kBackward,
+        p.action = {static_cast<Action::Kind>(static_cast<int>(rec[i][0])),
                     static_cast<int>(rec[i][1]), static_cast<int>(rec[i][2])};
         p.worker = w;
         p.start_us = rec[i][3];
@@ -720,10 +902,12 @@ void write_trace(const StepStats& stats, const std::vector<std::string>& worker_
   char buf[64];
   for (const auto& p : stats.passes) {
     sep();
-    const bool fwd = p.action.kind == Action::kForward;
+    static const char* const kCategory[] = {"forward", "backward", "input gradient",
+                                            "weight gradient"};
+    const std::string name = to_string(p.action);  // "F3@1"
     std::snprintf(buf, sizeof buf, "%.3f", p.start_us);
-    out << "{\"ph\":\"X\",\"name\":\"" << (fwd ? "F" : "B") << p.action.chunk
-        << "\",\"cat\":\"" << (fwd ? "forward" : "backward") << "\",\"pid\":" << p.worker
+    out << "{\"ph\":\"X\",\"name\":\"" << name.substr(0, name.find('@'))
+        << "\",\"cat\":\"" << kCategory[p.action.kind] << "\",\"pid\":" << p.worker
         << ",\"tid\":" << p.action.stage << ",\"ts\":" << buf;
     std::snprintf(buf, sizeof buf, "%.3f", p.end_us - p.start_us);
     out << ",\"dur\":" << buf << ",\"args\":{\"micro_batch\":" << p.action.chunk << "}}";

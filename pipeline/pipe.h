@@ -81,7 +81,7 @@ struct StepStats {
 
 // Writes the passes as Chrome trace-event JSON (chrome://tracing and
 // Perfetto open it): one process per worker, one track per stage, a slice
-// per pass ("F3" / "B3": micro-batch 3). Throws std::runtime_error naming
+// per pass ("F3" / "B3" / "I3" / "W3": micro-batch 3). Throws std::runtime_error naming
 // the path when it cannot be written.
 void write_trace(const StepStats& stats, const std::vector<std::string>& worker_names,
                  const std::string& path);

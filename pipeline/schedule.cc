@@ -27,8 +27,12 @@ Plan empty_plan(int workers, int stages_per_worker, int chunks) {
   return p;
 }
 
+constexpr int kKinds = 4;
+
 Action forward(int stage, int chunk) { return {Action::kForward, stage, chunk}; }
 Action backward(int stage, int chunk) { return {Action::kBackward, stage, chunk}; }
+Action input_grad(int stage, int chunk) { return {Action::kInputGrad, stage, chunk}; }
+Action weight_grad(int stage, int chunk) { return {Action::kWeightGrad, stage, chunk}; }
 
 // Index of a pass in per-(kind, stage, chunk) tables.
 size_t index_of(const Plan& p, const Action& a) {
@@ -36,19 +40,39 @@ size_t index_of(const Plan& p, const Action& a) {
 }
 
 // The passes `a` waits for (besides the earlier actions of its own worker).
-std::vector<Action> dependencies(const Plan& p, const Action& a) {
-  if (a.kind == Action::kForward) {
-    if (a.stage == 0) return {};
-    return {forward(a.stage - 1, a.chunk)};
+// `split(s, m)`: whether stage s's backward of micro-batch m is split (then
+// its I, not its B, gives stage s - 1 its gradient).
+template <class Split>
+std::vector<Action> dependencies(const Plan& p, const Action& a, const Split& split) {
+  switch (a.kind) {
+    case Action::kForward:
+      if (a.stage == 0) return {};
+      return {forward(a.stage - 1, a.chunk)};
+    case Action::kWeightGrad:
+      return {input_grad(a.stage, a.chunk)};
+    default:
+      if (a.stage == p.stages - 1) return {forward(a.stage, a.chunk)};
+      return {forward(a.stage, a.chunk), split(a.stage + 1, a.chunk)
+                                             ? input_grad(a.stage + 1, a.chunk)
+                                             : backward(a.stage + 1, a.chunk)};
   }
-  if (a.stage == p.stages - 1) return {forward(a.stage, a.chunk)};
-  return {forward(a.stage, a.chunk), backward(a.stage + 1, a.chunk)};
 }
 
-// Runs the plan in order with the given costs; finish time per pass. Throws
-// when some worker would wait forever.
-std::vector<double> run(const Plan& p, double f, double b, std::vector<double>* busy) {
-  const size_t passes = 2 * static_cast<size_t>(p.stages) * p.chunks;
+// Runs the plan in order with the given costs (a split backward: b - w for
+// its I, w for its W); finish time per pass. Throws when some worker would
+// wait forever.
+std::vector<double> run(const Plan& p, double f, double b, double w_cost,
+                        std::vector<double>* busy) {
+  const size_t passes = kKinds * static_cast<size_t>(p.stages) * p.chunks;
+  std::vector<bool> split(static_cast<size_t>(p.stages) * p.chunks, false);
+  for (const auto& list : p.actions) {
+    for (const Action& a : list) {
+      if (a.kind == Action::kInputGrad) split[static_cast<size_t>(a.stage) * p.chunks + a.chunk] = true;
+    }
+  }
+  auto is_split = [&](int stage, int chunk) {
+    return static_cast<bool>(split[static_cast<size_t>(stage) * p.chunks + chunk]);
+  };
   std::vector<double> finish(passes, -1);
   std::vector<size_t> next(p.actions.size(), 0);
   std::vector<double> free_at(p.actions.size(), 0);
@@ -62,7 +86,7 @@ std::vector<double> run(const Plan& p, double f, double b, std::vector<double>* 
         const Action& a = p.actions[w][next[w]];
         double start = free_at[w];
         bool ready = true;
-        for (const Action& d : dependencies(p, a)) {
+        for (const Action& d : dependencies(p, a, is_split)) {
           const double t = finish[index_of(p, d)];
           if (t < 0) {
             ready = false;
@@ -71,7 +95,10 @@ std::vector<double> run(const Plan& p, double f, double b, std::vector<double>* 
           start = std::max(start, t);
         }
         if (!ready) break;
-        const double cost = a.kind == Action::kForward ? f : b;
+        const double cost = a.kind == Action::kForward      ? f
+                            : a.kind == Action::kBackward   ? b
+                            : a.kind == Action::kInputGrad  ? b - w_cost
+                                                            : w_cost;
         finish[index_of(p, a)] = free_at[w] = start + cost;
         if (busy) (*busy)[w] += cost;
         ++next[w];
@@ -98,8 +125,9 @@ std::vector<double> run(const Plan& p, double f, double b, std::vector<double>* 
 }  // namespace
 
 std::string to_string(const Action& a) {
-  return std::string(a.kind == Action::kForward ? "F" : "B") + std::to_string(a.chunk) + "@" +
-         std::to_string(a.stage);
+  static const char* const kLetters[] = {"F", "B", "I", "W"};
+  const char* letter = a.kind < kKinds ? kLetters[a.kind] : "?";
+  return letter + std::to_string(a.chunk) + "@" + std::to_string(a.stage);
 }
 
 Plan GPipe::plan(int workers, int chunks) const {
@@ -171,9 +199,49 @@ Plan Interleaved1F1B::plan(int workers, int chunks) const {
   return p;
 }
 
+Plan ZeroBubble::plan(int workers, int chunks) const {
+  check_counts(name(), workers, chunks);
+  Plan p = empty_plan(workers, 1, chunks);
+  // Unit costs; t counts time. Per worker: the next F, I and W to run, and
+  // when it is free. done_f/done_i: finish times per (stage, chunk).
+  const int k = workers, m = chunks;
+  std::vector<std::vector<double>> done_f(k, std::vector<double>(m, -1)), done_i = done_f;
+  std::vector<int> next_f(k, 0), next_i(k, 0), next_w(k, 0);
+  std::vector<double> free_at(k, 0);
+  int left = 3 * k * m;
+  for (double t = 0; left > 0; t += 1) {
+    // Each pass finishes within the time of all passes in sequence.
+    if (t > 3.0 * k * m + k) throw std::logic_error("zero-bubble: the plan does not finish");
+    for (int w = 0; w < k; ++w) {
+      if (free_at[w] > t) continue;
+      auto ready = [&](double at) { return at >= 0 && at <= t; };
+      auto& list = p.actions[w];
+      const int i = next_i[w], f = next_f[w], wg = next_w[w];
+      if (i < f && ready(done_f[w][i]) && (w == k - 1 || ready(done_i[w + 1][i]))) {
+        list.push_back(input_grad(w, i));
+        done_i[w][i] = t + 1;
+        ++next_i[w];
+      } else if (f < m && f - wg < k - w && (w == 0 || ready(done_f[w - 1][f]))) {
+        list.push_back(forward(w, f));
+        done_f[w][f] = t + 1;
+        ++next_f[w];
+      } else if (wg < i && ready(done_i[w][wg])) {
+        list.push_back(weight_grad(w, wg));
+        ++next_w[w];
+      } else {
+        continue;
+      }
+      free_at[w] = t + 1;
+      --left;
+    }
+  }
+  return p;
+}
+
 std::unique_ptr<Schedule> make_schedule(const std::string& name) {
   if (name == "gpipe") return std::make_unique<GPipe>();
   if (name == "1f1b") return std::make_unique<OneFOneB>();
+  if (name == "zero-bubble") return std::make_unique<ZeroBubble>();
   if (name == "interleaved") return std::make_unique<Interleaved1F1B>(2);
   const std::string prefix = "interleaved:";
   if (name.rfind(prefix, 0) == 0) {
@@ -188,7 +256,7 @@ std::unique_ptr<Schedule> make_schedule(const std::string& name) {
     if (used == n.size() && !n.empty()) return std::make_unique<Interleaved1F1B>(v);
   }
   throw std::invalid_argument("unknown pipeline schedule '" + name +
-                              "' (gpipe, 1f1b, interleaved or interleaved:N)");
+                              "' (gpipe, 1f1b, zero-bubble, interleaved or interleaved:N)");
 }
 
 namespace {
@@ -200,10 +268,11 @@ void check_passes(const Plan& p) {
     throw std::invalid_argument("a plan needs workers >= 1, chunks >= 1, stages a multiple of "
                                 "workers and one action list per worker");
   }
-  std::vector<int> seen(2 * static_cast<size_t>(p.stages) * p.chunks, 0);
+  std::vector<int> seen(kKinds * static_cast<size_t>(p.stages) * p.chunks, 0);
   for (int w = 0; w < p.workers; ++w) {
     for (const Action& a : p.actions[w]) {
-      if (a.stage < 0 || a.stage >= p.stages || a.chunk < 0 || a.chunk >= p.chunks) {
+      if (a.kind >= kKinds || a.stage < 0 || a.stage >= p.stages || a.chunk < 0 ||
+          a.chunk >= p.chunks) {
         throw std::invalid_argument("worker " + std::to_string(w) + " lists " + to_string(a) +
                                     ", outside " + std::to_string(p.stages) + " stages and " +
                                     std::to_string(p.chunks) + " chunks");
@@ -218,14 +287,20 @@ void check_passes(const Plan& p) {
       }
     }
   }
-  for (int kind = 0; kind < 2; ++kind) {
-    for (int s = 0; s < p.stages; ++s) {
-      for (int m = 0; m < p.chunks; ++m) {
-        const Action a{static_cast<Action::Kind>(kind), s, m};
-        if (seen[index_of(p, a)] == 0) {
-          throw std::invalid_argument("no worker runs " + to_string(a));
-        }
+  for (int s = 0; s < p.stages; ++s) {
+    for (int m = 0; m < p.chunks; ++m) {
+      auto has = [&](const Action& a) { return seen[index_of(p, a)] > 0; };
+      if (!has(forward(s, m))) throw std::invalid_argument("no worker runs " + to_string(forward(s, m)));
+      const bool whole = has(backward(s, m)), in = has(input_grad(s, m)), wt = has(weight_grad(s, m));
+      if (whole && (in || wt)) {
+        throw std::invalid_argument("the backward of micro-batch " + std::to_string(m) +
+                                    " through stage " + std::to_string(s) +
+                                    " is listed both whole (" + to_string(backward(s, m)) +
+                                    ") and split (" + to_string(in ? input_grad(s, m) : weight_grad(s, m)) + ")");
       }
+      if (!whole && !in && !wt) throw std::invalid_argument("no worker runs " + to_string(backward(s, m)));
+      if (!whole && !in) throw std::invalid_argument("no worker runs " + to_string(input_grad(s, m)) + " (" + to_string(weight_grad(s, m)) + " is listed)");
+      if (!whole && !wt) throw std::invalid_argument("no worker runs " + to_string(weight_grad(s, m)) + " (" + to_string(input_grad(s, m)) + " is listed)");
     }
   }
 }
@@ -234,19 +309,23 @@ void check_passes(const Plan& p) {
 
 void check(const Plan& p) {
   check_passes(p);
-  run(p, 1, 1, nullptr);
+  run(p, 1, 2, 1, nullptr);
 }
 
-Simulation simulate(const Plan& p, double forward_cost, double backward_cost) {
+Simulation simulate(const Plan& p, double forward_cost, double backward_cost, double weight_cost) {
+  if (!(forward_cost >= 0) || !(weight_cost >= 0) || !(backward_cost >= weight_cost)) {
+    throw std::invalid_argument("simulate: costs must be >= 0, and a backward's at least its W's");
+  }
   check_passes(p);
   Simulation s;
-  std::vector<double> finish = run(p, forward_cost, backward_cost, &s.busy);
+  std::vector<double> finish = run(p, forward_cost, backward_cost, weight_cost, &s.busy);
   s.makespan = *std::max_element(finish.begin(), finish.end());
   for (int w = 0; w < p.workers; ++w) {
     s.bubble.push_back(s.makespan > 0 ? 1 - s.busy[w] / s.makespan : 0);
     int held = 0, peak = 0;
     for (const Action& a : p.actions[w]) {
-      held += a.kind == Action::kForward ? 1 : -1;
+      if (a.kind == Action::kForward) ++held;
+      if (a.kind == Action::kBackward || a.kind == Action::kWeightGrad) --held;
       peak = std::max(peak, held);
     }
     s.peak_stash.push_back(peak);

@@ -10,13 +10,19 @@
 // list against the dependencies every pipeline has:
 //   F(s, m) after F(s - 1, m)                  (its input)
 //   B(s, m) after F(s, m) and after B(s + 1, m) (its output's gradient)
+// A backward may also be split in two (zero-bubble schedules): I(s, m)
+// computes only the input's gradient, which the previous stage waits for,
+// and W(s, m), later on the same worker, the parameters' gradients:
+//   I(s, m) as B(s, m);  W(s, m) after I(s, m);
+//   B(s, m) or I(s, m) of stage s + 1 gives stage s its output's gradient.
+// Each micro-batch has, per stage, one F and either one B or one I and one W.
 //
 //   pipeline::OneFOneB schedule;
 //   auto plan = schedule.plan(/*workers=*/2, /*chunks=*/8);
 //   pipeline::Simulation sim = pipeline::simulate(plan);   // bubble, stash
 //
-// A new schedule (zero-bubble, say) derives from Schedule and implements
-// plan(); nothing else changes.
+// A new schedule derives from Schedule and implements plan(); nothing else
+// changes (ZeroBubble below is one).
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -25,7 +31,8 @@
 namespace tandem::pipeline {
 
 struct Action {
-  enum Kind : uint8_t { kForward, kBackward };
+  // kInputGrad and kWeightGrad split a kBackward in two.
+  enum Kind : uint8_t { kForward, kBackward, kInputGrad, kWeightGrad };
   Kind kind = kForward;
   int stage = 0;  // the (virtual) stage, 0 .. stages - 1
   int chunk = 0;  // the micro-batch, 0 .. chunks - 1
@@ -33,7 +40,8 @@ struct Action {
     return kind == o.kind && stage == o.stage && chunk == o.chunk;
   }
 };
-// "F3@1": the forward of micro-batch 3 through stage 1 ("B" for backward).
+// "F3@1": the forward of micro-batch 3 through stage 1 ("B" for backward,
+// "I" and "W" for its input and weight halves).
 std::string to_string(const Action& a);
 
 // What a schedule produced: each worker's actions, in the order it runs them.
@@ -86,7 +94,22 @@ class Interleaved1F1B final : public Schedule {
   int v_;
 };
 
-// "gpipe", "1f1b", "interleaved" (2 stages per worker) or "interleaved:N".
+// Zero-bubble (after Qi et al.'s ZB-H1): 1F1B's memory (worker w holds at
+// most workers - w micro-batches, counted until their W), with each
+// backward split into I and W. The order comes from running the pipeline
+// with unit costs, each worker taking, when free, the first ready of: an I
+// (the previous stage waits for it), an F within its memory, a W (which
+// waits for nobody, so it fills what would be bubble). Beats 1F1B when the
+// weight gradients are a large share of the backward; runs I and W as two
+// passes through the stage's graph (Pipe keeps it between them).
+class ZeroBubble final : public Schedule {
+ public:
+  std::string name() const override { return "zero-bubble"; }
+  Plan plan(int workers, int chunks) const override;
+};
+
+// "gpipe", "1f1b", "zero-bubble", "interleaved" (2 stages per worker) or
+// "interleaved:N".
 std::unique_ptr<Schedule> make_schedule(const std::string& name);
 
 // Throws std::invalid_argument naming the first problem: an action on the
@@ -99,9 +122,11 @@ struct Simulation {
   double makespan = 0;
   std::vector<double> busy;         // per worker
   std::vector<double> bubble;       // per worker: 1 - busy / makespan
-  std::vector<int> peak_stash;      // per worker: most micro-batches held between F and B
+  std::vector<int> peak_stash;      // per worker: most micro-batches held from F to B (or W)
 };
-// check()s the plan first.
-Simulation simulate(const Plan& plan, double forward_cost = 1, double backward_cost = 2);
+// check()s the plan first. A split backward costs backward_cost in all:
+// weight_cost for its W, the rest for its I.
+Simulation simulate(const Plan& plan, double forward_cost = 1, double backward_cost = 2,
+                    double weight_cost = 1);
 
 }  // namespace tandem::pipeline

@@ -35,8 +35,11 @@ bool apply() {
   // are set: the mmap threshold alone would leave trimming at 128 KiB.
   constexpr int kMmapThreshold = 32 << 20;
   constexpr int kTrimThreshold = 256 << 20;
+  // One arena: a step's tensors are made on whichever pool thread runs its
+  // handler, and each thread's own arena (64 MiB heaps) would warm up apart.
+  // Small blocks still come from each thread's cache without the lock.
   return mallopt(M_MMAP_THRESHOLD, kMmapThreshold) == 1 &&
-         mallopt(M_TRIM_THRESHOLD, kTrimThreshold) == 1;
+         mallopt(M_TRIM_THRESHOLD, kTrimThreshold) == 1 && mallopt(M_ARENA_MAX, 1) == 1;
 #else
   return false;
 #endif

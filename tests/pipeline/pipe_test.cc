@@ -149,16 +149,18 @@ void expect_trained_like_local(const std::string& schedule, int workers, int per
     for (int k = 0; k < workers; ++k) {
       if (schedule == "gpipe") CHECK(peak[k] == chunks);
       if (schedule == "1f1b") CHECK(peak[k] == std::min(workers - k, chunks));
+      if (schedule == "zero-bubble") CHECK(peak[k] <= std::min(workers - k, chunks));
     }
-    CHECK(pipe.last_step().passes.size() == static_cast<size_t>(2 * stages * chunks));
+    const int per_chunk = schedule == "zero-bubble" ? 3 : 2;  // F and B, or F, I and W
+    CHECK(pipe.last_step().passes.size() == static_cast<size_t>(per_chunk * stages * chunks));
   }
   w.shutdown();
 }
 
 }  // namespace
 
-TEST_CASE("pipeline: GPipe and 1F1B train as the unsplit model, uneven micro-batches too") {
-  for (const char* schedule : {"gpipe", "1f1b"}) {
+TEST_CASE("pipeline: GPipe, 1F1B and zero-bubble train as the unsplit model, uneven micro-batches too") {
+  for (const char* schedule : {"gpipe", "1f1b", "zero-bubble"}) {
     for (int workers : {2, 3}) {
       for (int chunks : {1, 3, 4}) {  // 10 rows: 4+3+3, 3+3+2+2
         expect_trained_like_local(schedule, workers, 1, chunks);
@@ -181,8 +183,8 @@ TEST_CASE("pipeline: bad input is refused before any work, naming what was wrong
       return test::error_of([&] { pipeline::Pipe(*w.agents[0], st, o); });
     };
     pipeline::PipeOptions o;
-    o.schedule = "zero-bubble";
-    CHECK(error_making(o).find("unknown pipeline schedule 'zero-bubble'") != std::string::npos);
+    o.schedule = "chimera";
+    CHECK(error_making(o).find("unknown pipeline schedule 'chimera'") != std::string::npos);
     o = {};
     o.chunks = 0;
     CHECK(error_making(o).find("Pipe: chunks must be at least 1, got 0") != std::string::npos);
@@ -554,6 +556,85 @@ TEST_CASE("pipeline: messages for a step whose run never comes are dropped after
                              rpc::to_ivalues(int64_t{79}, std::numeric_limits<int64_t>::max(),
                                              int64_t{0}, int64_t{1}, int64_t{0}, at::ones({1})));
     CHECK(pending_within(1, std::chrono::seconds(5)) == 1);
+  }
+  w.shutdown();
+}
+
+namespace {
+
+// One Linear applied twice: its weight gets two contributions, both on the
+// way from the stage's output to its input.
+struct TwiceImpl : torch::nn::Module {
+  explicit TwiceImpl(int64_t d) { lin = register_module("lin", torch::nn::Linear(d, d)); }
+  at::Tensor forward(const at::Tensor& x) { return lin(at::tanh(lin(x))); }
+  torch::nn::Linear lin{nullptr};
+};
+
+}  // namespace
+
+TEST_CASE("pipeline: zero-bubble's split backward equals the whole one: several layers a stage, "
+          "a weight used twice, a stage without parameters") {
+  nn::register_module("test_twice", [](int64_t d) { return std::make_shared<TwiceImpl>(d); });
+  World w(5);
+  {
+    std::vector<RemoteModule> stages;
+    stages.emplace_back(*w.agents[0], "worker1/cpu", "Sequential",
+                        std::vector<c10::IValue>{nn::list({spec("Linear", {6, 8}), spec("Tanh"),
+                                                           spec("Linear", {8, 8}), spec("Tanh")})});
+    stages.emplace_back(*w.agents[0], "worker2/cpu", "test_twice", std::vector<c10::IValue>{int64_t{8}});
+    stages.emplace_back(*w.agents[0], "worker3/cpu", "Tanh", std::vector<c10::IValue>{});
+    stages.emplace_back(*w.agents[0], "worker4/cpu", "Sequential",
+                        std::vector<c10::IValue>{nn::list({spec("Linear", {8, 8}), spec("ReLU"),
+                                                           spec("Linear", {8, 3})})});
+    std::vector<std::map<std::string, at::Tensor>> local(stages.size());
+    std::vector<at::Tensor> all;
+    for (size_t s = 0; s < stages.size(); ++s) {
+      for (auto& [name, t] : stages[s].state_dict()) {
+        local[s][name] = t.clone().requires_grad_();
+        all.push_back(local[s][name]);
+      }
+    }
+    auto linear = [](const std::map<std::string, at::Tensor>& m, const std::string& prefix,
+                     const at::Tensor& x) {
+      return at::addmm(m.at(prefix + "bias"), x, m.at(prefix + "weight").t());
+    };
+    auto forward = [&](const at::Tensor& x) {
+      at::Tensor h = at::tanh(linear(local[0], "2.", at::tanh(linear(local[0], "0.", x))));
+      h = linear(local[1], "lin.", at::tanh(linear(local[1], "lin.", h)));
+      h = at::tanh(h);
+      return linear(local[3], "2.", at::relu(linear(local[3], "0.", h)));
+    };
+    pipeline::PipeOptions o;
+    o.chunks = 4;  // 10 rows: 3 + 3 + 2 + 2
+    o.schedule = "zero-bubble";
+    pipeline::Pipe pipe(*w.agents[0], stages, o);
+    optim::Options so;
+    so.lr = 0.2;
+    optim::DistributedOptimizer opt(*w.agents[0], optim::Kind::kSGD, pipe.parameters(), so);
+    for (int step = 0; step < 3; ++step) {
+      at::manual_seed(60 + step);
+      at::Tensor x = at::randn({10, 6});
+      at::Tensor y = at::randint(0, kClasses, {10}, at::kLong);
+      at::Tensor want = at::cross_entropy_loss(forward(x), y);
+      auto grads = torch::autograd::grad({want}, all);
+      {
+        at::NoGradGuard no_grad;
+        for (size_t i = 0; i < all.size(); ++i) all[i].sub_(grads[i] * 0.2);
+      }
+      dist::Context ctx(*w.agents[0]);
+      CHECK(pipe.step(ctx.id(), x, y) == doctest::Approx(want.item<double>()).epsilon(1e-5));
+      opt.step(ctx.id());
+    }
+    for (size_t s = 0; s < stages.size(); ++s) {
+      for (auto& [name, t] : stages[s].state_dict()) {
+        CAPTURE(s);
+        CAPTURE(name);
+        CHECK(at::allclose(t, local[s].at(name).detach(), 1e-5, 1e-6));
+      }
+    }
+    size_t weight_passes = 0;
+    for (const auto& p : pipe.last_step().passes) weight_passes += p.action.kind == pipeline::Action::kWeightGrad;
+    CHECK(weight_passes == 4 * 4);
   }
   w.shutdown();
 }

@@ -19,7 +19,7 @@ std::string listing(const std::vector<Action>& actions) {
 }  // namespace
 
 TEST_CASE("pipeline schedules: every plan runs each pass once, in an order that can finish") {
-  for (const char* name : {"gpipe", "1f1b", "interleaved", "interleaved:3"}) {
+  for (const char* name : {"gpipe", "1f1b", "zero-bubble", "interleaved", "interleaved:3"}) {
     auto schedule = pipeline::make_schedule(name);
     const int v = schedule->stages_per_worker();
     for (int workers = 1; workers <= 4; ++workers) {
@@ -81,8 +81,8 @@ TEST_CASE("pipeline schedules: the simulated bubbles match the closed forms") {
 }
 
 TEST_CASE("pipeline schedules: bad counts and bad plans are refused, naming the problem") {
-  CHECK(test::error_of([] { pipeline::make_schedule("zero-bubble"); })
-            .find("unknown pipeline schedule 'zero-bubble' (gpipe, 1f1b, interleaved or "
+  CHECK(test::error_of([] { pipeline::make_schedule("chimera"); })
+            .find("unknown pipeline schedule 'chimera' (gpipe, 1f1b, zero-bubble, interleaved or "
                   "interleaved:N)") != std::string::npos);
   CHECK(test::error_of([] { pipeline::make_schedule("interleaved:x"); })
             .find("unknown pipeline schedule") != std::string::npos);
@@ -141,4 +141,59 @@ TEST_CASE("pipeline schedules: a schedule of the user's plugs in") {
   auto sim = pipeline::simulate(plan);
   CHECK(sim.makespan == doctest::Approx((4 + 3 - 1) * 3.0));
   CHECK(sim.peak_stash == std::vector<int>{4, 4, 4});
+}
+
+TEST_CASE("pipeline schedules: zero-bubble splits each backward, keeps 1F1B's memory, and "
+          "shrinks the bubble") {
+  pipeline::Plan plan = pipeline::ZeroBubble().plan(2, 4);
+  // The last worker sends each input gradient before its weight pass; the
+  // first fills its wait for gradients with forwards and weight passes.
+  CHECK(listing(plan.actions[1]) == "F0@1 I0@1 W0@1 F1@1 I1@1 W1@1 F2@1 I2@1 W2@1 F3@1 I3@1 W3@1");
+  CHECK(listing(plan.actions[0]) == "F0@0 F1@0 I0@0 W0@0 F2@0 I1@0 W1@0 F3@0 I2@0 W2@0 I3@0 W3@0");
+  for (int workers : {2, 3, 4}) {
+    for (int chunks : {1, 3, 8}) {
+      CAPTURE(workers);
+      CAPTURE(chunks);
+      auto p = pipeline::ZeroBubble().plan(workers, chunks);
+      auto zb = pipeline::simulate(p, 1, 2, 1);
+      auto ofob = pipeline::simulate(pipeline::OneFOneB().plan(workers, chunks), 1, 2, 1);
+      for (int w = 0; w < workers; ++w) {
+        CHECK(zb.peak_stash[w] <= std::min(workers - w, chunks));
+        CHECK(p.actions[w].size() == static_cast<size_t>(3 * chunks));
+      }
+      CHECK(zb.makespan <= ofob.makespan);
+      if (workers > 1 && chunks > 1) CHECK(zb.makespan < ofob.makespan);
+    }
+  }
+  CHECK(pipeline::make_schedule("zero-bubble")->name() == "zero-bubble");
+}
+
+TEST_CASE("pipeline schedules: split backwards that are half there, doubled or out of order are "
+          "refused") {
+  using K = Action::Kind;
+  auto plan = [](std::vector<Action> w0) {
+    pipeline::Plan p;
+    p.workers = 1;
+    p.stages = 1;
+    p.chunks = 1;
+    p.actions = {std::move(w0)};
+    return p;
+  };
+  CHECK_NOTHROW(pipeline::check(plan({{K::kForward, 0, 0}, {K::kInputGrad, 0, 0}, {K::kWeightGrad, 0, 0}})));
+  CHECK(test::error_of([&] {
+          pipeline::check(plan({{K::kForward, 0, 0}, {K::kInputGrad, 0, 0}}));
+        }) == "no worker runs W0@0 (I0@0 is listed)");
+  CHECK(test::error_of([&] {
+          pipeline::check(plan({{K::kForward, 0, 0}, {K::kWeightGrad, 0, 0}}));
+        }) == "no worker runs I0@0 (W0@0 is listed)");
+  CHECK(test::error_of([&] {
+          pipeline::check(plan({{K::kForward, 0, 0}, {K::kBackward, 0, 0}, {K::kWeightGrad, 0, 0}}));
+        }) == "the backward of micro-batch 0 through stage 0 is listed both whole (B0@0) and split "
+              "(W0@0)");
+  CHECK(test::error_of([&] {
+          pipeline::check(plan({{K::kForward, 0, 0}, {K::kWeightGrad, 0, 0}, {K::kInputGrad, 0, 0}}));
+        }).find("the plan cannot finish") != std::string::npos);
+  CHECK(test::error_of([&] {
+          pipeline::simulate(pipeline::ZeroBubble().plan(2, 2), 1, 1, 2);
+        }) == "simulate: costs must be >= 0, and a backward's at least its W's");
 }
