@@ -2,19 +2,24 @@
 // host (worker0 drives and holds the even stages, worker1 the odd ones), one
 // intra-op thread each, against the same model trained whole in one process.
 //
-// Model: 4 x (Linear(W, W) + ReLU), then Linear(W, 10); batch B, SGD.
-// Lines, each a Pipe over the same layers:
-//   gpipe, 1f1b      2 stages (2 blocks each, the head on the second), M micro-batches;
-//   interleaved:2    4 stages of one block (the head on the last), 2 per worker;
-//   gpipe, 1 stage   the whole model on worker1, one micro-batch: the framework's own cost.
+// Model: N x (Linear(W, W) + ReLU), then Linear(W, 10); batch B, SGD. The
+// stages are cut by pipeline::balance_by_time (each layer timed here on one
+// micro-batch). The first Linear computes no input gradient, so it costs two
+// thirds of the others: with N = 8 the halves are 11 and 12 GEMMs, with
+// N = 4 they are 5 and 6, and the slower half sets the pace.
+// Lines, each a Pipe over the same layers, M micro-batches of B / M rows:
+//   gpipe, 1f1b, zero-bubble   2 stages, one per worker;
+//   interleaved:2              4 stages, 2 per worker;
+//   gpipe, 1 stage             the whole model on worker1, one micro-batch:
+//                              the framework's own cost.
 // Prints per line: {"bench":"pipeline","impl":"tandem","schedule":S,"stages":K,"chunks":M,
 //   "samples_per_s":..,"single_worker_samples_per_s":..,"efficiency":..,"bubble":..}
 // efficiency: the speedup over one worker divided by GPipe's ideal
 // K*M/(M+K-1), K counting workers (the one-stage line: the speedup itself).
 // bubble: the last step's measured idle share, averaged over the workers.
 //
-// Usage: pipeline_bench [--steps 10] [--warmup 3] [--batch 256] [--chunks 8] [--width 1024]
-//        [--trace PATH]   (writes the 1F1B line's last step as a Chrome trace)
+// Usage: pipeline_bench [--steps 10] [--warmup 3] [--batch 2048] [--chunks 8] [--width 1024]
+//        [--blocks 8] [--trace PATH]   (writes the 1F1B line's last step as a Chrome trace)
 #include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/relu.h>
@@ -49,7 +54,7 @@ constexpr int64_t kClasses = 10;
 
 struct Config {
   int steps = 10, warmup = 3;
-  int batch = 256, chunks = 8, width = 1024, blocks = 4;
+  int batch = 2048, chunks = 8, width = 1024, blocks = 8;
   std::string trace;
 };
 
