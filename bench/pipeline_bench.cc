@@ -13,10 +13,11 @@
 //   gpipe, 1 stage             the whole model on worker1, one micro-batch:
 //                              the framework's own cost.
 // Prints per line: {"bench":"pipeline","impl":"tandem","schedule":S,"stages":K,"chunks":M,
-//   "samples_per_s":..,"single_worker_samples_per_s":..,"efficiency":..,"bubble":..}
+//   "samples_per_s":..,"single_worker_samples_per_s":..,"efficiency":..,"bubble":..,"bubble_per_worker":[..]}
 // efficiency: the speedup over one worker divided by GPipe's ideal
 // K*M/(M+K-1), K counting workers (the one-stage line: the speedup itself).
-// bubble: the last step's measured idle share, averaged over the workers.
+// bubble: the last step's measured idle share, averaged over the workers;
+// bubble_per_worker: each worker's.
 //
 // Usage: pipeline_bench [--steps 10] [--warmup 3] [--batch 2048] [--chunks 8] [--width 1024]
 //        [--blocks 8] [--trace PATH]   (writes the 1F1B line's last step as a Chrome trace)
@@ -126,6 +127,7 @@ struct Line {
   int stages, workers;
   int chunks;
   double sps, bubble;
+  std::vector<double> bubbles;  // per worker
 };
 
 Line run_pipe(const Config& c, const std::string& schedule, std::vector<nn::RemoteModule> stages,
@@ -160,17 +162,23 @@ Line run_pipe(const Config& c, const std::string& schedule, std::vector<nn::Remo
   const auto& bubble = pipe.last_step().bubble;
   if (trace && !c.trace.empty()) pipe.write_trace(c.trace);
   return {schedule, static_cast<int>(stages.size()), pipe.workers(), chunks, sps,
-          std::accumulate(bubble.begin(), bubble.end(), 0.0) / bubble.size()};
+          std::accumulate(bubble.begin(), bubble.end(), 0.0) / bubble.size(), bubble};
 }
 
 void print(const Line& l, double single) {
+  std::string per_worker;
+  for (double b : l.bubbles) {
+    char buf[16];
+    std::snprintf(buf, sizeof buf, "%.3f", b);
+    per_worker += (per_worker.empty() ? "" : ",") + std::string(buf);
+  }
   const double ideal = static_cast<double>(l.workers * l.chunks) / (l.chunks + l.workers - 1);
   std::printf(
       "{\"bench\":\"pipeline\",\"impl\":\"tandem\",\"schedule\":\"%s\",\"stages\":%d,"
       "\"chunks\":%lld,\"samples_per_s\":%.1f,\"single_worker_samples_per_s\":%.1f,"
-      "\"efficiency\":%.3f,\"bubble\":%.3f}\n",
+      "\"efficiency\":%.3f,\"bubble\":%.3f,\"bubble_per_worker\":[%s]}\n",
       l.schedule.c_str(), l.stages, static_cast<long long>(l.chunks), l.sps, single,
-      l.sps / single / ideal, l.bubble);
+      l.sps / single / ideal, l.bubble, per_worker.c_str());
   std::fflush(stdout);
 }
 

@@ -8,8 +8,9 @@
 // step, and a DistributedSampler gives its share; then one hybrid step: a
 // DDP layer on a RemoteModule's output, inside a distributed autograd
 // context, stepped with the module by one DistributedOptimizer. A 1F1B
-// pipeline schedule is simulated, and a one-stage Pipe takes a step in two
-// micro-batches inside a context, stepped by a DistributedOptimizer.
+// pipeline schedule is simulated, and a one-stage Pipe takes a zero-bubble
+// step in two micro-batches inside a context, stepped by a
+// DistributedOptimizer.
 #include <tandem/autograd/autograd.h>
 #include <tandem/ddp/distributed_data_parallel.h>
 #include <tandem/ddp/sampler.h>
@@ -152,6 +153,7 @@ int main() {
     tandem::pipeline::PipeOptions po;
     po.chunks = 2;
     po.loss = "mse";
+    po.schedule = "zero-bubble";  // each backward as an input pass, then a weight pass
     tandem::pipeline::Pipe pipe({fc}, po);
     tandem::optim::Options oo;
     oo.lr = 0.5;
