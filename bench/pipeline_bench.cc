@@ -13,7 +13,8 @@
 //   gpipe, 1 stage             the whole model on worker1, one micro-batch:
 //                              the framework's own cost.
 // Prints per line: {"bench":"pipeline","impl":"tandem","schedule":S,"stages":K,"chunks":M,
-//   "samples_per_s":..,"single_worker_samples_per_s":..,"efficiency":..,"bubble":..,"bubble_per_worker":[..]}
+//   "samples_per_s":..,"single_worker_samples_per_s":..,"efficiency":..,"bubble":..,
+//   "bubble_per_worker":[..]}
 // efficiency: the speedup over one worker divided by GPipe's ideal
 // K*M/(M+K-1), K counting workers (the one-stage line: the speedup itself).
 // bubble: the last step's measured idle share, averaged over the workers;
