@@ -8,6 +8,7 @@
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/randint.h>
+#include <ATen/ops/pow.h>
 #include <ATen/ops/relu.h>
 #include <ATen/ops/tanh.h>
 #include <torch/nn/modules/linear.h>
@@ -635,6 +636,108 @@ TEST_CASE("pipeline: zero-bubble's split backward equals the whole one: several 
     size_t weight_passes = 0;
     for (const auto& p : pipe.last_step().passes) weight_passes += p.action.kind == pipeline::Action::kWeightGrad;
     CHECK(weight_passes == 4 * 4);
+  }
+  w.shutdown();
+}
+
+TEST_CASE("pipeline: two drivers step their own pipes at once over the same two workers") {
+  // Workers 2 and 3 hold a stage of each pipe; drivers 0 and 1 step theirs
+  // from two threads, each with its own DistributedOptimizer.
+  const int steps = 3;
+  const int64_t rows = 10;
+  const double lr = 0.2;
+  World w(4);
+  {
+    std::vector<Weights> init = {initial(2, 11), initial(2, 12)};
+    std::vector<std::vector<RemoteModule>> stages;
+    for (int d = 0; d < 2; ++d) {
+      stages.push_back(make_stages(*w.agents[d], init[d], [](int s) { return 2 + s; }));
+    }
+    std::vector<std::vector<double>> losses(2);
+    std::vector<std::string> errors(2);
+    std::vector<Batch> batches;  // made here: the seeded generator is global
+    for (int step = 0; step < steps; ++step) batches.push_back(batch(rows, step));
+    auto drive = [&](int d) {
+      try {
+        pipeline::PipeOptions o;
+        o.chunks = 4;
+        o.schedule = d == 0 ? "1f1b" : "zero-bubble";
+        pipeline::Pipe pipe(*w.agents[d], stages[d], o);
+        optim::Options so;
+        so.lr = lr;
+        optim::DistributedOptimizer opt(*w.agents[d], optim::Kind::kSGD, pipe.parameters(), so);
+        for (int step = 0; step < steps; ++step) {
+          const Batch& b = batches[step];
+          dist::Context ctx(*w.agents[d]);
+          losses[d].push_back(pipe.step(ctx.id(), b.x, b.y));
+          opt.step(ctx.id());
+        }
+      } catch (const std::exception& e) {
+        errors[d] = e.what();
+      }
+    };
+    std::thread other(drive, 1);
+    drive(0);
+    other.join();
+    for (int d = 0; d < 2; ++d) {
+      CAPTURE(d);
+      CHECK(errors[d] == "");
+      auto [want_losses, want] = local_training(init[d], steps, rows, lr);
+      REQUIRE(losses[d].size() == static_cast<size_t>(steps));
+      for (int step = 0; step < steps; ++step) {
+        CHECK(losses[d][step] == doctest::Approx(want_losses[step]).epsilon(1e-5));
+      }
+      for (int s = 0; s < 2; ++s) {
+        auto state = stages[d][s].state_dict();
+        CHECK(at::allclose(state.at("0.weight"), want.w[s].detach(), 1e-5, 1e-6));
+        CHECK(at::allclose(state.at("0.bias"), want.b[s].detach(), 1e-5, 1e-6));
+      }
+    }
+    for (int a = 0; a < 4; ++a) CHECK(pipeline::pending_steps(*w.agents[a]) == 0);
+  }
+  w.shutdown();
+}
+
+TEST_CASE("pipeline: a pipe's step and a RemoteModule's backward share one context and one "
+          "optimizer step") {
+  // The pipe trains on (x, y); in the same context a RemoteModule on worker3
+  // gets its own loss's backward. One DistributedOptimizer steps both.
+  const double lr = 0.2;
+  World w(4);
+  {
+    Weights init = initial(2, 21);
+    auto stages = make_stages(*w.agents[0], init, [](int s) { return 1 + s; });
+    RemoteModule side(*w.agents[0], "worker3/cpu", "Linear", std::vector<c10::IValue>{kIn, int64_t{1}});
+    auto side_state = side.state_dict();
+    at::Tensor sw = side_state.at("weight").clone().requires_grad_(),
+               sb = side_state.at("bias").clone().requires_grad_();
+    pipeline::PipeOptions o;
+    o.chunks = 3;
+    o.schedule = "zero-bubble";
+    pipeline::Pipe pipe(*w.agents[0], stages, o);
+    auto params = pipe.parameters();
+    for (auto& p : side.remote_parameters()) params.push_back(p);
+    optim::Options so;
+    so.lr = lr;
+    optim::DistributedOptimizer opt(*w.agents[0], optim::Kind::kSGD, params, so);
+    auto [want_losses, want] = local_training(init, 1, 10, lr);
+    Batch b = batch(10, 0);
+    {
+      dist::Context ctx(*w.agents[0]);
+      CHECK(pipe.step(ctx.id(), b.x, b.y) == doctest::Approx(want_losses[0]).epsilon(1e-5));
+      at::Tensor out = side.forward(b.x);
+      dist::backward(*w.agents[0], ctx.id(), {at::sum(out * out)});
+      opt.step(ctx.id());
+    }
+    for (int s = 0; s < 2; ++s) {
+      auto state = stages[s].state_dict();
+      CHECK(at::allclose(state.at("0.weight"), want.w[s].detach(), 1e-5, 1e-6));
+    }
+    at::Tensor side_loss = at::sum(at::pow(at::addmm(sb, b.x, sw.t()), 2));
+    auto g = torch::autograd::grad({side_loss}, {sw, sb});
+    auto after = side.state_dict();
+    CHECK(at::allclose(after.at("weight"), sw.detach() - lr * g[0], 1e-5, 1e-6));
+    CHECK(at::allclose(after.at("bias"), sb.detach() - lr * g[1], 1e-5, 1e-6));
   }
   w.shutdown();
 }
