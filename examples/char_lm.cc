@@ -127,6 +127,7 @@ struct Config {
   std::string corpus;  // empty: kDefaultCorpus
   std::string checkpoint = "char_lm.ckpt";
   std::string mode = "single";  // or "hybrid", "pipeline"
+  std::string schedule = "1f1b";  // --mode pipeline's
   bool resume = false;
   bool hybrid() const { return mode == "hybrid"; }
   bool pipeline() const { return mode == "pipeline"; }
@@ -481,8 +482,8 @@ const bool kPipelineParts = [] {
 
 // --mode pipeline: the same model as two pipeline stages, Embedding + LSTM
 // on worker0 and the decoder on the server, each batch in 4 micro-batches
-// by the 1F1B schedule; Adam with clipping as in single mode, from the same
-// initial parameters. No checkpoint.
+// by --schedule (1F1B unless told); Adam with clipping as in single mode,
+// from the same initial parameters. No checkpoint.
 int train_pipeline(const Config& cfg, const Corpus& corpus, Clock::time_point started,
                    const Place& at) {
   (void)kPipelineParts;
@@ -499,7 +500,7 @@ int train_pipeline(const Config& cfg, const Corpus& corpus, Clock::time_point st
 
   tandem::pipeline::PipeOptions po;
   po.chunks = 4;
-  po.schedule = "1f1b";
+  po.schedule = cfg.schedule;
   po.loss = "char_lm";
   tandem::pipeline::Pipe pipe(stages, po);
   optim::Options o;
@@ -699,7 +700,9 @@ int main(int argc, char** argv) {
         .add("--log-every", &cfg.log_every, 1, "print the mean loss every N steps")
         .add_choice("--mode", &cfg.mode, {"single", "hybrid", "pipeline"},
                     "one trainer (2 processes); N - 1 DDP trainers sharing the parameter "
-                    "server (N >= 3 processes); or the model pipelined over 2 processes");
+                    "server (N >= 3 processes); or the model pipelined over 2 processes")
+        .add_choice("--schedule", &cfg.schedule, {"gpipe", "1f1b", "zero-bubble"},
+                    "--mode pipeline's schedule");
     std::string error = flags.parse(argc, argv);
     const Place at{env.rank, env.world_size - 1};
     if (error.empty() && env.world_size >= 2) {
@@ -712,6 +715,8 @@ int main(int argc, char** argv) {
       } else if (cfg.hybrid() && cfg.resume) {
         error = "--resume is for --mode single: hybrid trainers step the shared modules in no "
                 "fixed order, so a hybrid run writes no checkpoint";
+      } else if (!cfg.pipeline() && cfg.schedule != "1f1b") {
+        error = "--schedule is for --mode pipeline";
       } else if (cfg.pipeline() && cfg.resume) {
         error = "--resume is for --mode single: a pipeline run writes no checkpoint";
       }

@@ -6,7 +6,8 @@
 #  a. char_lm --steps 60: exits 0, its last mean loss is below its first
 #     (step 1's), the final loss line and a sample line are printed; the same
 #     with --mode hybrid on 3 processes, whose trainers' LSTMs end identical;
-#     --mode pipeline ends on a's final loss (within 1e-3) and prints a sample;
+#     --mode pipeline (by 1F1B and by zero-bubble) ends on a's final loss
+#     (within 1e-3) and prints a sample;
 #  b. char_lm --steps 30 then --steps 60 --resume prints the same final loss
 #     (%.6f) and the same sample as the uninterrupted run of a;
 #  c. model_parallel_mlp --steps 20 exits 0 and reports agreement with the
@@ -19,7 +20,7 @@
 #  e. bad input exits 2 with a one-line reason, without hanging: a missing
 #     --corpus, --resume without a checkpoint, an unknown flag, a bad --mode,
 #     hybrid on 2 processes, hybrid with --resume, 3 processes without hybrid,
-#     pipeline with --resume;
+#     pipeline with --resume, --schedule without --mode pipeline;
 #  f. ddp_mlp on 2 processes, and as two one-process "nodes" (two tandem-run
 #     --nnodes 2), exits 0 with identical replicas and a falling loss; a bad
 #     flag exits 2.
@@ -100,19 +101,22 @@ if expect_rc "char_lm --mode hybrid --steps 60 on 3 processes" "$rc" 0 ah.log; t
 fi
 
 # a''. --mode pipeline: the same model as two pipeline stages; the same
-# parameters and batches as a, so the same losses (to float rounding)
-rc=$(launch ap.log 2 char_lm --mode pipeline --steps 60 --log-every 20)
-if expect_rc "char_lm --mode pipeline --steps 60" "$rc" 0 ap.log; then
-  single=$(final_line a.log | awk '{print $NF}')
-  piped=$(final_line ap.log | awk '{print $NF}')
-  if [[ -z $single || -z $piped ]] ||
-      ! awk -v a="$single" -v b="$piped" 'BEGIN { d = a - b; exit !(d < 1e-3 && d > -1e-3) }'; then
-    fail "char_lm --mode pipeline ends at loss '$piped', single mode at '$single'"
-  else
-    echo "ok: char_lm --mode pipeline ends as single mode does: loss $piped ($single)"
+# parameters and batches as a, so the same losses (to float rounding), by
+# 1F1B and by zero-bubble (whose backward is split in two passes)
+for schedule in 1f1b zero-bubble; do
+  rc=$(launch ap.log 2 char_lm --mode pipeline --schedule $schedule --steps 60 --log-every 20)
+  if expect_rc "char_lm --mode pipeline --schedule $schedule --steps 60" "$rc" 0 ap.log; then
+    single=$(final_line a.log | awk '{print $NF}')
+    piped=$(final_line ap.log | awk '{print $NF}')
+    if [[ -z $single || -z $piped ]] ||
+        ! awk -v a="$single" -v b="$piped" 'BEGIN { d = a - b; exit !(d < 1e-3 && d > -1e-3) }'; then
+      fail "char_lm --mode pipeline ($schedule) ends at loss '$piped', single mode at '$single'"
+    else
+      echo "ok: char_lm --mode pipeline ($schedule) ends as single mode does: loss $piped ($single)"
+    fi
+    [[ $(sample_line ap.log) == "sample: "?* ]] || fail "char_lm --mode pipeline printed no sample"
   fi
-  [[ $(sample_line ap.log) == "sample: "?* ]] || fail "char_lm --mode pipeline printed no sample"
-fi
+done
 
 # c. model parallelism against the local twin
 rc=$(launch c.log 2 model_parallel_mlp --steps 20)
@@ -169,6 +173,7 @@ expect_rc "char_lm --mode hybrid --resume" "$rc" 2 e.log && { grep -q "resume is
 rc=$(launch e.log 3 char_lm)
 expect_rc "char_lm on 3 processes without --mode hybrid" "$rc" 2 e.log && { grep -q "pass --mode hybrid" e.log || fail "char_lm on 3: no message"; }
 check_bad pipeline-resume "a pipeline run writes no checkpoint" --mode pipeline --resume
+check_bad schedule-single "schedule is for --mode pipeline" --schedule gpipe
 
 # f. data parallelism
 ddp_ok() {  # ddp_ok WHAT LOG: the replicas agree and the loss fell
