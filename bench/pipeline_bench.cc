@@ -2,11 +2,13 @@
 // host (worker0 drives and holds the even stages, worker1 the odd ones), one
 // intra-op thread each, against the same model trained whole in one process.
 //
-// Model: N x (Linear(W, W) + ReLU), then Linear(W, 10); batch B, SGD. The
-// stages are cut by pipeline::balance_by_time (each layer timed here on one
-// micro-batch). The first Linear computes no input gradient, so it costs two
-// thirds of the others: with N = 8 the halves are 11 and 12 GEMMs, with
-// N = 4 they are 5 and 6, and the slower half sets the pace.
+// Model: Linear(I, W) + ReLU, (N - 1) x (Linear(W, W) + ReLU), then
+// Linear(W, 10); batch B, SGD. The stages are cut by
+// pipeline::balance_by_time (each layer timed here on one micro-batch). The
+// first Linear computes no input gradient (its input is the data), so with
+// I = W it would cost two thirds of the others and no cut could make equal
+// halves (N = 8: 11 and 12 GEMMs of W x W); I = 1.5 W makes it cost what the
+// others do, and the halves even (12 and 12).
 // Lines, each a Pipe over the same layers, M micro-batches of B / M rows:
 //   gpipe, 1f1b, zero-bubble   2 stages, one per worker;
 //   interleaved:2              4 stages, 2 per worker;
@@ -21,7 +23,8 @@
 // bubble_per_worker: each worker's.
 //
 // Usage: pipeline_bench [--steps 10] [--warmup 3] [--batch 2048] [--chunks 8] [--width 1024]
-//        [--blocks 8] [--trace PATH]   (writes the 1F1B line's last step as a Chrome trace)
+//        [--blocks 8] [--input 1536]
+//        [--trace PATH]   (writes the 1F1B line's last step as a Chrome trace)
 #include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/relu.h>
@@ -56,7 +59,7 @@ constexpr int64_t kClasses = 10;
 
 struct Config {
   int steps = 10, warmup = 3;
-  int batch = 2048, chunks = 8, width = 1024, blocks = 8;
+  int batch = 2048, chunks = 8, width = 1024, blocks = 8, input = 1536;
   std::string trace;
 };
 
@@ -72,7 +75,7 @@ rpc::AgentOptions options(int rank) {
 std::vector<c10::IValue> layers(const Config& c) {
   std::vector<c10::IValue> out;
   for (int i = 0; i < c.blocks; ++i) {
-    out.push_back(nn::spec("Linear", {int64_t{c.width}, int64_t{c.width}}));
+    out.push_back(nn::spec("Linear", {int64_t{i == 0 ? c.input : c.width}, int64_t{c.width}}));
     out.push_back(nn::spec("ReLU"));
   }
   out.push_back(nn::spec("Linear", {int64_t{c.width}, kClasses}));
@@ -84,7 +87,8 @@ struct Batch {
 };
 Batch batch(const Config& c) {
   at::manual_seed(1);
-  return {at::randn({int64_t{c.batch}, int64_t{c.width}}), at::randint(0, kClasses, {int64_t{c.batch}}, at::kLong)};
+  return {at::randn({int64_t{c.batch}, int64_t{c.input}}),
+          at::randint(0, kClasses, {int64_t{c.batch}}, at::kLong)};
 }
 
 // Samples per second of `step`: the batch over the median of c.steps step
@@ -104,7 +108,7 @@ double samples_per_s(const Config& c, Step step) {
 double single_worker(const Config& c) {
   std::vector<torch::nn::Linear> layers;
   std::vector<at::Tensor> params;
-  for (int i = 0; i < c.blocks; ++i) layers.emplace_back(c.width, c.width);
+  for (int i = 0; i < c.blocks; ++i) layers.emplace_back(i == 0 ? c.input : c.width, c.width);
   layers.emplace_back(c.width, kClasses);
   for (auto& l : layers) {
     for (auto& p : l->parameters()) params.push_back(p);
@@ -195,7 +199,7 @@ int main(int argc, char** argv) {
     tandem::bench::Flags flags("pipeline_bench");
     flags.add("--steps", &c.steps, 1).add("--warmup", &c.warmup, 0);
     flags.add("--batch", &c.batch, 1).add("--chunks", &c.chunks, 1).add("--width", &c.width, 1);
-    flags.add("--blocks", &c.blocks, 1);
+    flags.add("--blocks", &c.blocks, 1).add("--input", &c.input, 1);
     flags.add("--trace", &c.trace);
     if (!flags.parse(argc, argv)) return 2;
 
