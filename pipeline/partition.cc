@@ -161,6 +161,11 @@ std::vector<double> layer_times(const std::vector<c10::IValue>& layers, const at
                                     ", not one tensor");
       }
       at::Tensor y = out.toTensor();
+      // On a GPU the kernels run behind the launches: wait for them.
+      auto sync = [&](const at::Tensor& t) {
+        if (t.defined() && !t.device().is_cpu()) (void)t.sum().item<double>();
+      };
+      sync(y);
       double us = us_since(t0);
       std::vector<at::Tensor> wrt;
       for (auto& [_, p] : built[i]->parameters()) {
@@ -169,8 +174,9 @@ std::vector<double> layer_times(const std::vector<c10::IValue>& layers, const at
       if (in.requires_grad()) wrt.push_back(in);
       if (y.requires_grad() && !wrt.empty()) {
         t0 = Clock::now();
-        torch::autograd::grad({y}, wrt, {at::ones_like(y)}, /*retain_graph=*/false,
-                              /*create_graph=*/false, /*allow_unused=*/true);
+        auto grads = torch::autograd::grad({y}, wrt, {at::ones_like(y)}, /*retain_graph=*/false,
+                                           /*create_graph=*/false, /*allow_unused=*/true);
+        for (const auto& g : grads) sync(g);
         us += us_since(t0);
       }
       if (r > 0) runs[i].push_back(us);

@@ -13,6 +13,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <atomic>
@@ -101,6 +102,9 @@ struct WeightWork {
   };
   bool reaches_input = false;  // false: the W pass is the whole parameter backward
   std::vector<Root> roots;
+  // The input's path's other nodes: the W pass runs none of them, so their
+  // saved tensors go once the I pass is done.
+  std::vector<std::shared_ptr<ag::Node>> path_only;
 };
 
 // The W pass's roots for `output`'s graph back to leaf `input`, with their
@@ -168,6 +172,8 @@ std::shared_ptr<WeightWork> plan_weight_pass(const at::Tensor& output, const at:
       r.node = n;
       r.node->add_pre_hook(std::make_unique<Capture>(r.grads));
       work->roots.push_back(std::move(r));
+    } else {
+      work->path_only.push_back(std::move(n));
     }
   }
   return work;
@@ -271,11 +277,11 @@ class PipeService final : public rpc::AgentExtension,
     timeout = std::clamp(timeout, std::chrono::milliseconds(0),
                          std::chrono::milliseconds(std::chrono::hours(24)));  // from the wire
     std::lock_guard<std::mutex> lock(mu_);
+    drop_expired();
     if (finished_.contains(static_cast<uint64_t>(step))) return nullptr;  // late: dropped
     auto it = boxes_.find(step);
     if (it == boxes_.end()) {
       if (closed_) return nullptr;
-      drop_expired();
       it = boxes_.emplace(step, std::make_shared<Box>()).first;
     }
     Box& b = *it->second;
@@ -295,6 +301,7 @@ class PipeService final : public rpc::AgentExtension,
     std::lock_guard<std::mutex> lock(mu_);
     boxes_.erase(step);
     finished_.insert(static_cast<uint64_t>(step));
+    drop_expired();
   }
 
   // mu_ held.
@@ -371,7 +378,9 @@ class PipeService final : public rpc::AgentExtension,
                    a.stages = header[2];
                    a.workers = header[3];
                    a.me = header[4];
-                   a.timeout = std::chrono::milliseconds(header[5]);
+                   // From the wire: kept within a day, so that deadlines cannot overflow.
+                   a.timeout = std::chrono::milliseconds(
+                       std::clamp<int64_t>(header[5], 1, int64_t{24} * 3600 * 1000));
                    a.train = header[6] != 0;
                    a.stage_ids = std::move(stage_ids);
                    a.modules = std::move(modules);
@@ -448,9 +457,21 @@ class PipeService final : public rpc::AgentExtension,
     std::map<std::pair<int64_t, int64_t>, Stash> stash;
     std::map<int64_t, std::vector<at::Tensor>> sums;  // per stage, per parameter
     at::Tensor losses = at::full({a.chunks}, std::numeric_limits<double>::quiet_NaN(), at::kDouble);
+    if (a.actions.dim() != 2 || a.actions.size(1) != 3 || a.actions.scalar_type() != at::kLong) {
+      throw std::invalid_argument("tandem.pipe.run: the passes must be an [n, 3] int64 tensor");
+    }
     const int64_t n = a.actions.size(0);
     at::Tensor record = at::empty({n, 5}, at::kDouble);
     auto acts = a.actions.accessor<int64_t, 2>();
+    for (int64_t i = 0; i < n; ++i) {
+      if (acts[i][0] < 0 || acts[i][0] > Action::kWeightGrad || !served.count(acts[i][1]) ||
+          acts[i][2] < 0 || acts[i][2] >= a.chunks) {
+        throw std::invalid_argument("tandem.pipe.run: pass " + std::to_string(i) + " (kind " +
+                                    std::to_string(acts[i][0]) + ", stage " +
+                                    std::to_string(acts[i][1]) + ", micro-batch " +
+                                    std::to_string(acts[i][2]) + ") is not one this worker can run");
+      }
+    }
     auto rec = record.accessor<double, 2>();
     const auto t0 = Clock::now();
     auto us = [&] { return std::chrono::duration<double, std::micro>(Clock::now() - t0).count(); };
@@ -529,6 +550,13 @@ class PipeService final : public rpc::AgentExtension,
             ag::variable_list grads;
             for (auto& r : s.work->roots) {
               for (size_t e : r.toward_input) r.node->next_edges()[e] = ag::Edge();
+              // What the I pass captured went through the node's hooks (a
+              // tensor hook on an activation, say): they must not run twice.
+              r.node->pre_hooks().clear();
+#if TORCH_VERSION_MAJOR >= 2
+              r.node->tensor_pre_hooks().clear();
+              r.node->retains_grad_hooks().clear();
+#endif
               for (size_t k = 0; k < r.grads->size(); ++k) {
                 if (!(*r.grads)[k].defined()) continue;
                 roots.emplace_back(r.node, static_cast<uint32_t>(k));
@@ -542,7 +570,7 @@ class PipeService final : public rpc::AgentExtension,
                                      roots, grads, /*keep_graph=*/false, /*create_graph=*/false,
                                      /*accumulate_grad=*/false, outs));
             }
-          } else if (!params[stage].empty() && s.output.requires_grad()) {
+          } else if (!params[stage].empty() && s.output.requires_grad() && s.output.grad_fn()) {
             add_to_sums(stage, torch::autograd::grad({s.output}, params[stage], {s.grad},
                                                      /*retain_graph=*/false,
                                                      /*create_graph=*/false, /*allow_unused=*/true));
@@ -567,15 +595,21 @@ class PipeService final : public rpc::AgentExtension,
           if (split) {
             s.input_done = true;
             s.grad = g;
-            if (input_grad && s.output.requires_grad()) {
+            if (input_grad && s.output.is_same(s.input)) {
+              input_gradient = g;  // the stage gave back its input
+            } else if (input_grad && s.output.requires_grad()) {
               s.work = plan_weight_pass(s.output, s.input, params[stage]);
               if (s.work->reaches_input) {
-                // Only the input's gradient; the graph stays for the W pass.
+                // Only the input's gradient; the graph stays for the W pass
+                // where it has one.
+                const bool keep = !s.work->roots.empty();
                 auto got = ag::Engine::get_default_engine().execute(
-                    {ag::impl::gradient_edge(s.output)}, {g}, /*keep_graph=*/true,
-                    /*create_graph=*/false, /*accumulate_grad=*/false,
-                    {ag::impl::gradient_edge(s.input)});
+                    {ag::impl::gradient_edge(s.output)}, {g}, keep, /*create_graph=*/false,
+                    /*accumulate_grad=*/false, {ag::impl::gradient_edge(s.input)});
                 input_gradient = got.at(0);
+                for (auto& node : s.work->path_only) node->release_variables();
+                s.work->path_only.clear();
+                s.grad = at::Tensor();  // the W pass starts from what the roots got
               }
             }
           } else {

@@ -313,6 +313,7 @@ void check(const Plan& p) {
 }
 
 Simulation simulate(const Plan& p, double forward_cost, double backward_cost, double weight_cost) {
+  if (weight_cost < 0 && backward_cost >= 0) weight_cost = backward_cost / 2;
   if (!(forward_cost >= 0) || !(weight_cost >= 0) || !(backward_cost >= weight_cost)) {
     throw std::invalid_argument("simulate: costs must be >= 0, and a backward's at least its W's");
   }

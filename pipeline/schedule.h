@@ -125,8 +125,8 @@ struct Simulation {
   std::vector<int> peak_stash;      // per worker: most micro-batches held from F to B (or W)
 };
 // check()s the plan first. A split backward costs backward_cost in all:
-// weight_cost for its W, the rest for its I.
+// weight_cost (half of it when not given) for its W, the rest for its I.
 Simulation simulate(const Plan& plan, double forward_cost = 1, double backward_cost = 2,
-                    double weight_cost = 1);
+                    double weight_cost = -1);
 
 }  // namespace tandem::pipeline

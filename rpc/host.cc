@@ -20,7 +20,10 @@ namespace {
 std::atomic<bool> g_retained{false};
 
 bool user_tuned_malloc() {
-  if (std::getenv("MALLOC_MMAP_THRESHOLD_") || std::getenv("MALLOC_TRIM_THRESHOLD_")) return true;
+  if (std::getenv("MALLOC_MMAP_THRESHOLD_") || std::getenv("MALLOC_TRIM_THRESHOLD_") ||
+      std::getenv("MALLOC_ARENA_MAX")) {
+    return true;
+  }
   const char* tunables = std::getenv("GLIBC_TUNABLES");
   if (tunables && std::strstr(tunables, "glibc.malloc.")) return true;
   const char* retain = std::getenv("TANDEM_RETAIN_MEMORY");

@@ -21,10 +21,11 @@
 // is free, and per-thread arenas (64 MiB heaps each) warmed up one by one
 // (pipeline_bench's one-stage step at batch 2048: 0.88-0.94 of the local
 // step with them, 0.96-0.99 without; half the page faults). Small blocks
-// still come from each thread's own cache, without the arena's lock. It leaves malloc
-// alone when the user tuned it (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_,
-// GLIBC_TUNABLES naming glibc.malloc), when TANDEM_RETAIN_MEMORY=0, or where
-// the C library is not glibc. rpc::init calls it unless
+// still come from each thread's own cache, without the arena's lock.
+// It leaves malloc alone when the user tuned it (MALLOC_MMAP_THRESHOLD_,
+// MALLOC_TRIM_THRESHOLD_, MALLOC_ARENA_MAX, GLIBC_TUNABLES naming
+// glibc.malloc), when TANDEM_RETAIN_MEMORY=0, or where the C library is
+// not glibc. rpc::init calls it unless
 // AgentOptions::retain_freed_memory is false.
 namespace tandem::rpc {
 
