@@ -111,6 +111,60 @@ std::pair<std::vector<double>, Weights> local_training(const Weights& init, int 
   return {losses, w};
 }
 
+using LocalStages = std::vector<std::map<std::string, at::Tensor>>;  // per stage, by name
+
+// Each stage's parameters, copied here as leaves.
+LocalStages local_copies(const std::vector<RemoteModule>& stages) {
+  LocalStages local(stages.size());
+  for (size_t s = 0; s < stages.size(); ++s) {
+    for (auto& [name, t] : stages[s].state_dict()) local[s][name] = t.clone().requires_grad_();
+  }
+  return local;
+}
+
+// Three SGD steps of the pipe (schedule, chunks) on seeded batches of rows x
+// in, beside the same steps of `forward` over `local` here: each step's loss
+// and, at the end, every parameter agree. Returns the pipe's last step.
+pipeline::StepStats train_beside_local(rpc::Agent& driver, const std::vector<RemoteModule>& stages,
+                                       LocalStages& local,
+                                       const std::function<at::Tensor(const at::Tensor&)>& forward,
+                                       const std::string& schedule, int chunks, int64_t rows,
+                                       int64_t in, double lr, uint64_t seed) {
+  std::vector<at::Tensor> all;
+  for (auto& stage : local) {
+    for (auto& [_, t] : stage) all.push_back(t);
+  }
+  pipeline::PipeOptions o;
+  o.chunks = chunks;
+  o.schedule = schedule;
+  pipeline::Pipe pipe(driver, stages, o);
+  optim::Options so;
+  so.lr = lr;
+  optim::DistributedOptimizer opt(driver, optim::Kind::kSGD, pipe.parameters(), so);
+  for (int step = 0; step < 3; ++step) {
+    at::manual_seed(seed + step);
+    at::Tensor x = at::randn({rows, in});
+    at::Tensor y = at::randint(0, kClasses, {rows}, at::kLong);
+    at::Tensor want = at::cross_entropy_loss(forward(x), y);
+    auto grads = torch::autograd::grad({want}, all);
+    {
+      at::NoGradGuard no_grad;
+      for (size_t i = 0; i < all.size(); ++i) all[i].sub_(grads[i] * lr);
+    }
+    dist::Context ctx(driver);
+    CHECK(pipe.step(ctx.id(), x, y) == doctest::Approx(want.item<double>()).epsilon(1e-5));
+    opt.step(ctx.id());
+  }
+  for (size_t s = 0; s < stages.size(); ++s) {
+    for (auto& [name, t] : stages[s].state_dict()) {
+      CAPTURE(s);
+      CAPTURE(name);
+      CHECK(at::allclose(t, local[s].at(name).detach(), 1e-5, 1e-6));
+    }
+  }
+  return pipe.last_step();
+}
+
 void expect_trained_like_local(const std::string& schedule, int workers, int per_worker,
                                int chunks) {
   const int stages = workers * per_worker;
@@ -474,50 +528,15 @@ TEST_CASE("pipeline: a TorchScript stage trains beside a factory-built one as th
     std::vector<RemoteModule> stages;
     stages.emplace_back(*w.agents[0], "worker1/cpu", "Linear", std::vector<c10::IValue>{int64_t{5}, int64_t{4}});
     stages.push_back(RemoteModule::from_torchscript(*w.agents[0], "worker2/cpu", script));
-    std::map<std::string, at::Tensor> local;  // "0.weight", ..., "1.fc2.bias"
-    for (int s = 0; s < 2; ++s) {
-      for (auto& [name, t] : stages[s].state_dict()) {
-        local["" + std::to_string(s) + "." + name] = t.clone().requires_grad_();
-      }
-    }
-    REQUIRE(local.size() == 6);
+    LocalStages local = local_copies(stages);
+    REQUIRE(local[1].size() == 4);  // fc1.*, fc2.*
     auto forward = [&](const at::Tensor& x) {
-      at::Tensor h = at::addmm(local.at("0.bias"), x, local.at("0.weight").t());
-      h = at::tanh(at::addmm(local.at("1.fc1.bias"), h, local.at("1.fc1.weight").t()));
-      return at::addmm(local.at("1.fc2.bias"), h, local.at("1.fc2.weight").t());
+      at::Tensor h = at::addmm(local[0].at("bias"), x, local[0].at("weight").t());
+      h = at::tanh(at::addmm(local[1].at("fc1.bias"), h, local[1].at("fc1.weight").t()));
+      return at::addmm(local[1].at("fc2.bias"), h, local[1].at("fc2.weight").t());
     };
-    pipeline::PipeOptions o;
-    o.chunks = 3;  // 7 rows: 3 + 2 + 2
-    o.schedule = "1f1b";
-    pipeline::Pipe pipe(*w.agents[0], stages, o);
-    optim::Options so;
-    so.lr = 0.3;
-    optim::DistributedOptimizer opt(*w.agents[0], optim::Kind::kSGD, pipe.parameters(), so);
-    for (int step = 0; step < 3; ++step) {
-      at::manual_seed(40 + step);
-      at::Tensor x = at::randn({7, 5});
-      at::Tensor y = at::randint(0, kClasses, {7}, at::kLong);
-      at::Tensor want = at::cross_entropy_loss(forward(x), y);
-      auto grads = torch::autograd::grad({want}, [&] {
-        std::vector<at::Tensor> v;
-        for (auto& [_, t] : local) v.push_back(t);
-        return v;
-      }());
-      {
-        at::NoGradGuard no_grad;
-        size_t i = 0;
-        for (auto& [_, t] : local) t.sub_(grads[i++] * 0.3);
-      }
-      dist::Context ctx(*w.agents[0]);
-      CHECK(pipe.step(ctx.id(), x, y) == doctest::Approx(want.item<double>()).epsilon(1e-5));
-      opt.step(ctx.id());
-    }
-    for (int s = 0; s < 2; ++s) {
-      for (auto& [name, t] : stages[s].state_dict()) {
-        CAPTURE(name);
-        CHECK(at::allclose(t, local.at(std::to_string(s) + "." + name).detach(), 1e-5, 1e-6));
-      }
-    }
+    // 7 rows in 3 micro-batches: 3 + 2 + 2.
+    train_beside_local(*w.agents[0], stages, local, forward, "1f1b", 3, 7, 5, 0.3, 40);
   }
   w.shutdown();
 }
@@ -594,14 +613,7 @@ TEST_CASE("pipeline: zero-bubble's split backward equals the whole one: several 
     stages.emplace_back(*w.agents[0], "worker4/cpu", "Sequential",
                         std::vector<c10::IValue>{nn::list({spec("Linear", {8, 8}), spec("ReLU"),
                                                            spec("Linear", {8, 3})})});
-    std::vector<std::map<std::string, at::Tensor>> local(stages.size());
-    std::vector<at::Tensor> all;
-    for (size_t s = 0; s < stages.size(); ++s) {
-      for (auto& [name, t] : stages[s].state_dict()) {
-        local[s][name] = t.clone().requires_grad_();
-        all.push_back(local[s][name]);
-      }
-    }
+    LocalStages local = local_copies(stages);
     auto linear = [](const std::map<std::string, at::Tensor>& m, const std::string& prefix,
                      const at::Tensor& x) {
       return at::addmm(m.at(prefix + "bias"), x, m.at(prefix + "weight").t());
@@ -612,36 +624,11 @@ TEST_CASE("pipeline: zero-bubble's split backward equals the whole one: several 
       h = at::tanh(h);
       return linear(local[3], "2.", at::relu(linear(local[3], "0.", h)));
     };
-    pipeline::PipeOptions o;
-    o.chunks = 4;  // 10 rows: 3 + 3 + 2 + 2
-    o.schedule = "zero-bubble";
-    pipeline::Pipe pipe(*w.agents[0], stages, o);
-    optim::Options so;
-    so.lr = 0.2;
-    optim::DistributedOptimizer opt(*w.agents[0], optim::Kind::kSGD, pipe.parameters(), so);
-    for (int step = 0; step < 3; ++step) {
-      at::manual_seed(60 + step);
-      at::Tensor x = at::randn({10, 6});
-      at::Tensor y = at::randint(0, kClasses, {10}, at::kLong);
-      at::Tensor want = at::cross_entropy_loss(forward(x), y);
-      auto grads = torch::autograd::grad({want}, all);
-      {
-        at::NoGradGuard no_grad;
-        for (size_t i = 0; i < all.size(); ++i) all[i].sub_(grads[i] * 0.2);
-      }
-      dist::Context ctx(*w.agents[0]);
-      CHECK(pipe.step(ctx.id(), x, y) == doctest::Approx(want.item<double>()).epsilon(1e-5));
-      opt.step(ctx.id());
-    }
-    for (size_t s = 0; s < stages.size(); ++s) {
-      for (auto& [name, t] : stages[s].state_dict()) {
-        CAPTURE(s);
-        CAPTURE(name);
-        CHECK(at::allclose(t, local[s].at(name).detach(), 1e-5, 1e-6));
-      }
-    }
+    // 10 rows in 4 micro-batches: 3 + 3 + 2 + 2.
+    auto last = train_beside_local(*w.agents[0], stages, local, forward, "zero-bubble", 4, 10, 6,
+                                   0.2, 60);
     size_t weight_passes = 0;
-    for (const auto& p : pipe.last_step().passes) weight_passes += p.action.kind == pipeline::Action::kWeightGrad;
+    for (const auto& p : last.passes) weight_passes += p.action.kind == pipeline::Action::kWeightGrad;
     CHECK(weight_passes == 4 * 4);
   }
   w.shutdown();
