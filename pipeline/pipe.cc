@@ -27,6 +27,7 @@
 #include <set>
 #include <tuple>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "tandem/autograd/autograd.h"
 #include "tandem/remote_module/served.h"
@@ -114,8 +115,8 @@ std::shared_ptr<WeightWork> plan_weight_pass(const at::Tensor& output, const at:
   auto work = std::make_shared<WeightWork>();
   ag::Node* target = ag::impl::gradient_edge(input).function.get();
   std::unordered_map<ag::Node*, bool> to_input, to_params;
-  std::unordered_map<ag::Node*, bool> is_param;
-  for (const auto& p : params) is_param[ag::impl::gradient_edge(p).function.get()] = true;
+  std::unordered_set<ag::Node*> param_nodes;
+  for (const auto& p : params) param_nodes.insert(ag::impl::gradient_edge(p).function.get());
   // Depth-first with memo, without recursion (graphs can be deep).
   auto reaches = [](ag::Node* start, std::unordered_map<ag::Node*, bool>& memo, const auto& goal) {
     std::vector<std::pair<ag::Node*, size_t>> path{{start, 0}};
@@ -142,13 +143,13 @@ std::shared_ptr<WeightWork> plan_weight_pass(const at::Tensor& output, const at:
     return memo[start];
   };
   auto is_target = [&](ag::Node* n) { return n == target; };
-  auto is_a_param = [&](ag::Node* n) { return is_param.count(n) > 0; };
+  auto is_a_param = [&](ag::Node* n) { return param_nodes.count(n) > 0; };
   ag::Node* root = output.grad_fn().get();
   if (!root || !target || !reaches(root, to_input, is_target)) return work;
   work->reaches_input = true;
   // Every node on the input's path (to_input true, reached from root).
   std::vector<std::shared_ptr<ag::Node>> stack{output.grad_fn()};
-  std::unordered_map<ag::Node*, bool> seen{{root, true}};
+  std::unordered_set<ag::Node*> seen{root};
   while (!stack.empty()) {
     std::shared_ptr<ag::Node> n = std::move(stack.back());
     stack.pop_back();
@@ -160,10 +161,7 @@ std::shared_ptr<WeightWork> plan_weight_pass(const at::Tensor& output, const at:
       if (!child) continue;
       if (reaches(child, to_input, is_target)) {
         r.toward_input.push_back(i);
-        if (child != target && !seen[child]) {
-          seen[child] = true;
-          stack.push_back(edges[i].function);
-        }
+        if (child != target && seen.insert(child).second) stack.push_back(edges[i].function);
       } else if (reaches(child, to_params, is_a_param)) {
         side = true;
       }
@@ -180,6 +178,12 @@ std::shared_ptr<WeightWork> plan_weight_pass(const at::Tensor& output, const at:
 }
 
 // ---- a worker's side of one step ----
+
+// A pass timeout that came over the wire, kept within a day so that
+// deadlines cannot overflow.
+std::chrono::milliseconds wire_timeout(int64_t ms) {
+  return std::chrono::milliseconds(std::clamp<int64_t>(ms, 1, int64_t{24} * 3600 * 1000));
+}
 
 enum Slot : int64_t { kActivation = 0, kGradient = 1 };
 
@@ -274,8 +278,6 @@ class PipeService final : public rpc::AgentExtension,
   // the service is closed. A message for it keeps an unclaimed box
   // `timeout` longer; the run claims it.
   std::shared_ptr<Box> box(int64_t step, std::chrono::milliseconds timeout, bool claim) {
-    timeout = std::clamp(timeout, std::chrono::milliseconds(0),
-                         std::chrono::milliseconds(std::chrono::hours(24)));  // from the wire
     std::lock_guard<std::mutex> lock(mu_);
     drop_expired();
     if (finished_.contains(static_cast<uint64_t>(step))) return nullptr;  // late: dropped
@@ -378,9 +380,7 @@ class PipeService final : public rpc::AgentExtension,
                    a.stages = header[2];
                    a.workers = header[3];
                    a.me = header[4];
-                   // From the wire: kept within a day, so that deadlines cannot overflow.
-                   a.timeout = std::chrono::milliseconds(
-                       std::clamp<int64_t>(header[5], 1, int64_t{24} * 3600 * 1000));
+                   a.timeout = wire_timeout(header[5]);
                    a.train = header[6] != 0;
                    a.stage_ids = std::move(stage_ids);
                    a.modules = std::move(modules);
@@ -402,14 +402,14 @@ class PipeService final : public rpc::AgentExtension,
                                           int64_t stage, int64_t chunk, at::Tensor t) {
       auto s = weak.lock();
       if (!s) return;
-      if (auto b = s->box(step, std::chrono::milliseconds(timeout_ms), false)) {
+      if (auto b = s->box(step, wire_timeout(timeout_ms), false)) {
         b->put(slot, stage, chunk, std::move(t));
       }
     });
     on_loop.def("tandem.pipe.abort", [weak](int64_t step, int64_t timeout_ms, std::string why) {
       auto s = weak.lock();
       if (!s) return;
-      if (auto b = s->box(step, std::chrono::milliseconds(timeout_ms), false)) b->abort(why);
+      if (auto b = s->box(step, wire_timeout(timeout_ms), false)) b->abort(why);
     });
   }
 
@@ -495,9 +495,7 @@ class PipeService final : public rpc::AgentExtension,
       const auto kind = static_cast<Action::Kind>(acts[i][0]);
       const bool fwd = kind == Action::kForward;
       const int64_t stage = acts[i][1], chunk = acts[i][2];
-      static const char* const kWhat[] = {"forward", "backward", "input-gradient pass",
-                                          "weight-gradient pass"};
-      const std::string what = std::string(kWhat[kind]) + " of micro-batch " +
+      const std::string what = std::string(kind_name(kind)) + " of micro-batch " +
                                std::to_string(chunk) + " through stage " + std::to_string(stage) +
                                " on " + agent_.name();
       rec[i][0] = static_cast<double>(kind);
@@ -936,12 +934,10 @@ void write_trace(const StepStats& stats, const std::vector<std::string>& worker_
   char buf[64];
   for (const auto& p : stats.passes) {
     sep();
-    static const char* const kCategory[] = {"forward", "backward", "input gradient",
-                                            "weight gradient"};
     const std::string name = to_string(p.action);  // "F3@1"
     std::snprintf(buf, sizeof buf, "%.3f", p.start_us);
     out << "{\"ph\":\"X\",\"name\":\"" << name.substr(0, name.find('@'))
-        << "\",\"cat\":\"" << kCategory[p.action.kind] << "\",\"pid\":" << p.worker
+        << "\",\"cat\":\"" << kind_name(p.action.kind) << "\",\"pid\":" << p.worker
         << ",\"tid\":" << p.action.stage << ",\"ts\":" << buf;
     std::snprintf(buf, sizeof buf, "%.3f", p.end_us - p.start_us);
     out << ",\"dur\":" << buf << ",\"args\":{\"micro_batch\":" << p.action.chunk << "}}";

@@ -130,6 +130,11 @@ std::string to_string(const Action& a) {
   return letter + std::to_string(a.chunk) + "@" + std::to_string(a.stage);
 }
 
+const char* kind_name(Action::Kind kind) {
+  static const char* const kNames[] = {"forward", "backward", "input gradient", "weight gradient"};
+  return kind < kKinds ? kNames[kind] : "unknown pass";
+}
+
 Plan GPipe::plan(int workers, int chunks) const {
   check_counts(name(), workers, chunks);
   Plan p = empty_plan(workers, 1, chunks);
@@ -202,22 +207,21 @@ Plan Interleaved1F1B::plan(int workers, int chunks) const {
 Plan ZeroBubble::plan(int workers, int chunks) const {
   check_counts(name(), workers, chunks);
   Plan p = empty_plan(workers, 1, chunks);
-  // Unit costs; t counts time. Per worker: the next F, I and W to run, and
-  // when it is free. done_f/done_i: finish times per (stage, chunk).
+  // Unit costs, so every worker is free again at each tick t. Per worker:
+  // the next F, I and W to run; done_f/done_i: finish times per (stage,
+  // chunk). A worker's own earlier passes are done by now.
   const int k = workers, m = chunks;
   std::vector<std::vector<double>> done_f(k, std::vector<double>(m, -1)), done_i = done_f;
   std::vector<int> next_f(k, 0), next_i(k, 0), next_w(k, 0);
-  std::vector<double> free_at(k, 0);
   int left = 3 * k * m;
   for (double t = 0; left > 0; t += 1) {
     // Each pass finishes within the time of all passes in sequence.
     if (t > 3.0 * k * m + k) throw std::logic_error("zero-bubble: the plan does not finish");
     for (int w = 0; w < k; ++w) {
-      if (free_at[w] > t) continue;
       auto ready = [&](double at) { return at >= 0 && at <= t; };
       auto& list = p.actions[w];
       const int i = next_i[w], f = next_f[w], wg = next_w[w];
-      if (i < f && ready(done_f[w][i]) && (w == k - 1 || ready(done_i[w + 1][i]))) {
+      if (i < f && (w == k - 1 || ready(done_i[w + 1][i]))) {
         list.push_back(input_grad(w, i));
         done_i[w][i] = t + 1;
         ++next_i[w];
@@ -225,13 +229,12 @@ Plan ZeroBubble::plan(int workers, int chunks) const {
         list.push_back(forward(w, f));
         done_f[w][f] = t + 1;
         ++next_f[w];
-      } else if (wg < i && ready(done_i[w][wg])) {
+      } else if (wg < i) {
         list.push_back(weight_grad(w, wg));
         ++next_w[w];
       } else {
         continue;
       }
-      free_at[w] = t + 1;
       --left;
     }
   }
@@ -290,17 +293,26 @@ void check_passes(const Plan& p) {
   for (int s = 0; s < p.stages; ++s) {
     for (int m = 0; m < p.chunks; ++m) {
       auto has = [&](const Action& a) { return seen[index_of(p, a)] > 0; };
-      if (!has(forward(s, m))) throw std::invalid_argument("no worker runs " + to_string(forward(s, m)));
-      const bool whole = has(backward(s, m)), in = has(input_grad(s, m)), wt = has(weight_grad(s, m));
-      if (whole && (in || wt)) {
-        throw std::invalid_argument("the backward of micro-batch " + std::to_string(m) +
-                                    " through stage " + std::to_string(s) +
-                                    " is listed both whole (" + to_string(backward(s, m)) +
-                                    ") and split (" + to_string(in ? input_grad(s, m) : weight_grad(s, m)) + ")");
+      if (!has(forward(s, m))) {
+        throw std::invalid_argument("no worker runs " + to_string(forward(s, m)));
       }
-      if (!whole && !in && !wt) throw std::invalid_argument("no worker runs " + to_string(backward(s, m)));
-      if (!whole && !in) throw std::invalid_argument("no worker runs " + to_string(input_grad(s, m)) + " (" + to_string(weight_grad(s, m)) + " is listed)");
-      if (!whole && !wt) throw std::invalid_argument("no worker runs " + to_string(weight_grad(s, m)) + " (" + to_string(input_grad(s, m)) + " is listed)");
+      const bool whole = has(backward(s, m)), in = has(input_grad(s, m)),
+                 wt = has(weight_grad(s, m));
+      if (whole && (in || wt)) {
+        throw std::invalid_argument(
+            "the backward of micro-batch " + std::to_string(m) + " through stage " +
+            std::to_string(s) + " is listed both whole (" + to_string(backward(s, m)) +
+            ") and split (" + to_string(in ? input_grad(s, m) : weight_grad(s, m)) + ")");
+      }
+      if (!whole && !in && !wt) {
+        throw std::invalid_argument("no worker runs " + to_string(backward(s, m)));
+      }
+      if (!whole && in != wt) {  // half of a split backward
+        const Action listed = in ? input_grad(s, m) : weight_grad(s, m);
+        const Action missing = in ? weight_grad(s, m) : input_grad(s, m);
+        throw std::invalid_argument("no worker runs " + to_string(missing) + " (" +
+                                    to_string(listed) + " is listed)");
+      }
     }
   }
 }

@@ -43,6 +43,8 @@ struct Action {
 // "F3@1": the forward of micro-batch 3 through stage 1 ("B" for backward,
 // "I" and "W" for its input and weight halves).
 std::string to_string(const Action& a);
+// "forward", "backward", "input gradient" or "weight gradient".
+const char* kind_name(Action::Kind kind);
 
 // What a schedule produced: each worker's actions, in the order it runs them.
 struct Plan {
