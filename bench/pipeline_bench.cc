@@ -71,7 +71,8 @@ rpc::AgentOptions options(int rank) {
   return o;
 }
 
-// The model's layers: blocks x (Linear + ReLU), then the head.
+// The model's layers: blocks x (Linear + ReLU), the first from the input's width,
+// then the head.
 std::vector<c10::IValue> layers(const Config& c) {
   std::vector<c10::IValue> out;
   for (int i = 0; i < c.blocks; ++i) {
