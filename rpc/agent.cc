@@ -9,8 +9,11 @@
 #include <sstream>
 #include <tuple>
 
+#include "tandem/rpc/auth.h"
 #include "tandem/rpc/call_table.h"
 #include "tandem/rpc/connection_table.h"
+#include "tandem/rpc/handshake.h"
+#include "tandem/rpc/log.h"
 #include "tandem/rpc/host.h"
 #include "tandem/rpc/rendezvous.h"
 #include "tandem/rpc/rref/context.h"
@@ -36,6 +39,9 @@ WorkerInfo split_worker(const std::string& s, int rank) {
 }
 
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
+
+// The first line of a (c10) error message, which goes on with a C++ trace.
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
 std::mutex g_extensions_mu;
 std::vector<ExtensionFactory>& extension_factories() {
@@ -83,6 +89,7 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
                                   "': port 0 only works for a world of one worker");
     }
     master_host = host;
+    store_address_ = host + ":" + std::to_string(port);
     store = make_store(host, port, rank_, world, options_.init_timeout);
     owns_store_ = true;
   }
@@ -128,6 +135,8 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
   cb.on_closed = [this](const ConnectionPtr& c, const std::string& r) {
     on_closed_from_loop(c, r);
   };
+  handshakes_ = std::make_unique<HandshakeTable>();
+  protocol_log_ = std::make_unique<ProtocolLog>();
   TransportFactory make = options_.transport ? options_.transport : tcp_transport();
   transport_ = make(options_.limits, std::move(cb));
 
@@ -141,7 +150,42 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
     self.host = advertise;
     self.port = transport_->listen(listen_host, 0);
 
-    store_->set("tandem/worker/" + std::to_string(rank_), bytes(join_worker(self)));
+    // An entry for this rank already there was not written by this worker:
+    // another job on the same store, a second worker given this rank, or
+    // someone planting an address. Refuse to start rather than overwrite it
+    // (peers may have read it already; the handshake keeps them safe).
+    const std::string key = "tandem/worker/" + std::to_string(rank_);
+    if (store_->check({key})) {
+      auto v = store_->get(key);
+      throw std::runtime_error(
+          "rendezvous: the entry for rank " + std::to_string(rank_) + " was written by someone "
+          "else before this worker ('" + printable(std::string(v.begin(), v.end())) +
+          "'): another job on the same MASTER_PORT, two workers with one RANK, or a planted "
+          "entry; refusing to start");
+    }
+    store_->set(key, bytes(join_worker(self)));
+    // Wait for every entry by polling (a c10d get that times out says only
+    // "Socket Timeout"): past init_timeout, name who never came.
+    const auto deadline = std::chrono::steady_clock::now() + options_.init_timeout;
+    auto pause = std::chrono::milliseconds(1);
+    for (;;) {
+      std::vector<int> missing;
+      for (int r = 0; r < world; ++r) {
+        if (!store_->check({"tandem/worker/" + std::to_string(r)})) missing.push_back(r);
+      }
+      if (missing.empty()) break;
+      if (std::chrono::steady_clock::now() >= deadline) {
+        std::string ranks;
+        for (int r : missing) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+        throw TimeoutError("rendezvous" +
+                           (store_address_.empty() ? std::string() : " at " + store_address_) +
+                           ": rank(s) " + ranks + " of " + std::to_string(world) +
+                           " did not arrive within " +
+                           std::to_string(options_.init_timeout.count()) + " ms");
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(20));
+    }
     workers_.resize(world);
     for (int r = 0; r < world; ++r) {
       auto v = store_->get("tandem/worker/" + std::to_string(r));
@@ -176,6 +220,10 @@ void Agent::set_ready() {
   ready_cv_.notify_all();
 }
 
+TransportStats Agent::transport_stats() const {
+  return transport_ ? transport_->stats() : TransportStats{};
+}
+
 const WorkerInfo& Agent::get_worker_info(const std::string& name) const {
   auto it = rank_of_.find(name);
   if (it == rank_of_.end()) throw std::invalid_argument("unknown worker '" + name + "'");
@@ -189,29 +237,169 @@ const WorkerInfo& Agent::get_worker_info(int rank) const {
   return workers_[rank];
 }
 
-bool Agent::on_hello_from_loop(const ConnectionPtr& conn, const Message& msg) {
+void Agent::on_hello_from_loop(const ConnectionPtr& conn, const Message& msg) {
   assert(transport_->on_transport_thread());
-  const int r = msg.hello_rank;
-  std::string why;
-  if (conns_->rank_of(*conn) >= 0) {
-    why = "second handshake on one connection";
-  } else if (msg.hello_token != options_.token) {
-    why = "bad cluster token";
-  } else if (r < 0 || r >= world_size() || workers_[r].name != msg.hello_worker) {
-    why = "unknown worker '" + msg.hello_worker + "' (rank " + std::to_string(r) + ")";
-  }
-  if (!why.empty()) {
+  const uint64_t id = conn->id();
+  const std::string& token = options_.token;
+  std::unique_lock<std::mutex> lock(handshakes_->mu);
+  auto reject = [&](const std::string& why) {
+    lock.unlock();
     conn->close("protocol error from " + conn->peer_address() + ": handshake rejected: " + why);
-    return false;
+  };
+  if (msg.hello_nonce.size() != (msg.hello_step == 3 ? 0 : kNonceBytes) ||
+      msg.hello_proof.size() != (msg.hello_step == 1 ? 0 : kProofBytes)) {
+    return reject("step " + std::to_string(msg.hello_step) + " with a nonce of " +
+                  std::to_string(msg.hello_nonce.size()) + " and a proof of " +
+                  std::to_string(msg.hello_proof.size()) + " bytes");
   }
-  conns_->add(conn, r);
-  return true;
+  const bool dialed = handshakes_->dialed.count(id) > 0;
+  const bool accepted = handshakes_->accepted.count(id) > 0;
+  switch (msg.hello_step) {
+    case 1: {  // a dialer introduces itself on a connection we accepted
+      const int r = msg.hello_rank;
+      if (dialed || accepted || conns_->rank_of(*conn) >= 0) return reject("a second step 1");
+      if (r < 0 || r >= world_size() || workers_[r].name != msg.hello_worker) {
+        return reject("unknown worker '" + printable(msg.hello_worker, 64) + "' (rank " +
+                      std::to_string(r) + ")");
+      }
+      HandshakeTable::Accepted a{r, msg.hello_nonce, random_bytes(kNonceBytes)};
+      Message answer;
+      answer.kind = MessageKind::kHello;
+      answer.hello_step = 2;
+      answer.hello_worker = name();
+      answer.hello_rank = rank_;
+      answer.hello_nonce = a.nonce;
+      answer.hello_proof = acceptor_proof(token, a.dialer_nonce, a.nonce, r, rank_);
+      handshakes_->accepted[id] = std::move(a);
+      lock.unlock();
+      try {
+        conn->send(encode(answer, options_.limits));
+      } catch (const DisconnectedError&) {
+        // closed meanwhile: on_closed forgets it
+      }
+      return;
+    }
+    case 2: {  // the worker we dialed answers, with its proof
+      if (!dialed) return reject("a step 2 nobody asked for");
+      HandshakeTable::Dialed d = std::move(handshakes_->dialed[id]);
+      handshakes_->dialed.erase(id);
+      const std::string& expected = workers_[d.rank].name;
+      if (msg.hello_rank != d.rank || msg.hello_worker != expected) {
+        return reject("dialed " + expected + " (rank " + std::to_string(d.rank) +
+                      ") but '" + printable(msg.hello_worker, 64) + "' (rank " +
+                      std::to_string(msg.hello_rank) +
+                      ") answered");
+      }
+      if (!constant_time_equal(msg.hello_proof, acceptor_proof(token, d.nonce, msg.hello_nonce,
+                                                               rank_, d.rank))) {
+        return reject(expected + " did not prove the cluster token (is TANDEM_TOKEN the same "
+                      "on every worker?)");
+      }
+      lock.unlock();
+      Message proof;
+      proof.kind = MessageKind::kHello;
+      proof.hello_step = 3;
+      proof.hello_worker = name();
+      proof.hello_rank = rank_;
+      proof.hello_proof = dialer_proof(token, d.nonce, msg.hello_nonce, rank_, d.rank);
+      d.gate->open(encode(proof, options_.limits));
+      return;
+    }
+    case 3: {  // the dialer's proof, on a connection we accepted
+      if (!accepted) return reject("a step 3 before step 1");
+      HandshakeTable::Accepted a = std::move(handshakes_->accepted[id]);
+      handshakes_->accepted.erase(id);
+      if (!constant_time_equal(msg.hello_proof,
+                               dialer_proof(token, a.dialer_nonce, a.nonce, a.rank, rank_))) {
+        return reject(workers_[a.rank].name + " (as it claimed) did not prove the cluster token");
+      }
+      lock.unlock();
+      conns_->add(conn, a.rank);
+      return;
+    }
+    default:
+      return reject("unknown step " + std::to_string(msg.hello_step));
+  }
 }
 
 void Agent::barrier(const std::string& key, bool wait) {
   const std::string k = "tandem/barrier/" + key;
-  if (store_->add(k, 1) == world_size()) store_->set(k + "/done", bytes("1"));
-  if (wait) store_->wait({k + "/done"}, options_.init_timeout);
+  const std::string done = k + "/done";
+  const std::string where =
+      store_address_.empty() ? "the rendezvous store" : "the rendezvous store at " + store_address_;
+  auto store_lost = [&](const std::exception& e) {
+    return DisconnectedError("graceful shutdown of " + name() + " lost " + where +
+                             " (rank 0's process or tandem-run hosts it): " +
+                             printable(first_line(e.what())));
+  };
+  try {
+    store_->set(k + "/" + std::to_string(rank_), bytes("1"));  // who arrived
+    if (store_->add(k, 1) == world_size()) store_->set(done, bytes("1"));
+  } catch (const std::exception& e) {
+    throw store_lost(e);
+  }
+  if (!wait) return;
+  // Poll rather than wait: a c10d wait that times out cannot be taken back
+  // (its late answer would be read as the next command's), and between
+  // polls the workers that have not arrived are checked. One that no longer
+  // accepts connections has died, and will never arrive: say so at once
+  // instead of waiting out init_timeout.
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + options_.init_timeout;
+  auto pause = std::chrono::milliseconds(1);
+  auto next_probe = start + std::chrono::milliseconds(200);
+  for (;;) {
+    std::vector<int> missing;
+    try {
+      if (store_->check({done})) return;
+      for (int r = 0; r < world_size(); ++r) {
+        if (r != rank_ && !store_->check({k + "/" + std::to_string(r)})) missing.push_back(r);
+      }
+    } catch (const std::exception& e) {
+      throw store_lost(e);
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) {
+      std::string names;
+      for (int r : missing) names += (names.empty() ? "" : ", ") + workers_[r].name;
+      throw TimeoutError("graceful shutdown of " + name() + " did not meet the other workers within " +
+                         std::to_string(options_.init_timeout.count()) + " ms" +
+                         (names.empty() ? "" : ": not arrived: " + names));
+    }
+    if (now >= next_probe && !missing.empty()) {
+      next_probe = now + std::chrono::milliseconds(500);
+      std::string gone;
+      for (int r : missing) {
+        const std::string why = unreachable_reason(r);
+        if (why.empty()) continue;
+        try {  // it may have arrived, and closed, since the check above
+          if (store_->check({done}) ) return;
+          if (store_->check({k + "/" + std::to_string(r)})) continue;
+        } catch (const std::exception& e) {
+          throw store_lost(e);
+        }
+        gone += (gone.empty() ? "" : "; ") + workers_[r].name + " (" + why + ")";
+      }
+      if (!gone.empty()) {
+        throw DisconnectedError("graceful shutdown of " + name() +
+                                ": worker(s) gone before reaching shutdown: " + gone);
+      }
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(20));
+  }
+}
+
+std::string Agent::unreachable_reason(int rank) {
+  const WorkerInfo& w = workers_[rank];
+  try {
+    // A bare TCP connection, closed again at once: the peer sees it end
+    // before its handshake, which is no error.
+    transport_->connect(w.host, w.port, std::chrono::milliseconds(500))->close("");
+    return "";
+  } catch (const std::exception& e) {
+    return printable(e.what());
+  }
 }
 
 void Agent::shutdown(bool graceful) {
@@ -220,7 +408,7 @@ void Agent::shutdown(bool graceful) {
   }
   std::lock_guard<std::mutex> serial(shutdown_mu_);
   if (shut_down_) return;
-  std::string barrier_error;
+  std::exception_ptr barrier_error;
   if (graceful && transport_ && calls_) {
     calls_->wait_idle();
     // RRef deletes, confirmations and hand-overs still in flight.
@@ -228,12 +416,12 @@ void Agent::shutdown(bool graceful) {
     calls_->wait_idle();
     try {
       barrier("shutdown");
-    } catch (const std::exception& e) {
-      barrier_error = e.what();
+    } catch (const std::exception&) {
+      barrier_error = std::current_exception();
     }
   }
   std::vector<std::string> leaked;
-  if (graceful && barrier_error.empty()) {
+  if (graceful && !barrier_error) {
     if (rrefs_) leaked = rrefs_->live_user_refs();
     for (const auto& e : extensions_) {
       for (auto& l : e->live_objects()) leaked.push_back(std::move(l));
@@ -253,13 +441,13 @@ void Agent::shutdown(bool graceful) {
   if (calls_) calls_->stop();
   if (pool_) pool_->stop();
   if (conns_) conns_->clear();
-  if (graceful && store_ && barrier_error.empty()) {
+  if (graceful && store_ && !barrier_error) {
     // Rank 0 hosts the store when it made it: it stays up until everyone has
     // left the barrier above.
     try {
       barrier("left", /*wait=*/owns_store_ && rank_ == 0);
-    } catch (const std::exception& e) {
-      barrier_error = e.what();
+    } catch (const std::exception&) {
+      barrier_error = std::current_exception();
     }
   }
   store_.reset();
@@ -270,10 +458,7 @@ void Agent::shutdown(bool graceful) {
     throw ShutdownError("graceful shutdown of " + name() + " found " +
                         std::to_string(leaked.size()) + " object(s) still alive (leaks): " + list);
   }
-  if (!barrier_error.empty()) {
-    throw TimeoutError("graceful shutdown of " + name() +
-                       " did not meet the other workers: " + barrier_error);
-  }
+  if (barrier_error) std::rethrow_exception(barrier_error);
 }
 
 }  // namespace tandem::rpc

@@ -60,6 +60,8 @@ namespace tandem::rpc {
 
 class CallTable;
 class ConnectionTable;
+struct HandshakeTable;
+class ProtocolLog;
 class RRefContext;
 struct LayerAccess;
 
@@ -127,6 +129,8 @@ class Agent : public std::enable_shared_from_this<Agent> {
   std::vector<WorkerInfo> get_worker_infos() const { return workers_; }
   Registry& registry() { return *registry_; }
   const AgentOptions& options() const { return options_; }
+  // What the transport refused or held back (rpc/transport.h).
+  TransportStats transport_stats() const;
   // This agent's remote references (rpc/rref.h is the typed front).
   RRefContext& rrefs() { return *rrefs_; }
   // The untyped call every other form goes through.
@@ -186,8 +190,9 @@ class Agent : public std::enable_shared_from_this<Agent> {
 
   // dispatch.cc: the incoming side.
   void on_message_from_loop(const ConnectionPtr& conn, Message&& msg);
-  // The peer's handshake (agent.cc): true when it was accepted.
-  bool on_hello_from_loop(const ConnectionPtr& conn, const Message& msg);
+  // One step of a peer's handshake (agent.cc, rpc/handshake.h); a step
+  // that fails closes the connection.
+  void on_hello_from_loop(const ConnectionPtr& conn, const Message& msg);
   // With `handler` null, the function is looked up by the request's callee.
   void handle_request(const ConnectionPtr& conn, int from, Message msg,
                       std::shared_ptr<const Handler> handler = nullptr);
@@ -200,7 +205,13 @@ class Agent : public std::enable_shared_from_this<Agent> {
   // (internal_), every other name the user's registry.
   std::shared_ptr<const Handler> find_handler(const std::string& fn) const;
 
+  // Meets every worker at `name` through the store. Throws TimeoutError after
+  // init_timeout naming who did not arrive, DisconnectedError as soon as one
+  // of those is found gone (or the store is lost).
   void barrier(const std::string& name, bool wait = true);
+  // Why worker `rank` cannot be reached now (a fresh TCP connection fails),
+  // or "" when it can.
+  std::string unreachable_reason(int rank);
   void set_ready();
 
   AgentOptions options_;
@@ -212,9 +223,12 @@ class Agent : public std::enable_shared_from_this<Agent> {
   std::shared_ptr<ThreadPool> pool_;
   std::unique_ptr<CallTable> calls_;
   std::unique_ptr<ConnectionTable> conns_;
+  std::unique_ptr<HandshakeTable> handshakes_;
+  std::unique_ptr<ProtocolLog> protocol_log_;  // rate-limited lines about bad peers
   std::unique_ptr<Transport> transport_;
   c10::intrusive_ptr<c10d::Store> store_;
   bool owns_store_ = false;
+  std::string store_address_;  // "host:port" when this agent dialed the store itself
   int rank_ = -1;
   std::string self_name_;
   std::mutex ready_mu_;

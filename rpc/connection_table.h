@@ -32,11 +32,11 @@ class ConnectionTable {
   std::mutex& connect_mutex(int rank) { return *connect_mu_.at(rank); }
   // `conn` reaches `rank`; with `use`, it becomes to(rank) if that has
   // none. A connection that closed meanwhile is not kept. An outgoing
-  // connection is added before its handshake is written (so that nothing
-  // that comes back on it is unknown) and used only after (so that no call
-  // can overtake the handshake).
+  // connection is added (as its gate, rpc/handshake.h) before its handshake
+  // is written, so that nothing that comes back on it is unknown; the gate
+  // keeps calls from overtaking the handshake. Connections are matched by
+  // id(): a gate stands for the transport's connection it wraps.
   void add(const ConnectionPtr& conn, int rank, bool use = true);
-  void use(const ConnectionPtr& conn, int rank);
   // -1 until the rank is known.
   int rank_of(const Connection& conn) const;
   // `conn` closed: forgets it; returns its rank (or -1).

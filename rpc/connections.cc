@@ -1,7 +1,10 @@
 // The connection table, and how the agent opens and loses connections.
 #include "tandem/rpc/agent.h"
 #include "tandem/rpc/call_table.h"
+#include "tandem/rpc/auth.h"
 #include "tandem/rpc/connection_table.h"
+#include "tandem/rpc/handshake.h"
+#include "tandem/rpc/log.h"
 #include "tandem/rpc/rref/context.h"
 
 #include <cassert>
@@ -23,11 +26,6 @@ ConnectionPtr ConnectionTable::to(int rank) {
   auto& c = peers_.at(rank);
   if (c && c->closed()) c = nullptr;  // on_closed may not have run yet
   return c;
-}
-
-void ConnectionTable::use(const ConnectionPtr& conn, int rank) {
-  std::unique_lock<std::shared_mutex> lock(mu_);
-  if (!peers_.at(rank) && rank_of_conn_.count(conn->id())) peers_[rank] = conn;
 }
 
 void ConnectionTable::add(const ConnectionPtr& conn, int rank, bool use) {
@@ -52,7 +50,7 @@ int ConnectionTable::forget(const Connection& conn) {
   if (it == rank_of_conn_.end()) return -1;
   const int r = it->second;
   rank_of_conn_.erase(it);
-  if (peers_.at(r).get() == &conn) peers_[r] = nullptr;
+  if (peers_.at(r) && peers_[r]->id() == conn.id()) peers_[r] = nullptr;
   return r;
 }
 
@@ -71,6 +69,30 @@ void ConnectionTable::clear() {
   rank_of_conn_.clear();
 }
 
+void GatedConnection::send(OutFrame&& frame) {
+  if (!open_.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!open_.load(std::memory_order_relaxed)) {
+      if (inner_->closed()) throw DisconnectedError("connection to " + peer_address() + " is closed");
+      held_.push_back(std::move(frame));
+      return;
+    }
+  }
+  inner_->send(std::move(frame));
+}
+
+void GatedConnection::open(OutFrame&& first) {
+  std::lock_guard<std::mutex> lock(mu_);
+  try {
+    inner_->send(std::move(first));
+    for (auto& f : held_) inner_->send(std::move(f));
+  } catch (const DisconnectedError&) {
+    // Broken meanwhile: the transport reports the close, which fails the calls.
+  }
+  held_.clear();
+  open_.store(true, std::memory_order_release);
+}
+
 ConnectionPtr Agent::connection_to(int rank, std::chrono::milliseconds timeout) {
   if (auto c = conns_->to(rank)) return c;
   std::lock_guard<std::mutex> serial(conns_->connect_mutex(rank));
@@ -82,26 +104,42 @@ ConnectionPtr Agent::connection_to(int rank, std::chrono::milliseconds timeout) 
   } catch (const DisconnectedError& e) {
     throw DisconnectedError("worker " + w.name + " is unreachable: " + e.what());
   }
-  // Known before the handshake goes out (nothing can come back before it),
-  // used for calls only after it went (no call may overtake it).
-  conns_->add(conn, rank, /*use=*/false);
+  // Step 1 of the handshake (rpc/handshake.h): registered before it is
+  // written, so that the answer finds it; the gate holds every call until
+  // the peer has proved the token.
+  auto gate = std::make_shared<GatedConnection>(conn);
   Message hello;
   hello.kind = MessageKind::kHello;
+  hello.hello_step = 1;
   hello.hello_worker = name();
   hello.hello_rank = rank_;
-  hello.hello_token = options_.token;
-  conn->send(encode(hello, options_.limits));
-  conns_->use(conn, rank);
-  return conn;
+  hello.hello_nonce = random_bytes(kNonceBytes);
+  {
+    std::lock_guard<std::mutex> lock(handshakes_->mu);
+    handshakes_->dialed[conn->id()] = {rank, hello.hello_nonce, gate};
+  }
+  conns_->add(gate, rank);
+  try {
+    conn->send(encode(hello, options_.limits));
+  } catch (const DisconnectedError& e) {
+    throw DisconnectedError("worker " + w.name + " is unreachable: " + e.what());
+  }
+  return gate;
 }
 
 void Agent::on_closed_from_loop(const ConnectionPtr& conn, const std::string& reason) {
   assert(transport_->on_transport_thread());
   if (reason.rfind("protocol error", 0) == 0) {
-    std::fprintf(stderr, "tandem[%s]: %s; connection closed\n", name().c_str(), reason.c_str());
+    protocol_log_->write("tandem[" + printable(name()) + "]: " + printable(reason) +
+                         "; connection closed");
   }
   const int r = conns_->forget(*conn);
   const uint64_t cid = conn->id();
+  {
+    std::lock_guard<std::mutex> lock(handshakes_->mu);
+    handshakes_->dialed.erase(cid);
+    handshakes_->accepted.erase(cid);
+  }
   const std::string peer = r >= 0 ? workers_[r].name : conn->peer_address();
   calls_->fail_where([cid](const CallTable::Call& c) { return c.conn_id == cid; },
                      [&](const CallTable::Call& c) {

@@ -1,13 +1,17 @@
 #include "tandem/rpc/rendezvous.h"
+#include "tandem/rpc/errors.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <cerrno>
 #include <cstdlib>
 #include <stdexcept>
+#include <thread>
 
 namespace tandem::rpc {
 namespace {
@@ -95,11 +99,69 @@ std::pair<std::string, int> master_from_init_method(const std::string& init_meth
   return {host, static_cast<int>(port)};
 }
 
+bool store_hosted_by_launcher() {
+  const char* v = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  return v && (std::string(v) == "True" || std::string(v) == "true" || std::string(v) == "1");
+}
+
+void wait_for_listener(const std::string& host, int port, std::chrono::milliseconds timeout) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  const std::string port_s = std::to_string(port);
+  if (::getaddrinfo(host.c_str(), port_s.c_str(), &hints, &res) != 0 || !res) return;  // c10d says why
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto pause = std::chrono::milliseconds(1);
+  for (;;) {
+    bool listening = false;
+    bool refused = false;
+    for (addrinfo* ai = res; ai && !listening; ai = ai->ai_next) {
+      int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
+                        ai->ai_protocol);
+      if (fd < 0) continue;
+      // Refused at once when nobody listens yet; a host that does not answer
+      // within a second is left to c10d's own timeout.
+      int err = 0;
+      if (::connect(fd, ai->ai_addr, ai->ai_addrlen) != 0) {
+        err = errno;
+        if (err == EINPROGRESS) {
+          pollfd p{fd, POLLOUT, 0};
+          if (::poll(&p, 1, 1000) == 1) {
+            socklen_t len = sizeof(err);
+            ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+          }
+        }
+      }
+      listening = err == 0;
+      refused = refused || err == ECONNREFUSED;
+      ::close(fd);
+    }
+    if (listening || !refused) break;
+    if (std::chrono::steady_clock::now() + pause >= deadline) {
+      ::freeaddrinfo(res);
+      throw TimeoutError("rendezvous: nothing listens at " + host + ":" + port_s + " after " +
+                         std::to_string(timeout.count()) +
+                         " ms (is rank 0, or the launcher that hosts the store, running there?)");
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(20));
+  }
+  ::freeaddrinfo(res);
+}
+
 c10::intrusive_ptr<c10d::Store> make_store(const std::string& host, int port, int rank,
                                            int world_size, std::chrono::milliseconds timeout) {
+  const bool server = rank == 0 && !store_hosted_by_launcher();
+  // LibTorch's client sleeps a whole second after a refused connection
+  // before it tries again: a worker that comes up before rank 0's store
+  // listens (most of them, at start) would lose that second. Knock until
+  // the store listens, quickly, and only then let the client connect.
+  if (!server) wait_for_listener(host, port, timeout);
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<std::uint16_t>(port);
-  opts.isServer = rank == 0;
+  opts.isServer = server;
   opts.numWorkers = world_size;
   opts.waitWorkers = false;
   opts.timeout = timeout;

@@ -39,8 +39,18 @@ std::pair<int, int> rank_and_size(int rank, int world_size, const WorldEnv& env,
 // environment). Throws std::invalid_argument naming what is missing or wrong.
 std::pair<std::string, int> master_from_init_method(const std::string& init_method);
 
+// Rank 0 hosts the store, unless the launcher does (torchrun sets
+// TORCHELASTIC_USE_AGENT_STORE=True when it hosts one on MASTER_PORT): then
+// every rank joins it as a client. A client waits (retrying every few ms, up
+// to `timeout`) until the store listens before it connects.
 c10::intrusive_ptr<c10d::Store> make_store(const std::string& host, int port, int rank,
                                            int world_size, std::chrono::milliseconds timeout);
+// Whether the launcher hosts the store (TORCHELASTIC_USE_AGENT_STORE).
+bool store_hosted_by_launcher();
+// Returns once something listens at host:port, or the address stops
+// refusing (c10d then reports what is wrong); throws TimeoutError when it
+// still refuses after `timeout`.
+void wait_for_listener(const std::string& host, int port, std::chrono::milliseconds timeout);
 
 bool is_loopback_host(const std::string& host);
 // The local address that routes towards `host` (no packet is sent).

@@ -32,6 +32,14 @@
 
 namespace tandem::rpc {
 
+// What a transport did to protect itself, counted since it started.
+struct TransportStats {
+  uint64_t read_pauses = 0;          // a peer's connection held for backpressure
+  uint64_t handshake_timeouts = 0;   // connections closed for a handshake too slow
+  uint64_t refused_connections = 0;  // accepted and closed at once: too many in handshake
+  uint64_t accept_backoffs = 0;      // accept() failed for want of descriptors or memory
+};
+
 class Connection {
  public:
   virtual ~Connection() = default;
@@ -65,6 +73,7 @@ class Transport {
   virtual size_t live_connections() const = 0;
   // True on the thread that runs the callbacks (for debug assertions).
   virtual bool on_transport_thread() const = 0;
+  virtual TransportStats stats() const { return {}; }
 };
 
 // Makes a transport that checks frames against `limits` and reports to `callbacks`.

@@ -11,7 +11,7 @@ enum Kind {
   request @0;
   response @1;
   error @2;
-  hello @3;     # first frame on every connection: who is calling, with the cluster token
+  hello @3;     # the handshake's frames (rpc/auth.h): who is calling, and proofs of the cluster token
 }
 
 enum ErrorCode {
@@ -108,7 +108,10 @@ struct ErrorInfo {
 struct Hello {
   worker @0 :Text;
   rank @1 :Int32;
-  token @2 :Data;
+  retiredToken @2 :Data;  # wire version 1 sent the token itself; never set now
+  step @3 :UInt8;         # 1: dialer's nonce; 2: acceptor's nonce and proof; 3: dialer's proof
+  nonce @4 :Data;
+  proof @5 :Data;
 }
 
 struct Envelope {

@@ -411,8 +411,11 @@ OutFrame encode_unchecked(const Message& m, const Limits& limits, RRefHook* rref
       auto h = env.initHello();
       h.setWorker(m.hello_worker);
       h.setRank(m.hello_rank);
-      h.setToken(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(m.hello_token.data()),
-                                     m.hello_token.size()));
+      h.setStep(m.hello_step);
+      h.setNonce(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(m.hello_nonce.data()),
+                                     m.hello_nonce.size()));
+      h.setProof(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(m.hello_proof.data()),
+                                     m.hello_proof.size()));
       break;
     }
   }
@@ -481,6 +484,7 @@ OutFrame encode(const Message& m, const Limits& limits, RRefHook* rrefs, int des
   std::vector<RRefDesc> forks;
   try {
     OutFrame frame = encode_unchecked(m, limits, rrefs, dest, forks);
+    frame.kind = m.kind;
     frame.forks = Forks(rrefs, std::move(forks));
     return frame;
   } catch (...) {
@@ -572,7 +576,7 @@ void FrameDecoder::on_preamble() {
     throw ProtocolError("impossible envelope length " + std::to_string(preamble_.envelope_bytes) +
                         " (limit " + std::to_string(limits_.max_envelope_bytes) + ")");
   }
-  if (handshake_pending_ &&
+  if (handshake_frames_ > 0 &&
       (preamble_.envelope_bytes > limits_.max_handshake_bytes || preamble_.body_bytes != 0)) {
     throw ProtocolError("the first frame must be a handshake (envelope of at most " +
                         std::to_string(limits_.max_handshake_bytes) + " bytes, no tensors)");
@@ -603,11 +607,11 @@ void FrameDecoder::on_envelope() {
       throw ProtocolError("unknown message kind " + std::to_string(kind));
     }
     pending_.kind = static_cast<MessageKind>(kind);
-    if (handshake_pending_) {
+    if (handshake_frames_ > 0) {
       if (pending_.kind != MessageKind::kHello) {
         throw ProtocolError("the first frame must be a handshake");
       }
-      handshake_pending_ = false;
+      --handshake_frames_;
     }
     pending_.id = env.getId();
     if (pending_.kind == MessageKind::kRequest || pending_.kind == MessageKind::kResponse) {
@@ -640,8 +644,11 @@ void FrameDecoder::on_envelope() {
       auto h = env.getHello();
       pending_.hello_worker = h.getWorker();
       pending_.hello_rank = h.getRank();
-      auto tok = h.getToken();
-      pending_.hello_token.assign(reinterpret_cast<const char*>(tok.begin()), tok.size());
+      pending_.hello_step = h.getStep();
+      auto nonce = h.getNonce();
+      pending_.hello_nonce.assign(reinterpret_cast<const char*>(nonce.begin()), nonce.size());
+      auto proof = h.getProof();
+      pending_.hello_proof.assign(reinterpret_cast<const char*>(proof.begin()), proof.size());
     }
 
     // Check every tensor's description and the body length before allocating.
@@ -741,6 +748,7 @@ void FrameDecoder::advance_body() {
 }
 
 void FrameDecoder::finish() {
+  pending_.wire_bytes = kPreambleBytes + preamble_.envelope_bytes + preamble_.body_bytes;
   ready_.push_back(std::move(pending_));
   pending_ = Message();
   tensors_.clear();

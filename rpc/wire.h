@@ -22,6 +22,7 @@
 #include <kj/array.h>
 
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <string>
@@ -57,10 +58,14 @@ struct Message {
   ErrorCode error_code = ErrorCode::kRemote;
   std::string error_worker;
   std::string error_message;
-  // kHello
+  // Received: the frame's size on the wire (preamble, envelope and body).
+  uint64_t wire_bytes = 0;
+  // kHello: one step of the handshake (rpc/auth.h)
   std::string hello_worker;
   int32_t hello_rank = -1;
-  std::string hello_token;
+  uint8_t hello_step = 0;
+  std::string hello_nonce;
+  std::string hello_proof;
 };
 
 struct Limits {
@@ -70,9 +75,18 @@ struct Limits {
   // words one envelope may make the reader visit.
   int nesting_limit = 64;
   uint64_t traversal_limit_words = 16ull << 20;
-  // The first frame on an accepted connection is a handshake: before it has
-  // been checked, nothing larger is read and nothing is allocated for tensors.
+  // The handshake's frames come first: before they have been checked,
+  // nothing larger is read and nothing is allocated for tensors.
   uint64_t max_handshake_bytes = 4096;
+  // A connection whose handshake frames have not all come by then is closed;
+  // at most this many accepted connections may be in their handshake at once.
+  std::chrono::milliseconds handshake_timeout{5000};
+  size_t max_handshaking_connections = 64;
+  // Backpressure (rpc/transport/uv/uv_transport.h): past this many bytes of
+  // answers to one peer waiting unwritten, what the peer sends is held;
+  // past max_held_bytes held, its connection is not read until they drain.
+  uint64_t max_queued_reply_bytes = 32ull << 20;
+  uint64_t max_held_bytes = 32ull << 20;
 };
 
 // How deep a value tree may nest (lists in lists ...): deeper values are
@@ -80,7 +94,7 @@ struct Limits {
 constexpr int kMaxValueDepth = 16;
 
 constexpr uint32_t kMagic = 0x4d444e54;  // "TNDM" read as little-endian
-constexpr uint16_t kVersion = 1;
+constexpr uint16_t kVersion = 2;  // 2: the token is proved, never sent (rpc/auth.h)
 constexpr size_t kPreambleBytes = 24;
 constexpr size_t kTensorAlignment = 64;
 
@@ -134,6 +148,7 @@ class Forks {
 // A frame ready to be written: preamble, envelope, and the tensors whose
 // storage the tensor body is read from. Holding an OutFrame keeps them alive.
 struct OutFrame {
+  MessageKind kind = MessageKind::kRequest;  // what it carries (not on the wire)
   Preamble preamble;
   kj::Array<capnp::word> envelope;
   std::vector<at::Tensor> tensors;  // contiguous, CPU
@@ -167,9 +182,14 @@ inline uint64_t padding_before(uint64_t offset) {
 
 class FrameDecoder {
  public:
-  // With handshake_first, the first frame must be a small kHello.
-  explicit FrameDecoder(const Limits& limits, bool handshake_first = false)
-      : limits_(limits), handshake_pending_(handshake_first) {}
+  // The first `handshake_frames` frames must be small kHellos (no tensors,
+  // an envelope of at most Limits::max_handshake_bytes): an accepted
+  // connection's peer writes two (steps 1 and 3 of rpc/auth.h), a dialed
+  // one's one (step 2). Until then nothing large is read or allocated.
+  explicit FrameDecoder(const Limits& limits, int handshake_frames = 0)
+      : limits_(limits), handshake_frames_(handshake_frames) {}
+  // True while handshake frames are still expected.
+  bool in_handshake() const { return handshake_frames_ > 0; }
 
   // Consumes `n` received bytes; completed messages queue up for take().
   void feed(const char* data, size_t n);
@@ -193,7 +213,7 @@ class FrameDecoder {
   void finish();
 
   Limits limits_;
-  bool handshake_pending_;
+  int handshake_frames_;
   State state_ = State::kPreamble;
   std::array<char, kPreambleBytes> preamble_buf_{};
   Preamble preamble_;

@@ -135,6 +135,27 @@ void report(const std::string& message) {
 
 std::string errno_text(int error) { return std::strerror(error); }
 
+// `bytes` random bytes from the kernel, as hex; empty when none can be read.
+std::string random_hex(size_t bytes) {
+  static const char* digits = "0123456789abcdef";
+  std::string raw(bytes, '\0');
+  size_t got = 0;
+  const int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  while (fd >= 0 && got < bytes) {
+    const ssize_t n = ::read(fd, raw.data() + got, bytes - got);
+    if (n <= 0 && errno != EINTR) break;
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  if (fd >= 0) ::close(fd);
+  if (got < bytes) return "";
+  std::string out;
+  for (unsigned char c : raw) {
+    out += digits[c >> 4];
+    out += digits[c & 15];
+  }
+  return out;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Command line
 
@@ -477,6 +498,8 @@ class Launcher {
 
   Options options_;
   int signal_fd_;
+  // A one-node job's cluster token when the user set none (see start_workers).
+  std::string job_token_;
   std::vector<Worker> workers_;
   int live_workers_ = 0;
   int exit_code_ = 0;  // the first failure's status; 0 while none
@@ -513,6 +536,17 @@ void Launcher::start_workers() {
            std::to_string(options_.nproc_per_node) +
            " workers (the node's cores shared out); set OMP_NUM_THREADS to choose");
   }
+  // Workers prove the cluster token to each other (rpc/auth.h). A one-node
+  // job without TANDEM_TOKEN gets a fresh random one, so that no other
+  // process on the host can join it; nodes of a multi-node job must share
+  // one, which only the user can give them all.
+  const char* token = std::getenv("TANDEM_TOKEN");
+  if ((!token || !*token) && options_.nnodes == 1) {
+    job_token_ = random_hex(32);
+  } else if (!token || !*token) {
+    report("warning: TANDEM_TOKEN is not set: any process that can reach this job's workers "
+           "can join it; set the same random TANDEM_TOKEN on every node");
+  }
   workers_.reserve(options_.nproc_per_node);
   for (int local_rank = 0; local_rank < options_.nproc_per_node; ++local_rank) {
     if (!spawn(local_rank)) {
@@ -539,6 +573,7 @@ std::vector<std::string> Launcher::worker_environment(int local_rank) const {
   add("MASTER_ADDR", options_.master_addr);
   add("MASTER_PORT", std::to_string(options_.master_port));
   if (const int threads = threads_per_worker()) add("OMP_NUM_THREADS", std::to_string(threads));
+  if (!job_token_.empty()) add("TANDEM_TOKEN", job_token_);
   return env;
 }
 

@@ -8,6 +8,7 @@
 #include <ATen/ops/imag.h>
 
 #include "rpc/frames.h"
+#include "tandem/rpc/auth.h"
 
 using namespace tandem::rpc;
 using tandem::test::raw_frame;
@@ -210,11 +211,15 @@ TEST_CASE("wire: errors and handshakes round-trip") {
   h.kind = MessageKind::kHello;
   h.hello_worker = "trainer";
   h.hello_rank = 5;
-  h.hello_token = std::string("t\0k", 3);
+  h.hello_step = 2;
+  h.hello_nonce = std::string("n\0nce", 5);
+  h.hello_proof = std::string(32, '\xab');
   out = round_trip(h);
   CHECK(out.hello_worker == "trainer");
   CHECK(out.hello_rank == 5);
-  CHECK(out.hello_token == h.hello_token);
+  CHECK(out.hello_step == 2);
+  CHECK(out.hello_nonce == h.hello_nonce);
+  CHECK(out.hello_proof == h.hello_proof);
 }
 
 namespace {
@@ -471,33 +476,81 @@ TEST_CASE("wire: the sender refuses what the receiver would refuse") {
   CHECK_NOTHROW(round_trip(m));
 }
 
-TEST_CASE("wire: an accepted connection's first frame must be a small handshake") {
+TEST_CASE("wire: the handshake's frames come first and are small") {
   Message h;
   h.kind = MessageKind::kHello;
   h.hello_worker = "w";
   Message req;
   req.callee = "f";
-  {
-    FrameDecoder dec(Limits{}, /*handshake_first=*/true);
-    std::string b = tandem::test::frame_bytes(encode(h)) + tandem::test::frame_bytes(encode(req));
+  const std::string hello = tandem::test::frame_bytes(encode(h));
+  const std::string request = tandem::test::frame_bytes(encode(req));
+  SUBCASE("an accepted connection: two handshake frames, then anything") {
+    FrameDecoder dec(Limits{}, /*handshake_frames=*/2);
+    std::string b = hello + hello + request;
+    CHECK(dec.in_handshake());
     dec.feed(b.data(), b.size());
+    CHECK_FALSE(dec.in_handshake());
+    CHECK(dec.take().kind == MessageKind::kHello);
     CHECK(dec.take().kind == MessageKind::kHello);
     CHECK(dec.take().kind == MessageKind::kRequest);
   }
-  {
-    FrameDecoder dec(Limits{}, true);
-    std::string b = tandem::test::frame_bytes(encode(req));
+  SUBCASE("a request in place of the second handshake frame") {
+    FrameDecoder dec(Limits{}, 2);
+    std::string b = hello + request;
     CHECK_THROWS_WITH_AS(dec.feed(b.data(), b.size()), doctest::Contains("handshake"),
                          ProtocolError);
   }
-  {
-    FrameDecoder dec(Limits{}, true);
+  SUBCASE("a request first") {
+    FrameDecoder dec(Limits{}, 1);
+    CHECK_THROWS_WITH_AS(dec.feed(request.data(), request.size()), doctest::Contains("handshake"),
+                         ProtocolError);
+  }
+  SUBCASE("a handshake with a tensor body") {
+    FrameDecoder dec(Limits{}, 2);
     Message big = h;
     big.values = {at::zeros({4})};  // a tensor body before anyone is trusted
-    std::string b = tandem::test::frame_bytes(encode(big));
+    std::string b = hello + tandem::test::frame_bytes(encode(big));
     CHECK_THROWS_WITH_AS(dec.feed(b.data(), b.size()), doctest::Contains("handshake"),
                          ProtocolError);
   }
+}
+
+TEST_CASE("auth: SHA-256 and HMAC-SHA256 match the published test vectors") {
+  auto hex = [](const Sha256Digest& d) {
+    static const char* digits = "0123456789abcdef";
+    std::string out;
+    for (uint8_t b : d) {
+      out += digits[b >> 4];
+      out += digits[b & 15];
+    }
+    return out;
+  };
+  // FIPS 180-4 examples, and lengths around the padding's block edge.
+  CHECK(hex(sha256("")) == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  CHECK(hex(sha256("abc")) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  CHECK(hex(sha256("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq")) ==
+        "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  CHECK(hex(sha256(std::string(1000000, 'a'))) ==
+        "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+  // RFC 4231 cases 1, 2 and 6 (a key longer than a block).
+  CHECK(hex(hmac_sha256(std::string(20, '\x0b'), "Hi There")) ==
+        "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7");
+  CHECK(hex(hmac_sha256("Jefe", "what do ya want for nothing?")) ==
+        "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+  CHECK(hex(hmac_sha256(std::string(131, '\xaa'),
+                        "Test Using Larger Than Block-Size Key - Hash Key First")) ==
+        "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
+  // The two proofs differ by role and by every input.
+  const std::string nd(kNonceBytes, 'd'), na(kNonceBytes, 'a');
+  const std::string pa = acceptor_proof("t", nd, na, 0, 1);
+  CHECK(pa.size() == kProofBytes);
+  CHECK(pa != dialer_proof("t", nd, na, 0, 1));
+  CHECK(pa != acceptor_proof("u", nd, na, 0, 1));
+  CHECK(pa != acceptor_proof("t", na, nd, 0, 1));
+  CHECK(pa != acceptor_proof("t", nd, na, 1, 0));
+  CHECK(random_bytes(kNonceBytes) != random_bytes(kNonceBytes));
+  CHECK(constant_time_equal(pa, acceptor_proof("t", nd, na, 0, 1)));
+  CHECK_FALSE(constant_time_equal(pa, pa.substr(1)));
 }
 
 TEST_CASE("wire: a device index out of range is refused") {

@@ -132,6 +132,7 @@ class FaultyTransport final : public Transport {
   ~FaultyTransport() override { close(); }
 
   int listen(const std::string& host, int port) override { return inner_->listen(host, port); }
+  TransportStats stats() const override { return inner_->stats(); }
   ConnectionPtr connect(const std::string& host, int port,
                         std::chrono::milliseconds timeout) override {
     return wrap(inner_->connect(host, port, timeout));

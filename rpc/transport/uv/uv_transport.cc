@@ -13,6 +13,7 @@
 #include <uv.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <algorithm>
 #include <cassert>
 #include <cstring>
@@ -62,7 +63,11 @@ const char kZeros[kTensorAlignment] = {};
 
 // One frame being written: the iovecs over its buffers and how far we got.
 struct PendingWrite {
-  explicit PendingWrite(OutFrame&& f) : frame(std::move(f)) {
+  explicit PendingWrite(OutFrame&& f)
+      : frame(std::move(f)),
+        reply_bytes(frame.kind == MessageKind::kResponse || frame.kind == MessageKind::kError
+                        ? frame.total_bytes()
+                        : 0) {
     iov.reserve(2 + 2 * frame.tensors.size());
     iov.push_back({&frame.preamble, kPreambleBytes});
     auto env = frame.envelope.asBytes();
@@ -77,9 +82,14 @@ struct PendingWrite {
     }
   }
   OutFrame frame;
+  uint64_t reply_bytes;  // the whole frame when it answers the peer, else 0
   std::vector<iovec> iov;
   size_t next = 0;
 };
+
+using Clock = std::chrono::steady_clock;
+constexpr auto kSweepPeriod = std::chrono::milliseconds(250);
+constexpr auto kAcceptBackoff = std::chrono::milliseconds(100);
 
 }  // namespace
 
@@ -88,13 +98,16 @@ struct UvTransport::Loop {
   uv_async_t wake;
   uv_poll_t listen_poll;
   bool listening = false;
+  uv_timer_t sweep;         // closes handshakes that took too long
+  uv_timer_t accept_retry;  // restarts accepting after a back-off (EMFILE)
 };
 
 class UvConnection final : public Connection, public std::enable_shared_from_this<UvConnection> {
  public:
   UvConnection(UvTransport* transport, int fd, uint64_t id, std::string peer, bool accepted)
-      : transport_(transport), fd_(fd), id_(id), peer_(std::move(peer)),
-        decoder_(transport->limits_, /*handshake_first=*/accepted) {
+      : transport_(transport), fd_(fd), id_(id), peer_(std::move(peer)), accepted_(accepted),
+        opened_at_(Clock::now()),
+        decoder_(transport->limits_, /*handshake_frames=*/accepted ? 2 : 1) {
     poll_.data = nullptr;
   }
 
@@ -105,6 +118,7 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
     if (queue_.empty()) {
       if (write_some(*w)) return;
     }
+    queued_reply_bytes_.fetch_add(w->reply_bytes, std::memory_order_relaxed);
     queue_.push_back(std::move(w));
     if (!want_writable_) {
       want_writable_ = true;
@@ -118,7 +132,7 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
       std::lock_guard<std::mutex> lock(write_mu_);
       if (closed_) return;
       closed_ = true;
-      queue_.clear();
+      clear_queue_locked();
     }
     auto self = shared_from_this();
     transport_->post([self, reason] { self->transport_->close_from_loop(self, reason); });
@@ -145,7 +159,7 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
         if (errno == EAGAIN || errno == EWOULDBLOCK) return false;
         const std::string reason = "write to " + peer_ + " failed: " + errno_text(errno);
         closed_ = true;
-        queue_.clear();
+        clear_queue_locked();
         auto self = shared_from_this();
         transport_->post([self, reason] { self->transport_->close_from_loop(self, reason); });
         throw DisconnectedError(reason);
@@ -163,11 +177,17 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
     return true;
   }
 
+  void clear_queue_locked() {
+    queue_.clear();
+    queued_reply_bytes_.store(0, std::memory_order_relaxed);
+  }
+
   void flush_from_loop() {
     std::lock_guard<std::mutex> lock(write_mu_);
     try {
       while (!queue_.empty()) {
         if (!write_some(*queue_.front())) return;
+        queued_reply_bytes_.fetch_sub(queue_.front()->reply_bytes, std::memory_order_relaxed);
         queue_.pop_front();
       }
     } catch (const DisconnectedError&) {
@@ -184,7 +204,7 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
 
   void start_poll_locked() {
     if (!polling_ || loop_closed_) return;  // never re-arm a handle that is closing
-    int events = UV_READABLE | (want_writable_ ? UV_WRITABLE : 0);
+    int events = (reading_stopped_ ? 0 : UV_READABLE) | (want_writable_ ? UV_WRITABLE : 0);
     uv_poll_start(&poll_, events, &UvConnection::on_poll);
   }
 
@@ -192,11 +212,24 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
     auto* raw = static_cast<UvConnection*>(handle->data);
     auto self = raw->shared_from_this();
     if (status < 0) {
-      raw->transport_->close_from_loop(self, "connection to " + raw->peer_ +
-                                                 " failed: " + uv_strerror(status));
+      // libuv reports a socket error (POLLERR) as UV_EBADF; the socket
+      // itself knows what happened (a reset, a timeout, a refused dial).
+      int err = 0;
+      socklen_t len = sizeof(err);
+      ::getsockopt(raw->fd_, SOL_SOCKET, SO_ERROR, &err, &len);
+      std::string what = err == ECONNRESET  ? "connection reset by " + raw->peer_
+                         : err == EPIPE     ? "connection closed by " + raw->peer_
+                         : err == ETIMEDOUT ? "connection to " + raw->peer_ + " timed out"
+                         : err != 0 ? "connection to " + raw->peer_ + " failed: " + errno_text(err)
+                                    : "connection to " + raw->peer_ + " failed: " +
+                                          uv_strerror(status);
+      raw->transport_->close_from_loop(self, what);
       return;
     }
-    if (events & UV_WRITABLE) self->flush_from_loop();
+    if (events & UV_WRITABLE) {
+      self->flush_from_loop();
+      if (self->paused_) self->transport_->resume_from_loop(self);
+    }
     if ((events & UV_READABLE) && !self->loop_closed_) self->transport_->read_from_loop(self);
   }
 
@@ -204,15 +237,27 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
   int fd_;
   uint64_t id_;
   std::string peer_;
+  const bool accepted_;
+  const Clock::time_point opened_at_;
 
   // Loop thread only.
   uv_poll_t poll_;
   bool polling_ = false;
   bool loop_closed_ = false;
+  bool counted_handshaking_ = false;  // in UvTransport::handshaking_
   FrameDecoder decoder_;
+  // Backpressure (uv_transport.h, 5.): while our answers to this peer pile
+  // up unwritten, what it sends is held here, in order, and past
+  // Limits::max_held_bytes the socket is not read at all.
+  bool paused_ = false;
+  bool reading_stopped_ = false;
+  std::deque<Message> held_;
+  uint64_t held_bytes_ = 0;
 
   std::mutex write_mu_;
   std::deque<std::unique_ptr<PendingWrite>> queue_;
+  // Bytes of queued frames that answer the peer (changed under write_mu_).
+  std::atomic<uint64_t> queued_reply_bytes_{0};
   bool closed_ = false;
   bool want_writable_ = false;
 };
@@ -225,6 +270,14 @@ UvTransport::UvTransport(Limits limits, Callbacks callbacks)
   uv_async_init(&loop_->loop, &loop_->wake, [](uv_async_t* h) {
     static_cast<UvTransport*>(h->data)->run_commands();
   });
+  loop_->sweep.data = this;
+  uv_timer_init(&loop_->loop, &loop_->sweep);
+  const auto period = static_cast<uint64_t>(kSweepPeriod.count());
+  uv_timer_start(&loop_->sweep, [](uv_timer_t* h) {
+    static_cast<UvTransport*>(h->data)->sweep_handshakes_from_loop();
+  }, period, period);
+  loop_->accept_retry.data = this;
+  uv_timer_init(&loop_->loop, &loop_->accept_retry);
   thread_ = std::thread([this] { uv_run(&loop_->loop, UV_RUN_DEFAULT); });
   thread_id_ = thread_.get_id();
 }
@@ -287,9 +340,7 @@ int UvTransport::listen(const std::string& host, int port) {
     loop_->listen_poll.data = this;
     uv_poll_init_socket(&loop_->loop, &loop_->listen_poll, fd);
     loop_->listening = true;
-    uv_poll_start(&loop_->listen_poll, UV_READABLE, [](uv_poll_t* h, int status, int) {
-      if (status >= 0) static_cast<UvTransport*>(h->data)->accept_from_loop();
-    });
+    watch_listener_from_loop();
   });
   if (!posted) {
     ::close(fd);
@@ -361,6 +412,12 @@ ConnectionPtr UvTransport::connect(const std::string& host, int port,
   return conn;
 }
 
+void UvTransport::watch_listener_from_loop() {
+  uv_poll_start(&loop_->listen_poll, UV_READABLE, [](uv_poll_t* h, int status, int) {
+    if (status >= 0) static_cast<UvTransport*>(h->data)->accept_from_loop();
+  });
+}
+
 void UvTransport::accept_from_loop() {
   assert(on_transport_thread());
   for (;;) {
@@ -369,8 +426,33 @@ void UvTransport::accept_from_loop() {
     int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len,
                        SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
-      if (errno == EINTR) continue;
-      return;  // EAGAIN, or a transient error such as EMFILE: try again on the next wake-up
+      const int err = errno;
+      if (err == EINTR || err == ECONNABORTED) continue;
+      if (err == EAGAIN || err == EWOULDBLOCK) return;
+      // Out of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM): the
+      // pending connection stays queued and the listener stays readable, so
+      // polling it again at once would spin. Stop watching it for a moment.
+      ++stats_accept_backoffs_;
+      if (!accept_error_logged_) {
+        accept_error_logged_ = true;
+        std::fprintf(stderr,
+                     "tandem: accepting a connection failed: %s; not accepting for %d ms at a "
+                     "time while it lasts (logged once)\n",
+                     errno_text(err).c_str(), static_cast<int>(kAcceptBackoff.count()));
+      }
+      uv_poll_stop(&loop_->listen_poll);
+      uv_timer_start(&loop_->accept_retry, [](uv_timer_t* h) {
+        auto* t = static_cast<UvTransport*>(h->data);
+        if (t->loop_->listening) t->watch_listener_from_loop();
+      }, static_cast<uint64_t>(kAcceptBackoff.count()), 0);
+      return;
+    }
+    if (handshaking_ >= limits_.max_handshaking_connections) {
+      // Connections that have not finished their handshake are capped: a
+      // crowd of them (slow-loris) cannot hold the descriptors a worker needs.
+      ++stats_refused_;
+      ::close(fd);
+      continue;
     }
     set_socket_options(fd);
     std::shared_ptr<UvConnection> conn;
@@ -396,6 +478,10 @@ void UvTransport::adopt_from_loop(const std::shared_ptr<UvConnection>& conn) {
   }
   conns_[conn->id()] = conn;
   ++live_connections_;
+  if (conn->accepted_) {
+    conn->counted_handshaking_ = true;
+    ++handshaking_;
+  }
   conn->poll_.data = conn.get();
   uv_poll_init_socket(&loop_->loop, &conn->poll_, conn->fd_);
   conn->polling_ = true;
@@ -412,7 +498,8 @@ void UvTransport::adopt_from_loop(const std::shared_ptr<UvConnection>& conn) {
 
 void UvTransport::read_from_loop(const std::shared_ptr<UvConnection>& conn) {
   assert(on_transport_thread());
-  for (int round = 0; round < kReadRoundsPerWakeup && !conn->loop_closed_; ++round) {
+  for (int round = 0; round < kReadRoundsPerWakeup && !conn->loop_closed_ && !conn->reading_stopped_;
+       ++round) {
     auto [direct, want] = conn->decoder_.direct_target(kDirectReadMin);
     char* buf = direct ? direct : staging_.data();
     size_t len = direct ? want : staging_.size();
@@ -426,7 +513,9 @@ void UvTransport::read_from_loop(const std::shared_ptr<UvConnection>& conn) {
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-      close_from_loop(conn, "read from " + conn->peer_ + " failed: " + errno_text(errno));
+      close_from_loop(conn, errno == ECONNRESET ? "connection reset by " + conn->peer_
+                                                : "read from " + conn->peer_ +
+                                                      " failed: " + errno_text(errno));
       return;
     }
     try {
@@ -439,11 +528,83 @@ void UvTransport::read_from_loop(const std::shared_ptr<UvConnection>& conn) {
       close_from_loop(conn, std::string("protocol error from ") + conn->peer_ + ": " + e.what());
       return;
     }
+    if (conn->counted_handshaking_ && !conn->decoder_.in_handshake()) {
+      conn->counted_handshaking_ = false;
+      --handshaking_;
+    }
     while (conn->decoder_.has_message() && !conn->loop_closed_) {
-      callbacks_.on_message(conn, conn->decoder_.take());
+      deliver_from_loop(conn, conn->decoder_.take());
     }
     if (static_cast<size_t>(n) < len) return;  // the socket is drained
   }
+}
+
+void UvTransport::deliver_from_loop(const std::shared_ptr<UvConnection>& conn, Message&& m) {
+  if (!conn->paused_ &&
+      conn->queued_reply_bytes_.load(std::memory_order_relaxed) > limits_.max_queued_reply_bytes) {
+    conn->paused_ = true;
+    ++stats_read_pauses_;
+  }
+  if (!conn->paused_) {
+    callbacks_.on_message(conn, std::move(m));
+    return;
+  }
+  conn->held_bytes_ += m.wire_bytes;
+  conn->held_.push_back(std::move(m));
+  if (conn->held_bytes_ > limits_.max_held_bytes && !conn->reading_stopped_) {
+    conn->reading_stopped_ = true;
+    std::lock_guard<std::mutex> lock(conn->write_mu_);
+    conn->start_poll_locked();
+  }
+}
+
+void UvTransport::resume_from_loop(const std::shared_ptr<UvConnection>& conn) {
+  assert(on_transport_thread());
+  if (!conn->paused_ || conn->loop_closed_ ||
+      conn->queued_reply_bytes_.load(std::memory_order_relaxed) >
+          limits_.max_queued_reply_bytes / 2) {
+    return;
+  }
+  std::deque<Message> held = std::move(conn->held_);
+  conn->held_.clear();
+  conn->held_bytes_ = 0;
+  conn->paused_ = false;
+  const bool was_stopped = conn->reading_stopped_;
+  conn->reading_stopped_ = false;
+  // In order; a delivery that pauses again holds the rest again, in order.
+  for (auto& m : held) {
+    if (conn->loop_closed_) return;
+    deliver_from_loop(conn, std::move(m));
+  }
+  if (was_stopped && !conn->reading_stopped_ && !conn->loop_closed_) {
+    std::lock_guard<std::mutex> lock(conn->write_mu_);
+    conn->start_poll_locked();
+  }
+}
+
+void UvTransport::sweep_handshakes_from_loop() {
+  assert(on_transport_thread());
+  const auto now = Clock::now();
+  std::vector<std::shared_ptr<UvConnection>> late;
+  for (auto& [id, conn] : conns_) {
+    if (conn->decoder_.in_handshake() && now - conn->opened_at_ > limits_.handshake_timeout) {
+      late.push_back(conn);
+    }
+  }
+  for (auto& conn : late) {
+    ++stats_handshake_timeouts_;
+    close_from_loop(conn, "protocol error from " + conn->peer_ + ": no handshake within " +
+                              std::to_string(limits_.handshake_timeout.count()) + " ms");
+  }
+}
+
+TransportStats UvTransport::stats() const {
+  TransportStats s;
+  s.read_pauses = stats_read_pauses_.load();
+  s.handshake_timeouts = stats_handshake_timeouts_.load();
+  s.refused_connections = stats_refused_.load();
+  s.accept_backoffs = stats_accept_backoffs_.load();
+  return s;
 }
 
 void UvTransport::close_from_loop(const std::shared_ptr<UvConnection>& conn,
@@ -451,10 +612,15 @@ void UvTransport::close_from_loop(const std::shared_ptr<UvConnection>& conn,
   assert(on_transport_thread());
   if (conn->loop_closed_) return;
   conn->loop_closed_ = true;
+  if (conn->counted_handshaking_) {
+    conn->counted_handshaking_ = false;
+    --handshaking_;
+  }
+  conn->held_.clear();
   {
     std::lock_guard<std::mutex> lock(conn->write_mu_);
     conn->closed_ = true;
-    conn->queue_.clear();
+    conn->clear_queue_locked();
   }
   if (!conn->polling_) return;  // never adopted; nothing registered
   struct Closing {
@@ -476,6 +642,8 @@ void UvTransport::close_from_loop(const std::shared_ptr<UvConnection>& conn,
 void UvTransport::stop_from_loop() {
   assert(on_transport_thread());
   stopped_ = true;
+  uv_close(reinterpret_cast<uv_handle_t*>(&loop_->sweep), nullptr);
+  uv_close(reinterpret_cast<uv_handle_t*>(&loop_->accept_retry), nullptr);
   if (loop_->listening) {
     loop_->listening = false;
     uv_close(reinterpret_cast<uv_handle_t*>(&loop_->listen_poll), [](uv_handle_t* h) {

@@ -15,6 +15,23 @@
 //     saves one thread hand-off per message, measured in bench/rpc_bench.)
 //  4. Everything else that touches a handle is posted to the loop as a
 //     command through one uv_async_t.
+//  5. Backpressure. A peer that sends requests but does not read our
+//     answers would make us queue answers without bound. Once more than
+//     Limits::max_queued_reply_bytes of answers to a peer wait unwritten,
+//     what that peer sends is held, in order, instead of delivered; past
+//     Limits::max_held_bytes held, its socket is not read at all. When the
+//     answers drain to half the bound, the held messages are delivered and
+//     reading resumes (TransportStats::read_pauses counts the pauses).
+//     Holding before not reading is what keeps two loaded workers from
+//     deadlocking: while one holds, it still reads, so the other's answers
+//     drain and it resumes.
+//  6. Handshakes are bounded: a connection whose handshake frames have not
+//     all come within Limits::handshake_timeout is closed (checked every
+//     250 ms), and accepted connections still in their handshake are capped
+//     at Limits::max_handshaking_connections (newer ones are closed at once).
+//  7. When accept() fails for want of descriptors or memory (EMFILE ...),
+//     the listener is not watched for 100 ms (once logged), instead of
+//     spinning on a socket that stays readable.
 #pragma once
 
 #include <atomic>
@@ -41,6 +58,7 @@ class UvTransport final : public Transport {
   void close() override;
   size_t live_connections() const override { return live_connections_.load(); }
   bool on_transport_thread() const override;
+  TransportStats stats() const override;
 
  private:
   friend class UvConnection;
@@ -53,6 +71,12 @@ class UvTransport final : public Transport {
   void adopt_from_loop(const std::shared_ptr<UvConnection>& conn);
   void close_from_loop(const std::shared_ptr<UvConnection>& conn, const std::string& reason);
   void read_from_loop(const std::shared_ptr<UvConnection>& conn);
+  // Hands `m` to on_message, or holds it while the connection is paused (5.).
+  void deliver_from_loop(const std::shared_ptr<UvConnection>& conn, Message&& m);
+  // Delivers what was held and reads again, once the answers have drained.
+  void resume_from_loop(const std::shared_ptr<UvConnection>& conn);
+  void sweep_handshakes_from_loop();
+  void watch_listener_from_loop();
   void stop_from_loop();
 
   Limits limits_;
@@ -72,6 +96,12 @@ class UvTransport final : public Transport {
   std::unordered_map<uint64_t, std::shared_ptr<UvConnection>> conns_;  // loop thread only
   std::vector<char> staging_;                                          // loop thread only
   std::atomic<size_t> live_connections_{0};
+  size_t handshaking_ = 0;            // loop thread only: accepted, handshake unfinished
+  bool accept_error_logged_ = false;  // loop thread only
+  std::atomic<uint64_t> stats_read_pauses_{0};
+  std::atomic<uint64_t> stats_handshake_timeouts_{0};
+  std::atomic<uint64_t> stats_refused_{0};
+  std::atomic<uint64_t> stats_accept_backoffs_{0};
 };
 
 }  // namespace tandem::rpc
