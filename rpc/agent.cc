@@ -314,7 +314,12 @@ void Agent::on_hello_from_loop(const ConnectionPtr& conn, const Message& msg) {
         return reject(workers_[a.rank].name + " (as it claimed) did not prove the cluster token");
       }
       lock.unlock();
-      conns_->add(conn, a.rank);
+      // One connection per pair (connection_table.h, 4.): when both dialed,
+      // the lower rank keeps the one it dialed.
+      if (auto own = conns_->add_accepted(conn, a.rank, /*take_over=*/a.rank < rank_)) {
+        conns_->retire(own);
+        close_if_retired(own->id());
+      }
       return;
     }
     default:

@@ -31,11 +31,46 @@ ConnectionPtr ConnectionTable::to(int rank) {
 void ConnectionTable::add(const ConnectionPtr& conn, int rank, bool use) {
   std::unique_lock<std::shared_mutex> lock(mu_);
   rank_of_conn_[conn->id()] = rank;
+  dialed_.insert(conn->id());
   if (use && !peers_.at(rank)) peers_[rank] = conn;
   lock.unlock();
   // It may have closed before it was added: then forget() ran already, or
   // runs after this and finds it. Either way nothing stale stays.
   if (conn->closed()) forget(*conn);
+}
+
+ConnectionPtr ConnectionTable::add_accepted(const ConnectionPtr& conn, int rank, bool take_over) {
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  rank_of_conn_[conn->id()] = rank;
+  ConnectionPtr displaced;
+  auto& current = peers_.at(rank);
+  if (!current || current->closed()) {
+    current = conn;
+  } else if (take_over && dialed_.count(current->id())) {
+    // Only our own dial gives way: an accepted connection in use stays (a
+    // second one from the same peer changes nothing).
+    displaced = current;
+    current = conn;
+    crossings_.fetch_add(1);
+  }
+  lock.unlock();
+  if (conn->closed()) forget(*conn);
+  return displaced;
+}
+
+void ConnectionTable::retire(const ConnectionPtr& conn) {
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  if (retired_.emplace(conn->id(), conn).second) retired_count_.fetch_add(1);
+}
+
+ConnectionPtr ConnectionTable::take_retired_if(uint64_t id, const std::function<bool()>& idle) {
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  auto it = retired_.find(id);
+  if (it == retired_.end() || !idle()) return nullptr;
+  ConnectionPtr c = std::move(it->second);
+  retired_.erase(it);
+  retired_count_.fetch_sub(1);
+  return c;
 }
 
 int ConnectionTable::rank_of(const Connection& conn) const {
@@ -46,6 +81,8 @@ int ConnectionTable::rank_of(const Connection& conn) const {
 
 int ConnectionTable::forget(const Connection& conn) {
   std::unique_lock<std::shared_mutex> lock(mu_);
+  if (retired_.erase(conn.id())) retired_count_.fetch_sub(1);
+  dialed_.erase(conn.id());
   auto it = rank_of_conn_.find(conn.id());
   if (it == rank_of_conn_.end()) return -1;
   const int r = it->second;
@@ -67,6 +104,17 @@ void ConnectionTable::clear() {
   std::unique_lock<std::shared_mutex> lock(mu_);
   for (auto& c : peers_) c = nullptr;
   rank_of_conn_.clear();
+  dialed_.clear();
+  retired_.clear();
+  retired_count_.store(0);
+}
+
+void Agent::close_if_retired(uint64_t conn_id) {
+  if (!conns_->any_retired()) return;
+  if (auto c = conns_->take_retired_if(conn_id,
+                                       [&] { return calls_->pending_on(conn_id) == 0; })) {
+    c->close("");
+  }
 }
 
 void GatedConnection::send(OutFrame&& frame) {

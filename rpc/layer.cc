@@ -16,6 +16,10 @@ size_t LayerAccess::live_connections(const Agent& a) {
   return a.transport_ ? a.transport_->live_connections() : 0;
 }
 
+uint64_t LayerAccess::crossed_connections(const Agent& a) {
+  return a.conns_ ? a.conns_->crossings() : 0;
+}
+
 void LayerAccess::drop_connection(Agent& a, int rank) {
   if (auto c = a.conns_ ? a.conns_->to(rank) : nullptr) c->close("dropped by test");
 }

@@ -36,6 +36,7 @@ struct LayerAccess {
   // Tests (rpc/testing.h).
   static size_t pending_calls(const Agent& a);
   static size_t live_connections(const Agent& a);
+  static uint64_t crossed_connections(const Agent& a);
   static void drop_connection(Agent& a, int rank);
 };
 

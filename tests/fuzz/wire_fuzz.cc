@@ -20,6 +20,10 @@
 #include <cstring>
 #include <string>
 
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
+
 #include "tandem/rpc/auth.h"
 #include "tandem/rpc/wire.h"
 

@@ -512,3 +512,44 @@ TEST_CASE("api: init from the environment, rpc to oneself, shutdown") {
   unsetenv("MASTER_ADDR");
   unsetenv("MASTER_PORT");
 }
+
+TEST_CASE("agent: two workers that dial each other at once keep one connection") {
+  // Both call at the same moment, so that each dials before it hears from
+  // the other; the lower rank keeps the connection it dialed, the higher
+  // takes it over and closes its own once its calls on it are answered.
+  uint64_t crossings = 0;
+  for (int trial = 0; trial < 40 && crossings == 0; ++trial) {
+    test::World w(2, [](rpc::Registry& r) {
+      r.def("echo", [](int64_t x) { return x; });
+    });
+    std::atomic<int> ready{0};
+    auto call = [&](int from) {
+      ready.fetch_add(1);
+      while (ready.load() < 2) {
+      }
+      std::vector<rpc::Future<int64_t>> fs;
+      for (int i = 0; i < 8; ++i) {
+        fs.push_back(w[from].rpc_async<int64_t>(from == 0 ? "worker1" : "worker0", "echo", i));
+      }
+      for (int i = 0; i < 8; ++i) CHECK(fs[i].wait() == i);
+    };
+    std::thread t(call, 1);
+    call(0);
+    t.join();
+    crossings = rpc::testing::crossed_connections(w[1]);
+    CHECK(rpc::testing::crossed_connections(w[0]) == 0);  // never the lower rank
+    if (crossings > 0) {
+      // The retired connection closes on both sides; calls go on over the other.
+      CHECK(test::eventually([&] {
+        return rpc::testing::live_connections(w[0]) == 1 &&
+               rpc::testing::live_connections(w[1]) == 1;
+      }));
+      CHECK(w[0].rpc_sync<int64_t>("worker1", "echo", 5) == 5);
+      CHECK(w[1].rpc_sync<int64_t>("worker0", "echo", 6) == 6);
+      CHECK(rpc::testing::live_connections(w[0]) == 1);
+    }
+    w.shutdown();
+  }
+  MESSAGE("crossed dials seen: " << crossings);
+  CHECK(crossings > 0);
+}

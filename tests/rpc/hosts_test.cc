@@ -9,6 +9,7 @@
 
 #include <cstdlib>
 
+#include "tandem/autograd/autograd.h"
 #include "tandem/rpc/api.h"
 
 using namespace tandem;
@@ -107,7 +108,7 @@ TEST_CASE("hosts: a two-node job on addresses of its own, and the token it requi
   }
 }
 
-TEST_CASE("hosts: cutting a host's link fails its peers' calls with DisconnectedError") {
+TEST_CASE("hosts: cutting a host's link fails calls and a distributed backward with DisconnectedError") {
   Hosts h(/*left_is_here=*/true);
   if (skipped(h)) return;
   // This process is worker 0 on 10.231.0.1 and hosts the store there;
@@ -139,15 +140,36 @@ TEST_CASE("hosts: cutting a host's link fails its peers' calls with Disconnected
   CHECK(agent->get_worker_info("worker1").host == "10.231.0.2");
   CHECK(agent->rpc_sync<int64_t>("worker1", "pid") > 0);
   auto in_flight = agent->rpc_async<int64_t>("worker1", "sleep_ms", 50000);
-  h.cut();
-  // Nothing comes back from a vanished host: keepalive (idle 10 s, 3 probes
-  // 2 s apart) and the user timeout (16 s for unacknowledged data) notice.
-  auto t0 = std::chrono::steady_clock::now();
-  CHECK_THROWS_AS(agent->rpc_sync<int64_t>("worker1", "pid"), DisconnectedError);
-  CHECK_THROWS_AS(in_flight.wait(), DisconnectedError);
-  const auto took = std::chrono::steady_clock::now() - t0;
-  MESSAGE("calls failed " << std::chrono::duration<double>(took).count() << " s after the cut");
-  CHECK(took < 25s);
+  {
+    // A forward across the link, recorded in a context; its backward runs
+    // after the cut.
+    autograd::Context ctx(*agent);
+    at::Tensor x = at::ones({4}).requires_grad_();
+    at::Tensor y = agent->rpc_sync<at::Tensor>("worker1", "add", x, x);
+    h.cut();
+    // Nothing comes back from a vanished host: keepalive (idle 10 s, 3 probes
+    // 2 s apart) and the user timeout (16 s for unacknowledged data) notice.
+    auto t0 = std::chrono::steady_clock::now();
+    std::string backward_error;
+    std::thread backward([&] {
+      try {
+        autograd::backward(*agent, ctx.id(), {y.sum()});
+      } catch (const DisconnectedError& e) {
+        backward_error = e.what();
+      } catch (const std::exception& e) {
+        backward_error = std::string("not a DisconnectedError: ") + e.what();
+      }
+    });
+    CHECK_THROWS_AS(agent->rpc_sync<int64_t>("worker1", "pid"), DisconnectedError);
+    CHECK_THROWS_AS(in_flight.wait(), DisconnectedError);
+    backward.join();
+    const auto took = std::chrono::steady_clock::now() - t0;
+    MESSAGE("calls and backward failed " << std::chrono::duration<double>(took).count()
+                                         << " s after the cut: " << backward_error);
+    CHECK(backward_error.find("worker1") != std::string::npos);
+    CHECK(backward_error.find("not a DisconnectedError") == std::string::npos);
+    CHECK(took < 25s);
+  }
   agent->shutdown(false);
   agent = nullptr;
   ::kill(pid, SIGKILL);

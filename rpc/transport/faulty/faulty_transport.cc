@@ -3,6 +3,7 @@
 #include <capnp/serialize.h>
 
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <map>
 #include <thread>
@@ -49,8 +50,11 @@ using Clock = std::chrono::steady_clock;
 
 OutFrame copy_frame(const OutFrame& f) {
   OutFrame c;
+  c.kind = f.kind;
   c.preamble = f.preamble;
-  c.envelope = kj::heapArray<capnp::word>(f.envelope.asPtr());
+  // capnp::word cannot be copied one by one (clang refuses heapArray's copy).
+  c.envelope = kj::heapArray<capnp::word>(f.envelope.size());
+  std::memcpy(c.envelope.begin(), f.envelope.begin(), f.envelope.size() * sizeof(capnp::word));
   c.tensors = f.tensors;
   return c;
 }
