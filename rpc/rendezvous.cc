@@ -1,5 +1,6 @@
 #include "tandem/rpc/rendezvous.h"
 #include "tandem/rpc/errors.h"
+#include "tandem/rpc/store_server.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -7,9 +8,14 @@
 #include <sys/socket.h>
 #include <unistd.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/version.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <thread>
 
@@ -151,9 +157,100 @@ void wait_for_listener(const std::string& host, int port, std::chrono::milliseco
   ::freeaddrinfo(res);
 }
 
+#if TORCH_VERSION_MAJOR < 2
+namespace {
+
+// Rank 0's store: our own server (rpc/store_server.h), bound to one address,
+// and a c10d client of it. One server per port in a process, shared by
+// every store made on it (an agent and a process group of the same job meet
+// at the same MASTER_PORT), as c10d's multiTenant servers are.
+std::shared_ptr<StoreServer> shared_server(const std::string& host, int port) {
+  static std::mutex mu;
+  static std::map<int, std::weak_ptr<StoreServer>> servers;
+  std::lock_guard<std::mutex> lock(mu);
+  if (port != 0) {
+    if (auto s = servers[port].lock()) return s;
+  }
+  auto s = std::make_shared<StoreServer>(host, port);
+  servers[s->port()] = s;
+  return s;
+}
+
+class HostedStore final : public c10d::Store {
+ public:
+  HostedStore(std::shared_ptr<StoreServer> server, c10::intrusive_ptr<c10d::TCPStore> client)
+      : server_(std::move(server)), client_(std::move(client)) {
+    Store::setTimeout(client_->getTimeout());
+  }
+  void set(const std::string& k, const std::vector<uint8_t>& v) override { client_->set(k, v); }
+  std::vector<uint8_t> compareSet(const std::string& k, const std::vector<uint8_t>& expected,
+                                  const std::vector<uint8_t>& desired) override {
+    return client_->compareSet(k, expected, desired);
+  }
+  std::vector<uint8_t> get(const std::string& k) override { return client_->get(k); }
+  int64_t add(const std::string& k, int64_t v) override { return client_->add(k, v); }
+  bool deleteKey(const std::string& k) override { return client_->deleteKey(k); }
+  bool check(const std::vector<std::string>& keys) override { return client_->check(keys); }
+  int64_t getNumKeys() override { return client_->getNumKeys(); }
+  void wait(const std::vector<std::string>& keys) override { client_->wait(keys); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& t) override {
+    client_->wait(keys, t);
+  }
+  const std::chrono::milliseconds& getTimeout() const noexcept override {
+    return client_->getTimeout();
+  }
+  void setTimeout(const std::chrono::milliseconds& t) override {
+    Store::setTimeout(t);
+    client_->setTimeout(t);
+  }
+  void watchKey(const std::string& k, c10d::WatchKeyCallback cb) override {
+    client_->watchKey(k, std::move(cb));
+  }
+  int port() const { return server_->port(); }
+
+ private:
+  std::shared_ptr<StoreServer> server_;
+  c10::intrusive_ptr<c10d::TCPStore> client_;
+};
+
+}  // namespace
+#endif
+
+std::string store_bind_host(const std::string& master_host) {
+  if (const char* v = std::getenv("TANDEM_STORE_BIND")) return v;
+  if (master_host.empty() || is_loopback_host(master_host)) return "127.0.0.1";
+  return master_host;
+}
+
 c10::intrusive_ptr<c10d::Store> make_store(const std::string& host, int port, int rank,
                                            int world_size, std::chrono::milliseconds timeout) {
   const bool server = rank == 0 && !store_hosted_by_launcher();
+#if TORCH_VERSION_MAJOR < 2
+  const char* choice = std::getenv("TANDEM_STORE");
+  if (server && !(choice && std::string(choice) == "c10d")) {
+    // Listen where the workers listen: loopback for a job on one host, the
+    // master's address otherwise (TANDEM_STORE_BIND chooses; TANDEM_STORE=c10d
+    // falls back to LibTorch's own server, which listens everywhere).
+    std::shared_ptr<StoreServer> srv;
+    try {
+      srv = shared_server(store_bind_host(host), port);
+    } catch (const std::runtime_error& e) {
+      if (std::getenv("TANDEM_STORE_BIND")) throw;
+      // The master's address is not one of this host's (a name behind NAT,
+      // say): listen everywhere rather than not at all, and say so.
+      std::fprintf(stderr, "tandem: %s; the store listens on every interface instead\n", e.what());
+      srv = shared_server("0.0.0.0", port);
+    }
+    c10d::TCPStoreOptions opts;
+    opts.port = static_cast<std::uint16_t>(srv->port());
+    opts.isServer = false;
+    opts.waitWorkers = false;
+    opts.timeout = timeout;
+    const std::string dial = is_loopback_host(srv->host()) ? "127.0.0.1" : host;
+    auto client = c10::make_intrusive<c10d::TCPStore>(dial, opts);
+    return c10::make_intrusive<HostedStore>(std::move(srv), std::move(client));
+  }
+#endif
   // LibTorch's client sleeps a whole second after a refused connection
   // before it tries again: a worker that comes up before rank 0's store
   // listens (most of them, at start) would lose that second. Knock until

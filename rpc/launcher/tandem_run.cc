@@ -10,6 +10,9 @@
 //     written for torchrun run unchanged.
 //   * No port to choose for a one-node job: with --nnodes 1 and no --master-port, a free port on
 //     127.0.0.1 is picked. A multi-node job must name its port.
+//   * The rendezvous store, hosted here (node 0, LibTorch 1.x builds) before any worker starts,
+//     on loopback for a one-node job and on the master's address otherwise; the workers join
+//     it as clients. A one-node job without TANDEM_TOKEN gets a random one.
 //   * Labelled output. Every line a worker writes is prefixed with "[RANK]: " and written whole
 //     to the launcher's stdout or stderr (the same stream the worker used). Lines of different
 //     workers never interleave mid-line, a last line without a newline is still printed, and the
@@ -52,7 +55,12 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <memory>
 #include <vector>
+
+#ifdef TANDEM_RUN_HOSTS_STORE
+#include "tandem/rpc/store_server.h"
+#endif
 
 extern char** environ;
 
@@ -500,6 +508,11 @@ class Launcher {
   int signal_fd_;
   // A one-node job's cluster token when the user set none (see start_workers).
   std::string job_token_;
+#ifdef TANDEM_RUN_HOSTS_STORE
+  // The rendezvous store, hosted here on node 0 before any worker starts.
+  std::unique_ptr<tandem::rpc::StoreServer> store_;
+#endif
+  bool hosts_store_ = false;
   std::vector<Worker> workers_;
   int live_workers_ = 0;
   int exit_code_ = 0;  // the first failure's status; 0 while none
@@ -547,6 +560,24 @@ void Launcher::start_workers() {
     report("warning: TANDEM_TOKEN is not set: any process that can reach this job's workers "
            "can join it; set the same random TANDEM_TOKEN on every node");
   }
+#ifdef TANDEM_RUN_HOSTS_STORE
+  // Node 0's launcher hosts the store, listening on loopback for a one-node
+  // job and on the master's address otherwise, before any worker starts:
+  // no worker waits for rank 0 to come up, and the store outlives rank 0.
+  // The workers join it as clients (TORCHELASTIC_USE_AGENT_STORE, as under
+  // torchrun). TANDEM_STORE=c10d leaves it to rank 0.
+  const char* store_choice = std::getenv("TANDEM_STORE");
+  if (options_.node_rank == 0 && !(store_choice && std::string(store_choice) == "c10d")) {
+    const char* bind = std::getenv("TANDEM_STORE_BIND");
+    const std::string host = bind ? bind : options_.nnodes == 1 ? "127.0.0.1" : options_.master_addr;
+    try {
+      store_ = std::make_unique<tandem::rpc::StoreServer>(host, options_.master_port);
+      hosts_store_ = true;
+    } catch (const std::exception& e) {
+      report(std::string(e.what()) + "; rank 0 hosts the store instead");
+    }
+  }
+#endif
   workers_.reserve(options_.nproc_per_node);
   for (int local_rank = 0; local_rank < options_.nproc_per_node; ++local_rank) {
     if (!spawn(local_rank)) {
@@ -559,7 +590,10 @@ void Launcher::start_workers() {
 std::vector<std::string> Launcher::worker_environment(int local_rank) const {
   std::vector<std::string> env;
   for (char** entry = environ; entry && *entry; ++entry) {
-    if (!is_worker_variable(variable_name(*entry))) env.emplace_back(*entry);
+    const std::string name = variable_name(*entry);
+    if (is_worker_variable(name)) continue;
+    if (hosts_store_ && name == "TORCHELASTIC_USE_AGENT_STORE") continue;  // set below
+    env.emplace_back(*entry);
   }
   const int nproc = options_.nproc_per_node;
   const auto add = [&env](const char* name, const std::string& value) {
@@ -574,6 +608,7 @@ std::vector<std::string> Launcher::worker_environment(int local_rank) const {
   add("MASTER_PORT", std::to_string(options_.master_port));
   if (const int threads = threads_per_worker()) add("OMP_NUM_THREADS", std::to_string(threads));
   if (!job_token_.empty()) add("TANDEM_TOKEN", job_token_);
+  if (hosts_store_) add("TORCHELASTIC_USE_AGENT_STORE", "True");
   return env;
 }
 
