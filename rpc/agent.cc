@@ -316,10 +316,7 @@ void Agent::on_hello_from_loop(const ConnectionPtr& conn, const Message& msg) {
       lock.unlock();
       // One connection per pair (connection_table.h, 4.): when both dialed,
       // the lower rank keeps the one it dialed.
-      if (auto own = conns_->add_accepted(conn, a.rank, /*take_over=*/a.rank < rank_)) {
-        conns_->retire(own);
-        close_if_retired(own->id());
-      }
+      conns_->add_accepted(conn, a.rank, /*take_over=*/a.rank < rank_);
       return;
     }
     default:
@@ -331,10 +328,11 @@ void Agent::barrier(const std::string& key, bool wait) {
   const std::string k = "tandem/barrier/" + key;
   const std::string done = k + "/done";
   const std::string where =
-      store_address_.empty() ? "the rendezvous store" : "the rendezvous store at " + store_address_;
+      (store_address_.empty() ? "the rendezvous store" : "the rendezvous store at " + store_address_) +
+      (store_hosted_by_launcher() ? " (hosted by the launcher)"
+                                  : " (hosted by " + workers_[0].name + ", rank 0)");
   auto store_lost = [&](const std::exception& e) {
-    return DisconnectedError("graceful shutdown of " + name() + " lost " + where +
-                             " (rank 0's process or tandem-run hosts it): " +
+    return DisconnectedError("graceful shutdown of " + name() + " lost " + where + ": " +
                              printable(first_line(e.what())));
   };
   try {

@@ -187,9 +187,6 @@ class Agent : public std::enable_shared_from_this<Agent> {
   // connections.cc: the connection to `rank`, opened and greeted on first use.
   ConnectionPtr connection_to(int rank, std::chrono::milliseconds timeout);
   void on_closed_from_loop(const ConnectionPtr& conn, const std::string& reason);
-  // Closes a retired connection (connection_table.h, 4.) once no call of
-  // this agent waits for an answer on it.
-  void close_if_retired(uint64_t conn_id);
 
   // dispatch.cc: the incoming side.
   void on_message_from_loop(const ConnectionPtr& conn, Message&& msg);

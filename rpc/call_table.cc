@@ -113,13 +113,6 @@ size_t CallTable::size() const {
   return calls_.size();
 }
 
-size_t CallTable::pending_on(uint64_t conn_id) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  size_t n = 0;
-  for (const auto& [id, call] : calls_) n += call.conn_id == conn_id;
-  return n;
-}
-
 void CallTable::stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -72,8 +72,6 @@ class CallTable {
   void close_new();  // add() refuses from now on
   void wait_idle();  // until no call is in flight
   size_t size() const;
-  // Calls waiting for an answer on connection `conn_id`.
-  size_t pending_on(uint64_t conn_id) const;
   void stop();       // stops and joins the timer thread; idempotent
 
  private:

@@ -11,15 +11,17 @@
 //     time per peer.
 //  3. Transports keep no ranks (rpc/transport.h): this table is the only
 //     place that maps connections to workers.
-//  4. One connection per pair of workers. A worker that has not dialed a
-//     peer calls it on the connection the peer dialed. When both dial at
-//     once, the lower rank keeps the one it dialed: the higher rank, on
-//     accepting it, calls on it from then on and retires its own (closed by
-//     the agent once the calls still on it have their answers).
+//  4. One connection per pair of workers carries their calls. A worker that
+//     has not dialed a peer calls it on the connection the peer dialed. When
+//     both dial at once, both call on the one the lower rank dialed: the
+//     lower prefers its own dial, the higher takes the lower's over when it
+//     accepts it. The higher's own dial then carries nothing new, but stays
+//     open until either side closes (answers to calls already made on it
+//     still come on it; closing it safely needs a word from the peer that it
+//     is done with it, which the protocol does not have yet).
 #pragma once
 
 #include <atomic>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -44,17 +46,14 @@ class ConnectionTable {
   // is written, so that nothing that comes back on it is unknown; the gate
   // keeps calls from overtaking the handshake. Connections are matched by
   // id(): a gate stands for the transport's connection it wraps.
-  void add(const ConnectionPtr& conn, int rank, bool use = true);
+  // With `prefer` (this agent is the lower rank), it replaces an accepted
+  // connection in use.
+  void add(const ConnectionPtr& conn, int rank, bool use = true, bool prefer = false);
   // An accepted connection from `rank` has passed its handshake. With
-  // `take_over`, it becomes to(rank) even when one this agent dialed is in
-  // use, and that one is returned (to be retired, 4.); otherwise null.
-  ConnectionPtr add_accepted(const ConnectionPtr& conn, int rank, bool take_over);
-  // Retired connections (4.): remembered until the agent closes them.
-  void retire(const ConnectionPtr& conn);
-  // The retired connection with this id, taken out of the table, when
-  // `idle` says it may close now; else null.
-  ConnectionPtr take_retired_if(uint64_t id, const std::function<bool()>& idle);
-  bool any_retired() const { return retired_count_.load(std::memory_order_relaxed) > 0; }
+  // `take_over` (the peer is the lower rank), it becomes to(rank) even when
+  // one this agent dialed is in use (4.).
+  void add_accepted(const ConnectionPtr& conn, int rank, bool take_over);
+  // How often add_accepted took over from this agent's own dial.
   uint64_t crossings() const { return crossings_.load(); }
   // -1 until the rank is known.
   int rank_of(const Connection& conn) const;
@@ -69,9 +68,7 @@ class ConnectionTable {
   std::vector<ConnectionPtr> peers_;                 // by rank
   std::unordered_map<uint64_t, int> rank_of_conn_;   // by connection id
   std::vector<std::unique_ptr<std::mutex>> connect_mu_;
-  std::unordered_set<uint64_t> dialed_;                  // ids of the ones add() took
-  std::unordered_map<uint64_t, ConnectionPtr> retired_;  // by id, under mu_
-  std::atomic<size_t> retired_count_{0};
+  std::unordered_set<uint64_t> dialed_;  // ids of the ones add() took
   std::atomic<uint64_t> crossings_{0};
 };
 

@@ -28,49 +28,32 @@ ConnectionPtr ConnectionTable::to(int rank) {
   return c;
 }
 
-void ConnectionTable::add(const ConnectionPtr& conn, int rank, bool use) {
+void ConnectionTable::add(const ConnectionPtr& conn, int rank, bool use, bool prefer) {
   std::unique_lock<std::shared_mutex> lock(mu_);
   rank_of_conn_[conn->id()] = rank;
   dialed_.insert(conn->id());
-  if (use && !peers_.at(rank)) peers_[rank] = conn;
+  auto& current = peers_.at(rank);
+  if (use && (!current || (prefer && !dialed_.count(current->id())))) current = conn;
   lock.unlock();
   // It may have closed before it was added: then forget() ran already, or
   // runs after this and finds it. Either way nothing stale stays.
   if (conn->closed()) forget(*conn);
 }
 
-ConnectionPtr ConnectionTable::add_accepted(const ConnectionPtr& conn, int rank, bool take_over) {
+void ConnectionTable::add_accepted(const ConnectionPtr& conn, int rank, bool take_over) {
   std::unique_lock<std::shared_mutex> lock(mu_);
   rank_of_conn_[conn->id()] = rank;
-  ConnectionPtr displaced;
   auto& current = peers_.at(rank);
   if (!current || current->closed()) {
     current = conn;
   } else if (take_over && dialed_.count(current->id())) {
     // Only our own dial gives way: an accepted connection in use stays (a
     // second one from the same peer changes nothing).
-    displaced = current;
     current = conn;
     crossings_.fetch_add(1);
   }
   lock.unlock();
   if (conn->closed()) forget(*conn);
-  return displaced;
-}
-
-void ConnectionTable::retire(const ConnectionPtr& conn) {
-  std::unique_lock<std::shared_mutex> lock(mu_);
-  if (retired_.emplace(conn->id(), conn).second) retired_count_.fetch_add(1);
-}
-
-ConnectionPtr ConnectionTable::take_retired_if(uint64_t id, const std::function<bool()>& idle) {
-  std::unique_lock<std::shared_mutex> lock(mu_);
-  auto it = retired_.find(id);
-  if (it == retired_.end() || !idle()) return nullptr;
-  ConnectionPtr c = std::move(it->second);
-  retired_.erase(it);
-  retired_count_.fetch_sub(1);
-  return c;
 }
 
 int ConnectionTable::rank_of(const Connection& conn) const {
@@ -81,7 +64,6 @@ int ConnectionTable::rank_of(const Connection& conn) const {
 
 int ConnectionTable::forget(const Connection& conn) {
   std::unique_lock<std::shared_mutex> lock(mu_);
-  if (retired_.erase(conn.id())) retired_count_.fetch_sub(1);
   dialed_.erase(conn.id());
   auto it = rank_of_conn_.find(conn.id());
   if (it == rank_of_conn_.end()) return -1;
@@ -105,17 +87,8 @@ void ConnectionTable::clear() {
   for (auto& c : peers_) c = nullptr;
   rank_of_conn_.clear();
   dialed_.clear();
-  retired_.clear();
-  retired_count_.store(0);
 }
 
-void Agent::close_if_retired(uint64_t conn_id) {
-  if (!conns_->any_retired()) return;
-  if (auto c = conns_->take_retired_if(conn_id,
-                                       [&] { return calls_->pending_on(conn_id) == 0; })) {
-    c->close("");
-  }
-}
 
 void GatedConnection::send(OutFrame&& frame) {
   if (!open_.load(std::memory_order_acquire)) {
@@ -166,7 +139,9 @@ ConnectionPtr Agent::connection_to(int rank, std::chrono::milliseconds timeout) 
     std::lock_guard<std::mutex> lock(handshakes_->mu);
     handshakes_->dialed[conn->id()] = {rank, hello.hello_nonce, gate};
   }
-  conns_->add(gate, rank);
+  // The lower rank of a pair calls on the connection it dialed, even when
+  // the peer's dial was accepted meanwhile (connection_table.h, 4.).
+  conns_->add(gate, rank, /*use=*/true, /*prefer=*/rank_ < rank);
   try {
     conn->send(encode(hello, options_.limits));
   } catch (const DisconnectedError& e) {
@@ -189,11 +164,19 @@ void Agent::on_closed_from_loop(const ConnectionPtr& conn, const std::string& re
     handshakes_->accepted.erase(cid);
   }
   const std::string peer = r >= 0 ? workers_[r].name : conn->peer_address();
+  // The transport names the peer by address ("connection reset by
+  // 10.0.0.2:4711"); say who that is.
+  std::string why = reason;
+  if (r >= 0) {
+    const std::string address = conn->peer_address();
+    const auto at = why.find(address);
+    if (at != std::string::npos) why.replace(at, address.size(), peer + " (" + address + ")");
+  }
   calls_->fail_where([cid](const CallTable::Call& c) { return c.conn_id == cid; },
                      [&](const CallTable::Call& c) {
                        return std::make_exception_ptr(DisconnectedError(
                            "connection to " + peer + " lost during '" + c.callee + "'" +
-                           (reason.empty() ? "" : ": " + reason)));
+                           (why.empty() ? "" : ": " + why)));
                      });
 }
 

@@ -76,13 +76,11 @@ void Agent::on_message_from_loop(const ConnectionPtr& conn, Message&& msg) {
       }
       c10::IValue value = msg.values.empty() ? c10::IValue() : std::move(msg.values[0]);
       calls_->complete(msg.id, std::move(value), conn->id());
-      close_if_retired(conn->id());
       return;
     }
     case MessageKind::kError:
       calls_->fail(msg.id, make_error(msg.error_code, msg.error_worker, msg.error_message),
                    conn->id());
-      close_if_retired(conn->id());
       return;
     case MessageKind::kHello:
       return;

@@ -1,10 +1,10 @@
 #include "tandem/rpc/rendezvous.h"
+#include "tandem/rpc/dial.h"
 #include "tandem/rpc/errors.h"
 #include "tandem/rpc/store_server.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>
-#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -111,50 +111,22 @@ bool store_hosted_by_launcher() {
 }
 
 void wait_for_listener(const std::string& host, int port, std::chrono::milliseconds timeout) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICSERV;
-  addrinfo* res = nullptr;
-  const std::string port_s = std::to_string(port);
-  if (::getaddrinfo(host.c_str(), port_s.c_str(), &hints, &res) != 0 || !res) return;  // c10d says why
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto pause = std::chrono::milliseconds(1);
   for (;;) {
-    bool listening = false;
-    bool refused = false;
-    for (addrinfo* ai = res; ai && !listening; ai = ai->ai_next) {
-      int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
-                        ai->ai_protocol);
-      if (fd < 0) continue;
-      // Refused at once when nobody listens yet; a host that does not answer
-      // within a second is left to c10d's own timeout.
-      int err = 0;
-      if (::connect(fd, ai->ai_addr, ai->ai_addrlen) != 0) {
-        err = errno;
-        if (err == EINPROGRESS) {
-          pollfd p{fd, POLLOUT, 0};
-          if (::poll(&p, 1, 1000) == 1) {
-            socklen_t len = sizeof(err);
-            ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
-          }
-        }
-      }
-      listening = err == 0;
-      refused = refused || err == ECONNREFUSED;
-      ::close(fd);
-    }
-    if (listening || !refused) break;
+    // Refused at once while nobody listens yet; a host that does not answer
+    // within a second, or a name that does not resolve, is left to c10d.
+    const Dialed d = dial_tcp(host, port, std::chrono::milliseconds(1000));
+    if (d.fd >= 0) ::close(d.fd);
+    if (d.fd >= 0 || d.error != ECONNREFUSED) return;
     if (std::chrono::steady_clock::now() + pause >= deadline) {
-      ::freeaddrinfo(res);
-      throw TimeoutError("rendezvous: nothing listens at " + host + ":" + port_s + " after " +
-                         std::to_string(timeout.count()) +
+      throw TimeoutError("rendezvous: nothing listens at " + host + ":" + std::to_string(port) +
+                         " after " + std::to_string(timeout.count()) +
                          " ms (is rank 0, or the launcher that hosts the store, running there?)");
     }
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(20));
   }
-  ::freeaddrinfo(res);
 }
 
 #if TORCH_VERSION_MAJOR < 2

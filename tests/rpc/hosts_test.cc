@@ -71,7 +71,7 @@ bool skipped(const Hosts& h) {
 
 }  // namespace
 
-TEST_CASE("hosts: a two-node job on addresses of its own, and the token it requires") {
+TEST_CASE("hosts: a two-node job on addresses of its own trains, and requires the token") {
   Hosts h(/*left_is_here=*/false);
   if (skipped(h)) return;
   auto node = [&](const std::string& ns, int node_rank, const std::string& token) {
@@ -98,6 +98,23 @@ TEST_CASE("hosts: a two-node job on addresses of its own, and the token it requi
                                std::to_string(rank % 2) + ") ok";
       CHECK((rank < 2 ? a : b).output.find(line) != std::string::npos);
     }
+  }
+  SUBCASE("a model split across the two hosts trains as it does in one process") {
+    const std::string bin = std::string(TANDEM_RUN_PATH).substr(0, std::string(TANDEM_RUN_PATH).rfind('/'));
+    auto mlp = [&](const std::string& ns, int node_rank) {
+      return Hosts::in(ns) + "env TANDEM_TOKEN=job-token " + TANDEM_RUN_PATH +
+             " --nnodes 2 --node-rank " + std::to_string(node_rank) +
+             " --master-addr 10.231.0.1 --master-port 29402 --nproc-per-node 1 " + bin +
+             "/model_parallel_mlp --steps 10";
+    };
+    test::RunResult a, b;
+    std::thread left([&] { a = test::run_command(mlp(h.left, 0)); });
+    b = test::run_command(mlp(h.right, 1));
+    left.join();
+    INFO(a.output << "\n----\n" << b.output);
+    CHECK(a.status == 0);
+    CHECK(b.status == 0);
+    CHECK(a.output.find("final parameters agree with") != std::string::npos);
   }
   SUBCASE("a node with another token is refused in the handshake") {
     auto [a, b] = run_both("another-token");

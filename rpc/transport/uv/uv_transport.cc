@@ -1,4 +1,5 @@
 #include "tandem/rpc/transport/uv/uv_transport.h"
+#include "tandem/rpc/dial.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -352,53 +353,9 @@ int UvTransport::listen(const std::string& host, int port) {
 ConnectionPtr UvTransport::connect(const std::string& host, int port,
                                    std::chrono::milliseconds timeout) {
   const std::string where = host + ":" + std::to_string(port);
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICSERV;
-  addrinfo* res = nullptr;
-  const std::string port_s = std::to_string(port);
-  int rc = ::getaddrinfo(host.c_str(), port_s.c_str(), &hints, &res);
-  if (rc != 0) throw DisconnectedError("cannot resolve " + where + ": " + gai_strerror(rc));
-  int fd = -1;
-  std::string err = "no address";
-  auto deadline = std::chrono::steady_clock::now() + timeout;
-  for (addrinfo* ai = res; ai && fd < 0; ai = ai->ai_next) {
-    fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol);
-    if (fd < 0) {
-      err = errno_text(errno);
-      continue;
-    }
-    int r = ::connect(fd, ai->ai_addr, ai->ai_addrlen);
-    if (r < 0 && errno == EINPROGRESS) {
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-          deadline - std::chrono::steady_clock::now());
-      pollfd p{fd, POLLOUT, 0};
-      int pr;
-      do {
-        pr = ::poll(&p, 1, timeout.count() > 0
-                               ? static_cast<int>(std::clamp<int64_t>(left.count(), 0, INT32_MAX))
-                               : -1);
-      } while (pr < 0 && errno == EINTR);
-      if (pr == 0) {
-        errno = ETIMEDOUT;
-        r = -1;
-      } else {
-        int soerr = 0;
-        socklen_t len = sizeof(soerr);
-        ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len);
-        errno = soerr;
-        r = soerr ? -1 : 0;
-      }
-    }
-    if (r < 0) {
-      err = errno_text(errno);
-      ::close(fd);
-      fd = -1;
-    }
-  }
-  ::freeaddrinfo(res);
-  if (fd < 0) throw DisconnectedError("cannot connect to " + where + ": " + err);
+  const Dialed dialed = dial_tcp(host, port, timeout);
+  if (dialed.fd < 0) throw DisconnectedError(dialed.why);
+  const int fd = dialed.fd;
   set_socket_options(fd);
   std::shared_ptr<UvConnection> conn;
   {
