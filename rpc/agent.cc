@@ -242,9 +242,15 @@ void Agent::on_hello_from_loop(const ConnectionPtr& conn, const Message& msg) {
   const uint64_t id = conn->id();
   const std::string& token = options_.token;
   std::unique_lock<std::mutex> lock(handshakes_->mu);
+  // Refuses the handshake: the connection closes with `why`, and a dialed
+  // one's gate gives `why` to any call still trying to send on it.
+  std::shared_ptr<GatedConnection> gate;
   auto reject = [&](const std::string& why) {
     lock.unlock();
-    conn->close("protocol error from " + conn->peer_address() + ": handshake rejected: " + why);
+    const std::string reason =
+        "protocol error from " + conn->peer_address() + ": handshake rejected: " + why;
+    if (gate) gate->refuse(reason);
+    conn->close(reason);
   };
   if (msg.hello_nonce.size() != (msg.hello_step == 3 ? 0 : kNonceBytes) ||
       msg.hello_proof.size() != (msg.hello_step == 1 ? 0 : kProofBytes)) {
@@ -283,6 +289,7 @@ void Agent::on_hello_from_loop(const ConnectionPtr& conn, const Message& msg) {
       if (!dialed) return reject("a step 2 nobody asked for");
       HandshakeTable::Dialed d = std::move(handshakes_->dialed[id]);
       handshakes_->dialed.erase(id);
+      gate = d.gate;
       const std::string& expected = workers_[d.rank].name;
       if (msg.hello_rank != d.rank || msg.hello_worker != expected) {
         return reject("dialed " + expected + " (rank " + std::to_string(d.rank) +
@@ -346,54 +353,63 @@ void Agent::barrier(const std::string& key, bool wait) {
   // (its late answer would be read as the next command's), and between
   // polls the workers that have not arrived are checked. One that no longer
   // accepts connections has died, and will never arrive: say so at once
-  // instead of waiting out init_timeout.
+  // instead of waiting out init_timeout. A worker may sit here for a whole
+  // training run (a parameter server, a bench's peer), so the polls thin
+  // out to ten a second, each one small request to the store, and the
+  // check of who is missing runs once a second.
   const auto start = std::chrono::steady_clock::now();
   const auto deadline = start + options_.init_timeout;
   auto pause = std::chrono::milliseconds(1);
   auto next_probe = start + std::chrono::milliseconds(200);
+  auto missing = [&] {
+    std::vector<int> out;
+    for (int r = 0; r < world_size(); ++r) {
+      if (r != rank_ && !store_->check({k + "/" + std::to_string(r)})) out.push_back(r);
+    }
+    return out;
+  };
   for (;;) {
-    std::vector<int> missing;
     try {
       if (store_->check({done})) return;
-      for (int r = 0; r < world_size(); ++r) {
-        if (r != rank_ && !store_->check({k + "/" + std::to_string(r)})) missing.push_back(r);
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= deadline) {
+        std::string names;
+        for (int r : missing()) names += (names.empty() ? "" : ", ") + workers_[r].name;
+        throw TimeoutError("graceful shutdown of " + name() +
+                           " did not meet the other workers within " +
+                           std::to_string(options_.init_timeout.count()) + " ms" +
+                           (names.empty() ? "" : ": not arrived: " + names));
       }
+      if (now >= next_probe) {
+        next_probe = now + std::chrono::seconds(1);
+        std::string gone;
+        for (int r : missing()) {
+          const std::string why = unreachable_reason(r);
+          if (why.empty()) continue;
+          // It may have arrived, and closed, since the check above.
+          if (store_->check({done})) return;
+          if (store_->check({k + "/" + std::to_string(r)})) continue;
+          gone += (gone.empty() ? "" : "; ") + workers_[r].name + " (" + why + ")";
+        }
+        if (!gone.empty()) {
+          throw DisconnectedError("graceful shutdown of " + name() +
+                                  ": worker(s) gone before reaching shutdown: " + gone);
+        }
+      }
+    } catch (const Error&) {
+      throw;
     } catch (const std::exception& e) {
       throw store_lost(e);
     }
-    const auto now = std::chrono::steady_clock::now();
-    if (now >= deadline) {
-      std::string names;
-      for (int r : missing) names += (names.empty() ? "" : ", ") + workers_[r].name;
-      throw TimeoutError("graceful shutdown of " + name() + " did not meet the other workers within " +
-                         std::to_string(options_.init_timeout.count()) + " ms" +
-                         (names.empty() ? "" : ": not arrived: " + names));
-    }
-    if (now >= next_probe && !missing.empty()) {
-      next_probe = now + std::chrono::milliseconds(500);
-      std::string gone;
-      for (int r : missing) {
-        const std::string why = unreachable_reason(r);
-        if (why.empty()) continue;
-        try {  // it may have arrived, and closed, since the check above
-          if (store_->check({done}) ) return;
-          if (store_->check({k + "/" + std::to_string(r)})) continue;
-        } catch (const std::exception& e) {
-          throw store_lost(e);
-        }
-        gone += (gone.empty() ? "" : "; ") + workers_[r].name + " (" + why + ")";
-      }
-      if (!gone.empty()) {
-        throw DisconnectedError("graceful shutdown of " + name() +
-                                ": worker(s) gone before reaching shutdown: " + gone);
-      }
-    }
     std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::milliseconds(20));
+    pause = std::min(pause * 2, std::chrono::milliseconds(100));
   }
 }
 
 std::string Agent::unreachable_reason(int rank) {
+  // An open connection to it is answer enough (keepalive would have closed
+  // it); only a worker this one holds no connection to is dialed.
+  if (auto c = conns_->to(rank); c && !c->closed()) return "";
   const WorkerInfo& w = workers_[rank];
   try {
     // A bare TCP connection, closed again at once: the peer sees it end

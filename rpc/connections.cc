@@ -94,6 +94,7 @@ void GatedConnection::send(OutFrame&& frame) {
   if (!open_.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!open_.load(std::memory_order_relaxed)) {
+      if (!refused_.empty()) throw DisconnectedError(refused_);
       if (inner_->closed()) throw DisconnectedError("connection to " + peer_address() + " is closed");
       held_.push_back(std::move(frame));
       return;
@@ -112,6 +113,12 @@ void GatedConnection::open(OutFrame&& first) {
   }
   held_.clear();
   open_.store(true, std::memory_order_release);
+}
+
+void GatedConnection::refuse(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  refused_ = why;
+  held_.clear();
 }
 
 ConnectionPtr Agent::connection_to(int rank, std::chrono::milliseconds timeout) {

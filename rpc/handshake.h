@@ -41,12 +41,16 @@ class GatedConnection final : public Connection {
   // A connection that broke meanwhile drops them (its on_closed fails the
   // calls they belonged to).
   void open(OutFrame&& first);
+  // The handshake failed: held frames are dropped, and send() throws
+  // DisconnectedError saying `why` (the connection is being closed).
+  void refuse(const std::string& why);
 
  private:
   ConnectionPtr inner_;
   std::atomic<bool> open_{false};
   std::mutex mu_;
   std::vector<OutFrame> held_;
+  std::string refused_;  // why the handshake failed; empty while it has not
 };
 
 struct HandshakeTable {
