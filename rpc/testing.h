@@ -10,7 +10,7 @@ inline size_t pending_calls(const Agent& a) { return LayerAccess::pending_calls(
 // Connections open in the agent's transport.
 inline size_t live_connections(const Agent& a) { return LayerAccess::live_connections(a); }
 // Times this agent, the higher rank of a pair that dialed each other at
-// once, took over the peer's connection and retired its own.
+// once, took over the peer's connection from its own dial.
 inline uint64_t crossed_connections(const Agent& a) { return LayerAccess::crossed_connections(a); }
 // Closes the connection to `rank` as if the network dropped it.
 inline void drop_connection(Agent& a, int rank) { LayerAccess::drop_connection(a, rank); }
