@@ -3,9 +3,11 @@
 // dispatch.cc, the connection table in connections.cc.
 #include "tandem/rpc/agent.h"
 
+#include <algorithm>
 #include <cassert>
 #include <cstdio>
 #include <cstdlib>
+#include <numeric>
 #include <sstream>
 #include <tuple>
 
@@ -168,11 +170,15 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
     // "Socket Timeout"): past init_timeout, name who never came.
     const auto deadline = std::chrono::steady_clock::now() + options_.init_timeout;
     auto pause = std::chrono::milliseconds(1);
+    std::vector<int> missing(world);
+    std::iota(missing.begin(), missing.end(), 0);
     for (;;) {
-      std::vector<int> missing;
-      for (int r = 0; r < world; ++r) {
-        if (!store_->check({"tandem/worker/" + std::to_string(r)})) missing.push_back(r);
-      }
+      // Only the entries not seen yet are asked for again.
+      missing.erase(std::remove_if(missing.begin(), missing.end(),
+                                   [&](int r) {
+                                     return store_->check({"tandem/worker/" + std::to_string(r)});
+                                   }),
+                    missing.end());
       if (missing.empty()) break;
       if (std::chrono::steady_clock::now() >= deadline) {
         std::string ranks;

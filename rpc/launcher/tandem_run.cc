@@ -58,6 +58,7 @@
 #include <memory>
 #include <vector>
 
+#include "tandem/rpc/auth.h"
 #ifdef TANDEM_RUN_HOSTS_STORE
 #include "tandem/rpc/store_server.h"
 #endif
@@ -143,21 +144,11 @@ void report(const std::string& message) {
 
 std::string errno_text(int error) { return std::strerror(error); }
 
-// `bytes` random bytes from the kernel, as hex; empty when none can be read.
+// `bytes` random bytes from the kernel (rpc/auth.h), as hex.
 std::string random_hex(size_t bytes) {
   static const char* digits = "0123456789abcdef";
-  std::string raw(bytes, '\0');
-  size_t got = 0;
-  const int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
-  while (fd >= 0 && got < bytes) {
-    const ssize_t n = ::read(fd, raw.data() + got, bytes - got);
-    if (n <= 0 && errno != EINTR) break;
-    if (n > 0) got += static_cast<size_t>(n);
-  }
-  if (fd >= 0) ::close(fd);
-  if (got < bytes) return "";
   std::string out;
-  for (unsigned char c : raw) {
+  for (unsigned char c : tandem::rpc::random_bytes(bytes)) {
     out += digits[c >> 4];
     out += digits[c & 15];
   }
