@@ -6,20 +6,22 @@
 // size, the caller sends a float tensor of max(bytes/4, 1) elements to the
 // callee's registered "echo" and gets it back.
 //
-// Prints one JSON line per size and implementation:
-//   {"bench":"rpc_echo","impl":"tandem","bytes":N,"p50_us":..,"p99_us":..,"gbps":..}
+// Prints one JSON line per size, implementation and transport (Tandem's
+// lines are measured once over TCP and once over shared memory):
+//   {"bench":"rpc_echo","impl":"tandem","transport":"tcp","bytes":N,"p50_us":..,"p99_us":..,"gbps":..}
+//   {"bench":"rpc_echo","impl":"tandem","transport":"shm","bytes":N,...}
 //   {"bench":"rpc_echo","impl":"raw_tcp","bytes":N,...}
 // gbps counts the bytes that crossed in both directions. And, like
 // ../shared/anchors/rref.py, for remote references:
-//   {"bench":"remote_create","impl":"tandem","p50_us":..}   remote() until the owner confirmed
-//   {"bench":"rref_to_here","impl":"tandem","bytes":N,"p50_us":..}   N = 0 and 1 MiB
+//   {"bench":"remote_create","impl":"tandem","transport":..,"p50_us":..}   remote() until the owner confirmed
+//   {"bench":"rref_to_here","impl":"tandem","transport":..,"bytes":N,"p50_us":..}   N = 0 and 1 MiB
 //
 // Loopback latency on a small machine is bimodal: it depends on which cores
 // the scheduler gives the two processes. So the whole measurement is repeated
 // in --rounds fresh process pairs, Tandem and raw TCP alternating, and each
 // figure is the median over rounds.
 //
-// Usage: rpc_bench [--sizes 0,1024,1048576,16777216] [--rounds 5]
+// Usage: rpc_bench [--sizes 0,1024,1048576,16777216] [--rounds 5] [--transports tcp,shm]
 #include <ATen/core/ivalue.h>
 #include <ATen/ops/zeros.h>
 #include <arpa/inet.h>
@@ -73,30 +75,36 @@ Round summarize(const std::vector<double>& lat_s) {
 }
 
 
-void emit_p50(const char* bench, int64_t bytes, const std::vector<Round>& rounds) {
+void emit_p50(const char* bench, const std::string& transport, int64_t bytes,
+              const std::vector<Round>& rounds) {
   std::vector<double> p50;
   for (const auto& r : rounds) p50.push_back(r.p50);
   if (bytes >= 0) {
-    std::printf("{\"bench\":\"%s\",\"impl\":\"tandem\",\"bytes\":%lld,\"p50_us\":%.1f,\"rounds\":%zu}\n",
-                bench, static_cast<long long>(bytes), median(p50) * 1e6, rounds.size());
+    std::printf("{\"bench\":\"%s\",\"impl\":\"tandem\",\"transport\":\"%s\",\"bytes\":%lld,"
+                "\"p50_us\":%.1f,\"rounds\":%zu}\n",
+                bench, transport.c_str(), static_cast<long long>(bytes), median(p50) * 1e6,
+                rounds.size());
   } else {
-    std::printf("{\"bench\":\"%s\",\"impl\":\"tandem\",\"p50_us\":%.1f,\"rounds\":%zu}\n", bench,
-                median(p50) * 1e6, rounds.size());
+    std::printf("{\"bench\":\"%s\",\"impl\":\"tandem\",\"transport\":\"%s\",\"p50_us\":%.1f,"
+                "\"rounds\":%zu}\n",
+                bench, transport.c_str(), median(p50) * 1e6, rounds.size());
   }
   std::fflush(stdout);
 }
 
-void emit(const char* impl, int64_t bytes, const std::vector<Round>& rounds) {
+void emit(const std::string& impl, const std::string& transport, int64_t bytes,
+          const std::vector<Round>& rounds) {
   std::vector<double> p50, p99, mean;
   for (const auto& r : rounds) {
     p50.push_back(r.p50);
     p99.push_back(r.p99);
     mean.push_back(r.mean);
   }
+  const std::string tr = transport.empty() ? "" : ",\"transport\":\"" + transport + "\"";
   std::printf(
-      "{\"bench\":\"rpc_echo\",\"impl\":\"%s\",\"bytes\":%lld,\"p50_us\":%.1f,\"p99_us\":%.1f,"
+      "{\"bench\":\"rpc_echo\",\"impl\":\"%s\"%s,\"bytes\":%lld,\"p50_us\":%.1f,\"p99_us\":%.1f,"
       "\"gbps\":%.3f,\"rounds\":%zu}\n",
-      impl, static_cast<long long>(bytes), median(p50) * 1e6, median(p99) * 1e6,
+      impl.c_str(), tr.c_str(), static_cast<long long>(bytes), median(p50) * 1e6, median(p99) * 1e6,
       2.0 * bytes / median(mean) / 1e9, rounds.size());
   std::fflush(stdout);
 }
@@ -232,11 +240,18 @@ void rref_round(Agent& agent, TandemRound& out) {
   }
 }
 
-TandemRound rpc_caller(const std::vector<int64_t>& sizes) {
+TandemRound rpc_caller(const std::vector<int64_t>& sizes, const std::string& transport) {
   TandemRound result;
   std::vector<Round>& out = result.echo;
+  ::setenv("TANDEM_TRANSPORT", transport.c_str(), 1);  // for both processes
   pid_t child = tandem::bench::spawn_peer("rpc");
   auto agent = tandem::rpc::init(registry(), options(0));
+  // A transport that does not do what was asked is no measurement of it.
+  agent->rpc_sync<at::Tensor>("worker1", "echo", at::zeros({1}));
+  if (agent->transport_to("worker1") != transport) {
+    throw std::runtime_error("asked for transport " + transport + ", got " +
+                             agent->transport_to("worker1"));
+  }
   for (int64_t bytes : sizes) {
     at::Tensor t = at::zeros({std::max<int64_t>(bytes / 4, 1)});
     int iters = iterations_for(bytes);
@@ -268,26 +283,47 @@ int main(int argc, char** argv) {
     }
     std::vector<int64_t> list = {0, 1024, 1048576, 16777216};
     int rounds = 5;
+    std::string transport_list = "tcp,shm";
     tandem::bench::Flags flags("rpc_bench");
-    flags.add("--sizes", &list, 0).add("--rounds", &rounds, 1);
+    flags.add("--sizes", &list, 0).add("--rounds", &rounds, 1).add("--transports", &transport_list);
     if (!flags.parse(argc, argv)) return 2;
-    std::vector<std::vector<Round>> ours(list.size()), raw(list.size());
-    std::vector<Round> creates;
-    std::vector<std::vector<Round>> to_here(kRRefSizes.size());
-    for (int r = 0; r < rounds; ++r) {
-      auto a = rpc_caller(list);
-      auto b = raw_client(list);
-      for (size_t i = 0; i < list.size(); ++i) {
-        ours[i].push_back(a.echo[i]);
-        raw[i].push_back(b[i]);
+    std::vector<std::string> transports;
+    for (size_t at = 0; at <= transport_list.size();) {
+      size_t comma = std::min(transport_list.find(',', at), transport_list.size());
+      std::string t = transport_list.substr(at, comma - at);
+      if (t != "tcp" && t != "shm") {
+        std::fprintf(stderr, "rpc_bench: --transports takes tcp and/or shm, not '%s'\n", t.c_str());
+        return 2;
       }
-      creates.push_back(a.remote_create);
-      for (size_t i = 0; i < kRRefSizes.size(); ++i) to_here[i].push_back(a.to_here[i]);
+      transports.push_back(t);
+      at = comma + 1;
     }
-    for (size_t i = 0; i < list.size(); ++i) emit("tandem", list[i], ours[i]);
-    for (size_t i = 0; i < list.size(); ++i) emit("raw_tcp", list[i], raw[i]);
-    emit_p50("remote_create", -1, creates);
-    for (size_t i = 0; i < kRRefSizes.size(); ++i) emit_p50("rref_to_here", kRRefSizes[i], to_here[i]);
+    const size_t nt = transports.size();
+    std::vector<std::vector<std::vector<Round>>> ours(nt, std::vector<std::vector<Round>>(list.size()));
+    std::vector<std::vector<Round>> raw(list.size());
+    std::vector<std::vector<Round>> creates(nt);
+    std::vector<std::vector<std::vector<Round>>> to_here(
+        nt, std::vector<std::vector<Round>>(kRRefSizes.size()));
+    for (int r = 0; r < rounds; ++r) {
+      for (size_t k = 0; k < nt; ++k) {
+        auto a = rpc_caller(list, transports[k]);
+        for (size_t i = 0; i < list.size(); ++i) ours[k][i].push_back(a.echo[i]);
+        creates[k].push_back(a.remote_create);
+        for (size_t i = 0; i < kRRefSizes.size(); ++i) to_here[k][i].push_back(a.to_here[i]);
+      }
+      auto b = raw_client(list);
+      for (size_t i = 0; i < list.size(); ++i) raw[i].push_back(b[i]);
+    }
+    for (size_t k = 0; k < nt; ++k) {
+      for (size_t i = 0; i < list.size(); ++i) emit("tandem", transports[k], list[i], ours[k][i]);
+    }
+    for (size_t i = 0; i < list.size(); ++i) emit("raw_tcp", "", list[i], raw[i]);
+    for (size_t k = 0; k < nt; ++k) {
+      emit_p50("remote_create", transports[k], -1, creates[k]);
+      for (size_t i = 0; i < kRRefSizes.size(); ++i) {
+        emit_p50("rref_to_here", transports[k], kRRefSizes[i], to_here[k][i]);
+      }
+    }
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "rpc_bench: %s\n", e.what());

@@ -24,7 +24,7 @@ namespace tandem::rpc {
 namespace {
 
 std::string join_worker(const WorkerInfo& w) {
-  return w.name + "\t" + w.host + "\t" + std::to_string(w.port);
+  return w.name + "\t" + w.host + "\t" + std::to_string(w.port) + "\t" + w.local;
 }
 
 WorkerInfo split_worker(const std::string& s, int rank) {
@@ -32,11 +32,17 @@ WorkerInfo split_worker(const std::string& s, int rank) {
   WorkerInfo w;
   std::string port;
   if (!std::getline(in, w.name, '\t') || !std::getline(in, w.host, '\t') ||
-      !std::getline(in, port)) {
+      !std::getline(in, port, '\t')) {
     throw std::runtime_error("malformed rendezvous entry for rank " + std::to_string(rank));
   }
+  std::getline(in, w.local);  // absent or empty: no same-host path
   w.rank = rank;
-  w.port = std::stoi(port);
+  try {
+    w.port = std::stoi(port);
+  } catch (const std::exception&) {
+    throw std::runtime_error("malformed rendezvous entry for rank " + std::to_string(rank) +
+                             ": port '" + printable(port) + "'");
+  }
   return w;
 }
 
@@ -81,6 +87,16 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
   if (options_.pool_spin.count() < 0) throw std::invalid_argument("pool_spin must be >= 0");
   if (options_.token.empty()) {
     if (const char* t = std::getenv("TANDEM_TOKEN")) options_.token = t;
+  }
+  if (options_.transport_mode.empty()) {
+    const char* m = std::getenv("TANDEM_TRANSPORT");
+    options_.transport_mode = m && *m ? m : "auto";
+  }
+  if (options_.transport_mode != "auto" && options_.transport_mode != "shm" &&
+      options_.transport_mode != "tcp") {
+    throw std::invalid_argument("transport '" + printable(options_.transport_mode) +
+                                "' is none of auto, shm, tcp (AgentOptions::transport_mode or "
+                                "TANDEM_TRANSPORT)");
   }
   self_name_ = options_.name.empty() ? "worker" + std::to_string(rank_) : options_.name;
   std::string master_host;
@@ -139,7 +155,9 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
   };
   handshakes_ = std::make_unique<HandshakeTable>();
   protocol_log_ = std::make_unique<ProtocolLog>();
-  TransportFactory make = options_.transport ? options_.transport : tcp_transport();
+  TransportFactory make = options_.transport            ? options_.transport
+                         : options_.transport_mode == "tcp" ? tcp_transport()
+                                                            : shm_transport();
   transport_ = make(options_.limits, std::move(cb));
 
   try {
@@ -151,6 +169,11 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
     }
     self.host = advertise;
     self.port = transport_->listen(listen_host, 0);
+    if (options_.transport_mode != "tcp") self.local = transport_->local_endpoint();
+    if (options_.transport_mode == "shm" && self.local.empty()) {
+      throw std::runtime_error("transport 'shm' was asked for, but this worker has no "
+                               "shared-memory endpoint (see the message above)");
+    }
 
     // An entry for this rank already there was not written by this worker:
     // another job on the same store, a second worker given this rank, or
@@ -224,6 +247,12 @@ void Agent::set_ready() {
   std::lock_guard<std::mutex> lock(ready_mu_);
   ready_.store(true, std::memory_order_release);
   ready_cv_.notify_all();
+}
+
+std::string Agent::transport_to(const std::string& to) const {
+  const int r = get_worker_info(to).rank;
+  auto c = conns_ ? conns_->to(r) : nullptr;
+  return c ? c->kind() : "";
 }
 
 TransportStats Agent::transport_stats() const {

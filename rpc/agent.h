@@ -73,6 +73,9 @@ struct WorkerInfo {
   int rank = -1;
   std::string host;
   int port = 0;
+  // Where workers on the same host reach it over shared memory
+  // (Transport::local_endpoint); empty when it offers no such path.
+  std::string local;
 };
 
 struct AgentOptions {
@@ -98,8 +101,15 @@ struct AgentOptions {
   std::string advertise_host;
   std::string token;  // cluster token checked in the handshake; empty: $TANDEM_TOKEN
   Limits limits;
-  // Makes the transport (rpc/transport.h); empty: TCP (tcp_transport()).
-  // Tests wrap it in the fault-injecting decorator (rpc/transport/faulty/).
+  // Which transport carries calls to a peer: "auto" (shared memory to a
+  // worker on the same host, TCP to the others; a failed shared-memory
+  // set-up falls back to TCP with a logged reason), "shm" (shared memory
+  // only: a peer it cannot reach that way fails the call, naming why) or
+  // "tcp". Empty: $TANDEM_TRANSPORT, else "auto".
+  std::string transport_mode;
+  // Makes the transport (rpc/transport.h); empty: shm_transport(), or
+  // tcp_transport() with transport_mode "tcp". Tests wrap it in the
+  // fault-injecting decorator (rpc/transport/faulty/).
   TransportFactory transport;
   // Keep freed host memory mapped for the next step instead of giving it back
   // to the kernel (rpc/host.h); skipped where the user tuned malloc.
@@ -131,6 +141,9 @@ class Agent : public std::enable_shared_from_this<Agent> {
   const AgentOptions& options() const { return options_; }
   // What the transport refused or held back (rpc/transport.h).
   TransportStats transport_stats() const;
+  // "shm" or "tcp": what carries this agent's calls to worker `to` now;
+  // empty while no connection to it is open.
+  std::string transport_to(const std::string& to) const;
   // This agent's remote references (rpc/rref.h is the typed front).
   RRefContext& rrefs() { return *rrefs_; }
   // The untyped call every other form goes through.

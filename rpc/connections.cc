@@ -127,8 +127,32 @@ ConnectionPtr Agent::connection_to(int rank, std::chrono::milliseconds timeout) 
   if (auto c = conns_->to(rank)) return c;
   const WorkerInfo& w = workers_[rank];
   ConnectionPtr conn;
+  const std::string& mode = options_.transport_mode;
+  if (mode != "tcp") {
+    // Shared memory where the peer is on this host (rpc/transport.h, 6.).
+    std::string why;
+    if (w.local.empty()) {
+      why = "it offers no shared-memory endpoint";
+    } else {
+      try {
+        conn = transport_->connect_local(w.local, timeout);
+        if (!conn) why = "it is on another host or network namespace";
+      } catch (const std::exception& e) {
+        why = e.what();
+        if (mode == "auto") {
+          protocol_log_->write("tandem[" + printable(name()) + "]: shared memory to " +
+                               printable(w.name) + " failed (" + printable(why) +
+                               "); using TCP");
+        }
+      }
+    }
+    if (!conn && mode == "shm") {
+      throw DisconnectedError("worker " + w.name + " cannot be reached over shared memory "
+                              "(transport 'shm'): " + why);
+    }
+  }
   try {
-    conn = transport_->connect(w.host, w.port, timeout);
+    if (!conn) conn = transport_->connect(w.host, w.port, timeout);
   } catch (const DisconnectedError& e) {
     throw DisconnectedError("worker " + w.name + " is unreachable: " + e.what());
   }

@@ -34,6 +34,7 @@ class GatedConnection final : public Connection {
   void send(OutFrame&& frame) override;
   void close(const std::string& reason) override { inner_->close(reason); }
   uint64_t id() const override { return inner_->id(); }
+  const char* kind() const override { return inner_->kind(); }
   std::string peer_address() const override { return inner_->peer_address(); }
   bool closed() override { return inner_->closed(); }
 

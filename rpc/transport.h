@@ -1,7 +1,8 @@
 // The transport moves whole frames between processes; the agent above it
 // decides what they mean. Backends live under rpc/transport/<name>/ (today:
-// uv, TCP on a libuv loop; faulty, a fault-injecting decorator for tests),
-// and the agent takes whichever AgentOptions::transport makes.
+// uv, TCP on a libuv loop; shm, same-host connections whose large tensors
+// go through shared memory, on the same loop; faulty, a fault-injecting
+// decorator for tests), and the agent takes whichever AgentOptions makes.
 //
 // Contract (tests/rpc/transport_test.cc checks it against every backend):
 //  1. listen() binds and starts accepting; connect() opens an outgoing
@@ -21,6 +22,10 @@
 //     returns once no callback runs any more.
 //  5. A connection knows nothing of ranks or workers: the agent keeps its
 //     own table of who is at the other end.
+//  6. A backend with a same-host path publishes local_endpoint() after
+//     listen(); connect_local() to another transport's endpoint returns null
+//     when that one is on another host (or network namespace), else a
+//     connection with the promises above.
 #pragma once
 
 #include <chrono>
@@ -38,6 +43,9 @@ struct TransportStats {
   uint64_t handshake_timeouts = 0;   // connections closed for a handshake too slow
   uint64_t refused_connections = 0;  // accepted and closed at once: too many in handshake
   uint64_t accept_backoffs = 0;      // accept() failed for want of descriptors or memory
+  uint64_t shared_tensors = 0;       // tensors sent through shared memory
+  uint64_t shared_bytes = 0;         // and their bytes
+  uint64_t shared_fallbacks = 0;     // large tensors sent inline: segments full or unavailable
 };
 
 class Connection {
@@ -47,6 +55,8 @@ class Connection {
   virtual void close(const std::string& reason) = 0;
   // Unique among the connections of one transport.
   virtual uint64_t id() const = 0;
+  // "tcp", or "shm" for a same-host connection of the shm backend.
+  virtual const char* kind() const { return "tcp"; }
   virtual std::string peer_address() const = 0;
   // True once the connection is closed or closing: send() would throw.
   virtual bool closed() = 0;
@@ -74,13 +84,25 @@ class Transport {
   // True on the thread that runs the callbacks (for debug assertions).
   virtual bool on_transport_thread() const = 0;
   virtual TransportStats stats() const { return {}; }
+  // Where transports on this host reach this one without TCP (6.); empty
+  // when it has no such path.
+  virtual std::string local_endpoint() const { return {}; }
+  virtual ConnectionPtr connect_local(const std::string& endpoint,
+                                      std::chrono::milliseconds timeout) {
+    (void)endpoint;
+    (void)timeout;
+    return nullptr;
+  }
 };
 
 // Makes a transport that checks frames against `limits` and reports to `callbacks`.
 using TransportFactory =
     std::function<std::unique_ptr<Transport>(const Limits& limits, Transport::Callbacks callbacks)>;
 
-// The default backend: TCP on a libuv loop (rpc/transport/uv/).
+// TCP on a libuv loop (rpc/transport/uv/).
 TransportFactory tcp_transport();
+// TCP, plus same-host connections over a Unix socket whose large tensors
+// travel through shared memory (rpc/transport/shm/): the agent's default.
+TransportFactory shm_transport();
 
 }  // namespace tandem::rpc

@@ -516,6 +516,15 @@ void FrameDecoder::feed(const char* data, size_t n) {
         have_ += take;
         if (have_ == kPreambleBytes) on_preamble();
         break;
+      case State::kTable: {
+        auto* bytes = reinterpret_cast<char*>(table_.data());
+        const size_t size = table_.size() * sizeof(SharedRef);
+        take = std::min(n, size - have_);
+        std::memcpy(bytes + have_, data, take);
+        have_ += take;
+        if (have_ == size) on_table();
+        break;
+      }
       case State::kEnvelope: {
         auto bytes = envelope_.asBytes();
         take = std::min(n, bytes.size() - have_);
@@ -585,7 +594,37 @@ void FrameDecoder::on_preamble() {
     throw ProtocolError("tensor body of " + std::to_string(preamble_.body_bytes) +
                         " bytes exceeds the limit of " + std::to_string(limits_.max_body_bytes));
   }
+  if (preamble_.flags & ~kFlagSharedTensors) {
+    throw ProtocolError("unknown frame flags " + std::to_string(preamble_.flags));
+  }
+  table_.clear();
+  if (preamble_.flags & kFlagSharedTensors) {
+    if (!resolve_shared_) {
+      throw ProtocolError("frame names tensors in shared memory, which this connection does "
+                          "not carry");
+    }
+    if (handshake_frames_ > 0) throw ProtocolError("the first frame must be a handshake");
+    if (preamble_.table_bytes == 0 || preamble_.table_bytes % sizeof(SharedRef) != 0 ||
+        preamble_.table_bytes > kMaxSharedRefs * sizeof(SharedRef)) {
+      throw ProtocolError("impossible shared tensor table of " +
+                          std::to_string(preamble_.table_bytes) + " bytes");
+    }
+    table_.resize(preamble_.table_bytes / sizeof(SharedRef));
+  } else if (preamble_.table_bytes != 0) {
+    throw ProtocolError("shared tensor table of " + std::to_string(preamble_.table_bytes) +
+                        " bytes without its flag");
+  }
   envelope_ = kj::heapArray<capnp::word>(preamble_.envelope_bytes / sizeof(capnp::word));
+  have_ = 0;
+  state_ = table_.empty() ? State::kEnvelope : State::kTable;
+}
+
+void FrameDecoder::on_table() {
+  for (size_t i = 1; i < table_.size(); ++i) {
+    if (table_[i].tensor <= table_[i - 1].tensor) {
+      throw ProtocolError("shared tensor table is not in ascending tensor order");
+    }
+  }
   have_ = 0;
   state_ = State::kEnvelope;
 }
@@ -656,6 +695,13 @@ void FrameDecoder::on_envelope() {
     auto metas = env.getTensors();
     std::vector<std::pair<c10::ScalarType, std::vector<int64_t>>> shapes;
     shapes.reserve(metas.size());
+    if (!table_.empty() && table_.back().tensor >= metas.size()) {
+      throw ProtocolError("shared tensor table names tensor " +
+                          std::to_string(table_.back().tensor) + " of " +
+                          std::to_string(metas.size()));
+    }
+    std::vector<const SharedRef*> shared(metas.size(), nullptr);
+    for (const auto& ref : table_) shared[ref.tensor] = &ref;
     for (size_t i = 0; i < metas.size(); ++i) {
       auto meta = metas[i];
       const std::string which = "tensor " + std::to_string(i) + ": ";
@@ -700,6 +746,11 @@ void FrameDecoder::on_envelope() {
         throw ProtocolError(which + "requires grad but its dtype " + c10::toString(dtype) +
                             " is not differentiable");
       }
+      if (shared[i]) {
+        if (nbytes == 0) throw ProtocolError(which + "is empty but named in shared memory");
+        shapes.emplace_back(dtype, std::move(shape));
+        continue;  // not in the body
+      }
       offset += padding_before(offset);
       if (__builtin_add_overflow(offset, nbytes, &offset) || offset > preamble_.body_bytes) {
         throw ProtocolError("tensors overrun the frame's body of " +
@@ -711,19 +762,29 @@ void FrameDecoder::on_envelope() {
       throw ProtocolError("frame body is " + std::to_string(preamble_.body_bytes) +
                           " bytes but its tensors need " + std::to_string(offset));
     }
+    // tensors_ are the ones still to be read from the body; all of them,
+    // with those in shared memory, are what the values index.
+    std::vector<at::Tensor> all;
+    all.reserve(shapes.size());
     for (size_t i = 0; i < shapes.size(); ++i) {
-      tensors_.push_back(at::empty(shapes[i].second, at::TensorOptions().dtype(shapes[i].first)));
+      if (shared[i]) {
+        all.push_back(resolve_shared_(*shared[i], shapes[i].first, shapes[i].second,
+                                      metas[i].getByteLength()));
+      } else {
+        all.push_back(at::empty(shapes[i].second, at::TensorOptions().dtype(shapes[i].first)));
+        tensors_.push_back(all.back());
+      }
       if (metas[i].getRequiresGrad()) {
         if (pending_.autograd_message != 0) {
-          pending_.grad_tensors.push_back(tensors_.back());  // the layer above records it
+          pending_.grad_tensors.push_back(all.back());  // the layer above records it
         } else {
-          tensors_.back().set_requires_grad(true);  // a new leaf, as in PyTorch
+          all.back().set_requires_grad(true);  // a new leaf, as in PyTorch
         }
       }
     }
     auto values = env.getValues();
     pending_.values.reserve(values.size());
-    for (auto v : values) pending_.values.push_back(decode_value(v, tensors_, pending_.rrefs));
+    for (auto v : values) pending_.values.push_back(decode_value(v, all, pending_.rrefs));
   } catch (const kj::Exception& e) {
     throw ProtocolError(std::string("malformed envelope: ") + e.getDescription().cStr());
   }
@@ -748,7 +809,9 @@ void FrameDecoder::advance_body() {
 }
 
 void FrameDecoder::finish() {
-  pending_.wire_bytes = kPreambleBytes + preamble_.envelope_bytes + preamble_.body_bytes;
+  pending_.wire_bytes =
+      kPreambleBytes + preamble_.table_bytes + preamble_.envelope_bytes + preamble_.body_bytes;
+  table_.clear();
   ready_.push_back(std::move(pending_));
   pending_ = Message();
   tensors_.clear();

@@ -25,6 +25,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -87,6 +88,13 @@ struct Limits {
   // past max_held_bytes held, its connection is not read until they drain.
   uint64_t max_queued_reply_bytes = 32ull << 20;
   uint64_t max_held_bytes = 32ull << 20;
+  // Shared memory (rpc/transport/shm/segments.h): tensors of at least this
+  // many bytes travel through a segment instead of the socket; each side of
+  // a connection maps at most max_shared_bytes in at most
+  // max_shared_segments segments (0 bytes: never use segments).
+  uint64_t min_shared_tensor_bytes = 32ull << 10;
+  uint64_t max_shared_bytes = 1ull << 30;
+  uint32_t max_shared_segments = 32;
 };
 
 // How deep a value tree may nest (lists in lists ...): deeper values are
@@ -103,10 +111,24 @@ struct Preamble {
   uint16_t version = kVersion;
   uint16_t flags = 0;
   uint32_t envelope_bytes = 0;
-  uint32_t reserved = 0;
+  uint32_t table_bytes = 0;  // with kFlagSharedTensors: the SharedRef table's length
   uint64_t body_bytes = 0;
 };
 static_assert(sizeof(Preamble) == kPreambleBytes, "preamble layout");
+
+// Preamble flag: a table of SharedRefs follows the preamble (before the
+// envelope); the tensors it names are in shared memory, not in the body.
+// Only the shm backend writes it, and only its connections accept it.
+constexpr uint16_t kFlagSharedTensors = 1;
+
+// Where a tensor of a frame lies in shared memory (rpc/transport/shm/).
+struct SharedRef {
+  uint32_t tensor = 0;   // index among the frame's tensors (ascending in a table)
+  uint32_t segment = 0;  // the sender's segment, numbered in announcement order
+  uint64_t offset = 0;   // the tensor's first byte, 64-byte aligned, behind its block header
+};
+static_assert(sizeof(SharedRef) == 16, "shared ref layout");
+constexpr size_t kMaxSharedRefs = 1 << 16;
 
 // The RRef forks encoding a frame made (one per RRef it carries). Encoding
 // forks before anything is sent, so a frame that is never written must undo
@@ -188,6 +210,12 @@ class FrameDecoder {
   // one's one (step 2). Until then nothing large is read or allocated.
   explicit FrameDecoder(const Limits& limits, int handshake_frames = 0)
       : limits_(limits), handshake_frames_(handshake_frames) {}
+  // Makes the tensor a frame's SharedRef names (checked; throws
+  // ProtocolError). Without one, a frame with shared tensors is refused.
+  using SharedResolver = std::function<at::Tensor(const SharedRef& ref, c10::ScalarType dtype,
+                                                  const std::vector<int64_t>& shape,
+                                                  uint64_t nbytes)>;
+  void set_shared_resolver(SharedResolver resolve) { resolve_shared_ = std::move(resolve); }
   // True while handshake frames are still expected.
   bool in_handshake() const { return handshake_frames_ > 0; }
 
@@ -206,14 +234,17 @@ class FrameDecoder {
   bool idle() const { return state_ == State::kPreamble && have_ == 0; }
 
  private:
-  enum class State { kPreamble, kEnvelope, kBody };
+  enum class State { kPreamble, kTable, kEnvelope, kBody };
   void on_preamble();
+  void on_table();
   void on_envelope();
   void advance_body();  // skips padding, moves to the next tensor, finishes the frame
   void finish();
 
   Limits limits_;
   int handshake_frames_;
+  SharedResolver resolve_shared_;
+  std::vector<SharedRef> table_;  // the current frame's, when it has one
   State state_ = State::kPreamble;
   std::array<char, kPreambleBytes> preamble_buf_{};
   Preamble preamble_;

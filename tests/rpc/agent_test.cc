@@ -551,3 +551,43 @@ TEST_CASE("agent: two workers that dial each other at once call on one connectio
   MESSAGE("crossed dials seen: " << crossings);
   CHECK(crossings > 0);
 }
+
+TEST_CASE("agent: workers on one host call over shared memory unless told otherwise") {
+  auto big = at::arange(1 << 18, at::kFloat);  // 1 MiB: through a segment on shm
+  SUBCASE("auto, the default") {
+    World w(2, define_common);
+    CHECK(w[0].transport_to("worker1").empty());  // nothing dialed yet
+    CHECK(at::equal(w[0].rpc_sync<at::Tensor>("worker1", "echo", big), big));
+    CHECK(w[0].transport_to("worker1") == "shm");
+    CHECK(w[0].transport_stats().shared_tensors == 1);  // the request
+    CHECK(w[1].transport_stats().shared_tensors == 1);  // the reply
+    w.shutdown();
+  }
+  SUBCASE("tcp, from the environment") {
+    setenv("TANDEM_TRANSPORT", "tcp", 1);
+    World w(2, define_common);
+    unsetenv("TANDEM_TRANSPORT");
+    CHECK(w[0].get_worker_info("worker1").local.empty());  // nothing published
+    CHECK(at::equal(w[0].rpc_sync<at::Tensor>("worker1", "echo", big), big));
+    CHECK(w[0].transport_to("worker1") == "tcp");
+    CHECK(w[0].transport_stats().shared_tensors == 0);
+    w.shutdown();
+  }
+  SUBCASE("shm forced, towards a peer that offers none") {
+    World w(2, define_common, [](AgentOptions& o) { o.transport_mode = o.rank == 0 ? "shm" : "tcp"; });
+    CHECK_THROWS_WITH_AS(w[0].rpc_sync<at::Tensor>("worker1", "echo", big),
+                         doctest::Contains("worker worker1 cannot be reached over shared memory "
+                                           "(transport 'shm'): it offers no shared-memory "
+                                           "endpoint"),
+                         DisconnectedError);
+    // What worker1 dials is its own choice: TCP.
+    CHECK(at::equal(w[1].rpc_sync<at::Tensor>("worker0", "echo", big), big));
+    CHECK(w[1].transport_to("worker0") == "tcp");
+    w.shutdown();
+  }
+  SUBCASE("a transport that does not exist") {
+    CHECK_THROWS_WITH_AS(World(1, {}, [](AgentOptions& o) { o.transport_mode = "udp"; }),
+                         doctest::Contains("transport 'udp' is none of auto, shm, tcp"),
+                         std::invalid_argument);
+  }
+}

@@ -7,9 +7,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <ATen/ops/arange.h>
+#include <dirent.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <set>
 
 #include "tandem/rpc/api.h"
 #include "tandem/rpc/host.h"
@@ -325,4 +329,45 @@ TEST_CASE("process: freed host memory stays mapped for the next step unless the 
   // A user's own malloc settings win.
   CHECK(probe("MALLOC_TRIM_THRESHOLD_=1073741824").first == 0);
   CHECK(probe("GLIBC_TUNABLES=glibc.malloc.trim_threshold=1073741824").first == 0);
+}
+
+TEST_CASE("process: a worker killed mid-call over shared memory is noticed at once, and leaves "
+          "nothing in /dev/shm") {
+  auto shm_files = [] {
+    std::set<std::string> names;
+    if (DIR* d = ::opendir("/dev/shm")) {
+      while (dirent* e = ::readdir(d)) names.insert(e->d_name);
+      ::closedir(d);
+    }
+    return names;
+  };
+  const auto before = shm_files();
+  const int port = support::free_port();
+  auto env = support::worker_env(0, 2, port);
+  env.push_back("TANDEM_TEST_WORKER=serve");
+  pid_t pid = support::spawn_self(env);
+  AgentOptions o;
+  o.rank = 1;
+  o.world_size = 2;
+  o.init_method = "tcp://127.0.0.1:" + std::to_string(port);
+  o.init_timeout = 30s;
+  auto agent = Agent::create(o, std::make_shared<Registry>());
+  auto big = at::arange(1 << 20, at::kFloat);  // 4 MiB each way through segments
+  at::Tensor back = agent->rpc_sync<at::Tensor>("worker0", "echo", big);
+  CHECK(agent->transport_to("worker0") == "shm");
+  CHECK(agent->transport_stats().shared_tensors == 1);
+  auto slow = agent->rpc_async<int64_t>("worker0", "sleep_ms", int64_t(30000));
+  std::this_thread::sleep_for(100ms);
+  ::kill(pid, SIGKILL);
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH_AS(slow.wait(), doctest::Contains("connection to worker0 lost"),
+                       DisconnectedError);
+  CHECK(std::chrono::steady_clock::now() - t0 < 1s);
+  support::wait_exit(pid);
+  // The reply lies in the dead worker's segment, which our mapping keeps.
+  CHECK(at::equal(back, big));
+  back = at::Tensor();
+  CHECK(shm_files() == before);
+  agent->shutdown(false);
+  agent = nullptr;
 }

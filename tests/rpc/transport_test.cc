@@ -1,7 +1,7 @@
 // The transport contract (rpc/transport.h), checked against every backend:
-// TCP, and the fault-injecting decorator over TCP with no faults planned
-// (a shared-memory backend joins the list when it lands). Then the
-// decorator's own faults, one by one.
+// TCP, shm (same-host connections with tensors in shared memory), and the
+// fault-injecting decorator over each with no faults planned. Then the
+// decorator's own faults, one by one, and what only shm does.
 #include "test_util.h"
 
 #include <ATen/ops/full.h>
@@ -9,8 +9,23 @@
 #include <condition_variable>
 #include <mutex>
 
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <ATen/ops/arange.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstring>
+
 #include "tandem/rpc/transport.h"
 #include "tandem/rpc/transport/faulty/faulty_transport.h"
+#include "tandem/rpc/transport/shm/segments.h"
 
 using namespace tandem::rpc;
 using namespace std::chrono_literals;
@@ -20,16 +35,20 @@ namespace {
 struct Backend {
   std::string name;
   TransportFactory make;
+  bool local = false;  // dial the same-host endpoint (connect_local), not TCP
 };
 
 std::vector<Backend> backends() {
   return {{"tcp", tcp_transport()},
-          {"faulty(tcp), no faults", faulty_transport(std::make_shared<FaultPlan>())}};
+          {"shm", shm_transport(), true},
+          {"faulty(tcp), no faults", faulty_transport(std::make_shared<FaultPlan>())},
+          {"faulty(shm), no faults",
+           faulty_transport(std::make_shared<FaultPlan>(), shm_transport()), true}};
 }
 
 // One transport and what its callbacks saw.
 struct Endpoint {
-  explicit Endpoint(const TransportFactory& make) {
+  explicit Endpoint(const TransportFactory& make, const Limits& limits = Limits{}) {
     Transport::Callbacks cb;
     cb.on_message = [this](const ConnectionPtr& c, Message&& m) {
       std::lock_guard<std::mutex> lock(mu);
@@ -44,7 +63,7 @@ struct Endpoint {
       closed.emplace_back(c->id(), reason);
       cv.notify_all();
     };
-    t = make(Limits{}, std::move(cb));
+    t = make(limits, std::move(cb));
   }
   ~Endpoint() { t->close(); }
 
@@ -86,8 +105,12 @@ Message request(uint64_t id, std::vector<c10::IValue> values = {}) {
 // A connection from `a` to `b`, greeted as an agent greets (the peer of an
 // accepted connection writes two handshake frames first: rpc/auth.h) and
 // seen by `b`, which then forgets the greeting: b.got holds what follows.
-ConnectionPtr open(Endpoint& a, Endpoint& b, int port) {
-  auto c = a.t->connect("127.0.0.1", port, 5s);
+// `local`: through b's same-host endpoint.
+ConnectionPtr open(Endpoint& a, Endpoint& b, int port, bool local = false) {
+  auto c = local ? a.t->connect_local(b.t->local_endpoint(), 5s)
+                 : a.t->connect("127.0.0.1", port, 5s);
+  REQUIRE(c);
+  CHECK(std::string(c->kind()) == (local ? "shm" : "tcp"));
   Message hello;
   hello.kind = MessageKind::kHello;
   hello.hello_worker = "a";
@@ -103,21 +126,22 @@ ConnectionPtr open(Endpoint& a, Endpoint& b, int port) {
   return c;
 }
 
-// Runs `body(name, factory)` for every backend, each as its own subcase.
+// Runs `body(backend)` for every backend, each as its own subcase.
 template <class F>
 void for_each_backend(F body) {
   for (const auto& b : backends()) {
-    SUBCASE(b.name.c_str()) { body(b.make); }
+    SUBCASE(b.name.c_str()) { body(b); }
   }
 }
 
 }  // namespace
 
 TEST_CASE("transport: empty, large and many-tensor messages arrive intact and in order") {
-  for_each_backend([](const TransportFactory& make) {
+  for_each_backend([](const Backend& be) {
+    const TransportFactory& make = be.make;
     Endpoint a(make), b(make);
     int port = b.t->listen("127.0.0.1", 0);
-    auto c = open(a, b, port);
+    auto c = open(a, b, port, be.local);
     c->send(encode(request(1)));  // no values at all
     auto big = at::arange(8 << 20, at::kFloat);  // 32 MiB
     c->send(encode(request(2, {big})));
@@ -139,11 +163,12 @@ TEST_CASE("transport: empty, large and many-tensor messages arrive intact and in
 }
 
 TEST_CASE("transport: close from either side is reported once on both, and send throws after") {
-  for_each_backend([](const TransportFactory& make) {
+  for_each_backend([](const Backend& be) {
+    const TransportFactory& make = be.make;
     Endpoint a(make), b(make);
     int port = b.t->listen("127.0.0.1", 0);
     SUBCASE("the connecting side closes") {
-      auto c = open(a, b, port);
+      auto c = open(a, b, port, be.local);
       c->close("");
       REQUIRE(a.wait([&] { return !a.closed.empty(); }));
       REQUIRE(b.wait([&] { return !b.closed.empty(); }));
@@ -153,7 +178,7 @@ TEST_CASE("transport: close from either side is reported once on both, and send 
       c->close("again");  // idempotent
     }
     SUBCASE("the accepting side closes") {
-      auto c = open(a, b, port);
+      auto c = open(a, b, port, be.local);
       b.peer->close("");
       REQUIRE(a.wait([&] { return !a.closed.empty(); }));
       REQUIRE(b.wait([&] { return !b.closed.empty(); }));
@@ -171,10 +196,11 @@ TEST_CASE("transport: close from either side is reported once on both, and send 
 }
 
 TEST_CASE("transport: closing with sends in flight loses no order and reports once") {
-  for_each_backend([](const TransportFactory& make) {
+  for_each_backend([](const Backend& be) {
+    const TransportFactory& make = be.make;
     Endpoint a(make), b(make);
     int port = b.t->listen("127.0.0.1", 0);
-    auto c = open(a, b, port);
+    auto c = open(a, b, port, be.local);
     auto chunk = at::ones({1 << 20});  // 4 MiB each: the socket cannot take them all at once
     int sent = 0;
     for (int i = 0; i < 40; ++i) {
@@ -196,10 +222,11 @@ TEST_CASE("transport: closing with sends in flight loses no order and reports on
 }
 
 TEST_CASE("transport: callbacks never run inline, only on the transport's thread") {
-  for_each_backend([](const TransportFactory& make) {
+  for_each_backend([](const Backend& be) {
+    const TransportFactory& make = be.make;
     Endpoint a(make), b(make);
     int port = b.t->listen("127.0.0.1", 0);
-    auto c = open(a, b, port);
+    auto c = open(a, b, port, be.local);
     c->send(encode(request(1)));
     c->close("");  // on_closed must not run inside close()
     {
@@ -217,16 +244,19 @@ TEST_CASE("transport: callbacks never run inline, only on the transport's thread
 }
 
 TEST_CASE("transport: a peer that vanishes closes the connection, sends then throw") {
-  for_each_backend([](const TransportFactory& make) {
+  for_each_backend([](const Backend& be) {
+    const TransportFactory& make = be.make;
     Endpoint a(make);
     auto b = std::make_unique<Endpoint>(make);
     int port = b->t->listen("127.0.0.1", 0);
-    auto c = open(a, *b, port);
+    auto c = open(a, *b, port, be.local);
+    const std::string endpoint = b->t->local_endpoint();
     b.reset();  // the whole peer goes, its listener too
     REQUIRE(a.wait([&] { return a.closed.size() == 1; }));
     CHECK_FALSE(a.closed.at(0).second.empty());
     CHECK_THROWS_AS(c->send(encode(request(1))), DisconnectedError);
     CHECK_THROWS_AS(a.t->connect("127.0.0.1", port, 1s), DisconnectedError);
+    if (be.local) CHECK_THROWS_AS(a.t->connect_local(endpoint, 1s), DisconnectedError);
     CHECK(a.t->live_connections() == 0);
   });
 }
@@ -294,4 +324,337 @@ TEST_CASE("faulty transport: drop, delay, duplicate, reorder and cut hit the cho
     CHECK(plan->hits(1) == 0);
   }
   CHECK_THROWS_AS(plan->add({Fault::kDrop, MessageKind::kHello}), std::invalid_argument);
+}
+
+// ---- shm: what only the shared-memory backend does -----------------------------------
+
+namespace {
+
+Limits small_pool() {
+  Limits l;
+  l.max_shared_bytes = 16 << 20;  // one 16 MiB segment
+  return l;
+}
+
+// A connected shm pair: a dials b's same-host endpoint.
+struct ShmPair {
+  explicit ShmPair(const Limits& limits = Limits{})
+      : a(shm_transport(), limits), b(shm_transport(), limits) {
+    port = b.t->listen("127.0.0.1", 0);
+    c = open(a, b, port, /*local=*/true);
+  }
+  Endpoint a, b;
+  int port = 0;
+  ConnectionPtr c;
+};
+
+at::Tensor received(Endpoint& e, size_t i) {
+  std::lock_guard<std::mutex> lock(e.mu);
+  return e.got.at(i).values.at(0).toTensor();
+}
+
+}  // namespace
+
+TEST_CASE("shm: large tensors travel through shared memory, small ones in the frame") {
+  ShmPair p(small_pool());
+  auto small = at::arange(256, at::kFloat);           // 1 KiB: inline
+  auto large = at::arange(1 << 18, at::kFloat);       // 1 MiB: shared
+  p.c->send(encode(request(1, {c10::List<at::Tensor>({small, large, small * 2})})));
+  REQUIRE(p.b.wait([&] { return p.b.got.size() == 1; }));
+  {
+    std::lock_guard<std::mutex> lock(p.b.mu);
+    auto list = p.b.got[0].values.at(0).toTensorList();
+    CHECK(at::equal(list[0], small));
+    CHECK(at::equal(list[1], large));
+    CHECK(at::equal(list[2], small * 2));
+    // What the socket carried: not the megabyte.
+    CHECK(p.b.got[0].wire_bytes < 16 << 10);
+  }
+  auto s = p.a.t->stats();
+  CHECK(s.shared_tensors == 1);
+  CHECK(s.shared_bytes == large.nbytes());
+  CHECK(s.shared_fallbacks == 0);
+}
+
+TEST_CASE("shm: blocks a receiver lets go of are reused: a long stream fits a small pool") {
+  ShmPair p(small_pool());
+  // 64 messages of 4 MiB through a 16 MiB pool: only reuse makes them fit.
+  for (int i = 0; i < 64; ++i) {
+    auto t = at::full({1 << 20}, float(i));
+    p.c->send(encode(request(i, {t})));
+    REQUIRE(p.b.wait([&] { return p.b.got.size() == 1; }));
+    CHECK(at::equal(received(p.b, 0), t));
+    std::lock_guard<std::mutex> lock(p.b.mu);
+    p.b.got.clear();  // the tensor dies: its block goes back
+  }
+  auto s = p.a.t->stats();
+  CHECK(s.shared_tensors == 64);
+  CHECK(s.shared_fallbacks == 0);
+}
+
+TEST_CASE("shm: a receiver that keeps everything fills the pool; the rest goes inline, intact") {
+  ShmPair p(small_pool());
+  std::vector<at::Tensor> sent;
+  for (int i = 0; i < 8; ++i) {
+    sent.push_back(at::full({1 << 20}, float(i)));  // 4 MiB each, 32 MiB in all
+    p.c->send(encode(request(i, {sent.back()})));
+  }
+  REQUIRE(p.b.wait([&] { return p.b.got.size() == 8; }));
+  for (int i = 0; i < 8; ++i) CHECK(at::equal(received(p.b, i), sent[i]));
+  auto s = p.a.t->stats();
+  CHECK(s.shared_tensors == 3);  // three 4 MiB blocks (and headers) fit 16 MiB
+  CHECK(s.shared_fallbacks == 5);
+  {
+    std::lock_guard<std::mutex> lock(p.b.mu);
+    p.b.got.clear();
+  }
+  p.c->send(encode(request(9, {sent[0]})));  // room again
+  REQUIRE(p.b.wait([&] { return p.b.got.size() == 1; }));
+  CHECK(p.a.t->stats().shared_tensors == 4);
+}
+
+TEST_CASE("shm: a received tensor outlives its sender and the connection") {
+  auto large = at::arange(1 << 18, at::kFloat);
+  at::Tensor kept;
+  {
+    Endpoint b(shm_transport());
+    int port = b.t->listen("127.0.0.1", 0);
+    {
+      Endpoint a(shm_transport());
+      auto c = open(a, b, port, /*local=*/true);
+      c->send(encode(request(1, {large})));
+      REQUIRE(b.wait([&] { return b.got.size() == 1; }));
+      kept = received(b, 0);
+    }  // the sender, its transport and its segments go
+    REQUIRE(b.wait([&] { return b.closed.size() == 1; }));
+    std::lock_guard<std::mutex> lock(b.mu);
+    b.got.clear();
+  }  // the receiver's transport goes too
+  CHECK(at::equal(kept, large));
+}
+
+TEST_CASE("shm: where segments cannot be made, large tensors go through the socket") {
+  testing::fail_shared_segments("refused for this test");
+  ShmPair p;
+  auto large = at::arange(1 << 18, at::kFloat);
+  p.c->send(encode(request(1, {large})));
+  REQUIRE(p.b.wait([&] { return p.b.got.size() == 1; }));
+  testing::fail_shared_segments("");
+  CHECK(at::equal(received(p.b, 0), large));
+  auto s = p.a.t->stats();
+  CHECK(s.shared_tensors == 0);
+  CHECK(s.shared_fallbacks == 1);
+}
+
+TEST_CASE("shm: connect_local tells another host from a dead endpoint") {
+  Endpoint a(shm_transport()), b(shm_transport());
+  b.t->listen("127.0.0.1", 0);
+  const std::string e = b.t->local_endpoint();
+  REQUIRE(e.rfind("shm:", 0) == 0);
+  // Another boot id or network namespace: not this host, no error.
+  CHECK(a.t->connect_local("shm:someone-else:net:[1]:tandem-00", 1s) == nullptr);
+  // This host, but nobody listens there.
+  const std::string dead = e.substr(0, e.rfind(':') + 1) + "tandem-nobody-here";
+  CHECK_THROWS_WITH_AS(a.t->connect_local(dead, 1s), doctest::Contains("tandem-nobody-here"),
+                       DisconnectedError);
+  CHECK_THROWS_AS(a.t->connect_local("tcp:whatever", 1s), std::invalid_argument);
+  // A TCP-only transport has no endpoint and dials none.
+  Endpoint t(tcp_transport());
+  t.t->listen("127.0.0.1", 0);
+  CHECK(t.t->local_endpoint().empty());
+  CHECK(t.t->connect_local(e, 1s) == nullptr);
+}
+
+// ---- shm: a hostile peer on the same host ---------------------------------------------
+
+namespace {
+
+// A raw client of a shm endpoint, which writes whatever bytes and
+// descriptors it is given (after a proper greeting).
+struct RawLocal {
+  explicit RawLocal(const std::string& endpoint) {
+    const std::string name = endpoint.substr(endpoint.rfind(':') + 1);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path + 1, name.data(), name.size());
+    fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&addr),
+                      static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size())) ==
+            0);
+    Message hello;
+    hello.kind = MessageKind::kHello;
+    hello.hello_worker = "raw";
+    for (uint8_t step : {1, 3}) {
+      hello.hello_step = step;
+      write(encode(hello).to_bytes());
+    }
+  }
+  ~RawLocal() { ::close(fd); }
+  void write(const std::string& bytes, const std::vector<int>& fds = {}) {
+    iovec iov{const_cast<char*>(bytes.data()), bytes.size()};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    std::vector<char> control(CMSG_SPACE(sizeof(int) * std::max<size_t>(fds.size(), 1)));
+    if (!fds.empty()) {
+      msg.msg_control = control.data();
+      msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
+      cmsghdr* c = CMSG_FIRSTHDR(&msg);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+      std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+    }
+    REQUIRE(::sendmsg(fd, &msg, MSG_NOSIGNAL) == ssize_t(bytes.size()));
+  }
+  int fd = -1;
+};
+
+constexpr uint64_t kRawTensorBytes = 64 << 10;
+
+// A request whose one tensor (64 KiB of floats) the table places at `ref`.
+std::string shared_frame(SharedRef ref) {
+  OutFrame f = encode(request(7, {at::zeros({int64_t(kRawTensorBytes / 4)})}));
+  Preamble pre = f.preamble;
+  pre.flags = kFlagSharedTensors;
+  pre.table_bytes = sizeof(SharedRef);
+  pre.body_bytes = 0;
+  std::string out(reinterpret_cast<const char*>(&pre), sizeof(pre));
+  out.append(reinterpret_cast<const char*>(&ref), sizeof(ref));
+  auto env = f.envelope.asBytes();
+  out.append(reinterpret_cast<const char*>(env.begin()), env.size());
+  return out;
+}
+
+// A memfd of `size` bytes, sealed against shrinking unless `seal` is
+// false, with a block as the shm backend writes it (segments.h, 3.) at
+// offset 0: its tensor starts at 64.
+int make_segment(size_t size, bool seal = true) {
+  int fd = ::memfd_create("raw-test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  REQUIRE(fd >= 0);
+  REQUIRE(::ftruncate(fd, static_cast<off_t>(size)) == 0);
+  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  REQUIRE(p != MAP_FAILED);
+  struct Header {
+    uint32_t magic, state;
+    uint64_t bytes;
+  } h{0x42485354, 1, kRawTensorBytes};
+  std::memcpy(p, &h, sizeof(h));
+  ::munmap(p, size);
+  if (seal) REQUIRE(::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) == 0);
+  return fd;
+}
+
+}  // namespace
+
+TEST_CASE("shm: bad references and descriptors close that connection, not the transport") {
+  Endpoint b(shm_transport());
+  int port = b.t->listen("127.0.0.1", 0);
+  const std::string endpoint = b.t->local_endpoint();
+  std::string expect;
+  auto closed_with = [&](RawLocal&) {
+    REQUIRE(b.wait([&] { return b.closed.size() == 1; }, 5s));
+    std::lock_guard<std::mutex> lock(b.mu);
+    INFO(b.closed[0].second);
+    CHECK(b.closed[0].second.rfind("protocol error", 0) == 0);
+    CHECK(b.closed[0].second.find(expect) != std::string::npos);
+  };
+  SUBCASE("a segment never announced") {
+    RawLocal raw(endpoint);
+    expect = "names segment 0 of 0 announced";
+    raw.write(shared_frame({0, 0, 64}));
+    closed_with(raw);
+  }
+  SUBCASE("a descriptor that is no memfd") {
+    RawLocal raw(endpoint);
+    int pipe_fds[2];
+    REQUIRE(::pipe(pipe_fds) == 0);
+    expect = "not a memfd sealed against shrinking";
+    raw.write(shared_frame({0, 0, 64}), {pipe_fds[0]});
+    closed_with(raw);
+    ::close(pipe_fds[0]);
+    ::close(pipe_fds[1]);
+  }
+  SUBCASE("a memfd that could shrink under the reader") {
+    RawLocal raw(endpoint);
+    int fd = make_segment(1 << 20, /*seal=*/false);
+    expect = "not a memfd sealed against shrinking";
+    raw.write(shared_frame({0, 0, 64}), {fd});
+    closed_with(raw);
+    ::close(fd);
+  }
+  SUBCASE("a block past the segment's end") {
+    RawLocal raw(endpoint);
+    int fd = make_segment(1 << 20);
+    expect = "do not fit its segment";
+    raw.write(shared_frame({0, 0, (1 << 20) - 64}), {fd});
+    closed_with(raw);
+    ::close(fd);
+  }
+  SUBCASE("an unaligned offset") {
+    RawLocal raw(endpoint);
+    int fd = make_segment(1 << 20);
+    expect = "do not fit its segment";
+    raw.write(shared_frame({0, 0, 100}), {fd});
+    closed_with(raw);
+    ::close(fd);
+  }
+  SUBCASE("the same block twice") {
+    RawLocal raw(endpoint);
+    int fd = make_segment(1 << 20);
+    raw.write(shared_frame({0, 0, 64}), {fd});
+    REQUIRE(b.wait([&] { return b.got.size() == 3; }));  // two greetings, then the frame
+    CHECK(received(b, 2).nbytes() == kRawTensorBytes);
+    expect = "was not freshly sent";
+    raw.write(shared_frame({0, 0, 64}));  // while the first tensor is held
+    closed_with(raw);
+    ::close(fd);
+  }
+  SUBCASE("a table naming a tensor the frame does not have") {
+    RawLocal raw(endpoint);
+    int fd = make_segment(1 << 20);
+    expect = "names tensor 3 of 1";
+    raw.write(shared_frame({3, 0, 64}), {fd});
+    closed_with(raw);
+    ::close(fd);
+  }
+  SUBCASE("more segments than allowed") {
+    RawLocal raw(endpoint);
+    std::vector<int> fds;
+    for (uint32_t i = 0; i <= Limits{}.max_shared_segments; ++i) fds.push_back(make_segment(4096));
+    expect = "more than " + std::to_string(Limits{}.max_shared_segments) + " shared segments";
+    raw.write(shared_frame({0, 0, 64}), fds);
+    closed_with(raw);
+    for (int fd : fds) ::close(fd);
+  }
+  // The transport still serves a well-behaved peer.
+  Endpoint a(shm_transport());
+  auto good = open(a, b, port, /*local=*/true);
+  good->send(encode(request(42, {at::arange(1 << 18, at::kFloat)})));
+  REQUIRE(b.wait([&] {
+    return !b.got.empty() && b.got.back().id == 42;
+  }));
+}
+
+TEST_CASE("shm: a frame naming shared tensors is refused on a TCP connection") {
+  Endpoint b(tcp_transport());
+  int port = b.t->listen("127.0.0.1", 0);
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  Message hello;
+  hello.kind = MessageKind::kHello;
+  std::string bytes;
+  for (uint8_t step : {1, 3}) {
+    hello.hello_step = step;
+    bytes += encode(hello).to_bytes();
+  }
+  bytes += shared_frame({0, 0, 64});
+  REQUIRE(::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) == ssize_t(bytes.size()));
+  REQUIRE(b.wait([&] { return b.closed.size() == 1; }));
+  CHECK(b.closed[0].second.find("which this connection does not carry") != std::string::npos);
+  ::close(fd);
 }

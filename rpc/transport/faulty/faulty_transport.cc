@@ -77,6 +77,7 @@ class FaultyConnection final : public Connection,
     inner_->close(reason);
   }
   uint64_t id() const override { return inner_->id(); }
+  const char* kind() const override { return inner_->kind(); }
   std::string peer_address() const override { return inner_->peer_address(); }
   bool closed() override { return inner_->closed(); }
 
@@ -140,6 +141,12 @@ class FaultyTransport final : public Transport {
   ConnectionPtr connect(const std::string& host, int port,
                         std::chrono::milliseconds timeout) override {
     return wrap(inner_->connect(host, port, timeout));
+  }
+  std::string local_endpoint() const override { return inner_->local_endpoint(); }
+  ConnectionPtr connect_local(const std::string& endpoint,
+                              std::chrono::milliseconds timeout) override {
+    auto c = inner_->connect_local(endpoint, timeout);
+    return c ? wrap(c) : nullptr;
   }
   void close() override {
     {

@@ -1,5 +1,8 @@
 #include "tandem/rpc/transport/uv/uv_transport.h"
+#include "tandem/rpc/auth.h"
 #include "tandem/rpc/dial.h"
+#include "tandem/rpc/log.h"
+#include "tandem/rpc/transport/shm/segments.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -10,6 +13,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <sys/un.h>
 #include <unistd.h>
 #include <uv.h>
 
@@ -19,6 +23,7 @@
 #include <cassert>
 #include <cstring>
 #include <deque>
+#include <fstream>
 
 namespace tandem::rpc {
 namespace {
@@ -61,16 +66,22 @@ std::string address_of(const sockaddr* sa) {
 }
 
 const char kZeros[kTensorAlignment] = {};
+// Descriptors one frame may announce; one read takes at most one frame's.
+constexpr size_t kMaxFdsPerRead = 64;
 
 // One frame being written: the iovecs over its buffers and how far we got.
 struct PendingWrite {
-  explicit PendingWrite(OutFrame&& f)
-      : frame(std::move(f)),
-        reply_bytes(frame.kind == MessageKind::kResponse || frame.kind == MessageKind::kError
-                        ? frame.total_bytes()
-                        : 0) {
-    iov.reserve(2 + 2 * frame.tensors.size());
+  // With `shared`, tensors of at least min_shared_tensor_bytes go through
+  // its segments where they fit (rpc/transport/shm/segments.h); the frame
+  // then carries a table of where they are instead of their bytes.
+  PendingWrite(OutFrame&& f, SegmentWriter* shared, const Limits& limits)
+      : frame(std::move(f)) {
+    if (shared) place_shared(*shared, limits);
+    const bool reply = frame.kind == MessageKind::kResponse || frame.kind == MessageKind::kError;
+    reply_bytes = reply ? frame.total_bytes() + frame.preamble.table_bytes : 0;
+    iov.reserve(3 + 2 * frame.tensors.size());
     iov.push_back({&frame.preamble, kPreambleBytes});
+    if (!table.empty()) iov.push_back({table.data(), table.size() * sizeof(SharedRef)});
     auto env = frame.envelope.asBytes();
     iov.push_back({env.begin(), env.size()});
     uint64_t offset = 0;
@@ -82,11 +93,54 @@ struct PendingWrite {
       offset += pad + n;
     }
   }
+
+  void place_shared(SegmentWriter& shared, const Limits& limits) {
+    std::vector<at::Tensor> body;
+    for (size_t i = 0; i < frame.tensors.size(); ++i) {
+      const at::Tensor& t = frame.tensors[i];
+      std::optional<SharedRef> ref;
+      if (t.nbytes() >= limits.min_shared_tensor_bytes && table.size() < kMaxSharedRefs &&
+          fds.size() < kMaxFdsPerRead) {
+        ref = shared.place(t, static_cast<uint32_t>(i), fds);
+      }
+      if (ref) {
+        table.push_back(*ref);
+      } else {
+        body.push_back(t);
+      }
+    }
+    if (table.empty()) return;
+    uint64_t offset = 0;
+    for (const auto& t : body) offset += padding_before(offset) + t.nbytes();
+    frame.tensors = std::move(body);
+    frame.preamble.body_bytes = offset;
+    frame.preamble.flags |= kFlagSharedTensors;
+    frame.preamble.table_bytes = static_cast<uint32_t>(table.size() * sizeof(SharedRef));
+  }
+
   OutFrame frame;
-  uint64_t reply_bytes;  // the whole frame when it answers the peer, else 0
+  std::vector<SharedRef> table;  // tensors placed in shared memory
+  std::vector<int> fds;          // segments announced with this frame (owned by the writer)
+  bool fds_sent = false;
+  uint64_t reply_bytes = 0;  // the whole frame when it answers the peer, else 0
   std::vector<iovec> iov;
   size_t next = 0;
 };
+
+// Where a shm backend is, as the rendezvous publishes it: this boot of this
+// machine and this network namespace (abstract sockets live in one), then
+// the socket's name.
+std::string host_key() {
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string boot;
+  std::getline(in, boot);
+  char ns[128] = {};
+  ssize_t n = ::readlink("/proc/self/ns/net", ns, sizeof(ns) - 1);
+  if (boot.empty() || n <= 0) return {};
+  return boot + ":" + std::string(ns, static_cast<size_t>(n));
+}
+
+
 
 using Clock = std::chrono::steady_clock;
 constexpr auto kSweepPeriod = std::chrono::milliseconds(250);
@@ -99,23 +153,46 @@ struct UvTransport::Loop {
   uv_async_t wake;
   uv_poll_t listen_poll;
   bool listening = false;
+  uv_poll_t local_poll;  // the shm backend's same-host listener
+  bool local_listening = false;
   uv_timer_t sweep;         // closes handshakes that took too long
   uv_timer_t accept_retry;  // restarts accepting after a back-off (EMFILE)
 };
 
 class UvConnection final : public Connection, public std::enable_shared_from_this<UvConnection> {
  public:
-  UvConnection(UvTransport* transport, int fd, uint64_t id, std::string peer, bool accepted)
+  UvConnection(UvTransport* transport, int fd, uint64_t id, std::string peer, bool accepted,
+               bool local)
       : transport_(transport), fd_(fd), id_(id), peer_(std::move(peer)), accepted_(accepted),
-        opened_at_(Clock::now()),
+        local_(local), opened_at_(Clock::now()),
         decoder_(transport->limits_, /*handshake_frames=*/accepted ? 2 : 1) {
     poll_.data = nullptr;
+    if (local_) {
+      if (transport->limits_.max_shared_bytes > 0 && transport->limits_.max_shared_segments > 0) {
+        shared_out_ = std::make_unique<SegmentWriter>(transport->limits_);
+      }
+      shared_in_ = std::make_unique<SegmentReader>(transport->limits_);
+      decoder_.set_shared_resolver([in = shared_in_.get()](const SharedRef& ref,
+                                                           c10::ScalarType dtype,
+                                                           const std::vector<int64_t>& shape,
+                                                           uint64_t nbytes) {
+        return in->tensor(ref, dtype, shape, nbytes);
+      });
+    }
   }
 
   void send(OutFrame&& frame) override {
-    auto w = std::make_unique<PendingWrite>(std::move(frame));
+    std::unique_ptr<PendingWrite> w;
+    if (!shared_out_) w = std::make_unique<PendingWrite>(std::move(frame), nullptr, Limits{});
     std::lock_guard<std::mutex> lock(write_mu_);
     if (closed_) throw DisconnectedError("connection to " + peer_ + " is closed");
+    if (shared_out_) {
+      // Placed under the lock: segments are announced in the order frames
+      // are written, which is the order the peer numbers them in.
+      const auto before = shared_out_->stats();
+      w = std::make_unique<PendingWrite>(std::move(frame), shared_out_.get(), transport_->limits_);
+      transport_->count_shared(before, shared_out_->stats(), shared_out_->unavailable(), peer_);
+    }
     if (queue_.empty()) {
       if (write_some(*w)) return;
     }
@@ -140,6 +217,7 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
   }
 
   uint64_t id() const override { return id_; }
+  const char* kind() const override { return local_ ? "shm" : "tcp"; }
   bool closed() override {
     std::lock_guard<std::mutex> lock(write_mu_);
     return closed_;
@@ -154,7 +232,20 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
       msghdr msg{};
       msg.msg_iov = &w.iov[w.next];
       msg.msg_iovlen = std::min<size_t>(w.iov.size() - w.next, IOV_MAX);
+      // New segments' descriptors ride on the frame's first bytes.
+      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerRead)];
+      if (!w.fds.empty() && !w.fds_sent) {
+        const size_t fd_bytes = sizeof(int) * w.fds.size();
+        msg.msg_control = control;
+        msg.msg_controllen = CMSG_SPACE(fd_bytes);
+        cmsghdr* c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(fd_bytes);
+        std::memcpy(CMSG_DATA(c), w.fds.data(), fd_bytes);
+      }
       ssize_t n = ::sendmsg(fd_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n > 0) w.fds_sent = true;
       if (n < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return false;
@@ -239,7 +330,12 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
   uint64_t id_;
   std::string peer_;
   const bool accepted_;
+  const bool local_;  // a same-host socket of the shm backend
   const Clock::time_point opened_at_;
+  // Shared memory (local_ only): our segments, under write_mu_; the peer's,
+  // on the loop thread.
+  std::unique_ptr<SegmentWriter> shared_out_;
+  std::unique_ptr<SegmentReader> shared_in_;
 
   // Loop thread only.
   uv_poll_t poll_;
@@ -263,9 +359,9 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
   bool want_writable_ = false;
 };
 
-UvTransport::UvTransport(Limits limits, Callbacks callbacks)
-    : limits_(limits), callbacks_(std::move(callbacks)), loop_(std::make_unique<Loop>()),
-      staging_(kStagingBytes) {
+UvTransport::UvTransport(Limits limits, Callbacks callbacks, bool shared_memory)
+    : limits_(limits), callbacks_(std::move(callbacks)), shared_memory_(shared_memory),
+      loop_(std::make_unique<Loop>()), staging_(kStagingBytes) {
   uv_loop_init(&loop_->loop);
   loop_->wake.data = this;
   uv_async_init(&loop_->loop, &loop_->wake, [](uv_async_t* h) {
@@ -347,7 +443,119 @@ int UvTransport::listen(const std::string& host, int port) {
     ::close(fd);
     throw ShutdownError("transport is closed");
   }
+  if (shared_memory_) listen_local();
   return bound;
+}
+
+void UvTransport::listen_local() {
+  // An abstract socket: no file to leave behind, and only this network
+  // namespace can reach it (which is what "the same host" means here).
+  const std::string key = host_key();
+  if (key.empty()) {
+    std::fprintf(stderr, "tandem: no same-host endpoint (cannot read this host's boot id or "
+                         "network namespace); peers on this host use TCP\n");
+    return;
+  }
+  std::string name = "tandem-";
+  for (unsigned char c : random_bytes(8)) {
+    static const char* hex = "0123456789abcdef";
+    name += hex[c >> 4];
+    name += hex[c & 15];
+  }
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path + 1, name.data(), name.size());  // sun_path[0] == 0: abstract
+  const auto len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0 ||
+      ::listen(fd, 1024) != 0) {
+    std::fprintf(stderr, "tandem: no same-host endpoint (%s); peers on this host use TCP\n",
+                 errno_text(errno).c_str());
+    if (fd >= 0) ::close(fd);
+    return;
+  }
+  bool posted = post([this, fd] {
+    if (stopped_) {
+      ::close(fd);
+      return;
+    }
+    local_fd_ = fd;
+    loop_->local_poll.data = this;
+    uv_poll_init_socket(&loop_->loop, &loop_->local_poll, fd);
+    loop_->local_listening = true;
+    watch_listener_from_loop();
+  });
+  if (!posted) {
+    ::close(fd);
+    return;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  local_endpoint_ = "shm:" + key + ":" + name;
+  local_name_ = name;
+}
+
+std::string UvTransport::local_endpoint() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return local_endpoint_;
+}
+
+ConnectionPtr UvTransport::connect_local(const std::string& endpoint,
+                                         std::chrono::milliseconds timeout) {
+  const auto cut = endpoint.rfind(':');
+  if (endpoint.rfind("shm:", 0) != 0 || cut == std::string::npos || cut < 4) {
+    throw std::invalid_argument("not a same-host endpoint: '" + endpoint + "'");
+  }
+  if (!shared_memory_) return nullptr;
+  if (endpoint.substr(4, cut - 4) != host_key()) return nullptr;  // another host or namespace
+  const std::string name = endpoint.substr(cut + 1);
+  sockaddr_un addr{};
+  if (name.empty() || name.size() + 1 > sizeof(addr.sun_path)) {
+    throw std::invalid_argument("bad same-host endpoint name in '" + endpoint + "'");
+  }
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path + 1, name.data(), name.size());
+  const auto len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  const auto deadline = Clock::now() + timeout;
+  int fd = -1;
+  for (;;) {
+    fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) throw DisconnectedError("cannot make a socket: " + errno_text(errno));
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), len) == 0) break;
+    const int err = errno;
+    ::close(fd);
+    fd = -1;
+    // A full backlog answers EAGAIN; try again until the timeout.
+    if ((err == EAGAIN || err == EINTR) && Clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      continue;
+    }
+    throw DisconnectedError("cannot connect to @" + name + ": " + errno_text(err));
+  }
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+  std::shared_ptr<UvConnection> conn;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    conn = std::make_shared<UvConnection>(this, fd, next_id_++, "shm:@" + name,
+                                          /*accepted=*/false, /*local=*/true);
+  }
+  if (!post([this, conn] { adopt_from_loop(conn); })) {
+    ::close(fd);
+    throw ShutdownError("transport is closed");
+  }
+  return conn;
+}
+
+void UvTransport::count_shared(const SharedMemoryStats& before, const SharedMemoryStats& after,
+                               const std::string& unavailable, const std::string& peer) {
+  stats_shared_tensors_ += after.tensors - before.tensors;
+  stats_shared_bytes_ += after.bytes - before.bytes;
+  stats_shared_fallbacks_ += after.inline_fallbacks - before.inline_fallbacks;
+  if (!unavailable.empty() && !shared_unavailable_logged_.exchange(true)) {
+    std::fprintf(stderr,
+                 "tandem: shared memory segments unavailable (%s); large tensors to %s and "
+                 "others go through the socket (logged once)\n",
+                 printable(unavailable).c_str(), printable(peer).c_str());
+  }
 }
 
 ConnectionPtr UvTransport::connect(const std::string& host, int port,
@@ -360,7 +568,8 @@ ConnectionPtr UvTransport::connect(const std::string& host, int port,
   std::shared_ptr<UvConnection> conn;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    conn = std::make_shared<UvConnection>(this, fd, next_id_++, where, /*accepted=*/false);
+    conn = std::make_shared<UvConnection>(this, fd, next_id_++, where, /*accepted=*/false,
+                                          /*local=*/false);
   }
   if (!post([this, conn] { adopt_from_loop(conn); })) {
     ::close(fd);
@@ -370,17 +579,24 @@ ConnectionPtr UvTransport::connect(const std::string& host, int port,
 }
 
 void UvTransport::watch_listener_from_loop() {
-  uv_poll_start(&loop_->listen_poll, UV_READABLE, [](uv_poll_t* h, int status, int) {
-    if (status >= 0) static_cast<UvTransport*>(h->data)->accept_from_loop();
-  });
+  if (loop_->listening) {
+    uv_poll_start(&loop_->listen_poll, UV_READABLE, [](uv_poll_t* h, int status, int) {
+      if (status >= 0) static_cast<UvTransport*>(h->data)->accept_from_loop(false);
+    });
+  }
+  if (loop_->local_listening) {
+    uv_poll_start(&loop_->local_poll, UV_READABLE, [](uv_poll_t* h, int status, int) {
+      if (status >= 0) static_cast<UvTransport*>(h->data)->accept_from_loop(true);
+    });
+  }
 }
 
-void UvTransport::accept_from_loop() {
+void UvTransport::accept_from_loop(bool local) {
   assert(on_transport_thread());
   for (;;) {
     sockaddr_storage ss{};
     socklen_t len = sizeof(ss);
-    int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len,
+    int fd = ::accept4(local ? local_fd_ : listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len,
                        SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       const int err = errno;
@@ -397,10 +613,10 @@ void UvTransport::accept_from_loop() {
                      "time while it lasts (logged once)\n",
                      errno_text(err).c_str(), static_cast<int>(kAcceptBackoff.count()));
       }
-      uv_poll_stop(&loop_->listen_poll);
+      if (loop_->listening) uv_poll_stop(&loop_->listen_poll);
+      if (loop_->local_listening) uv_poll_stop(&loop_->local_poll);
       uv_timer_start(&loop_->accept_retry, [](uv_timer_t* h) {
-        auto* t = static_cast<UvTransport*>(h->data);
-        if (t->loop_->listening) t->watch_listener_from_loop();
+        static_cast<UvTransport*>(h->data)->watch_listener_from_loop();
       }, static_cast<uint64_t>(kAcceptBackoff.count()), 0);
       return;
     }
@@ -411,13 +627,16 @@ void UvTransport::accept_from_loop() {
       ::close(fd);
       continue;
     }
-    set_socket_options(fd);
+    if (!local) set_socket_options(fd);
     std::shared_ptr<UvConnection> conn;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      conn = std::make_shared<UvConnection>(this, fd, next_id_++,
-                                            address_of(reinterpret_cast<sockaddr*>(&ss)),
-                                            /*accepted=*/true);
+      const uint64_t id = next_id_++;
+      conn = std::make_shared<UvConnection>(
+          this, fd, id,
+          local ? "shm:@" + local_name_ + "#" + std::to_string(id)
+                : address_of(reinterpret_cast<sockaddr*>(&ss)),
+          /*accepted=*/true, local);
     }
     adopt_from_loop(conn);
   }
@@ -460,7 +679,22 @@ void UvTransport::read_from_loop(const std::shared_ptr<UvConnection>& conn) {
     auto [direct, want] = conn->decoder_.direct_target(kDirectReadMin);
     char* buf = direct ? direct : staging_.data();
     size_t len = direct ? want : staging_.size();
-    ssize_t n = ::recv(conn->fd_, buf, len, MSG_DONTWAIT);
+    ssize_t n;
+    if (conn->local_) {
+      // Descriptors of new segments come beside the bytes; they are taken
+      // before the bytes are decoded (a frame may use one it brought).
+      iovec iov{buf, len};
+      msghdr msg{};
+      msg.msg_iov = &iov;
+      msg.msg_iovlen = 1;
+      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerRead)];
+      msg.msg_control = control;
+      msg.msg_controllen = sizeof(control);
+      n = ::recvmsg(conn->fd_, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+      if (n >= 0 && !take_descriptors(conn, msg)) return;
+    } else {
+      n = ::recv(conn->fd_, buf, len, MSG_DONTWAIT);
+    }
     if (n == 0) {
       close_from_loop(conn, conn->decoder_.idle()
                                 ? "peer " + conn->peer_ + " closed the connection"
@@ -494,6 +728,35 @@ void UvTransport::read_from_loop(const std::shared_ptr<UvConnection>& conn) {
     }
     if (static_cast<size_t>(n) < len) return;  // the socket is drained
   }
+}
+
+bool UvTransport::take_descriptors(const std::shared_ptr<UvConnection>& conn, msghdr& msg) {
+  std::vector<int> fds;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+      fds.push_back(fd);
+    }
+  }
+  std::string error;
+  if (msg.msg_flags & MSG_CTRUNC) error = "more descriptors than a frame may announce";
+  for (int fd : fds) {
+    if (!error.empty()) {
+      ::close(fd);
+      continue;
+    }
+    try {
+      conn->shared_in_->adopt(fd);  // owns fd from here on
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  if (error.empty()) return true;
+  close_from_loop(conn, "protocol error from " + conn->peer_ + ": " + error);
+  return false;
 }
 
 void UvTransport::deliver_from_loop(const std::shared_ptr<UvConnection>& conn, Message&& m) {
@@ -561,6 +824,9 @@ TransportStats UvTransport::stats() const {
   s.handshake_timeouts = stats_handshake_timeouts_.load();
   s.refused_connections = stats_refused_.load();
   s.accept_backoffs = stats_accept_backoffs_.load();
+  s.shared_tensors = stats_shared_tensors_.load();
+  s.shared_bytes = stats_shared_bytes_.load();
+  s.shared_fallbacks = stats_shared_fallbacks_.load();
   return s;
 }
 
@@ -609,6 +875,14 @@ void UvTransport::stop_from_loop() {
       t->listen_fd_ = -1;
     });
   }
+  if (loop_->local_listening) {
+    loop_->local_listening = false;
+    uv_close(reinterpret_cast<uv_handle_t*>(&loop_->local_poll), [](uv_handle_t* h) {
+      auto* t = static_cast<UvTransport*>(h->data);
+      ::close(t->local_fd_);
+      t->local_fd_ = -1;
+    });
+  }
   auto conns = conns_;
   for (auto& [id, conn] : conns) close_from_loop(conn, "transport closed");
   {
@@ -626,7 +900,13 @@ bool UvTransport::on_transport_thread() const {
 
 TransportFactory tcp_transport() {
   return [](const Limits& limits, Transport::Callbacks callbacks) -> std::unique_ptr<Transport> {
-    return std::make_unique<UvTransport>(limits, std::move(callbacks));
+    return std::make_unique<UvTransport>(limits, std::move(callbacks), /*shared_memory=*/false);
+  };
+}
+
+TransportFactory shm_transport() {
+  return [](const Limits& limits, Transport::Callbacks callbacks) -> std::unique_ptr<Transport> {
+    return std::make_unique<UvTransport>(limits, std::move(callbacks), /*shared_memory=*/true);
   };
 }
 

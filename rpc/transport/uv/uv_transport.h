@@ -1,4 +1,4 @@
-// TCP transport on a libuv loop.
+// TCP transport on a libuv loop, and the shm backend on the same loop.
 //
 // Threads and ownership:
 //  1. One loop thread per transport. It polls the listening socket and every
@@ -32,7 +32,18 @@
 //  7. When accept() fails for want of descriptors or memory (EMFILE ...),
 //     the listener is not watched for 100 ms (once logged), instead of
 //     spinning on a socket that stays readable.
+//  8. With shared_memory (shm_transport()), listen() also opens an abstract
+//     Unix socket, published as local_endpoint(); connect_local() dials one
+//     on this host. Those connections read and write frames exactly as TCP
+//     ones do (the same decoder, the same bounds and backpressure), except
+//     that tensors of at least Limits::min_shared_tensor_bytes travel
+//     through shared-memory segments (rpc/transport/shm/segments.h), whose
+//     descriptors ride beside the frames as SCM_RIGHTS. The socket is also
+//     what tells each side the other is gone: the kernel closes it when a
+//     process dies, however it dies.
 #pragma once
+
+#include <sys/socket.h>
 
 #include <atomic>
 #include <memory>
@@ -46,10 +57,11 @@
 namespace tandem::rpc {
 
 class UvConnection;
+struct SharedMemoryStats;
 
 class UvTransport final : public Transport {
  public:
-  UvTransport(Limits limits, Callbacks callbacks);
+  UvTransport(Limits limits, Callbacks callbacks, bool shared_memory = false);
   ~UvTransport() override;
 
   int listen(const std::string& host, int port) override;
@@ -59,6 +71,9 @@ class UvTransport final : public Transport {
   size_t live_connections() const override { return live_connections_.load(); }
   bool on_transport_thread() const override;
   TransportStats stats() const override;
+  std::string local_endpoint() const override;
+  ConnectionPtr connect_local(const std::string& endpoint,
+                              std::chrono::milliseconds timeout) override;
 
  private:
   friend class UvConnection;
@@ -67,7 +82,13 @@ class UvTransport final : public Transport {
   // Runs `fn` on the loop thread. False once the loop is gone.
   bool post(std::function<void()> fn);
   void run_commands();
-  void accept_from_loop();
+  void listen_local();
+  void accept_from_loop(bool local);
+  // Adopts the segment descriptors a read brought; false (connection
+  // closed) when they are not acceptable.
+  bool take_descriptors(const std::shared_ptr<UvConnection>& conn, msghdr& msg);
+  void count_shared(const SharedMemoryStats& before, const SharedMemoryStats& after,
+                    const std::string& unavailable, const std::string& peer);
   void adopt_from_loop(const std::shared_ptr<UvConnection>& conn);
   void close_from_loop(const std::shared_ptr<UvConnection>& conn, const std::string& reason);
   void read_from_loop(const std::shared_ptr<UvConnection>& conn);
@@ -81,16 +102,20 @@ class UvTransport final : public Transport {
 
   Limits limits_;
   Callbacks callbacks_;
+  const bool shared_memory_;
   std::unique_ptr<Loop> loop_;
   std::thread thread_;
   std::thread::id thread_id_;  // thread_'s, fixed once started
 
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::vector<std::function<void()>> commands_;
+  std::string local_endpoint_;  // under mu_: "shm:<boot id>:<net ns>:<name>"
+  std::string local_name_;      // under mu_: the abstract socket's name
   bool closing_ = false;    // close() was called
   bool loop_gone_ = false;  // the wake-up handle is closed; post() fails
 
   int listen_fd_ = -1;
+  int local_fd_ = -1;
   bool stopped_ = false;  // loop thread only: stop_from_loop() ran
   uint64_t next_id_ = 1;
   std::unordered_map<uint64_t, std::shared_ptr<UvConnection>> conns_;  // loop thread only
@@ -102,6 +127,10 @@ class UvTransport final : public Transport {
   std::atomic<uint64_t> stats_handshake_timeouts_{0};
   std::atomic<uint64_t> stats_refused_{0};
   std::atomic<uint64_t> stats_accept_backoffs_{0};
+  std::atomic<uint64_t> stats_shared_tensors_{0};
+  std::atomic<uint64_t> stats_shared_bytes_{0};
+  std::atomic<uint64_t> stats_shared_fallbacks_{0};
+  std::atomic<bool> shared_unavailable_logged_{false};
 };
 
 }  // namespace tandem::rpc
