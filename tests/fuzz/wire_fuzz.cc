@@ -8,7 +8,10 @@
 // An input is: one control byte, then the bytes a peer writes. The control
 // byte picks how many handshake frames must come first (0-2) and how the
 // bytes are cut into reads (1 to 128 bytes, or the decoder's own direct
-// reads into tensor storage). Every frame that decodes is encoded again and
+// reads into tensor storage); with its bit 0x40 set, the connection is a
+// shm one, whose frames may name tensors in a shared segment (one 1 MiB
+// memfd, announced before the input, with a fresh block every 4 KiB).
+// Every frame that decodes is encoded again and
 // must decode to the same kind, id and callee; then the handshake's proof
 // check runs on it. A ProtocolError ends the input (the transport would
 // close the connection); any other exception, crash, leak or undefined
@@ -18,13 +21,18 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "tandem/rpc/auth.h"
+#include "tandem/rpc/transport/shm/segments.h"
 #include "tandem/rpc/wire.h"
 
 using namespace tandem::rpc;
@@ -67,6 +75,39 @@ void check_handshake(const Message& m) {
   if (constant_time_equal(m.hello_proof, want) != (m.hello_proof == want)) std::abort();
 }
 
+constexpr size_t kSegmentBytes = 1 << 20;
+constexpr size_t kBlockBytes = 4096;
+
+// The segment the shm-mode inputs may point into: blocks as a sender
+// writes them (segments.h, 3.), rewritten fresh before every input.
+char* segment_base(int* fd_out) {
+  static int fd = -1;
+  static char* base = nullptr;
+  if (!base) {
+    fd = ::memfd_create("fuzz", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0 || ::ftruncate(fd, kSegmentBytes) != 0 ||
+        ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
+      std::abort();
+    }
+    base = static_cast<char*>(
+        ::mmap(nullptr, kSegmentBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    if (base == MAP_FAILED) std::abort();
+  }
+  *fd_out = fd;
+  return base;
+}
+
+void fresh_blocks(char* base) {
+  struct Header {
+    uint32_t magic, state;
+    uint64_t bytes;
+  };
+  for (size_t at = 0; at < kSegmentBytes; at += kBlockBytes) {
+    Header h{0x42485354, 1, kBlockBytes - 64};
+    std::memcpy(base + at, &h, sizeof(h));
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -76,6 +117,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   --size;
   const Limits limits = fuzz_limits();
   FrameDecoder dec(limits, /*handshake_frames=*/control % 3);
+  std::unique_ptr<SegmentReader> shared;
+  if (control & 0x40) {
+    int fd = -1;
+    fresh_blocks(segment_base(&fd));
+    shared = std::make_unique<SegmentReader>(limits);
+    shared->adopt(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
+    dec.set_shared_resolver([r = shared.get()](const SharedRef& ref, c10::ScalarType dtype,
+                                               const std::vector<int64_t>& shape,
+                                               uint64_t nbytes) {
+      return r->tensor(ref, dtype, shape, nbytes);
+    });
+  }
   const size_t chunk = 1 + (control >> 2) * 2;  // 1 .. 127
   const bool direct = (control & 0x80) != 0;
   size_t off = 0;
@@ -148,10 +201,35 @@ extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {
   err.error_worker = "worker1";
   err.error_message = "boom";
   auto bytes = [](const Message& m) { return encode(m).to_bytes(); };
+  // The request with its tensors: the first in the shared segment's second
+  // block, the others in the body.
+  auto shared_bytes = [&] {
+    OutFrame f = encode(tensors);
+    SharedRef ref{0, 0, kBlockBytes + 64};
+    std::vector<at::Tensor> body(f.tensors.begin() + 1, f.tensors.end());
+    uint64_t offset = 0;
+    for (const auto& t : body) offset += padding_before(offset) + t.nbytes();
+    Preamble pre = f.preamble;
+    pre.flags = kFlagSharedTensors;
+    pre.table_bytes = sizeof(SharedRef);
+    pre.body_bytes = offset;
+    std::string out(reinterpret_cast<const char*>(&pre), sizeof(pre));
+    out.append(reinterpret_cast<const char*>(&ref), sizeof(ref));
+    auto env = f.envelope.asBytes();
+    out.append(reinterpret_cast<const char*>(env.begin()), env.size());
+    offset = 0;
+    for (const auto& t : body) {
+      out.append(padding_before(offset), '\0');
+      out.append(static_cast<const char*>(t.data_ptr()), t.nbytes());
+      offset += padding_before(offset) + t.nbytes();
+    }
+    return out;
+  };
   write("handshake", 2 | (4 << 2), bytes(hello) + bytes(proof) + bytes(req));
   write("request", 0, bytes(req));
   write("tensors", 0x80, bytes(tensors));
   write("tensors_small_reads", 1 << 2, bytes(tensors));
   write("response_error", 0, bytes(resp) + bytes(err));
+  write("shared_tensor", 0x40, shared_bytes());
   std::exit(0);
 }
