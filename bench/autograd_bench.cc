@@ -78,9 +78,12 @@ struct Figures {
   double record_per_rpc = 0;
 };
 
+std::string g_transport;  // what carried the calls: "tcp" or "shm"
+
 std::vector<Figures> round_trip(const std::vector<int>& hop_counts, int iters) {
   pid_t child = tandem::bench::spawn_peer("callee");
   auto agent = rpc::init(registry(), options(0));
+  g_transport = tandem::bench::transport_to(*agent, "worker1");
   at::Tensor x = at::ones({64}).requires_grad_();
   std::vector<Figures> out;
   for (int hops : hop_counts) {
@@ -204,9 +207,10 @@ int main(int argc, char** argv) {
     }
     for (size_t i = 0; i < hop_counts.size(); ++i) {
       std::printf(
-          "{\"bench\":\"dist_backward\",\"impl\":\"tandem\",\"hops\":%d,\"p50_us\":%.1f,"
-          "\"record_us_per_rpc\":%.1f,\"rounds\":%d}\n",
-          hop_counts[i], median(back[i]) * 1e6, median(record[i]) * 1e6, rounds);
+          "{\"bench\":\"dist_backward\",\"impl\":\"tandem\",\"transport\":\"%s\",\"hops\":%d,"
+          "\"p50_us\":%.1f,\"record_us_per_rpc\":%.1f,\"rounds\":%d}\n",
+          g_transport.c_str(), hop_counts[i], median(back[i]) * 1e6, median(record[i]) * 1e6,
+          rounds);
       std::fflush(stdout);
     }
     std::printf("{\"bench\":\"dist_record\",\"impl\":\"tandem\",\"p50_us\":%.2f}\n",

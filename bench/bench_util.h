@@ -44,6 +44,17 @@ inline int serve_as_peer(const std::string& role, rpc::AgentOptions options) {
   return 0;
 }
 
+// What carries `agent`'s calls to `peer` ("tcp" or "shm"), once a call
+// (to no function: its refusal is expected) opened the connection: a bench
+// line says which transport it measured.
+inline std::string transport_to(rpc::Agent& agent, const std::string& peer) {
+  try {
+    agent.call(peer, "bench.no_such_function", {}).wait();
+  } catch (const std::exception&) {
+  }
+  return agent.transport_to(peer);
+}
+
 inline double percentile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
   return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))];

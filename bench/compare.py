@@ -4,8 +4,11 @@
 Reads JSON lines (as printed by build/bin/rpc_bench and ../shared/anchors/*.py)
 from the files given, or stdin; lines that are not JSON objects are ignored.
 Lines are grouped by `bench` and their size key (`bytes`, `hops` or `world`,
-possibly absent; a pipeline line by its schedule, stages and chunks). For each metric of the tandem line it prints the tandem,
-PyTorch and raw_tcp values and the ratios tandem/pytorch and tandem/raw_tcp.
+possibly absent; a pipeline line by its schedule, stages and chunks). For each
+metric of the tandem lines it prints Tandem's value over TCP (column tandem;
+also a line that names no transport), over shared memory (tandem_shm: lines
+with "transport":"shm"), PyTorch's and raw_tcp's, and the ratios to PyTorch
+and raw TCP.
 Where PyTorch reports several paths (rpc_echo: python, builtin) the better one
 is used: lowest time, highest gbps; its path is shown.
 
@@ -21,8 +24,8 @@ METRICS = ("p50_us", "p99_us", "gbps", "ms", "local_ms", "overhead_ms", "ms_per_
            "init_ms", "all_to_all_ms", "shutdown_ms")
 HIGHER_IS_BETTER = {"gbps", "overlap", "samples_per_s", "single_worker_samples_per_s",
                     "efficiency"}
-HEADER = ("bench", "size", "metric", "tandem", "pytorch", "path", "raw_tcp",
-          "tandem/pytorch", "tandem/raw_tcp")
+HEADER = ("bench", "size", "metric", "tandem", "tandem_shm", "pytorch", "path", "raw_tcp",
+          "tandem/pytorch", "shm/pytorch", "tandem/raw_tcp")
 LEFT = {"bench", "size", "metric", "path"}  # text columns; the rest align right
 
 
@@ -37,6 +40,8 @@ def read_records(streams):
             except ValueError:
                 continue
             if isinstance(rec, dict) and "bench" in rec and "impl" in rec:
+                if rec["impl"] == "tandem" and rec.get("transport") == "shm":
+                    rec = dict(rec, impl="tandem_shm")
                 yield with_derived(rec)
 
 
@@ -121,21 +126,21 @@ def build_rows(records):
 
     rows = []
     for (bench, key, value), by_impl in groups.items():
-        tandem = by_impl.get("tandem", [])
-        # Rows follow the tandem line's metrics; with no tandem line, show what others have.
+        tandem = by_impl.get("tandem", []) + by_impl.get("tandem_shm", [])
+        # Rows follow the tandem lines' metrics; with none, show what others have.
         source = tandem or [r for recs in by_impl.values() for r in recs]
         metrics = [m for m in METRICS if any(m in r for r in source)]
         first = True
         for m in metrics:
-            t, p, raw = (best(median_per_path(by_impl.get(i, [])), m)
-                         for i in ("tandem", "pytorch", "raw_tcp"))
-            tv, pv, rv = (r[m] if r else None for r in (t, p, raw))
+            t, s, p, raw = (best(median_per_path(by_impl.get(i, [])), m)
+                            for i in ("tandem", "tandem_shm", "pytorch", "raw_tcp"))
+            tv, sv, pv, rv = (r[m] if r else None for r in (t, s, p, raw))
             # Name the PyTorch path only when it alone gave the best value.
             ties = [r for r in median_per_path(by_impl.get("pytorch", [])) if p and r.get(m) == pv]
             path = p.get("path", "-") if p and len(ties) == 1 else "-"
             rows.append((bench if first else "", fmt_size(key, value) if first else "", m,
-                         fmt_num(tv), fmt_num(pv), path,
-                         fmt_num(rv), ratio(tv, pv), ratio(tv, rv)))
+                         fmt_num(tv), fmt_num(sv), fmt_num(pv), path,
+                         fmt_num(rv), ratio(tv, pv), ratio(sv, pv), ratio(tv, rv)))
             first = False
     return rows
 

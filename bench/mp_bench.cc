@@ -12,7 +12,8 @@
 // --rounds fresh process pairs of the mean step time of --steps steps
 // (after --warmup).
 //
-// Prints: {"bench":"mp_mlp_step","impl":"tandem","ms":..,"local_ms":..,"loss":..}
+// Prints: {"bench":"mp_mlp_step","impl":"tandem","transport":..,"ms":..,"local_ms":..,"loss":..}
+// ($TANDEM_TRANSPORT picks the transport; "transport" says which carried the calls)
 //
 // Usage: mp_bench [--steps 50] [--warmup 10] [--rounds 3] [--phases 1] [--local 0]
 #include <ATen/Parallel.h>
@@ -99,10 +100,12 @@ double local_step_ms(int steps, int warmup) {
 struct Figures {
   double ms, local_ms, loss;
 };
+std::string g_transport;  // what carried the calls: "tcp" or "shm"
 
 Figures round(int steps, int warmup) {
   pid_t child = tandem::bench::spawn_peer("worker1");
   auto agent = rpc::init(std::make_shared<rpc::Registry>(), options(0));
+  g_transport = tandem::bench::transport_to(*agent, "worker1");
   Figures f{};
   {
     at::manual_seed(0);
@@ -185,9 +188,9 @@ int main(int argc, char** argv) {
       loss = f.loss;
     }
     std::printf(
-        "{\"bench\":\"mp_mlp_step\",\"impl\":\"tandem\",\"ms\":%.3f,\"local_ms\":%.3f,"
-        "\"loss\":%.4f,\"rounds\":%d}\n",
-        median(ms), median(local_ms), loss, rounds);
+        "{\"bench\":\"mp_mlp_step\",\"impl\":\"tandem\",\"transport\":\"%s\",\"ms\":%.3f,"
+        "\"local_ms\":%.3f,\"loss\":%.4f,\"rounds\":%d}\n",
+        g_transport.c_str(), median(ms), median(local_ms), loss, rounds);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "mp_bench: %s\n", e.what());
