@@ -358,7 +358,9 @@ void Agent::on_hello_from_loop(const ConnectionPtr& conn, const Message& msg) {
       lock.unlock();
       // One connection per pair (connection_table.h, 4.): when both dialed,
       // the lower rank keeps the one it dialed.
-      conns_->add_accepted(conn, a.rank, /*take_over=*/a.rank < rank_);
+      if (auto lost = conns_->add_accepted(conn, a.rank, /*take_over=*/a.rank < rank_)) {
+        retire(lost);
+      }
       return;
     }
     default:

@@ -67,6 +67,8 @@ struct LayerAccess;
 
 constexpr std::chrono::milliseconds kDefaultTimeout{-1};  // "use the agent's default"
 constexpr std::chrono::milliseconds kNoTimeout{0};
+// The one-way notice that retires a connection (connection_table.h, 4.).
+constexpr const char* kRetireCallee = "tandem.conn.retire";
 
 struct WorkerInfo {
   std::string name;
@@ -200,6 +202,13 @@ class Agent : public std::enable_shared_from_this<Agent> {
   // connections.cc: the connection to `rank`, opened and greeted on first use.
   ConnectionPtr connection_to(int rank, std::chrono::milliseconds timeout);
   void on_closed_from_loop(const ConnectionPtr& conn, const std::string& reason);
+  // The second connection of a pair that dialed each other at once
+  // (connection_table.h, 4.): each side tells the other it sends no more
+  // requests on it (retire), and once both have, and neither owes the other
+  // an answer on it, it is closed (maybe_close_retired).
+  void retire(const ConnectionPtr& conn);
+  void on_retire_from_loop(const ConnectionPtr& conn);
+  void maybe_close_retired(uint64_t conn_id);
 
   // dispatch.cc: the incoming side.
   void on_message_from_loop(const ConnectionPtr& conn, Message&& msg);
@@ -236,6 +245,14 @@ class Agent : public std::enable_shared_from_this<Agent> {
   std::shared_ptr<ThreadPool> pool_;
   std::unique_ptr<CallTable> calls_;
   std::unique_ptr<ConnectionTable> conns_;
+  struct Retiring {
+    ConnectionPtr conn;
+    bool sent = false;      // we told the peer
+    bool received = false;  // the peer told us
+  };
+  std::mutex retire_mu_;
+  std::unordered_map<uint64_t, Retiring> retiring_;  // by connection id
+  std::atomic<size_t> retiring_count_{0};            // retiring_.size(), read without the lock
   std::unique_ptr<HandshakeTable> handshakes_;
   std::unique_ptr<ProtocolLog> protocol_log_;  // rate-limited lines about bad peers
   std::unique_ptr<Transport> transport_;

@@ -162,3 +162,29 @@ void CallTable::timer_loop() {
 }
 
 }  // namespace tandem::rpc
+
+namespace tandem::rpc {
+
+bool CallTable::any_on(uint64_t conn_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [id, call] : calls_) {
+    if (call.conn_id == conn_id) return true;
+  }
+  return false;
+}
+
+void CallTable::mark_sent(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = calls_.find(id);
+  if (it != calls_.end()) it->second.sent = true;
+}
+
+bool CallTable::move_to(uint64_t id, uint64_t conn_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = calls_.find(id);
+  if (it == calls_.end()) return false;
+  it->second.conn_id = conn_id;
+  return true;
+}
+
+}  // namespace tandem::rpc

@@ -43,6 +43,10 @@ class CallTable {
     RawFuture future;
     int peer = -1;
     uint64_t conn_id = 0;
+    // Its request was written to conn_id (a call registered on a connection
+    // that turned out to be retired is sent again elsewhere: losing that
+    // connection must not fail it).
+    bool sent = false;
     std::string callee;
     bool has_deadline = false;
     Clock::time_point deadline;
@@ -68,6 +72,13 @@ class CallTable {
   // Runs `fn` (through `post`) after `delay`; dropped once stopped.
   void schedule_after(std::chrono::microseconds delay, std::function<void()> fn);
 
+  // True while a call sent on connection `conn_id` waits for its answer.
+  bool any_on(uint64_t conn_id) const;
+  // Call `id` goes on connection `conn_id` now (its request is sent again
+  // there); false when it is no longer in the table.
+  bool move_to(uint64_t id, uint64_t conn_id);
+  // Call `id`'s request was written to its connection.
+  void mark_sent(uint64_t id);
   bool accepting() const;
   void close_new();  // add() refuses from now on
   void wait_idle();  // until no call is in flight

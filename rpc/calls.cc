@@ -74,36 +74,64 @@ RawFuture Agent::start_call(const std::string& to, const std::string& fn,
     fut->setError(shut_down());
     return fut;
   }
-  ConnectionPtr conn;
-  try {
-    auto connect_timeout = call.has_deadline
-                               ? std::chrono::duration_cast<std::chrono::milliseconds>(
-                                     call.deadline - Clock::now())
-                               : std::chrono::milliseconds(30000);
-    conn = connection_to(dest.rank, std::max(connect_timeout, std::chrono::milliseconds(1)));
-  } catch (...) {
-    fut->setError(std::current_exception());
-    return fut;
-  }
-  call.conn_id = conn->id();
-  if (!calls_->add(req.id, std::move(call))) {
-    fut->setError(shut_down());
-    return fut;
-  }
-  try {
-    conn->send(std::move(frame));
-    forks.commit();
-  } catch (const Error& e) {
+  const bool has_deadline = call.has_deadline;
+  const auto deadline = call.deadline;
+  for (int attempt = 0;; ++attempt) {
+    ConnectionPtr conn;
+    try {
+      auto connect_timeout = has_deadline ? std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                deadline - Clock::now())
+                                          : std::chrono::milliseconds(30000);
+      conn = connection_to(dest.rank, std::max(connect_timeout, std::chrono::milliseconds(1)));
+    } catch (...) {
+      if (attempt == 0) {
+        fut->setError(std::current_exception());
+      } else {
+        calls_->fail(req.id, std::current_exception(), 0);
+      }
+      return fut;
+    }
+    if (attempt == 0) {
+      call.conn_id = conn->id();
+      if (!calls_->add(req.id, std::move(call))) {
+        fut->setError(shut_down());
+        return fut;
+      }
+    } else if (!calls_->move_to(req.id, conn->id())) {
+      return fut;  // completed meanwhile (its deadline passed)
+    }
+    try {
+      conn->send(std::move(frame));
+      forks.commit();
+      calls_->mark_sent(req.id);
+      // A close that ran before the mark did not fail the call (it was not
+      // sent yet, as far as it knew): fail it here.
+      if (conn->closed()) {
+        calls_->fail(req.id,
+                     std::make_exception_ptr(DisconnectedError(
+                         "connection to " + to + " lost during '" + fn + "'")),
+                     0);
+      }
+    } catch (const RetiredError&) {
+      // That connection was retired (a crossed dial, connection_table.h 4.)
+      // after we took it: the frame is still ours, send it on the current one.
+      if (attempt < 16) continue;
+      calls_->fail(req.id,
+                   std::make_exception_ptr(DisconnectedError(
+                       "cannot send '" + fn + "' to " + to + ": its connections keep retiring")),
+                   0);
+    } catch (const Error& e) {
     // The connection broke under us (a frame cut short is dropped by the
     // peer); on_closed may already have failed the call, in which case this
     // finds nothing to complete. The forks are undone as `forks` goes; the
     // table's to() skips the closed connection from now on.
-    calls_->fail(req.id,
-                 std::make_exception_ptr(
-                     DisconnectedError("cannot send '" + fn + "' to " + to + ": " + e.what())),
-                 0);
+      calls_->fail(req.id,
+                   std::make_exception_ptr(
+                       DisconnectedError("cannot send '" + fn + "' to " + to + ": " + e.what())),
+                   0);
+    }
+    return fut;
   }
-  return fut;
 }
 
 void Agent::notify(const std::string& to, const std::string& fn, std::vector<c10::IValue> args) {
@@ -117,13 +145,20 @@ void Agent::notify(const std::string& to, const std::string& fn, std::vector<c10
   OutFrame frame = encode_with_extensions(req, dest.rank);
   Forks forks = std::move(frame.forks);
   if (!calls_->accepting()) throw ShutdownError("agent " + name() + " is shut down; cannot notify " + to);
-  try {
-    auto timeout = options_.rpc_timeout.count() > 0 ? options_.rpc_timeout
-                                                    : std::chrono::milliseconds(30000);
-    connection_to(dest.rank, timeout)->send(std::move(frame));
-    forks.commit();
-  } catch (const Error& e) {
-    throw DisconnectedError("cannot send '" + fn + "' to " + to + ": " + e.what());
+  for (int attempt = 0;; ++attempt) {
+    try {
+      auto timeout = options_.rpc_timeout.count() > 0 ? options_.rpc_timeout
+                                                      : std::chrono::milliseconds(30000);
+      connection_to(dest.rank, timeout)->send(std::move(frame));
+      forks.commit();
+      return;
+    } catch (const RetiredError&) {
+      if (attempt < 16) continue;  // retired after we took it: the current one
+      throw DisconnectedError("cannot send '" + fn + "' to " + to +
+                              ": its connections keep retiring");
+    } catch (const Error& e) {
+      throw DisconnectedError("cannot send '" + fn + "' to " + to + ": " + e.what());
+    }
   }
 }
 

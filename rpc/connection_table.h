@@ -15,10 +15,13 @@
 //     has not dialed a peer calls it on the connection the peer dialed. When
 //     both dial at once, both call on the one the lower rank dialed: the
 //     lower prefers its own dial, the higher takes the lower's over when it
-//     accepts it. The higher's own dial then carries nothing new, but stays
-//     open until either side closes (answers to calls already made on it
-//     still come on it; closing it safely needs a word from the peer that it
-//     is done with it, which the protocol does not have yet).
+//     accepts it. add() and add_accepted() return the connection that lost
+//     (the higher's dial), and each side retires it: it writes a notice
+//     that it sends no more requests there (a request that still tries is
+//     sent again on the current connection), and once each side has the
+//     other's notice, has its own calls on it answered and owes no answer
+//     on it, it closes it (Agent::retire; transport.h, 6.). Nothing in
+//     flight is lost, and a crossed pair ends with one socket.
 #pragma once
 
 #include <atomic>
@@ -48,11 +51,14 @@ class ConnectionTable {
   // id(): a gate stands for the transport's connection it wraps.
   // With `prefer` (this agent is the lower rank), it replaces an accepted
   // connection in use.
-  void add(const ConnectionPtr& conn, int rank, bool use = true, bool prefer = false);
+  // Returns the connection that is not to(rank) because of this call (the
+  // one replaced, or `conn` when it was not taken), or null.
+  ConnectionPtr add(const ConnectionPtr& conn, int rank, bool use = true, bool prefer = false);
   // An accepted connection from `rank` has passed its handshake. With
   // `take_over` (the peer is the lower rank), it becomes to(rank) even when
   // one this agent dialed is in use (4.).
-  void add_accepted(const ConnectionPtr& conn, int rank, bool take_over);
+  // Returns what lost, as add() does.
+  ConnectionPtr add_accepted(const ConnectionPtr& conn, int rank, bool take_over);
   // How often add_accepted took over from this agent's own dial.
   uint64_t crossings() const { return crossings_.load(); }
   // -1 until the rank is known.

@@ -28,32 +28,49 @@ ConnectionPtr ConnectionTable::to(int rank) {
   return c;
 }
 
-void ConnectionTable::add(const ConnectionPtr& conn, int rank, bool use, bool prefer) {
+ConnectionPtr ConnectionTable::add(const ConnectionPtr& conn, int rank, bool use, bool prefer) {
   std::unique_lock<std::shared_mutex> lock(mu_);
   rank_of_conn_[conn->id()] = rank;
   dialed_.insert(conn->id());
   auto& current = peers_.at(rank);
-  if (use && (!current || (prefer && !dialed_.count(current->id())))) current = conn;
+  ConnectionPtr lost;
+  if (use) {
+    if (!current || current->closed()) {
+      current = conn;
+    } else if (prefer && !dialed_.count(current->id())) {
+      lost = current;  // the peer's dial, which we had been using
+      current = conn;
+    } else {
+      lost = conn;
+    }
+  }
   lock.unlock();
   // It may have closed before it was added: then forget() ran already, or
   // runs after this and finds it. Either way nothing stale stays.
   if (conn->closed()) forget(*conn);
+  return lost;
 }
 
-void ConnectionTable::add_accepted(const ConnectionPtr& conn, int rank, bool take_over) {
+ConnectionPtr ConnectionTable::add_accepted(const ConnectionPtr& conn, int rank, bool take_over) {
   std::unique_lock<std::shared_mutex> lock(mu_);
   rank_of_conn_[conn->id()] = rank;
   auto& current = peers_.at(rank);
+  ConnectionPtr lost;
   if (!current || current->closed()) {
     current = conn;
   } else if (take_over && dialed_.count(current->id())) {
-    // Only our own dial gives way: an accepted connection in use stays (a
-    // second one from the same peer changes nothing).
+    // Only our own dial gives way to the lower rank's.
+    lost = current;
     current = conn;
     crossings_.fetch_add(1);
+  } else if (dialed_.count(current->id())) {
+    lost = conn;  // the higher rank's dial crossed ours: ours stays
   }
+  // (A second connection from a peer whose first we still use is a redial
+  // racing the first one's close: that one goes by itself.)
   lock.unlock();
   if (conn->closed()) forget(*conn);
+  return lost;
 }
 
 int ConnectionTable::rank_of(const Connection& conn) const {
@@ -94,6 +111,9 @@ void GatedConnection::send(OutFrame&& frame) {
   if (!open_.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!open_.load(std::memory_order_relaxed)) {
+      if (held_retire_ && frame.kind == MessageKind::kRequest) {
+        throw RetiredError("connection to " + peer_address() + " is retired");
+      }
       if (!refused_.empty()) throw DisconnectedError(refused_);
       if (inner_->closed()) throw DisconnectedError("connection to " + peer_address() + " is closed");
       held_.push_back(std::move(frame));
@@ -103,15 +123,29 @@ void GatedConnection::send(OutFrame&& frame) {
   inner_->send(std::move(frame));
 }
 
+void GatedConnection::retire(OutFrame&& last) {
+  if (!open_.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!open_.load(std::memory_order_relaxed)) {
+      if (!refused_.empty()) throw DisconnectedError(refused_);
+      held_retire_.emplace(std::move(last));  // written after the held frames
+      return;
+    }
+  }
+  inner_->retire(std::move(last));
+}
+
 void GatedConnection::open(OutFrame&& first) {
   std::lock_guard<std::mutex> lock(mu_);
   try {
     inner_->send(std::move(first));
     for (auto& f : held_) inner_->send(std::move(f));
+    if (held_retire_) inner_->retire(std::move(*held_retire_));
   } catch (const DisconnectedError&) {
     // Broken meanwhile: the transport reports the close, which fails the calls.
   }
   held_.clear();
+  held_retire_.reset();
   open_.store(true, std::memory_order_release);
 }
 
@@ -119,6 +153,7 @@ void GatedConnection::refuse(const std::string& why) {
   std::lock_guard<std::mutex> lock(mu_);
   refused_ = why;
   held_.clear();
+  held_retire_.reset();
 }
 
 ConnectionPtr Agent::connection_to(int rank, std::chrono::milliseconds timeout) {
@@ -172,13 +207,68 @@ ConnectionPtr Agent::connection_to(int rank, std::chrono::milliseconds timeout) 
   }
   // The lower rank of a pair calls on the connection it dialed, even when
   // the peer's dial was accepted meanwhile (connection_table.h, 4.).
-  conns_->add(gate, rank, /*use=*/true, /*prefer=*/rank_ < rank);
+  ConnectionPtr lost = conns_->add(gate, rank, /*use=*/true, /*prefer=*/rank_ < rank);
   try {
     conn->send(encode(hello, options_.limits));
   } catch (const DisconnectedError& e) {
     throw DisconnectedError("worker " + w.name + " is unreachable: " + e.what());
   }
+  if (lost) retire(lost);
   return gate;
+}
+
+void Agent::retire(const ConnectionPtr& conn) {
+  const uint64_t id = conn->id();
+  {
+    std::lock_guard<std::mutex> lock(retire_mu_);
+    Retiring& r = retiring_[id];
+    if (r.sent) return;
+    r.sent = true;
+    if (!r.conn) r.conn = conn;
+    retiring_count_.store(retiring_.size(), std::memory_order_release);
+  }
+  Message notice;
+  notice.kind = MessageKind::kRequest;
+  notice.id = 0;  // one way
+  notice.callee = kRetireCallee;
+  try {
+    conn->retire(encode(notice, options_.limits));
+  } catch (const DisconnectedError&) {
+    // closed meanwhile: on_closed forgets it
+  }
+  maybe_close_retired(id);
+}
+
+void Agent::on_retire_from_loop(const ConnectionPtr& conn) {
+  const uint64_t id = conn->id();
+  {
+    std::lock_guard<std::mutex> lock(retire_mu_);
+    Retiring& r = retiring_[id];
+    r.received = true;
+    if (!r.conn) r.conn = conn;
+    retiring_count_.store(retiring_.size(), std::memory_order_release);
+  }
+  maybe_close_retired(id);
+}
+
+void Agent::maybe_close_retired(uint64_t conn_id) {
+  ConnectionPtr conn;
+  {
+    std::lock_guard<std::mutex> lock(retire_mu_);
+    auto it = retiring_.find(conn_id);
+    if (it == retiring_.end() || !it->second.sent || !it->second.received) return;
+    conn = it->second.conn;
+  }
+  // Both sides send no more requests on it: once our calls on it are
+  // answered and we owe the peer no answer there, nothing more comes or
+  // goes on it.
+  if (calls_->any_on(conn_id) || conn->answers_owed() > 0) return;
+  {
+    std::lock_guard<std::mutex> lock(retire_mu_);
+    if (retiring_.erase(conn_id) == 0) return;  // another thread got here first
+    retiring_count_.store(retiring_.size(), std::memory_order_release);
+  }
+  conn->close_when_flushed();
 }
 
 void Agent::on_closed_from_loop(const ConnectionPtr& conn, const std::string& reason) {
@@ -189,6 +279,11 @@ void Agent::on_closed_from_loop(const ConnectionPtr& conn, const std::string& re
   }
   const int r = conns_->forget(*conn);
   const uint64_t cid = conn->id();
+  if (retiring_count_.load(std::memory_order_acquire) > 0) {
+    std::lock_guard<std::mutex> lock(retire_mu_);
+    retiring_.erase(cid);
+    retiring_count_.store(retiring_.size(), std::memory_order_release);
+  }
   {
     std::lock_guard<std::mutex> lock(handshakes_->mu);
     handshakes_->dialed.erase(cid);
@@ -203,7 +298,9 @@ void Agent::on_closed_from_loop(const ConnectionPtr& conn, const std::string& re
     const auto at = why.find(address);
     if (at != std::string::npos) why.replace(at, address.size(), peer + " (" + address + ")");
   }
-  calls_->fail_where([cid](const CallTable::Call& c) { return c.conn_id == cid; },
+  // Only calls whose request went out on it: one still being sent learns
+  // of the close from send() (or after it, from closed()).
+  calls_->fail_where([cid](const CallTable::Call& c) { return c.conn_id == cid && c.sent; },
                      [&](const CallTable::Call& c) {
                        return std::make_exception_ptr(DisconnectedError(
                            "connection to " + peer + " lost during '" + c.callee + "'" +

@@ -56,6 +56,10 @@ void Agent::on_message_from_loop(const ConnectionPtr& conn, Message&& msg) {
   switch (msg.kind) {
     case MessageKind::kRequest: {
       if (msg.callee.rfind("tandem.", 0) == 0) {
+        if (msg.callee == kRetireCallee && msg.id == kNoReply) {
+          on_retire_from_loop(conn);
+          return;
+        }
         if (auto on_loop = loop_internal_->find(msg.callee)) {
           handle_request(conn, from, std::move(msg), on_loop);  // bounded internal work: here
           return;
@@ -71,16 +75,19 @@ void Agent::on_message_from_loop(const ConnectionPtr& conn, Message&& msg) {
           for (const auto& e : extensions_) e->after_receive(msg, from);
         } catch (...) {
           calls_->fail(msg.id, std::current_exception(), conn->id());
+          if (retiring_count_.load(std::memory_order_acquire) > 0) maybe_close_retired(conn->id());
           return;
         }
       }
       c10::IValue value = msg.values.empty() ? c10::IValue() : std::move(msg.values[0]);
       calls_->complete(msg.id, std::move(value), conn->id());
+      if (retiring_count_.load(std::memory_order_acquire) > 0) maybe_close_retired(conn->id());
       return;
     }
     case MessageKind::kError:
       calls_->fail(msg.id, make_error(msg.error_code, msg.error_worker, msg.error_message),
                    conn->id());
+      if (retiring_count_.load(std::memory_order_acquire) > 0) maybe_close_retired(conn->id());
       return;
     case MessageKind::kHello:
       return;
@@ -176,6 +183,7 @@ void Agent::reply(const ConnectionPtr& conn, int to, uint64_t id, const RawFutur
   } catch (const Error&) {
     // The caller is gone; it has already failed the call with Disconnected.
   }
+  if (retiring_count_.load(std::memory_order_acquire) > 0) maybe_close_retired(conn->id());
 }
 
 void Agent::send_error(const ConnectionPtr& conn, uint64_t id, ErrorCode code,
@@ -191,6 +199,7 @@ void Agent::send_error(const ConnectionPtr& conn, uint64_t id, ErrorCode code,
     conn->send(encode(m, options_.limits));
   } catch (const Error&) {
   }
+  if (retiring_count_.load(std::memory_order_acquire) > 0) maybe_close_retired(conn->id());
 }
 
 }  // namespace tandem::rpc

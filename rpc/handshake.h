@@ -19,6 +19,7 @@
 
 #include <atomic>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -35,6 +36,10 @@ class GatedConnection final : public Connection {
   void close(const std::string& reason) override { inner_->close(reason); }
   uint64_t id() const override { return inner_->id(); }
   const char* kind() const override { return inner_->kind(); }
+  // Before the gate opens, `last` waits behind the held frames.
+  void retire(OutFrame&& last) override;
+  int64_t answers_owed() const override { return inner_->answers_owed(); }
+  void close_when_flushed() override { inner_->close_when_flushed(); }
   std::string peer_address() const override { return inner_->peer_address(); }
   bool closed() override { return inner_->closed(); }
 
@@ -52,6 +57,7 @@ class GatedConnection final : public Connection {
   std::mutex mu_;
   std::vector<OutFrame> held_;
   std::string refused_;  // why the handshake failed; empty while it has not
+  std::optional<OutFrame> held_retire_;  // a retire() waiting for the gate to open
 };
 
 struct HandshakeTable {

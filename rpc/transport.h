@@ -22,7 +22,14 @@
 //     returns once no callback runs any more.
 //  5. A connection knows nothing of ranks or workers: the agent keeps its
 //     own table of who is at the other end.
-//  6. A backend with a same-host path publishes local_endpoint() after
+//  6. Retiring (how the agent closes the second connection of a pair whose
+//     workers dialed each other at once, without losing what is in flight
+//     on it): retire(last) writes `last`, after which send() of a request
+//     frame throws RetiredError and leaves the frame to the caller (answers
+//     still go through); answers_owed() counts the requests received on the
+//     connection that want an answer (id != 0) and have not had one sent;
+//     close_when_flushed() closes once everything queued is written.
+//  7. A backend with a same-host path publishes local_endpoint() after
 //     listen(); connect_local() to another transport's endpoint returns null
 //     when that one is on another host (or network namespace), else a
 //     connection with the promises above.
@@ -48,10 +55,21 @@ struct TransportStats {
   uint64_t shared_fallbacks = 0;     // large tensors sent inline: segments full or unavailable
 };
 
+// send() of a request on a connection that was retired (6.): the frame was
+// not taken; send it on the peer's current connection.
+class RetiredError : public DisconnectedError {
+ public:
+  explicit RetiredError(const std::string& what) : DisconnectedError(what) {}
+};
+
 class Connection {
  public:
   virtual ~Connection() = default;
   virtual void send(OutFrame&& frame) = 0;
+  // 6.
+  virtual void retire(OutFrame&& last) = 0;
+  virtual int64_t answers_owed() const = 0;
+  virtual void close_when_flushed() = 0;
   virtual void close(const std::string& reason) = 0;
   // Unique among the connections of one transport.
   virtual uint64_t id() const = 0;
@@ -84,7 +102,7 @@ class Transport {
   // True on the thread that runs the callbacks (for debug assertions).
   virtual bool on_transport_thread() const = 0;
   virtual TransportStats stats() const { return {}; }
-  // Where transports on this host reach this one without TCP (6.); empty
+  // Where transports on this host reach this one without TCP (7.); empty
   // when it has no such path.
   virtual std::string local_endpoint() const { return {}; }
   virtual ConnectionPtr connect_local(const std::string& endpoint,

@@ -78,6 +78,12 @@ class FaultyConnection final : public Connection,
   }
   uint64_t id() const override { return inner_->id(); }
   const char* kind() const override { return inner_->kind(); }
+  void retire(OutFrame&& last) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    inner_->retire(std::move(last));
+  }
+  int64_t answers_owed() const override { return inner_->answers_owed(); }
+  void close_when_flushed() override { inner_->close_when_flushed(); }
   std::string peer_address() const override { return inner_->peer_address(); }
   bool closed() override { return inner_->closed(); }
 

@@ -182,17 +182,53 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
   }
 
   void send(OutFrame&& frame) override {
-    std::unique_ptr<PendingWrite> w;
-    if (!shared_out_) w = std::make_unique<PendingWrite>(std::move(frame), nullptr, Limits{});
     std::lock_guard<std::mutex> lock(write_mu_);
+    send_locked(std::move(frame));
+  }
+
+  void retire(OutFrame&& last) override {
+    std::lock_guard<std::mutex> lock(write_mu_);
+    send_locked(std::move(last));
+    retired_ = true;
+  }
+
+  int64_t answers_owed() const override {
+    return static_cast<int64_t>(requests_in_.load(std::memory_order_acquire)) -
+           static_cast<int64_t>(answers_out_.load(std::memory_order_acquire));
+  }
+
+  void close_when_flushed() override {
+    {
+      std::lock_guard<std::mutex> lock(write_mu_);
+      if (closed_) return;
+      if (!queue_.empty()) {
+        close_when_flushed_ = true;  // flush_from_loop closes once the queue drains
+        return;
+      }
+    }
+    close("");
+  }
+
+  // write_mu_ held.
+  void send_locked(OutFrame&& frame) {
+    // Retired first: one retired and then closed by the peer still sends
+    // a late request to the current connection.
+    if (retired_ && frame.kind == MessageKind::kRequest) {
+      throw RetiredError("connection to " + peer_ + " is retired");  // frame not taken
+    }
     if (closed_) throw DisconnectedError("connection to " + peer_ + " is closed");
-    if (shared_out_) {
+    const bool answer = frame.kind == MessageKind::kResponse || frame.kind == MessageKind::kError;
+    std::unique_ptr<PendingWrite> w;
+    if (!shared_out_) {
+      w = std::make_unique<PendingWrite>(std::move(frame), nullptr, Limits{});
+    } else {
       // Placed under the lock: segments are announced in the order frames
       // are written, which is the order the peer numbers them in.
       const auto before = shared_out_->stats();
       w = std::make_unique<PendingWrite>(std::move(frame), shared_out_.get(), transport_->limits_);
       transport_->count_shared(before, shared_out_->stats(), shared_out_->unavailable(), peer_);
     }
+    if (answer) answers_out_.fetch_add(1, std::memory_order_release);
     if (queue_.empty()) {
       if (write_some(*w)) return;
     }
@@ -287,6 +323,11 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
     }
     want_writable_ = false;
     start_poll_locked();
+    if (close_when_flushed_ && !closed_) {
+      closed_ = true;
+      auto self = shared_from_this();
+      transport_->post([self] { self->transport_->close_from_loop(self, ""); });
+    }
   }
 
   void update_poll_from_loop() {
@@ -351,7 +392,14 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
   std::deque<Message> held_;
   uint64_t held_bytes_ = 0;
 
+  // Retiring (transport.h, 6.): requests received wanting an answer (loop
+  // thread) and answers sent (under write_mu_).
+  std::atomic<uint64_t> requests_in_{0};
+  std::atomic<uint64_t> answers_out_{0};
+
   std::mutex write_mu_;
+  bool retired_ = false;             // no more requests (under write_mu_)
+  bool close_when_flushed_ = false;  // close once queue_ drains (under write_mu_)
   std::deque<std::unique_ptr<PendingWrite>> queue_;
   // Bytes of queued frames that answer the peer (changed under write_mu_).
   std::atomic<uint64_t> queued_reply_bytes_{0};
@@ -724,7 +772,11 @@ void UvTransport::read_from_loop(const std::shared_ptr<UvConnection>& conn) {
       --handshaking_;
     }
     while (conn->decoder_.has_message() && !conn->loop_closed_) {
-      deliver_from_loop(conn, conn->decoder_.take());
+      Message m = conn->decoder_.take();
+      if (m.kind == MessageKind::kRequest && m.id != 0) {
+        conn->requests_in_.fetch_add(1, std::memory_order_release);  // an answer is owed
+      }
+      deliver_from_loop(conn, std::move(m));
     }
     if (static_cast<size_t>(n) < len) return;  // the socket is drained
   }
