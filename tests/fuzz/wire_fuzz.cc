@@ -80,9 +80,12 @@ constexpr size_t kBlockBytes = 4096;
 
 // The segment the shm-mode inputs may point into: blocks as a sender
 // writes them (segments.h, 3.), rewritten fresh before every input.
+int g_segment_fd = -1;
+char* g_segment_base = nullptr;
+
 char* segment_base(int* fd_out) {
-  static int fd = -1;
-  static char* base = nullptr;
+  int& fd = g_segment_fd;
+  char*& base = g_segment_base;
   if (!base) {
     fd = ::memfd_create("fuzz", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0 || ::ftruncate(fd, kSegmentBytes) != 0 ||
@@ -109,6 +112,15 @@ void fresh_blocks(char* base) {
 }
 
 }  // namespace
+
+// Unmaps and closes the shm-mode segment (the corpus replay test calls it
+// so that nothing outlives the test; the fuzzer never needs to).
+extern "C" void tandem_fuzz_release() {
+  if (g_segment_base) ::munmap(g_segment_base, kSegmentBytes);
+  if (g_segment_fd >= 0) ::close(g_segment_fd);
+  g_segment_base = nullptr;
+  g_segment_fd = -1;
+}
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
