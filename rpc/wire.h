@@ -88,6 +88,12 @@ struct Limits {
   // past max_held_bytes held, its connection is not read until they drain.
   uint64_t max_queued_reply_bytes = 32ull << 20;
   uint64_t max_held_bytes = 32ull << 20;
+  // Likewise past this many of a peer's requests handed on and not yet
+  // answered (a flood of calls to a slow function would otherwise queue
+  // without bound in the pool). Held messages include answers to our own
+  // calls, so a bound this far above any real fan-out keeps handlers that
+  // wait on the same peer from waiting on what is held.
+  uint64_t max_unanswered_requests = 65536;
   // Shared memory (rpc/transport/shm/segments.h): tensors of at least this
   // many bytes travel through a segment instead of the socket; each side of
   // a connection maps at most max_shared_bytes in at most

@@ -658,3 +658,46 @@ TEST_CASE("shm: a frame naming shared tensors is refused on a TCP connection") {
   CHECK(b.closed[0].second.find("which this connection does not carry") != std::string::npos);
   ::close(fd);
 }
+
+TEST_CASE("transport: a peer's requests past the unanswered bound are held until answers go") {
+  for_each_backend([](const Backend& be) {
+    Limits limits;
+    limits.max_unanswered_requests = 8;
+    Endpoint a(be.make), b(be.make, limits);
+    int port = b.t->listen("127.0.0.1", 0);
+    auto c = open(a, b, port, be.local);
+    for (int i = 1; i <= 100; ++i) c->send(encode(request(i)));
+    c->send(encode(request(0)));  // one way: no answer owed, never counted
+    REQUIRE(b.wait([&] { return b.got.size() == 8; }));
+    std::this_thread::sleep_for(100ms);
+    CHECK(b.messages() == 8);  // the rest is held
+    CHECK(b.t->stats().read_pauses == 1);
+    Message hello;  // the dialer expects its handshake's step 2 first
+    hello.kind = MessageKind::kHello;
+    hello.hello_step = 2;
+    b.peer->send(encode(hello));
+    auto answer = [&](size_t i) {
+      Message r;
+      r.kind = MessageKind::kResponse;
+      {
+        std::lock_guard<std::mutex> lock(b.mu);
+        r.id = b.got.at(i).id;
+      }
+      b.peer->send(encode(r));
+    };
+    for (size_t i = 0; i < 3; ++i) answer(i);
+    std::this_thread::sleep_for(100ms);
+    CHECK(b.messages() == 8);  // 5 unanswered: more than half the bound
+    answer(3);                 // 4: half, so the held ones come, up to the bound again
+    REQUIRE(b.wait([&] { return b.got.size() == 12; }));
+    // Answering each as it comes lets everything through, in order.
+    for (size_t i = 4; i < 100; ++i) {
+      REQUIRE(b.wait([&] { return b.got.size() > i; }));
+      answer(i);
+    }
+    REQUIRE(b.wait([&] { return b.got.size() == 101; }));
+    std::lock_guard<std::mutex> lock(b.mu);
+    for (size_t i = 0; i < 100; ++i) CHECK(b.got[i].id == i + 1);
+    CHECK(b.got[100].id == 0);
+  });
+}

@@ -192,6 +192,13 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
     retired_ = true;
   }
 
+  // Requests handed to the layer above and not answered yet.
+  uint64_t in_progress() const {
+    const uint64_t in = requests_delivered_.load(std::memory_order_acquire);
+    const uint64_t out = answers_out_.load(std::memory_order_acquire);
+    return in > out ? in - out : 0;
+  }
+
   int64_t answers_owed() const override {
     return static_cast<int64_t>(requests_in_.load(std::memory_order_acquire)) -
            static_cast<int64_t>(answers_out_.load(std::memory_order_acquire));
@@ -228,7 +235,16 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
       w = std::make_unique<PendingWrite>(std::move(frame), shared_out_.get(), transport_->limits_);
       transport_->count_shared(before, shared_out_->stats(), shared_out_->unavailable(), peer_);
     }
-    if (answer) answers_out_.fetch_add(1, std::memory_order_release);
+    if (answer) {
+      answers_out_.fetch_add(1, std::memory_order_release);
+      // Held for too many unanswered requests (uv_transport.h, 5.): resume
+      // once half of them are answered.
+      if (paused_flag_.load(std::memory_order_acquire) &&
+          in_progress() <= transport_->limits_.max_unanswered_requests / 2) {
+        auto self = shared_from_this();
+        transport_->post([self] { self->transport_->resume_from_loop(self); });
+      }
+    }
     if (queue_.empty()) {
       if (write_some(*w)) return;
     }
@@ -395,7 +411,9 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
   // Retiring (transport.h, 6.): requests received wanting an answer (loop
   // thread) and answers sent (under write_mu_).
   std::atomic<uint64_t> requests_in_{0};
+  std::atomic<uint64_t> requests_delivered_{0};  // of those, handed to on_message
   std::atomic<uint64_t> answers_out_{0};
+  std::atomic<bool> paused_flag_{false};  // paused_, for the senders
 
   std::mutex write_mu_;
   bool retired_ = false;             // no more requests (under write_mu_)
@@ -813,11 +831,16 @@ bool UvTransport::take_descriptors(const std::shared_ptr<UvConnection>& conn, ms
 
 void UvTransport::deliver_from_loop(const std::shared_ptr<UvConnection>& conn, Message&& m) {
   if (!conn->paused_ &&
-      conn->queued_reply_bytes_.load(std::memory_order_relaxed) > limits_.max_queued_reply_bytes) {
+      (conn->queued_reply_bytes_.load(std::memory_order_relaxed) > limits_.max_queued_reply_bytes ||
+       conn->in_progress() >= limits_.max_unanswered_requests)) {
     conn->paused_ = true;
+    conn->paused_flag_.store(true, std::memory_order_release);
     ++stats_read_pauses_;
   }
   if (!conn->paused_) {
+    if (m.kind == MessageKind::kRequest && m.id != 0) {
+      conn->requests_delivered_.fetch_add(1, std::memory_order_release);
+    }
     callbacks_.on_message(conn, std::move(m));
     return;
   }
@@ -834,13 +857,15 @@ void UvTransport::resume_from_loop(const std::shared_ptr<UvConnection>& conn) {
   assert(on_transport_thread());
   if (!conn->paused_ || conn->loop_closed_ ||
       conn->queued_reply_bytes_.load(std::memory_order_relaxed) >
-          limits_.max_queued_reply_bytes / 2) {
+          limits_.max_queued_reply_bytes / 2 ||
+      conn->in_progress() > limits_.max_unanswered_requests / 2) {
     return;
   }
   std::deque<Message> held = std::move(conn->held_);
   conn->held_.clear();
   conn->held_bytes_ = 0;
   conn->paused_ = false;
+  conn->paused_flag_.store(false, std::memory_order_release);
   const bool was_stopped = conn->reading_stopped_;
   conn->reading_stopped_ = false;
   // In order; a delivery that pauses again holds the rest again, in order.

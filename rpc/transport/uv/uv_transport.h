@@ -16,12 +16,15 @@
 //  4. Everything else that touches a handle is posted to the loop as a
 //     command through one uv_async_t.
 //  5. Backpressure. A peer that sends requests but does not read our
-//     answers would make us queue answers without bound. Once more than
-//     Limits::max_queued_reply_bytes of answers to a peer wait unwritten,
-//     what that peer sends is held, in order, instead of delivered; past
-//     Limits::max_held_bytes held, its socket is not read at all. When the
-//     answers drain to half the bound, the held messages are delivered and
-//     reading resumes (TransportStats::read_pauses counts the pauses).
+//     answers would make us queue answers without bound, and one that sends
+//     calls faster than they are served would fill the pool's queue. Once
+//     more than Limits::max_queued_reply_bytes of answers to a peer wait
+//     unwritten, or more than Limits::max_unanswered_requests of its
+//     requests wait for their answers, what that peer sends is held, in
+//     order, instead of delivered; past Limits::max_held_bytes held, its
+//     socket is not read at all. When both drain to half their bound, the
+//     held messages are delivered and reading resumes
+//     (TransportStats::read_pauses counts the pauses).
 //     Holding before not reading is what keeps two loaded workers from
 //     deadlocking: while one holds, it still reads, so the other's answers
 //     drain and it resumes.
