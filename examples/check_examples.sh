@@ -11,7 +11,7 @@
 #  b. char_lm --steps 30 then --steps 60 --resume prints the same final loss
 #     (%.6f) and the same sample as the uninterrupted run of a;
 #  c. model_parallel_mlp --steps 20 exits 0 and reports agreement with the
-#     local run;
+#     local run, under tandem-run and started alone (it spawns its workers);
 #  d. parameter_server on 3 processes and on 2 exits 0, every trainer reports;
 #     with --ddp (the trainers' heads one DDP model) on 3, the heads end identical;
 #     hybrid_ddp_rpc on 4 (master, parameter server, two DDP trainers) exits 0,
@@ -122,6 +122,13 @@ done
 rc=$(launch c.log 2 model_parallel_mlp --steps 20)
 if expect_rc "model_parallel_mlp --steps 20" "$rc" 0 c.log; then
   grep -q 'final parameters agree with' c.log || { fail "model_parallel_mlp reported no agreement"; cat c.log; }
+fi
+# started alone, it spawns its two workers itself (tandem::spawn)
+timeout 120 "$bin/model_parallel_mlp" --steps 20 >c2.log 2>&1
+rc=$?
+if expect_rc "model_parallel_mlp alone (spawning its workers)" "$rc" 0 c2.log; then
+  grep -q '^\[0\]: final parameters agree with' c2.log ||
+    { fail "model_parallel_mlp alone reported no agreement"; cat c2.log; }
 fi
 
 # d. a parameter server and two trainers, then one

@@ -3,6 +3,7 @@
 // one process.
 //
 //   build/bin/tandem-run --nproc-per-node 2 build/bin/model_parallel_mlp [--steps 200] [--seed 0]
+//   build/bin/model_parallel_mlp [--steps 200] [--seed 0]   (starts its two workers itself)
 //
 // worker0 (the trainer) holds Linear(256, 1024) and the ReLUs; worker1 holds
 // Linear(1024, 1024) and Linear(1024, 10) as RemoteModules and only serves:
@@ -26,6 +27,8 @@
 #include <ATen/ops/relu.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
+
+#include "tandem/rpc/spawn.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -160,7 +163,8 @@ int train(int64_t steps, int64_t seed) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+// One worker's part, under tandem-run (or torchrun) or started by spawn().
+int worker(int argc, char** argv) {
   try {
     const rpc::WorldEnv env = rpc::world_from_env();
     if (env.rank > 0) {  // worker1 only serves the remote layers
@@ -172,10 +176,10 @@ int main(int argc, char** argv) {
     examples::Flags flags("model_parallel_mlp");
     flags.add("--steps", &steps, 1, "training steps").add("--seed", &seed, 0, "seed");
     const std::string error = flags.parse(argc, argv);
-    if (env.rank < 0 || env.world_size < 2) {
+    if (env.world_size != 2) {
       return examples::outside_world(
-          flags, error, "start me with 2 workers: build/bin/tandem-run --nproc-per-node 2 "
-                        "build/bin/model_parallel_mlp");
+          flags, error, "start me with 2 workers (build/bin/tandem-run --nproc-per-node 2 "
+                        "build/bin/model_parallel_mlp), or alone: I start them myself");
     }
     // Joined even on a bad flag, so that worker1's shutdown() returns.
     rpc::init(std::make_shared<rpc::Registry>());
@@ -184,6 +188,28 @@ int main(int argc, char** argv) {
     rpc::shutdown();
     return rc;
   } catch (const std::exception& e) {
+    std::fprintf(stderr, "model_parallel_mlp: %s\n", e.what());
+    return 1;
+  }
+}
+
+int main(int argc, char** argv) {
+  if (rpc::world_from_env().rank >= 0 && !tandem::spawned_worker()) return worker(argc, argv);
+  if (!tandem::spawned_worker()) {
+    // Started alone: check the flags here, then start the two workers (as
+    // torch.multiprocessing.spawn would), each running worker().
+    int64_t steps = 200, seed = 0;
+    examples::Flags flags("model_parallel_mlp");
+    flags.add("--steps", &steps, 1, "training steps").add("--seed", &seed, 0, "seed");
+    const std::string error = flags.parse(argc, argv);
+    if (flags.help() || !error.empty()) return examples::outside_world(flags, error, "");
+  }
+  try {
+    tandem::spawn(2, [&](int, int) {
+      if (const int rc = worker(argc, argv)) throw std::runtime_error("exit code " + std::to_string(rc));
+    });
+    return 0;
+  } catch (const tandem::SpawnError& e) {
     std::fprintf(stderr, "model_parallel_mlp: %s\n", e.what());
     return 1;
   }

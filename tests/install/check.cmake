@@ -15,3 +15,4 @@ run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/install -B ${work}/build -G Ninja
     -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=${work}/prefix)
 run(${CMAKE_COMMAND} --build ${work}/build)
 run(${work}/build/consumer)
+run(${work}/build/consumer spawn)

@@ -11,6 +11,10 @@
 // pipeline schedule is simulated, and a one-stage Pipe takes a zero-bubble
 // step in two micro-batches inside a context, stepped by a
 // DistributedOptimizer.
+//
+// `consumer spawn` starts a two-worker job from code (tandem::spawn finds the
+// installed tandem-run beside the library): the workers call each other
+// over the same-host shared-memory transport with a 1 MiB tensor.
 #include <tandem/autograd/autograd.h>
 #include <tandem/ddp/distributed_data_parallel.h>
 #include <tandem/ddp/sampler.h>
@@ -20,6 +24,7 @@
 #include <tandem/remote_module/remote_module.h>
 #include <tandem/rpc/api.h>
 #include <tandem/rpc/rref.h>
+#include <tandem/rpc/spawn.h>
 
 #include <ATen/ops/add.h>
 #include <ATen/ops/mul.h>
@@ -29,11 +34,33 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
+#include <ATen/ops/arange.h>
+
 #include <cstdio>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
-int main() {
+int spawn_job() {
+  tandem::spawn(2, [](int rank, int world) {
+    auto reg = std::make_shared<tandem::rpc::Registry>();
+    reg->def("echo", [](at::Tensor t) { return t; });
+    tandem::rpc::init(reg);
+    const std::string peer = "worker" + std::to_string((rank + 1) % world);
+    at::Tensor big = at::arange(1 << 18, at::kFloat);  // 1 MiB
+    at::Tensor back = tandem::rpc::rpc_sync<at::Tensor>(peer, "echo", big);
+    const std::string via = tandem::rpc::current_agent()->transport_to(peer);
+    std::printf("rank %d of %d: 1 MiB echoed by %s over %s, %s\n", rank, world, peer.c_str(),
+                via.c_str(), at::equal(back, big) ? "intact" : "CHANGED");
+    tandem::rpc::shutdown();
+    if (!at::equal(back, big) || via != "shm") throw std::runtime_error("the echo went wrong");
+  });
+  std::printf("both spawned workers finished\n");
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "spawn") == 0) return spawn_job();
   auto reg = std::make_shared<tandem::rpc::Registry>();
   reg->def("twice", [](int64_t x) { return 2 * x; });
   reg->def("scale", [](at::Tensor t, double s) { return at::mul(t, s); });

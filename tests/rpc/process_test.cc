@@ -13,11 +13,15 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <cctype>
+#include <fstream>
+#include <iterator>
 #include <set>
 
 #include "tandem/rpc/api.h"
 #include "tandem/rpc/host.h"
 #include "tandem/rpc/rendezvous.h"
+#include "tandem/rpc/spawn.h"
 
 using namespace tandem;
 using namespace tandem::rpc;
@@ -55,6 +59,40 @@ long step_pattern_faults() {
 }  // namespace
 
 int worker_main(const std::string& mode) {
+  if (mode.rfind("spawn_", 0) == 0) {
+    // The program a user would write: spawn() first; the workers run `fn`.
+    // spawn_ok: three ranks call each other; spawn_fail: rank 1 throws
+    // while the others wait in the rendezvous; spawn_kill: rank 2 dies by
+    // SIGKILL while the others wait.
+    try {
+      tandem::spawn(3, [&](int rank, int world) {
+        std::printf("rank %d of %d started\n", rank, world);
+        std::fflush(stdout);
+        if (mode == "spawn_fail" && rank == 1) {
+          std::printf("rank 1 about to fail\n");
+          std::fflush(stdout);
+          throw std::runtime_error("boom on purpose");
+        }
+        if (mode == "spawn_kill" && rank == 2) ::raise(SIGKILL);
+        auto reg = std::make_shared<Registry>();
+        reg->def("add", [](at::Tensor a, at::Tensor b) { return a + b; });
+        auto agent = init(reg);
+        const int next = (rank + 1) % world;
+        at::Tensor x = at::full({3}, double(rank));
+        bool ok = at::equal(rpc::rpc_sync<at::Tensor>("worker" + std::to_string(next), "add", x, x),
+                            x * 2);
+        std::printf("rank %d %s\n", rank, ok ? "ok" : "WRONG");
+        rpc::shutdown(true);
+      });
+      std::printf("spawn returned\n");
+      return 0;
+    } catch (const tandem::SpawnError& e) {
+      std::printf("SpawnError rank=%d exit_code=%d signal=%d last=%s\nwhat: %s\n", e.rank,
+                  e.exit_code, e.signal, e.last_lines.empty() ? "" : e.last_lines.back().c_str(),
+                  e.what());
+      return 0;
+    }
+  }
   if (mode == "malloc_faults") {
     World w(1, {}, [](AgentOptions& o) {
       o.retain_freed_memory = std::getenv("TANDEM_TEST_NO_RETAIN") == nullptr;
@@ -370,4 +408,66 @@ TEST_CASE("process: a worker killed mid-call over shared memory is noticed at on
   CHECK(shm_files() == before);
   agent->shutdown(false);
   agent = nullptr;
+}
+
+namespace {
+// Processes whose environment holds `marker` (this test's children).
+int processes_with(const std::string& marker) {
+  int n = 0;
+  if (DIR* d = ::opendir("/proc")) {
+    while (dirent* e = ::readdir(d)) {
+      if (!std::isdigit(static_cast<unsigned char>(e->d_name[0]))) continue;
+      std::ifstream in(std::string("/proc/") + e->d_name + "/environ", std::ios::binary);
+      std::string env((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      if (env.find(marker) != std::string::npos) ++n;
+    }
+    ::closedir(d);
+  }
+  return n;
+}
+}  // namespace
+
+TEST_CASE("spawn: three workers of this program run the function and the call returns") {
+  const std::string marker = "TANDEM_TEST_SPAWN_ID=" + std::to_string(::getpid()) + "ok";
+  test::RunResult r = test::run_command(marker + " TANDEM_TEST_WORKER=spawn_ok " +
+                                        support::self_exe());
+  INFO(r.output);
+  CHECK(r.status == 0);
+  for (int rank = 0; rank < 3; ++rank) {
+    CHECK(r.output.find("[" + std::to_string(rank) + "]: rank " + std::to_string(rank) +
+                        " of 3 started") != std::string::npos);
+    CHECK(r.output.find("[" + std::to_string(rank) + "]: rank " + std::to_string(rank) + " ok") !=
+          std::string::npos);
+  }
+  CHECK(r.output.find("spawn returned") != std::string::npos);
+  CHECK(processes_with(marker) == 0);
+}
+
+TEST_CASE("spawn: a failing rank stops the others and its error reaches the caller") {
+  SUBCASE("it throws") {
+    const std::string marker = "TANDEM_TEST_SPAWN_ID=" + std::to_string(::getpid()) + "fail";
+    auto t0 = std::chrono::steady_clock::now();
+    test::RunResult r = test::run_command(marker + " TANDEM_TEST_WORKER=spawn_fail " +
+                                          support::self_exe());
+    INFO(r.output);
+    CHECK(r.status == 0);
+    CHECK(r.output.find("SpawnError rank=1 exit_code=1 signal=0 "
+                        "last=tandem::spawn: rank 1 failed: boom on purpose") !=
+          std::string::npos);
+    CHECK(r.output.find("what: tandem::spawn: rank 1 exited with code 1; its last lines:\n"
+                        "  rank 1 of 3 started\n  rank 1 about to fail\n") != std::string::npos);
+    CHECK(r.output.find("spawn returned") == std::string::npos);
+    CHECK(std::chrono::steady_clock::now() - t0 < 30s);  // the others were stopped, not awaited
+    CHECK(processes_with(marker) == 0);
+  }
+  SUBCASE("it is killed") {
+    const std::string marker = "TANDEM_TEST_SPAWN_ID=" + std::to_string(::getpid()) + "kill";
+    test::RunResult r = test::run_command(marker + " TANDEM_TEST_WORKER=spawn_kill " +
+                                          support::self_exe());
+    INFO(r.output);
+    CHECK(r.output.find("SpawnError rank=2 exit_code=-1 signal=9") != std::string::npos);
+    CHECK(r.output.find("rank 2 was killed by signal 9 (Killed)") != std::string::npos);
+    CHECK(processes_with(marker) == 0);
+  }
+  CHECK_THROWS_AS(tandem::spawn(0, [](int, int) {}), std::invalid_argument);
 }
