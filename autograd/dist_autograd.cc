@@ -156,6 +156,7 @@ void DistAutograd::register_loop_handlers(rpc::Registry& on_loop) {
 
 void DistAutograd::grad_from_loop(std::vector<c10::IValue>& args) {
   assert(rpc::layer::on_loop_thread(agent_));
+  gradients_received_.fetch_add(1, std::memory_order_relaxed);
   uint64_t ctx = 0, task = 0;
   try {
     if (args.size() != 4 || !args[0].isInt() || !args[1].isInt() || !args[2].isInt() ||

@@ -24,6 +24,8 @@
 // ShutdownError once it is gone. close() closes the contexts (terminal).
 #pragma once
 
+#include <atomic>
+
 #include <memory>
 #include <string>
 #include <vector>
@@ -52,6 +54,17 @@ class DistAutograd final : public rpc::AgentExtension,
   }
   void after_receive(rpc::Message& m, int from) override { recorder_.after_receive(m, from); }
   std::vector<std::string> live_objects() const override { return contexts_->live_objects(); }
+  // "autograd.contexts" alive here, "autograd.gradients_received": the
+  // backward parts other workers sent here.
+  std::string debug_info() const override {
+    std::string out;
+    for (const auto& c : contexts_->live_objects()) out += c + " is alive\n";
+    return out;
+  }
+  void add_metrics(std::map<std::string, int64_t>& out) const override {
+    out["autograd.contexts"] = static_cast<int64_t>(contexts_->live_objects().size());
+    out["autograd.gradients_received"] = static_cast<int64_t>(gradients_received_.load());
+  }
   void close() override { contexts_->close(); }
 
   const std::string& name() const { return contexts_->name(); }
@@ -68,6 +81,7 @@ class DistAutograd final : public rpc::AgentExtension,
   const std::shared_ptr<Contexts> contexts_;
   Recorder recorder_;
   const std::shared_ptr<Engine> engine_;
+  std::atomic<uint64_t> gradients_received_{0};
 };
 
 }  // namespace tandem::autograd

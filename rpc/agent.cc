@@ -11,6 +11,8 @@
 #include <sstream>
 #include <tuple>
 
+#include <unistd.h>
+
 #include "tandem/rpc/auth.h"
 #include "tandem/rpc/call_table.h"
 #include "tandem/rpc/connection_table.h"
@@ -145,7 +147,7 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
   }
   calls_ = std::make_unique<CallTable>(
       [pool = pool_](std::function<void()> fn) { pool->post(std::move(fn)); },
-      [this](int rank) { return workers_.at(rank).name; });
+      [this](int rank) { return workers_.at(rank).name; }, metrics_.get());
   Transport::Callbacks cb;
   cb.on_message = [this](const ConnectionPtr& c, Message&& m) {
     on_message_from_loop(c, std::move(m));
@@ -247,6 +249,61 @@ void Agent::set_ready() {
   std::lock_guard<std::mutex> lock(ready_mu_);
   ready_.store(true, std::memory_order_release);
   ready_cv_.notify_all();
+}
+
+std::string Agent::debug_info() const {
+  std::string out = "tandem debug info: " + name() + " (rank " + std::to_string(rank_) + " of " +
+                    std::to_string(world_size()) + "), pid " + std::to_string(::getpid()) + "\n";
+  out += "connections:\n";
+  for (int r = 0; r < world_size(); ++r) {
+    if (r == rank_ || !conns_) continue;
+    auto c = conns_->to(r);
+    if (!c) continue;
+    out += "  " + workers_[r].name + ": " + c->kind() + " " + printable(c->peer_address()) +
+           ", answers owed " + std::to_string(c->answers_owed()) + "\n";
+  }
+  {
+    std::lock_guard<std::mutex> lock(retire_mu_);
+    for (const auto& [id, r] : retiring_) {
+      out += "  connection " + std::to_string(id) + " retiring (notice " +
+             (r.sent ? "sent" : "not sent") + ", peer's " + (r.received ? "received" : "not received") +
+             ")\n";
+    }
+  }
+  if (calls_) {
+    auto pending = calls_->snapshot();
+    out += "calls in flight: " + std::to_string(pending.size()) + "\n";
+    for (const auto& p : pending) {
+      out += "  #" + std::to_string(p.id) + " '" + printable(p.callee) + "' on " +
+             (p.peer >= 0 && p.peer < world_size() ? workers_[p.peer].name : "?") + ", " +
+             std::to_string(p.age.count()) + " ms old, " +
+             (p.left ? "deadline in " + std::to_string(p.left->count()) + " ms"
+                     : std::string("no deadline")) +
+             (p.sent ? "" : ", not written yet") + "\n";
+    }
+  }
+  for (const auto& e : extensions_) out += e->debug_info();
+  out += metrics().to_string();
+  return out;
+}
+
+Metrics Agent::metrics() const {
+  Metrics m;
+  metrics_->fill(m);
+  if (calls_) m.calls_in_flight = calls_->size();
+  if (pool_) m.pool_queue = pool_->queued();
+  if (transport_) {
+    m.transport = transport_->stats();
+    m.bytes_sent = m.transport.bytes_sent;
+    m.bytes_received = m.transport.bytes_received;
+    m.connections = transport_->live_connections();
+  }
+  if (rrefs_) {
+    m.rrefs_owned = rrefs_->owned_values();
+    m.rref_users = rrefs_->live_user_refs().size();
+  }
+  for (const auto& e : extensions_) e->add_metrics(m.layers);
+  return m;
 }
 
 std::string Agent::transport_to(const std::string& to) const {

@@ -53,6 +53,7 @@
 #include "tandem/rpc/future.h"
 #include "tandem/rpc/registry.h"
 #include "tandem/rpc/thread_pool.h"
+#include "tandem/rpc/metrics.h"
 #include "tandem/rpc/transport.h"
 #include "tandem/rpc/wire.h"
 
@@ -143,6 +144,12 @@ class Agent : public std::enable_shared_from_this<Agent> {
   const AgentOptions& options() const { return options_; }
   // What the transport refused or held back (rpc/transport.h).
   TransportStats transport_stats() const;
+  // What this agent did, and holds now (rpc/metrics.h).
+  Metrics metrics() const;
+  // A readable snapshot for a stuck job: connections, calls in flight with
+  // their callee, age and deadline, what the layers hold, the metrics.
+  // Under tandem-run, SIGUSR1 to a worker prints it to stderr (rpc/api.h).
+  std::string debug_info() const;
   // "shm" or "tcp": what carries this agent's calls to worker `to` now;
   // empty while no connection to it is open.
   std::string transport_to(const std::string& to) const;
@@ -243,6 +250,7 @@ class Agent : public std::enable_shared_from_this<Agent> {
   std::shared_ptr<RRefContext> rrefs_;
   std::vector<std::shared_ptr<AgentExtension>> extensions_;
   std::shared_ptr<ThreadPool> pool_;
+  std::unique_ptr<MetricsRecorder> metrics_ = std::make_unique<MetricsRecorder>();
   std::unique_ptr<CallTable> calls_;
   std::unique_ptr<ConnectionTable> conns_;
   struct Retiring {
@@ -250,7 +258,7 @@ class Agent : public std::enable_shared_from_this<Agent> {
     bool sent = false;      // we told the peer
     bool received = false;  // the peer told us
   };
-  std::mutex retire_mu_;
+  mutable std::mutex retire_mu_;
   std::unordered_map<uint64_t, Retiring> retiring_;  // by connection id
   std::atomic<size_t> retiring_count_{0};            // retiring_.size(), read without the lock
   std::unique_ptr<HandshakeTable> handshakes_;

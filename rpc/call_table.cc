@@ -2,6 +2,8 @@
 
 #include "tandem/rpc/errors.h"
 
+#include <algorithm>
+
 namespace tandem::rpc {
 namespace {
 // The timer thread wakes at least this often (so far-off deadlines need not
@@ -10,12 +12,16 @@ constexpr std::chrono::milliseconds kTimerTick{20};
 }  // namespace
 
 CallTable::CallTable(std::function<void(std::function<void()>)> post,
-                     std::function<std::string(int)> worker_name)
-    : post_(std::move(post)), worker_name_(std::move(worker_name)) {
+                     std::function<std::string(int)> worker_name, MetricsRecorder* metrics)
+    : post_(std::move(post)), worker_name_(std::move(worker_name)), metrics_(metrics) {
   timer_ = std::thread([this] { timer_loop(); });
 }
 
 CallTable::~CallTable() { stop(); }
+
+void CallTable::count(const Call& c, const std::exception_ptr& error) {
+  if (metrics_) metrics_->call_done(c.callee, Clock::now() - c.started, error);
+}
 
 bool CallTable::add(uint64_t id, Call call) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -56,6 +62,7 @@ void CallTable::complete(uint64_t id, c10::IValue value, uint64_t from_conn) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!take_locked(id, from_conn, c)) return;
   }
+  count(c, nullptr);
   c.future->markCompleted(std::move(value));
 }
 
@@ -65,6 +72,7 @@ void CallTable::fail(uint64_t id, std::exception_ptr error, uint64_t from_conn) 
     std::lock_guard<std::mutex> lock(mu_);
     if (!take_locked(id, from_conn, c)) return;
   }
+  count(c, error);
   c.future->setError(std::move(error));
 }
 
@@ -82,7 +90,11 @@ void CallTable::fail_where(const std::function<bool(const Call&)>& pred,
       take_locked(id, 0, failed.back());
     }
   }
-  for (auto& c : failed) c.future->setError(error(c));
+  for (auto& c : failed) {
+    auto e = error(c);
+    count(c, e);
+    c.future->setError(std::move(e));
+  }
 }
 
 void CallTable::schedule_after(std::chrono::microseconds delay, std::function<void()> fn) {
@@ -153,8 +165,10 @@ void CallTable::timer_loop() {
     }
     lock.unlock();
     for (auto& c : expired) {
-      c.future->setError(std::make_exception_ptr(TimeoutError(
-          "call to '" + c.callee + "' on " + worker_name_(c.peer) + " timed out")));
+      auto e = std::make_exception_ptr(TimeoutError(
+          "call to '" + c.callee + "' on " + worker_name_(c.peer) + " timed out"));
+      count(c, e);
+      c.future->setError(std::move(e));
     }
     for (auto& fn : due) post_(std::move(fn));
     lock.lock();
@@ -185,6 +199,26 @@ bool CallTable::move_to(uint64_t id, uint64_t conn_id) {
   if (it == calls_.end()) return false;
   it->second.conn_id = conn_id;
   return true;
+}
+
+}  // namespace tandem::rpc
+
+namespace tandem::rpc {
+
+std::vector<CallTable::Pending> CallTable::snapshot() const {
+  const auto now = Clock::now();
+  std::vector<Pending> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [id, c] : calls_) {
+    Pending p{id, c.callee, c.peer, c.sent,
+              std::chrono::duration_cast<std::chrono::milliseconds>(now - c.started), std::nullopt};
+    if (c.has_deadline) {
+      p.left = std::chrono::duration_cast<std::chrono::milliseconds>(c.deadline - now);
+    }
+    out.push_back(std::move(p));
+  }
+  std::sort(out.begin(), out.end(), [](const Pending& a, const Pending& b) { return a.age > b.age; });
+  return out;
 }
 
 }  // namespace tandem::rpc

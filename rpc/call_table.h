@@ -23,12 +23,14 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "tandem/rpc/future.h"
+#include "tandem/rpc/metrics.h"
 
 namespace tandem::rpc {
 
@@ -50,12 +52,13 @@ class CallTable {
     std::string callee;
     bool has_deadline = false;
     Clock::time_point deadline;
+    Clock::time_point started;  // for the callee's latency (metrics.h)
   };
 
   // `post` runs a due schedule_after() task (on the agent's pool);
   // `worker_name` names a rank in timeout messages.
   CallTable(std::function<void(std::function<void()>)> post,
-            std::function<std::string(int)> worker_name);
+            std::function<std::string(int)> worker_name, MetricsRecorder* metrics = nullptr);
   ~CallTable();
   CallTable(const CallTable&) = delete;
   CallTable& operator=(const CallTable&) = delete;
@@ -79,6 +82,16 @@ class CallTable {
   bool move_to(uint64_t id, uint64_t conn_id);
   // Call `id`'s request was written to its connection.
   void mark_sent(uint64_t id);
+  // The calls in flight now, oldest first (Agent::debug_info).
+  struct Pending {
+    uint64_t id;
+    std::string callee;
+    int peer;
+    bool sent;
+    std::chrono::milliseconds age;
+    std::optional<std::chrono::milliseconds> left;  // until the deadline
+  };
+  std::vector<Pending> snapshot() const;
   bool accepting() const;
   void close_new();  // add() refuses from now on
   void wait_idle();  // until no call is in flight
@@ -92,6 +105,8 @@ class CallTable {
 
   const std::function<void(std::function<void()>)> post_;
   const std::function<std::string(int)> worker_name_;
+  MetricsRecorder* const metrics_;  // told of every call that ends; may be null
+  void count(const Call& c, const std::exception_ptr& error);
   mutable std::mutex mu_;
   std::condition_variable idle_cv_;   // calls_ became empty
   std::condition_variable timer_cv_;  // a new earliest deadline, or stopping

@@ -110,6 +110,7 @@ void Agent::handle_request(const ConnectionPtr& conn, int from, Message msg,
                            std::shared_ptr<const Handler> handler) {
   if (!handler) handler = find_handler(msg.callee);
   if (!handler) {
+    metrics_->request_served(/*failed=*/true);
     send_error(conn, msg.id, ErrorCode::kUnknownFunction,
                "no function '" + msg.callee + "' is registered");
     return;
@@ -155,6 +156,7 @@ void Agent::handle_request(const ConnectionPtr& conn, int from, Message msg,
 
 void Agent::reply(const ConnectionPtr& conn, int to, uint64_t id, const RawFuture& result,
                   uint64_t autograd_context) {
+  metrics_->request_served(result->hasError());
   if (id == kNoReply) return;  // notify(): nobody waits for it
   if (result->hasError()) {
     // The error keeps its kind: a handler whose own call timed out fails

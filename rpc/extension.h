@@ -29,6 +29,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -52,6 +53,11 @@ class AgentExtension {
   virtual void after_encode(const Message& m, OutFrame& frame, int dest) = 0;
   virtual void after_receive(Message& m, int from) = 0;
   virtual std::vector<std::string> live_objects() const { return {}; }
+  // Agent::metrics(): the layer's own figures, under names of its own
+  // ("autograd.contexts").
+  virtual void add_metrics(std::map<std::string, int64_t>& out) const { (void)out; }
+  // Agent::debug_info(): lines about what the layer holds or waits for.
+  virtual std::string debug_info() const { return {}; }
   virtual void close() {}
 };
 

@@ -39,6 +39,8 @@ class ThreadPool {
   // Idempotent. Must not be called from one of the pool's own threads.
   void stop();
   bool in_pool() const;
+  // Tasks waiting for a thread.
+  size_t queued() const { return queued_.load(std::memory_order_relaxed); }
   std::shared_ptr<Agent> owner() const { return owner_.lock(); }
 
  private:

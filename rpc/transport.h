@@ -53,6 +53,8 @@ struct TransportStats {
   uint64_t shared_tensors = 0;       // tensors sent through shared memory
   uint64_t shared_bytes = 0;         // and their bytes
   uint64_t shared_fallbacks = 0;     // large tensors sent inline: segments full or unavailable
+  uint64_t bytes_sent = 0;           // frames written to sockets (queued ones included)
+  uint64_t bytes_received = 0;       // frames read from sockets
 };
 
 // send() of a request on a connection that was retired (6.): the frame was

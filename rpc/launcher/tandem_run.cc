@@ -597,6 +597,7 @@ std::vector<std::string> Launcher::worker_environment(int local_rank) const {
   add("GROUP_RANK", std::to_string(options_.node_rank));
   add("MASTER_ADDR", options_.master_addr);
   add("MASTER_PORT", std::to_string(options_.master_port));
+  add("TANDEM_LAUNCHER", "tandem-run");  // rpc::init then prints debug info on SIGUSR1
   if (const int threads = threads_per_worker()) add("OMP_NUM_THREADS", std::to_string(threads));
   if (!job_token_.empty()) add("TANDEM_TOKEN", job_token_);
   if (hosts_store_) add("TORCHELASTIC_USE_AGENT_STORE", "True");

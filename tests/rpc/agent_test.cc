@@ -634,3 +634,51 @@ TEST_CASE("agent: crossed dials under load lose no call, and end with one connec
     MESSAGE(std::string(mode) << ": crossed dials seen in 12 trials: " << crossings);
   }
 }
+
+TEST_CASE("agent: metrics count what a scripted job did") {
+  World w(2, define_common);
+  // worker0: 5 answered calls, 2 that throw remotely, 1 to an unknown
+  // function, 1 that times out; worker1 serves all 9.
+  for (int i = 0; i < 5; ++i) {
+    CHECK(at::equal(w[0].rpc_sync<at::Tensor>("worker1", "add", at::ones({4}), at::ones({4})),
+                    at::full({4}, 2.0)));
+  }
+  for (int i = 0; i < 2; ++i) {
+    CHECK_THROWS_AS(w[0].rpc_sync<int64_t>("worker1", "fail", std::string("no")), RemoteError);
+  }
+  CHECK_THROWS_AS(w[0].rpc_sync<int64_t>("worker1", "no_such_function"), UnknownFunctionError);
+  CallOptions quick;
+  quick.timeout = 50ms;
+  const int done_before = g_sleeps_done.load();
+  CHECK_THROWS_AS(w[0].rpc_async<int64_t>(quick, "worker1", "sleep_ms", int64_t(300)).wait(),
+                  TimeoutError);
+  // The late answer comes and is dropped: then both sides have every byte.
+  CHECK(eventually([&] { return g_sleeps_done.load() > done_before; }));
+  CHECK(eventually([&] {
+    return w[0].metrics().bytes_received == w[1].metrics().bytes_sent &&
+           w[1].metrics().bytes_received == w[0].metrics().bytes_sent;
+  }));
+  Metrics a = w[0].metrics(), b = w[1].metrics();
+  INFO(a.to_string() << "---\n" << b.to_string());
+  CHECK(a.calls_sent == 9);
+  CHECK(a.calls_failed == 4);
+  CHECK(a.failures == std::map<std::string, uint64_t>{
+                          {"RemoteError", 2}, {"UnknownFunction", 1}, {"Timeout", 1}});
+  CHECK(a.calls_in_flight == 0);
+  CHECK(a.functions.at("add").calls == 5);
+  CHECK(a.functions.at("add").failed == 0);
+  CHECK(a.functions.at("add").p50_us > 0);
+  CHECK(a.functions.at("add").p99_us >= a.functions.at("add").p50_us);
+  CHECK(a.functions.at("fail").failed == 2);
+  CHECK(a.functions.at("sleep_ms").failed == 1);
+  CHECK(b.requests_served == 9);
+  CHECK(b.requests_failed == 3);
+  CHECK(b.calls_sent == 0);
+  CHECK(a.requests_served == 0);
+  CHECK(a.connections == 1);
+  CHECK(a.bytes_sent > 0);
+  // Exactly what one side wrote, the other read (the handshake included).
+  CHECK(a.bytes_sent == b.bytes_received);
+  CHECK(b.bytes_sent == a.bytes_received);
+  w.shutdown();
+}

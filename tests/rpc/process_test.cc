@@ -157,6 +157,18 @@ int worker_main(const std::string& mode) {
       }
       return ok ? 0 : 1;
     }
+    if (mode == "debug_signal") {
+      // Rank 0 has a call in flight when SIGUSR1 asks it what it is doing.
+      if (agent->rank() == 0) {
+        auto slow = rpc::rpc_async<int64_t>("worker1", "sleep_ms", int64_t(1500));
+        std::this_thread::sleep_for(200ms);
+        ::kill(::getpid(), SIGUSR1);
+        std::this_thread::sleep_for(300ms);  // the debug thread prints meanwhile
+        slow.wait();
+      }
+      rpc::shutdown(true);
+      return 0;
+    }
     if (mode == "hang") {
       std::this_thread::sleep_for(120s);  // until the test kills it
       return 1;
@@ -470,4 +482,17 @@ TEST_CASE("spawn: a failing rank stops the others and its error reaches the call
     CHECK(processes_with(marker) == 0);
   }
   CHECK_THROWS_AS(tandem::spawn(0, [](int, int) {}), std::invalid_argument);
+}
+
+TEST_CASE("process: SIGUSR1 to a worker under tandem-run prints what it is doing") {
+  const std::string cmd = std::string("TANDEM_TEST_WORKER=debug_signal ") + TANDEM_RUN_PATH +
+                          " --nproc-per-node 2 " + support::self_exe();
+  test::RunResult r = test::run_command(cmd);
+  INFO(r.output);
+  CHECK(r.status == 0);
+  CHECK(r.output.find("[0]: tandem debug info: worker0 (rank 0 of 2)") != std::string::npos);
+  CHECK(r.output.find("[0]: connections:") != std::string::npos);
+  CHECK(r.output.find("[0]: calls in flight: 1") != std::string::npos);
+  CHECK(r.output.find("'sleep_ms' on worker1") != std::string::npos);
+  CHECK(r.output.find("[0]: calls sent") != std::string::npos);
 }

@@ -235,6 +235,8 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
       w = std::make_unique<PendingWrite>(std::move(frame), shared_out_.get(), transport_->limits_);
       transport_->count_shared(before, shared_out_->stats(), shared_out_->unavailable(), peer_);
     }
+    transport_->stats_bytes_sent_.fetch_add(w->frame.total_bytes() + w->frame.preamble.table_bytes,
+                                            std::memory_order_relaxed);
     if (answer) {
       answers_out_.fetch_add(1, std::memory_order_release);
       // Held for too many unanswered requests (uv_transport.h, 5.): resume
@@ -791,6 +793,7 @@ void UvTransport::read_from_loop(const std::shared_ptr<UvConnection>& conn) {
     }
     while (conn->decoder_.has_message() && !conn->loop_closed_) {
       Message m = conn->decoder_.take();
+      stats_bytes_received_.fetch_add(m.wire_bytes, std::memory_order_relaxed);
       if (m.kind == MessageKind::kRequest && m.id != 0) {
         conn->requests_in_.fetch_add(1, std::memory_order_release);  // an answer is owed
       }
@@ -904,6 +907,8 @@ TransportStats UvTransport::stats() const {
   s.shared_tensors = stats_shared_tensors_.load();
   s.shared_bytes = stats_shared_bytes_.load();
   s.shared_fallbacks = stats_shared_fallbacks_.load();
+  s.bytes_sent = stats_bytes_sent_.load();
+  s.bytes_received = stats_bytes_received_.load();
   return s;
 }
 
