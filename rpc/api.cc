@@ -21,7 +21,9 @@ std::shared_ptr<Agent> g_agent;
 // Under tandem-run, SIGUSR1 prints the agent's debug info to stderr. The
 // handler only writes a byte to a pipe; a thread reads it and prints.
 int g_debug_pipe[2] = {-1, -1};
-std::thread g_debug_thread;
+// A pointer, not a std::thread: a program that exits without shutdown()
+// must not meet a joinable thread's destructor (std::terminate).
+std::thread* g_debug_thread = nullptr;
 
 void on_debug_signal(int) {
   const int saved = errno;
@@ -33,9 +35,9 @@ void on_debug_signal(int) {
 
 void start_debug_signal() {  // g_mu held
   const char* launcher = std::getenv("TANDEM_LAUNCHER");
-  if (!launcher || std::strcmp(launcher, "tandem-run") != 0 || g_debug_thread.joinable()) return;
+  if (!launcher || std::strcmp(launcher, "tandem-run") != 0 || g_debug_thread) return;
   if (::pipe2(g_debug_pipe, O_CLOEXEC) != 0) return;
-  g_debug_thread = std::thread([] {
+  g_debug_thread = new std::thread([] {
     char byte;
     while (::read(g_debug_pipe[0], &byte, 1) == 1 && byte == 'd') {
       std::shared_ptr<Agent> agent;
@@ -56,12 +58,14 @@ void start_debug_signal() {  // g_mu held
 }
 
 void stop_debug_signal() {  // g_mu not held
-  if (!g_debug_thread.joinable()) return;
+  if (!g_debug_thread) return;
   ::signal(SIGUSR1, SIG_DFL);
   const char quit = 'q';
   ssize_t ignored = ::write(g_debug_pipe[1], &quit, 1);
   (void)ignored;
-  g_debug_thread.join();
+  g_debug_thread->join();
+  delete g_debug_thread;
+  g_debug_thread = nullptr;
   ::close(g_debug_pipe[0]);
   ::close(g_debug_pipe[1]);
   g_debug_pipe[0] = g_debug_pipe[1] = -1;
