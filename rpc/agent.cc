@@ -145,9 +145,17 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
       extensions_.push_back(std::move(ext));
     }
   }
+  if (options_.trace_dir.empty()) {
+    if (const char* t = std::getenv("TANDEM_TRACE")) options_.trace_dir = t;
+  }
+  if (!options_.trace_dir.empty()) trace_ = std::make_unique<Tracer>(options_.trace_dir, rank_, self_name_);
+  internal_->def("tandem.trace.clock", []() {
+    return Tracer::micros(std::chrono::steady_clock::now());
+  });
   calls_ = std::make_unique<CallTable>(
       [pool = pool_](std::function<void()> fn) { pool->post(std::move(fn)); },
       [this](int rank) { return workers_.at(rank).name; }, metrics_.get());
+  calls_->set_tracer(trace_.get(), rank_);
   Transport::Callbacks cb;
   cb.on_message = [this](const ConnectionPtr& c, Message&& m) {
     on_message_from_loop(c, std::move(m));
@@ -234,6 +242,26 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
     throw;
   }
   set_ready();
+  if (trace_ && rank_ != 0) measure_clock_offset();
+}
+
+void Agent::measure_clock_offset() {
+  // rpc/trace.h, 2.: the ping with the shortest round trip says most.
+  int64_t best_rtt = -1, offset = 0;
+  for (int i = 0; i < 8; ++i) {
+    try {
+      const int64_t t0 = Tracer::micros(std::chrono::steady_clock::now());
+      const int64_t there = call(workers_[0].name, "tandem.trace.clock", {}).wait().toInt();
+      const int64_t t1 = Tracer::micros(std::chrono::steady_clock::now());
+      if (best_rtt < 0 || t1 - t0 < best_rtt) {
+        best_rtt = t1 - t0;
+        offset = there - (t0 + t1) / 2;
+      }
+    } catch (const std::exception&) {
+      break;  // rank 0 gone already: the trace keeps this clock
+    }
+  }
+  if (best_rtt >= 0) trace_->set_clock(offset, (best_rtt + 1) / 2);
 }
 
 Agent::~Agent() {
@@ -565,6 +593,13 @@ void Agent::shutdown(bool graceful) {
   }
   store_.reset();
   shut_down_ = true;
+  if (trace_) {
+    try {
+      trace_->write();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "tandem[%s]: %s\n", printable(name()).c_str(), e.what());
+    }
+  }
   if (!leaked.empty()) {
     std::string list;
     for (const auto& l : leaked) list += (list.empty() ? "" : ", ") + l;

@@ -54,6 +54,7 @@
 #include "tandem/rpc/registry.h"
 #include "tandem/rpc/thread_pool.h"
 #include "tandem/rpc/metrics.h"
+#include "tandem/rpc/trace.h"
 #include "tandem/rpc/transport.h"
 #include "tandem/rpc/wire.h"
 
@@ -117,6 +118,9 @@ struct AgentOptions {
   // Keep freed host memory mapped for the next step instead of giving it back
   // to the kernel (rpc/host.h); skipped where the user tuned malloc.
   bool retain_freed_memory = true;
+  // Where to write this worker's trace (rpc/trace.h); empty: $TANDEM_TRACE,
+  // and no trace when that is unset.
+  std::string trace_dir;
 };
 
 struct CallOptions {
@@ -226,7 +230,8 @@ class Agent : public std::enable_shared_from_this<Agent> {
   void handle_request(const ConnectionPtr& conn, int from, Message msg,
                       std::shared_ptr<const Handler> handler = nullptr);
   void reply(const ConnectionPtr& conn, int to, uint64_t id, const RawFuture& result,
-             uint64_t autograd_context);
+             uint64_t autograd_context, const std::string& callee = {},
+             std::chrono::steady_clock::time_point started = {});
   void send_error(const ConnectionPtr& conn, uint64_t id, ErrorCode code,
                   const std::string& message);
   void run_as_handler(const std::function<void()>& fn);
@@ -251,6 +256,8 @@ class Agent : public std::enable_shared_from_this<Agent> {
   std::vector<std::shared_ptr<AgentExtension>> extensions_;
   std::shared_ptr<ThreadPool> pool_;
   std::unique_ptr<MetricsRecorder> metrics_ = std::make_unique<MetricsRecorder>();
+  std::unique_ptr<Tracer> trace_;  // null unless tracing (rpc/trace.h)
+  void measure_clock_offset();
   std::unique_ptr<CallTable> calls_;
   std::unique_ptr<ConnectionTable> conns_;
   struct Retiring {

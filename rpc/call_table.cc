@@ -20,7 +20,15 @@ CallTable::CallTable(std::function<void(std::function<void()>)> post,
 CallTable::~CallTable() { stop(); }
 
 void CallTable::count(const Call& c, const std::exception_ptr& error) {
-  if (metrics_) metrics_->call_done(c.callee, Clock::now() - c.started, error);
+  const auto now = Clock::now();
+  if (metrics_) metrics_->call_done(c.callee, now - c.started, error);
+  if (tracer_) {
+    tracer_->slice(c.callee, "rpc", c.started, now,
+                   (static_cast<uint64_t>(self_rank_) << 48) | c.id, 0,
+                   std::string("{\"to\":") + std::to_string(c.peer) +
+                       ",\"ok\":" + (error ? "false" : "true") + "}",
+                   c.tid);
+  }
 }
 
 bool CallTable::add(uint64_t id, Call call) {
@@ -32,6 +40,7 @@ bool CallTable::add(uint64_t id, Call call) {
     // deadline would cost a context switch per call.
     if (call.deadline < timer_wake_) timer_cv_.notify_one();
   }
+  call.id = id;
   calls_.emplace(id, std::move(call));
   return true;
 }

@@ -31,6 +31,7 @@
 
 #include "tandem/rpc/future.h"
 #include "tandem/rpc/metrics.h"
+#include "tandem/rpc/trace.h"
 
 namespace tandem::rpc {
 
@@ -53,6 +54,8 @@ class CallTable {
     bool has_deadline = false;
     Clock::time_point deadline;
     Clock::time_point started;  // for the callee's latency (metrics.h)
+    uint64_t id = 0;            // set by add()
+    long tid = 0;               // the calling thread, for the trace (rpc/trace.h)
   };
 
   // `post` runs a due schedule_after() task (on the agent's pool);
@@ -106,6 +109,17 @@ class CallTable {
   const std::function<void(std::function<void()>)> post_;
   const std::function<std::string(int)> worker_name_;
   MetricsRecorder* const metrics_;  // told of every call that ends; may be null
+ public:
+  // With tracing on (rpc/trace.h): each call that ends becomes a slice, its
+  // flow id self_rank << 48 | call id. Set before the first call.
+  void set_tracer(Tracer* tracer, int self_rank) {
+    tracer_ = tracer;
+    self_rank_ = self_rank;
+  }
+
+ private:
+  Tracer* tracer_ = nullptr;
+  int self_rank_ = 0;
   void count(const Call& c, const std::exception_ptr& error);
   mutable std::mutex mu_;
   std::condition_variable idle_cv_;   // calls_ became empty

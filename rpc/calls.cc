@@ -94,6 +94,7 @@ RawFuture Agent::start_call(const std::string& to, const std::string& fn,
     if (attempt == 0) {
       call.conn_id = conn->id();
       call.started = Clock::now();
+      if (trace_) call.tid = Tracer::this_thread();
       metrics_->call_sent();
       if (!calls_->add(req.id, std::move(call))) {
         fut->setError(shut_down());

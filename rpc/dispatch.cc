@@ -128,6 +128,7 @@ void Agent::handle_request(const ConnectionPtr& conn, int from, Message msg,
   ScopeGuard guard(scope);
   RawFuture result;
   const uint64_t autograd_context = msg.autograd_context;
+  const auto started = trace_ ? Clock::now() : Clock::time_point{};
   try {
     for (const auto& e : extensions_) e->after_receive(msg, from);
     HandlerResult r = (*handler)(msg.values);
@@ -135,12 +136,14 @@ void Agent::handle_request(const ConnectionPtr& conn, int from, Message msg,
       // Asynchronous: this pool thread is free now; reply when it completes.
       uint64_t id = msg.id;
       std::weak_ptr<Agent> weak = weak_from_this();
-      r.future->addCallback([weak, conn, from, id, autograd_context](c10::ivalue::Future& f) {
+      std::string callee = trace_ ? msg.callee : std::string();
+      r.future->addCallback([weak, conn, from, id, autograd_context, callee,
+                             started](c10::ivalue::Future& f) {
         // The future may complete after this agent is gone: then nobody is
         // left to answer, and the caller has failed the call already.
         if (auto self = weak.lock()) {
           self->reply(conn, from, id, c10::intrusive_ptr<c10::ivalue::Future>::reclaim_copy(&f),
-                      autograd_context);
+                      autograd_context, callee, started);
         }
       });
       return;
@@ -151,12 +154,18 @@ void Agent::handle_request(const ConnectionPtr& conn, int from, Message msg,
     result = make_raw_future();
     result->setError(std::current_exception());
   }
-  reply(conn, from, msg.id, result, autograd_context);
+  reply(conn, from, msg.id, result, autograd_context, trace_ ? msg.callee : std::string(), started);
 }
 
 void Agent::reply(const ConnectionPtr& conn, int to, uint64_t id, const RawFuture& result,
-                  uint64_t autograd_context) {
+                  uint64_t autograd_context, const std::string& callee,
+                  Clock::time_point started) {
   metrics_->request_served(result->hasError());
+  if (trace_ && started != Clock::time_point{}) {
+    trace_->slice(callee, "rpc.serve", started, Clock::now(), 0,
+                  id == kNoReply ? 0 : (static_cast<uint64_t>(to) << 48) | id,
+                  std::string("{\"from\":") + std::to_string(to) + "}");
+  }
   if (id == kNoReply) return;  // notify(): nobody waits for it
   if (result->hasError()) {
     // The error keeps its kind: a handler whose own call timed out fails

@@ -49,6 +49,7 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -85,6 +86,8 @@ constexpr char kHelp[] =
     "  --master-addr A      address of the rank-0 node (default 127.0.0.1)\n"
     "  --master-port P      port on the rank-0 node; 0 picks a free one when K is 1\n"
     "                       (default 0; required when K > 1)\n"
+    "  --trace DIR          every worker writes its trace into DIR (TANDEM_TRACE); once they\n"
+    "                       exited, this node's traces are joined into DIR/tandem-trace.json\n"
     "  --help               print this help and exit\n"
     "  --                   end of options; PROGRAM follows\n"
     "\n"
@@ -111,7 +114,7 @@ constexpr const char* kWorkerVariables[] = {
 };
 
 constexpr const char* kValueFlags[] = {
-    "nproc-per-node", "nnodes", "node-rank", "master-addr", "master-port",
+    "nproc-per-node", "nnodes", "node-rank", "master-addr", "master-port", "trace",
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -169,6 +172,7 @@ struct Options {
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 0;  // 0: pick a free one (single node only)
+  std::string trace_dir;  // --trace
   std::vector<std::string> program;
   bool help = false;
 };
@@ -214,6 +218,9 @@ void apply_option(Options& options, const std::string& name, const std::string& 
     options.master_addr = value;
   } else if (name == "master-port") {
     options.master_port = parse_int(flag, value, 0, 65535);
+  } else if (name == "trace") {
+    if (value.empty()) throw UsageError("--trace must name a directory");
+    options.trace_dir = value;
   }
 }
 
@@ -480,6 +487,7 @@ class Launcher {
 
  private:
   void start_workers();
+  void join_traces();
   bool spawn(int local_rank);
   std::vector<std::string> worker_environment(int local_rank) const;
   // OMP_NUM_THREADS for each worker when the user did not set it; 0: leave it unset.
@@ -519,7 +527,55 @@ int Launcher::run() {
     reap_workers();
     check_deadlines();
   }
+  if (!options_.trace_dir.empty()) join_traces();
   return exit_code_;
+}
+
+// rpc/trace.h: each worker's file holds one event per line between its
+// first line and the line that starts with "]"; the joined file holds all
+// of them, each worker a process of its own (pid = rank).
+void Launcher::join_traces() {
+  std::string events;
+  int joined = 0;
+  const int first = options_.node_rank * options_.nproc_per_node;
+  for (int rank = first; rank < first + options_.nproc_per_node; ++rank) {
+    const std::string path =
+        options_.trace_dir + "/tandem-trace-rank" + std::to_string(rank) + ".json";
+    FILE* f = std::fopen(path.c_str(), "r");
+    if (!f) {
+      report("no trace from worker " + std::to_string(rank) + " (" + path + ")");
+      continue;
+    }
+    std::string line;
+    int c;
+    bool header = true;
+    while (true) {
+      line.clear();
+      while ((c = std::fgetc(f)) != EOF && c != '\n') line.push_back(static_cast<char>(c));
+      if (line.empty() && c == EOF) break;
+      if (header) {
+        header = false;  // {"traceEvents":[
+      } else if (!line.empty() && line[0] == ']') {
+        break;
+      } else if (!line.empty()) {
+        if (line.back() == ',') line.pop_back();
+        events += (events.empty() ? "" : ",\n") + line;
+      }
+      if (c == EOF) break;
+    }
+    std::fclose(f);
+    ++joined;
+  }
+  const std::string out = options_.trace_dir + "/tandem-trace.json";
+  FILE* f = std::fopen(out.c_str(), "w");
+  if (!f) {
+    report("cannot write " + out);
+    return;
+  }
+  std::fprintf(f, "{\"traceEvents\":[\n%s\n],\"displayTimeUnit\":\"ms\",\"otherData\":"
+                  "{\"workers\":%d}}\n", events.c_str(), joined);
+  std::fclose(f);
+  report("joined the traces of " + std::to_string(joined) + " worker(s) into " + out);
 }
 
 int Launcher::threads_per_worker() const {
@@ -598,6 +654,7 @@ std::vector<std::string> Launcher::worker_environment(int local_rank) const {
   add("MASTER_ADDR", options_.master_addr);
   add("MASTER_PORT", std::to_string(options_.master_port));
   add("TANDEM_LAUNCHER", "tandem-run");  // rpc::init then prints debug info on SIGUSR1
+  if (!options_.trace_dir.empty()) add("TANDEM_TRACE", options_.trace_dir);
   if (const int threads = threads_per_worker()) add("OMP_NUM_THREADS", std::to_string(threads));
   if (!job_token_.empty()) add("TANDEM_TOKEN", job_token_);
   if (hosts_store_) add("TORCHELASTIC_USE_AGENT_STORE", "True");
