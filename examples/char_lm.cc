@@ -128,6 +128,7 @@ struct Config {
   std::string checkpoint = "char_lm.ckpt";
   std::string mode = "single";  // or "hybrid", "pipeline"
   std::string schedule = "1f1b";  // --mode pipeline's
+  std::string losses;  // --losses: each progress line also goes there as CSV
   bool resume = false;
   bool hybrid() const { return mode == "hybrid"; }
   bool pipeline() const { return mode == "pipeline"; }
@@ -404,6 +405,7 @@ struct Progress {
   int64_t tokens_per_step;  // of all trainers
   double sum = 0;
   int64_t since = 0;
+  int64_t csv_rows = 0;
   Clock::time_point last_line = Clock::now();
 
   void add(int64_t done, double loss) {
@@ -415,6 +417,17 @@ struct Progress {
                 static_cast<long long>(done), static_cast<long long>(cfg.steps), sum / since,
                 since * tokens_per_step / dt, seconds_since(started));
     std::fflush(stdout);
+    if (!cfg.losses.empty()) {
+      // Written afresh by a run from step 1, appended to by a resumed one.
+      const bool fresh = csv_rows == 0 && !cfg.resume;
+      if (FILE* f = std::fopen(cfg.losses.c_str(), fresh ? "w" : "a")) {
+        if (fresh) std::fprintf(f, "step,loss,tokens_per_s,elapsed_s\n");
+        std::fprintf(f, "%lld,%.6f,%.0f,%.3f\n", static_cast<long long>(done), sum / since,
+                     since * tokens_per_step / dt, seconds_since(started));
+        std::fclose(f);
+        ++csv_rows;
+      }
+    }
     sum = 0;
     since = 0;
     last_line = Clock::now();
@@ -698,6 +711,7 @@ int main(int argc, char** argv) {
         .add("--seed", &cfg.seed, 0, "seed of the initial parameters, batches and sample")
         .add("--lr", &cfg.lr, "Adam's learning rate")
         .add("--log-every", &cfg.log_every, 1, "print the mean loss every N steps")
+        .add("--losses", &cfg.losses, "also write each progress line to this CSV file")
         .add_choice("--mode", &cfg.mode, {"single", "hybrid", "pipeline"},
                     "one trainer (2 processes); N - 1 DDP trainers sharing the parameter "
                     "server (N >= 3 processes); or the model pipelined over 2 processes")

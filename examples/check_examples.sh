@@ -4,7 +4,7 @@
 # and the examples, e.g. build/bin).
 #
 #  a. char_lm --steps 60: exits 0, its last mean loss is below its first
-#     (step 1's), the final loss line and a sample line are printed; the same
+#     (step 1's) and --losses wrote them as CSV, the final loss line and a sample line are printed; the same
 #     with --mode hybrid on 3 processes, whose trainers' LSTMs end identical;
 #     --mode pipeline (by 1F1B and by zero-bubble) ends on a's final loss
 #     (within 1e-3) and prints a sample;
@@ -70,9 +70,12 @@ final_line() { grep -o 'final step .* loss [0-9.]*' "$1"; }
 sample_line() { grep -o 'sample: .*' "$1"; }
 
 # a. a short training run
-rc=$(launch a.log 2 char_lm --steps 60 --log-every 20 --checkpoint a.ckpt)
+rc=$(launch a.log 2 char_lm --steps 60 --log-every 20 --checkpoint a.ckpt --losses a.csv)
 if expect_rc "char_lm --steps 60" "$rc" 0 a.log; then
   fell char_lm "$(losses a.log | head -n1)" "$(losses a.log | tail -n1)"
+  # --losses: the same progress lines as CSV (steps 1, 20, 40, 60), for ./dev plot
+  [[ $(head -n1 a.csv) == "step,loss,tokens_per_s,elapsed_s" && $(wc -l <a.csv) -eq 5 &&
+     $(tail -n1 a.csv | cut -d, -f1) == 60 ]] || { fail "char_lm --losses wrote no CSV curve"; cat a.csv; }
   [[ -n $(final_line a.log) ]] || fail "char_lm printed no final loss line"
   [[ $(sample_line a.log) == "sample: "?* ]] || fail "char_lm printed no sample"
   [[ -s a.ckpt ]] || fail "char_lm wrote no checkpoint"
