@@ -126,6 +126,16 @@ std::string random_bytes(size_t n) {
   return out;
 }
 
+std::string random_hex(size_t n) {
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : random_bytes(n)) {
+    out += digits[c >> 4];
+    out += digits[c & 15];
+  }
+  return out;
+}
+
 bool constant_time_equal(const std::string& a, const std::string& b) {
   if (a.size() != b.size()) return false;
   unsigned char diff = 0;

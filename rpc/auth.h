@@ -38,6 +38,8 @@ Sha256Digest hmac_sha256(const std::string& key, const std::string& data);
 // `n` bytes from the kernel's random source (getrandom). Throws
 // std::runtime_error when it cannot be read.
 std::string random_bytes(size_t n);
+// `n` random bytes as 2n lowercase hex digits.
+std::string random_hex(size_t n);
 
 // Equality that takes the same time wherever the strings differ.
 bool constant_time_equal(const std::string& a, const std::string& b);

@@ -147,16 +147,6 @@ void report(const std::string& message) {
 
 std::string errno_text(int error) { return std::strerror(error); }
 
-// `bytes` random bytes from the kernel (rpc/auth.h), as hex.
-std::string random_hex(size_t bytes) {
-  static const char* digits = "0123456789abcdef";
-  std::string out;
-  for (unsigned char c : tandem::rpc::random_bytes(bytes)) {
-    out += digits[c >> 4];
-    out += digits[c & 15];
-  }
-  return out;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Command line
@@ -602,7 +592,7 @@ void Launcher::start_workers() {
   // one, which only the user can give them all.
   const char* token = std::getenv("TANDEM_TOKEN");
   if ((!token || !*token) && options_.nnodes == 1) {
-    job_token_ = random_hex(32);
+    job_token_ = tandem::rpc::random_hex(32);
   } else if (!token || !*token) {
     report("warning: TANDEM_TOKEN is not set: any process that can reach this job's workers "
            "can join it; set the same random TANDEM_TOKEN on every node");

@@ -148,7 +148,6 @@ bool SegmentWriter::grow(uint64_t need, std::vector<int>& announce) {
   seg->free.emplace(0, size);
   announce.push_back(seg->fd);
   mapped_bytes_ += size;
-  ++stats_.segments;
   segments_.push_back(std::move(seg));
   return true;
 }
@@ -164,16 +163,10 @@ std::optional<SharedRef> SegmentWriter::place(const at::Tensor& t, uint32_t inde
     if ((at = segments_[which]->take(len))) break;
   }
   if (!at) {
-    if (!grow(len, announce)) {
-      ++stats_.inline_fallbacks;
-      return std::nullopt;
-    }
+    if (!grow(len, announce)) return std::nullopt;
     which = static_cast<uint32_t>(segments_.size() - 1);
     at = segments_[which]->take(len);
-    if (!at) {  // cannot happen: a fresh segment fits `len`
-      ++stats_.inline_fallbacks;
-      return std::nullopt;
-    }
+    if (!at) return std::nullopt;  // cannot happen: a fresh segment fits `len`
   }
   Segment& seg = *segments_[which];
   BlockHeader* h = seg.header(*at);
@@ -182,8 +175,6 @@ std::optional<SharedRef> SegmentWriter::place(const at::Tensor& t, uint32_t inde
   std::memcpy(seg.base + *at + kHeaderBytes, t.data_ptr(), n);
   // Published before the frame that names it is written (release).
   h->state.store(kSent, std::memory_order_release);
-  ++stats_.tensors;
-  stats_.bytes += n;
   return SharedRef{index, which, *at + kHeaderBytes};
 }
 

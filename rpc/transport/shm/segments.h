@@ -42,13 +42,6 @@
 
 namespace tandem::rpc {
 
-struct SharedMemoryStats {
-  uint64_t tensors = 0;          // tensors placed in segments
-  uint64_t bytes = 0;            // their bytes
-  uint64_t inline_fallbacks = 0; // large tensors sent through the socket: pool full or unavailable
-  uint64_t segments = 0;         // segments made
-};
-
 // Sender side of one connection. Not thread-safe: the connection's write
 // lock guards it (placements and the descriptors they announce must be
 // written in the same order).
@@ -64,7 +57,6 @@ class SegmentWriter {
   // A segment made for it appends its descriptor to `announce` (the caller
   // sends those with the frame). nullopt: send it inline.
   std::optional<SharedRef> place(const at::Tensor& t, uint32_t index, std::vector<int>& announce);
-  const SharedMemoryStats& stats() const { return stats_; }
   // Why segments could not be made; empty while they can.
   const std::string& unavailable() const { return unavailable_; }
 
@@ -75,7 +67,6 @@ class SegmentWriter {
   std::vector<std::unique_ptr<Segment>> segments_;
   uint64_t mapped_bytes_ = 0;
   std::string unavailable_;
-  SharedMemoryStats stats_;
 };
 
 // Receiver side of one connection: the segments the peer announced, and the

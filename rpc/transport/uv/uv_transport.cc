@@ -69,6 +69,8 @@ const char kZeros[kTensorAlignment] = {};
 // Descriptors one frame may announce; one read takes at most one frame's.
 constexpr size_t kMaxFdsPerRead = 64;
 
+}  // namespace
+
 // One frame being written: the iovecs over its buffers and how far we got.
 struct PendingWrite {
   // With `shared`, tensors of at least min_shared_tensor_bytes go through
@@ -105,7 +107,9 @@ struct PendingWrite {
       }
       if (ref) {
         table.push_back(*ref);
+        shared_bytes += t.nbytes();
       } else {
+        if (t.nbytes() >= limits.min_shared_tensor_bytes) ++shared_fallbacks;
         body.push_back(t);
       }
     }
@@ -120,6 +124,8 @@ struct PendingWrite {
 
   OutFrame frame;
   std::vector<SharedRef> table;  // tensors placed in shared memory
+  uint64_t shared_bytes = 0;     // their bytes
+  uint64_t shared_fallbacks = 0;  // large tensors left in the body (pool full or unavailable)
   std::vector<int> fds;          // segments announced with this frame (owned by the writer)
   bool fds_sent = false;
   uint64_t reply_bytes = 0;  // the whole frame when it answers the peer, else 0
@@ -127,17 +133,30 @@ struct PendingWrite {
   size_t next = 0;
 };
 
+namespace {
+
 // Where a shm backend is, as the rendezvous publishes it: this boot of this
 // machine and this network namespace (abstract sockets live in one), then
-// the socket's name.
-std::string host_key() {
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::string boot;
-  std::getline(in, boot);
-  char ns[128] = {};
-  ssize_t n = ::readlink("/proc/self/ns/net", ns, sizeof(ns) - 1);
-  if (boot.empty() || n <= 0) return {};
-  return boot + ":" + std::string(ns, static_cast<size_t>(n));
+// the socket's name. Read once per process.
+const std::string& host_key() {
+  static const std::string key = [] {
+    std::ifstream in("/proc/sys/kernel/random/boot_id");
+    std::string boot;
+    std::getline(in, boot);
+    char ns[128] = {};
+    ssize_t n = ::readlink("/proc/self/ns/net", ns, sizeof(ns) - 1);
+    if (boot.empty() || n <= 0) return std::string();
+    return boot + ":" + std::string(ns, static_cast<size_t>(n));
+  }();
+  return key;
+}
+
+// The abstract Unix socket address (sun_path[0] == 0) named `name`, and its length.
+std::pair<sockaddr_un, socklen_t> abstract_address(const std::string& name) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path + 1, name.data(), name.size());
+  return {addr, static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size())};
 }
 
 
@@ -225,16 +244,10 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
     }
     if (closed_) throw DisconnectedError("connection to " + peer_ + " is closed");
     const bool answer = frame.kind == MessageKind::kResponse || frame.kind == MessageKind::kError;
-    std::unique_ptr<PendingWrite> w;
-    if (!shared_out_) {
-      w = std::make_unique<PendingWrite>(std::move(frame), nullptr, Limits{});
-    } else {
-      // Placed under the lock: segments are announced in the order frames
-      // are written, which is the order the peer numbers them in.
-      const auto before = shared_out_->stats();
-      w = std::make_unique<PendingWrite>(std::move(frame), shared_out_.get(), transport_->limits_);
-      transport_->count_shared(before, shared_out_->stats(), shared_out_->unavailable(), peer_);
-    }
+    // Placed under the lock: segments are announced in the order frames
+    // are written, which is the order the peer numbers them in.
+    auto w = std::make_unique<PendingWrite>(std::move(frame), shared_out_.get(), transport_->limits_);
+    if (shared_out_) transport_->count_shared(*w, shared_out_->unavailable(), peer_);
     transport_->stats_bytes_sent_.fetch_add(w->frame.total_bytes() + w->frame.preamble.table_bytes,
                                             std::memory_order_relaxed);
     if (answer) {
@@ -496,67 +509,48 @@ int UvTransport::listen(const std::string& host, int port) {
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
   int bound = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
                                              : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
-  bool posted = post([this, fd] {
+  if (!start_listening(fd, /*local=*/false)) throw ShutdownError("transport is closed");
+  if (shared_memory_) listen_local();
+  return bound;
+}
+
+bool UvTransport::start_listening(int fd, bool local) {
+  bool posted = post([this, fd, local] {
     if (stopped_) {
       ::close(fd);
       return;
     }
-    listen_fd_ = fd;
-    loop_->listen_poll.data = this;
-    uv_poll_init_socket(&loop_->loop, &loop_->listen_poll, fd);
-    loop_->listening = true;
+    (local ? local_fd_ : listen_fd_) = fd;
+    uv_poll_t& poll = local ? loop_->local_poll : loop_->listen_poll;
+    poll.data = this;
+    uv_poll_init_socket(&loop_->loop, &poll, fd);
+    (local ? loop_->local_listening : loop_->listening) = true;
     watch_listener_from_loop();
   });
-  if (!posted) {
-    ::close(fd);
-    throw ShutdownError("transport is closed");
-  }
-  if (shared_memory_) listen_local();
-  return bound;
+  if (!posted) ::close(fd);
+  return posted;
 }
 
 void UvTransport::listen_local() {
   // An abstract socket: no file to leave behind, and only this network
   // namespace can reach it (which is what "the same host" means here).
-  const std::string key = host_key();
+  const std::string& key = host_key();
   if (key.empty()) {
     std::fprintf(stderr, "tandem: no same-host endpoint (cannot read this host's boot id or "
                          "network namespace); peers on this host use TCP\n");
     return;
   }
-  std::string name = "tandem-";
-  for (unsigned char c : random_bytes(8)) {
-    static const char* hex = "0123456789abcdef";
-    name += hex[c >> 4];
-    name += hex[c & 15];
-  }
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path + 1, name.data(), name.size());  // sun_path[0] == 0: abstract
-  const auto len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  const std::string name = "tandem-" + random_hex(8);
+  const auto [addr, len] = abstract_address(name);
   int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0 ||
+  if (fd < 0 || ::bind(fd, reinterpret_cast<const sockaddr*>(&addr), len) != 0 ||
       ::listen(fd, 1024) != 0) {
     std::fprintf(stderr, "tandem: no same-host endpoint (%s); peers on this host use TCP\n",
                  errno_text(errno).c_str());
     if (fd >= 0) ::close(fd);
     return;
   }
-  bool posted = post([this, fd] {
-    if (stopped_) {
-      ::close(fd);
-      return;
-    }
-    local_fd_ = fd;
-    loop_->local_poll.data = this;
-    uv_poll_init_socket(&loop_->loop, &loop_->local_poll, fd);
-    loop_->local_listening = true;
-    watch_listener_from_loop();
-  });
-  if (!posted) {
-    ::close(fd);
-    return;
-  }
+  if (!start_listening(fd, /*local=*/true)) return;
   std::lock_guard<std::mutex> lock(mu_);
   local_endpoint_ = "shm:" + key + ":" + name;
   local_name_ = name;
@@ -576,19 +570,16 @@ ConnectionPtr UvTransport::connect_local(const std::string& endpoint,
   if (!shared_memory_) return nullptr;
   if (endpoint.substr(4, cut - 4) != host_key()) return nullptr;  // another host or namespace
   const std::string name = endpoint.substr(cut + 1);
-  sockaddr_un addr{};
-  if (name.empty() || name.size() + 1 > sizeof(addr.sun_path)) {
+  if (name.empty() || name.size() + 1 > sizeof(sockaddr_un::sun_path)) {
     throw std::invalid_argument("bad same-host endpoint name in '" + endpoint + "'");
   }
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path + 1, name.data(), name.size());
-  const auto len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  const auto [addr, len] = abstract_address(name);
   const auto deadline = Clock::now() + timeout;
   int fd = -1;
   for (;;) {
     fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) throw DisconnectedError("cannot make a socket: " + errno_text(errno));
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), len) == 0) break;
+    if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr), len) == 0) break;
     const int err = errno;
     ::close(fd);
     fd = -1;
@@ -613,11 +604,11 @@ ConnectionPtr UvTransport::connect_local(const std::string& endpoint,
   return conn;
 }
 
-void UvTransport::count_shared(const SharedMemoryStats& before, const SharedMemoryStats& after,
-                               const std::string& unavailable, const std::string& peer) {
-  stats_shared_tensors_ += after.tensors - before.tensors;
-  stats_shared_bytes_ += after.bytes - before.bytes;
-  stats_shared_fallbacks_ += after.inline_fallbacks - before.inline_fallbacks;
+void UvTransport::count_shared(const PendingWrite& w, const std::string& unavailable,
+                               const std::string& peer) {
+  stats_shared_tensors_ += w.table.size();
+  stats_shared_bytes_ += w.shared_bytes;
+  stats_shared_fallbacks_ += w.shared_fallbacks;
   if (!unavailable.empty() && !shared_unavailable_logged_.exchange(true)) {
     std::fprintf(stderr,
                  "tandem: shared memory segments unavailable (%s); large tensors to %s and "

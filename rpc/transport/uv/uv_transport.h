@@ -60,7 +60,7 @@
 namespace tandem::rpc {
 
 class UvConnection;
-struct SharedMemoryStats;
+struct PendingWrite;
 
 class UvTransport final : public Transport {
  public:
@@ -86,12 +86,16 @@ class UvTransport final : public Transport {
   bool post(std::function<void()> fn);
   void run_commands();
   void listen_local();
+  // Hands a listening socket to the loop (closes it when the loop is gone).
+  bool start_listening(int fd, bool local);
   void accept_from_loop(bool local);
   // Adopts the segment descriptors a read brought; false (connection
   // closed) when they are not acceptable.
   bool take_descriptors(const std::shared_ptr<UvConnection>& conn, msghdr& msg);
-  void count_shared(const SharedMemoryStats& before, const SharedMemoryStats& after,
-                    const std::string& unavailable, const std::string& peer);
+  // Counts what a frame put in shared memory (and logs once why segments
+  // could not be made).
+  void count_shared(const PendingWrite& w, const std::string& unavailable,
+                    const std::string& peer);
   void adopt_from_loop(const std::shared_ptr<UvConnection>& conn);
   void close_from_loop(const std::shared_ptr<UvConnection>& conn, const std::string& reason);
   void read_from_loop(const std::shared_ptr<UvConnection>& conn);
