@@ -403,28 +403,20 @@ TEST_CASE("process: a worker killed mid-call over shared memory is noticed at on
     return names;
   };
   const auto before = shm_files();
-  const int port = support::free_port();
-  auto env = support::worker_env(0, 2, port);
-  env.push_back("TANDEM_TEST_WORKER=serve");
-  pid_t pid = support::spawn_self(env);
-  AgentOptions o;
-  o.rank = 1;
-  o.world_size = 2;
-  o.init_method = "tcp://127.0.0.1:" + std::to_string(port);
-  o.init_timeout = 30s;
-  auto agent = Agent::create(o, std::make_shared<Registry>());
+  test::ChildWorker child("serve");
+  auto agent = child.parent_agent(60s);
   auto big = at::arange(1 << 20, at::kFloat);  // 4 MiB each way through segments
-  at::Tensor back = agent->rpc_sync<at::Tensor>("worker0", "echo", big);
-  CHECK(agent->transport_to("worker0") == "shm");
+  at::Tensor back = agent->rpc_sync<at::Tensor>("worker1", "echo", big);
+  CHECK(agent->transport_to("worker1") == "shm");
   CHECK(agent->transport_stats().shared_tensors == 1);
-  auto slow = agent->rpc_async<int64_t>("worker0", "sleep_ms", int64_t(30000));
+  auto slow = agent->rpc_async<int64_t>("worker1", "sleep_ms", int64_t(30000));
   std::this_thread::sleep_for(100ms);
-  ::kill(pid, SIGKILL);
+  ::kill(child.pid, SIGKILL);
   const auto t0 = std::chrono::steady_clock::now();
-  CHECK_THROWS_WITH_AS(slow.wait(), doctest::Contains("connection to worker0 lost"),
+  CHECK_THROWS_WITH_AS(slow.wait(), doctest::Contains("connection to worker1 lost"),
                        DisconnectedError);
   CHECK(std::chrono::steady_clock::now() - t0 < 1s);
-  support::wait_exit(pid);
+  child.wait();
   // The reply lies in the dead worker's segment, which our mapping keeps.
   CHECK(at::equal(back, big));
   back = at::Tensor();

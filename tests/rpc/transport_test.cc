@@ -575,30 +575,22 @@ TEST_CASE("shm: bad references and descriptors close that connection, not the tr
     ::close(pipe_fds[0]);
     ::close(pipe_fds[1]);
   }
-  SUBCASE("a memfd that could shrink under the reader") {
+  // One 1 MiB segment announced with a frame whose tensor it places at `ref`.
+  auto one_segment = [&](SharedRef ref, const std::string& why, bool seal = true) {
     RawLocal raw(endpoint);
-    int fd = make_segment(1 << 20, /*seal=*/false);
-    expect = "not a memfd sealed against shrinking";
-    raw.write(shared_frame({0, 0, 64}), {fd});
+    int fd = make_segment(1 << 20, seal);
+    expect = why;
+    raw.write(shared_frame(ref), {fd});
     closed_with(raw);
     ::close(fd);
+  };
+  SUBCASE("a memfd that could shrink under the reader") {
+    one_segment({0, 0, 64}, "not a memfd sealed against shrinking", /*seal=*/false);
   }
   SUBCASE("a block past the segment's end") {
-    RawLocal raw(endpoint);
-    int fd = make_segment(1 << 20);
-    expect = "do not fit its segment";
-    raw.write(shared_frame({0, 0, (1 << 20) - 64}), {fd});
-    closed_with(raw);
-    ::close(fd);
+    one_segment({0, 0, (1 << 20) - 64}, "do not fit its segment");
   }
-  SUBCASE("an unaligned offset") {
-    RawLocal raw(endpoint);
-    int fd = make_segment(1 << 20);
-    expect = "do not fit its segment";
-    raw.write(shared_frame({0, 0, 100}), {fd});
-    closed_with(raw);
-    ::close(fd);
-  }
+  SUBCASE("an unaligned offset") { one_segment({0, 0, 100}, "do not fit its segment"); }
   SUBCASE("the same block twice") {
     RawLocal raw(endpoint);
     int fd = make_segment(1 << 20);
@@ -611,12 +603,7 @@ TEST_CASE("shm: bad references and descriptors close that connection, not the tr
     ::close(fd);
   }
   SUBCASE("a table naming a tensor the frame does not have") {
-    RawLocal raw(endpoint);
-    int fd = make_segment(1 << 20);
-    expect = "names tensor 3 of 1";
-    raw.write(shared_frame({3, 0, 64}), {fd});
-    closed_with(raw);
-    ::close(fd);
+    one_segment({3, 0, 64}, "names tensor 3 of 1");
   }
   SUBCASE("more segments than allowed") {
     RawLocal raw(endpoint);
