@@ -95,6 +95,16 @@ std::vector<std::string> Contexts::live_objects() const {
   return out;
 }
 
+std::vector<std::shared_ptr<ContextState>> Contexts::all() const {
+  std::vector<std::shared_ptr<ContextState>> out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [_, c] : contexts_) out.push_back(c);
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a->id < b->id; });
+  return out;
+}
+
 bool Contexts::closed() const {
   std::lock_guard<std::mutex> lock(mu_);
   return closed_;

@@ -87,6 +87,8 @@ class Contexts {
 
   size_t live() const;
   std::vector<std::string> live_objects() const;
+  // The live contexts, by id (for debug_info).
+  std::vector<std::shared_ptr<ContextState>> all() const;
   void close();
   bool closed() const;
 

@@ -67,6 +67,7 @@ class AgentLink final : public EngineLink {
   }
   std::chrono::microseconds spin() const override { return agent_.options().sync_spin; }
   bool on_loop_thread() const override { return rpc::layer::on_loop_thread(agent_); }
+  std::shared_ptr<rpc::Tracer> tracer() const override { return agent_.tracer(); }
 
  private:
   rpc::Agent& agent_;  // valid until close(); the agent owns the DistAutograd
@@ -184,6 +185,19 @@ void DistAutograd::grad_from_loop(std::vector<c10::IValue>& args) {
       engine_->fail_from_loop(ctx, task, std::current_exception());
     }
   }
+}
+
+std::string DistAutograd::debug_info() const {
+  std::string out;
+  for (const auto& c : contexts_->live_objects()) out += c + " is alive\n";
+  out += engine_->describe([this](int rank) {
+    try {
+      return agent_.get_worker_info(rank).name;
+    } catch (const std::exception&) {
+      return "rank " + std::to_string(rank);
+    }
+  });
+  return out;
 }
 
 }  // namespace tandem::autograd

@@ -56,11 +56,9 @@ class DistAutograd final : public rpc::AgentExtension,
   std::vector<std::string> live_objects() const override { return contexts_->live_objects(); }
   // "autograd.contexts" alive here, "autograd.gradients_received": the
   // backward parts other workers sent here.
-  std::string debug_info() const override {
-    std::string out;
-    for (const auto& c : contexts_->live_objects()) out += c + " is alive\n";
-    return out;
-  }
+  // debug_info: the live contexts, and where each backward pass not done
+  // here waits (Engine::describe).
+  std::string debug_info() const override;
   void add_metrics(std::map<std::string, int64_t>& out) const override {
     out["autograd.contexts"] = static_cast<int64_t>(contexts_->live_objects().size());
     out["autograd.gradients_received"] = static_cast<int64_t>(gradients_received_.load());

@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/version.h>
 
+#include <algorithm>
 #include <cassert>
 #include <map>
 #include <set>
@@ -182,6 +183,12 @@ void Engine::backward(uint64_t context, const std::vector<at::Tensor>& roots, bo
                       std::chrono::milliseconds timeout) {
   auto root = make_root(roots);
   auto ctx = contexts_->get(context);
+  const auto tracer = link_->tracer();
+  rpc::TraceScope trace(tracer.get(), "autograd");
+  if (trace.on()) {
+    trace.set_name("backward");
+    trace.set_args("{\"context\":" + std::to_string(context) + "}");
+  }
   if (timeout.count() < 0) timeout = link_->default_timeout();
   const auto start = std::chrono::steady_clock::now();
   auto task =
@@ -247,6 +254,10 @@ void Engine::backward(uint64_t context, const std::vector<at::Tensor>& roots, bo
       f->addCallback([join](c10::ivalue::Future& f) {
         if (f.hasError()) join->fail(f.exception_ptr());
       });
+      {
+        std::lock_guard<std::mutex> lock(task->mu);
+        task->parts.emplace_back(worker, f);
+      }
       done.push_back(std::move(f));
     } catch (...) {
       join->fail(std::current_exception());
@@ -335,6 +346,16 @@ rpc::RawFuture Engine::run_part(const RunRequest& request) {
     task->phase = GraphTask::Phase::kRunning;
     early.swap(task->early);
     for (auto& [send, grads] : early) deliver_to_send(*task, send.get(), std::move(grads), name_);
+  }
+  if (auto tracer = link_->tracer()) {
+    // rpc/trace.h: the part from its `run` to its end, on a track of its own.
+    const auto start = std::chrono::steady_clock::now();
+    task->done->addCallback([tracer, start, context, id](c10::ivalue::Future& f) {
+      tracer->span("backward part", "autograd.part", id, start, std::chrono::steady_clock::now(),
+                   "{\"context\":" + std::to_string(context) + ",\"task\":" +
+                       std::to_string(id) + ",\"ok\":" + (f.hasError() ? "false" : "true") +
+                       "}");
+    });
   }
   // A part with nothing to wait for is done at once; drain() notices.
   drain(ctx, task);
@@ -479,7 +500,12 @@ void Engine::drain(const std::shared_ptr<ContextState>& ctx,
   std::unique_lock<std::mutex> lock(task->mu);
   if (task->draining || task->phase != GraphTask::Phase::kRunning) return;
   task->draining = true;
+  const auto tracer = link_->tracer();
+  const auto drain_start = tracer ? std::chrono::steady_clock::now()
+                                  : std::chrono::steady_clock::time_point{};
+  size_t ran = 0;
   while (!task->ready.empty() && task->phase == GraphTask::Phase::kRunning) {
+    ++ran;
     Node* n = task->ready.back();
     task->ready.pop_back();
     auto it = task->nodes.find(n);
@@ -535,6 +561,11 @@ void Engine::drain(const std::shared_ptr<ContextState>& ctx,
   task->draining = false;
   if (done) task->phase = GraphTask::Phase::kDone;
   lock.unlock();
+  if (tracer && ran > 0) {
+    tracer->slice("backward nodes", "autograd", drain_start, std::chrono::steady_clock::now(), 0, 0,
+                  "{\"context\":" + std::to_string(task->context) + ",\"task\":" +
+                      std::to_string(task->id) + ",\"nodes\":" + std::to_string(ran) + "}");
+  }
   if (done) task->done->markCompleted(c10::IValue());
 }
 
@@ -611,6 +642,58 @@ void Engine::tell_root(uint64_t context, uint64_t task, std::exception_ptr error
     return;
   }
   link_->tell_root(root, context, task, error);
+}
+
+std::string Engine::describe(const std::function<std::string(int)>& worker_name) const {
+  std::string out;
+  const auto now = std::chrono::steady_clock::now();
+  for (const auto& ctx : contexts_->all()) {
+    std::vector<std::shared_ptr<GraphTask>> tasks;
+    {
+      std::lock_guard<std::mutex> lock(ctx->mu);
+      for (const auto& [_, t] : ctx->tasks) tasks.push_back(t);
+    }
+    for (const auto& t : tasks) {
+      std::lock_guard<std::mutex> lock(t->mu);
+      if (t->phase != GraphTask::Phase::kWaitingForRun && t->phase != GraphTask::Phase::kRunning) {
+        continue;
+      }
+      const auto age =
+          std::chrono::duration_cast<std::chrono::milliseconds>(now - t->made).count();
+      out += "backward of context " + std::to_string(t->context) + " (task " +
+             std::to_string(t->id) + ", root " + worker_name(t->root) + "), " +
+             std::to_string(age) + " ms old: ";
+      if (t->phase == GraphTask::Phase::kWaitingForRun) {
+        out += "waiting for its run request from " + worker_name(t->root) + " (" +
+               std::to_string(t->early.size()) + " gradient(s) held)\n";
+        continue;
+      }
+      // Sends still counting their gradient wait for the worker holding
+      // their receive; everything else waits behind them, or is ready.
+      std::map<int, std::vector<uint64_t>> waiting;
+      for (const auto& [node, state] : t->nodes) {
+        if (auto* send = dynamic_cast<SendBackward*>(node); send && state.deps > 0) {
+          waiting[send->dest()].push_back(send->message());
+        }
+      }
+      out += std::to_string(t->nodes.size()) + " node(s) to run, " +
+             std::to_string(t->ready.size()) + " ready" + (t->draining ? ", running" : "");
+      for (auto& [worker, messages] : waiting) {
+        std::sort(messages.begin(), messages.end());
+        out += "; waiting for gradients from " + worker_name(worker) + " (message(s)";
+        for (size_t i = 0; i < messages.size() && i < 8; ++i) out += " " + std::to_string(messages[i]);
+        if (messages.size() > 8) out += " ...";
+        out += ")";
+      }
+      std::string parts;
+      for (const auto& [worker, f] : t->parts) {
+        if (!f->completed()) parts += (parts.empty() ? "" : ", ") + worker_name(worker);
+      }
+      if (!parts.empty()) out += "; parts not done on " + parts;
+      out += "\n";
+    }
+  }
+  return out;
 }
 
 }  // namespace tandem::autograd

@@ -92,6 +92,7 @@
 #include "tandem/autograd/context.h"
 #include "tandem/autograd/graph_task.h"
 #include "tandem/rpc/future.h"
+#include "tandem/rpc/trace.h"
 
 namespace tandem::autograd {
 
@@ -131,6 +132,8 @@ class EngineLink {
   virtual std::chrono::microseconds spin() const = 0;
   // Whether this thread is the one gradients are delivered on (debug checks).
   virtual bool on_loop_thread() const = 0;
+  // Where the engine adds its events (rpc/trace.h); null when not tracing.
+  virtual std::shared_ptr<rpc::Tracer> tracer() const { return nullptr; }
 };
 
 class Engine : public std::enable_shared_from_this<Engine> {
@@ -159,6 +162,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void on_failure(uint64_t context, uint64_t task, std::exception_ptr error);
   // An `abort` message from the root (may overtake `run`).
   void on_abort(uint64_t context, uint64_t task);
+
+  // For debug_info: one line per backward pass not finished here, saying
+  // where it waits (gradients from which worker, parts not done).
+  std::string describe(const std::function<std::string(int)>& worker_name) const;
 
  private:
   struct Join;

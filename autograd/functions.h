@@ -26,16 +26,19 @@ using torch::autograd::variable_list;
 
 class SendBackward final : public torch::autograd::Node {
  public:
-  SendBackward(uint64_t context, uint64_t message, torch::autograd::edge_list next)
-      : Node(std::move(next)), context_(context), message_(message) {}
+  // `dest`: the worker the message went to (its RecvBackward sends the gradient back).
+  SendBackward(uint64_t context, uint64_t message, int dest, torch::autograd::edge_list next)
+      : Node(std::move(next)), context_(context), message_(message), dest_(dest) {}
   variable_list apply(variable_list&& grads) override { return std::move(grads); }
   std::string name() const override { return "tandem::autograd::SendBackward"; }
   uint64_t context() const { return context_; }
   uint64_t message() const { return message_; }
+  int dest() const { return dest_; }
 
  private:
   uint64_t context_;
   uint64_t message_;
+  int dest_;
 };
 
 class RecvBackward final : public torch::autograd::Node {

@@ -70,6 +70,8 @@ struct GraphTask {
   const int root;
   const bool attached;  // backward()'s thread drains (the root's part)
 
+  const std::chrono::steady_clock::time_point made = std::chrono::steady_clock::now();
+
   std::mutex mu;
   Phase phase = Phase::kWaitingForRun;
   bool draining = false;  // a thread is running ready nodes
@@ -88,6 +90,8 @@ struct GraphTask {
   std::condition_variable cv;
   // This worker's part: completes with None when done, or with the error.
   rpc::RawFuture done;
+  // On the root: the other workers' parts (their `run` calls), for debug_info.
+  std::vector<std::pair<int, rpc::RawFuture>> parts;
   // Queued by hooks (autograd/pass.h): run when the part has run its nodes.
   std::vector<std::function<void()>> on_done;
 

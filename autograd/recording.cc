@@ -97,14 +97,14 @@ void Recorder::before_send(rpc::Message& m, int dest) {
   if (has_recvs) m.autograd_reach = reach_of(tensors);
 }
 
-void Recorder::after_encode(const rpc::Message& m, rpc::OutFrame& frame, int) {
+void Recorder::after_encode(const rpc::Message& m, rpc::OutFrame& frame, int dest) {
   if (m.autograd_message == 0) return;
   auto ctx = contexts_->find(m.autograd_context);
   if (!ctx) return;
   torch::autograd::edge_list edges;
   edges.reserve(frame.grad_sources.size());
   for (const auto& t : frame.grad_sources) edges.push_back(torch::autograd::impl::gradient_edge(t));
-  auto send = std::make_shared<SendBackward>(m.autograd_context, m.autograd_message,
+  auto send = std::make_shared<SendBackward>(m.autograd_context, m.autograd_message, dest,
                                              std::move(edges));
   for (const auto& t : frame.grad_sources) send->add_input_metadata(t);
   std::lock_guard<std::mutex> lock(ctx->mu);

@@ -13,9 +13,12 @@
 #include <algorithm>
 #include <mutex>
 #include <sstream>
+#include <utility>
 #include <unordered_set>
 
 #include "tandem/autograd/pass.h"
+#include "tandem/rpc/api.h"
+#include "tandem/rpc/trace.h"
 
 namespace tandem::ddp {
 namespace {
@@ -140,6 +143,7 @@ struct Reducer::Impl {
     std::vector<size_t> params;
     size_t pending = 0;
     BucketWork work;
+    std::function<void()> trace;  // with tracing on, when on_completion could not take it
   };
 
   // Runs after a parameter's AccumulateGrad: its .grad is complete.
@@ -157,6 +161,10 @@ struct Reducer::Impl {
   Impl(std::shared_ptr<torch::nn::Module> m, DDPOptions o, ProcessGroup& g)
       : module(std::move(m)), opt(std::move(o)), group(g) {
     if (!opt.comm_hook) opt.comm_hook = allreduce_hook();
+    // rpc/trace.h: the agent's timeline when this process has a tracing
+    // agent (a hybrid job), else $TANDEM_TRACE's.
+    if (rpc::is_initialized()) tracer = rpc::current_agent()->tracer();
+    if (!tracer) tracer = rpc::Tracer::from_env(group.rank());
   }
 
   std::shared_ptr<torch::nn::Module> module;
@@ -165,6 +173,8 @@ struct Reducer::Impl {
   std::vector<Param> params;
   std::vector<at::Tensor> buffers;
   std::vector<Bucket> buckets;
+  std::shared_ptr<rpc::Tracer> tracer;  // null unless tracing
+  uint64_t launches = 0;                // bucket allreduces started, for span ids
 
   mutable std::mutex mu;
   bool sync = true;       // the user's setting (no_sync turns it off)
@@ -297,9 +307,22 @@ struct Reducer::Impl {
     while (next_bucket < buckets.size() && buckets[next_bucket].pending == 0) {
       Bucket& b = buckets[next_bucket++];
       c10::AutoGradMode no_grad(false);
+      const auto launched = Clock::now();
       b.work = opt.comm_hook(group, b.buffer);
       if (!b.work.pending.valid()) {
         throw std::logic_error("DistributedDataParallel: the communication hook started nothing");
+      }
+      if (tracer) {
+        // From launch to the collective's end (or, where the backend cannot
+        // say, to when wait_launched saw it).
+        const uint64_t id = (static_cast<uint64_t>(group.rank()) << 48) | ++launches;
+        auto emit = [tracer = tracer, launched, id, index = next_bucket - 1,
+                     bytes = b.buffer.nbytes(), params = b.params.size()] {
+          tracer->span("allreduce", "ddp.bucket", id, launched, Clock::now(),
+                       "{\"bucket\":" + std::to_string(index) + ",\"bytes\":" +
+                           std::to_string(bytes) + ",\"params\":" + std::to_string(params) + "}");
+        };
+        if (!b.work.pending.on_completion(emit)) b.trace = emit;
       }
       last_launch = Clock::now();
     }
@@ -360,6 +383,7 @@ struct Reducer::Impl {
       if (!w.pending.valid()) continue;
       try {
         w.pending.wait(timeout());
+        if (buckets[b].trace) std::exchange(buckets[b].trace, nullptr)();
         if (w.finish && !first) {
           c10::AutoGradMode no_grad(false);
           w.finish();

@@ -245,6 +245,16 @@ void ProcessGroup::barrier(std::chrono::milliseconds timeout) {
   pending(pg_->barrier(opts), "barrier", timeout).wait();
 }
 
+bool ProcessGroup::Pending::on_completion(std::function<void()> fn) {
+  if (!work_) return false;
+  try {
+    work_->getFuture()->addCallback([fn = std::move(fn)](c10::ivalue::Future&) { fn(); });
+    return true;
+  } catch (const std::exception&) {
+    return false;  // this backend's work has no future
+  }
+}
+
 void ProcessGroup::Pending::wait(std::chrono::milliseconds timeout) {
   if (!work_) throw std::logic_error("wait on an empty or finished ProcessGroup::Pending");
   auto work = std::move(work_);

@@ -28,8 +28,9 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/version.h>
 
-#include <chrono>
 #include <atomic>
+#include <chrono>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -108,6 +109,10 @@ class ProcessGroup {
     // when kGroupTimeout). Once only.
     void wait(std::chrono::milliseconds timeout = kGroupTimeout);
     bool valid() const { return work_ != nullptr; }
+    // Runs `fn` once the collective has ended (on the backend's thread, or
+    // here if it has already), whether it worked or not. False, and `fn`
+    // dropped, when the backend cannot say (then only wait() knows).
+    bool on_completion(std::function<void()> fn);
 
    private:
     friend class ProcessGroup;

@@ -176,7 +176,15 @@ class OptimService final : public rpc::AgentExtension,
   }
 
   void step(int64_t id, uint64_t context_id) {
+    // rpc/trace.h: each owner's local step, waiting for the lock included.
+    rpc::TraceScope trace(agent_.tracer().get(), "optim");
     auto local = find(id);
+    if (trace.on()) {
+      trace.set_name("optimizer step");
+      trace.set_args("{\"optimizer\":" + std::to_string(id) + ",\"context\":" +
+                     std::to_string(context_id) + ",\"params\":" +
+                     std::to_string(local->params.size()) + "}");
+    }
     autograd::Gradients grads = autograd::get_gradients(agent_, context_id);
     std::lock_guard<std::mutex> lock(local->mu);  // steps on one optimizer are serialized
     // So are steps of different optimizers here: they may share parameters
@@ -524,7 +532,14 @@ std::vector<c10::IValue> DistributedOptimizer::on_owners(
 
 void DistributedOptimizer::step(uint64_t context_id) {
   if (context_id == 0) throw std::invalid_argument("DistributedOptimizer::step: no context (id 0)");
-  auto service = OptimService::of(*agent());
+  const auto agent = this->agent();
+  auto service = OptimService::of(*agent);
+  rpc::TraceScope trace(agent->tracer().get(), "optim");
+  if (trace.on()) {
+    trace.set_name("DistributedOptimizer::step");
+    trace.set_args("{\"context\":" + std::to_string(context_id) + ",\"owners\":" +
+                   std::to_string(parts_.size()) + "}");
+  }
   on_owners(
       "DistributedOptimizer::step", "tandem.optim.step",
       [&](const Part& p) { return rpc::to_ivalues(p.id, static_cast<int64_t>(context_id)); },

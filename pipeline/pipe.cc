@@ -473,6 +473,7 @@ class PipeService final : public rpc::AgentExtension,
       }
     }
     auto rec = record.accessor<double, 2>();
+    rpc::Tracer* const tracer = agent_.tracer().get();
     const auto t0 = Clock::now();
     auto us = [&] { return std::chrono::duration<double, std::micro>(Clock::now() - t0).count(); };
     int64_t peak = 0;
@@ -637,6 +638,17 @@ class PipeService final : public rpc::AgentExtension,
         throw std::runtime_error(what + ": " + msg);
       }
       rec[i][4] = us();
+      if (tracer) {
+        // rpc/trace.h: "F3@1" (forward of micro-batch 3 through stage 1)
+        // from when its input was there.
+        const auto begin = t0 + std::chrono::duration_cast<Clock::duration>(
+                                    std::chrono::duration<double, std::micro>(rec[i][3]));
+        tracer->slice(to_string(Action{kind, static_cast<int>(stage), static_cast<int>(chunk)}),
+                      "pipeline", begin, Clock::now(), 0, 0,
+                      "{\"step\":" + std::to_string(a.step) + ",\"stage\":" +
+                          std::to_string(stage) + ",\"micro_batch\":" + std::to_string(chunk) +
+                          "}");
+      }
     }
     for (auto& [stage, sum] : sums) {
       for (size_t p = 0; p < sum.size(); ++p) {

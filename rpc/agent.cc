@@ -148,9 +148,9 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
   if (options_.trace_dir.empty()) {
     if (const char* t = std::getenv("TANDEM_TRACE")) options_.trace_dir = t;
   }
-  if (!options_.trace_dir.empty()) trace_ = std::make_unique<Tracer>(options_.trace_dir, rank_, self_name_);
+  if (!options_.trace_dir.empty()) trace_ = Tracer::open(options_.trace_dir, rank_, self_name_);
   internal_->def("tandem.trace.clock", []() {
-    return Tracer::micros(std::chrono::steady_clock::now());
+    return std::make_tuple(Tracer::micros(std::chrono::steady_clock::now()), boot_id());
   });
   calls_ = std::make_unique<CallTable>(
       [pool = pool_](std::function<void()> fn) { pool->post(std::move(fn)); },
@@ -246,13 +246,20 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
 }
 
 void Agent::measure_clock_offset() {
-  // rpc/trace.h, 2.: the ping with the shortest round trip says most.
+  // rpc/trace.h, 3.: one boot of one host has one steady clock; elsewhere
+  // the ping with the shortest round trip says most.
   int64_t best_rtt = -1, offset = 0;
   for (int i = 0; i < 8; ++i) {
     try {
       const int64_t t0 = Tracer::micros(std::chrono::steady_clock::now());
-      const int64_t there = call(workers_[0].name, "tandem.trace.clock", {}).wait().toInt();
+      auto answer = rpc_sync<std::tuple<int64_t, std::string>>(workers_[0].name,
+                                                              "tandem.trace.clock");
       const int64_t t1 = Tracer::micros(std::chrono::steady_clock::now());
+      if (!boot_id().empty() && std::get<1>(answer) == boot_id()) {
+        trace_->set_clock(0, 0);
+        return;
+      }
+      const int64_t there = std::get<0>(answer);
       if (best_rtt < 0 || t1 - t0 < best_rtt) {
         best_rtt = t1 - t0;
         offset = there - (t0 + t1) / 2;

@@ -157,6 +157,9 @@ class Agent : public std::enable_shared_from_this<Agent> {
   // "shm" or "tcp": what carries this agent's calls to worker `to` now;
   // empty while no connection to it is open.
   std::string transport_to(const std::string& to) const;
+  // Where the layers add their events to this worker's timeline
+  // (rpc/trace.h); null unless tracing. Valid while the agent lives.
+  const std::shared_ptr<Tracer>& tracer() const { return trace_; }
   // This agent's remote references (rpc/rref.h is the typed front).
   RRefContext& rrefs() { return *rrefs_; }
   // The untyped call every other form goes through.
@@ -256,7 +259,7 @@ class Agent : public std::enable_shared_from_this<Agent> {
   std::vector<std::shared_ptr<AgentExtension>> extensions_;
   std::shared_ptr<ThreadPool> pool_;
   std::unique_ptr<MetricsRecorder> metrics_ = std::make_unique<MetricsRecorder>();
-  std::unique_ptr<Tracer> trace_;  // null unless tracing (rpc/trace.h)
+  std::shared_ptr<Tracer> trace_;  // null unless tracing (rpc/trace.h)
   void measure_clock_offset();
   std::unique_ptr<CallTable> calls_;
   std::unique_ptr<ConnectionTable> conns_;

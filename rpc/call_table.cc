@@ -23,11 +23,18 @@ void CallTable::count(const Call& c, const std::exception_ptr& error) {
   const auto now = Clock::now();
   if (metrics_) metrics_->call_done(c.callee, now - c.started, error);
   if (tracer_) {
-    tracer_->slice(c.callee, "rpc", c.started, now,
-                   (static_cast<uint64_t>(self_rank_) << 48) | c.id, 0,
-                   std::string("{\"to\":") + std::to_string(c.peer) +
-                       ",\"ok\":" + (error ? "false" : "true") + "}",
-                   c.tid);
+    const uint64_t flow = (static_cast<uint64_t>(self_rank_) << 48) | c.id;
+    const std::string args = std::string("{\"to\":") + std::to_string(c.peer) +
+                             ",\"ok\":" + (error ? "false" : "true") + "}";
+    if (!c.overlapped) {
+      tracer_->slice(c.callee, "rpc", c.started, now, flow, 0, args, c.tid);
+    } else {
+      // Overlapping slices on one thread do not nest: the send stays on the
+      // thread (where the flow starts), the wait gets a track of its own.
+      tracer_->slice(c.callee, "rpc", c.started, c.started + std::chrono::microseconds(1), flow,
+                     0, args, c.tid);
+      tracer_->span(c.callee, "rpc.async", flow, c.started, now, args);
+    }
   }
 }
 
@@ -41,6 +48,11 @@ bool CallTable::add(uint64_t id, Call call) {
     if (call.deadline < timer_wake_) timer_cv_.notify_one();
   }
   call.id = id;
+  if (tracer_ && call.tid) {
+    auto& t = threads_[call.tid];
+    if (t.in_flight++ > 0) call.overlapped = true;
+    t.last_start = call.started;
+  }
   calls_.emplace(id, std::move(call));
   return true;
 }
@@ -52,6 +64,14 @@ bool CallTable::take_locked(uint64_t id, uint64_t from_conn, Call& out) {
   if (it == calls_.end() || (from_conn != 0 && it->second.conn_id != from_conn)) return false;
   out = std::move(it->second);
   calls_.erase(it);
+  if (tracer_ && out.tid) {
+    auto t = threads_.find(out.tid);
+    if (t != threads_.end()) {
+      // Another call of the thread is in flight, or began after this one.
+      if (--t->second.in_flight > 0 || t->second.last_start > out.started) out.overlapped = true;
+      if (t->second.in_flight == 0) threads_.erase(t);
+    }
+  }
   if (out.has_deadline) {
     auto range = deadlines_.equal_range(out.deadline);
     for (auto d = range.first; d != range.second; ++d) {

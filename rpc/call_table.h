@@ -56,6 +56,7 @@ class CallTable {
     Clock::time_point started;  // for the callee's latency (metrics.h)
     uint64_t id = 0;            // set by add()
     long tid = 0;               // the calling thread, for the trace (rpc/trace.h)
+    bool overlapped = false;    // another call of tid was in flight meanwhile
   };
 
   // `post` runs a due schedule_after() task (on the agent's pool);
@@ -101,6 +102,15 @@ class CallTable {
   size_t size() const;
   void stop();       // stops and joins the timer thread; idempotent
 
+  // With tracing on (rpc/trace.h): each call that ends becomes a slice on
+  // its thread, or a send slice and an async span when it overlapped
+  // another call of that thread; its flow id is self_rank << 48 | call id.
+  // Set before the first call.
+  void set_tracer(Tracer* tracer, int self_rank) {
+    tracer_ = tracer;
+    self_rank_ = self_rank;
+  }
+
  private:
   // Takes `id` out of the table (mu_ held); false when it is not there.
   bool take_locked(uint64_t id, uint64_t from_conn, Call& out);
@@ -109,18 +119,17 @@ class CallTable {
   const std::function<void(std::function<void()>)> post_;
   const std::function<std::string(int)> worker_name_;
   MetricsRecorder* const metrics_;  // told of every call that ends; may be null
- public:
-  // With tracing on (rpc/trace.h): each call that ends becomes a slice, its
-  // flow id self_rank << 48 | call id. Set before the first call.
-  void set_tracer(Tracer* tracer, int self_rank) {
-    tracer_ = tracer;
-    self_rank_ = self_rank;
-  }
+  void count(const Call& c, const std::exception_ptr& error);
 
- private:
   Tracer* tracer_ = nullptr;
   int self_rank_ = 0;
-  void count(const Call& c, const std::exception_ptr& error);
+  // Per calling thread, with tracing on: its calls in flight, and when the
+  // last one began (a call overlapping another becomes an async span).
+  struct ThreadCalls {
+    int in_flight = 0;
+    Clock::time_point last_start;
+  };
+  std::unordered_map<long, ThreadCalls> threads_;  // under mu_
   mutable std::mutex mu_;
   std::condition_variable idle_cv_;   // calls_ became empty
   std::condition_variable timer_cv_;  // a new earliest deadline, or stopping

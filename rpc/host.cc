@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -64,6 +65,16 @@ void set_num_threads(int n) {
   // Only where LibTorch's BLAS is OpenBLAS (already loaded with it).
   using SetThreads = void (*)(int);
   if (auto fn = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) fn(n);
+}
+
+const std::string& boot_id() {
+  static const std::string id = [] {
+    std::ifstream in("/proc/sys/kernel/random/boot_id");
+    std::string line;
+    std::getline(in, line);
+    return line;
+  }();
+  return id;
 }
 
 }  // namespace tandem::rpc

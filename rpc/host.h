@@ -27,6 +27,8 @@
 // glibc.malloc), when TANDEM_RETAIN_MEMORY=0, or where the C library is
 // not glibc. rpc::init calls it unless
 // AgentOptions::retain_freed_memory is false.
+#include <string>
+
 namespace tandem::rpc {
 
 // Applies the settings (once per process); true when they are in effect.
@@ -42,5 +44,11 @@ bool freed_memory_retained();
 // sets OMP_NUM_THREADS, which OpenBLAS reads too, for the processes it starts.
 // Throws std::invalid_argument for n < 1.
 void set_num_threads(int n);
+
+// ---- Which host ----
+// This boot of this machine (/proc/sys/kernel/random/boot_id), read once:
+// processes that agree on it share one steady clock (the trace's, rpc/trace.h)
+// and can share memory (the shm transport). Empty where it cannot be read.
+const std::string& boot_id();
 
 }  // namespace tandem::rpc

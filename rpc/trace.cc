@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <map>
 #include <stdexcept>
 
 namespace tandem::rpc {
@@ -29,11 +31,60 @@ std::string json_string(const std::string& s) {
 
 long thread_id() { return static_cast<long>(::syscall(SYS_gettid)); }
 
+std::mutex g_open_mu;
+std::map<std::pair<std::string, int>, std::weak_ptr<Tracer>>& open_tracers() {
+  static auto* m = new std::map<std::pair<std::string, int>, std::weak_ptr<Tracer>>();
+  return *m;
+}
+
 }  // namespace
+
+std::shared_ptr<Tracer> Tracer::open(const std::string& dir, int rank, const std::string& worker) {
+  std::lock_guard<std::mutex> lock(g_open_mu);
+  auto& slot = open_tracers()[{dir, rank}];
+  if (auto t = slot.lock()) {
+    // An agent's name wins over a layer's placeholder.
+    if (worker != "rank " + std::to_string(rank)) t->set_worker(worker);
+    return t;
+  }
+  auto t = std::make_shared<Tracer>(dir, rank, worker);
+  slot = t;
+  return t;
+}
+
+std::shared_ptr<Tracer> Tracer::from_env(int rank) {
+  const char* dir = std::getenv("TANDEM_TRACE");
+  if (!dir || !*dir) return nullptr;
+  return open(dir, rank, "rank " + std::to_string(rank));
+}
 
 Tracer::Tracer(std::string dir, int rank, std::string worker)
     : dir_(std::move(dir)), rank_(rank), worker_(std::move(worker)) {
   events_.reserve(4096);
+}
+
+Tracer::~Tracer() {
+  bool dirty;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    dirty = dirty_;
+  }
+  if (!dirty) return;
+  try {
+    write();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tandem: %s\n", e.what());
+  }
+}
+
+void Tracer::set_worker(const std::string& worker) {
+  std::lock_guard<std::mutex> lock(mu_);
+  worker_ = worker;
+}
+
+void Tracer::add_locked(std::string event) {
+  events_.push_back(std::move(event));
+  dirty_ = true;
 }
 
 long Tracer::this_thread() { return thread_id(); }
@@ -60,24 +111,46 @@ void Tracer::slice(const std::string& name, const char* cat, Clock::time_point s
   const int64_t ts = micros(start) + offset_us_;
   const int64_t dur = std::max<int64_t>(0, micros(end) - micros(start));
   const std::string common = "\"pid\":" + std::to_string(rank_) + ",\"tid\":" + std::to_string(tid);
-  events_.push_back("{\"ph\":\"X\",\"name\":" + json_string(name) + ",\"cat\":\"" + cat +
+  add_locked("{\"ph\":\"X\",\"name\":" + json_string(name) + ",\"cat\":\"" + cat +
                     "\"," + common + ",\"ts\":" + std::to_string(ts) +
                     ",\"dur\":" + std::to_string(dur) +
                     (args_json.empty() ? "" : ",\"args\":" + args_json) + "}");
   if (flow_out) {
-    events_.push_back("{\"ph\":\"s\",\"name\":\"call\",\"cat\":\"rpc\",\"id\":" +
+    add_locked("{\"ph\":\"s\",\"name\":\"call\",\"cat\":\"rpc\",\"id\":" +
                       std::to_string(flow_out) + "," + common + ",\"ts\":" + std::to_string(ts) +
                       "}");
   }
   if (flow_in) {
-    events_.push_back("{\"ph\":\"f\",\"bp\":\"e\",\"name\":\"call\",\"cat\":\"rpc\",\"id\":" +
+    add_locked("{\"ph\":\"f\",\"bp\":\"e\",\"name\":\"call\",\"cat\":\"rpc\",\"id\":" +
                       std::to_string(flow_in) + "," + common + ",\"ts\":" + std::to_string(ts) +
                       "}");
   }
 }
 
+void Tracer::span(const std::string& name, const char* cat, uint64_t id, Clock::time_point start,
+                  Clock::time_point end, const std::string& args_json) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (events_.size() + 2 > kMaxEvents) {
+    ++dropped_;
+    return;
+  }
+  const int64_t ts = micros(start) + offset_us_;
+  const int64_t te = std::max(ts, micros(end) + offset_us_);
+  const std::string common = ",\"name\":" + json_string(name) + ",\"cat\":\"" + cat +
+                             "\",\"id\":\"0x" + [&] {
+                               char buf[24];
+                               std::snprintf(buf, sizeof(buf), "%llx",
+                                             static_cast<unsigned long long>(id));
+                               return std::string(buf);
+                             }() + "\",\"pid\":" + std::to_string(rank_) + ",\"tid\":0";
+  add_locked("{\"ph\":\"b\"" + common + ",\"ts\":" + std::to_string(ts) +
+             (args_json.empty() ? "" : ",\"args\":" + args_json) + "}");
+  add_locked("{\"ph\":\"e\"" + common + ",\"ts\":" + std::to_string(te) + "}");
+}
+
 std::string Tracer::write() {
   std::lock_guard<std::mutex> lock(mu_);
+  dirty_ = false;
   ::mkdir(dir_.c_str(), 0777);  // may exist
   const std::string path = dir_ + "/tandem-trace-rank" + std::to_string(rank_) + ".json";
   FILE* f = std::fopen(path.c_str(), "w");
@@ -96,6 +169,14 @@ std::string Tracer::write() {
                static_cast<long long>(error_us_), static_cast<unsigned long long>(dropped_));
   std::fclose(f);
   return path;
+}
+
+void TraceScope::finish() noexcept {
+  try {
+    tracer_->slice(name_, cat_, start_, Tracer::Clock::now(), 0, 0, args_);
+  } catch (...) {
+    // out of memory: the event is lost, the traced work is not
+  }
 }
 
 }  // namespace tandem::rpc

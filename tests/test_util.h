@@ -48,8 +48,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <fstream>
 #include <functional>
@@ -375,6 +377,115 @@ struct World {
   int port = 0;
   std::shared_ptr<rpc::Registry> registry;
   std::vector<std::shared_ptr<rpc::Agent>> agents;
+};
+
+// ---- traces (rpc/trace.h) ---------------------------------------------------------
+
+// One event of a Tandem trace file, as the layers write them (one per line).
+struct TraceEvent {
+  std::string ph, name, cat, id;
+  int pid = -1;
+  long tid = -1;
+  int64_t ts = -1, dur = -1;
+  std::string line;  // the whole event, for args
+  int64_t end() const { return ts + std::max<int64_t>(dur, 0); }
+};
+
+// The events of a trace file (a worker's or a joined one); `ok` false when
+// the file is missing or not closed.
+struct Trace {
+  bool ok = false;
+  std::vector<TraceEvent> events;
+  std::vector<TraceEvent> find(const std::string& ph, const std::string& name,
+                               int pid = -1) const {
+    std::vector<TraceEvent> out;
+    for (const auto& e : events) {
+      if (e.ph == ph && e.name == name && (pid < 0 || e.pid == pid)) out.push_back(e);
+    }
+    return out;
+  }
+  // The async spans (b/e pairs) of `name` on `pid`, as slices [ts, end), by start.
+  std::vector<TraceEvent> spans(const std::string& name, int pid) const {
+    std::map<std::string, TraceEvent> open;
+    std::vector<TraceEvent> out;
+    for (const auto& e : events) {
+      if (e.name != name || e.pid != pid) continue;
+      if (e.ph == "b") open[e.id] = e;
+      if (e.ph == "e" && open.count(e.id)) {
+        TraceEvent s = open[e.id];
+        s.dur = e.ts - s.ts;
+        out.push_back(s);
+        open.erase(e.id);
+      }
+    }
+    std::stable_sort(out.begin(), out.end(),
+                     [](const TraceEvent& a, const TraceEvent& b) { return a.ts < b.ts; });
+    return out;
+  }
+};
+
+inline Trace read_trace(const std::string& path) {
+  Trace t;
+  std::ifstream in(path);
+  if (!in) return t;
+  auto str = [](const std::string& l, const std::string& key) -> std::string {
+    auto at = l.find("\"" + key + "\":\"");
+    if (at == std::string::npos) return "";
+    at += key.size() + 4;
+    return l.substr(at, l.find('"', at) - at);
+  };
+  auto num = [](const std::string& l, const std::string& key) -> int64_t {
+    auto at = l.find("\"" + key + "\":");
+    if (at == std::string::npos) return -1;
+    return std::strtoll(l.c_str() + at + key.size() + 3, nullptr, 10);
+  };
+  std::string line;
+  std::getline(in, line);
+  if (line.rfind("{\"traceEvents\":[", 0) != 0) return t;
+  while (std::getline(in, line)) {
+    if (!line.empty() && line[0] == ']') {
+      t.ok = true;
+      break;
+    }
+    TraceEvent e;
+    e.ph = str(line, "ph");
+    e.name = str(line, "name");
+    e.cat = str(line, "cat");
+    e.id = str(line, "id");
+    if (e.id.empty() && num(line, "id") >= 0) e.id = std::to_string(num(line, "id"));
+    e.pid = static_cast<int>(num(line, "pid"));
+    e.tid = static_cast<long>(num(line, "tid"));
+    e.ts = num(line, "ts");
+    e.dur = num(line, "dur");
+    e.line = line;
+    t.events.push_back(std::move(e));
+  }
+  return t;
+}
+
+// Whether python3 reads `path` as JSON (true when python3 is missing: the
+// line-by-line reading above is then the only check).
+inline bool valid_json(const std::string& path) {
+  if (std::system("command -v python3 >/dev/null 2>&1") != 0) {
+    std::printf("(python3 not installed: %s was checked line by line only)\n", path.c_str());
+    return true;
+  }
+  return std::system(("python3 -c \"import json,sys; json.load(open(sys.argv[1]))\" " + path)
+                         .c_str()) == 0;
+}
+
+// A fresh directory under /tmp, removed with what is in it at the end of scope.
+struct TempDir {
+  TempDir() {
+    char tmpl[] = "/tmp/tandem-test-XXXXXX";
+    REQUIRE(::mkdtemp(tmpl) != nullptr);
+    path = tmpl;
+  }
+  ~TempDir() { std::system(("rm -rf " + path).c_str()); }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  std::string file(const std::string& name) const { return path + "/" + name; }
+  std::string path;
 };
 
 // ---- a worker process ------------------------------------------------------------

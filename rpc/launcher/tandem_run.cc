@@ -59,6 +59,8 @@
 #include <memory>
 #include <vector>
 
+#include "launcher/trace_join.h"
+
 #include "tandem/rpc/auth.h"
 #ifdef TANDEM_RUN_HOSTS_STORE
 #include "tandem/rpc/store_server.h"
@@ -521,51 +523,21 @@ int Launcher::run() {
   return exit_code_;
 }
 
-// rpc/trace.h: each worker's file holds one event per line between its
-// first line and the line that starts with "]"; the joined file holds all
-// of them, each worker a process of its own (pid = rank).
+// This node's workers' traces into <dir>/tandem-trace.json (launcher/trace_join.h).
 void Launcher::join_traces() {
-  std::string events;
-  int joined = 0;
+  std::vector<std::string> files;
   const int first = options_.node_rank * options_.nproc_per_node;
   for (int rank = first; rank < first + options_.nproc_per_node; ++rank) {
-    const std::string path =
-        options_.trace_dir + "/tandem-trace-rank" + std::to_string(rank) + ".json";
-    FILE* f = std::fopen(path.c_str(), "r");
-    if (!f) {
-      report("no trace from worker " + std::to_string(rank) + " (" + path + ")");
-      continue;
-    }
-    std::string line;
-    int c;
-    bool header = true;
-    while (true) {
-      line.clear();
-      while ((c = std::fgetc(f)) != EOF && c != '\n') line.push_back(static_cast<char>(c));
-      if (line.empty() && c == EOF) break;
-      if (header) {
-        header = false;  // {"traceEvents":[
-      } else if (!line.empty() && line[0] == ']') {
-        break;
-      } else if (!line.empty()) {
-        if (line.back() == ',') line.pop_back();
-        events += (events.empty() ? "" : ",\n") + line;
-      }
-      if (c == EOF) break;
-    }
-    std::fclose(f);
-    ++joined;
+    files.push_back(options_.trace_dir + "/tandem-trace-rank" + std::to_string(rank) + ".json");
   }
   const std::string out = options_.trace_dir + "/tandem-trace.json";
-  FILE* f = std::fopen(out.c_str(), "w");
-  if (!f) {
-    report("cannot write " + out);
-    return;
+  try {
+    auto r = tandem::launcher::join_traces(files, out);
+    for (const auto& s : r.skipped) report("no trace from " + s);
+    report("joined the traces of " + std::to_string(r.files) + " worker(s) into " + out);
+  } catch (const std::exception& e) {
+    report(std::string("no joined trace: ") + e.what());
   }
-  std::fprintf(f, "{\"traceEvents\":[\n%s\n],\"displayTimeUnit\":\"ms\",\"otherData\":"
-                  "{\"workers\":%d}}\n", events.c_str(), joined);
-  std::fclose(f);
-  report("joined the traces of " + std::to_string(joined) + " worker(s) into " + out);
 }
 
 int Launcher::threads_per_worker() const {

@@ -46,6 +46,15 @@ at::Tensor lin2(const at::Tensor& x) { return at::sigmoid(at::mm(x, P().w2)); }
 
 at::Tensor mix(const at::Tensor& a, const at::Tensor& b) { return a * b + at::tanh(a) * 0.5; }
 
+// A part the test holds in its backward until it says go.
+struct Held {
+  std::atomic<bool> entered{false}, released{false};
+};
+Held& held() {
+  static Held h;
+  return h;
+}
+
 void define(rpc::Registry& r) {
   r.def("lin1", [](at::Tensor x) { return lin1(x); });
   r.def("lin2", [](at::Tensor x) { return lin2(x); });
@@ -68,6 +77,17 @@ void define(rpc::Registry& r) {
   r.def("throw_in_backward", [](at::Tensor x) {
     auto y = x * 3;
     y.register_hook([](at::Tensor) -> at::Tensor { throw std::runtime_error("boom in backward"); });
+    return y;
+  });
+  r.def("held_backward", [](at::Tensor x) {
+    auto y = x * 3;
+    y.register_hook([](at::Tensor g) {
+      Held& h = held();
+      h.entered = true;
+      // Until the test has looked (bounded: a failing test must not hang).
+      for (int i = 0; i < 1000 && !h.released; ++i) std::this_thread::sleep_for(10ms);
+      return g;
+    });
     return y;
   });
   r.def("slow_backward", [](at::Tensor x) {
@@ -526,4 +546,39 @@ TEST_CASE("autograd: CUDA tensors: gradients come back to the device") {
   auto xl = x.detach().cpu().requires_grad_();
   auto want = local_grads((lin1(xl * 2) * 3).sum() + (xl * 2).sum(), {xl});
   expect_close(g.cpu(), want[0], "x on the GPU");
+}
+
+TEST_CASE("autograd: debug_info says where a backward waits") {
+  World w(3, define);
+  auto x = input();
+  {
+    dist::Context ctx(w[0]);
+    const std::string id = std::to_string(ctx.id());
+    auto a = w[0].rpc_sync<at::Tensor>("worker1", "held_backward", x);
+    auto b = w[0].rpc_sync<at::Tensor>("worker2", "lin1", x);
+    std::thread backward([&] { dist::backward(w[0], ctx.id(), {a.sum() + b.sum()}); });
+    REQUIRE(test::eventually([] { return held().entered.load(); }));
+    // The root waits for worker1's gradient and part; worker2's come back.
+    const std::string waiting = "waiting for gradients from worker1 (message(s) ";
+    CHECK(test::eventually([&] {
+      const std::string root = w[0].debug_info();
+      return root.find("waiting for gradients from worker2") == std::string::npos &&
+             root.find("parts not done on worker1\n") != std::string::npos;
+    }));
+    const std::string root = w[0].debug_info(), part = w[1].debug_info();
+    INFO(root);
+    INFO(part);
+    CHECK(root.find("backward of context " + id + " (task ") != std::string::npos);
+    CHECK(root.find(", root worker0), ") != std::string::npos);
+    CHECK(root.find(waiting) != std::string::npos);
+    // worker1 is running its nodes (the held hook) and has its input's left.
+    CHECK(part.find("backward of context " + id) != std::string::npos);
+    CHECK(part.find("0 ready, running") != std::string::npos);
+    CHECK(w[2].debug_info().find("backward of context") == std::string::npos);  // done there
+    held().released = true;
+    backward.join();
+    CHECK(w[0].debug_info().find("backward of context") == std::string::npos);
+    CHECK(w[1].debug_info().find("backward of context") == std::string::npos);
+  }
+  w.shutdown();
 }

@@ -243,7 +243,7 @@ std::vector<at::Tensor> transfer(Net& net, uint64_t ctx, int from, int to,
   const uint64_t message = net.next_message(from);
   torch::autograd::edge_list edges;
   for (const auto& t : tensors) edges.push_back(torch::autograd::impl::gradient_edge(t));
-  auto send = std::make_shared<autograd::SendBackward>(ctx, message, std::move(edges));
+  auto send = std::make_shared<autograd::SendBackward>(ctx, message, to, std::move(edges));
   for (const auto& t : tensors) send->add_input_metadata(t);
   auto src = net[from].contexts->get_or_create(ctx);
   {

@@ -388,3 +388,42 @@ TEST_CASE("ddp: uneven inputs under join() end as PyTorch's join: zeros from ran
     }
   }
 }
+
+TEST_CASE("ddp: with TANDEM_TRACE each bucket's allreduce is a span on the timeline") {
+  test::TempDir dir;
+  ::setenv("TANDEM_TRACE", dir.path.c_str(), 1);
+  {
+    Groups g(2);
+    on_ranks(2, [&](int r) {
+      Net net = make_net(0);
+      ddp::DDPOptions o;
+      o.bucket_cap_mb = o.first_bucket_mb = 1e-6;  // a bucket per parameter
+      ddp::DistributedDataParallel model(net, o, g.groups[r]);
+      for (int s = 0; s < 2; ++s) {
+        Batch b = batch(r, s);
+        torch::nn::functional::cross_entropy(model(b.x), b.y).backward();
+      }
+    });
+  }
+  ::unsetenv("TANDEM_TRACE");
+  // Each rank's file was written when its DDP let go of the tracer.
+  std::vector<std::vector<test::TraceEvent>> spans;
+  for (int r = 0; r < 2; ++r) {
+    const std::string path = dir.file("tandem-trace-rank" + std::to_string(r) + ".json");
+    test::Trace t = test::read_trace(path);
+    REQUIRE(t.ok);
+    CHECK(test::valid_json(path));
+    spans.push_back(t.spans("allreduce", r));
+    REQUIRE(spans.back().size() == 8);  // 4 buckets, 2 backwards
+    for (const auto& s : spans.back()) {
+      CHECK(s.cat == "ddp.bucket");
+      CHECK(s.line.find("\"bytes\":") != std::string::npos);
+    }
+  }
+  // An allreduce is collective: the two ranks' spans of one bucket overlap.
+  for (size_t i = 0; i < 8; ++i) {
+    CAPTURE(i);
+    CHECK(spans[0][i].ts <= spans[1][i].end());
+    CHECK(spans[1][i].ts <= spans[0][i].end());
+  }
+}

@@ -16,3 +16,15 @@ run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/install -B ${work}/build -G Ninja
 run(${CMAKE_COMMAND} --build ${work}/build)
 run(${work}/build/consumer)
 run(${work}/build/consumer spawn)
+# The same program traced (TANDEM_TRACE), its file joined by the installed
+# tandem-trace: every layer's events are on the timeline.
+run(${CMAKE_COMMAND} -E env TANDEM_TRACE=${work}/trace ${work}/build/consumer)
+run(${work}/prefix/bin/tandem-trace merge ${work}/merged.json ${work}/trace)
+file(READ ${work}/merged.json merged)
+foreach(name "backward" "backward nodes" "DistributedOptimizer::step" "optimizer step"
+        "allreduce" "F0@0")
+  string(FIND "${merged}" "\"name\":\"${name}\"" at)
+  if(at EQUAL -1)
+    message(FATAL_ERROR "the consumer's trace has no '${name}' event")
+  endif()
+endforeach()

@@ -108,21 +108,7 @@ double expected_lr(const Case& c, int epoch) {
   return eta_min + (c.o.lr - eta_min) * (1 + std::cos(M_PI * epoch / 5)) / 2;
 }
 
-// A folder for checkpoint files, removed at the end.
-struct TempDir {
-  TempDir() {
-    static int n = 0;
-    path = fs::temp_directory_path() /
-           ("tandem_optim_" + std::to_string(::getpid()) + "_" + std::to_string(n++));
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-  fs::path path;
-};
+using test::TempDir;  // a folder for checkpoint files, removed at the end
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

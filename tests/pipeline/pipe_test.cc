@@ -799,3 +799,89 @@ TEST_CASE("pipeline: zero-bubble passes back a stage that returns its input, and
   }
   w.shutdown();
 }
+
+TEST_CASE("trace: one timeline holds the pipeline's passes, backward parts and optimizer steps") {
+  test::TempDir dir;
+  uint64_t engine_context = 0;
+  {
+    World w(3, {}, [&](rpc::AgentOptions& o) { o.trace_dir = dir.path; });
+    {
+      auto stages = make_stages(*w.agents[0], initial(2, 5), [](int s) { return s + 1; });
+      pipeline::PipeOptions o;
+      o.chunks = 2;
+      pipeline::Pipe pipe(*w.agents[0], stages, o);
+      optim::DistributedOptimizer opt(*w.agents[0], optim::Kind::kSGD, pipe.parameters(), {});
+      Batch b = batch(6, 0);
+      {
+        dist::Context ctx(*w.agents[0]);
+        pipe.step(ctx.id(), b.x, b.y);
+        opt.step(ctx.id());
+      }
+      {
+        // The distributed engine: both stages called from here, each a part.
+        dist::Context ctx(*w.agents[0]);
+        engine_context = ctx.id();
+        at::Tensor h = stages[0].forward(b.x.requires_grad_());
+        at::Tensor out = stages[1].forward(h);
+        dist::backward(*w.agents[0], ctx.id(), {at::cross_entropy_loss(out, b.y)});
+        opt.step(ctx.id());
+      }
+    }
+    w.shutdown();
+  }
+  // Every worker wrote its file when it shut down.
+  std::vector<test::Trace> t;
+  for (int r = 0; r < 3; ++r) {
+    const std::string path = dir.file("tandem-trace-rank" + std::to_string(r) + ".json");
+    t.push_back(test::read_trace(path));
+    REQUIRE(t.back().ok);
+    CHECK(test::valid_json(path));
+  }
+  // Pipeline: each pass on its stage's worker (gpipe, 2 micro-batches).
+  for (int stage = 0; stage < 2; ++stage) {
+    for (int chunk = 0; chunk < 2; ++chunk) {
+      for (const char* kind : {"F", "B"}) {
+        const std::string name = kind + std::to_string(chunk) + "@" + std::to_string(stage);
+        CAPTURE(name);
+        auto passes = t[stage + 1].find("X", name, stage + 1);
+        REQUIRE(passes.size() == 1);
+        CHECK(passes[0].cat == "pipeline");
+        CHECK(passes[0].dur >= 0);
+      }
+    }
+  }
+  // Stage 1 runs micro-batch 0's forward after stage 0 did (one clock: one host).
+  CHECK(t[2].find("X", "F0@1")[0].ts >= t[1].find("X", "F0@0")[0].end());
+  // Backward: the root's slice holds each worker's part and the nodes it ran.
+  auto root = t[0].find("X", "backward", 0);
+  REQUIRE(root.size() == 1);
+  CHECK(root[0].line.find("\"context\":" + std::to_string(engine_context)) != std::string::npos);
+  CHECK(!t[0].find("X", "backward nodes", 0).empty());
+  for (int r = 1; r < 3; ++r) {
+    CAPTURE(r);
+    auto parts = t[r].spans("backward part", r);
+    REQUIRE(parts.size() == 1);
+    CHECK(parts[0].line.find("\"ok\":true") != std::string::npos);
+    CHECK(parts[0].ts >= root[0].ts);
+    CHECK(parts[0].end() <= root[0].end());
+    auto nodes = t[r].find("X", "backward nodes", r);
+    REQUIRE(!nodes.empty());
+    for (const auto& n : nodes) {
+      CHECK(n.ts >= parts[0].ts);
+      CHECK(n.end() <= parts[0].end());
+    }
+  }
+  // Optimizer: two steps on the caller, each holding both owners' local steps.
+  auto steps = t[0].find("X", "DistributedOptimizer::step", 0);
+  REQUIRE(steps.size() == 2);
+  CHECK(steps[1].ts >= root[0].end());  // after the backward it steps with
+  for (int r = 1; r < 3; ++r) {
+    auto local = t[r].find("X", "optimizer step", r);
+    REQUIRE(local.size() == 2);
+    for (int i = 0; i < 2; ++i) {
+      CHECK(local[i].ts >= steps[i].ts);
+      CHECK(local[i].end() <= steps[i].end());
+    }
+  }
+  CHECK(t[0].find("X", "optimizer step").empty());  // no parameter lives on the driver
+}

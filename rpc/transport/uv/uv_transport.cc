@@ -1,6 +1,8 @@
 #include "tandem/rpc/transport/uv/uv_transport.h"
+
 #include "tandem/rpc/auth.h"
 #include "tandem/rpc/dial.h"
+#include "tandem/rpc/host.h"
 #include "tandem/rpc/log.h"
 #include "tandem/rpc/transport/shm/segments.h"
 
@@ -23,7 +25,6 @@
 #include <cassert>
 #include <cstring>
 #include <deque>
-#include <fstream>
 
 namespace tandem::rpc {
 namespace {
@@ -140,9 +141,7 @@ namespace {
 // the socket's name. Read once per process.
 const std::string& host_key() {
   static const std::string key = [] {
-    std::ifstream in("/proc/sys/kernel/random/boot_id");
-    std::string boot;
-    std::getline(in, boot);
+    const std::string& boot = boot_id();
     char ns[128] = {};
     ssize_t n = ::readlink("/proc/self/ns/net", ns, sizeof(ns) - 1);
     if (boot.empty() || n <= 0) return std::string();
