@@ -55,13 +55,18 @@ class DistAutograd final : public rpc::AgentExtension,
   void after_receive(rpc::Message& m, int from) override { recorder_.after_receive(m, from); }
   std::vector<std::string> live_objects() const override { return contexts_->live_objects(); }
   // "autograd.contexts" alive here, "autograd.gradients_received": the
-  // backward parts other workers sent here.
+  // gradient messages other workers' parts sent here,
+  // "autograd.backward_passes": backward() calls made here, and
+  // "autograd.backward_parts": parts (the root's included) run to their end
+  // here.
   // debug_info: the live contexts, and where each backward pass not done
   // here waits (Engine::describe).
   std::string debug_info() const override;
   void add_metrics(std::map<std::string, int64_t>& out) const override {
     out["autograd.contexts"] = static_cast<int64_t>(contexts_->live_objects().size());
     out["autograd.gradients_received"] = static_cast<int64_t>(gradients_received_.load());
+    out["autograd.backward_passes"] = static_cast<int64_t>(engine_->passes());
+    out["autograd.backward_parts"] = static_cast<int64_t>(engine_->parts_done());
   }
   void close() override { contexts_->close(); }
 

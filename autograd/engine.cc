@@ -190,6 +190,7 @@ void Engine::backward(uint64_t context, const std::vector<at::Tensor>& roots, bo
     trace.set_args("{\"context\":" + std::to_string(context) + "}");
   }
   if (timeout.count() < 0) timeout = link_->default_timeout();
+  passes_.fetch_add(1, std::memory_order_relaxed);
   const auto start = std::chrono::steady_clock::now();
   auto task =
       std::make_shared<GraphTask>(context, make_id(rank_, next_task_), rank_, /*attached=*/true);
@@ -561,6 +562,7 @@ void Engine::drain(const std::shared_ptr<ContextState>& ctx,
   task->draining = false;
   if (done) task->phase = GraphTask::Phase::kDone;
   lock.unlock();
+  if (done) parts_done_.fetch_add(1, std::memory_order_relaxed);
   if (tracer && ran > 0) {
     tracer->slice("backward nodes", "autograd", drain_start, std::chrono::steady_clock::now(), 0, 0,
                   "{\"context\":" + std::to_string(task->context) + ",\"task\":" +

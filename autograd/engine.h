@@ -166,6 +166,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // For debug_info: one line per backward pass not finished here, saying
   // where it waits (gradients from which worker, parts not done).
   std::string describe(const std::function<std::string(int)>& worker_name) const;
+  // backward() calls made here (as the root), and parts run here (the
+  // root's own included) that ran to their end.
+  uint64_t passes() const { return passes_.load(std::memory_order_relaxed); }
+  uint64_t parts_done() const { return parts_done_.load(std::memory_order_relaxed); }
 
  private:
   struct Join;
@@ -199,6 +203,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   const int rank_;
   const std::string name_;  // this worker's, for messages
   std::atomic<uint64_t> next_task_{1};
+  std::atomic<uint64_t> passes_{0}, parts_done_{0};
 };
 
 }  // namespace tandem::autograd

@@ -582,3 +582,32 @@ TEST_CASE("autograd: debug_info says where a backward waits") {
   }
   w.shutdown();
 }
+
+TEST_CASE("autograd: metrics count contexts, backward passes, parts and gradients") {
+  World w(3, define);
+  auto x = input();
+  auto layer = [&](int r, const std::string& name) {
+    auto m = w[r].metrics().layers;
+    return m.count(name) ? m.at(name) : int64_t(-1);
+  };
+  {
+    dist::Context ctx(w[0]);
+    auto y = w[0].rpc_sync<at::Tensor>("worker1", "lin1", x);
+    CHECK(layer(0, "autograd.contexts") == 1);
+    CHECK(layer(1, "autograd.contexts") == 1);
+    dist::backward(w[0], ctx.id(), {y.sum()});
+    dist::backward(w[0], ctx.id(), {(x * 2).sum()});  // a pass with no other part
+    CHECK(layer(0, "autograd.backward_passes") == 2);
+    CHECK(layer(0, "autograd.backward_parts") == 2);
+    CHECK(layer(1, "autograd.backward_passes") == 0);
+    CHECK(layer(1, "autograd.backward_parts") == 1);
+    CHECK(layer(2, "autograd.backward_parts") == 0);
+    // y's gradient went to worker1, x's came back.
+    CHECK(layer(1, "autograd.gradients_received") == 1);
+    CHECK(layer(0, "autograd.gradients_received") == 1);
+  }
+  CHECK(test::eventually([&] {
+    return layer(0, "autograd.contexts") == 0 && layer(1, "autograd.contexts") == 0;
+  }));
+  w.shutdown();
+}
