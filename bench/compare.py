@@ -21,7 +21,7 @@ SIZE_KEYS = ("config", "bytes", "hops", "world")
 METRICS = ("p50_us", "p99_us", "gbps", "ms", "local_ms", "overhead_ms", "ms_per_local",
            "record_us_per_rpc", "overlap", "samples_per_s", "single_worker_samples_per_s",
            "efficiency", "bubble",
-           "init_ms", "all_to_all_ms", "shutdown_ms")
+           "init_ms", "all_to_all_ms", "shutdown_ms", "on_ns", "off_ns")
 HIGHER_IS_BETTER = {"gbps", "overlap", "samples_per_s", "single_worker_samples_per_s",
                     "efficiency"}
 HEADER = ("bench", "size", "metric", "tandem", "tandem_shm", "pytorch", "path", "raw_tcp",

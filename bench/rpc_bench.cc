@@ -15,6 +15,8 @@
 // ../shared/anchors/rref.py, for remote references:
 //   {"bench":"remote_create","impl":"tandem","transport":..,"p50_us":..}   remote() until the owner confirmed
 //   {"bench":"rref_to_here","impl":"tandem","transport":..,"bytes":N,"p50_us":..}   N = 0 and 1 MiB
+// And what one trace event costs, tracing on and off (rpc/trace.h):
+//   {"bench":"trace_event","impl":"tandem","on_ns":..,"off_ns":..}
 //
 // Loopback latency on a small machine is bimodal: it depends on which cores
 // the scheduler gives the two processes. So the whole measurement is repeated
@@ -273,6 +275,36 @@ TandemRound rpc_caller(const std::vector<int64_t>& sizes, const std::string& tra
 
 }  // namespace
 
+// What one trace event costs (rpc/trace.h): a layer's slice with its args,
+// as the engine and the optimizer write them, on and off.
+void trace_cost() {
+  const int n = 200000;
+  auto per_event = [&](tandem::rpc::Tracer* tracer) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < n; ++i) {
+      tandem::rpc::TraceScope scope(tracer, "optim");
+      if (scope.on()) {
+        scope.set_name("optimizer step");
+        scope.set_args("{\"context\":" + std::to_string(i) + "}");
+      }
+    }
+    return std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0)
+               .count() / n;
+  };
+  const double off = per_event(nullptr);
+  char dir[] = "/tmp/tandem-bench-trace-XXXXXX";
+  if (!::mkdtemp(dir)) return;
+  double on = 0;
+  {
+    tandem::rpc::Tracer tracer(dir, 0, "bench");
+    on = per_event(&tracer);
+  }  // writes its file: gone with the folder
+  std::system((std::string("rm -rf ") + dir).c_str());
+  std::printf("{\"bench\":\"trace_event\",\"impl\":\"tandem\",\"on_ns\":%.1f,\"off_ns\":%.1f}\n",
+              on, off);
+  std::fflush(stdout);
+}
+
 int main(int argc, char** argv) {
   try {
     if (const char* role = std::getenv("TANDEM_BENCH_ROLE")) {
@@ -324,6 +356,7 @@ int main(int argc, char** argv) {
         emit_p50("rref_to_here", transports[k], kRRefSizes[i], to_here[k][i]);
       }
     }
+    trace_cost();
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "rpc_bench: %s\n", e.what());
