@@ -163,7 +163,11 @@ struct Reducer::Impl {
     if (!opt.comm_hook) opt.comm_hook = allreduce_hook();
     // rpc/trace.h: the agent's timeline when this process has a tracing
     // agent (a hybrid job), else $TANDEM_TRACE's.
-    if (rpc::is_initialized()) tracer = rpc::current_agent()->tracer();
+    try {
+      if (rpc::is_initialized()) tracer = rpc::current_agent()->tracer();
+    } catch (const std::logic_error&) {
+      // the agent shut down meanwhile
+    }
     if (!tracer) tracer = rpc::Tracer::from_env(group.rank());
   }
 
