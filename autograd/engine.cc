@@ -564,7 +564,7 @@ void Engine::drain(const std::shared_ptr<ContextState>& ctx,
   lock.unlock();
   if (done) parts_done_.fetch_add(1, std::memory_order_relaxed);
   if (tracer && ran > 0) {
-    tracer->slice("backward nodes", "autograd", drain_start, std::chrono::steady_clock::now(), 0, 0,
+    tracer->slice("backward nodes", "autograd", drain_start, std::chrono::steady_clock::now(), {},
                   "{\"context\":" + std::to_string(task->context) + ",\"task\":" +
                       std::to_string(task->id) + ",\"nodes\":" + std::to_string(ran) + "}");
   }

@@ -644,7 +644,7 @@ class PipeService final : public rpc::AgentExtension,
         const auto begin = t0 + std::chrono::duration_cast<Clock::duration>(
                                     std::chrono::duration<double, std::micro>(rec[i][3]));
         tracer->slice(to_string(Action{kind, static_cast<int>(stage), static_cast<int>(chunk)}),
-                      "pipeline", begin, Clock::now(), 0, 0,
+                      "pipeline", begin, Clock::now(), {},
                       "{\"step\":" + std::to_string(a.step) + ",\"stage\":" +
                           std::to_string(stage) + ",\"micro_batch\":" + std::to_string(chunk) +
                           "}");

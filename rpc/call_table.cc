@@ -27,12 +27,13 @@ void CallTable::count(const Call& c, const std::exception_ptr& error) {
     const std::string args = std::string("{\"to\":") + std::to_string(c.peer) +
                              ",\"ok\":" + (error ? "false" : "true") + "}";
     if (!c.overlapped) {
-      tracer_->slice(c.callee, "rpc", c.started, now, flow, 0, args, c.tid);
+      tracer_->slice(c.callee, "rpc", c.started, now, {flow, 0, 0, flow | Tracer::kReplyFlow},
+                     args, c.tid);
     } else {
       // Overlapping slices on one thread do not nest: the send stays on the
       // thread (where the flow starts), the wait gets a track of its own.
-      tracer_->slice(c.callee, "rpc", c.started, c.started + std::chrono::microseconds(1), flow,
-                     0, args, c.tid);
+      tracer_->slice(c.callee, "rpc", c.started, c.started + std::chrono::microseconds(1),
+                     {flow, 0, 0, 0}, args, c.tid);
       tracer_->span(c.callee, "rpc.async", flow, c.started, now, args);
     }
   }

@@ -162,8 +162,9 @@ void Agent::reply(const ConnectionPtr& conn, int to, uint64_t id, const RawFutur
                   Clock::time_point started) {
   metrics_->request_served(result->hasError());
   if (trace_ && started != Clock::time_point{}) {
-    trace_->slice(callee, "rpc.serve", started, Clock::now(), 0,
-                  id == kNoReply ? 0 : (static_cast<uint64_t>(to) << 48) | id,
+    const uint64_t flow = id == kNoReply ? 0 : (static_cast<uint64_t>(to) << 48) | id;
+    trace_->slice(callee, "rpc.serve", started, Clock::now(),
+                  {0, flow, flow ? flow | Tracer::kReplyFlow : 0, 0},
                   std::string("{\"from\":") + std::to_string(to) + "}");
   }
   if (id == kNoReply) return;  // notify(): nobody waits for it

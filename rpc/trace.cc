@@ -100,11 +100,11 @@ void Tracer::set_clock(int64_t offset_us, int64_t error_us) {
 }
 
 void Tracer::slice(const std::string& name, const char* cat, Clock::time_point start,
-                   Clock::time_point end, uint64_t flow_out, uint64_t flow_in,
-                   const std::string& args_json, long tid_in) {
+                   Clock::time_point end, const Flows& flows, const std::string& args_json,
+                   long tid_in) {
   const long tid = tid_in ? tid_in : thread_id();
   std::lock_guard<std::mutex> lock(mu_);
-  if (events_.size() + 3 > kMaxEvents) {
+  if (events_.size() + 5 > kMaxEvents) {
     ++dropped_;
     return;
   }
@@ -115,16 +115,18 @@ void Tracer::slice(const std::string& name, const char* cat, Clock::time_point s
                     "\"," + common + ",\"ts\":" + std::to_string(ts) +
                     ",\"dur\":" + std::to_string(dur) +
                     (args_json.empty() ? "" : ",\"args\":" + args_json) + "}");
-  if (flow_out) {
-    add_locked("{\"ph\":\"s\",\"name\":\"call\",\"cat\":\"rpc\",\"id\":" +
-                      std::to_string(flow_out) + "," + common + ",\"ts\":" + std::to_string(ts) +
-                      "}");
-  }
-  if (flow_in) {
-    add_locked("{\"ph\":\"f\",\"bp\":\"e\",\"name\":\"call\",\"cat\":\"rpc\",\"id\":" +
-                      std::to_string(flow_in) + "," + common + ",\"ts\":" + std::to_string(ts) +
-                      "}");
-  }
+  // A flow event binds to the slice enclosing it on its thread: the start's
+  // at the slice's first microsecond, the answer's at its last.
+  const int64_t last = ts + std::max<int64_t>(0, dur - 1);
+  auto flow = [&](const char* ph, const char* what, uint64_t id, int64_t at) {
+    add_locked(std::string("{\"ph\":\"") + ph + "\"," + (ph[0] == 'f' ? "\"bp\":\"e\"," : "") +
+               "\"name\":\"" + what + "\",\"cat\":\"rpc\",\"id\":" + std::to_string(id) + "," +
+               common + ",\"ts\":" + std::to_string(at) + "}");
+  };
+  if (flows.call_out) flow("s", "call", flows.call_out, ts);
+  if (flows.call_in) flow("f", "call", flows.call_in, ts);
+  if (flows.reply_out) flow("s", "reply", flows.reply_out, last);
+  if (flows.reply_in) flow("f", "reply", flows.reply_in, last);
 }
 
 void Tracer::span(const std::string& name, const char* cat, uint64_t id, Clock::time_point start,
@@ -173,7 +175,7 @@ std::string Tracer::write() {
 
 void TraceScope::finish() noexcept {
   try {
-    tracer_->slice(name_, cat_, start_, Tracer::Clock::now(), 0, 0, args_);
+    tracer_->slice(name_, cat_, start_, Tracer::Clock::now(), {}, args_);
   } catch (...) {
     // out of memory: the event is lost, the traced work is not
   }

@@ -14,8 +14,9 @@
 //       the call to its answer; a call that overlapped another call of the
 //       same thread (rpc_async) is instead a 1 µs "send" slice there plus
 //       an async span ("rpc.async") from the call to its answer. A flow
-//       arrow goes from the call to the request it became (flow id =
-//       caller rank << 48 | call id).
+//       arrow ("call") goes from the call to the request it became (flow id
+//       = caller rank << 48 | call id), and one ("reply") from the served
+//       request's end back into the call's (not for an async span).
 //     - rpc.serve: each request served, on the thread that answered it.
 //     - autograd: a backward() on the root; each worker's part as an async
 //       span ("autograd.part"); each run of ready nodes on the thread that
@@ -46,6 +47,14 @@
 
 namespace tandem::rpc {
 
+// The arrows a slice has (ids; 0: none): a call leaving at its start
+// (call_out) and arriving at a served slice's start (call_in); the answer
+// leaving in a served slice's last microsecond (reply_out) and arriving in
+// the call's (reply_in).
+struct TraceFlows {
+  uint64_t call_out = 0, call_in = 0, reply_out = 0, reply_in = 0;
+};
+
 class Tracer {
  public:
   using Clock = std::chrono::steady_clock;
@@ -63,11 +72,12 @@ class Tracer {
   Tracer(const Tracer&) = delete;
   Tracer& operator=(const Tracer&) = delete;
 
-  // A finished slice [start, end) on a thread (0: this one). flow_out /
-  // flow_in: the id of a flow this slice starts or ends (0: none).
+  using Flows = TraceFlows;
+  static constexpr uint64_t kReplyFlow = 1ull << 47;  // an answer's flow id: its call's | this
+  // A finished slice [start, end) on a thread (0: this one).
   void slice(const std::string& name, const char* cat, Clock::time_point start,
-             Clock::time_point end, uint64_t flow_out = 0, uint64_t flow_in = 0,
-             const std::string& args_json = {}, long tid = 0);
+             Clock::time_point end, const Flows& flows = {}, const std::string& args_json = {},
+             long tid = 0);
   // A finished async span [start, end): its own track in the process,
   // shared by spans of the same cat and name that do not overlap.
   void span(const std::string& name, const char* cat, uint64_t id, Clock::time_point start,

@@ -560,6 +560,28 @@ TEST_CASE("process: tandem-run --trace joins the workers' traces into one timeli
   }
   CHECK(connected >= 3);  // the layers' own calls may add more
   CHECK(test::valid_json(dir + "/tandem-trace.json"));
+  // Each answer flows back: from the last microsecond of the served "add"
+  // on rank 1 into the last microsecond of its call on rank 0.
+  test::Trace all = test::read_trace(dir + "/tandem-trace.json");
+  std::map<std::string, test::TraceEvent> reply_out, reply_in;
+  for (const auto& e : all.events) {
+    if (e.name != "reply") continue;
+    if (e.ph == "s") reply_out[e.id] = e;
+    if (e.ph == "f") reply_in[e.id] = e;
+  }
+  int answered = 0;
+  for (const auto& c : all.find("X", "add", 0)) {
+    for (const auto& [id, in] : reply_in) {
+      if (in.pid != 0 || in.ts != c.end() - 1) continue;
+      auto out = reply_out.find(id);
+      REQUIRE(out != reply_out.end());
+      CHECK(out->second.pid == 1);
+      CHECK(out->second.ts <= in.ts);
+      CHECK(out->second.ts >= c.ts);
+      ++answered;
+    }
+  }
+  CHECK(answered == 3);
   // The overlapping calls: each a 1 us send slice on the thread (its flow
   // starts there) and an async span from the call to its answer.
   test::Trace joined = test::read_trace(dir + "/tandem-trace.json");
