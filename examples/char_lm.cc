@@ -92,6 +92,7 @@
 #include <set>
 
 #include "examples/flags.h"
+#include "examples/launch.h"
 #include "examples/replicas.h"
 #include "tandem/autograd/autograd.h"
 #include "tandem/ddp/distributed_data_parallel.h"
@@ -689,7 +690,7 @@ int train(const Config& cfg, const Corpus& corpus, const std::optional<Checkpoin
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int job_main(int argc, char** argv) {
   const Clock::time_point started = Clock::now();
   try {
     const rpc::WorldEnv env = rpc::world_from_env();
@@ -786,4 +787,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "char_lm: %s\n", e.what());
     return 1;
   }
+}
+
+int main(int argc, char** argv) {
+  // examples/launch.h: under tandem-run, or started alone. --mode hybrid is
+  // a job of 3 (two trainers and the parameter server); the others of 2.
+  int nprocs = 2;
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (std::strcmp(argv[i], "--mode") == 0 && std::strcmp(argv[i + 1], "hybrid") == 0) nprocs = 3;
+  }
+  return examples::launch("char_lm", nprocs, argc, argv, job_main);
 }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the example programs for real, briefly, under tandem-run (ctest entry
+# Runs the example programs for real, briefly, under tandem-run and alone (ctest entry
 # "examples"). Usage: check_examples.sh BIN_DIR   (BIN_DIR holds tandem-run
 # and the examples, e.g. build/bin).
 #
@@ -8,6 +8,8 @@
 #     with --mode hybrid on 3 processes, whose trainers' LSTMs end identical;
 #     --mode pipeline (by 1F1B and by zero-bubble) ends on a's final loss
 #     (within 1e-3) and prints a sample;
+#     started alone (it spawns its workers, examples/launch.h) it ends on a's
+#     final loss, and an unknown flag exits 2 naming it;
 #  b. char_lm --steps 30 then --steps 60 --resume prints the same final loss
 #     (%.6f) and the same sample as the uninterrupted run of a;
 #  c. model_parallel_mlp --steps 20 exits 0 and reports agreement with the
@@ -79,6 +81,20 @@ if expect_rc "char_lm --steps 60" "$rc" 0 a.log; then
   [[ -n $(final_line a.log) ]] || fail "char_lm printed no final loss line"
   [[ $(sample_line a.log) == "sample: "?* ]] || fail "char_lm printed no sample"
   [[ -s a.ckpt ]] || fail "char_lm wrote no checkpoint"
+fi
+
+# a''. started alone (no tandem-run), it spawns its two workers itself
+# (examples/launch.h) and ends as a did; a bad flag still exits 2
+timeout 120 "$bin/char_lm" --steps 60 --log-every 20 --checkpoint a0.ckpt >a0.log 2>&1
+rc=$?
+if expect_rc "char_lm alone (spawning its workers)" "$rc" 0 a0.log; then
+  [[ -n $(final_line a.log) && "$(final_line a.log)" == "$(final_line a0.log)" ]] ||
+    fail "char_lm alone: '$(final_line a0.log)', under tandem-run: '$(final_line a.log)'"
+fi
+timeout 120 "$bin/char_lm" --bogus >a0bad.log 2>&1
+rc=$?
+if expect_rc "char_lm alone with an unknown flag" "$rc" 2 a0bad.log; then
+  grep -q "unknown flag '--bogus'" a0bad.log || fail "char_lm alone did not name the bad flag"
 fi
 
 # b. interrupted at 30, resumed to 60: the same numbers as a

@@ -34,6 +34,7 @@
 #include <cstdio>
 
 #include "examples/flags.h"
+#include "examples/launch.h"
 #include "examples/replicas.h"
 #include "tandem/ddp/distributed_data_parallel.h"
 #include "tandem/ddp/sampler.h"
@@ -127,7 +128,7 @@ int train(int64_t epochs, int64_t samples, int64_t batch, double lr, int64_t log
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int job_main(int argc, char** argv) {
   int64_t epochs = 2, samples = 4096, batch = 64, log_every = 10, seed = 0;
   double lr = 0.05;
   examples::Flags flags("ddp_mlp");
@@ -149,4 +150,9 @@ int main(int argc, char** argv) {
   });
   ddp::destroy_process_group();
   return rc;
+}
+
+// examples/launch.h: under tandem-run, or started alone (2 workers).
+int main(int argc, char** argv) {
+  return examples::launch("ddp_mlp", 2, argc, argv, job_main);
 }

@@ -38,6 +38,7 @@
 #include <optional>
 
 #include "examples/flags.h"
+#include "examples/launch.h"
 #include "examples/replicas.h"
 #include "tandem/autograd/autograd.h"
 #include "tandem/ddp/distributed_data_parallel.h"
@@ -184,7 +185,7 @@ int run_master(int trainers, int64_t epochs, double lr) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int job_main(int argc, char** argv) {
   try {
     const rpc::WorldEnv env = rpc::world_from_env();
     int64_t epochs = 40;
@@ -228,4 +229,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "hybrid_ddp_rpc: %s\n", e.what());
     return 1;
   }
+}
+
+// examples/launch.h: under tandem-run, or started alone (4 workers).
+int main(int argc, char** argv) {
+  return examples::launch("hybrid_ddp_rpc", 4, argc, argv, job_main);
 }

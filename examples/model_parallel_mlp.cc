@@ -28,12 +28,12 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
-#include "tandem/rpc/spawn.h"
 
 #include <algorithm>
 #include <cstdio>
 
 #include "examples/flags.h"
+#include "examples/launch.h"
 #include "tandem/autograd/autograd.h"
 #include "tandem/optim/distributed_optimizer.h"
 #include "tandem/remote_module/remote_module.h"
@@ -193,24 +193,7 @@ int worker(int argc, char** argv) {
   }
 }
 
+// examples/launch.h: under tandem-run, or started alone (2 workers).
 int main(int argc, char** argv) {
-  if (rpc::world_from_env().rank >= 0 && !tandem::spawned_worker()) return worker(argc, argv);
-  if (!tandem::spawned_worker()) {
-    // Started alone: check the flags here, then start the two workers (as
-    // torch.multiprocessing.spawn would), each running worker().
-    int64_t steps = 200, seed = 0;
-    examples::Flags flags("model_parallel_mlp");
-    flags.add("--steps", &steps, 1, "training steps").add("--seed", &seed, 0, "seed");
-    const std::string error = flags.parse(argc, argv);
-    if (flags.help() || !error.empty()) return examples::outside_world(flags, error, "");
-  }
-  try {
-    tandem::spawn(2, [&](int, int) {
-      if (const int rc = worker(argc, argv)) throw std::runtime_error("exit code " + std::to_string(rc));
-    });
-    return 0;
-  } catch (const tandem::SpawnError& e) {
-    std::fprintf(stderr, "model_parallel_mlp: %s\n", e.what());
-    return 1;
-  }
+  return examples::launch("model_parallel_mlp", 2, argc, argv, worker);
 }

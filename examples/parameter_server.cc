@@ -37,6 +37,7 @@
 #include <optional>
 
 #include "examples/flags.h"
+#include "examples/launch.h"
 #include "examples/replicas.h"
 #include "tandem/autograd/autograd.h"
 #include "tandem/ddp/distributed_data_parallel.h"
@@ -151,7 +152,7 @@ int train(int rank, int trainers, int64_t steps, double lr, bool data_parallel) 
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int job_main(int argc, char** argv) {
   try {
     const rpc::WorldEnv env = rpc::world_from_env();
     Server server;
@@ -204,4 +205,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "parameter_server: %s\n", e.what());
     return 1;
   }
+}
+
+// examples/launch.h: under tandem-run, or started alone (3 workers).
+int main(int argc, char** argv) {
+  return examples::launch("parameter_server", 3, argc, argv, job_main);
 }

@@ -33,6 +33,7 @@
 
 #include <cstdio>
 
+#include "examples/launch.h"
 #include "tandem/autograd/autograd.h"
 #include "tandem/rpc/api.h"
 #include "tandem/rpc/rendezvous.h"
@@ -108,7 +109,7 @@ bool train(rpc::Agent& agent, at::Tensor& w0) {
 
 }  // namespace
 
-int main() {
+static int job_main(int, char**) {
   try {
     auto registry = std::make_shared<rpc::Registry>();
     at::Tensor shard;  // this worker's rows, filled once we know our rank
@@ -204,4 +205,9 @@ int main() {
     std::fprintf(stderr, "rpc_demo: %s\n", e.what());
     return 1;
   }
+}
+
+// examples/launch.h: under tandem-run, or started alone (2 workers).
+int main(int argc, char** argv) {
+  return examples::launch("rpc_demo", 2, argc, argv, job_main);
 }
