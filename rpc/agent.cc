@@ -163,6 +163,7 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
   cb.on_closed = [this](const ConnectionPtr& c, const std::string& r) {
     on_closed_from_loop(c, r);
   };
+  cb.inline_ok = [this](const Message& m) { return inline_ok(m); };
   handshakes_ = std::make_unique<HandshakeTable>();
   protocol_log_ = std::make_unique<ProtocolLog>();
   TransportFactory make = options_.transport            ? options_.transport

@@ -226,6 +226,9 @@ class Agent : public std::enable_shared_from_this<Agent> {
 
   // dispatch.cc: the incoming side.
   void on_message_from_loop(const ConnectionPtr& conn, Message&& msg);
+  // Whether `m` may be delivered on a thread polling its connection
+  // (rpc/transport.h, 8.).
+  bool inline_ok(const Message& m) const;
   // One step of a peer's handshake (agent.cc, rpc/handshake.h); a step
   // that fails closes the connection.
   void on_hello_from_loop(const ConnectionPtr& conn, const Message& msg);

@@ -14,7 +14,12 @@ void Agent::spin_until_done(const RawFuture& f) const {
   // A blocked caller is woken by the loop thread when its reply lands. On an
   // idle core that wake-up costs more than a whole loopback round trip, so
   // keep the core busy for a short while first (see AgentOptions::sync_spin).
-  spin_until(options_.sync_spin, [&] { return f->completed(); });
+  // While it spins it reads its connection itself where that can be done
+  // (rpc/transport.h, 8.), saving the loop thread's wake-up too.
+  spin_until(options_.sync_spin, [&] {
+    poll_this_threads_connection();
+    return f->completed();
+  });
 }
 
 Future<c10::IValue> Agent::call(const std::string& to, const std::string& fn,
@@ -105,6 +110,7 @@ RawFuture Agent::start_call(const std::string& to, const std::string& fn,
     }
     try {
       conn->send(std::move(frame));
+      remember_connection_for_polling(conn);
       forks.commit();
       calls_->mark_sent(req.id);
       // A close that ran before the mark did not fail the call (it was not

@@ -19,8 +19,31 @@ Agent* handler_agent() { return current_scope().agent; }
 
 uint64_t handler_autograd_context(const Agent& agent) { return autograd_context_for(agent); }
 
+bool Agent::inline_ok(const Message& m) const {
+  // rpc/transport.h, 8.: what needs no loop-thread state may be delivered on
+  // a polling thread: answers, and requests for the pool. Handshakes,
+  // retirement, loop handlers and RRefs (adopted in frame order) stay on
+  // the loop thread.
+  if (!ready_.load(std::memory_order_acquire) || !m.rrefs.empty() ||
+      retiring_count_.load(std::memory_order_acquire) > 0) {
+    return false;
+  }
+  switch (m.kind) {
+    case MessageKind::kResponse:
+    case MessageKind::kError:
+      return true;
+    case MessageKind::kRequest:
+      return m.callee.rfind("tandem.", 0) != 0 ||
+             (m.callee != kRetireCallee && !loop_internal_->find(m.callee));
+    case MessageKind::kHello:
+      return false;
+  }
+  return false;
+}
+
+// On the loop thread, or on a thread polling its connection for a message
+// inline_ok() accepted (one connection's messages come one at a time, in order).
 void Agent::on_message_from_loop(const ConnectionPtr& conn, Message&& msg) {
-  assert(transport_->on_transport_thread());
   if (!ready_.load(std::memory_order_acquire)) {
     // A peer that finished rendezvous first may greet us before we know the
     // world; hold this (loop) thread until start() is done, one way or the other.
@@ -108,6 +131,7 @@ void Agent::run_as_handler(const std::function<void()>& fn) {
 
 void Agent::handle_request(const ConnectionPtr& conn, int from, Message msg,
                            std::shared_ptr<const Handler> handler) {
+  remember_connection_for_polling(conn);  // the pool thread polls it while idle
   if (!handler) handler = find_handler(msg.callee);
   if (!handler) {
     metrics_->request_served(/*failed=*/true);

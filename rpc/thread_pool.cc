@@ -1,6 +1,7 @@
 #include "tandem/rpc/thread_pool.h"
 
 #include "tandem/rpc/spin.h"
+#include "tandem/rpc/transport.h"
 
 #include <cstdio>
 #include <stdexcept>
@@ -55,7 +56,12 @@ void ThreadPool::run() {
     if (just_worked && spin_.count() > 0 && tasks_.empty() && !stopping_) {
       ++spinning_;
       lock.unlock();
-      spin_until(spin_, [this] { return queued_.load(std::memory_order_acquire) != 0; });
+      // An idle thread reads the connection it last served itself
+      // (rpc/transport.h, 8.): the next request needs no loop wake-up.
+      spin_until(spin_, [this] {
+        poll_this_threads_connection();
+        return queued_.load(std::memory_order_acquire) != 0;
+      });
       lock.lock();
       --spinning_;
     }

@@ -33,6 +33,15 @@
 //     listen(); connect_local() to another transport's endpoint returns null
 //     when that one is on another host (or network namespace), else a
 //     connection with the promises above.
+//  8. Polling (same-host connections of the shm backend): a thread that
+//     spins anyway, waiting for an answer or for work, may call
+//     Connection::poll_inline() to read what has arrived itself, saving
+//     the transport thread's wake-up on the way. Messages that
+//     Callbacks::inline_ok accepts are then delivered on that thread;
+//     any other (and everything after it on that connection) goes to the
+//     transport thread, so each connection's messages are still delivered
+//     one at a time and in order. A callback that polls again meanwhile
+//     reads nothing.
 #pragma once
 
 #include <chrono>
@@ -80,6 +89,9 @@ class Connection {
   virtual std::string peer_address() const = 0;
   // True once the connection is closed or closing: send() would throw.
   virtual bool closed() = 0;
+  // 8.: reads and delivers what has arrived, on this thread; false when
+  // nothing was delivered (or this connection does not poll).
+  virtual bool poll_inline() { return false; }
 };
 
 using ConnectionPtr = std::shared_ptr<Connection>;
@@ -92,6 +104,8 @@ class Transport {
     // Called on the transport thread once per connection, after it closed.
     // `reason` is empty for an orderly close by this side.
     std::function<void(const ConnectionPtr&, const std::string& reason)> on_closed;
+    // 8.: whether on_message may take `m` on a polling thread (null: never).
+    std::function<bool(const Message& m)> inline_ok;
   };
 
   virtual ~Transport() = default;
@@ -114,6 +128,11 @@ class Transport {
     return nullptr;
   }
 };
+
+// 8.: the connection this thread last sent a request on or took one from,
+// which it polls while it spins (poll_this_threads_connection()).
+void remember_connection_for_polling(const ConnectionPtr& conn);
+bool poll_this_threads_connection();
 
 // Makes a transport that checks frames against `limits` and reports to `callbacks`.
 using TransportFactory =

@@ -101,6 +101,9 @@ struct Limits {
   uint64_t min_shared_tensor_bytes = 32ull << 10;
   uint64_t max_shared_bytes = 1ull << 30;
   uint32_t max_shared_segments = 32;
+  // Threads that spin waiting (an rpc_sync caller, an idle pool thread)
+  // read their same-host connection themselves (rpc/transport.h, 8.).
+  bool poll_while_spinning = true;
 };
 
 // How deep a value tree may nest (lists in lists ...): deeper values are

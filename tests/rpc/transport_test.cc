@@ -48,9 +48,14 @@ std::vector<Backend> backends() {
 
 // One transport and what its callbacks saw.
 struct Endpoint {
-  explicit Endpoint(const TransportFactory& make, const Limits& limits = Limits{}) {
+  // `inline_ok`: which messages a polling thread may take (null: none).
+  explicit Endpoint(const TransportFactory& make, const Limits& limits = Limits{},
+                    std::function<bool(const Message&)> inline_ok = nullptr) {
     Transport::Callbacks cb;
+    cb.inline_ok = std::move(inline_ok);
     cb.on_message = [this](const ConnectionPtr& c, Message&& m) {
+      // A callback that polls its connection again must read nothing.
+      if (poll_in_callback && c->poll_inline()) ++reentered;
       std::lock_guard<std::mutex> lock(mu);
       threads.push_back(std::this_thread::get_id());
       peer = c;
@@ -91,6 +96,8 @@ struct Endpoint {
   std::vector<std::pair<uint64_t, std::string>> closed;
   std::vector<std::thread::id> threads;
   ConnectionPtr peer;  // the connection the last message came on
+  std::atomic<bool> poll_in_callback{false};
+  std::atomic<int> reentered{0};
 };
 
 Message request(uint64_t id, std::vector<c10::IValue> values = {}) {
@@ -444,6 +451,63 @@ TEST_CASE("shm: where segments cannot be made, large tensors go through the sock
   auto s = p.a.t->stats();
   CHECK(s.shared_tensors == 0);
   CHECK(s.shared_fallbacks == 1);
+}
+
+TEST_CASE("shm: a spinning thread reads its connection itself, and the order holds") {
+  // b lets a polling thread take every message but those for "loop".
+  Endpoint a(shm_transport());
+  Endpoint b(shm_transport(), Limits{}, [](const Message& m) { return m.callee != "loop"; });
+  const int port = b.t->listen("127.0.0.1", 0);
+  auto c = open(a, b, port, /*local=*/true);
+  ConnectionPtr served;
+  size_t base = 0;
+  {
+    std::lock_guard<std::mutex> lock(b.mu);
+    served = b.peer;
+    base = b.threads.size();
+  }
+  REQUIRE(served);
+  std::atomic<bool> stop{false};
+  b.poll_in_callback = true;
+  std::thread poller([&] {
+    while (!stop) served->poll_inline();
+  });
+  const std::thread::id poller_id = poller.get_id();
+  const int n = 300;
+  for (int i = 1; i <= n; ++i) {
+    Message m = request(static_cast<uint64_t>(i));
+    if (i % 10 == 0) m.callee = "loop";
+    c->send(encode(m));
+    if (i % 3 == 0) std::this_thread::sleep_for(50us);
+  }
+  REQUIRE(b.wait([&] { return b.got.size() == static_cast<size_t>(n); }));
+  stop = true;
+  poller.join();
+  int on_poller = 0;
+  {
+    std::lock_guard<std::mutex> lock(b.mu);
+    for (int i = 0; i < n; ++i) {
+      CAPTURE(i);
+      CHECK(b.got[i].id == static_cast<uint64_t>(i + 1));  // each once, in order
+      const bool polled = b.threads.at(base + i) == poller_id;
+      if (b.got[i].callee == "loop") CHECK_FALSE(polled);  // left to the loop thread
+      on_poller += polled;
+    }
+  }
+  CHECK(on_poller > 0);
+  CHECK(b.reentered == 0);
+  // Closed by the peer while a thread polls: reported once, and polling
+  // then reads nothing.
+  stop = false;
+  std::thread again([&] {
+    while (!stop) served->poll_inline();
+  });
+  c->close("");
+  CHECK(b.wait([&] { return !b.closed.empty(); }));
+  stop = true;
+  again.join();
+  CHECK(b.closes_of(served->id()) == 1);
+  CHECK_FALSE(served->poll_inline());
 }
 
 TEST_CASE("shm: connect_local tells another host from a dead endpoint") {

@@ -33,6 +33,7 @@ constexpr size_t kStagingBytes = 64 << 10;
 // Below this many bytes left in a tensor, gulp into staging and copy instead.
 constexpr size_t kDirectReadMin = 16 << 10;
 constexpr int kReadRoundsPerWakeup = 64;
+constexpr int kReadRoundsPerPoll = 4;  // a spinning thread reads a little; the rest is the loop's
 
 std::string errno_text(int err) { return std::strerror(err); }
 
@@ -284,6 +285,20 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
 
   uint64_t id() const override { return id_; }
   const char* kind() const override { return local_ ? "shm" : "tcp"; }
+
+  // rpc/transport.h, 8.
+  bool poll_inline() override {
+    if (!inline_ok_.load(std::memory_order_acquire) || no_polling_here()) return false;
+    std::unique_lock<std::mutex> lock(read_mu_, std::try_to_lock);
+    if (!lock.owns_lock() || !inline_ok_.load(std::memory_order_acquire)) return false;
+    return transport_->read_inline(shared_from_this());
+  }
+  // True where polling must not happen: on the loop thread (it reads
+  // anyway, holding read_mu_), and inside a poll's own deliveries.
+  static bool& no_polling_here() {
+    thread_local bool inside = false;
+    return inside;
+  }
   bool closed() override {
     std::lock_guard<std::mutex> lock(write_mu_);
     return closed_;
@@ -408,6 +423,14 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
   std::unique_ptr<SegmentWriter> shared_out_;
   std::unique_ptr<SegmentReader> shared_in_;
 
+  // Reading: the loop thread, or one polling thread (8.), holds read_mu_
+  // while it reads, decodes and delivers; the decoder, the peer's segments
+  // and deferred_ are under it. inline_ok_: pollers may read (handshake
+  // done, not paused, nothing deferred, not closed), set under read_mu_.
+  std::mutex read_mu_;
+  std::atomic<bool> inline_ok_{false};
+  std::deque<Message> deferred_;  // a poll's messages for the loop thread, in order
+
   // Loop thread only.
   uv_poll_t poll_;
   bool polling_ = false;
@@ -455,7 +478,10 @@ UvTransport::UvTransport(Limits limits, Callbacks callbacks, bool shared_memory)
   }, period, period);
   loop_->accept_retry.data = this;
   uv_timer_init(&loop_->loop, &loop_->accept_retry);
-  thread_ = std::thread([this] { uv_run(&loop_->loop, UV_RUN_DEFAULT); });
+  thread_ = std::thread([this] {
+    UvConnection::no_polling_here() = true;
+    uv_run(&loop_->loop, UV_RUN_DEFAULT);
+  });
   thread_id_ = thread_.get_id();
 }
 
@@ -730,8 +756,117 @@ void UvTransport::adopt_from_loop(const std::shared_ptr<UvConnection>& conn) {
   }
 }
 
+bool UvTransport::would_pause(const UvConnection& conn) const {
+  return conn.queued_reply_bytes_.load(std::memory_order_relaxed) > limits_.max_queued_reply_bytes ||
+         conn.in_progress() >= limits_.max_unanswered_requests;
+}
+
+void UvTransport::update_inline_locked(const std::shared_ptr<UvConnection>& conn) {
+  conn->inline_ok_.store(conn->local_ && limits_.poll_while_spinning && conn->polling_ &&
+                             !conn->loop_closed_ && !conn->paused_ && !conn->reading_stopped_ &&
+                             conn->deferred_.empty() && !conn->decoder_.in_handshake() &&
+                             static_cast<bool>(callbacks_.inline_ok),
+                         std::memory_order_release);
+}
+
+void UvTransport::deliver_deferred_locked(const std::shared_ptr<UvConnection>& conn) {
+  std::deque<Message> deferred = std::move(conn->deferred_);
+  conn->deferred_.clear();
+  for (auto& m : deferred) {
+    if (conn->loop_closed_) return;
+    deliver_from_loop(conn, std::move(m));
+  }
+}
+
+bool UvTransport::read_inline(const std::shared_ptr<UvConnection>& conn) {
+  // As read_from_loop, on a spinning thread: what it cannot finish (the
+  // peer closed, a protocol error, a message the agent wants on its loop
+  // thread, backpressure) it leaves to the loop thread.
+  thread_local std::vector<char> staging(kStagingBytes);
+  bool& inside = UvConnection::no_polling_here();
+  bool delivered = false;
+  auto give_up = [&](const std::string& close_reason) {
+    conn->inline_ok_.store(false, std::memory_order_release);
+    post([this, conn, close_reason] {
+      std::unique_lock<std::mutex> lock(conn->read_mu_);
+      if (close_reason.empty()) {
+        deliver_deferred_locked(conn);
+        update_inline_locked(conn);
+      } else {
+        lock.unlock();
+        close_from_loop(conn, close_reason);
+      }
+    });
+  };
+  for (int round = 0; round < kReadRoundsPerPoll; ++round) {
+    auto [direct, want] = conn->decoder_.direct_target(kDirectReadMin);
+    char* buf = direct ? direct : staging.data();
+    size_t len = direct ? want : staging.size();
+    iovec iov{buf, len};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerRead)];
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    const ssize_t n = ::recvmsg(conn->fd_, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (n < 0 && errno == EINTR) continue;
+    // Nothing there (or the end, or an error: the loop thread reads that
+    // itself and closes).
+    if (n <= 0) return delivered;
+    std::string error;
+    if (!adopt_descriptors(conn, msg, error)) {
+      give_up("protocol error from " + conn->peer_ + ": " + error);
+      return delivered;
+    }
+    try {
+      if (direct) {
+        conn->decoder_.direct_commit(static_cast<size_t>(n));
+      } else {
+        conn->decoder_.feed(buf, static_cast<size_t>(n));
+      }
+    } catch (const std::exception& e) {
+      give_up(std::string("protocol error from ") + conn->peer_ + ": " + e.what());
+      return delivered;
+    }
+    while (conn->decoder_.has_message()) {
+      Message m = conn->decoder_.take();
+      stats_bytes_received_.fetch_add(m.wire_bytes, std::memory_order_relaxed);
+      const bool request = m.kind == MessageKind::kRequest && m.id != 0;
+      if (request) conn->requests_in_.fetch_add(1, std::memory_order_release);
+      if (!conn->deferred_.empty() || would_pause(*conn) || !callbacks_.inline_ok(m)) {
+        conn->deferred_.push_back(std::move(m));
+        continue;
+      }
+      if (request) conn->requests_delivered_.fetch_add(1, std::memory_order_release);
+      inside = true;
+      try {
+        callbacks_.on_message(conn, std::move(m));
+      } catch (...) {
+        inside = false;
+        throw;
+      }
+      inside = false;
+      delivered = true;
+    }
+    if (!conn->deferred_.empty()) {
+      give_up("");
+      return delivered;
+    }
+    if (static_cast<size_t>(n) < len) return delivered;  // drained
+  }
+  return delivered;
+}
+
 void UvTransport::read_from_loop(const std::shared_ptr<UvConnection>& conn) {
   assert(on_transport_thread());
+  std::lock_guard<std::mutex> read_lock(conn->read_mu_);
+  deliver_deferred_locked(conn);  // what a poll left comes first
+  read_some_from_loop(conn);
+  update_inline_locked(conn);
+}
+
+void UvTransport::read_some_from_loop(const std::shared_ptr<UvConnection>& conn) {
   for (int round = 0; round < kReadRoundsPerWakeup && !conn->loop_closed_ && !conn->reading_stopped_;
        ++round) {
     auto [direct, want] = conn->decoder_.direct_target(kDirectReadMin);
@@ -793,7 +928,8 @@ void UvTransport::read_from_loop(const std::shared_ptr<UvConnection>& conn) {
   }
 }
 
-bool UvTransport::take_descriptors(const std::shared_ptr<UvConnection>& conn, msghdr& msg) {
+bool UvTransport::adopt_descriptors(const std::shared_ptr<UvConnection>& conn, msghdr& msg,
+                                    std::string& error) {
   std::vector<int> fds;
   for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
     if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
@@ -804,7 +940,6 @@ bool UvTransport::take_descriptors(const std::shared_ptr<UvConnection>& conn, ms
       fds.push_back(fd);
     }
   }
-  std::string error;
   if (msg.msg_flags & MSG_CTRUNC) error = "more descriptors than a frame may announce";
   for (int fd : fds) {
     if (!error.empty()) {
@@ -817,7 +952,12 @@ bool UvTransport::take_descriptors(const std::shared_ptr<UvConnection>& conn, ms
       error = e.what();
     }
   }
-  if (error.empty()) return true;
+  return error.empty();
+}
+
+bool UvTransport::take_descriptors(const std::shared_ptr<UvConnection>& conn, msghdr& msg) {
+  std::string error;
+  if (adopt_descriptors(conn, msg, error)) return true;
   close_from_loop(conn, "protocol error from " + conn->peer_ + ": " + error);
   return false;
 }
@@ -848,6 +988,12 @@ void UvTransport::deliver_from_loop(const std::shared_ptr<UvConnection>& conn, M
 
 void UvTransport::resume_from_loop(const std::shared_ptr<UvConnection>& conn) {
   assert(on_transport_thread());
+  std::lock_guard<std::mutex> read_lock(conn->read_mu_);
+  resume_locked(conn);
+  update_inline_locked(conn);
+}
+
+void UvTransport::resume_locked(const std::shared_ptr<UvConnection>& conn) {
   if (!conn->paused_ || conn->loop_closed_ ||
       conn->queued_reply_bytes_.load(std::memory_order_relaxed) >
           limits_.max_queued_reply_bytes / 2 ||
@@ -907,6 +1053,7 @@ void UvTransport::close_from_loop(const std::shared_ptr<UvConnection>& conn,
   assert(on_transport_thread());
   if (conn->loop_closed_) return;
   conn->loop_closed_ = true;
+  conn->inline_ok_.store(false, std::memory_order_release);
   if (conn->counted_handshaking_) {
     conn->counted_handshaking_ = false;
     --handshaking_;
@@ -927,7 +1074,10 @@ void UvTransport::close_from_loop(const std::shared_ptr<UvConnection>& conn,
   uv_close(reinterpret_cast<uv_handle_t*>(&conn->poll_), [](uv_handle_t* h) {
     std::unique_ptr<Closing> c(static_cast<Closing*>(h->data));
     auto* t = c->conn->transport_;
-    ::close(c->conn->fd_);
+    {
+      std::lock_guard<std::mutex> lock(c->conn->read_mu_);  // no poller is in a read
+      ::close(c->conn->fd_);
+    }
     t->conns_.erase(c->conn->id());
     --t->live_connections_;
     if (t->callbacks_.on_closed) t->callbacks_.on_closed(c->conn, c->reason);
@@ -968,6 +1118,20 @@ void UvTransport::stop_from_loop() {
 
 bool UvTransport::on_transport_thread() const {
   return thread_id_ == std::this_thread::get_id();
+}
+
+namespace {
+std::weak_ptr<Connection>& polled_connection() {
+  thread_local std::weak_ptr<Connection> conn;
+  return conn;
+}
+}  // namespace
+
+void remember_connection_for_polling(const ConnectionPtr& conn) { polled_connection() = conn; }
+
+bool poll_this_threads_connection() {
+  auto conn = polled_connection().lock();
+  return conn && conn->poll_inline();
 }
 
 TransportFactory tcp_transport() {
