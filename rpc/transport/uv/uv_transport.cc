@@ -137,6 +137,24 @@ struct PendingWrite {
 
 namespace {
 
+// One recvmsg() of a same-host socket: the bytes into `buf`, with room for
+// the segment descriptors that come beside them (taken before the bytes
+// are decoded: a frame may use one it brought).
+struct LocalRead {
+  iovec iov{};
+  msghdr msg{};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerRead)];
+  ssize_t recv(int fd, char* buf, size_t len) {
+    iov = {buf, len};
+    msg = msghdr{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    return ::recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  }
+};
+
 // Where a shm backend is, as the rendezvous publishes it: this boot of this
 // machine and this network namespace (abstract sockets live in one), then
 // the socket's name. Read once per process.
@@ -778,6 +796,30 @@ void UvTransport::deliver_deferred_locked(const std::shared_ptr<UvConnection>& c
   }
 }
 
+bool UvTransport::feed_decoder(UvConnection& conn, bool direct, const char* buf, size_t n,
+                               std::string& error) {
+  try {
+    if (direct) {
+      conn.decoder_.direct_commit(n);
+    } else {
+      conn.decoder_.feed(buf, n);
+    }
+    return true;
+  } catch (const std::exception& e) {
+    error = e.what();
+    return false;
+  }
+}
+
+Message UvTransport::take_message(UvConnection& conn) {
+  Message m = conn.decoder_.take();
+  stats_bytes_received_.fetch_add(m.wire_bytes, std::memory_order_relaxed);
+  if (m.kind == MessageKind::kRequest && m.id != 0) {
+    conn.requests_in_.fetch_add(1, std::memory_order_release);  // an answer is owed
+  }
+  return m;
+}
+
 bool UvTransport::read_inline(const std::shared_ptr<UvConnection>& conn) {
   // As read_from_loop, on a spinning thread: what it cannot finish (the
   // peer closed, a protocol error, a message the agent wants on its loop
@@ -802,38 +844,21 @@ bool UvTransport::read_inline(const std::shared_ptr<UvConnection>& conn) {
     auto [direct, want] = conn->decoder_.direct_target(kDirectReadMin);
     char* buf = direct ? direct : staging.data();
     size_t len = direct ? want : staging.size();
-    iovec iov{buf, len};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerRead)];
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-    const ssize_t n = ::recvmsg(conn->fd_, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    LocalRead read;
+    const ssize_t n = read.recv(conn->fd_, buf, len);
     if (n < 0 && errno == EINTR) continue;
     // Nothing there (or the end, or an error: the loop thread reads that
     // itself and closes).
     if (n <= 0) return delivered;
     std::string error;
-    if (!adopt_descriptors(conn, msg, error)) {
+    if (!adopt_descriptors(conn, read.msg, error) ||
+        !feed_decoder(*conn, direct != nullptr, buf, static_cast<size_t>(n), error)) {
       give_up("protocol error from " + conn->peer_ + ": " + error);
       return delivered;
     }
-    try {
-      if (direct) {
-        conn->decoder_.direct_commit(static_cast<size_t>(n));
-      } else {
-        conn->decoder_.feed(buf, static_cast<size_t>(n));
-      }
-    } catch (const std::exception& e) {
-      give_up(std::string("protocol error from ") + conn->peer_ + ": " + e.what());
-      return delivered;
-    }
     while (conn->decoder_.has_message()) {
-      Message m = conn->decoder_.take();
-      stats_bytes_received_.fetch_add(m.wire_bytes, std::memory_order_relaxed);
+      Message m = take_message(*conn);
       const bool request = m.kind == MessageKind::kRequest && m.id != 0;
-      if (request) conn->requests_in_.fetch_add(1, std::memory_order_release);
       if (!conn->deferred_.empty() || would_pause(*conn) || !callbacks_.inline_ok(m)) {
         conn->deferred_.push_back(std::move(m));
         continue;
@@ -874,17 +899,9 @@ void UvTransport::read_some_from_loop(const std::shared_ptr<UvConnection>& conn)
     size_t len = direct ? want : staging_.size();
     ssize_t n;
     if (conn->local_) {
-      // Descriptors of new segments come beside the bytes; they are taken
-      // before the bytes are decoded (a frame may use one it brought).
-      iovec iov{buf, len};
-      msghdr msg{};
-      msg.msg_iov = &iov;
-      msg.msg_iovlen = 1;
-      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerRead)];
-      msg.msg_control = control;
-      msg.msg_controllen = sizeof(control);
-      n = ::recvmsg(conn->fd_, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-      if (n >= 0 && !take_descriptors(conn, msg)) return;
+      LocalRead read;
+      n = read.recv(conn->fd_, buf, len);
+      if (n >= 0 && !take_descriptors(conn, read.msg)) return;
     } else {
       n = ::recv(conn->fd_, buf, len, MSG_DONTWAIT);
     }
@@ -902,14 +919,9 @@ void UvTransport::read_some_from_loop(const std::shared_ptr<UvConnection>& conn)
                                                       " failed: " + errno_text(errno));
       return;
     }
-    try {
-      if (direct) {
-        conn->decoder_.direct_commit(static_cast<size_t>(n));
-      } else {
-        conn->decoder_.feed(buf, static_cast<size_t>(n));
-      }
-    } catch (const std::exception& e) {
-      close_from_loop(conn, std::string("protocol error from ") + conn->peer_ + ": " + e.what());
+    std::string error;
+    if (!feed_decoder(*conn, direct != nullptr, buf, static_cast<size_t>(n), error)) {
+      close_from_loop(conn, "protocol error from " + conn->peer_ + ": " + error);
       return;
     }
     if (conn->counted_handshaking_ && !conn->decoder_.in_handshake()) {
@@ -917,12 +929,7 @@ void UvTransport::read_some_from_loop(const std::shared_ptr<UvConnection>& conn)
       --handshaking_;
     }
     while (conn->decoder_.has_message() && !conn->loop_closed_) {
-      Message m = conn->decoder_.take();
-      stats_bytes_received_.fetch_add(m.wire_bytes, std::memory_order_relaxed);
-      if (m.kind == MessageKind::kRequest && m.id != 0) {
-        conn->requests_in_.fetch_add(1, std::memory_order_release);  // an answer is owed
-      }
-      deliver_from_loop(conn, std::move(m));
+      deliver_from_loop(conn, take_message(*conn));
     }
     if (static_cast<size_t>(n) < len) return;  // the socket is drained
   }

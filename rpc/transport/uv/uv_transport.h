@@ -121,6 +121,11 @@ class UvTransport final : public Transport {
   void read_some_from_loop(const std::shared_ptr<UvConnection>& conn);  // read_mu_ held
   // rpc/transport.h, 8.: a spinning thread's read (conn->read_mu_ held).
   bool read_inline(const std::shared_ptr<UvConnection>& conn);
+  // The bytes a read brought, into the decoder; false (`error`) on a protocol error.
+  bool feed_decoder(UvConnection& conn, bool direct, const char* buf, size_t n,
+                    std::string& error);
+  // The next decoded message, counted (bytes received; an answer owed).
+  Message take_message(UvConnection& conn);
   // What a poll left for this thread, delivered in order (read_mu_ held).
   void deliver_deferred_locked(const std::shared_ptr<UvConnection>& conn);
   // Whether pollers may read `conn` now (read_mu_ held).
