@@ -14,7 +14,8 @@
 //     Engine::run_part; the reply is that part's `done`: None, or its error,
 //     whose kind the agent keeps on the wire (Timeout, Disconnected, ...).
 //  3. tandem.autograd.grad(context, task, message, (gradient or None, ...)):
-//     one way (notify), handled on the loop thread: Engine::on_grad_from_loop.
+//     one way (notify), handled where it is delivered (the loop thread, or a
+//     thread polling that connection): Engine::on_grad_from_loop.
 //     A malformed one is dropped with a line on stderr, or, once it names
 //     its task, fails that task at its root.
 //  4. tandem.autograd.fail(context, task, code, worker, message): a failure

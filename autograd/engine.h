@@ -44,7 +44,8 @@
 //     RecvBackward sends its inputs to its paired send's worker (`grad`, one
 //     way: no reply), or delivers them in place when that is this worker;
 //     undefined gradients travel as None. Gradients from other workers are
-//     delivered on the loop thread (bounded work); the root's backward()
+//     delivered where the agent delivers messages (its loop thread, or a
+//     thread polling that connection: bounded work); the root's backward()
 //     thread runs the root's ready nodes itself, spinning briefly before it
 //     sleeps, and elsewhere a pool thread runs them, one thread at a time
 //     per task.
@@ -73,7 +74,8 @@
 //     future completes with that part's `done`, or with the error that kept
 //     it from running, typed and naming the worker.
 //  2. send_grad is one way; the receiver's Engine::on_grad_from_loop gets
-//     the gradients on its delivery thread (the agent's loop thread). A
+//     the gradients on a delivery thread (the agent's loop thread, or one
+//     polling the connection: rpc/transport.h, 8.). A
 //     gradient lost on the way is noticed at the root's timeout.
 //  3. abort and tell_root are best effort and never throw.
 //  4. post runs a function later on a thread that may block (the pool).

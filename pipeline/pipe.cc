@@ -394,7 +394,8 @@ class PipeService final : public rpc::AgentExtension,
                  });
   }
 
-  // Puts and aborts are bounded and never block: on the loop thread, so
+  // Puts and aborts are bounded and never block: where they are delivered
+  // (the loop thread, or a thread polling the connection: rpc/transport.h, 8.), so
   // that runs holding pool threads for a whole step cannot starve them.
   void register_loop_handlers(rpc::Registry& on_loop) override {
     std::weak_ptr<PipeService> weak = weak_from_this();

@@ -229,6 +229,9 @@ class Agent : public std::enable_shared_from_this<Agent> {
   // Whether `m` may be delivered on a thread polling its connection
   // (rpc/transport.h, 8.).
   bool inline_ok(const Message& m) const;
+  // True on a thread inside on_message_from_loop (the loop thread, or one
+  // polling its connection).
+  static bool& delivering_here();
   // One step of a peer's handshake (agent.cc, rpc/handshake.h); a step
   // that fails closes the connection.
   void on_hello_from_loop(const ConnectionPtr& conn, const Message& msg);

@@ -21,9 +21,10 @@ uint64_t handler_autograd_context(const Agent& agent) { return autograd_context_
 
 bool Agent::inline_ok(const Message& m) const {
   // rpc/transport.h, 8.: what needs no loop-thread state may be delivered on
-  // a polling thread: answers, and requests for the pool. Handshakes,
-  // retirement, loop handlers and RRefs (adopted in frame order) stay on
-  // the loop thread.
+  // a polling thread: answers, requests for the pool, and the layers' loop
+  // handlers (bounded work that only needs to run where messages are
+  // delivered, in order). Handshakes, retirement and RRefs (adopted in
+  // frame order) stay on the loop thread.
   if (!ready_.load(std::memory_order_acquire) || !m.rrefs.empty() ||
       retiring_count_.load(std::memory_order_acquire) > 0) {
     return false;
@@ -33,8 +34,7 @@ bool Agent::inline_ok(const Message& m) const {
     case MessageKind::kError:
       return true;
     case MessageKind::kRequest:
-      return m.callee.rfind("tandem.", 0) != 0 ||
-             (m.callee != kRetireCallee && !loop_internal_->find(m.callee));
+      return m.callee != kRetireCallee;
     case MessageKind::kHello:
       return false;
   }
@@ -43,7 +43,19 @@ bool Agent::inline_ok(const Message& m) const {
 
 // On the loop thread, or on a thread polling its connection for a message
 // inline_ok() accepted (one connection's messages come one at a time, in order).
+bool& Agent::delivering_here() {
+  thread_local bool delivering = false;
+  return delivering;
+}
+
 void Agent::on_message_from_loop(const ConnectionPtr& conn, Message&& msg) {
+  // Loop handlers ask where they run (layer::on_loop_thread): here.
+  struct Delivering {
+    bool& flag = delivering_here();
+    const bool was = flag;
+    Delivering() { flag = true; }
+    ~Delivering() { flag = was; }
+  } delivering;
   if (!ready_.load(std::memory_order_acquire)) {
     // A peer that finished rendezvous first may greet us before we know the
     // world; hold this (loop) thread until start() is done, one way or the other.

@@ -45,9 +45,12 @@ class AgentExtension {
  public:
   virtual ~AgentExtension() = default;
   virtual void register_handlers(Registry& internal) { (void)internal; }
-  // Functions that run on the agent's loop thread, saving the hand-off to
-  // the pool: only for bounded work that never blocks (no calls, no
-  // connecting, no user code). Their requests should come through notify().
+  // Functions that run where their message is delivered (the agent's loop
+  // thread, or a thread polling that connection: rpc/transport.h, 8.),
+  // saving the hand-off to the pool: only for bounded work that never
+  // blocks (no calls, no connecting, no user code), and that may run on two
+  // threads at once for messages from two connections. Their requests
+  // should come through notify().
   virtual void register_loop_handlers(Registry& on_loop) { (void)on_loop; }
   virtual void before_send(Message& m, int dest) = 0;
   virtual void after_encode(const Message& m, OutFrame& frame, int dest) = 0;

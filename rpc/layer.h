@@ -30,8 +30,10 @@ struct LayerAccess {
     return a.find_handler(fn);
   }
   static void spin_until_done(const Agent& a, const RawFuture& f) { a.spin_until_done(f); }
+  // On the thread delivering messages: the loop thread, or one polling its
+  // connection (rpc/transport.h, 8.).
   static bool on_loop_thread(const Agent& a) {
-    return a.transport_ && a.transport_->on_transport_thread();
+    return a.transport_ && (a.transport_->on_transport_thread() || Agent::delivering_here());
   }
   // Tests (rpc/testing.h).
   static size_t pending_calls(const Agent& a);
@@ -101,8 +103,8 @@ inline void spin_until_done(const Agent& agent, const RawFuture& f) {
   LayerAccess::spin_until_done(agent, f);
 }
 
-// True on the agent's loop (transport) thread: what `..._from_loop`
-// functions assert.
+// True where the agent delivers messages (its loop thread, or a thread
+// polling its connection): what `..._from_loop` functions assert.
 inline bool on_loop_thread(const Agent& agent) { return LayerAccess::on_loop_thread(agent); }
 
 }  // namespace layer
