@@ -42,6 +42,9 @@ class GatedConnection final : public Connection {
   void close_when_flushed() override { inner_->close_when_flushed(); }
   std::string peer_address() const override { return inner_->peer_address(); }
   bool closed() override { return inner_->closed(); }
+  // The transport's own rule keeps a poll off the connection until its
+  // handshake is read (rpc/transport.h, 8.).
+  bool poll_inline() override { return inner_->poll_inline(); }
 
   // Writes `first`, then every held frame, and lets later frames through.
   // A connection that broke meanwhile drops them (its on_closed fails the

@@ -92,9 +92,11 @@ std::string Metrics::to_string() const {
   for (const auto& [kind, n] : failures) add("  failed: %s %llu\n", kind.c_str(), (unsigned long long)n);
   add("requests served %llu (failed %llu), pool queue %zu\n", (unsigned long long)requests_served,
       (unsigned long long)requests_failed, pool_queue);
-  add("bytes sent %llu, received %llu, through shared memory %llu; connections %llu\n",
+  add("bytes sent %llu, received %llu, through shared memory %llu; connections %llu; "
+      "messages read by waiting threads %llu\n",
       (unsigned long long)bytes_sent, (unsigned long long)bytes_received,
-      (unsigned long long)transport.shared_bytes, (unsigned long long)connections);
+      (unsigned long long)transport.shared_bytes, (unsigned long long)connections,
+      (unsigned long long)transport.polled_messages);
   add("rrefs owned %zu, users %zu\n", rrefs_owned, rref_users);
   for (const auto& [name, f] : functions) {
     add("  %s: %llu calls, %llu failed, p50 %.0f us, p99 %.0f us\n", name.c_str(),

@@ -64,6 +64,7 @@ struct TransportStats {
   uint64_t shared_fallbacks = 0;     // large tensors sent inline: segments full or unavailable
   uint64_t bytes_sent = 0;           // frames written to sockets (queued ones included)
   uint64_t bytes_received = 0;       // frames read from sockets
+  uint64_t polled_messages = 0;      // delivered by a thread polling its connection (8.)
 };
 
 // send() of a request on a connection that was retired (6.): the frame was

@@ -595,6 +595,34 @@ TEST_CASE("agent: workers on one host call over shared memory unless told otherw
   }
 }
 
+TEST_CASE("agent: over shm, a waiting caller and an idle pool thread read their connection") {
+  // rpc/transport.h, 8.: worker0's rpc_sync reads its own answers from the
+  // connection it dialed, worker1's pool threads the requests after the
+  // first; with polling off, neither does. The waits spin long enough that
+  // a busy machine (other tests beside this one) does not end them first.
+  for (bool poll : {true, false}) {
+    CAPTURE(poll);
+    World w(2, define_common, [&](AgentOptions& o) {
+      o.limits.poll_while_spinning = poll;
+      o.sync_spin = o.pool_spin = std::chrono::milliseconds(20);
+    });
+    for (int i = 0; i < 200; ++i) {
+      CHECK(w[0].rpc_sync<int64_t>("worker1", "echo", int64_t(i)) == i);
+    }
+    REQUIRE(w[0].transport_to("worker1") == "shm");
+    if (poll) {
+      CHECK(w[0].transport_stats().polled_messages > 0);  // answers, on the caller's thread
+      CHECK(w[1].transport_stats().polled_messages > 0);  // requests, on a pool thread
+      CHECK(w[0].metrics().to_string().find("messages read by waiting threads") !=
+            std::string::npos);
+    } else {
+      CHECK(w[0].transport_stats().polled_messages == 0);
+      CHECK(w[1].transport_stats().polled_messages == 0);
+    }
+    w.shutdown();
+  }
+}
+
 TEST_CASE("agent: crossed dials under load lose no call, and end with one connection") {
   for (const char* mode : {"tcp", "shm"}) {
     CAPTURE(mode);

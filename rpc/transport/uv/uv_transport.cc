@@ -873,6 +873,7 @@ bool UvTransport::read_inline(const std::shared_ptr<UvConnection>& conn) {
       }
       inside = false;
       delivered = true;
+      stats_polled_messages_.fetch_add(1, std::memory_order_relaxed);
     }
     if (!conn->deferred_.empty()) {
       give_up("");
@@ -1052,6 +1053,7 @@ TransportStats UvTransport::stats() const {
   s.shared_fallbacks = stats_shared_fallbacks_.load();
   s.bytes_sent = stats_bytes_sent_.load();
   s.bytes_received = stats_bytes_received_.load();
+  s.polled_messages = stats_polled_messages_.load();
   return s;
 }
 

@@ -173,6 +173,7 @@ class UvTransport final : public Transport {
   std::atomic<uint64_t> stats_shared_fallbacks_{0};
   std::atomic<uint64_t> stats_bytes_sent_{0};
   std::atomic<uint64_t> stats_bytes_received_{0};
+  std::atomic<uint64_t> stats_polled_messages_{0};
   std::atomic<bool> shared_unavailable_logged_{false};
 };
 
