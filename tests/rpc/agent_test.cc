@@ -597,28 +597,38 @@ TEST_CASE("agent: workers on one host call over shared memory unless told otherw
 
 TEST_CASE("agent: over shm, a waiting caller and an idle pool thread read their connection") {
   // rpc/transport.h, 8.: worker0's rpc_sync reads its own answers from the
-  // connection it dialed, worker1's pool threads the requests after the
-  // first; with polling off, neither does. The waits spin long enough that
-  // a busy machine (other tests beside this one) does not end them first.
+  // connection it dialed (through the handshake gate), worker1's pool
+  // threads the requests after the first; with polling off, neither does.
+  // Who reads first is a race with the loop thread, which a busy machine
+  // (other tests beside this one) can win for a while: calls go on until
+  // both sides have read some (at most 10 s).
   for (bool poll : {true, false}) {
     CAPTURE(poll);
     World w(2, define_common, [&](AgentOptions& o) {
       o.limits.poll_while_spinning = poll;
       o.sync_spin = o.pool_spin = std::chrono::milliseconds(20);
     });
-    for (int i = 0; i < 200; ++i) {
-      CHECK(w[0].rpc_sync<int64_t>("worker1", "echo", int64_t(i)) == i);
-    }
-    REQUIRE(w[0].transport_to("worker1") == "shm");
+    int64_t next = 0;
+    auto some_calls = [&] {
+      for (int i = 0; i < 50; ++i, ++next) {
+        CHECK(w[0].rpc_sync<int64_t>("worker1", "echo", next) == next);
+      }
+    };
+    auto both_polled = [&] {
+      return w[0].transport_stats().polled_messages > 0 &&
+             w[1].transport_stats().polled_messages > 0;
+    };
     if (poll) {
-      CHECK(w[0].transport_stats().polled_messages > 0);  // answers, on the caller's thread
-      CHECK(w[1].transport_stats().polled_messages > 0);  // requests, on a pool thread
+      // Answers on the caller's thread, requests on a pool thread.
+      CHECK(test::eventually([&] { return some_calls(), both_polled(); }, std::chrono::seconds(10)));
       CHECK(w[0].metrics().to_string().find("messages read by waiting threads") !=
             std::string::npos);
     } else {
+      for (int round = 0; round < 4; ++round) some_calls();
       CHECK(w[0].transport_stats().polled_messages == 0);
       CHECK(w[1].transport_stats().polled_messages == 0);
     }
+    REQUIRE(w[0].transport_to("worker1") == "shm");
     w.shutdown();
   }
 }
