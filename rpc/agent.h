@@ -222,7 +222,11 @@ class Agent : public std::enable_shared_from_this<Agent> {
   // an answer on it, it is closed (maybe_close_retired).
   void retire(const ConnectionPtr& conn);
   void on_retire_from_loop(const ConnectionPtr& conn);
-  void maybe_close_retired(uint64_t conn_id);
+  // Cheap while nothing is retiring: it is called after every answer.
+  void maybe_close_retired(uint64_t conn_id) {
+    if (retiring_count_.load(std::memory_order_acquire) > 0) close_retired_if_done(conn_id);
+  }
+  void close_retired_if_done(uint64_t conn_id);
 
   // dispatch.cc: the incoming side.
   void on_message_from_loop(const ConnectionPtr& conn, Message&& msg);

@@ -205,10 +205,6 @@ void CallTable::timer_loop() {
   }
 }
 
-}  // namespace tandem::rpc
-
-namespace tandem::rpc {
-
 bool CallTable::any_on(uint64_t conn_id) const {
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [id, call] : calls_) {
@@ -230,10 +226,6 @@ bool CallTable::move_to(uint64_t id, uint64_t conn_id) {
   it->second.conn_id = conn_id;
   return true;
 }
-
-}  // namespace tandem::rpc
-
-namespace tandem::rpc {
 
 std::vector<CallTable::Pending> CallTable::snapshot() const {
   const auto now = Clock::now();

@@ -251,7 +251,7 @@ void Agent::on_retire_from_loop(const ConnectionPtr& conn) {
   maybe_close_retired(id);
 }
 
-void Agent::maybe_close_retired(uint64_t conn_id) {
+void Agent::close_retired_if_done(uint64_t conn_id) {
   ConnectionPtr conn;
   {
     std::lock_guard<std::mutex> lock(retire_mu_);

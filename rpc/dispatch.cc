@@ -41,13 +41,13 @@ bool Agent::inline_ok(const Message& m) const {
   return false;
 }
 
-// On the loop thread, or on a thread polling its connection for a message
-// inline_ok() accepted (one connection's messages come one at a time, in order).
 bool& Agent::delivering_here() {
   thread_local bool delivering = false;
   return delivering;
 }
 
+// On the loop thread, or on a thread polling its connection for a message
+// inline_ok() accepted (one connection's messages come one at a time, in order).
 void Agent::on_message_from_loop(const ConnectionPtr& conn, Message&& msg) {
   // Loop handlers ask where they run (layer::on_loop_thread): here.
   struct Delivering {
@@ -110,19 +110,19 @@ void Agent::on_message_from_loop(const ConnectionPtr& conn, Message&& msg) {
           for (const auto& e : extensions_) e->after_receive(msg, from);
         } catch (...) {
           calls_->fail(msg.id, std::current_exception(), conn->id());
-          if (retiring_count_.load(std::memory_order_acquire) > 0) maybe_close_retired(conn->id());
+          maybe_close_retired(conn->id());
           return;
         }
       }
       c10::IValue value = msg.values.empty() ? c10::IValue() : std::move(msg.values[0]);
       calls_->complete(msg.id, std::move(value), conn->id());
-      if (retiring_count_.load(std::memory_order_acquire) > 0) maybe_close_retired(conn->id());
+      maybe_close_retired(conn->id());
       return;
     }
     case MessageKind::kError:
       calls_->fail(msg.id, make_error(msg.error_code, msg.error_worker, msg.error_message),
                    conn->id());
-      if (retiring_count_.load(std::memory_order_acquire) > 0) maybe_close_retired(conn->id());
+      maybe_close_retired(conn->id());
       return;
     case MessageKind::kHello:
       return;
@@ -231,7 +231,7 @@ void Agent::reply(const ConnectionPtr& conn, int to, uint64_t id, const RawFutur
   } catch (const Error&) {
     // The caller is gone; it has already failed the call with Disconnected.
   }
-  if (retiring_count_.load(std::memory_order_acquire) > 0) maybe_close_retired(conn->id());
+  maybe_close_retired(conn->id());
 }
 
 void Agent::send_error(const ConnectionPtr& conn, uint64_t id, ErrorCode code,
@@ -247,7 +247,7 @@ void Agent::send_error(const ConnectionPtr& conn, uint64_t id, ErrorCode code,
     conn->send(encode(m, options_.limits));
   } catch (const Error&) {
   }
-  if (retiring_count_.load(std::memory_order_acquire) > 0) maybe_close_retired(conn->id());
+  maybe_close_retired(conn->id());
 }
 
 }  // namespace tandem::rpc

@@ -825,7 +825,6 @@ bool UvTransport::read_inline(const std::shared_ptr<UvConnection>& conn) {
   // peer closed, a protocol error, a message the agent wants on its loop
   // thread, backpressure) it leaves to the loop thread.
   thread_local std::vector<char> staging(kStagingBytes);
-  bool& inside = UvConnection::no_polling_here();
   bool delivered = false;
   auto give_up = [&](const std::string& close_reason) {
     conn->inline_ok_.store(false, std::memory_order_release);
@@ -864,14 +863,14 @@ bool UvTransport::read_inline(const std::shared_ptr<UvConnection>& conn) {
         continue;
       }
       if (request) conn->requests_delivered_.fetch_add(1, std::memory_order_release);
-      inside = true;
-      try {
+      {
+        struct Inside {  // a callback that polls again reads nothing
+          bool& flag = UvConnection::no_polling_here();
+          Inside() { flag = true; }
+          ~Inside() { flag = false; }
+        } inside;
         callbacks_.on_message(conn, std::move(m));
-      } catch (...) {
-        inside = false;
-        throw;
       }
-      inside = false;
       delivered = true;
       stats_polled_messages_.fetch_add(1, std::memory_order_relaxed);
     }
@@ -971,9 +970,7 @@ bool UvTransport::take_descriptors(const std::shared_ptr<UvConnection>& conn, ms
 }
 
 void UvTransport::deliver_from_loop(const std::shared_ptr<UvConnection>& conn, Message&& m) {
-  if (!conn->paused_ &&
-      (conn->queued_reply_bytes_.load(std::memory_order_relaxed) > limits_.max_queued_reply_bytes ||
-       conn->in_progress() >= limits_.max_unanswered_requests)) {
+  if (!conn->paused_ && would_pause(*conn)) {
     conn->paused_ = true;
     conn->paused_flag_.store(true, std::memory_order_release);
     ++stats_read_pauses_;
