@@ -58,7 +58,7 @@
 //     poll's own callback), and a connection's descriptor is closed under
 //     read_mu_, so no poller reads a closed or reused one. A same-host
 //     round trip thereby saves the two loop threads' wake-ups on its way
-//     (rpc_bench 0 B over shm: 22 -> 17-19 µs here); the loop threads
+//     (rpc_bench 0 B over shm: 22 -> 11-15 µs here); the loop threads
 //     still wake for the readable socket, off the critical path.
 #pragma once
 
