@@ -22,7 +22,7 @@ thread_local Current tls_current;
 Context::Context() : Context(*rpc::current_agent()) {}
 
 Context::Context(rpc::Agent& agent)
-    : owner_(DistAutograd::of(agent)), release_timeout_(agent.options().rpc_timeout) {
+    : owner_(DistAutograd::of(agent)) {
   uint64_t outer = current_context_id();
   if (outer != 0) {
     throw std::logic_error("distributed autograd context " + std::to_string(outer) +
@@ -40,7 +40,10 @@ Context::~Context() {
   scope_.reset();
   if (tls_current.id == id_) tls_current = {};
   try {
-    rpc::wait_raw(owner_->contexts().release(id_), release_timeout_);
+    // Gone here now; the other workers' answers are not waited for (a
+    // failed one there leaves nothing this worker could free). The calls
+    // carrying it are the agent's, so a graceful shutdown waits for them.
+    (void)owner_->contexts().release(id_);
   } catch (const std::exception&) {
     // The agent is gone: nothing is left to release.
   }

@@ -69,8 +69,11 @@ class Gradients {
 // A distributed autograd context, current on this thread while it lives.
 // Contexts do not nest (a second one on the same thread, or one inside a
 // handler already running in a context, throws std::logic_error). The
-// destructor releases the context on every worker that took part, waiting
-// up to the agent's rpc_timeout.
+// destructor releases the context here at once and sends the release on to
+// every other worker that took part without waiting for their answers (as
+// PyTorch does): the next step's calls do not queue behind it. A graceful
+// shutdown still waits for those releases, so a peer never reports the
+// context as leaked.
 class Context {
  public:
   Context();                            // on the current agent (rpc::current_agent())
@@ -83,7 +86,6 @@ class Context {
 
  private:
   std::shared_ptr<DistAutograd> owner_;
-  std::chrono::milliseconds release_timeout_;
   uint64_t id_ = 0;
   std::unique_ptr<rpc::ScopeGuard> scope_;  // makes id_ current on this thread
 };
