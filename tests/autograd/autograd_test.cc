@@ -389,6 +389,23 @@ TEST_CASE("autograd: several contexts at once from several threads and workers")
   w.shutdown();
 }
 
+TEST_CASE("autograd: a context's release reaches every worker without the caller waiting") {
+  World w(3, define);
+  {
+    dist::Context ctx(w[0]);
+    auto h = w[0].rpc_sync<at::Tensor>("worker1", "lin1", input());
+    auto y = w[0].rpc_sync<at::Tensor>("worker2", "lin2", h);
+    dist::backward(ctx.id(), {y.sum()});
+    CHECK(dist::live_contexts(w[1]) == 1);
+    CHECK(dist::live_contexts(w[2]) == 1);
+  }
+  CHECK(dist::live_contexts(w[0]) == 0);  // here at once
+  auto gone = [&] { return dist::live_contexts(w[1]) == 0 && dist::live_contexts(w[2]) == 0; };
+  for (int i = 0; i < 500 && !gone(); ++i) std::this_thread::sleep_for(10ms);
+  CHECK(gone());
+  w.shutdown();  // graceful: nothing reported leaked
+}
+
 TEST_CASE("autograd: outside a context nothing is recorded") {
   World w(2, define);
   auto x = input();
