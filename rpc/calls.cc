@@ -16,6 +16,7 @@ void Agent::spin_until_done(const RawFuture& f) const {
   // keep the core busy for a short while first (see AgentOptions::sync_spin).
   // While it spins it reads its connection itself where that can be done
   // (rpc/transport.h, 8.), saving the loop thread's wake-up too.
+  PollingSpin polling;
   spin_until(options_.sync_spin, [&] {
     poll_this_threads_connection();
     return f->completed();

@@ -58,10 +58,13 @@ void ThreadPool::run() {
       lock.unlock();
       // An idle thread reads the connection it last served itself
       // (rpc/transport.h, 8.): the next request needs no loop wake-up.
-      spin_until(spin_, [this] {
-        poll_this_threads_connection();
-        return queued_.load(std::memory_order_acquire) != 0;
-      });
+      {
+        PollingSpin polling;
+        spin_until(spin_, [this] {
+          poll_this_threads_connection();
+          return queued_.load(std::memory_order_acquire) != 0;
+        });
+      }
       lock.lock();
       --spinning_;
     }

@@ -65,6 +65,7 @@ struct TransportStats {
   uint64_t bytes_sent = 0;           // frames written to sockets (queued ones included)
   uint64_t bytes_received = 0;       // frames read from sockets
   uint64_t polled_messages = 0;      // delivered by a thread polling its connection (8.)
+  uint64_t ring_wakes = 0;           // 'W' bytes sent to wake a same-host ring's other side
 };
 
 // send() of a request on a connection that was retired (6.): the frame was
@@ -134,6 +135,18 @@ class Transport {
 // which it polls while it spins (poll_this_threads_connection()).
 void remember_connection_for_polling(const ConnectionPtr& conn);
 bool poll_this_threads_connection();
+
+// 8.: brackets a spin that polls. While it lasts, the thread counts as a
+// reader of the connection it polls, so the peer's writes to a same-host
+// ring need not wake that connection's transport thread; when it ends,
+// whatever the spin left unread goes to the transport thread.
+class PollingSpin {
+ public:
+  PollingSpin();
+  ~PollingSpin();
+  PollingSpin(const PollingSpin&) = delete;
+  PollingSpin& operator=(const PollingSpin&) = delete;
+};
 
 // Makes a transport that checks frames against `limits` and reports to `callbacks`.
 using TransportFactory =

@@ -101,6 +101,12 @@ struct Limits {
   uint64_t min_shared_tensor_bytes = 32ull << 10;
   uint64_t max_shared_bytes = 1ull << 30;
   uint32_t max_shared_segments = 32;
+  // Each direction of a same-host connection carries its frames (all but
+  // the tensors in segments) through a ring of this many bytes, a power of
+  // two (rpc/transport/shm/ring.h); 0: through the socket. A peer's ring
+  // may be at most max_ring_bytes.
+  uint64_t shm_ring_bytes = 512ull << 10;
+  uint64_t max_ring_bytes = 64ull << 20;
   // Threads that spin waiting (an rpc_sync caller, an idle pool thread)
   // read their same-host connection themselves (rpc/transport.h, 8.).
   bool poll_while_spinning = true;

@@ -25,6 +25,7 @@
 
 #include "tandem/rpc/transport.h"
 #include "tandem/rpc/transport/faulty/faulty_transport.h"
+#include "tandem/rpc/transport/shm/ring.h"
 #include "tandem/rpc/transport/shm/segments.h"
 
 using namespace tandem::rpc;
@@ -510,6 +511,116 @@ TEST_CASE("shm: a spinning thread reads its connection itself, and the order hol
   CHECK_FALSE(served->poll_inline());
 }
 
+TEST_CASE("shm: a small ring wraps, fills and wakes; frames both ways arrive once, in order, intact") {
+  // A 4 KiB ring: frames of every size wrap around it, larger ones stream
+  // through it while their writer waits for space (ring.h, 2.-3.), and
+  // 40 KiB tensors bring new segments whose descriptors come first (4.).
+  // Threads poll each side in PollingSpins, so wake-ups are skipped and
+  // handed back as they would be between two workers.
+  Limits limits;
+  limits.shm_ring_bytes = 4096;
+  auto all_but_loop = [](const Message& m) { return m.callee != "loop"; };
+  Endpoint a(shm_transport(), limits, all_but_loop), b(shm_transport(), limits, all_but_loop);
+  const int port = b.t->listen("127.0.0.1", 0);
+  auto c = open(a, b, port, /*local=*/true);
+  ConnectionPtr served;
+  {
+    std::lock_guard<std::mutex> lock(b.mu);
+    served = b.peer;
+    b.got.clear();
+  }
+  REQUIRE(served);
+  Message hello;  // the acceptor's greeting, which a's decoder wants first
+  hello.kind = MessageKind::kHello;
+  hello.hello_worker = "b";
+  hello.hello_step = 2;
+  served->send(encode(hello));
+  const int n = 600;
+  const int64_t sizes[] = {0, 25, 700, 1500, 10000, 0, 3, 2048};  // floats
+  auto payload = [&](int i) {
+    const int64_t floats = i % 50 == 0 ? 10240 : sizes[i % 8];  // 40 KiB: a segment
+    return at::full({floats}, static_cast<float>(i));
+  };
+  std::atomic<bool> stop{false};
+  auto poll = [&](const ConnectionPtr& conn) {
+    return std::thread([&, conn] {
+      while (!stop) {
+        {
+          PollingSpin spin;
+          for (int k = 0; k < 200; ++k) conn->poll_inline();
+        }
+        std::this_thread::sleep_for(20us);
+      }
+    });
+  };
+  std::thread poll_b = poll(served), poll_a = poll(c);
+  auto send_all = [&](const ConnectionPtr& conn) {
+    return std::thread([&, conn] {
+      for (int i = 1; i <= n; ++i) {
+        Message m = request(static_cast<uint64_t>(i), {payload(i)});
+        if (i % 7 == 0) m.callee = "loop";
+        conn->send(encode(m));
+      }
+    });
+  };
+  std::thread to_b = send_all(c), to_a = send_all(served);
+  to_b.join();
+  to_a.join();
+  CHECK(b.wait([&] { return b.got.size() == static_cast<size_t>(n); }, 30s));
+  CHECK(a.wait([&] { return a.got.size() == static_cast<size_t>(n) + 1; }, 30s));
+  stop = true;
+  poll_a.join();
+  poll_b.join();
+  auto check = [&](Endpoint& e, size_t skip) {
+    std::lock_guard<std::mutex> lock(e.mu);
+    REQUIRE(e.got.size() == n + skip);
+    for (int i = 1; i <= n; ++i) {
+      const Message& m = e.got[skip + i - 1];
+      CAPTURE(i);
+      REQUIRE(m.id == static_cast<uint64_t>(i));
+      const at::Tensor t = m.values.at(0).toTensor();
+      CHECK(at::equal(t, payload(i)));
+    }
+  };
+  check(b, 0);
+  check(a, 1);  // after b's greeting
+  const auto sa = a.t->stats(), sb = b.t->stats();
+  CHECK(sa.shared_tensors > 0);
+  CHECK(sa.polled_messages + sb.polled_messages > 0);
+  CHECK(sa.ring_wakes + sb.ring_wakes > 0);
+  CHECK(a.closed.empty());
+  CHECK(b.closed.empty());
+}
+
+TEST_CASE("shm: a write into a ring a spin polls wakes nobody; what the spin leaves, the loop delivers") {
+  Endpoint a(shm_transport()), b(shm_transport(), Limits{}, [](const Message&) { return true; });
+  const int port = b.t->listen("127.0.0.1", 0);
+  auto c = open(a, b, port, /*local=*/true);
+  ConnectionPtr served;
+  {
+    std::lock_guard<std::mutex> lock(b.mu);
+    served = b.peer;
+  }
+  REQUIRE(served);
+  for (int round = 1; round <= 20; ++round) {
+    CAPTURE(round);
+    const uint64_t wakes = a.t->stats().ring_wakes;
+    {
+      PollingSpin spin;
+      // The first poll makes this thread a reader of the ring (ring.h, 3.)...
+      CHECK_FALSE(served->poll_inline());
+      // ...so the writer sees no need to wake b's loop thread,
+      c->send(encode(request(static_cast<uint64_t>(round))));
+      CHECK(a.t->stats().ring_wakes == wakes);
+    }  // and the spin ends without reading: the loop thread must.
+    CHECK(b.wait([&] { return b.got.size() == static_cast<size_t>(round); }, 5s));
+  }
+  // Outside a spin, a poll registers nothing: the write wakes the loop thread.
+  served->poll_inline();
+  c->send(encode(request(21)));
+  CHECK(b.wait([&] { return b.got.size() == 21; }, 5s));
+}
+
 TEST_CASE("shm: connect_local tells another host from a dead endpoint") {
   Endpoint a(shm_transport()), b(shm_transport());
   b.t->listen("127.0.0.1", 0);
@@ -545,6 +656,7 @@ struct RawLocal {
     REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&addr),
                       static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size())) ==
             0);
+    write(std::string(1, kNoRingHello));  // no ring: frames follow on the socket
     Message hello;
     hello.kind = MessageKind::kHello;
     hello.hello_worker = "raw";

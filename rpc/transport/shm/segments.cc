@@ -49,6 +49,7 @@ void fail_shared_segments(const std::string& why) {
   std::lock_guard<std::mutex> lock(g_fail_mu);
   g_fail_why = why;
 }
+std::string shared_segments_failure() { return failing(); }
 }  // namespace testing
 
 // ---- SegmentWriter ---------------------------------------------------------------

@@ -91,9 +91,12 @@ class SegmentReader {
 };
 
 namespace testing {
-// Makes every SegmentWriter fail to create segments with `why` (empty:
-// normal again), as a machine that forbids memfd would.
+// Makes every SegmentWriter fail to create segments, and every same-host
+// connection fail to make its ring (ring.h), with `why` (empty: normal
+// again), as a machine that forbids memfd would.
 void fail_shared_segments(const std::string& why);
+// The reason set above; empty when none.
+std::string shared_segments_failure();
 }  // namespace testing
 
 }  // namespace tandem::rpc

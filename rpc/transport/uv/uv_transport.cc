@@ -4,6 +4,7 @@
 #include "tandem/rpc/dial.h"
 #include "tandem/rpc/host.h"
 #include "tandem/rpc/log.h"
+#include "tandem/rpc/transport/shm/ring.h"
 #include "tandem/rpc/transport/shm/segments.h"
 
 #include <arpa/inet.h>
@@ -215,6 +216,52 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
                                                            uint64_t nbytes) {
         return in->tensor(ref, dtype, shape, nbytes);
       });
+      const uint64_t ring = transport->limits_.shm_ring_bytes;
+      ring_unavailable_ = testing::shared_segments_failure();
+      if (ring == 0) {
+        ring_unavailable_ = "Limits::shm_ring_bytes is 0";
+      } else if (ring_unavailable_.empty()) {
+        ring_out_ = RingWriter::create(ring, ring_unavailable_);
+      }
+    }
+  }
+
+  // The first byte on a same-host socket (ring.h, 1.): our ring, or that
+  // we have none. False (`why`) when the socket would not take it.
+  bool send_hello(std::string& why) {
+    const char code = ring_out_ ? kRingHello : kNoRingHello;
+    std::vector<int> fds;
+    if (ring_out_) fds.push_back(ring_out_->fd());
+    const int rc = send_code(code, fds);
+    if (rc == 1) return true;
+    why = rc == 0 ? "the socket would not take its first byte" : errno_text(errno);
+    return false;
+  }
+
+  // Writes one code byte (with descriptors) to the socket: 1 sent, 0 the
+  // socket is full, -1 failed (errno).
+  int send_code(char code, const std::vector<int>& fds) {
+    iovec iov{&code, 1};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerRead)];
+    if (!fds.empty()) {
+      const size_t fd_bytes = sizeof(int) * fds.size();
+      msg.msg_control = control;
+      msg.msg_controllen = CMSG_SPACE(fd_bytes);
+      cmsghdr* c = CMSG_FIRSTHDR(&msg);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(fd_bytes);
+      std::memcpy(CMSG_DATA(c), fds.data(), fd_bytes);
+    }
+    for (;;) {
+      const ssize_t n = ::sendmsg(fd_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n == 1) return 1;
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
+      return -1;
     }
   }
 
@@ -307,6 +354,11 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
   // rpc/transport.h, 8.
   bool poll_inline() override {
     if (!inline_ok_.load(std::memory_order_acquire) || no_polling_here()) return false;
+    if (RingReader* ring = ring_in_ready_.load(std::memory_order_acquire)) {
+      enter_polling_spin(ring);
+      // A look at two counters instead of a system call.
+      if (!ring->maybe_readable()) return false;
+    }
     std::unique_lock<std::mutex> lock(read_mu_, std::try_to_lock);
     if (!lock.owns_lock() || !inline_ok_.load(std::memory_order_acquire)) return false;
     return transport_->read_inline(shared_from_this());
@@ -321,12 +373,26 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
     std::lock_guard<std::mutex> lock(write_mu_);
     return closed_;
   }
+
+  // Inside a PollingSpin (transport.h), this thread counts as reading the
+  // ring until the spin ends (ring.h, 3.): writers need not wake the loop.
+  void enter_polling_spin(RingReader* ring);
+  // The spin ended: hands what it left in the ring to the loop thread.
+  void leave_polling_spin() {
+    RingReader* ring = ring_in_ready_.load(std::memory_order_acquire);
+    ring->leave_polling();
+    if (ring->maybe_readable()) {
+      auto self = shared_from_this();
+      transport_->post([self] { self->transport_->read_from_loop(self); });
+    }
+  }
   std::string peer_address() const override { return peer_; }
 
   // Writes as much of `w` as the socket takes now. True when all of it went.
   // Caller holds write_mu_. On a hard socket error, marks the connection
   // closed, asks the loop to close it, and throws DisconnectedError.
   bool write_some(PendingWrite& w) {
+    if (ring_out_) return write_ring(w);
     while (w.next < w.iov.size()) {
       msghdr msg{};
       msg.msg_iov = &w.iov[w.next];
@@ -368,6 +434,65 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
     return true;
   }
 
+  // Marks the connection closed after a failed write, asks the loop to
+  // close it, and throws DisconnectedError (write_mu_ held).
+  [[noreturn]] void fail_write_locked(const std::string& reason) {
+    closed_ = true;
+    clear_queue_locked();
+    auto self = shared_from_this();
+    transport_->post([self, reason] { self->transport_->close_from_loop(self, reason); });
+    throw DisconnectedError(reason);
+  }
+
+  // write_some() through our ring (ring.h): descriptors on the socket first,
+  // then the bytes, waking the reader where it sleeps. False when the ring
+  // is full (the reader's 'W' brings the loop back) or the socket would not
+  // take the descriptors (wait_socket_: it waits for writable).
+  bool write_ring(PendingWrite& w) {
+    wait_socket_ = false;
+    if (!w.fds.empty() && !w.fds_sent) {
+      const int rc = send_code(kRingFds, w.fds);
+      if (rc < 0) fail_write_locked("write to " + peer_ + " failed: " + errno_text(errno));
+      if (rc == 0) {
+        wait_socket_ = true;
+        return false;
+      }
+      w.fds_sent = true;
+      ring_out_->announce(w.fds.size());
+    }
+    try {
+      bool unpublished = false;
+      while (w.next < w.iov.size()) {
+        iovec& v = w.iov[w.next];
+        const size_t k = ring_out_->write(static_cast<const char*>(v.iov_base), v.iov_len);
+        unpublished |= k > 0;
+        if (k == v.iov_len) {
+          ++w.next;
+          continue;
+        }
+        v.iov_base = static_cast<char*>(v.iov_base) + k;
+        v.iov_len -= k;
+        // Full: what is in goes out now, and the reader calls us back.
+        if (unpublished) publish_locked();
+        unpublished = false;
+        if (!ring_out_->wait_for_space()) return false;
+      }
+      if (unpublished) publish_locked();
+    } catch (const ProtocolError& e) {
+      fail_write_locked("protocol error from " + peer_ + ": " + e.what());
+    }
+    return true;
+  }
+
+  // Makes what the ring holds visible, and wakes the reader if it sleeps.
+  void publish_locked() {
+    ring_out_->publish();
+    if (!ring_out_->reader_needs_wake()) return;
+    transport_->stats_ring_wakes_.fetch_add(1, std::memory_order_relaxed);
+    // A full socket already holds wake-ups; a dead peer shows on the loop.
+    (void)send_code(kRingWake, {});
+  }
+
   void clear_queue_locked() {
     queue_.clear();
     queued_reply_bytes_.store(0, std::memory_order_relaxed);
@@ -375,9 +500,22 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
 
   void flush_from_loop() {
     std::lock_guard<std::mutex> lock(write_mu_);
+    flush_locked();
+  }
+
+  // A ring's writes wait for the reader's 'W', which comes as readable.
+  void flush_if_queued_from_loop() {
+    std::lock_guard<std::mutex> lock(write_mu_);
+    if (!queue_.empty()) flush_locked();
+  }
+
+  void flush_locked() {
     try {
       while (!queue_.empty()) {
-        if (!write_some(*queue_.front())) return;
+        if (!write_some(*queue_.front())) {
+          if (ring_out_) start_poll_locked();  // writable wanted only for the socket
+          return;
+        }
         queued_reply_bytes_.fetch_sub(queue_.front()->reply_bytes, std::memory_order_relaxed);
         queue_.pop_front();
       }
@@ -400,7 +538,12 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
 
   void start_poll_locked() {
     if (!polling_ || loop_closed_) return;  // never re-arm a handle that is closing
-    int events = (reading_stopped_ ? 0 : UV_READABLE) | (want_writable_ ? UV_WRITABLE : 0);
+    // With a ring, the socket brings the peer's wake-ups (ring.h, 3.), which
+    // are read also while the ring itself is not; it is wanted writable only
+    // for descriptors it would not take.
+    const bool readable = !reading_stopped_ || peer_mode_ == PeerMode::kRing;
+    const bool writable = want_writable_ && (!ring_out_ || wait_socket_);
+    int events = (readable ? UV_READABLE : 0) | (writable ? UV_WRITABLE : 0);
     uv_poll_start(&poll_, events, &UvConnection::on_poll);
   }
 
@@ -440,6 +583,19 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
   // on the loop thread.
   std::unique_ptr<SegmentWriter> shared_out_;
   std::unique_ptr<SegmentReader> shared_in_;
+  // Rings (local_ only; rpc/transport/shm/ring.h). Ours, under write_mu_
+  // (null: our frames go through the socket, and ring_unavailable_ says
+  // why). The peer's, under read_mu_, once its first byte brought it;
+  // ring_in_ready_ publishes it to pollers. peer_mode_: what that first
+  // byte said (written by the loop thread under read_mu_).
+  enum class PeerMode { kUnknown, kRing, kStream };
+  std::unique_ptr<RingWriter> ring_out_;
+  std::string ring_unavailable_;
+  bool wait_socket_ = false;  // under write_mu_: a queued write waits for the socket
+  std::unique_ptr<RingReader> ring_in_;
+  std::atomic<RingReader*> ring_in_ready_{nullptr};
+  PeerMode peer_mode_ = PeerMode::kUnknown;
+  uint64_t fds_adopted_ = 0;  // segment descriptors taken off the socket (under read_mu_)
 
   // Reading: the loop thread, or one polling thread (8.), holds read_mu_
   // while it reads, decodes and delivers; the decoder, the peer's segments
@@ -479,6 +635,34 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
   bool closed_ = false;
   bool want_writable_ = false;
 };
+
+namespace {
+// A thread's PollingSpin (rpc/transport.h): how deep, and the connection
+// whose ring it counts itself in as a poller (ring.h, 3.).
+struct SpinState {
+  int depth = 0;
+  std::shared_ptr<UvConnection> entered;
+};
+SpinState& spin_state() {
+  thread_local SpinState state;
+  return state;
+}
+}  // namespace
+
+void UvConnection::enter_polling_spin(RingReader* ring) {
+  SpinState& s = spin_state();
+  if (s.depth == 0 || s.entered.get() == this) return;
+  if (s.entered) std::exchange(s.entered, nullptr)->leave_polling_spin();
+  s.entered = shared_from_this();
+  ring->enter_polling();
+}
+
+PollingSpin::PollingSpin() { ++spin_state().depth; }
+
+PollingSpin::~PollingSpin() {
+  SpinState& s = spin_state();
+  if (--s.depth == 0 && s.entered) std::exchange(s.entered, nullptr)->leave_polling_spin();
+}
 
 UvTransport::UvTransport(Limits limits, Callbacks callbacks, bool shared_memory)
     : limits_(limits), callbacks_(std::move(callbacks)), shared_memory_(shared_memory),
@@ -640,11 +824,26 @@ ConnectionPtr UvTransport::connect_local(const std::string& endpoint,
     conn = std::make_shared<UvConnection>(this, fd, next_id_++, "shm:@" + name,
                                           /*accepted=*/false, /*local=*/true);
   }
+  std::string why;
+  if (!say_hello(*conn, why)) {
+    ::close(fd);
+    throw DisconnectedError("cannot open a same-host connection to @" + name + ": " + why);
+  }
   if (!post([this, conn] { adopt_from_loop(conn); })) {
     ::close(fd);
     throw ShutdownError("transport is closed");
   }
   return conn;
+}
+
+bool UvTransport::say_hello(UvConnection& conn, std::string& why) {
+  if (!conn.ring_out_ && limits_.shm_ring_bytes > 0 && !ring_unavailable_logged_.exchange(true)) {
+    std::fprintf(stderr,
+                 "tandem: same-host rings unavailable (%s); frames to %s and others go through "
+                 "the socket (logged once)\n",
+                 printable(conn.ring_unavailable_).c_str(), printable(conn.peer_).c_str());
+  }
+  return conn.send_hello(why);
 }
 
 void UvTransport::count_shared(const PendingWrite& w, const std::string& unavailable,
@@ -740,6 +939,11 @@ void UvTransport::accept_from_loop(bool local) {
                 : address_of(reinterpret_cast<sockaddr*>(&ss)),
           /*accepted=*/true, local);
     }
+    std::string why;
+    if (local && !say_hello(*conn, why)) {
+      ::close(fd);
+      continue;
+    }
     adopt_from_loop(conn);
   }
 }
@@ -824,21 +1028,12 @@ bool UvTransport::read_inline(const std::shared_ptr<UvConnection>& conn) {
   // As read_from_loop, on a spinning thread: what it cannot finish (the
   // peer closed, a protocol error, a message the agent wants on its loop
   // thread, backpressure) it leaves to the loop thread.
+  if (conn->peer_mode_ == UvConnection::PeerMode::kRing) {
+    return read_ring_locked(conn, /*poller=*/true, /*drain=*/false);
+  }
   thread_local std::vector<char> staging(kStagingBytes);
   bool delivered = false;
-  auto give_up = [&](const std::string& close_reason) {
-    conn->inline_ok_.store(false, std::memory_order_release);
-    post([this, conn, close_reason] {
-      std::unique_lock<std::mutex> lock(conn->read_mu_);
-      if (close_reason.empty()) {
-        deliver_deferred_locked(conn);
-        update_inline_locked(conn);
-      } else {
-        lock.unlock();
-        close_from_loop(conn, close_reason);
-      }
-    });
-  };
+  auto give_up = [&](const std::string& close_reason) { hand_to_loop(conn, close_reason); };
   for (int round = 0; round < kReadRoundsPerPoll; ++round) {
     auto [direct, want] = conn->decoder_.direct_target(kDirectReadMin);
     char* buf = direct ? direct : staging.data();
@@ -856,23 +1051,7 @@ bool UvTransport::read_inline(const std::shared_ptr<UvConnection>& conn) {
       return delivered;
     }
     while (conn->decoder_.has_message()) {
-      Message m = take_message(*conn);
-      const bool request = m.kind == MessageKind::kRequest && m.id != 0;
-      if (!conn->deferred_.empty() || would_pause(*conn) || !callbacks_.inline_ok(m)) {
-        conn->deferred_.push_back(std::move(m));
-        continue;
-      }
-      if (request) conn->requests_delivered_.fetch_add(1, std::memory_order_release);
-      {
-        struct Inside {  // a callback that polls again reads nothing
-          bool& flag = UvConnection::no_polling_here();
-          Inside() { flag = true; }
-          ~Inside() { flag = false; }
-        } inside;
-        callbacks_.on_message(conn, std::move(m));
-      }
-      delivered = true;
-      stats_polled_messages_.fetch_add(1, std::memory_order_relaxed);
+      delivered |= deliver_inline_locked(conn, take_message(*conn));
     }
     if (!conn->deferred_.empty()) {
       give_up("");
@@ -883,12 +1062,248 @@ bool UvTransport::read_inline(const std::shared_ptr<UvConnection>& conn) {
   return delivered;
 }
 
+void UvTransport::hand_to_loop(const std::shared_ptr<UvConnection>& conn,
+                               const std::string& close_reason) {
+  conn->inline_ok_.store(false, std::memory_order_release);
+  post([this, conn, close_reason] {
+    if (!close_reason.empty()) {
+      close_from_loop(conn, close_reason);
+    } else if (conn->peer_mode_ == UvConnection::PeerMode::kRing) {
+      read_from_loop(conn);  // the deferred first, then what the ring still holds
+    } else {
+      std::lock_guard<std::mutex> lock(conn->read_mu_);
+      deliver_deferred_locked(conn);
+      update_inline_locked(conn);
+    }
+  });
+}
+
+bool UvTransport::deliver_inline_locked(const std::shared_ptr<UvConnection>& conn, Message&& m) {
+  const bool request = m.kind == MessageKind::kRequest && m.id != 0;
+  if (!conn->deferred_.empty() || would_pause(*conn) || !callbacks_.inline_ok(m)) {
+    conn->deferred_.push_back(std::move(m));
+    return false;
+  }
+  if (request) conn->requests_delivered_.fetch_add(1, std::memory_order_release);
+  {
+    struct Inside {  // a callback that polls again reads nothing
+      bool& flag = UvConnection::no_polling_here();
+      Inside() { flag = true; }
+      ~Inside() { flag = false; }
+    } inside;
+    callbacks_.on_message(conn, std::move(m));
+  }
+  stats_polled_messages_.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
 void UvTransport::read_from_loop(const std::shared_ptr<UvConnection>& conn) {
   assert(on_transport_thread());
-  std::lock_guard<std::mutex> read_lock(conn->read_mu_);
-  deliver_deferred_locked(conn);  // what a poll left comes first
-  read_some_from_loop(conn);
-  update_inline_locked(conn);
+  if (conn->loop_closed_) return;  // a late post
+  {
+    std::lock_guard<std::mutex> read_lock(conn->read_mu_);
+    deliver_deferred_locked(conn);  // what a poll left comes first
+    if (conn->local_ && !conn->loop_closed_) {
+      std::string error;
+      if (!read_codes_locked(conn, /*poller=*/false, error)) return;
+    }
+    if (conn->loop_closed_) return;
+    if (conn->peer_mode_ == UvConnection::PeerMode::kRing) {
+      read_ring_locked(conn, /*poller=*/false, /*drain=*/false);
+    } else if (!conn->local_ || conn->peer_mode_ == UvConnection::PeerMode::kStream) {
+      read_some_from_loop(conn);
+    }
+    update_inline_locked(conn);
+  }
+  // Our ring's writes that waited for space go on: the peer's 'W' came.
+  if (conn->ring_out_ && !conn->loop_closed_) conn->flush_if_queued_from_loop();
+}
+
+namespace {
+// The descriptors a recvmsg() brought, in order; false when some were cut
+// off (more than a frame may announce).
+bool collect_descriptors(msghdr& msg, std::vector<int>& fds) {
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+      fds.push_back(fd);
+    }
+  }
+  return (msg.msg_flags & MSG_CTRUNC) == 0;
+}
+}  // namespace
+
+bool UvTransport::read_codes_locked(const std::shared_ptr<UvConnection>& conn, bool poller,
+                                    std::string& error) {
+  using PeerMode = UvConnection::PeerMode;
+  std::vector<int> fds;
+  auto fail = [&](const std::string& why) {
+    for (int fd : fds) ::close(fd);
+    error = "protocol error from " + conn->peer_ + ": " + why;
+    if (!poller) close_from_loop(conn, error);
+    return false;
+  };
+  char buf[256];
+  bool woke = false;
+  struct PassOn {
+    UvTransport* t;
+    const std::shared_ptr<UvConnection>& conn;
+    bool& woke;
+    ~PassOn() {
+      if (woke) t->post([t = t, conn = conn] { t->read_from_loop(conn); });
+    }
+  } pass_on{this, conn, woke};
+  while (conn->peer_mode_ != PeerMode::kStream) {
+    const bool hello = conn->peer_mode_ == PeerMode::kUnknown;
+    LocalRead read;
+    const ssize_t n = read.recv(conn->fd_, buf, hello ? 1 : sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+    if (n <= 0) {
+      if (poller) return false;  // the loop thread sees the end too, and closes
+      const int err = n < 0 ? errno : 0;
+      if (conn->peer_mode_ == PeerMode::kRing) {
+        // What the peer wrote before it went is delivered first, as TCP does.
+        read_ring_locked(conn, /*poller=*/false, /*drain=*/true);
+        if (conn->loop_closed_) return false;
+      }
+      close_from_loop(conn, n == 0 ? (conn->decoder_.idle()
+                                          ? "peer " + conn->peer_ + " closed the connection"
+                                          : "peer " + conn->peer_ +
+                                                " closed the connection mid-frame")
+                          : err == ECONNRESET
+                              ? "connection reset by " + conn->peer_
+                              : "read from " + conn->peer_ + " failed: " + errno_text(err));
+      return false;
+    }
+    fds.clear();
+    if (!collect_descriptors(read.msg, fds)) return fail("more descriptors than a frame may announce");
+    if (hello) {
+      if (buf[0] == kRingHello && fds.size() == 1) {
+        const int fd = fds[0];
+        fds.clear();
+        try {
+          conn->ring_in_ = std::make_unique<RingReader>(fd, limits_.max_ring_bytes);
+        } catch (const std::exception& e) {
+          return fail(e.what());
+        }
+        conn->peer_mode_ = PeerMode::kRing;
+        conn->ring_in_ready_.store(conn->ring_in_.get(), std::memory_order_release);
+        continue;
+      }
+      if (buf[0] == kNoRingHello && fds.empty()) {
+        conn->peer_mode_ = PeerMode::kStream;
+        return true;
+      }
+      return fail("a same-host connection must open with its ring or 'N', not byte " +
+                  std::to_string(static_cast<unsigned char>(buf[0])) + " with " +
+                  std::to_string(fds.size()) + " descriptor(s)");
+    }
+    size_t carriers = 0;
+    for (ssize_t i = 0; i < n; ++i) {
+      if (buf[i] == kRingFds) {
+        ++carriers;
+      } else if (buf[i] == kRingWake) {
+        // A poller that takes a wake-up meant for the loop thread (ours to
+        // read the ring, or our writes' to go on) passes it on.
+        if (poller) woke = true;
+      } else {
+        return fail("byte " + std::to_string(static_cast<unsigned char>(buf[i])) +
+                    " on a ring's socket");
+      }
+    }
+    if ((carriers == 0) != fds.empty()) return fail("descriptors without their 'F' byte");
+    while (!fds.empty()) {
+      const int fd = fds.front();
+      fds.erase(fds.begin());
+      try {
+        conn->shared_in_->adopt(fd);  // owns fd from here on
+      } catch (const std::exception& e) {
+        return fail(e.what());
+      }
+      ++conn->fds_adopted_;
+    }
+  }
+  return true;
+}
+
+bool UvTransport::read_ring_locked(const std::shared_ptr<UvConnection>& conn, bool poller,
+                                   bool drain) {
+  thread_local std::vector<char> staging(kStagingBytes);
+  RingReader& ring = *conn->ring_in_;
+  bool delivered = false;
+  std::string error;
+  auto fail = [&] {
+    const std::string reason = "protocol error from " + conn->peer_ + ": " + error;
+    if (poller) {
+      hand_to_loop(conn, reason);
+    } else {
+      close_from_loop(conn, reason);
+    }
+    return delivered;
+  };
+  const int rounds = poller ? kReadRoundsPerPoll : kReadRoundsPerWakeup;
+  for (int round = 0; drain || round < rounds; ++round) {
+    if (conn->loop_closed_ || (!drain && conn->reading_stopped_)) return delivered;
+    uint64_t avail = 0;
+    try {
+      avail = ring.readable();
+    } catch (const std::exception& e) {
+      error = e.what();
+      return fail();
+    }
+    if (avail == 0) {
+      // Asleep from here on, woken by the writer's 'W' (ring.h, 3.); a
+      // poller or a drain just stops.
+      if (poller || drain || !ring.arm()) return delivered;
+      continue;
+    }
+    if (ring.announced() > conn->fds_adopted_) {  // the descriptors first (ring.h, 4.)
+      if (!read_codes_locked(conn, poller, error)) {
+        if (!poller || error.empty()) return delivered;  // closed, or the end left to the loop
+        hand_to_loop(conn, error);
+        return delivered;
+      }
+      if (ring.announced() > conn->fds_adopted_) {
+        error = "ring announced " + std::to_string(ring.announced()) +
+                " segment descriptor(s); " + std::to_string(conn->fds_adopted_) + " came";
+        return fail();
+      }
+    }
+    auto [direct, want] = conn->decoder_.direct_target(kDirectReadMin);
+    char* buf = direct ? direct : staging.data();
+    const size_t len =
+        static_cast<size_t>(std::min<uint64_t>(avail, direct ? want : staging.size()));
+    ring.read(buf, len);
+    if (ring.writer_needs_wake()) {
+      stats_ring_wakes_.fetch_add(1, std::memory_order_relaxed);
+      (void)conn->send_code(kRingWake, {});
+    }
+    if (!feed_decoder(*conn, direct != nullptr, buf, len, error)) return fail();
+    if (!poller && conn->counted_handshaking_ && !conn->decoder_.in_handshake()) {
+      conn->counted_handshaking_ = false;
+      --handshaking_;
+    }
+    while (conn->decoder_.has_message() && !conn->loop_closed_) {
+      if (poller) {
+        delivered |= deliver_inline_locked(conn, take_message(*conn));
+      } else {
+        deliver_from_loop(conn, take_message(*conn));
+      }
+    }
+    if (poller && !conn->deferred_.empty()) {
+      hand_to_loop(conn, "");
+      return delivered;
+    }
+  }
+  // Out of rounds with bytes left: on, after the loop's other work.
+  if (!poller && !conn->loop_closed_) {
+    post([this, conn] { read_from_loop(conn); });
+  }
+  return delivered;
 }
 
 void UvTransport::read_some_from_loop(const std::shared_ptr<UvConnection>& conn) {
@@ -1021,6 +1436,10 @@ void UvTransport::resume_locked(const std::shared_ptr<UvConnection>& conn) {
     std::lock_guard<std::mutex> lock(conn->write_mu_);
     conn->start_poll_locked();
   }
+  // A ring left unread while stopped wakes nobody: read it again now.
+  if (was_stopped && conn->peer_mode_ == UvConnection::PeerMode::kRing && !conn->loop_closed_) {
+    post([this, conn] { read_from_loop(conn); });
+  }
 }
 
 void UvTransport::sweep_handshakes_from_loop() {
@@ -1051,6 +1470,7 @@ TransportStats UvTransport::stats() const {
   s.bytes_sent = stats_bytes_sent_.load();
   s.bytes_received = stats_bytes_received_.load();
   s.polled_messages = stats_polled_messages_.load();
+  s.ring_wakes = stats_ring_wakes_.load();
   return s;
 }
 

@@ -121,6 +121,26 @@ class UvTransport final : public Transport {
   void read_some_from_loop(const std::shared_ptr<UvConnection>& conn);  // read_mu_ held
   // rpc/transport.h, 8.: a spinning thread's read (conn->read_mu_ held).
   bool read_inline(const std::shared_ptr<UvConnection>& conn);
+  // A poll's message: delivered on this thread, or left in deferred_ for
+  // the loop thread (read_mu_ held). True when delivered.
+  bool deliver_inline_locked(const std::shared_ptr<UvConnection>& conn, Message&& m);
+  // What a poller could not finish goes to the loop thread: deferred
+  // messages, or the close (with `close_reason`).
+  void hand_to_loop(const std::shared_ptr<UvConnection>& conn, const std::string& close_reason);
+  // Same-host connections (rpc/transport/shm/ring.h), read_mu_ held. The
+  // socket's codes: the peer's first byte, wake-ups, segment descriptors.
+  // On the loop thread a problem closes the connection (its end first
+  // drains the ring); on a poller it goes to `error`, and the end is left
+  // to the loop. False when reading must stop.
+  bool read_codes_locked(const std::shared_ptr<UvConnection>& conn, bool poller,
+                         std::string& error);
+  // The peer's ring into the decoder, and its messages delivered (or, on a
+  // poller, handed on as read_inline does). `drain`: all of it, not
+  // arming (the socket ended). True when a poller delivered something.
+  bool read_ring_locked(const std::shared_ptr<UvConnection>& conn, bool poller, bool drain);
+  // The first byte of a same-host connection (ring.h, 1.), logging once
+  // when it has no ring. False (`why`) when it could not be sent.
+  bool say_hello(UvConnection& conn, std::string& why);
   // The bytes a read brought, into the decoder; false (`error`) on a protocol error.
   bool feed_decoder(UvConnection& conn, bool direct, const char* buf, size_t n,
                     std::string& error);
@@ -174,7 +194,9 @@ class UvTransport final : public Transport {
   std::atomic<uint64_t> stats_bytes_sent_{0};
   std::atomic<uint64_t> stats_bytes_received_{0};
   std::atomic<uint64_t> stats_polled_messages_{0};
+  std::atomic<uint64_t> stats_ring_wakes_{0};
   std::atomic<bool> shared_unavailable_logged_{false};
+  std::atomic<bool> ring_unavailable_logged_{false};
 };
 
 }  // namespace tandem::rpc
