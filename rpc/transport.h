@@ -154,8 +154,10 @@ using TransportFactory =
 
 // TCP on a libuv loop (rpc/transport/uv/).
 TransportFactory tcp_transport();
-// TCP, plus same-host connections over a Unix socket whose large tensors
-// travel through shared memory (rpc/transport/shm/): the agent's default.
+// TCP, plus same-host connections whose frames travel through shared-memory
+// rings and whose large tensors through shared-memory segments, with a
+// Unix socket beside them for wake-ups and liveness (rpc/transport/shm/):
+// the agent's default.
 TransportFactory shm_transport();
 
 }  // namespace tandem::rpc

@@ -470,8 +470,14 @@ TEST_CASE("shm: a spinning thread reads its connection itself, and the order hol
   REQUIRE(served);
   std::atomic<bool> stop{false};
   b.poll_in_callback = true;
+  // Spins as the agent's threads do: inside one, writes to the ring wake
+  // nobody, between them they wake the loop thread, which then races the
+  // poller for what comes.
   std::thread poller([&] {
-    while (!stop) served->poll_inline();
+    while (!stop) {
+      PollingSpin spin;
+      for (int k = 0; k < 200 && !stop; ++k) served->poll_inline();
+    }
   });
   const std::thread::id poller_id = poller.get_id();
   const int n = 300;
@@ -647,7 +653,9 @@ namespace {
 // A raw client of a shm endpoint, which writes whatever bytes and
 // descriptors it is given (after a proper greeting).
 struct RawLocal {
-  explicit RawLocal(const std::string& endpoint) {
+  // `greet`: open as a peer without a ring ('N', then the greetings on the
+  // socket); otherwise the caller writes the first byte.
+  explicit RawLocal(const std::string& endpoint, bool greet = true) {
     const std::string name = endpoint.substr(endpoint.rfind(':') + 1);
     sockaddr_un addr{};
     addr.sun_family = AF_UNIX;
@@ -656,6 +664,7 @@ struct RawLocal {
     REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&addr),
                       static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size())) ==
             0);
+    if (!greet) return;
     write(std::string(1, kNoRingHello));  // no ring: frames follow on the socket
     Message hello;
     hello.kind = MessageKind::kHello;
@@ -797,6 +806,204 @@ TEST_CASE("shm: bad references and descriptors close that connection, not the tr
   REQUIRE(b.wait([&] {
     return !b.got.empty() && b.got.back().id == 42;
   }));
+}
+
+namespace {
+
+// A ring as a hostile writer makes it: a memfd of a header page and
+// `capacity` bytes, sealed unless `seal` is false, whose header says
+// `magic` and `header_capacity`.
+int make_ring(uint64_t capacity, bool seal = true, uint32_t magic = testing::RingLayout::kMagic,
+              uint64_t header_capacity = 0) {
+  using testing::RingLayout;
+  int fd = ::memfd_create("raw-ring", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  REQUIRE(fd >= 0);
+  REQUIRE(::ftruncate(fd, static_cast<off_t>(RingLayout::kHeaderBytes + capacity)) == 0);
+  struct {
+    uint32_t magic, version;
+    uint64_t capacity;
+  } h{magic, RingLayout::kVersion, header_capacity ? header_capacity : capacity};
+  REQUIRE(::pwrite(fd, &h, sizeof(h), 0) == ssize_t(sizeof(h)));
+  if (seal) REQUIRE(::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0);
+  return fd;
+}
+
+// A raw client of a shm endpoint that opens with its own ring ('R' and the
+// descriptor) and then plays the ring's writer however a test likes.
+struct RawRing {
+  RawRing(const std::string& endpoint, int ring_fd, uint64_t capacity)
+      : raw(endpoint, /*greet=*/false), capacity(capacity) {
+    raw.write(std::string(1, kRingHello), {ring_fd});
+    void* p = ::mmap(nullptr, testing::RingLayout::kHeaderBytes + capacity,
+                     PROT_READ | PROT_WRITE, MAP_SHARED, ring_fd, 0);
+    REQUIRE(p != MAP_FAILED);
+    base = static_cast<char*>(p);
+    ::close(ring_fd);
+  }
+  ~RawRing() { ::munmap(base, testing::RingLayout::kHeaderBytes + capacity); }
+  std::atomic<uint64_t>& at(uint64_t offset) {
+    return *reinterpret_cast<std::atomic<uint64_t>*>(base + offset);
+  }
+  // Copies `bytes` in at the head, publishes `head` (by default the true
+  // one) and wakes the reader.
+  void write(const std::string& bytes) {
+    for (size_t i = 0; i < bytes.size(); ++i) {
+      base[testing::RingLayout::kHeaderBytes + ((head + i) & (capacity - 1))] = bytes[i];
+    }
+    head += bytes.size();
+    publish(head);
+  }
+  void publish(uint64_t h) {
+    at(testing::RingLayout::head_offset()).store(h);
+    raw.write(std::string(1, kRingWake));
+  }
+  void greet() {
+    Message hello;
+    hello.kind = MessageKind::kHello;
+    hello.hello_worker = "raw";
+    for (uint8_t step : {1, 3}) {
+      hello.hello_step = step;
+      write(encode(hello).to_bytes());
+    }
+  }
+  RawLocal raw;
+  uint64_t capacity;
+  char* base = nullptr;
+  uint64_t head = 0;
+};
+
+}  // namespace
+
+TEST_CASE("shm: a hostile ring or socket code closes that connection, not the transport") {
+  // The ring's header and data are the peer's to scribble on (ring.h, 5.):
+  // each lie below is caught where it is read and closes that connection.
+  Limits limits;
+  limits.max_ring_bytes = 1 << 20;
+  Endpoint b(shm_transport(), limits);
+  const int port = b.t->listen("127.0.0.1", 0);
+  const std::string endpoint = b.t->local_endpoint();
+  std::string expect;
+  auto closed_with = [&] {
+    REQUIRE(b.wait([&] { return b.closed.size() == 1; }, 5s));
+    std::lock_guard<std::mutex> lock(b.mu);
+    INFO(b.closed[0].second);
+    CHECK(b.closed[0].second.rfind("protocol error", 0) == 0);
+    CHECK(b.closed[0].second.find(expect) != std::string::npos);
+  };
+  const uint64_t cap = 64 << 10;
+  // A ring the transport takes: greetings through it arrive.
+  auto good_ring = [&] {
+    auto r = std::make_unique<RawRing>(endpoint, make_ring(cap), cap);
+    r->greet();
+    REQUIRE(b.wait([&] { return b.got.size() == 2; }));
+    return r;
+  };
+  SUBCASE("a ring that is no memfd") {
+    int pipe_fds[2];
+    REQUIRE(::pipe(pipe_fds) == 0);
+    RawLocal raw(endpoint, /*greet=*/false);
+    expect = "ring is not a memfd sealed against shrinking";
+    raw.write(std::string(1, kRingHello), {pipe_fds[0]});
+    closed_with();
+    ::close(pipe_fds[0]);
+    ::close(pipe_fds[1]);
+  }
+  SUBCASE("a ring that could shrink under the reader") {
+    expect = "ring is not a memfd sealed against shrinking";
+    RawRing r(endpoint, make_ring(cap, /*seal=*/false), cap);
+    closed_with();
+  }
+  SUBCASE("a ring without its descriptor") {
+    RawLocal raw(endpoint, /*greet=*/false);
+    expect = "must open with its ring or 'N', not byte 82 with 0 descriptor(s)";
+    raw.write(std::string(1, kRingHello));
+    closed_with();
+  }
+  SUBCASE("an unknown first byte") {
+    RawLocal raw(endpoint, /*greet=*/false);
+    expect = "must open with its ring or 'N', not byte 88";
+    raw.write("X");
+    closed_with();
+  }
+  SUBCASE("a header with the wrong magic") {
+    expect = "ring header is malformed";
+    RawRing r(endpoint, make_ring(cap, true, 0xdeadbeef), cap);
+    closed_with();
+  }
+  SUBCASE("a header whose capacity is not the memfd's") {
+    expect = "ring header is malformed (magic, version or capacity 131072)";
+    RawRing r(endpoint, make_ring(cap, true, testing::RingLayout::kMagic, 2 * cap), cap);
+    closed_with();
+  }
+  SUBCASE("a capacity that is no power of two") {
+    expect = "ring header is malformed";
+    RawRing r(endpoint, make_ring(cap + 4096), cap + 4096);
+    closed_with();
+  }
+  SUBCASE("a ring larger than the reader allows") {
+    expect = "ring has an unusable size";
+    RawRing r(endpoint, make_ring(2 << 20), 2 << 20);
+    closed_with();
+  }
+  SUBCASE("a ring that does not start empty") {
+    expect = "ring does not start empty";
+    int fd = make_ring(cap);
+    const uint64_t tail = 5;
+    REQUIRE(::pwrite(fd, &tail, sizeof(tail), testing::RingLayout::tail_offset()) == 8);
+    RawRing r(endpoint, fd, cap);
+    closed_with();
+  }
+  SUBCASE("a head that runs backwards") {
+    auto r = good_ring();
+    expect = "ring head 10 outside";
+    r->publish(10);
+    closed_with();
+  }
+  SUBCASE("a head past a full ring") {
+    auto r = good_ring();
+    expect = "ring head " + std::to_string(r->head + cap + 1) + " outside";
+    r->publish(r->head + cap + 1);
+    closed_with();
+  }
+  SUBCASE("a frame's bytes that do not decode") {
+    auto r = good_ring();
+    expect = "protocol error";
+    r->write(std::string(64, '\xff'));
+    closed_with();
+  }
+  SUBCASE("segments announced in the ring whose descriptors never came") {
+    auto r = good_ring();
+    expect = "ring announced 1 segment descriptor(s); 0 came";
+    r->at(testing::RingLayout::announced_offset()).store(1);
+    r->write(encode(request(7, {})).to_bytes());
+    closed_with();
+  }
+  SUBCASE("an unknown byte on the ring's socket") {
+    auto r = good_ring();
+    expect = "byte 88 on a ring's socket";
+    r->raw.write("X");
+    closed_with();
+  }
+  SUBCASE("a descriptor without its 'F'") {
+    auto r = good_ring();
+    expect = "descriptors without their 'F' byte";
+    int fd = make_segment(1 << 20);
+    r->raw.write(std::string(1, kRingWake), {fd});
+    closed_with();
+    ::close(fd);
+  }
+  SUBCASE("a well-formed ring carries a request") {
+    auto r = good_ring();
+    r->write(encode(request(9, {at::arange(100, at::kFloat)})).to_bytes());
+    REQUIRE(b.wait([&] { return b.got.size() == 3; }));
+    CHECK(at::equal(received(b, 2), at::arange(100, at::kFloat)));
+    CHECK(b.closed.empty());
+  }
+  // The transport still serves a well-behaved peer, through rings.
+  Endpoint a(shm_transport());
+  auto good = open(a, b, port, /*local=*/true);
+  good->send(encode(request(42, {at::arange(1 << 10, at::kFloat)})));
+  REQUIRE(b.wait([&] { return !b.got.empty() && b.got.back().id == 42; }));
 }
 
 TEST_CASE("shm: a frame naming shared tensors is refused on a TCP connection") {

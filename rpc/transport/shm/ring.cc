@@ -27,11 +27,13 @@ struct RingHeader {
   alignas(64) std::atomic<uint64_t> announced;       // segment descriptors sent
 };
 static_assert(sizeof(RingHeader) <= RingLayout::kHeaderBytes, "ring header fits its page");
+static_assert(offsetof(RingHeader, version) == 4 && offsetof(RingHeader, capacity) == 8,
+              "the layout RingLayout describes");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "ring counters shared across processes");
 
 namespace {
 
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = RingLayout::kVersion;
 constexpr uint64_t kMinCapacity = 4096;
 constexpr unsigned kSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
 
@@ -57,6 +59,7 @@ void copy_in(char* data, uint64_t capacity, uint64_t pos, const char* flat, size
 uint64_t RingLayout::head_offset() { return offsetof(RingHeader, head); }
 uint64_t RingLayout::tail_offset() { return offsetof(RingHeader, tail); }
 uint64_t RingLayout::need_wake_offset() { return offsetof(RingHeader, need_wake); }
+uint64_t RingLayout::announced_offset() { return offsetof(RingHeader, announced); }
 
 // ---- RingWriter --------------------------------------------------------------------
 
@@ -146,24 +149,34 @@ void RingWriter::announce(uint64_t n) {
 // ---- RingReader --------------------------------------------------------------------
 
 RingReader::RingReader(int fd, uint64_t max_capacity) : fd_(fd) {
-  const int seals = ::fcntl(fd, F_GET_SEALS);
+  try {
+    adopt(max_capacity);
+  } catch (...) {
+    // A throwing constructor runs no destructor: let go of the peer's ring here.
+    if (base_) ::munmap(base_, mapped_);
+    ::close(fd_);
+    throw;
+  }
+}
+
+void RingReader::adopt(uint64_t max_capacity) {
+  const int seals = ::fcntl(fd_, F_GET_SEALS);
   if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
-    ::close(fd);
-    fd_ = -1;
     throw ProtocolError("peer's ring is not a memfd sealed against shrinking");
   }
   struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
+  if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode) ||
       static_cast<uint64_t>(st.st_size) < RingLayout::kHeaderBytes + kMinCapacity ||
       static_cast<uint64_t>(st.st_size) > RingLayout::kHeaderBytes + max_capacity) {
     throw ProtocolError("peer's ring has an unusable size (" + std::to_string(st.st_size) +
                         " bytes; at most " + std::to_string(max_capacity) + " of data allowed)");
   }
-  mapped_ = static_cast<uint64_t>(st.st_size);
-  void* p = ::mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* p = ::mmap(nullptr, static_cast<uint64_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED,
+                   fd_, 0);
   if (p == MAP_FAILED) {
     throw ProtocolError(std::string("cannot map the peer's ring: ") + std::strerror(errno));
   }
+  mapped_ = static_cast<uint64_t>(st.st_size);
   base_ = static_cast<char*>(p);
   header_ = reinterpret_cast<RingHeader*>(base_);
   const uint64_t capacity = header_->capacity;

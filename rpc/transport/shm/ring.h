@@ -121,6 +121,7 @@ class RingReader {
   uint64_t announced() const;
 
  private:
+  void adopt(uint64_t max_capacity);  // the constructor's checks
   int fd_ = -1;
   char* base_ = nullptr;
   uint64_t mapped_ = 0;
@@ -137,9 +138,12 @@ namespace testing {
 struct RingLayout {
   static constexpr uint64_t kHeaderBytes = 4096;
   static constexpr uint32_t kMagic = 0x474e5254;  // "TRNG"
+  static constexpr uint32_t kVersion = 1;
+  // magic (u32) at 0, version (u32) at 4, capacity (u64) at 8, then:
   static uint64_t head_offset();
   static uint64_t tail_offset();
   static uint64_t need_wake_offset();
+  static uint64_t announced_offset();
 };
 }  // namespace testing
 

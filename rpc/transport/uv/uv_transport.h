@@ -37,29 +37,37 @@
 //     spinning on a socket that stays readable.
 //  8. With shared_memory (shm_transport()), listen() also opens an abstract
 //     Unix socket, published as local_endpoint(); connect_local() dials one
-//     on this host. Those connections read and write frames exactly as TCP
-//     ones do (the same decoder, the same bounds and backpressure), except
-//     that tensors of at least Limits::min_shared_tensor_bytes travel
-//     through shared-memory segments (rpc/transport/shm/segments.h), whose
-//     descriptors ride beside the frames as SCM_RIGHTS. The socket is also
-//     what tells each side the other is gone: the kernel closes it when a
-//     process dies, however it dies.
+//     on this host. On those connections each side writes its frames into a
+//     shared-memory ring it made (rpc/transport/shm/ring.h) instead of the
+//     socket, and the reader feeds them to the same decoder, with the same
+//     bounds and backpressure, as TCP; tensors of at least
+//     Limits::min_shared_tensor_bytes go through shared-memory segments
+//     (segments.h), which the receiver's tensor lives in. The socket stays
+//     beside the ring for what a ring cannot do: the first byte ('R' with
+//     the ring's descriptor, or 'N' when no ring could be made and frames
+//     follow on the socket), one-byte wake-ups for a sleeping reader or a
+//     writer waiting for space, the segments' descriptors (SCM_RIGHTS), and
+//     liveness: the kernel closes it when a process dies, however it dies.
+//     A writer that finds the ring full queues the rest, as for a full
+//     socket, and the loop writes it on when the reader's wake-up comes.
 //  9. Polling (rpc/transport.h, 8.; same-host connections, with
 //     Limits::poll_while_spinning and Callbacks::inline_ok set). A thread
 //     that spins anyway (an rpc_sync caller waiting for its answer, an idle
-//     pool thread after a task) calls poll_inline(): it takes the
-//     connection's read_mu_ if free (the loop thread holds it while it
-//     reads, decodes and delivers), reads a few rounds itself, and delivers
-//     what inline_ok() accepts on its own thread. The first message it may
-//     not deliver (the agent's handshake, loop handlers, RRefs), and every
-//     one after it, waits in deferred_ for the loop thread, which delivers
-//     them first; so does what would pause the peer (5.), and anything that
-//     must close the connection. The loop thread never polls (nor does a
-//     poll's own callback), and a connection's descriptor is closed under
-//     read_mu_, so no poller reads a closed or reused one. A same-host
-//     round trip thereby saves the two loop threads' wake-ups on its way
-//     (rpc_bench 0 B over shm: 22 -> 11-15 µs here); the loop threads
-//     still wake for the readable socket, off the critical path.
+//     pool thread after a task) calls poll_inline() inside a PollingSpin: it
+//     takes the connection's read_mu_ if free (the loop thread holds it
+//     while it reads, decodes and delivers), reads a few rounds itself, and
+//     delivers what inline_ok() accepts on its own thread. The first
+//     message it may not deliver (the agent's handshake, loop handlers,
+//     RRefs), and every one after it, waits in deferred_ for the loop
+//     thread, which delivers them first; so does what would pause the peer
+//     (5.), and anything that must close the connection. While a thread
+//     spins it is counted in the ring's pollers, so the writer sends no
+//     wake-up and neither side makes a system call: a poll is two loads
+//     when nothing came. When the spin ends it looks at the ring once more
+//     and posts what is left to the loop thread. The loop thread never
+//     polls (nor does a poll's own callback), and a connection's
+//     descriptor is closed under read_mu_, so no poller reads a closed or
+//     reused one.
 #pragma once
 
 #include <sys/socket.h>
