@@ -598,6 +598,58 @@ TEST_CASE("shm: a small ring wraps, fills and wakes; frames both ways arrive onc
   CHECK(b.closed.empty());
 }
 
+TEST_CASE("shm: with a ring on one side only, frames both ways arrive once, in order, intact") {
+  // One side could make no ring ('N'): it reads the other's ring, and its
+  // own frames go through the socket, which then carries no wake-ups; the
+  // ring's writer, finding it full, looks again on its own (ring.h, 3.).
+  Limits small, none;
+  small.shm_ring_bytes = 4096;
+  none.shm_ring_bytes = 0;
+  bool dialer_has_ring = true;
+  SUBCASE("the dialer has the ring") { dialer_has_ring = true; }
+  SUBCASE("the acceptor has the ring") { dialer_has_ring = false; }
+  Endpoint a(shm_transport(), dialer_has_ring ? small : none);
+  Endpoint b(shm_transport(), dialer_has_ring ? none : small);
+  const int port = b.t->listen("127.0.0.1", 0);
+  auto c = open(a, b, port, /*local=*/true);
+  ConnectionPtr served;
+  {
+    std::lock_guard<std::mutex> lock(b.mu);
+    served = b.peer;
+  }
+  REQUIRE(served);
+  Message hello;
+  hello.kind = MessageKind::kHello;
+  hello.hello_worker = "b";
+  hello.hello_step = 2;
+  served->send(encode(hello));
+  const int n = 300;
+  auto payload = [](int i) { return at::full({i % 3 == 0 ? 3000 : i % 40}, float(i)); };
+  auto send_all = [&](const ConnectionPtr& conn) {
+    return std::thread([&, conn] {
+      for (int i = 1; i <= n; ++i) conn->send(encode(request(uint64_t(i), {payload(i)})));
+    });
+  };
+  std::thread to_b = send_all(c), to_a = send_all(served);
+  to_b.join();
+  to_a.join();
+  CHECK(b.wait([&] { return b.got.size() == size_t(n); }, 30s));
+  CHECK(a.wait([&] { return a.got.size() == size_t(n) + 1; }, 30s));
+  auto check = [&](Endpoint& e, size_t skip) {
+    std::lock_guard<std::mutex> lock(e.mu);
+    REQUIRE(e.got.size() == n + skip);
+    for (int i = 1; i <= n; ++i) {
+      CAPTURE(i);
+      REQUIRE(e.got[skip + i - 1].id == uint64_t(i));
+      CHECK(at::equal(e.got[skip + i - 1].values.at(0).toTensor(), payload(i)));
+    }
+  };
+  check(b, 0);
+  check(a, 1);
+  CHECK(a.closed.empty());
+  CHECK(b.closed.empty());
+}
+
 TEST_CASE("shm: a write into a ring a spin polls wakes nobody; what the spin leaves, the loop delivers") {
   Endpoint a(shm_transport()), b(shm_transport(), Limits{}, [](const Message&) { return true; });
   const int port = b.t->listen("127.0.0.1", 0);

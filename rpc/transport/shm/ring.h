@@ -25,6 +25,9 @@
 //     least one of them always sees the other: no byte is left unread.
 //     A writer that finds the ring full sets `writer_waiting` and looks
 //     again; a reader that frees space and finds it set sends 'W' back.
+//     A reader that could make no ring of its own ('N') writes frames on
+//     its socket, so it sends no codes at all: its peer's writer then
+//     looks for space again every millisecond instead.
 //  4. A frame that brings new shared-memory segments (segments.h) sends
 //     their descriptors first ('F' with SCM_RIGHTS on the socket) and counts
 //     them in `announced` before its bytes enter the ring; a reader that

@@ -183,6 +183,7 @@ std::pair<sockaddr_un, socklen_t> abstract_address(const std::string& name) {
 using Clock = std::chrono::steady_clock;
 constexpr auto kSweepPeriod = std::chrono::milliseconds(250);
 constexpr auto kAcceptBackoff = std::chrono::milliseconds(100);
+constexpr auto kRingRetry = std::chrono::milliseconds(1);
 
 }  // namespace
 
@@ -195,6 +196,8 @@ struct UvTransport::Loop {
   bool local_listening = false;
   uv_timer_t sweep;         // closes handshakes that took too long
   uv_timer_t accept_retry;  // restarts accepting after a back-off (EMFILE)
+  uv_timer_t ring_retry;    // full rings whose reader sends no wake-ups (ring.h, 3.)
+  bool ring_retry_active = false;
 };
 
 class UvConnection final : public Connection, public std::enable_shared_from_this<UvConnection> {
@@ -475,7 +478,12 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
         // Full: what is in goes out now, and the reader calls us back.
         if (unpublished) publish_locked();
         unpublished = false;
-        if (!ring_out_->wait_for_space()) return false;
+        if (!ring_out_->wait_for_space()) {
+          // A peer without a ring of its own sends frames on the socket,
+          // and no 'W': the loop looks again on a timer.
+          if (peer_streams_.load(std::memory_order_acquire)) retry_ring_later();
+          return false;
+        }
       }
       if (unpublished) publish_locked();
     } catch (const ProtocolError& e) {
@@ -501,6 +509,12 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
   void flush_from_loop() {
     std::lock_guard<std::mutex> lock(write_mu_);
     flush_locked();
+  }
+
+  // Asks the loop to try the queued writes again in a moment.
+  void retry_ring_later() {
+    auto self = shared_from_this();
+    transport_->post([self] { self->transport_->retry_ring_from_loop(self); });
   }
 
   // A ring's writes wait for the reader's 'W', which comes as readable.
@@ -595,6 +609,9 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
   std::unique_ptr<RingReader> ring_in_;
   std::atomic<RingReader*> ring_in_ready_{nullptr};
   PeerMode peer_mode_ = PeerMode::kUnknown;
+  // The peer said 'N': its socket carries frames, so no wake-ups for our
+  // ring's space (set once, by the loop thread; read by writers).
+  std::atomic<bool> peer_streams_{false};
   uint64_t fds_adopted_ = 0;  // segment descriptors taken off the socket (under read_mu_)
 
   // Reading: the loop thread, or one polling thread (8.), holds read_mu_
@@ -680,6 +697,8 @@ UvTransport::UvTransport(Limits limits, Callbacks callbacks, bool shared_memory)
   }, period, period);
   loop_->accept_retry.data = this;
   uv_timer_init(&loop_->loop, &loop_->accept_retry);
+  loop_->ring_retry.data = this;
+  uv_timer_init(&loop_->loop, &loop_->ring_retry);
   thread_ = std::thread([this] {
     UvConnection::no_polling_here() = true;
     uv_run(&loop_->loop, UV_RUN_DEFAULT);
@@ -1196,6 +1215,13 @@ bool UvTransport::read_codes_locked(const std::shared_ptr<UvConnection>& conn, b
       }
       if (buf[0] == kNoRingHello && fds.empty()) {
         conn->peer_mode_ = PeerMode::kStream;
+        if (conn->ring_out_) {
+          // Writes that found our ring full before this byte came wait for
+          // a 'W' that this peer cannot send (its socket carries frames).
+          std::lock_guard<std::mutex> write_lock(conn->write_mu_);
+          conn->peer_streams_.store(true, std::memory_order_release);
+          if (!conn->queue_.empty()) conn->retry_ring_later();
+        }
         return true;
       }
       return fail("a same-host connection must open with its ring or 'N', not byte " +
@@ -1278,7 +1304,9 @@ bool UvTransport::read_ring_locked(const std::shared_ptr<UvConnection>& conn, bo
     const size_t len =
         static_cast<size_t>(std::min<uint64_t>(avail, direct ? want : staging.size()));
     ring.read(buf, len);
-    if (ring.writer_needs_wake()) {
+    // Without a ring of our own our socket carries frames, not codes: the
+    // writer then looks for space on its own.
+    if (conn->ring_out_ && ring.writer_needs_wake()) {
       stats_ring_wakes_.fetch_add(1, std::memory_order_relaxed);
       (void)conn->send_code(kRingWake, {});
     }
@@ -1304,6 +1332,24 @@ bool UvTransport::read_ring_locked(const std::shared_ptr<UvConnection>& conn, bo
     post([this, conn] { read_from_loop(conn); });
   }
   return delivered;
+}
+
+void UvTransport::retry_ring_from_loop(const std::shared_ptr<UvConnection>& conn) {
+  assert(on_transport_thread());
+  if (stopped_ || conn->loop_closed_) return;
+  ring_retry_.push_back(conn);
+  if (loop_->ring_retry_active) return;
+  loop_->ring_retry_active = true;
+  uv_timer_start(&loop_->ring_retry, [](uv_timer_t* h) {
+    auto* t = static_cast<UvTransport*>(h->data);
+    t->loop_->ring_retry_active = false;
+    // A write that finds the ring still full asks again (write_ring).
+    std::vector<std::weak_ptr<UvConnection>> due = std::move(t->ring_retry_);
+    t->ring_retry_.clear();
+    for (auto& weak : due) {
+      if (auto c = weak.lock(); c && !c->loop_closed_) c->flush_if_queued_from_loop();
+    }
+  }, kRingRetry.count(), 0);
 }
 
 void UvTransport::read_some_from_loop(const std::shared_ptr<UvConnection>& conn) {
@@ -1515,6 +1561,8 @@ void UvTransport::stop_from_loop() {
   stopped_ = true;
   uv_close(reinterpret_cast<uv_handle_t*>(&loop_->sweep), nullptr);
   uv_close(reinterpret_cast<uv_handle_t*>(&loop_->accept_retry), nullptr);
+  uv_close(reinterpret_cast<uv_handle_t*>(&loop_->ring_retry), nullptr);
+  ring_retry_.clear();
   if (loop_->listening) {
     loop_->listening = false;
     uv_close(reinterpret_cast<uv_handle_t*>(&loop_->listen_poll), [](uv_handle_t* h) {

@@ -127,6 +127,9 @@ class UvTransport final : public Transport {
   void close_from_loop(const std::shared_ptr<UvConnection>& conn, const std::string& reason);
   void read_from_loop(const std::shared_ptr<UvConnection>& conn);
   void read_some_from_loop(const std::shared_ptr<UvConnection>& conn);  // read_mu_ held
+  // Writes the peer's ring reader cannot wake (it has no ring: 'N'), tried
+  // again after kRingRetry.
+  void retry_ring_from_loop(const std::shared_ptr<UvConnection>& conn);
   // rpc/transport.h, 8.: a spinning thread's read (conn->read_mu_ held).
   bool read_inline(const std::shared_ptr<UvConnection>& conn);
   // A poll's message: delivered on this thread, or left in deferred_ for
@@ -188,6 +191,7 @@ class UvTransport final : public Transport {
   bool stopped_ = false;  // loop thread only: stop_from_loop() ran
   uint64_t next_id_ = 1;
   std::unordered_map<uint64_t, std::shared_ptr<UvConnection>> conns_;  // loop thread only
+  std::vector<std::weak_ptr<UvConnection>> ring_retry_;                // loop thread only
   std::vector<char> staging_;                                          // loop thread only
   std::atomic<size_t> live_connections_{0};
   size_t handshaking_ = 0;            // loop thread only: accepted, handshake unfinished
