@@ -896,18 +896,18 @@ struct RawRing {
   std::atomic<uint64_t>& at(uint64_t offset) {
     return *reinterpret_cast<std::atomic<uint64_t>*>(base + offset);
   }
-  // Copies `bytes` in at the head, publishes `head` (by default the true
-  // one) and wakes the reader.
-  void write(const std::string& bytes) {
+  // Copies `bytes` in at the head, publishes the head and wakes the reader
+  // (unless `wake` is false).
+  void write(const std::string& bytes, bool wake = true) {
     for (size_t i = 0; i < bytes.size(); ++i) {
       base[testing::RingLayout::kHeaderBytes + ((head + i) & (capacity - 1))] = bytes[i];
     }
     head += bytes.size();
-    publish(head);
+    publish(head, wake);
   }
-  void publish(uint64_t h) {
+  void publish(uint64_t h, bool wake = true) {
     at(testing::RingLayout::head_offset()).store(h);
-    raw.write(std::string(1, kRingWake));
+    if (wake) raw.write(std::string(1, kRingWake));
   }
   void greet() {
     Message hello;
@@ -1029,6 +1029,25 @@ TEST_CASE("shm: a hostile ring or socket code closes that connection, not the tr
     r->at(testing::RingLayout::announced_offset()).store(1);
     r->write(encode(request(7, {})).to_bytes());
     closed_with();
+  }
+  SUBCASE("segments announced in the ring, then the socket ends") {
+    // The end drains the ring, and no descriptor can come any more.
+    auto r = good_ring();
+    expect = "ring announced 1 segment descriptor(s); 0 came";
+    r->at(testing::RingLayout::announced_offset()).store(1);
+    r->write(encode(request(7, {})).to_bytes(), /*wake=*/false);
+    REQUIRE(::shutdown(r->raw.fd, SHUT_WR) == 0);
+    closed_with();
+  }
+  SUBCASE("frames in the ring when the socket ends are delivered first") {
+    auto r = good_ring();
+    r->write(encode(request(8, {at::arange(10, at::kFloat)})).to_bytes(), /*wake=*/false);
+    REQUIRE(::shutdown(r->raw.fd, SHUT_WR) == 0);
+    REQUIRE(b.wait([&] { return b.closed.size() == 1; }, 5s));
+    std::lock_guard<std::mutex> lock(b.mu);
+    REQUIRE(b.got.size() == 3);
+    CHECK(b.got[2].id == 8);
+    CHECK(b.closed[0].second.find("closed the connection") != std::string::npos);
   }
   SUBCASE("an unknown byte on the ring's socket") {
     auto r = good_ring();

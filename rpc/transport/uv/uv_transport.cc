@@ -1272,6 +1272,17 @@ bool UvTransport::read_ring_locked(const std::shared_ptr<UvConnection>& conn, bo
     return delivered;
   };
   const int rounds = poller ? kReadRoundsPerPoll : kReadRoundsPerWakeup;
+  // A drain (the socket ended) takes what the ring held then, no more: a
+  // peer that goes on writing into it cannot keep this thread.
+  uint64_t drain_left = 0;
+  if (drain) {
+    try {
+      drain_left = ring.readable();
+    } catch (const std::exception& e) {
+      error = e.what();
+      return fail();
+    }
+  }
   for (int round = 0; drain || round < rounds; ++round) {
     if (conn->loop_closed_ || (!drain && conn->reading_stopped_)) return delivered;
     uint64_t avail = 0;
@@ -1281,6 +1292,7 @@ bool UvTransport::read_ring_locked(const std::shared_ptr<UvConnection>& conn, bo
       error = e.what();
       return fail();
     }
+    if (drain) avail = std::min(avail, drain_left);
     if (avail == 0) {
       // Asleep from here on, woken by the writer's 'W' (ring.h, 3.); a
       // poller or a drain just stops.
@@ -1288,6 +1300,11 @@ bool UvTransport::read_ring_locked(const std::shared_ptr<UvConnection>& conn, bo
       continue;
     }
     if (ring.announced() > conn->fds_adopted_) {  // the descriptors first (ring.h, 4.)
+      if (drain) {  // the socket has ended: none will come
+        error = "ring announced " + std::to_string(ring.announced()) +
+                " segment descriptor(s); " + std::to_string(conn->fds_adopted_) + " came";
+        return fail();
+      }
       if (!read_codes_locked(conn, poller, error)) {
         if (!poller || error.empty()) return delivered;  // closed, or the end left to the loop
         hand_to_loop(conn, error);
@@ -1304,6 +1321,7 @@ bool UvTransport::read_ring_locked(const std::shared_ptr<UvConnection>& conn, bo
     const size_t len =
         static_cast<size_t>(std::min<uint64_t>(avail, direct ? want : staging.size()));
     ring.read(buf, len);
+    if (drain) drain_left -= len;
     // Without a ring of our own our socket carries frames, not codes: the
     // writer then looks for space on its own.
     if (conn->ring_out_ && ring.writer_needs_wake()) {
