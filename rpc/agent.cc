@@ -3,6 +3,8 @@
 // dispatch.cc, the connection table in connections.cc.
 #include "tandem/rpc/agent.h"
 
+#include <ATen/Context.h>
+
 #include <algorithm>
 #include <cassert>
 #include <cstdio>
@@ -21,12 +23,23 @@
 #include "tandem/rpc/host.h"
 #include "tandem/rpc/rendezvous.h"
 #include "tandem/rpc/rref/context.h"
+#include "tandem/rpc/testing.h"
 
 namespace tandem::rpc {
 namespace {
 
+// A rendezvous entry: name, host, port and same-host endpoint on the first
+// line, the number of CUDA devices on the second, then a line per device
+// map (the worker it leads to, then pairs of device indices), tab-separated
+// (names hold no tab or newline).
 std::string join_worker(const WorkerInfo& w) {
-  return w.name + "\t" + w.host + "\t" + std::to_string(w.port) + "\t" + w.local;
+  std::string s = w.name + "\t" + w.host + "\t" + std::to_string(w.port) + "\t" + w.local +
+                  "\n" + std::to_string(w.cuda_devices);
+  for (const auto& [to, map] : w.device_maps) {
+    s += "\n" + to;
+    for (auto [from, dst] : map) s += "\t" + std::to_string(from) + "\t" + std::to_string(dst);
+  }
+  return s;
 }
 
 WorkerInfo split_worker(const std::string& s, int rank) {
@@ -45,10 +58,75 @@ WorkerInfo split_worker(const std::string& s, int rank) {
     throw std::runtime_error("malformed rendezvous entry for rank " + std::to_string(rank) +
                              ": port '" + printable(port) + "'");
   }
+  std::string line;
+  try {
+    if (std::getline(in, line)) w.cuda_devices = std::stoi(line);
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string to, from, dst;
+      std::getline(fields, to, '\t');
+      auto& map = w.device_maps[to];
+      while (std::getline(fields, from, '\t') && std::getline(fields, dst, '\t')) {
+        map[std::stoi(from)] = std::stoi(dst);
+      }
+    }
+  } catch (const std::exception&) {
+    throw std::runtime_error("malformed rendezvous entry for rank " + std::to_string(rank) +
+                             ": devices '" + printable(line) + "'");
+  }
   return w;
 }
 
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
+
+std::string cuda(int i) { return "cuda:" + std::to_string(i); }
+
+const std::map<int, int>* find_map(const std::map<std::string, std::map<int, int>>& maps,
+                                   const std::string& to) {
+  auto it = maps.find(to);
+  return it == maps.end() ? nullptr : &it->second;
+}
+
+// Every worker's device maps, checked against both ends' devices
+// (AgentOptions::device_maps). The same on every worker, so all refuse a
+// bad map alike, naming whose it is.
+void check_device_maps(const std::vector<WorkerInfo>& workers,
+                       const std::unordered_map<std::string, int>& rank_of) {
+  for (const WorkerInfo& w : workers) {
+    for (const auto& [to, map] : w.device_maps) {
+      const std::string whose = w.name + "'s device map to '" + printable(to) + "'";
+      auto r = rank_of.find(to);
+      if (r == rank_of.end()) throw std::invalid_argument(whose + ": there is no such worker");
+      if (r->second == w.rank) throw std::invalid_argument(whose + ": a map to itself");
+      const WorkerInfo& peer = workers[r->second];
+      std::map<int, int> back;
+      for (auto [from, dst] : map) {
+        if (from >= w.cuda_devices) {
+          throw std::invalid_argument(whose + " names " + cuda(from) + ", but " + w.name +
+                                      " has " + std::to_string(w.cuda_devices) +
+                                      " CUDA device(s)");
+        }
+        if (dst >= peer.cuda_devices) {
+          throw std::invalid_argument(whose + " maps " + cuda(from) + " to " + cuda(dst) +
+                                      ", but " + peer.name + " has " +
+                                      std::to_string(peer.cuda_devices) + " CUDA device(s)");
+        }
+        auto [it, fresh] = back.emplace(dst, from);
+        if (!fresh) {
+          throw std::invalid_argument(whose + " maps both " + cuda(it->second) + " and " +
+                                      cuda(from) + " to " + cuda(dst) +
+                                      ": answers could not find their way back");
+        }
+      }
+    }
+  }
+}
+
+std::map<int, int> inverse(const std::map<int, int>& map) {
+  std::map<int, int> out;
+  for (auto [from, dst] : map) out[dst] = from;
+  return out;
+}
 
 // The first line of a (c10) error message, which goes on with a C++ trace.
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
@@ -64,6 +142,33 @@ std::vector<ExtensionFactory>& extension_factories() {
 void register_agent_extension(ExtensionFactory factory) {
   std::lock_guard<std::mutex> lock(g_extensions_mu);
   extension_factories().push_back(std::move(factory));
+}
+
+namespace testing {
+namespace {
+std::atomic<int> g_cuda_devices{-1};
+}
+void set_cuda_devices(int n) { g_cuda_devices.store(n); }
+int cuda_devices_override() { return g_cuda_devices.load(); }
+}  // namespace testing
+
+AgentOptions& AgentOptions::set_device_map(const std::string& worker,
+                                           const std::map<int, int>& map) {
+  auto& mine = device_maps[worker];
+  for (auto [from, dst] : map) {
+    if (from < 0 || dst < 0 || from > 127 || dst > 127) {
+      throw std::invalid_argument("set_device_map(\"" + printable(worker) + "\"): device " +
+                                  std::to_string(from < 0 || from > 127 ? from : dst) +
+                                  " is not a CUDA device index");
+    }
+    auto [it, fresh] = mine.emplace(from, dst);
+    if (!fresh && it->second != dst) {
+      throw std::invalid_argument("set_device_map(\"" + printable(worker) + "\"): cuda:" +
+                                  std::to_string(from) + " is already mapped to cuda:" +
+                                  std::to_string(it->second));
+    }
+  }
+  return *this;
 }
 
 std::shared_ptr<Agent> Agent::create(AgentOptions options, std::shared_ptr<Registry> registry,
@@ -179,6 +284,10 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
       throw std::invalid_argument("worker name '" + self.name + "' contains a tab or newline");
     }
     self.host = advertise;
+    self.cuda_devices = testing::cuda_devices_override() >= 0
+                            ? testing::cuda_devices_override()
+                            : at::hasCUDA() ? static_cast<int>(at::getNumGPUs()) : 0;
+    self.device_maps = options_.device_maps;
     self.port = transport_->listen(listen_host, 0);
     if (options_.transport_mode != "tcp") self.local = transport_->local_endpoint();
     if (options_.transport_mode == "shm" && self.local.empty()) {
@@ -235,6 +344,18 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
         throw std::invalid_argument("worker name '" + workers_[r].name + "' is used by ranks " +
                                     std::to_string(it->second) + " and " + std::to_string(r));
       }
+    }
+    check_device_maps(workers_, rank_of_);
+    send_maps_.resize(world);
+    answer_maps_.resize(world);
+    for (int r = 0; r < world; ++r) {
+      const auto* mine = find_map(workers_[rank_].device_maps, workers_[r].name);
+      const auto* theirs = find_map(workers_[r].device_maps, self_name_);
+      send_maps_[r].peer = answer_maps_[r].peer = workers_[r].name;
+      // Calls go by our map, else back along theirs; answers go back along
+      // the caller's map, else by ours.
+      send_maps_[r].cuda = mine ? *mine : theirs ? inverse(*theirs) : std::map<int, int>();
+      answer_maps_[r].cuda = theirs ? inverse(*theirs) : mine ? *mine : std::map<int, int>();
     }
     conns_ = std::make_unique<ConnectionTable>(world);
   } catch (...) {

@@ -80,6 +80,9 @@ struct WorkerInfo {
   // Where workers on the same host reach it over shared memory
   // (Transport::local_endpoint); empty when it offers no such path.
   std::string local;
+  int cuda_devices = 0;
+  // Its AgentOptions::device_maps, by the worker they lead to.
+  std::map<std::string, std::map<int, int>> device_maps;
 };
 
 struct AgentOptions {
@@ -121,6 +124,19 @@ struct AgentOptions {
   // Where to write this worker's trace (rpc/trace.h); empty: $TANDEM_TRACE,
   // and no trace when that is unset.
   std::string trace_dir;
+  // Device maps, as PyTorch's TensorPipeRpcBackendOptions.set_device_map:
+  // a CUDA tensor this worker sends to `worker` from its cuda:i arrives on
+  // that worker's cuda:map[i]; answers and other messages coming back take
+  // the inverse unless that worker has a map of its own. A CUDA tensor with
+  // no map for its device is refused with an error naming the map to set,
+  // never moved to the CPU unasked. Every worker checks every map at
+  // start-up against both ends' devices (and that no two devices map onto
+  // one, so answers can find their way back).
+  std::map<std::string, std::map<int, int>> device_maps;
+  // Adds `map` (device index here -> device index on `worker`) to
+  // device_maps; throws std::invalid_argument for a negative index or a
+  // device already mapped elsewhere.
+  AgentOptions& set_device_map(const std::string& worker, const std::map<int, int>& map);
 };
 
 struct CallOptions {
@@ -294,6 +310,9 @@ class Agent : public std::enable_shared_from_this<Agent> {
   std::atomic<bool> ready_{false};  // rendezvous finished (or failed)
   std::vector<WorkerInfo> workers_;
   std::unordered_map<std::string, int> rank_of_;
+  // By rank: where CUDA tensors go in what this worker asks of that one,
+  // and in its answers to it (AgentOptions::device_maps), once started.
+  std::vector<DeviceMap> send_maps_, answer_maps_;
   std::atomic<uint64_t> next_id_{1};
   bool shut_down_ = false;
   std::mutex shutdown_mu_;

@@ -31,7 +31,11 @@ Future<c10::IValue> Agent::call(const std::string& to, const std::string& fn,
 OutFrame Agent::encode_with_extensions(Message& m, int dest) {
   for (const auto& e : extensions_) e->before_send(m, dest);
   // Forks made here are undone if anything below throws (Forks is RAII).
-  OutFrame frame = encode(m, options_.limits, rrefs_.get(), dest);
+  const std::vector<DeviceMap>& maps =
+      m.kind == MessageKind::kResponse ? answer_maps_ : send_maps_;
+  const DeviceMap* devices =
+      dest >= 0 && static_cast<size_t>(dest) < maps.size() ? &maps[dest] : nullptr;
+  OutFrame frame = encode(m, options_.limits, rrefs_.get(), dest, devices);
   for (const auto& e : extensions_) e->after_encode(m, frame, dest);
   return frame;
 }

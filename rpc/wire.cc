@@ -1,5 +1,6 @@
 #include "tandem/rpc/wire.h"
 
+#include <ATen/Context.h>
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
 #include <ATen/core/jit_type.h>
@@ -46,8 +47,8 @@ bool known_dtype(int v) {
 
 class Encoder {
  public:
-  Encoder(RRefHook* hook, int dest, std::vector<RRefDesc>& forks)
-      : forks(forks), hook_(hook), dest_(dest) {}
+  Encoder(RRefHook* hook, int dest, const DeviceMap* devices, std::vector<RRefDesc>& forks)
+      : forks(forks), hook_(hook), dest_(dest), devices_map_(devices) {}
   std::vector<at::Tensor> tensors;
   std::vector<at::Tensor> sources;  // the caller's tensor behind each wire tensor
   std::vector<RRefDesc>& forks;  // every fork made, so a failure can undo them
@@ -154,6 +155,32 @@ class Encoder {
   std::unordered_map<const c10::TensorImpl*, uint32_t> index_;
   RRefHook* hook_;
   int dest_;
+  const DeviceMap* devices_map_;
+
+  // Where a tensor on `d` arrives: CPU stays CPU; a CUDA device goes where
+  // the device map says, and nowhere without one.
+  c10::Device target(c10::Device d) const {
+    if (d.is_cpu()) return d;
+    const std::string to = devices_map_ && !devices_map_->peer.empty()
+                               ? " to " + devices_map_->peer
+                               : std::string();
+    if (!d.is_cuda()) {
+      throw std::invalid_argument("cannot send a tensor on " + d.str() + to +
+                                  ": only CPU and CUDA tensors travel over RPC");
+    }
+    if (devices_map_) {
+      auto it = devices_map_->cuda.find(d.index());
+      if (it != devices_map_->cuda.end()) {
+        return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(it->second));
+      }
+    }
+    const std::string peer = to.empty() ? "<worker>" : devices_map_->peer;
+    throw std::invalid_argument(
+        "cannot send a tensor on " + d.str() + to + ": no device map says where " + d.str() +
+        "'s tensors go there (AgentOptions::set_device_map(\"" + peer + "\", {{" +
+        std::to_string(d.index()) + ", <device there>}})); CUDA tensors are never moved to the "
+        "CPU unasked (call .cpu() to send it through host memory)");
+  }
 
   uint32_t tensor(const at::Tensor& t) {
     // The same tensor passed twice travels once and arrives as one tensor.
@@ -166,12 +193,14 @@ class Encoder {
       throw std::invalid_argument(std::string("cannot send a tensor of dtype ") +
                                   c10::toString(t.scalar_type()) + " over RPC");
     }
+    const c10::Device to = target(t.device());
     at::Tensor wire = t;
-    if (!wire.device().is_cpu()) wire = wire.cpu();  // TODO(perf): CUDA path
+    // Staged through host memory (TODO(perf): pinned buffers, CUDA IPC).
+    if (!wire.device().is_cpu()) wire = wire.cpu();
     wire = wire.resolve_conj().resolve_neg().contiguous();
     auto idx = static_cast<uint32_t>(tensors.size());
     index_.emplace(t.unsafeGetTensorImpl(), idx);
-    devices_.push_back(t.device());
+    devices_.push_back(to);  // where the receiver places it
     sources.push_back(t);
     tensors.push_back(std::move(wire));
     return idx;
@@ -387,12 +416,12 @@ uint64_t OutFrame::total_bytes() const {
 
 namespace {
 OutFrame encode_unchecked(const Message& m, const Limits& limits, RRefHook* rrefs, int dest,
-                          std::vector<RRefDesc>& forks) {
+                          const DeviceMap* devices, std::vector<RRefDesc>& forks) {
   capnp::MallocMessageBuilder builder;
   auto env = builder.initRoot<schema::Envelope>();
   env.setId(m.id);
   env.setKind(static_cast<schema::Kind>(m.kind));
-  Encoder enc(rrefs, dest, forks);
+  Encoder enc(rrefs, dest, devices, forks);
   switch (m.kind) {
     case MessageKind::kRequest:
       env.setCallee(m.callee);
@@ -480,10 +509,11 @@ OutFrame encode_unchecked(const Message& m, const Limits& limits, RRefHook* rref
 }
 }  // namespace
 
-OutFrame encode(const Message& m, const Limits& limits, RRefHook* rrefs, int dest) {
+OutFrame encode(const Message& m, const Limits& limits, RRefHook* rrefs, int dest,
+                const DeviceMap* devices) {
   std::vector<RRefDesc> forks;
   try {
-    OutFrame frame = encode_unchecked(m, limits, rrefs, dest, forks);
+    OutFrame frame = encode_unchecked(m, limits, rrefs, dest, devices, forks);
     frame.kind = m.kind;
     frame.forks = Forks(rrefs, std::move(forks));
     return frame;
@@ -632,6 +662,7 @@ void FrameDecoder::on_table() {
 void FrameDecoder::on_envelope() {
   pending_ = Message();
   tensors_.clear();
+  placements_.clear();
   try {
     capnp::ReaderOptions opts;
     // A word may be visited more than once (lists of empty structs cost a
@@ -695,6 +726,7 @@ void FrameDecoder::on_envelope() {
     auto metas = env.getTensors();
     std::vector<std::pair<c10::ScalarType, std::vector<int64_t>>> shapes;
     shapes.reserve(metas.size());
+    std::vector<c10::Device> devices;
     if (!table_.empty() && table_.back().tensor >= metas.size()) {
       throw ProtocolError("shared tensor table names tensor " +
                           std::to_string(table_.back().tensor) + " of " +
@@ -741,7 +773,15 @@ void FrameDecoder::on_envelope() {
         throw ProtocolError(which + "byte length " + std::to_string(meta.getByteLength()) +
                             " does not match its shape and dtype");
       }
-      decode_device(meta.getDevice());
+      const c10::Device device = decode_device(meta.getDevice());
+      if (!device.is_cpu()) {
+        const int64_t have = at::hasCUDA() ? static_cast<int64_t>(at::getNumGPUs()) : 0;
+        if (!device.is_cuda() || device.index() < 0 || device.index() >= have) {
+          throw ProtocolError(which + "is for " + device.str() + ", which this worker does not "
+                              "have (" + std::to_string(have) + " CUDA device(s))");
+        }
+      }
+      devices.push_back(device);
       if (meta.getRequiresGrad() && !at::isFloatingType(dtype) && !at::isComplexType(dtype)) {
         throw ProtocolError(which + "requires grad but its dtype " + c10::toString(dtype) +
                             " is not differentiable");
@@ -774,6 +814,7 @@ void FrameDecoder::on_envelope() {
         all.push_back(at::empty(shapes[i].second, at::TensorOptions().dtype(shapes[i].first)));
         tensors_.push_back(all.back());
       }
+      if (!devices[i].is_cpu()) placements_.emplace_back(all.back(), devices[i]);
       if (metas[i].getRequiresGrad()) {
         if (pending_.autograd_message != 0) {
           pending_.grad_tensors.push_back(all.back());  // the layer above records it
@@ -808,7 +849,55 @@ void FrameDecoder::advance_body() {
   finish();
 }
 
+namespace {
+using Placed = std::unordered_map<const c10::TensorImpl*, at::Tensor>;
+
+// `v` with every tensor in `placed` replaced by its placed copy (lists in
+// place: the decoder made them).
+c10::IValue with_placed(const c10::IValue& v, const Placed& placed) {
+  if (v.isTensor()) {
+    auto it = placed.find(v.toTensor().unsafeGetTensorImpl());
+    return it == placed.end() ? v : c10::IValue(it->second);
+  }
+  if (v.isList()) {
+    auto list = v.toList();
+    for (size_t i = 0; i < list.size(); ++i) list.set(i, with_placed(list.get(i), placed));
+    return v;
+  }
+  if (v.isTuple()) {
+    std::vector<c10::IValue> elems;
+    for (const auto& e : v.toTupleRef().elements()) elems.push_back(with_placed(e, placed));
+    return c10::ivalue::Tuple::create(std::move(elems));
+  }
+  if (v.isGenericDict()) {
+    auto dict = v.toGenericDict();
+    for (auto it = dict.begin(); it != dict.end(); ++it) {
+      it->setValue(with_placed(it->value(), placed));
+    }
+    return v;
+  }
+  return v;
+}
+}  // namespace
+
 void FrameDecoder::finish() {
+  if (!placements_.empty()) {
+    // The device map's target (rpc/wire.h DeviceMap): a copy from the host
+    // tensor the body was read into. TODO(perf): off the reading thread, on
+    // a stream the handler waits for.
+    Placed placed;
+    for (auto& [host, device] : placements_) {
+      at::Tensor t = host.detach().to(device);
+      if (host.requires_grad()) t.set_requires_grad(true);
+      placed.emplace(host.unsafeGetTensorImpl(), std::move(t));
+    }
+    placements_.clear();
+    for (auto& v : pending_.values) v = with_placed(v, placed);
+    for (auto& g : pending_.grad_tensors) {
+      auto it = placed.find(g.unsafeGetTensorImpl());
+      if (it != placed.end()) g = it->second;
+    }
+  }
   pending_.wire_bytes =
       kPreambleBytes + preamble_.table_bytes + preamble_.envelope_bytes + preamble_.body_bytes;
   table_.clear();

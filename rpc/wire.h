@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -200,13 +201,23 @@ struct OutFrame {
   std::string to_bytes() const;
 };
 
+// Where a frame's CUDA tensors go on the worker that receives it
+// (AgentOptions::set_device_map): cuda:i here arrives on cuda:cuda.at(i)
+// there. A CUDA tensor whose device it does not cover is refused, never
+// moved to the CPU unasked.
+struct DeviceMap {
+  std::string peer;  // for errors
+  std::map<int, int> cuda;
+};
+
 // Throws std::invalid_argument for values that cannot travel (an unsupported
 // IValue kind, a sparse tensor, nesting past kMaxValueDepth, a frame over
 // `limits`): the caller learns it at once instead of the peer refusing the frame.
 // RRefs in the values are forked for worker `dest` through `rrefs`; without
 // a hook, a message holding an RRef is refused.
+// CUDA tensors travel only where `devices` maps their device.
 OutFrame encode(const Message& message, const Limits& limits = Limits{},
-                RRefHook* rrefs = nullptr, int dest = -1);
+                RRefHook* rrefs = nullptr, int dest = -1, const DeviceMap* devices = nullptr);
 
 // Puts handles[i] where a received message's values hold the placeholder of
 // its rrefs[i]. Throws std::logic_error unless every placeholder is filled.
@@ -268,6 +279,8 @@ class FrameDecoder {
 
   Message pending_;
   std::vector<at::Tensor> tensors_;
+  // The current frame's tensors that go to a CUDA device once read.
+  std::vector<std::pair<at::Tensor, c10::Device>> placements_;
   size_t tensor_index_ = 0;
   uint64_t tensor_done_ = 0;      // bytes of tensors_[tensor_index_] filled
   uint64_t padding_left_ = 0;     // padding bytes before the current tensor

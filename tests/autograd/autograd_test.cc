@@ -555,7 +555,9 @@ TEST_CASE("autograd: CUDA tensors: gradients come back to the device") {
   auto x = at::randn({4, 8}, kF64.device(at::kCUDA)).requires_grad_();
   dist::Context ctx(w[0]);
   auto h = x * 2;  // on the GPU
-  auto y = w[0].rpc_sync<at::Tensor>("worker1", "lin1", h);  // computed on worker1's CPU
+  // Sent through host memory, asked for (a CUDA tensor without a device
+  // map is refused), and computed on worker1's CPU.
+  auto y = w[0].rpc_sync<at::Tensor>("worker1", "lin1", h.cpu());
   auto loss = (y.to(at::kCUDA) * 3).sum() + h.sum();
   dist::backward(ctx.id(), {loss});
   auto g = dist::get_gradients(ctx.id()).at(x);

@@ -424,7 +424,11 @@ TEST_CASE("nn: a module on cuda:0 computes there and answers with CPU tensors") 
   }
   // CUDA's context and driver threads stay for the life of the process.
   test::process_lifetime([] { (at::ones({2}).to(at::kCUDA) * 2).sum().item<float>(); });
-  World w(2, define);
+  // A parameter fetched with to_here() is a CUDA tensor: it travels by the
+  // device map (without one it would be refused).
+  World w(2, define, [](rpc::AgentOptions& o) {
+    if (o.rank == 0) o.set_device_map("worker1", {{0, 0}});
+  });
   {
     RemoteModule fc(w[0], "worker1/cuda:0", "Linear", {4, 3});
     torch::nn::Linear local(4, 3);

@@ -1,12 +1,15 @@
 // Agents in one process: calls, types, futures, errors, timeouts, shutdown.
 #include "test_util.h"
 
+#include <ATen/ops/empty.h>
+
 #include <atomic>
 #include <chrono>
 
 #include "tandem/rpc/api.h"
 #include "tandem/rpc/rendezvous.h"
 #include "tandem/rpc/rref.h"
+#include "tandem/rpc/testing.h"
 
 using namespace tandem;
 using namespace tandem::rpc;
@@ -483,6 +486,75 @@ TEST_CASE("agent: bad options and worlds are refused clearly") {
 TEST_CASE("agent: two workers with one name are refused") {
   CHECK_THROWS_WITH(World(2, define_common, [](AgentOptions& o) { o.name = "same"; }),
                     doctest::Contains("worker name 'same' is used by ranks 0 and 1"));
+}
+
+TEST_CASE("device maps: set_device_map refuses bad indices and a device mapped twice") {
+  AgentOptions o;
+  CHECK_THROWS_WITH_AS(o.set_device_map("worker1", {{-1, 0}}),
+                       doctest::Contains("device -1 is not a CUDA device index"),
+                       std::invalid_argument);
+  o.set_device_map("worker1", {{0, 1}}).set_device_map("worker1", {{1, 0}, {0, 1}});
+  CHECK(o.device_maps.at("worker1") == std::map<int, int>{{0, 1}, {1, 0}});
+  CHECK_THROWS_WITH_AS(o.set_device_map("worker1", {{0, 0}}),
+                       doctest::Contains("cuda:0 is already mapped to cuda:1"),
+                       std::invalid_argument);
+}
+
+TEST_CASE("device maps: every worker checks every map at start-up against both ends' devices") {
+  // Workers here have no GPU; what they say at the rendezvous is set, so
+  // the checks run as on a GPU machine (rpc/testing.h).
+  struct Devices {
+    explicit Devices(int n) { testing::set_cuda_devices(n); }
+    ~Devices() { testing::set_cuda_devices(-1); }
+  };
+  auto refused = [](int devices, std::map<int, int> map, const std::string& to,
+                    const std::string& why) {
+    Devices fake(devices);
+    CAPTURE(why);
+    CHECK_THROWS_WITH(World(2, define_common,
+                            [&](AgentOptions& o) {
+                              if (o.rank == 0) o.set_device_map(to, map);
+                            }),
+                      doctest::Contains(why.c_str()));
+  };
+  refused(-1, {{0, 0}}, "worker1",
+          "worker0's device map to 'worker1' names cuda:0, but worker0 has 0 CUDA device(s)");
+  refused(2, {{0, 2}}, "worker1",
+          "worker0's device map to 'worker1' maps cuda:0 to cuda:2, but worker1 has 2 CUDA "
+          "device(s)");
+  refused(2, {{0, 1}, {1, 1}}, "worker1",
+          "maps both cuda:0 and cuda:1 to cuda:1: answers could not find their way back");
+  refused(2, {{0, 0}}, "worker7", "worker0's device map to 'worker7': there is no such worker");
+  refused(2, {{0, 0}}, "worker0", "a map to itself");
+  // A good map starts, and is known to both ends; CPU tensors are not
+  // touched by it.
+  Devices fake(2);
+  World w(2, define_common, [](AgentOptions& o) {
+    if (o.rank == 0) o.set_device_map("worker1", {{0, 1}, {1, 0}});
+  });
+  CHECK(w[1].get_worker_info("worker0").device_maps.at("worker1") ==
+        std::map<int, int>{{0, 1}, {1, 0}});
+  CHECK(w[1].get_worker_info("worker0").cuda_devices == 2);
+  auto t = at::arange(6, at::kFloat);
+  CHECK(at::equal(w[0].rpc_sync<at::Tensor>("worker1", "echo", t), t));
+  w.shutdown();
+}
+
+TEST_CASE("device maps: a tensor on a device that cannot travel is refused, naming it") {
+  World w(2, [](Registry& r) {
+    define_common(r);
+    r.def("make_meta", []() { return at::empty({2}, at::TensorOptions().device(at::kMeta)); });
+  });
+  auto meta = at::empty({4}, at::TensorOptions().device(at::kMeta));
+  CHECK_THROWS_WITH_AS(w[0].rpc_sync<at::Tensor>("worker1", "echo", meta),
+                       doctest::Contains("cannot send a tensor on meta to worker1: only CPU and "
+                                         "CUDA tensors travel"),
+                       std::invalid_argument);
+  // In an answer too: the caller hears of it, the callee keeps serving.
+  CHECK_THROWS_WITH(w[0].rpc_sync<at::Tensor>("worker1", "make_meta"),
+                    doctest::Contains("cannot send a tensor on meta to worker0"));
+  CHECK(w[0].rpc_sync<int64_t>("worker1", "sleep_ms", 1) == 1);
+  w.shutdown();
 }
 
 TEST_CASE("api: init from the environment, rpc to oneself, shutdown") {
