@@ -650,6 +650,59 @@ TEST_CASE("shm: with a ring on one side only, frames both ways arrive once, in o
   CHECK(b.closed.empty());
 }
 
+TEST_CASE("shm: a reader that stops reading leaves the ring full; the writer queues, and goes on "
+          "when answers drain") {
+  // Backpressure (uv_transport.h, 5.) through a 4 KiB ring: b holds a few
+  // requests, then stops reading past max_held_bytes; a's ring fills and
+  // its sends queue. Answers resume b, whose reads wake a's writer.
+  Limits limits;
+  limits.shm_ring_bytes = 4096;
+  limits.max_unanswered_requests = 4;
+  limits.max_held_bytes = 16 << 10;
+  Endpoint a(shm_transport(), limits), b(shm_transport(), limits);
+  const int port = b.t->listen("127.0.0.1", 0);
+  auto c = open(a, b, port, /*local=*/true);
+  Message hello;  // the acceptor's greeting, which a's decoder wants first
+  hello.kind = MessageKind::kHello;
+  hello.hello_worker = "b";
+  hello.hello_step = 2;
+  b.peer->send(encode(hello));
+  REQUIRE(a.wait([&] { return a.got.size() == 1; }));
+  const int n = 60;
+  auto payload = [](int i) { return at::full({1000}, float(i)); };  // 4000 B: a ring each
+  for (int i = 1; i <= n; ++i) c->send(encode(request(uint64_t(i), {payload(i)})));
+  REQUIRE(b.wait([&] { return b.got.size() == 4; }));
+  std::this_thread::sleep_for(100ms);
+  CHECK(b.messages() == 4);  // the rest held, then left in the ring and a's queue
+  CHECK(b.t->stats().read_pauses == 1);
+  for (size_t i = 0; i < size_t(n); ++i) {
+    if (!b.wait([&] { return b.got.size() > i; }, 10s)) {
+      std::lock_guard<std::mutex> la(a.mu), lb(b.mu);
+      FAIL("stuck at " << i << " of " << n << "; a closed: "
+                       << (a.closed.empty() ? "-" : a.closed[0].second)
+                       << "; b closed: " << (b.closed.empty() ? "-" : b.closed[0].second)
+                       << "; a got " << a.got.size());
+    }
+    Message r;
+    r.kind = MessageKind::kResponse;
+    {
+      std::lock_guard<std::mutex> lock(b.mu);
+      r.id = b.got.at(i).id;
+    }
+    b.peer->send(encode(r));
+  }
+  REQUIRE(a.wait([&] { return a.got.size() == size_t(n) + 1; }, 10s));
+  std::lock_guard<std::mutex> lock(b.mu);
+  REQUIRE(b.got.size() == size_t(n));
+  for (int i = 1; i <= n; ++i) {
+    CAPTURE(i);
+    CHECK(b.got[i - 1].id == uint64_t(i));
+    CHECK(at::equal(b.got[i - 1].values.at(0).toTensor(), payload(i)));
+  }
+  CHECK(a.closed.empty());
+  CHECK(b.closed.empty());
+}
+
 TEST_CASE("shm: a write into a ring a spin polls wakes nobody; what the spin leaves, the loop delivers") {
   Endpoint a(shm_transport()), b(shm_transport(), Limits{}, [](const Message&) { return true; });
   const int port = b.t->listen("127.0.0.1", 0);
