@@ -134,6 +134,24 @@ ConnectionPtr open(Endpoint& a, Endpoint& b, int port, bool local = false) {
   return c;
 }
 
+// The connection b accepted in open(), after it has sent the acceptor's
+// greeting (step 2 of the handshake), which the dialer's decoder wants
+// before anything else.
+ConnectionPtr greet_back(Endpoint& b) {
+  ConnectionPtr served;
+  {
+    std::lock_guard<std::mutex> lock(b.mu);
+    served = b.peer;
+  }
+  REQUIRE(served);
+  Message hello;
+  hello.kind = MessageKind::kHello;
+  hello.hello_worker = "b";
+  hello.hello_step = 2;
+  served->send(encode(hello));
+  return served;
+}
+
 // Runs `body(backend)` for every backend, each as its own subcase.
 template <class F>
 void for_each_backend(F body) {
@@ -529,18 +547,11 @@ TEST_CASE("shm: a small ring wraps, fills and wakes; frames both ways arrive onc
   Endpoint a(shm_transport(), limits, all_but_loop), b(shm_transport(), limits, all_but_loop);
   const int port = b.t->listen("127.0.0.1", 0);
   auto c = open(a, b, port, /*local=*/true);
-  ConnectionPtr served;
   {
     std::lock_guard<std::mutex> lock(b.mu);
-    served = b.peer;
     b.got.clear();
   }
-  REQUIRE(served);
-  Message hello;  // the acceptor's greeting, which a's decoder wants first
-  hello.kind = MessageKind::kHello;
-  hello.hello_worker = "b";
-  hello.hello_step = 2;
-  served->send(encode(hello));
+  ConnectionPtr served = greet_back(b);
   const int n = 600;
   const int64_t sizes[] = {0, 25, 700, 1500, 10000, 0, 3, 2048};  // floats
   auto payload = [&](int i) {
@@ -612,17 +623,7 @@ TEST_CASE("shm: with a ring on one side only, frames both ways arrive once, in o
   Endpoint b(shm_transport(), dialer_has_ring ? none : small);
   const int port = b.t->listen("127.0.0.1", 0);
   auto c = open(a, b, port, /*local=*/true);
-  ConnectionPtr served;
-  {
-    std::lock_guard<std::mutex> lock(b.mu);
-    served = b.peer;
-  }
-  REQUIRE(served);
-  Message hello;
-  hello.kind = MessageKind::kHello;
-  hello.hello_worker = "b";
-  hello.hello_step = 2;
-  served->send(encode(hello));
+  ConnectionPtr served = greet_back(b);
   const int n = 300;
   auto payload = [](int i) { return at::full({i % 3 == 0 ? 3000 : i % 40}, float(i)); };
   auto send_all = [&](const ConnectionPtr& conn) {
@@ -662,11 +663,7 @@ TEST_CASE("shm: a reader that stops reading leaves the ring full; the writer que
   Endpoint a(shm_transport(), limits), b(shm_transport(), limits);
   const int port = b.t->listen("127.0.0.1", 0);
   auto c = open(a, b, port, /*local=*/true);
-  Message hello;  // the acceptor's greeting, which a's decoder wants first
-  hello.kind = MessageKind::kHello;
-  hello.hello_worker = "b";
-  hello.hello_step = 2;
-  b.peer->send(encode(hello));
+  greet_back(b);
   REQUIRE(a.wait([&] { return a.got.size() == 1; }));
   const int n = 60;
   auto payload = [](int i) { return at::full({1000}, float(i)); };  // 4000 B: a ring each
@@ -1166,10 +1163,7 @@ TEST_CASE("transport: a peer's requests past the unanswered bound are held until
     std::this_thread::sleep_for(100ms);
     CHECK(b.messages() == 8);  // the rest is held
     CHECK(b.t->stats().read_pauses == 1);
-    Message hello;  // the dialer expects its handshake's step 2 first
-    hello.kind = MessageKind::kHello;
-    hello.hello_step = 2;
-    b.peer->send(encode(hello));
+    greet_back(b);
     auto answer = [&](size_t i) {
       Message r;
       r.kind = MessageKind::kResponse;

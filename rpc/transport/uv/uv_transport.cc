@@ -1189,13 +1189,7 @@ bool UvTransport::read_codes_locked(const std::shared_ptr<UvConnection>& conn, b
         read_ring_locked(conn, /*poller=*/false, /*drain=*/true);
         if (conn->loop_closed_) return false;
       }
-      close_from_loop(conn, n == 0 ? (conn->decoder_.idle()
-                                          ? "peer " + conn->peer_ + " closed the connection"
-                                          : "peer " + conn->peer_ +
-                                                " closed the connection mid-frame")
-                          : err == ECONNRESET
-                              ? "connection reset by " + conn->peer_
-                              : "read from " + conn->peer_ + " failed: " + errno_text(err));
+      close_from_loop(conn, end_of_reading(*conn, err));
       return false;
     }
     fds.clear();
@@ -1242,16 +1236,8 @@ bool UvTransport::read_codes_locked(const std::shared_ptr<UvConnection>& conn, b
       }
     }
     if ((carriers == 0) != fds.empty()) return fail("descriptors without their 'F' byte");
-    while (!fds.empty()) {
-      const int fd = fds.front();
-      fds.erase(fds.begin());
-      try {
-        conn->shared_in_->adopt(fd);  // owns fd from here on
-      } catch (const std::exception& e) {
-        return fail(e.what());
-      }
-      ++conn->fds_adopted_;
-    }
+    std::string why;
+    if (!adopt_fds(conn, std::exchange(fds, {}), why)) return fail(why);
   }
   return true;
 }
@@ -1299,13 +1285,10 @@ bool UvTransport::read_ring_locked(const std::shared_ptr<UvConnection>& conn, bo
       if (poller || drain || !ring.arm()) return delivered;
       continue;
     }
-    if (ring.announced() > conn->fds_adopted_) {  // the descriptors first (ring.h, 4.)
-      if (drain) {  // the socket has ended: none will come
-        error = "ring announced " + std::to_string(ring.announced()) +
-                " segment descriptor(s); " + std::to_string(conn->fds_adopted_) + " came";
-        return fail();
-      }
-      if (!read_codes_locked(conn, poller, error)) {
+    if (ring.announced() > conn->fds_adopted_) {
+      // The descriptors first (ring.h, 4.); once the socket has ended
+      // (drain), none will come.
+      if (!drain && !read_codes_locked(conn, poller, error)) {
         if (!poller || error.empty()) return delivered;  // closed, or the end left to the loop
         hand_to_loop(conn, error);
         return delivered;
@@ -1329,15 +1312,11 @@ bool UvTransport::read_ring_locked(const std::shared_ptr<UvConnection>& conn, bo
       (void)conn->send_code(kRingWake, {});
     }
     if (!feed_decoder(*conn, direct != nullptr, buf, len, error)) return fail();
-    if (!poller && conn->counted_handshaking_ && !conn->decoder_.in_handshake()) {
-      conn->counted_handshaking_ = false;
-      --handshaking_;
-    }
-    while (conn->decoder_.has_message() && !conn->loop_closed_) {
-      if (poller) {
+    if (!poller) {
+      deliver_decoded_from_loop(conn);
+    } else {
+      while (conn->decoder_.has_message() && !conn->loop_closed_) {
         delivered |= deliver_inline_locked(conn, take_message(*conn));
-      } else {
-        deliver_from_loop(conn, take_message(*conn));
       }
     }
     if (poller && !conn->deferred_.empty()) {
@@ -1384,18 +1363,10 @@ void UvTransport::read_some_from_loop(const std::shared_ptr<UvConnection>& conn)
     } else {
       n = ::recv(conn->fd_, buf, len, MSG_DONTWAIT);
     }
-    if (n == 0) {
-      close_from_loop(conn, conn->decoder_.idle()
-                                ? "peer " + conn->peer_ + " closed the connection"
-                                : "peer " + conn->peer_ + " closed the connection mid-frame");
-      return;
-    }
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-      close_from_loop(conn, errno == ECONNRESET ? "connection reset by " + conn->peer_
-                                                : "read from " + conn->peer_ +
-                                                      " failed: " + errno_text(errno));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    if (n <= 0) {
+      close_from_loop(conn, end_of_reading(*conn, n < 0 ? errno : 0));
       return;
     }
     std::string error;
@@ -1403,30 +1374,39 @@ void UvTransport::read_some_from_loop(const std::shared_ptr<UvConnection>& conn)
       close_from_loop(conn, "protocol error from " + conn->peer_ + ": " + error);
       return;
     }
-    if (conn->counted_handshaking_ && !conn->decoder_.in_handshake()) {
-      conn->counted_handshaking_ = false;
-      --handshaking_;
-    }
-    while (conn->decoder_.has_message() && !conn->loop_closed_) {
-      deliver_from_loop(conn, take_message(*conn));
-    }
+    deliver_decoded_from_loop(conn);
     if (static_cast<size_t>(n) < len) return;  // the socket is drained
   }
+}
+
+void UvTransport::deliver_decoded_from_loop(const std::shared_ptr<UvConnection>& conn) {
+  if (conn->counted_handshaking_ && !conn->decoder_.in_handshake()) {
+    conn->counted_handshaking_ = false;
+    --handshaking_;
+  }
+  while (conn->decoder_.has_message() && !conn->loop_closed_) {
+    deliver_from_loop(conn, take_message(*conn));
+  }
+}
+
+std::string UvTransport::end_of_reading(const UvConnection& conn, int err) {
+  if (err == 0) {
+    return "peer " + conn.peer_ +
+           (conn.decoder_.idle() ? " closed the connection" : " closed the connection mid-frame");
+  }
+  return err == ECONNRESET ? "connection reset by " + conn.peer_
+                           : "read from " + conn.peer_ + " failed: " + errno_text(err);
 }
 
 bool UvTransport::adopt_descriptors(const std::shared_ptr<UvConnection>& conn, msghdr& msg,
                                     std::string& error) {
   std::vector<int> fds;
-  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
-    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-    const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    for (size_t i = 0; i < count; ++i) {
-      int fd;
-      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-      fds.push_back(fd);
-    }
-  }
-  if (msg.msg_flags & MSG_CTRUNC) error = "more descriptors than a frame may announce";
+  if (!collect_descriptors(msg, fds)) error = "more descriptors than a frame may announce";
+  return adopt_fds(conn, std::move(fds), error);
+}
+
+bool UvTransport::adopt_fds(const std::shared_ptr<UvConnection>& conn, std::vector<int> fds,
+                            std::string& error) {
   for (int fd : fds) {
     if (!error.empty()) {
       ::close(fd);
@@ -1434,6 +1414,7 @@ bool UvTransport::adopt_descriptors(const std::shared_ptr<UvConnection>& conn, m
     }
     try {
       conn->shared_in_->adopt(fd);  // owns fd from here on
+      ++conn->fds_adopted_;
     } catch (const std::exception& e) {
       error = e.what();
     }

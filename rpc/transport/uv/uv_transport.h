@@ -119,6 +119,10 @@ class UvTransport final : public Transport {
   // The same without closing: false and `error` when they are not acceptable.
   bool adopt_descriptors(const std::shared_ptr<UvConnection>& conn, msghdr& msg,
                          std::string& error);
+  // The same for descriptors already collected: each is adopted (and
+  // counted) or, once one fails or `error` is set, closed.
+  bool adopt_fds(const std::shared_ptr<UvConnection>& conn, std::vector<int> fds,
+                 std::string& error);
   // Counts what a frame put in shared memory (and logs once why segments
   // could not be made).
   void count_shared(const PendingWrite& w, const std::string& unavailable,
@@ -127,6 +131,10 @@ class UvTransport final : public Transport {
   void close_from_loop(const std::shared_ptr<UvConnection>& conn, const std::string& reason);
   void read_from_loop(const std::shared_ptr<UvConnection>& conn);
   void read_some_from_loop(const std::shared_ptr<UvConnection>& conn);  // read_mu_ held
+  // What the decoder holds, delivered (the handshake's end counted first).
+  void deliver_decoded_from_loop(const std::shared_ptr<UvConnection>& conn);
+  // Why reading ended: the peer closed (`err` 0) or the read failed.
+  static std::string end_of_reading(const UvConnection& conn, int err);
   // Writes the peer's ring reader cannot wake (it has no ring: 'N'), tried
   // again after kRingRetry.
   void retry_ring_from_loop(const std::shared_ptr<UvConnection>& conn);
