@@ -11,7 +11,9 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <limits>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <utility>
 #include <unordered_set>
@@ -102,17 +104,21 @@ void broadcast_coalesced(const std::vector<at::Tensor>& tensors, ProcessGroup& g
 }
 
 // Every rank's string, in rank order.
+// `device`: where the group's collectives take their tensors (CPU for gloo,
+// the model's GPU for nccl).
 std::vector<std::string> all_gather_strings(const std::string& mine, ProcessGroup& group,
-                                            std::chrono::milliseconds timeout) {
-  at::Tensor len = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
+                                            std::chrono::milliseconds timeout,
+                                            c10::Device device) {
+  at::Tensor len = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong).to(device);
   auto lens = group.all_gather(len, timeout);
   int64_t longest = 1;
   for (const auto& l : lens) longest = std::max(longest, l.item<int64_t>());
   at::Tensor bytes = at::zeros({longest}, at::kByte);
   std::copy(mine.begin(), mine.end(), bytes.data_ptr<uint8_t>());
-  auto all = group.all_gather(bytes, timeout);
+  auto all = group.all_gather(bytes.to(device), timeout);
   std::vector<std::string> out;
   for (size_t r = 0; r < all.size(); ++r) {
+    all[r] = all[r].cpu();
     const auto* p = reinterpret_cast<const char*>(all[r].data_ptr<uint8_t>());
     out.emplace_back(p, static_cast<size_t>(lens[r].item<int64_t>()));
   }
@@ -173,6 +179,9 @@ struct Reducer::Impl {
 
   std::shared_ptr<torch::nn::Module> module;
   DDPOptions opt;
+  // Where the group's collectives take their tensors: the CPU for gloo, the
+  // parameters' GPU for nccl (set by the constructor's checks).
+  c10::Device comm_device{c10::kCPU};
   ProcessGroup& group;
   std::vector<Param> params;
   std::vector<at::Tensor> buffers;
@@ -297,7 +306,7 @@ struct Reducer::Impl {
       int* u = used.data_ptr<int>();
       for (size_t i = 0; i < params.size(); ++i) u[i] = ready[i] ? 1 : 0;
     }
-    return used;
+    return used.to(comm_device);
   }
 
   // After the first synced step: the buckets are rebuilt at the next forward.
@@ -441,7 +450,10 @@ struct Reducer::Impl {
     auto t0 = Clock::now();
     try {
       wait_launched();
-      if (used_work.valid()) used_work.wait();
+      if (used_work.valid()) {
+        used_work.wait();
+        used = used.cpu();
+      }
     } catch (...) {
       reset_iteration();
       throw;
@@ -487,7 +499,9 @@ struct Reducer::Impl {
     at::Tensor t = at::zeros({2}, at::kInt);
     t[0] = training ? 1 : 0;
     t[1] = averaging ? 1 : 0;
+    t = t.to(comm_device);
     group.all_reduce(t, ReduceOp::kSum, timeout());
+    t = t.cpu();
     ++join_round;
     return {t[0].item<int>(), t[1].item<int>()};
   }
@@ -517,7 +531,8 @@ struct Reducer::Impl {
       reset_iteration();
       first_sync_done();
     }
-    at::Tensor last = at::full({1}, last_real_round * group.size() + group.rank(), at::kLong);
+    at::Tensor last =
+        at::full({1}, last_real_round * group.size() + group.rank(), at::kLong).to(comm_device);
     group.all_reduce(last, ReduceOp::kMax, timeout());
     const int src = static_cast<int>(last.item<int64_t>() % group.size());
     broadcast_coalesced(state(), group, timeout(), src);
@@ -535,7 +550,10 @@ struct Reducer::Impl {
     at::Tensor t = at::empty({static_cast<int64_t>(order.size())}, at::kLong);
     int64_t* o = t.data_ptr<int64_t>();
     for (size_t k = 0; k < order.size(); ++k) o[k] = static_cast<int64_t>(order[k]);
+    t = t.to(comm_device);
     group.broadcast(t, 0, timeout());
+    t = t.cpu();
+    o = t.data_ptr<int64_t>();
     for (size_t k = 0; k < order.size(); ++k) order[k] = static_cast<size_t>(o[k]);
     return order;
   }
@@ -550,14 +568,47 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, DDPOptions options,
   }
   impl_ = std::make_unique<Impl>(std::move(module), options, *group_);
   Impl& m = *impl_;
+  // One process drives one device, as PyTorch's single-device modules: the
+  // model lives on device_ids[0] when it is given, and on one GPU for nccl.
+  std::optional<c10::Device> model_device;
+  if (options.device_ids.size() > 1) {
+    throw std::invalid_argument("DistributedDataParallel: device_ids names " +
+                                std::to_string(options.device_ids.size()) +
+                                " devices; each process drives one (device_ids = {local_rank})");
+  }
+  if (!options.device_ids.empty()) {
+    const int id = options.device_ids[0];
+    if (id < 0 || id > std::numeric_limits<c10::DeviceIndex>::max()) {
+      throw std::invalid_argument("DistributedDataParallel: device_ids = {" + std::to_string(id) +
+                                  "} is not a CUDA device index");
+    }
+    model_device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(id));
+  }
+  const bool nccl = group_->backend() == "nccl";
+  auto check_device = [&](const std::string& name, const at::Tensor& t) {
+    const std::string where =
+        "DistributedDataParallel: parameter '" + name + "' is on " + t.device().str();
+    if (!options.device_ids.empty() && t.device() != *model_device) {
+      throw std::invalid_argument(where + ", but device_ids names " + model_device->str() +
+                                  " (move the model there first: model->to(device))");
+    }
+    if (!nccl && !t.device().is_cpu()) {
+      throw std::invalid_argument(where + "; a gloo group takes CPU parameters (nccl takes CUDA ones)");
+    }
+    if (nccl && !t.device().is_cuda()) {
+      throw std::invalid_argument(where + "; an nccl group takes CUDA parameters (gloo takes CPU ones)");
+    }
+    if (nccl && !model_device) model_device = t.device();
+    if (nccl && t.device() != *model_device) {
+      throw std::invalid_argument(where + " and another on " + model_device->str() +
+                                  "; with nccl the whole model lives on this process's one GPU");
+    }
+  };
   std::unordered_set<c10::TensorImpl*> seen;
   for (const auto& item : m.module->named_parameters(/*recurse=*/true)) {
     const at::Tensor& t = item.value();
     if (!t.requires_grad() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
-    if (group_->backend() == "gloo" && !t.device().is_cpu()) {
-      throw std::invalid_argument("DistributedDataParallel: parameter '" + item.key() + "' is on " +
-                                  t.device().str() + "; a gloo group takes CPU parameters");
-    }
+    check_device(item.key(), t);
     Impl::Param p;
     p.name = item.key();
     p.tensor = t;
@@ -566,6 +617,7 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, DDPOptions options,
   if (m.params.empty()) {
     throw std::invalid_argument("DistributedDataParallel: the module has no parameter that requires grad");
   }
+  if (nccl) m.comm_device = *model_device;
   std::string fingerprint;
   for (const auto& p : m.params) {
     fingerprint += "'" + p.name + "' " + shape_text(p.tensor.sizes()) + " " +
@@ -576,7 +628,7 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, DDPOptions options,
     fingerprint += "buffer '" + item.key() + "' " + shape_text(item.value().sizes()) + " " +
                    c10::toString(item.value().scalar_type()) + "\n";
   }
-  auto all = all_gather_strings(fingerprint, *group_, m.timeout());
+  auto all = all_gather_strings(fingerprint, *group_, m.timeout(), m.comm_device);
   for (size_t r = 1; r < all.size(); ++r) {
     if (all[r] == all[0]) continue;
     auto a = lines_of(all[0]), b = lines_of(all[r]);

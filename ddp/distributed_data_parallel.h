@@ -31,6 +31,8 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
+#include <type_traits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -71,6 +73,11 @@ struct DDPOptions {
   bool find_unused_parameters = false;
   // Rank 0's buffers (batch-norm statistics) copied to every rank before each forward.
   bool broadcast_buffers = true;
+  // The one device this process's replica lives on, as PyTorch's
+  // `device_ids=[local_rank]`: every parameter must be there, and forward()
+  // moves its tensor arguments there. Empty: wherever the parameters are
+  // (the CPU for gloo, one GPU for nccl).
+  std::vector<int> device_ids;
   std::chrono::milliseconds timeout = kGroupTimeout;  // each bucket's all_reduce
   CommHook comm_hook;  // empty: allreduce_hook()
 };
@@ -128,7 +135,8 @@ class DistributedDataParallel {
                                    std::shared_ptr<ProcessGroup> group = nullptr)
       : module_(std::move(module)),
         reducer_(std::make_unique<detail::Reducer>(
-            module_, options, group ? std::move(group) : default_group_ptr())) {}
+            module_, options, group ? std::move(group) : default_group_ptr())),
+        device_(first_device(options)) {}
   explicit DistributedDataParallel(torch::nn::ModuleHolder<M> module, DDPOptions options = {},
                                    std::shared_ptr<ProcessGroup> group = nullptr)
       : DistributedDataParallel(module.ptr(), options, std::move(group)) {}
@@ -136,7 +144,7 @@ class DistributedDataParallel {
   template <class... Args>
   decltype(auto) forward(Args&&... args) {
     reducer_->prepare_forward();
-    return module_->forward(std::forward<Args>(args)...);
+    return module_->forward(to_device(std::forward<Args>(args))...);
   }
   template <class... Args>
   decltype(auto) operator()(Args&&... args) {
@@ -203,8 +211,23 @@ class DistributedDataParallel {
   detail::Reducer& reducer() { return *reducer_; }
 
  private:
+  // A tensor argument goes to device_ids[0] (no copy where it is there).
+  template <class T>
+  decltype(auto) to_device(T&& arg) const {
+    if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
+      return device_ ? arg.to(*device_) : at::Tensor(arg);
+    } else {
+      return std::forward<T>(arg);
+    }
+  }
+  static std::optional<c10::Device> first_device(const DDPOptions& o) {
+    if (o.device_ids.empty()) return std::nullopt;
+    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(o.device_ids[0]));
+  }
+
   std::shared_ptr<M> module_;
   std::unique_ptr<detail::Reducer> reducer_;
+  std::optional<c10::Device> device_;
 };
 
 template <class M>

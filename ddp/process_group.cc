@@ -16,6 +16,14 @@
 #include "tandem/rpc/rendezvous.h"
 
 namespace tandem::ddp {
+
+bool nccl_available() {
+#if defined(TANDEM_WITH_NCCL)
+  return true;
+#else
+  return false;
+#endif
+}
 namespace {
 
 std::string ms_text(std::chrono::milliseconds t) { return std::to_string(t.count()) + " ms"; }

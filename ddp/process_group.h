@@ -64,6 +64,9 @@ constexpr std::chrono::milliseconds kDefaultCollectiveTimeout{30 * 60 * 1000};
 // "Use the group's timeout" for a call's timeout argument.
 constexpr std::chrono::milliseconds kGroupTimeout{-1};
 
+// Whether this build has the nccl backend (LibTorch built with CUDA and NCCL).
+bool nccl_available();
+
 struct ProcessGroupOptions {
   std::string backend = "gloo";        // "gloo" (CPU tensors) or "nccl" (CUDA tensors)
   std::string init_method = "env://";  // or "tcp://host:port"; ignored when store is given

@@ -5,6 +5,7 @@
 #include "tandem/rpc/agent.h"
 #include "tandem/rpc/call_table.h"
 #include "tandem/rpc/connection_table.h"
+#include "tandem/rpc/device.h"
 #include "tandem/rpc/rref/context.h"
 
 #include <cassert>
@@ -114,6 +115,10 @@ void Agent::on_message_from_loop(const ConnectionPtr& conn, Message&& msg) {
           return;
         }
       }
+      // Its CUDA tensors are ready when the future completes: wait for
+      // their copies (those events only; the copies were queued when the
+      // frame ended, so this is their remaining time).
+      if (msg.arrival) msg.arrival->wait();
       c10::IValue value = msg.values.empty() ? c10::IValue() : std::move(msg.values[0]);
       calls_->complete(msg.id, std::move(value), conn->id());
       maybe_close_retired(conn->id());
@@ -162,6 +167,9 @@ void Agent::handle_request(const ConnectionPtr& conn, int from, Message msg,
                                              kMaxTimeout);
   }
   ScopeGuard guard(scope);
+  // The handler runs on the streams its CUDA arguments were copied on, so
+  // what it queues there follows the copies, with no wait here.
+  const device::Arrival::Scope streams(msg.arrival.get());
   RawFuture result;
   const uint64_t autograd_context = msg.autograd_context;
   const auto started = trace_ ? Clock::now() : Clock::time_point{};

@@ -1,4 +1,5 @@
 #include "tandem/rpc/wire.h"
+#include "tandem/rpc/device.h"
 
 #include <ATen/Context.h>
 #include <ATen/core/Dict.h>
@@ -195,8 +196,9 @@ class Encoder {
     }
     const c10::Device to = target(t.device());
     at::Tensor wire = t;
-    // Staged through host memory (TODO(perf): pinned buffers, CUDA IPC).
-    if (!wire.device().is_cpu()) wire = wire.cpu();
+    // Staged through pinned host memory (rpc/device.h). TODO(perf): CUDA IPC
+    // between processes on one host.
+    if (!wire.device().is_cpu()) wire = device::stage_out(wire);
     wire = wire.resolve_conj().resolve_neg().contiguous();
     auto idx = static_cast<uint32_t>(tensors.size());
     index_.emplace(t.unsafeGetTensorImpl(), idx);
@@ -811,7 +813,7 @@ void FrameDecoder::on_envelope() {
         all.push_back(resolve_shared_(*shared[i], shapes[i].first, shapes[i].second,
                                       metas[i].getByteLength()));
       } else {
-        all.push_back(at::empty(shapes[i].second, at::TensorOptions().dtype(shapes[i].first)));
+        all.push_back(device::host_buffer(shapes[i].second, shapes[i].first, devices[i]));
         tensors_.push_back(all.back());
       }
       if (!devices[i].is_cpu()) placements_.emplace_back(all.back(), devices[i]);
@@ -882,21 +884,23 @@ c10::IValue with_placed(const c10::IValue& v, const Placed& placed) {
 
 void FrameDecoder::finish() {
   if (!placements_.empty()) {
-    // The device map's target (rpc/wire.h DeviceMap): a copy from the host
-    // tensor the body was read into. TODO(perf): off the reading thread, on
-    // a stream the handler waits for.
+    // The device map's target: a copy from the (pinned) host tensor the body
+    // was read into, queued on a stream of the target device (rpc/device.h).
+    auto arrival = std::make_shared<device::Arrival>();
     Placed placed;
     for (auto& [host, device] : placements_) {
-      at::Tensor t = host.detach().to(device);
+      at::Tensor t = arrival->place(host.detach(), device);
       if (host.requires_grad()) t.set_requires_grad(true);
       placed.emplace(host.unsafeGetTensorImpl(), std::move(t));
     }
+    arrival->seal();
     placements_.clear();
     for (auto& v : pending_.values) v = with_placed(v, placed);
     for (auto& g : pending_.grad_tensors) {
       auto it = placed.find(g.unsafeGetTensorImpl());
       if (it != placed.end()) g = it->second;
     }
+    pending_.arrival = std::move(arrival);
   }
   pending_.wire_bytes =
       kPreambleBytes + preamble_.table_bytes + preamble_.envelope_bytes + preamble_.body_bytes;

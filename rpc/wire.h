@@ -27,6 +27,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,10 @@
 #include "tandem/rpc/rref/impl.h"
 
 namespace tandem::rpc {
+
+namespace device {
+class Arrival;  // rpc/device.h
+}
 
 enum class MessageKind : uint8_t { kRequest = 0, kResponse = 1, kError = 2, kHello = 3 };
 
@@ -62,6 +67,9 @@ struct Message {
   std::string error_message;
   // Received: the frame's size on the wire (preamble, envelope and body).
   uint64_t wire_bytes = 0;
+  // Received: the copies of its tensors to the CUDA devices the sender's
+  // device map named (rpc/device.h); null when every tensor is on the CPU.
+  std::shared_ptr<device::Arrival> arrival;
   // kHello: one step of the handshake (rpc/auth.h)
   std::string hello_worker;
   int32_t hello_rank = -1;

@@ -567,6 +567,35 @@ TEST_CASE("autograd: CUDA tensors: gradients come back to the device") {
   expect_close(g.cpu(), want[0], "x on the GPU");
 }
 
+TEST_CASE("autograd: CUDA tensors through a device map: the gradients come back on the GPU") {
+  if (!at::hasCUDA()) {
+    std::printf("skipped: no CUDA device on this machine (this test runs on GPU machines)\n");
+    return;
+  }
+  test::process_lifetime([] {
+    auto t = at::ones({2}, kF64.device(at::kCUDA)).requires_grad_();
+    (t * 2).sum().backward();
+  });
+  World w(2, define, [](rpc::AgentOptions& o) {
+    if (o.rank == 0) o.set_device_map("worker1", {{0, 0}});
+  });
+  auto a = at::randn({4, 8}, kF64.device(at::kCUDA)).requires_grad_();
+  auto b = at::randn({4, 8}, kF64.device(at::kCUDA)).requires_grad_();
+  dist::Context ctx(w[0]);
+  // a * b + a, computed on worker1's GPU; its gradients travel back by the
+  // inverse of worker0's map.
+  auto y = w[0].rpc_sync<at::Tensor>("worker1", "pair", a, b);
+  CHECK(y.is_cuda());
+  dist::backward(ctx.id(), {(y * 3).sum()});
+  auto grads = dist::get_gradients(ctx.id());
+  CHECK(grads.at(a).is_cuda());
+  CHECK(grads.at(b).is_cuda());
+  auto al = a.detach().cpu().requires_grad_(), bl = b.detach().cpu().requires_grad_();
+  auto want = local_grads(((al * bl + al) * 3).sum(), {al, bl});
+  expect_close(grads.at(a).cpu(), want[0], "a on the GPU");
+  expect_close(grads.at(b).cpu(), want[1], "b on the GPU");
+}
+
 TEST_CASE("autograd: debug_info says where a backward waits") {
   World w(3, define);
   auto x = input();

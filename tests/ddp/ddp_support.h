@@ -34,10 +34,12 @@ inline void on_ranks(int n, const std::function<void(int)>& fn) {
 
 // n gloo groups meeting at a store of their own (ephemeral port).
 struct Groups {
-  explicit Groups(int n, std::chrono::milliseconds timeout = std::chrono::seconds(20))
+  explicit Groups(int n, std::chrono::milliseconds timeout = std::chrono::seconds(20),
+                  const std::string& backend = "gloo")
       : store(support::store_server()), groups(n) {
     on_ranks(n, [&](int r) {
       ddp::ProcessGroupOptions o;
+      o.backend = backend;
       o.rank = r;
       o.world_size = n;
       o.timeout = timeout;

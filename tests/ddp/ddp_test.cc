@@ -262,6 +262,65 @@ TEST_CASE("ddp: bad DistributedDataParallel arguments are refused") {
         std::string::npos);
 }
 
+TEST_CASE("ddp: device_ids: one device per process, and the model must be on it") {
+  Groups g(1);
+  Net net = make_net(0);
+  auto with = [](std::vector<int> ids) {
+    ddp::DDPOptions o;
+    o.device_ids = std::move(ids);
+    return o;
+  };
+  CHECK(error_of([&] { ddp::DistributedDataParallel m(net, with({0, 1}), g.groups[0]); }) ==
+        "DistributedDataParallel: device_ids names 2 devices; each process drives one "
+        "(device_ids = {local_rank})");
+  CHECK(error_of([&] { ddp::DistributedDataParallel m(net, with({-1}), g.groups[0]); }) ==
+        "DistributedDataParallel: device_ids = {-1} is not a CUDA device index");
+  // The model is on the CPU: device_ids = {0} names cuda:0.
+  CHECK(error_of([&] { ddp::DistributedDataParallel m(net, with({0}), g.groups[0]); }) ==
+        "DistributedDataParallel: parameter 'fc1.weight' is on cpu, but device_ids names cuda:0 "
+        "(move the model there first: model->to(device))");
+  // Without device_ids, a gloo group takes the CPU model, and forward takes
+  // its arguments as they are.
+  ddp::DistributedDataParallel m(net, {}, g.groups[0]);
+  Batch b = batch(0, 0);
+  CHECK(at::equal(m(b.x), net->forward(b.x)));
+}
+
+TEST_CASE("ddp: nccl with device_ids = {0} trains on the GPU as one process does (world size 1)") {
+  if (!at::hasCUDA() || !ddp::nccl_available()) {
+    std::printf("skipped: no CUDA device or no NCCL in this build (this test runs on GPU machines)\n");
+    return;
+  }
+  // CUDA's context and driver threads (and NCCL's) stay for the process's life.
+  test::process_lifetime([] { (at::ones({2}).to(at::kCUDA) * 2).sum().item<float>(); });
+  const c10::Device gpu(c10::kCUDA, 0);
+  std::vector<at::Tensor> got;
+  {
+    Groups g(1, std::chrono::seconds(20), "nccl");
+    Net net = make_net(0);
+    net->to(gpu);
+    ddp::DDPOptions o;
+    o.device_ids = {0};
+    ddp::DistributedDataParallel model(net, o, g.groups[0]);
+    torch::optim::SGD opt(model.parameters(), torch::optim::SGDOptions(0.1));
+    for (int s = 0; s < 3; ++s) {
+      opt.zero_grad();
+      Batch b = batch(0, s);  // on the CPU: forward moves it to cuda:0
+      auto out = model(b.x);
+      CHECK(out.device() == gpu);
+      torch::nn::functional::cross_entropy(out, b.y.to(gpu)).backward();
+      opt.step();
+    }
+    for (auto& p : net->parameters()) got.push_back(p.detach().cpu());
+    // A CPU tensor in an nccl group is refused by name.
+    Net cpu_net = make_net(0);
+    CHECK(error_of([&] { ddp::DistributedDataParallel m(cpu_net, {}, g.groups[0]); }) ==
+          "DistributedDataParallel: parameter 'fc1.weight' is on cpu; an nccl group takes CUDA "
+          "parameters (gloo takes CPU ones)");
+  }
+  expect_close(got, local_training(1, 3, 1), 1e-4, 1e-5);
+}
+
 TEST_CASE("ddp: buckets fill as PyTorch's do: the parameter that crosses the cap stays in") {
   // Reverse order: fc2.bias (12 bytes), fc2.weight (96), fc1.bias (32), fc1.weight (160).
   Groups g(1);

@@ -2,6 +2,7 @@
 #include "test_util.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 
 #include <atomic>
 #include <chrono>
@@ -554,6 +555,52 @@ TEST_CASE("device maps: a tensor on a device that cannot travel is refused, nami
   CHECK_THROWS_WITH(w[0].rpc_sync<at::Tensor>("worker1", "make_meta"),
                     doctest::Contains("cannot send a tensor on meta to worker0"));
   CHECK(w[0].rpc_sync<int64_t>("worker1", "sleep_ms", 1) == 1);
+  w.shutdown();
+}
+
+TEST_CASE("device maps: CUDA tensors arrive on the mapped device, in calls, answers and RRefs") {
+  if (!at::hasCUDA()) {
+    std::printf("skipped: no CUDA device on this machine (this test runs on GPU machines)\n");
+    return;
+  }
+  // CUDA's context and driver threads stay for the life of the process.
+  test::process_lifetime([] { (at::ones({2}).to(at::kCUDA) * 2).sum().item<float>(); });
+  const c10::Device gpu(c10::kCUDA, 0);
+  World w(
+      2,
+      [](Registry& r) {
+        define_common(r);
+        r.def("where", [](at::Tensor t) { return t.device().str(); });
+        r.def("make_on_gpu", [](int64_t n) { return at::arange(n, at::kFloat).to(at::kCUDA); });
+      },
+      [](AgentOptions& o) {
+        if (o.rank == 0) o.set_device_map("worker1", {{0, 0}});
+      });
+  // Small (through the ring) and 64 MiB (a segment), pinned staging both
+  // ways; the handler's work follows the copy on its stream.
+  for (int64_t n : {int64_t(16), int64_t(16) << 20}) {
+    CAPTURE(n);
+    auto x = at::randn({n}, at::TensorOptions().device(gpu));
+    auto y = w[0].rpc_sync<at::Tensor>("worker1", "scale", x, 2.0);
+    CHECK(y.device() == gpu);
+    CHECK(at::equal(y.cpu(), (x * 2).cpu()));
+  }
+  CHECK(w[0].rpc_sync<std::string>("worker1", "where", at::ones({2}, gpu)) == "cuda:0");
+  CHECK(w[0].rpc_sync<std::string>("worker1", "where", at::ones({2})) == "cpu");
+  // Answers come back by the inverse of worker0's map.
+  auto made = w[0].rpc_sync<at::Tensor>("worker1", "make_on_gpu", int64_t(5));
+  CHECK(made.device() == gpu);
+  CHECK(at::equal(made.cpu(), at::arange(5, at::kFloat)));
+  // worker1 calls worker0 with it too, having no map of its own.
+  auto back = w[1].rpc_sync<at::Tensor>("worker0", "scale", at::ones({3}, gpu), 3.0);
+  CHECK(back.device() == gpu);
+  CHECK(at::equal(back.cpu(), at::full({3}, 9.0f)));
+  {
+    RRef<at::Tensor> r = remote<at::Tensor>(w[0], "worker1", "make_on_gpu", int64_t(7));
+    auto v = r.to_here();
+    CHECK(v.device() == gpu);
+    CHECK(at::equal(v.cpu(), at::arange(7, at::kFloat)));
+  }
   w.shutdown();
 }
 

@@ -136,6 +136,8 @@ TEST_CASE("wire: tensors of every dtype arrive equal, contiguous and 64-byte ali
       CHECK(got.is_contiguous());
       CHECK(at::equal(got, ts[i]));
     }
+    // CPU tensors only: nothing to copy to a device, nothing to wait for.
+    CHECK(out.arrival == nullptr);
   }
 }
 

@@ -1,0 +1,77 @@
+// The RPC layer's CUDA work, in one place: how a CUDA tensor leaves for the
+// wire, where a received one is read to, and how it reaches its device.
+//
+// Sending: the tensor is copied into pinned host memory on its device's
+// current stream (so after whatever the caller queued that produces it), and
+// the sender waits for that copy's event alone, never for the whole device.
+//
+// Receiving: a tensor whose frame says it goes to cuda:N is read from the
+// connection into pinned host memory (host_buffer), then copied to cuda:N
+// on a stream taken from the device's pool for this message (an Arrival).
+//   - A request's handler runs with that stream current (Arrival::Scope):
+//     its work is queued after the copies, with no wait on the host.
+//   - A response's future completes after the copies' events (wait()), so
+//     whoever takes the value may use it on any stream.
+//
+// Where LibTorch has no CUDA all of this compiles to plain CPU code (no CUDA
+// tensor can exist there, and the decoder refuses frames for CUDA devices).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <memory>
+#include <vector>
+
+namespace tandem::rpc::device {
+
+// Whether this build has the CUDA paths (LibTorch built with CUDA).
+bool cuda_compiled();
+
+// A CPU tensor with `t`'s bytes, ready for the transport to read. A CPU
+// tensor comes back as it is; a CUDA tensor as a pinned host copy, complete
+// when this returns.
+at::Tensor stage_out(const at::Tensor& t);
+
+// Host memory to read a received tensor bound for `target` into: pinned when
+// `target` is a CUDA device, so that its copy there can run asynchronously.
+at::Tensor host_buffer(at::IntArrayRef shape, c10::ScalarType dtype, c10::Device target);
+
+// The copies of one received message's tensors to their devices.
+class Arrival {
+ public:
+  Arrival();
+  ~Arrival();
+  Arrival(const Arrival&) = delete;
+  Arrival& operator=(const Arrival&) = delete;
+
+  // `host`'s copy on `target`, queued on this message's stream there.
+  at::Tensor place(const at::Tensor& host, c10::Device target);
+  // After the last place(): marks the copies' end on each stream.
+  void seal();
+  // Blocks until every copy is done (their events, not the devices).
+  void wait() const;
+  bool empty() const;
+  // The devices copies went to, in the order first used.
+  std::vector<c10::Device> devices() const;
+
+  // While alive, the current stream of each device a copy went to is the
+  // stream the copy ran on, so work queued there runs after it.
+  class Scope {
+   public:
+    explicit Scope(const Arrival* arrival);  // null or empty: nothing changes
+    ~Scope();
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    struct Impl;
+    std::unique_ptr<Impl> impl_;
+  };
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tandem::rpc::device
