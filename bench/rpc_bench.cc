@@ -23,9 +23,22 @@
 // in --rounds fresh process pairs, Tandem and raw TCP alternating, and each
 // figure is the median over rounds.
 //
+// With --device cuda (GPU machines), the echoed tensor lives on the caller's
+// cuda:0 and arrives on the callee's cuda:0 (a device map {0: 0}); sizes
+// default to 1 MiB, 64 MiB and 1 GiB, and the lines are
+//   {"bench":"rpc_echo_cuda","impl":"tandem","transport":..,"bytes":N,"p50_us":..,"gbps":..}
+// next to what plain copies on this GPU move (the ceiling):
+//   {"bench":"cuda_copy","impl":"cuda","kind":"d2d"|"h2d_pinned"|"d2h_pinned","bytes":N,"gbps":..}
+// (a copy's gbps counts its bytes once; the echo's, both directions).
+// bench/anchors/rpc_echo_cuda.py is PyTorch's side (its 2.x, device maps).
+//
 // Usage: rpc_bench [--sizes 0,1024,1048576,16777216] [--rounds 5] [--transports tcp,shm]
+//                  [--device cpu|cuda]
 #include <ATen/core/ivalue.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
+#include <torch/cuda.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -55,7 +68,11 @@ using tandem::rpc::Agent;
 using tandem::rpc::AgentOptions;
 using tandem::rpc::Registry;
 
+// --device cuda, in both processes (the callee learns it from the environment).
+bool g_cuda = false;
+
 int iterations_for(int64_t bytes) {
+  if (g_cuda) return bytes <= (1 << 20) ? 200 : bytes <= (64 << 20) ? 20 : 5;
   if (bytes <= 65536) return 2000;
   if (bytes <= (1 << 20)) return 200;
   return 40;
@@ -95,7 +112,7 @@ void emit_p50(const char* bench, const std::string& transport, int64_t bytes,
 }
 
 void emit(const std::string& impl, const std::string& transport, int64_t bytes,
-          const std::vector<Round>& rounds) {
+          const std::vector<Round>& rounds, const char* bench = "rpc_echo") {
   std::vector<double> p50, p99, mean;
   for (const auto& r : rounds) {
     p50.push_back(r.p50);
@@ -104,9 +121,9 @@ void emit(const std::string& impl, const std::string& transport, int64_t bytes,
   }
   const std::string tr = transport.empty() ? "" : ",\"transport\":\"" + transport + "\"";
   std::printf(
-      "{\"bench\":\"rpc_echo\",\"impl\":\"%s\"%s,\"bytes\":%lld,\"p50_us\":%.1f,\"p99_us\":%.1f,"
+      "{\"bench\":\"%s\",\"impl\":\"%s\"%s,\"bytes\":%lld,\"p50_us\":%.1f,\"p99_us\":%.1f,"
       "\"gbps\":%.3f,\"rounds\":%zu}\n",
-      impl.c_str(), tr.c_str(), static_cast<long long>(bytes), median(p50) * 1e6, median(p99) * 1e6,
+      bench, impl.c_str(), tr.c_str(), static_cast<long long>(bytes), median(p50) * 1e6, median(p99) * 1e6,
       2.0 * bytes / median(mean) / 1e9, rounds.size());
   std::fflush(stdout);
 }
@@ -201,6 +218,7 @@ AgentOptions options(int rank) {
   o.rank = rank;
   o.world_size = 2;
   o.num_worker_threads = 4;
+  if (g_cuda && rank == 0) o.set_device_map("worker1", {{0, 0}});  // worker1 answers by its inverse
   return o;
 }
 
@@ -255,7 +273,11 @@ TandemRound rpc_caller(const std::vector<int64_t>& sizes, const std::string& tra
                              agent->transport_to("worker1"));
   }
   for (int64_t bytes : sizes) {
-    at::Tensor t = at::zeros({std::max<int64_t>(bytes / 4, 1)});
+    at::Tensor t = at::zeros({std::max<int64_t>(bytes / 4, 1)},
+                             at::TensorOptions().device(g_cuda ? at::kCUDA : at::kCPU));
+    if (g_cuda && !agent->rpc_sync<at::Tensor>("worker1", "echo", t).is_cuda()) {
+      throw std::runtime_error("a CUDA tensor's echo came back off the GPU");
+    }
     int iters = iterations_for(bytes);
     for (int i = 0; i < 10; ++i) agent->rpc_sync<at::Tensor>("worker1", "echo", t);
     std::vector<double> lat;
@@ -267,10 +289,40 @@ TandemRound rpc_caller(const std::vector<int64_t>& sizes, const std::string& tra
     }
     out.push_back(summarize(lat));
   }
-  rref_round(*agent, result);
+  if (!g_cuda) rref_round(*agent, result);
   tandem::rpc::shutdown(true);
   support::wait_exit(child);
   return result;
+}
+
+// What plain copies of `bytes` move on this GPU, in GB/s (bytes once):
+// device to device, and between the device and pinned host memory.
+void cuda_ceilings(const std::vector<int64_t>& sizes) {
+  for (int64_t bytes : sizes) {
+    const int64_t n = std::max<int64_t>(bytes / 4, 1);
+    at::Tensor a = at::zeros({n}, at::TensorOptions().device(at::kCUDA));
+    at::Tensor b = at::empty_like(a);
+    at::Tensor h = at::empty({n}, at::TensorOptions().pinned_memory(true));
+    const int iters = iterations_for(bytes);
+    auto gbps = [&](auto copy) {
+      copy();
+      torch::cuda::synchronize();
+      const auto t0 = Clock::now();
+      for (int i = 0; i < iters; ++i) copy();
+      torch::cuda::synchronize();
+      return bytes * iters / std::chrono::duration<double>(Clock::now() - t0).count() / 1e9;
+    };
+    const std::pair<const char*, double> kinds[] = {
+        {"d2d", gbps([&] { b.copy_(a, true); })},
+        {"h2d_pinned", gbps([&] { a.copy_(h, true); })},
+        {"d2h_pinned", gbps([&] { h.copy_(a, true); })}};
+    for (const auto& [kind, g] : kinds) {
+      std::printf("{\"bench\":\"cuda_copy\",\"impl\":\"cuda\",\"kind\":\"%s\",\"bytes\":%lld,"
+                  "\"gbps\":%.3f}\n",
+                  kind, static_cast<long long>(bytes), g);
+    }
+    std::fflush(stdout);
+  }
 }
 
 }  // namespace
@@ -310,15 +362,38 @@ int main(int argc, char** argv) {
     if (const char* role = std::getenv("TANDEM_BENCH_ROLE")) {
       unsetenv("TANDEM_BENCH_ROLE");
       if (std::strcmp(role, "raw") == 0) return raw_server(std::atoi(std::getenv("TANDEM_BENCH_PORT")));
-      if (std::strcmp(role, "rpc") == 0) return rpc_callee();
+      if (std::strcmp(role, "rpc") == 0) {
+        const char* device = std::getenv("TANDEM_BENCH_DEVICE");
+        g_cuda = device && std::strcmp(device, "cuda") == 0;
+        return rpc_callee();
+      }
       return 2;
     }
     std::vector<int64_t> list = {0, 1024, 1048576, 16777216};
     int rounds = 5;
     std::string transport_list = "tcp,shm";
+    std::string device = "cpu";
     tandem::bench::Flags flags("rpc_bench");
-    flags.add("--sizes", &list, 0).add("--rounds", &rounds, 1).add("--transports", &transport_list);
+    flags.add("--sizes", &list, 0).add("--rounds", &rounds, 1).add("--transports", &transport_list)
+        .add("--device", &device);
     if (!flags.parse(argc, argv)) return 2;
+    if (device != "cpu" && device != "cuda") {
+      std::fprintf(stderr, "rpc_bench: --device takes cpu or cuda, not '%s'\n", device.c_str());
+      return 2;
+    }
+    if (device == "cuda") {
+      if (!torch::cuda::is_available()) {
+        std::fprintf(stderr, "rpc_bench: --device cuda: LibTorch sees no CUDA device on this "
+                             "machine\n");
+        return 2;
+      }
+      g_cuda = true;
+      ::setenv("TANDEM_BENCH_DEVICE", "cuda", 1);  // for the callee
+      bool given = false;
+      for (int i = 1; i < argc; ++i) given = given || std::strcmp(argv[i], "--sizes") == 0;
+      if (!given) list = {1 << 20, 64 << 20, int64_t(1) << 30};
+      cuda_ceilings(list);
+    }
     std::vector<std::string> transports;
     for (size_t at = 0; at <= transport_list.size();) {
       size_t comma = std::min(transport_list.find(',', at), transport_list.size());
@@ -336,6 +411,20 @@ int main(int argc, char** argv) {
     std::vector<std::vector<Round>> creates(nt);
     std::vector<std::vector<std::vector<Round>>> to_here(
         nt, std::vector<std::vector<Round>>(kRRefSizes.size()));
+    if (g_cuda) {
+      for (int r = 0; r < rounds; ++r) {
+        for (size_t k = 0; k < nt; ++k) {
+          auto a = rpc_caller(list, transports[k]);
+          for (size_t i = 0; i < list.size(); ++i) ours[k][i].push_back(a.echo[i]);
+        }
+      }
+      for (size_t k = 0; k < nt; ++k) {
+        for (size_t i = 0; i < list.size(); ++i) {
+          emit("tandem", transports[k], list[i], ours[k][i], "rpc_echo_cuda");
+        }
+      }
+      return 0;
+    }
     for (int r = 0; r < rounds; ++r) {
       for (size_t k = 0; k < nt; ++k) {
         auto a = rpc_caller(list, transports[k]);

@@ -25,7 +25,7 @@
 #     pipeline with --resume, --schedule without --mode pipeline;
 #  f. ddp_mlp on 2 processes, and as two one-process "nodes" (two tandem-run
 #     --nnodes 2), exits 0 with identical replicas and a falling loss; a bad
-#     flag exits 2.
+#     flag exits 2, as does --backend mpi, and --backend nccl where LibTorch has no CUDA.
 set -uo pipefail
 bin="$(readlink -f "${1:?usage: check_examples.sh BIN_DIR}")"
 run="$bin/tandem-run"
@@ -228,6 +228,15 @@ expect_rc "ddp_mlp node 0 of 2" "$rc0" 0 f0.log && ddp_ok "ddp_mlp on two nodes"
 expect_rc "ddp_mlp node 1 of 2" "$rc1" 0 f1.log
 rc=$(launch f.log 2 ddp_mlp --bogus)
 expect_rc "ddp_mlp --bogus" "$rc" 2 f.log && { grep -q "unknown flag '--bogus'" f.log || fail "ddp_mlp --bogus: no message"; }
+rc=$(launch f.log 2 ddp_mlp --backend mpi)
+expect_rc "ddp_mlp --backend mpi" "$rc" 2 f.log &&
+  { grep -q "takes gloo or nccl, not 'mpi'" f.log || fail "ddp_mlp --backend mpi: no message"; }
+if grep -q "^TANDEM_CUDA_BUILD:INTERNAL=OFF" "$bin/../CMakeCache.txt" 2>/dev/null; then
+  # Without CUDA, nccl is refused by every rank alike, by name (GPU machines train with it).
+  rc=$(launch f.log 2 ddp_mlp --backend nccl)
+  expect_rc "ddp_mlp --backend nccl without CUDA" "$rc" 2 f.log &&
+    { grep -q "backend 'nccl' needs a LibTorch built with CUDA" f.log || fail "ddp_mlp --backend nccl: no message"; }
+fi
 
 if ((failures)); then
   echo "check_examples: $failures failure(s)"

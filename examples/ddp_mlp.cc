@@ -13,6 +13,9 @@
 //       --master-port 29500 --nproc-per-node 1 build/bin/ddp_mlp
 // (each command on one line)
 //
+// On GPUs (one per process): --backend nccl puts rank r's replica on
+// cuda:LOCAL_RANK, as PyTorch's DDP(model, device_ids=[local_rank]).
+//
 // The task is synthetic but learnable: --samples random inputs labelled by
 // a random linear "teacher", the same on every rank (made from --seed).
 // Each epoch the sampler hands every rank its own share of the samples in
@@ -30,8 +33,10 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <string>
 
 #include "examples/flags.h"
 #include "examples/launch.h"
@@ -67,11 +72,19 @@ torch::nn::Sequential make_model(int64_t seed) {
 }
 
 int train(int64_t epochs, int64_t samples, int64_t batch, double lr, int64_t log_every,
-          int64_t seed) {
+          int64_t seed, bool gpu) {
   const int rank = ddp::get_rank(), world = ddp::get_world_size();
   Data data = make_data(samples, seed);
   auto model = make_model(seed);
-  ddp::DistributedDataParallel net(model);
+  ddp::DDPOptions options;
+  c10::Device device(c10::kCPU);
+  if (gpu) {  // one GPU per process: this node's rank picks it
+    const int local_rank = std::max(tandem::rpc::world_from_env().local_rank, 0);
+    device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
+    model->to(device);
+    options.device_ids = {local_rank};
+  }
+  ddp::DistributedDataParallel net(model, options);
   torch::optim::SGD opt(net.parameters(), torch::optim::SGDOptions(lr).momentum(0.9));
   ddp::DistributedSampler sampler(static_cast<size_t>(samples));
   const int64_t steps_per_epoch = static_cast<int64_t>(sampler.num_samples()) / batch;
@@ -96,7 +109,7 @@ int train(int64_t epochs, int64_t samples, int64_t batch, double lr, int64_t log
       at::Tensor pick = all.narrow(0, s * batch, batch);
       at::Tensor x = at::index_select(data.x, 0, pick), y = at::index_select(data.y, 0, pick);
       opt.zero_grad();
-      at::Tensor loss = torch::nn::functional::cross_entropy(net(x), y);
+      at::Tensor loss = torch::nn::functional::cross_entropy(net(x), y.to(device));
       loss.backward();
       opt.step();
       double l = loss.item<double>();
@@ -131,22 +144,33 @@ int train(int64_t epochs, int64_t samples, int64_t batch, double lr, int64_t log
 static int job_main(int argc, char** argv) {
   int64_t epochs = 2, samples = 4096, batch = 64, log_every = 10, seed = 0;
   double lr = 0.05;
+  std::string backend = "gloo";
   examples::Flags flags("ddp_mlp");
   flags.add("--epochs", &epochs, 1, "passes over the data")
       .add("--samples", &samples, 1, "size of the synthetic dataset")
       .add("--batch", &batch, 1, "samples per step on each rank")
       .add("--lr", &lr, "SGD learning rate (momentum 0.9)")
       .add("--log-every", &log_every, 1, "steps between progress lines")
-      .add("--seed", &seed, 0, "seed of the data and the initial weights");
+      .add("--seed", &seed, 0, "seed of the data and the initial weights")
+      .add("--backend", &backend, "gloo (CPU) or nccl (one GPU per process)");
   std::string error = flags.parse(argc, argv);
   if (tandem::rpc::world_from_env().world_size < 1) {
     return examples::outside_world(
         flags, error, "start me with tandem-run, e.g. tandem-run --nproc-per-node 2 ddp_mlp");
   }
   // Every rank joins the group first, so that a flag error ends all of them alike.
-  ddp::init_process_group("gloo");
+  if (error.empty() && backend != "gloo" && backend != "nccl") {
+    error = "--backend takes gloo or nccl, not '" + backend + "'";
+  }
+  if (!error.empty()) backend = "gloo";  // to meet the others and end alike
+  try {
+    ddp::init_process_group(backend);
+  } catch (const std::invalid_argument& e) {  // nccl without CUDA: every rank alike
+    std::fprintf(stderr, "ddp_mlp: %s\n", e.what());
+    return 2;
+  }
   int rc = examples::run_worker(flags, error, ddp::get_rank() == 0, [&] {
-    return train(epochs, samples, batch, lr, log_every, seed);
+    return train(epochs, samples, batch, lr, log_every, seed, backend == "nccl");
   });
   ddp::destroy_process_group();
   return rc;

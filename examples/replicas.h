@@ -20,7 +20,9 @@ inline bool same_on_every_rank(const std::vector<at::Tensor>& tensors,
     group.broadcast(first, 0);
     same = same && at::equal(first, t.detach());
   }
+  // An nccl group takes CUDA tensors: the verdict goes where the values are.
   at::Tensor all = at::full({1}, same ? 1 : 0, at::kInt);
+  if (!tensors.empty()) all = all.to(tensors[0].device());
   group.all_reduce(all, tandem::ddp::ReduceOp::kMin);
   return all.item<int>() == 1;
 }

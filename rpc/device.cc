@@ -75,7 +75,12 @@ at::Tensor Arrival::place(const at::Tensor& host, c10::Device target) {
   const c10::cuda::CUDAStreamGuard guard(lane.stream);  // sets the device too
   // From pinned memory, an asynchronous copy; the host allocator keeps the
   // buffer until the stream has read it.
-  return host.to(at::TensorOptions().device(target), /*non_blocking=*/true);
+  at::Tensor placed = host.to(at::TensorOptions().device(target), /*non_blocking=*/true);
+  // Its memory belongs to this pool stream; whoever takes it most likely
+  // works on the device's default stream, so when it is freed the allocator
+  // must also wait for what that stream has queued before reusing it.
+  placed.record_stream(c10::cuda::getDefaultCUDAStream(target.index()));
+  return placed;
 }
 
 void Arrival::seal() {

@@ -181,11 +181,13 @@ void Agent::handle_request(const ConnectionPtr& conn, int from, Message msg,
       uint64_t id = msg.id;
       std::weak_ptr<Agent> weak = weak_from_this();
       std::string callee = trace_ ? msg.callee : std::string();
-      r.future->addCallback([weak, conn, from, id, autograd_context, callee,
-                             started](c10::ivalue::Future& f) {
+      r.future->addCallback([weak, conn, from, id, autograd_context, callee, started,
+                             arrival = msg.arrival](c10::ivalue::Future& f) {
         // The future may complete after this agent is gone: then nobody is
         // left to answer, and the caller has failed the call already.
         if (auto self = weak.lock()) {
+          // The answer's CUDA tensors leave from the handler's streams.
+          const device::Arrival::Scope streams(arrival.get());
           self->reply(conn, from, id, c10::intrusive_ptr<c10::ivalue::Future>::reclaim_copy(&f),
                       autograd_context, callee, started);
         }
