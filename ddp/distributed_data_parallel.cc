@@ -585,18 +585,18 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, DDPOptions options,
     model_device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(id));
   }
   const bool nccl = group_->backend() == "nccl";
-  auto check_device = [&](const std::string& name, const at::Tensor& t) {
-    const std::string where =
-        "DistributedDataParallel: parameter '" + name + "' is on " + t.device().str();
+  // `what`: "parameter 'fc1.weight'" or "buffer 'bn.running_mean'".
+  auto check_device = [&](const std::string& what, const at::Tensor& t) {
+    const std::string where = "DistributedDataParallel: " + what + " is on " + t.device().str();
     if (!options.device_ids.empty() && t.device() != *model_device) {
       throw std::invalid_argument(where + ", but device_ids names " + model_device->str() +
                                   " (move the model there first: model->to(device))");
     }
     if (!nccl && !t.device().is_cpu()) {
-      throw std::invalid_argument(where + "; a gloo group takes CPU parameters (nccl takes CUDA ones)");
+      throw std::invalid_argument(where + "; a gloo group takes CPU tensors (nccl takes CUDA ones)");
     }
     if (nccl && !t.device().is_cuda()) {
-      throw std::invalid_argument(where + "; an nccl group takes CUDA parameters (gloo takes CPU ones)");
+      throw std::invalid_argument(where + "; an nccl group takes CUDA tensors (gloo takes CPU ones)");
     }
     if (nccl && !model_device) model_device = t.device();
     if (nccl && t.device() != *model_device) {
@@ -608,7 +608,7 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, DDPOptions options,
   for (const auto& item : m.module->named_parameters(/*recurse=*/true)) {
     const at::Tensor& t = item.value();
     if (!t.requires_grad() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
-    check_device(item.key(), t);
+    check_device("parameter '" + item.key() + "'", t);
     Impl::Param p;
     p.name = item.key();
     p.tensor = t;
@@ -624,6 +624,7 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, DDPOptions options,
                    c10::toString(p.tensor.scalar_type()) + "\n";
   }
   for (const auto& item : m.module->named_buffers(true)) {
+    check_device("buffer '" + item.key() + "'", item.value());
     m.buffers.push_back(item.value());
     fingerprint += "buffer '" + item.key() + "' " + shape_text(item.value().sizes()) + " " +
                    c10::toString(item.value().scalar_type()) + "\n";

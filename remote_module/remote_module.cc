@@ -143,7 +143,14 @@ class ModuleService final : public rpc::AgentExtension {
         rest.push_back(s->device.is_cpu() ? std::move(args[i]) : moved(args[i], s->device));
       }
       c10::IValue out = s->forward(rest);
-      return s->device.is_cpu() ? out : moved(out, c10::kCPU);
+      if (s->device.is_cpu()) return out;
+      // A CUDA answer stays on the GPU where the caller's device map takes
+      // it (it lands on the caller's mapped device); without one, it goes
+      // by way of the CPU rather than be refused.
+      rpc::Agent* agent = rpc::handler_agent();
+      const std::string caller = rpc::handler_caller();
+      if (agent && !caller.empty() && agent->answer_device_to(caller, s->device)) return out;
+      return moved(out, c10::kCPU);
     });
     internal.def("tandem.nn.parameters", [agent](c10::IValue m) {
       std::vector<rpc::RRef<at::Tensor>> out;

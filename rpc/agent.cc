@@ -469,6 +469,16 @@ std::string Agent::transport_to(const std::string& to) const {
   return c ? c->kind() : "";
 }
 
+std::optional<c10::Device> Agent::answer_device_to(const std::string& caller,
+                                                   c10::Device device) const {
+  const int r = get_worker_info(caller).rank;
+  if (!device.is_cuda() || r >= static_cast<int>(answer_maps_.size())) return std::nullopt;
+  const auto& map = answer_maps_[r].cuda;
+  auto it = map.find(device.index());
+  if (it == map.end()) return std::nullopt;
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(it->second));
+}
+
 TransportStats Agent::transport_stats() const {
   return transport_ ? transport_->stats() : TransportStats{};
 }

@@ -42,6 +42,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -173,6 +174,13 @@ class Agent : public std::enable_shared_from_this<Agent> {
   // "shm" or "tcp": what carries this agent's calls to worker `to` now;
   // empty while no connection to it is open.
   std::string transport_to(const std::string& to) const;
+  // Where a tensor on this worker's CUDA device `device` lands when this
+  // agent answers worker `caller` (AgentOptions::device_maps: the inverse
+  // of the caller's map, else this worker's own); nullopt when no map covers
+  // it, so such an answer would be refused. Throws std::invalid_argument for
+  // an unknown worker.
+  std::optional<c10::Device> answer_device_to(const std::string& caller,
+                                              c10::Device device) const;
   // Where the layers add their events to this worker's timeline
   // (rpc/trace.h); null unless tracing. Valid while the agent lives.
   const std::shared_ptr<Tracer>& tracer() const { return trace_; }
@@ -320,5 +328,8 @@ class Agent : public std::enable_shared_from_this<Agent> {
 
 // The agent whose handler is running on this thread, if any.
 Agent* handler_agent();
+// The worker whose request the handler running on this thread serves (its
+// name); empty outside a handler.
+std::string handler_caller();
 
 }  // namespace tandem::rpc

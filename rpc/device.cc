@@ -11,9 +11,13 @@
 #if defined(TANDEM_WITH_CUDA)
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 
 #include <deque>
+#include <map>
+#include <mutex>
 #endif
 
 namespace tandem::rpc::device {
@@ -48,10 +52,29 @@ at::Tensor stage_out(const at::Tensor& t) {
   return host;
 }
 
+namespace {
+
+// The agent's own stream on device `d`: non-blocking (no implicit order with
+// the legacy default stream) and used for arrivals alone, so a copy never
+// waits behind a collective or a handler's kernels, as it could on a stream
+// of LibTorch's shared pool. Made once per device, kept for the process.
+c10::cuda::CUDAStream arrival_stream(c10::DeviceIndex d) {
+  static std::mutex mu;
+  static std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = streams.find(d);
+  if (it != streams.end()) return it->second;
+  const c10::cuda::CUDAGuard guard(d);
+  cudaStream_t raw = nullptr;
+  C10_CUDA_CHECK(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking));
+  return streams.emplace(d, c10::cuda::getStreamFromExternal(raw, d)).first->second;
+}
+
+}  // namespace
+
 struct Arrival::Impl {
   struct Lane {
-    explicit Lane(c10::Device d)
-        : device(d), stream(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, d.index())) {}
+    explicit Lane(c10::Device d) : device(d), stream(arrival_stream(d.index())) {}
     c10::Device device;
     c10::cuda::CUDAStream stream;
     at::cuda::CUDAEvent done;
@@ -73,18 +96,24 @@ at::Tensor Arrival::place(const at::Tensor& host, c10::Device target) {
   if (!target.is_cuda()) return host.to(target);
   Impl::Lane& lane = impl_->lane(target);
   const c10::cuda::CUDAStreamGuard guard(lane.stream);  // sets the device too
-  // From pinned memory, an asynchronous copy; the host allocator keeps the
-  // buffer until the stream has read it.
-  at::Tensor placed = host.to(at::TensorOptions().device(target), /*non_blocking=*/true);
-  // Its memory belongs to this pool stream; whoever takes it most likely
-  // works on the device's default stream, so when it is freed the allocator
-  // must also wait for what that stream has queued before reusing it.
+  // From pinned memory (host_buffer), an asynchronous copy: the host
+  // allocator keeps the buffer until the stream has read it. A tensor read
+  // into a shared-memory segment is pageable and goes back to its sender
+  // when the frame is done, so its copy must be complete on return.
+  const bool pinned = host.is_pinned();
+  at::Tensor placed = host.to(at::TensorOptions().device(target), /*non_blocking=*/pinned);
+  // Its memory belongs to the arrival stream, but the default stream is
+  // where it is used: the allocator must wait for that stream too before
+  // reusing it.
   placed.record_stream(c10::cuda::getDefaultCUDAStream(target.index()));
   return placed;
 }
 
 void Arrival::seal() {
-  for (auto& l : impl_->lanes) l.done.record(l.stream);
+  for (auto& l : impl_->lanes) {
+    l.done.record(l.stream);
+    l.done.block(c10::cuda::getDefaultCUDAStream(l.device.index()));  // on the GPU
+  }
 }
 
 void Arrival::wait() const {
@@ -98,20 +127,6 @@ std::vector<c10::Device> Arrival::devices() const {
   for (const auto& l : impl_->lanes) out.push_back(l.device);
   return out;
 }
-
-struct Arrival::Scope::Impl {
-  explicit Impl(const std::vector<c10::cuda::CUDAStream>& streams) : guard(streams) {}
-  c10::cuda::CUDAMultiStreamGuard guard;
-};
-
-Arrival::Scope::Scope(const Arrival* arrival) {
-  if (!arrival || arrival->empty()) return;
-  std::vector<c10::cuda::CUDAStream> streams;
-  for (const auto& l : arrival->impl_->lanes) streams.push_back(l.stream);
-  impl_ = std::make_unique<Impl>(streams);
-}
-
-Arrival::Scope::~Scope() = default;
 
 #else  // no CUDA: no CUDA tensor exists, and no frame may name a CUDA device
 
@@ -136,10 +151,6 @@ void Arrival::seal() {}
 void Arrival::wait() const {}
 bool Arrival::empty() const { return impl_->devices.empty(); }
 std::vector<c10::Device> Arrival::devices() const { return impl_->devices; }
-
-struct Arrival::Scope::Impl {};
-Arrival::Scope::Scope(const Arrival*) {}
-Arrival::Scope::~Scope() = default;
 
 #endif
 

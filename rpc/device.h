@@ -7,11 +7,18 @@
 //
 // Receiving: a tensor whose frame says it goes to cuda:N is read from the
 // connection into pinned host memory (host_buffer), then copied to cuda:N
-// on a stream taken from the device's pool for this message (an Arrival).
-//   - A request's handler runs with that stream current (Arrival::Scope):
-//     its work is queued after the copies, with no wait on the host.
-//   - A response's future completes after the copies' events (wait()), so
-//     whoever takes the value may use it on any stream.
+// on the agent's own arrival stream of that device (an Arrival), a
+// non-blocking stream made for this alone, so the copies never queue behind
+// a collective or a handler's work. When the frame's copies are queued,
+// the device's default stream is made to wait for them (an event, on the
+// GPU: no host waits), so:
+//   - a request's handler, which runs on the default stream, and whatever
+//     later takes its arguments (a pipeline stage, the autograd engine, an
+//     RRef's owner) see them complete;
+//   - a response's future completes after the copies' events on the host
+//     (wait()), so whoever takes the value may use it on any stream.
+// A placed tensor's memory is also recorded as used by the default stream,
+// so the allocator does not reuse it before work queued there is done.
 //
 // Where LibTorch has no CUDA all of this compiles to plain CPU code (no CUDA
 // tensor can exist there, and the decoder refuses frames for CUDA devices).
@@ -47,7 +54,8 @@ class Arrival {
 
   // `host`'s copy on `target`, queued on this message's stream there.
   at::Tensor place(const at::Tensor& host, c10::Device target);
-  // After the last place(): marks the copies' end on each stream.
+  // After the last place(): marks the copies' end on each stream and makes
+  // the devices' default streams wait for it.
   void seal();
   // Blocks until every copy is done (their events, not the devices).
   void wait() const;
@@ -55,19 +63,6 @@ class Arrival {
   // The devices copies went to, in the order first used.
   std::vector<c10::Device> devices() const;
 
-  // While alive, the current stream of each device a copy went to is the
-  // stream the copy ran on, so work queued there runs after it.
-  class Scope {
-   public:
-    explicit Scope(const Arrival* arrival);  // null or empty: nothing changes
-    ~Scope();
-    Scope(const Scope&) = delete;
-    Scope& operator=(const Scope&) = delete;
-
-   private:
-    struct Impl;
-    std::unique_ptr<Impl> impl_;
-  };
 
  private:
   struct Impl;

@@ -18,6 +18,12 @@ constexpr uint64_t kNoReply = 0;  // the call id of a notify(): no reply goes ba
 
 Agent* handler_agent() { return current_scope().agent; }
 
+std::string handler_caller() {
+  const CallScope& s = current_scope();
+  if (!s.agent || s.caller < 0) return {};
+  return s.agent->get_worker_info(s.caller).name;
+}
+
 uint64_t handler_autograd_context(const Agent& agent) { return autograd_context_for(agent); }
 
 bool Agent::inline_ok(const Message& m) const {
@@ -160,6 +166,7 @@ void Agent::handle_request(const ConnectionPtr& conn, int from, Message msg,
   scope.agent = this;
   scope.context_agent = this;
   scope.autograd_context = msg.autograd_context;
+  scope.caller = from;
   if (msg.timeout_ms > 0) {
     scope.has_deadline = true;
     scope.deadline = Clock::now() + std::min(std::chrono::milliseconds(std::min<uint64_t>(
@@ -167,9 +174,8 @@ void Agent::handle_request(const ConnectionPtr& conn, int from, Message msg,
                                              kMaxTimeout);
   }
   ScopeGuard guard(scope);
-  // The handler runs on the streams its CUDA arguments were copied on, so
-  // what it queues there follows the copies, with no wait here.
-  const device::Arrival::Scope streams(msg.arrival.get());
+  // Its CUDA arguments are on their way: the default stream, where it runs,
+  // waits for their copies (rpc/device.h), so there is nothing to wait for.
   RawFuture result;
   const uint64_t autograd_context = msg.autograd_context;
   const auto started = trace_ ? Clock::now() : Clock::time_point{};
@@ -181,13 +187,11 @@ void Agent::handle_request(const ConnectionPtr& conn, int from, Message msg,
       uint64_t id = msg.id;
       std::weak_ptr<Agent> weak = weak_from_this();
       std::string callee = trace_ ? msg.callee : std::string();
-      r.future->addCallback([weak, conn, from, id, autograd_context, callee, started,
-                             arrival = msg.arrival](c10::ivalue::Future& f) {
+      r.future->addCallback([weak, conn, from, id, autograd_context, callee,
+                             started](c10::ivalue::Future& f) {
         // The future may complete after this agent is gone: then nobody is
         // left to answer, and the caller has failed the call already.
         if (auto self = weak.lock()) {
-          // The answer's CUDA tensors leave from the handler's streams.
-          const device::Arrival::Scope streams(arrival.get());
           self->reply(conn, from, id, c10::intrusive_ptr<c10::ivalue::Future>::reclaim_copy(&f),
                       autograd_context, callee, started);
         }

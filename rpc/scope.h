@@ -31,6 +31,8 @@ struct CallScope {
   // The autograd context current here, and the agent it belongs to.
   const Agent* context_agent = nullptr;
   uint64_t autograd_context = 0;
+  // The rank whose request the handler running here serves (-1: none).
+  int caller = -1;
 };
 
 // This thread's scope.

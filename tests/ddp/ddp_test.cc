@@ -279,6 +279,14 @@ TEST_CASE("ddp: device_ids: one device per process, and the model must be on it"
   CHECK(error_of([&] { ddp::DistributedDataParallel m(net, with({0}), g.groups[0]); }) ==
         "DistributedDataParallel: parameter 'fc1.weight' is on cpu, but device_ids names cuda:0 "
         "(move the model there first: model->to(device))");
+  // Buffers are checked too (a meta buffer stands for one on another device).
+  {
+    Net odd = make_net(0);
+    odd->register_buffer("stray", at::empty({2}, at::TensorOptions().device(at::kMeta)));
+    CHECK(error_of([&] { ddp::DistributedDataParallel m(odd, {}, g.groups[0]); }) ==
+          "DistributedDataParallel: buffer 'stray' is on meta; a gloo group takes CPU tensors "
+          "(nccl takes CUDA ones)");
+  }
   // Without device_ids, a gloo group takes the CPU model, and forward takes
   // its arguments as they are.
   ddp::DistributedDataParallel m(net, {}, g.groups[0]);

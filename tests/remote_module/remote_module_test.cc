@@ -417,16 +417,15 @@ TEST_CASE(
   w.shutdown();
 }
 
-TEST_CASE("nn: a module on cuda:0 computes there and answers with CPU tensors") {
+TEST_CASE("nn: a module on cuda:0 answers on the GPU where a device map goes, else on the CPU") {
   if (!at::hasCUDA()) {
     std::printf("skipped: no CUDA device on this machine (this test runs on GPU machines)\n");
     return;
   }
   // CUDA's context and driver threads stay for the life of the process.
   test::process_lifetime([] { (at::ones({2}).to(at::kCUDA) * 2).sum().item<float>(); });
-  // A parameter fetched with to_here() is a CUDA tensor: it travels by the
-  // device map (without one it would be refused).
-  World w(2, define, [](rpc::AgentOptions& o) {
+  // worker0 maps its cuda:0 to worker1's; worker2 has no map.
+  World w(3, define, [](rpc::AgentOptions& o) {
     if (o.rank == 0) o.set_device_map("worker1", {{0, 0}});
   });
   {
@@ -435,16 +434,23 @@ TEST_CASE("nn: a module on cuda:0 computes there and answers with CPU tensors") 
     copy_into(fc, *local);
     at::Tensor x = at::randn({5, 4});
     at::Tensor y = fc.forward(x);
-    CHECK(y.device().is_cpu());
-    CHECK(at::allclose(y, local(x), 1e-4, 1e-5));
+    CHECK(y.device().is_cuda());
+    CHECK(at::allclose(y.cpu(), local(x), 1e-4, 1e-5));
+    // A CUDA input travels by the map too.
+    CHECK(at::allclose(fc.forward(x.to(at::kCUDA)).cpu(), local(x), 1e-4, 1e-5));
+    // Without a map, the answer comes by way of the CPU.
+    RemoteModule from_2(w[2], "worker1/cuda:0", "Linear", {4, 3});
+    CHECK(from_2.forward(x).device().is_cpu());
     auto params = fc.remote_parameters();
     CHECK(params[0].to_here().device().is_cuda());
-    // Trains there: the gradient crosses back to the module's device.
+    // Trains there: the gradient crosses back to the module's device and
+    // to the GPU input's.
     dist::Context ctx(w[0]);
-    at::Tensor xg = x.clone().requires_grad_();
+    at::Tensor xg = x.to(at::kCUDA).requires_grad_();
     dist::backward(w[0], ctx.id(), {fc.forward(xg).sum()});
-    CHECK(at::allclose(dist::get_gradients(w[0], ctx.id()).at(xg),
-                       local->weight.detach().sum(0).expand({5, 4}), 1e-4, 1e-5));
+    auto g = dist::get_gradients(w[0], ctx.id()).at(xg);
+    CHECK(g.is_cuda());
+    CHECK(at::allclose(g.cpu(), local->weight.detach().sum(0).expand({5, 4}), 1e-4, 1e-5));
   }
   w.shutdown();
 }

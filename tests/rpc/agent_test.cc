@@ -27,6 +27,7 @@ std::atomic<int> g_sleeps_started{0};
 std::atomic<int> g_sleeps_done{0};
 
 void define_common(Registry& r) {
+  r.def("caller", []() { return handler_caller(); });
   r.def("add", [](at::Tensor a, at::Tensor b) { return a + b; });
   r.def("scale", [](at::Tensor a, double s) { return a * s; });
   r.def("echo", [](c10::IValue v) { return v; });
@@ -536,6 +537,18 @@ TEST_CASE("device maps: every worker checks every map at start-up against both e
   CHECK(w[1].get_worker_info("worker0").device_maps.at("worker1") ==
         std::map<int, int>{{0, 1}, {1, 0}});
   CHECK(w[1].get_worker_info("worker0").cuda_devices == 2);
+  // Answers go back by the inverse of the caller's map; worker0 answers
+  // worker1 by the same (its own map covers it).
+  CHECK(w[1].answer_device_to("worker0", c10::Device("cuda:1")) == c10::Device("cuda:0"));
+  CHECK(w[1].answer_device_to("worker0", c10::Device("cuda:0")) == c10::Device("cuda:1"));
+  CHECK_FALSE(w[1].answer_device_to("worker0", c10::Device("cuda:2")).has_value());
+  CHECK_FALSE(w[1].answer_device_to("worker0", c10::Device("cpu")).has_value());
+  CHECK(w[0].answer_device_to("worker1", c10::Device("cuda:0")) == c10::Device("cuda:1"));
+  CHECK_THROWS_AS(w[0].answer_device_to("worker9", c10::Device("cuda:0")), std::invalid_argument);
+  // A handler knows whom it serves.
+  CHECK(w[0].rpc_sync<std::string>("worker1", "caller") == "worker0");
+  CHECK(w[1].rpc_sync<std::string>("worker0", "caller") == "worker1");
+  CHECK(rpc::handler_caller().empty());
   auto t = at::arange(6, at::kFloat);
   CHECK(at::equal(w[0].rpc_sync<at::Tensor>("worker1", "echo", t), t));
   w.shutdown();
