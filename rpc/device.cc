@@ -36,20 +36,32 @@ at::Tensor host_buffer(at::IntArrayRef shape, c10::ScalarType dtype, c10::Device
 
 bool cuda_compiled() { return true; }
 
-at::Tensor stage_out(const at::Tensor& t) {
+struct Staging::Impl {
+  std::vector<c10::DeviceIndex> devices;  // those a copy was queued on
+};
+
+Staging::Staging() : impl_(std::make_unique<Impl>()) {}
+Staging::~Staging() = default;  // pinned buffers are kept by the host allocator until copied
+
+at::Tensor Staging::add(const at::Tensor& t) {
   if (!t.is_cuda()) return t;
   const c10::cuda::CUDAGuard guard(t.device());
-  // The caller's stream on that device: the copy is queued after whatever
-  // produced the tensor there.
-  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(t.device().index());
   at::Tensor src = t.detach().resolve_conj().resolve_neg().contiguous();
   at::Tensor host = at::empty(
       src.sizes(), at::TensorOptions().dtype(src.scalar_type()).pinned_memory(true));
-  host.copy_(src, /*non_blocking=*/true);
-  at::cuda::CUDAEvent copied;
-  copied.record(stream);
-  copied.synchronize();  // this copy only: the device may go on with other work
+  host.copy_(src, /*non_blocking=*/true);  // on the device's current stream
+  auto& d = impl_->devices;
+  if (std::find(d.begin(), d.end(), t.device().index()) == d.end()) d.push_back(t.device().index());
   return host;
+}
+
+void Staging::done() {
+  for (c10::DeviceIndex d : impl_->devices) {
+    at::cuda::CUDAEvent copied;
+    copied.record(c10::cuda::getCurrentCUDAStream(d));
+    copied.synchronize();  // these copies only: the device goes on with other work
+  }
+  impl_->devices.clear();
 }
 
 namespace {
@@ -132,7 +144,11 @@ std::vector<c10::Device> Arrival::devices() const {
 
 bool cuda_compiled() { return false; }
 
-at::Tensor stage_out(const at::Tensor& t) { return t.is_cpu() ? t : t.cpu(); }
+struct Staging::Impl {};
+Staging::Staging() = default;
+Staging::~Staging() = default;
+at::Tensor Staging::add(const at::Tensor& t) { return t.is_cpu() ? t : t.cpu(); }
+void Staging::done() {}
 
 struct Arrival::Impl {
   std::vector<c10::Device> devices;

@@ -3,7 +3,8 @@
 //
 // Sending: the tensor is copied into pinned host memory on its device's
 // current stream (so after whatever the caller queued that produces it), and
-// the sender waits for that copy's event alone, never for the whole device.
+// the sender waits for the frame's copies' events alone, never for the
+// whole device (Staging).
 //
 // Receiving: a tensor whose frame says it goes to cuda:N is read from the
 // connection into pinned host memory (host_buffer), then copied to cuda:N
@@ -35,10 +36,25 @@ namespace tandem::rpc::device {
 // Whether this build has the CUDA paths (LibTorch built with CUDA).
 bool cuda_compiled();
 
-// A CPU tensor with `t`'s bytes, ready for the transport to read. A CPU
-// tensor comes back as it is; a CUDA tensor as a pinned host copy, complete
-// when this returns.
-at::Tensor stage_out(const at::Tensor& t);
+// A frame's tensors on their way to host memory. add() returns a CPU
+// tensor with `t`'s bytes: a CPU tensor as it is; for a CUDA tensor, a
+// pinned host buffer whose copy is queued on the device's current stream
+// (after whatever the sender queued that produces it). done() waits for
+// every copy, with one event per device, never for the whole device; the
+// host tensors may be read only after it.
+class Staging {
+ public:
+  Staging();
+  ~Staging();
+  Staging(const Staging&) = delete;
+  Staging& operator=(const Staging&) = delete;
+  at::Tensor add(const at::Tensor& t);
+  void done();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 // Host memory to read a received tensor bound for `target` into: pinned when
 // `target` is a CUDA device, so that its copy there can run asynchronously.

@@ -196,9 +196,10 @@ class Encoder {
     }
     const c10::Device to = target(t.device());
     at::Tensor wire = t;
-    // Staged through pinned host memory (rpc/device.h). TODO(perf): CUDA IPC
-    // between processes on one host.
-    if (!wire.device().is_cpu()) wire = device::stage_out(wire);
+    // Staged through pinned host memory (rpc/device.h), all of the frame's
+    // copies waited for at once. TODO(perf): CUDA IPC between processes on
+    // one host.
+    if (!wire.device().is_cpu()) wire = staging.add(wire);
     wire = wire.resolve_conj().resolve_neg().contiguous();
     auto idx = static_cast<uint32_t>(tensors.size());
     index_.emplace(t.unsafeGetTensorImpl(), idx);
@@ -210,6 +211,7 @@ class Encoder {
 
  public:
   std::vector<c10::Device> devices_;
+  device::Staging staging;  // the CUDA tensors' copies to host memory
 };
 
 // ---- decoding ----------------------------------------------------------------
@@ -462,6 +464,7 @@ OutFrame encode_unchecked(const Message& m, const Limits& limits, RRefHook* rref
     auto vals = env.initValues(m.values.size());
     for (size_t i = 0; i < m.values.size(); ++i) enc.value(vals[i], m.values[i]);
   }
+  enc.staging.done();  // the body's bytes are read from the host copies
   OutFrame frame;
   uint64_t offset = 0;
   if (!enc.tensors.empty()) {
