@@ -5,6 +5,8 @@
 #include <ATen/core/grad_mode.h>
 #include <torch/cuda.h>
 
+#include <functional>
+
 #include <algorithm>
 #include <mutex>
 #include <sstream>
@@ -38,26 +40,47 @@ std::string joined(const std::vector<std::string>& names) {
   return out;
 }
 
-// Tensors inside `v` (nested in tuples and lists) moved to `device`.
-c10::IValue moved(const c10::IValue& v, c10::Device device) {
-  if (v.isTensor()) return v.toTensor().to(device);
+// `v` with each tensor inside it (nested in tuples and lists) replaced by `f(tensor)`.
+c10::IValue mapped(const c10::IValue& v, const std::function<at::Tensor(const at::Tensor&)>& f) {
+  if (v.isTensor()) return f(v.toTensor());
   if (v.isTuple()) {
     std::vector<c10::IValue> items;
-    for (const auto& item : v.toTupleRef().elements()) items.push_back(moved(item, device));
+    for (const auto& item : v.toTupleRef().elements()) items.push_back(mapped(item, f));
     return c10::ivalue::Tuple::create(std::move(items));
   }
   if (v.isTensorList()) {
     std::vector<at::Tensor> items;
-    for (const at::Tensor& t : v.toTensorVector()) items.push_back(t.to(device));
+    for (const at::Tensor& t : v.toTensorVector()) items.push_back(f(t));
     return c10::IValue(std::move(items));
   }
   if (v.isList()) {
     auto list = v.toList();
     c10::impl::GenericList out(list.elementType());
-    for (size_t i = 0; i < list.size(); ++i) out.push_back(moved(list.get(i), device));
+    for (size_t i = 0; i < list.size(); ++i) out.push_back(mapped(list.get(i), f));
     return out;
   }
   return v;
+}
+
+// Tensors inside `v` moved to `device`.
+c10::IValue moved(const c10::IValue& v, c10::Device device) {
+  return mapped(v, [device](const at::Tensor& t) { return t.to(device); });
+}
+
+// A forward's answer to the worker whose request this handler serves: a
+// CUDA tensor stays on its GPU where that worker's device map takes it (it
+// lands on the mapped device there); any other goes by way of the CPU
+// rather than be refused.
+c10::IValue answered(const c10::IValue& v) {
+  rpc::Agent* agent = rpc::handler_agent();
+  const std::string caller = rpc::handler_caller();
+  return mapped(v, [&](const at::Tensor& t) {
+    if (t.is_cpu()) return t;
+    if (t.is_cuda() && agent && !caller.empty() && agent->answer_device_to(caller, t.device())) {
+      return t;
+    }
+    return t.to(c10::kCPU);
+  });
 }
 
 // The device `d` on this worker, or an error naming what it lacks.
@@ -79,8 +102,9 @@ void check_device(const std::string& worker, c10::Device d) {
 
 std::shared_ptr<Served> placed(std::shared_ptr<Served> s, const std::string& worker,
                                const std::string& device) {
-  const c10::Device d = RemoteDevice::parse(worker + "/" + device).device;
+  c10::Device d = RemoteDevice::parse(worker + "/" + device).device;
   check_device(worker, d);
+  if (d.is_cuda() && !d.has_index()) d = c10::Device(c10::kCUDA, 0);  // "cuda": the first
   if (!d.is_cpu()) s->to(d);
   s->device = d;
   return s;
@@ -143,14 +167,7 @@ class ModuleService final : public rpc::AgentExtension {
         rest.push_back(s->device.is_cpu() ? std::move(args[i]) : moved(args[i], s->device));
       }
       c10::IValue out = s->forward(rest);
-      if (s->device.is_cpu()) return out;
-      // A CUDA answer stays on the GPU where the caller's device map takes
-      // it (it lands on the caller's mapped device); without one, it goes
-      // by way of the CPU rather than be refused.
-      rpc::Agent* agent = rpc::handler_agent();
-      const std::string caller = rpc::handler_caller();
-      if (agent && !caller.empty() && agent->answer_device_to(caller, s->device)) return out;
-      return moved(out, c10::kCPU);
+      return s->device.is_cpu() ? out : answered(out);
     });
     internal.def("tandem.nn.parameters", [agent](c10::IValue m) {
       std::vector<rpc::RRef<at::Tensor>> out;

@@ -271,7 +271,6 @@ class Agent : public std::enable_shared_from_this<Agent> {
              std::chrono::steady_clock::time_point started = {});
   void send_error(const ConnectionPtr& conn, uint64_t id, ErrorCode code,
                   const std::string& message);
-  void run_as_handler(const std::function<void()>& fn);
   // The function registered as `fn`: "tandem.*" names are the layers' own
   // (internal_), every other name the user's registry.
   std::shared_ptr<const Handler> find_handler(const std::string& fn) const;

@@ -40,11 +40,12 @@ struct Staging::Impl {
   std::vector<c10::DeviceIndex> devices;  // those a copy was queued on
 };
 
-Staging::Staging() : impl_(std::make_unique<Impl>()) {}
+Staging::Staging() = default;  // made at the first CUDA tensor: most frames have none
 Staging::~Staging() = default;  // pinned buffers are kept by the host allocator until copied
 
 at::Tensor Staging::add(const at::Tensor& t) {
   if (!t.is_cuda()) return t;
+  if (!impl_) impl_ = std::make_unique<Impl>();
   const c10::cuda::CUDAGuard guard(t.device());
   at::Tensor src = t.detach().resolve_conj().resolve_neg().contiguous();
   at::Tensor host = at::empty(
@@ -56,6 +57,7 @@ at::Tensor Staging::add(const at::Tensor& t) {
 }
 
 void Staging::done() {
+  if (!impl_) return;
   for (c10::DeviceIndex d : impl_->devices) {
     at::cuda::CUDAEvent copied;
     copied.record(c10::cuda::getCurrentCUDAStream(d));

@@ -145,13 +145,6 @@ std::shared_ptr<const Handler> Agent::find_handler(const std::string& fn) const 
   return (internal ? internal_ : registry_)->find(fn);
 }
 
-void Agent::run_as_handler(const std::function<void()>& fn) {
-  CallScope scope = current_scope();
-  scope.agent = this;
-  ScopeGuard guard(scope);
-  fn();
-}
-
 void Agent::handle_request(const ConnectionPtr& conn, int from, Message msg,
                            std::shared_ptr<const Handler> handler) {
   remember_connection_for_polling(conn);  // the pool thread polls it while idle

@@ -25,7 +25,6 @@ struct LayerAccess {
     a.notify(to, fn, std::move(args));
   }
   static void schedule_after(Agent& a, std::chrono::microseconds delay, std::function<void()> fn);
-  static void run_as_handler(Agent& a, const std::function<void()>& fn) { a.run_as_handler(fn); }
   static std::shared_ptr<const Handler> find_handler(const Agent& a, const std::string& fn) {
     return a.find_handler(fn);
   }
@@ -84,12 +83,6 @@ inline void notify(Agent& agent, const std::string& to, const std::string& fn,
 inline void schedule_after(Agent& agent, std::chrono::microseconds delay,
                            std::function<void()> fn) {
   LayerAccess::schedule_after(agent, delay, std::move(fn));
-}
-
-// Runs `fn` as if inside a handler of `agent`: current_agent() and the
-// convenience API then act on it.
-inline void run_as_handler(Agent& agent, const std::function<void()>& fn) {
-  LayerAccess::run_as_handler(agent, fn);
 }
 
 // The function a request naming `fn` would run ("tandem.*": a layer's own),

@@ -1,6 +1,7 @@
 // The owner's side of RRefs: the value records, their forks and local
 // handles, and the requests that create, fetch, call, fork and delete.
 #include "tandem/rpc/rref/context.h"
+#include "tandem/rpc/scope.h"
 
 #include "tandem/rpc/layer.h"
 #include "tandem/rpc/registry.h"
@@ -55,7 +56,12 @@ RawFuture RRefContext::apply_when_ready(RawFuture value, const std::string& fn,
     return out;
   }
   std::weak_ptr<Agent> weak_agent = agent_.weak_from_this();
-  auto run = [weak_agent, handler, out, args = std::move(args)](const c10::IValue* self) mutable {
+  // The function runs in the scope current here (a request's: its caller,
+  // deadline and autograd context; or the user thread's), also when it
+  // runs later, on a pool thread, once the value is ready.
+  const CallScope scope = current_scope();
+  auto run = [weak_agent, handler, out, scope,
+              args = std::move(args)](const c10::IValue* self) mutable {
     auto agent = weak_agent.lock();
     if (!agent) {
       out->setError(std::make_exception_ptr(ShutdownError("the agent is gone")));
@@ -65,18 +71,19 @@ RawFuture RRefContext::apply_when_ready(RawFuture value, const std::string& fn,
     all.reserve(args.size() + 1);
     if (self) all.push_back(*self);
     for (auto& a : args) all.push_back(std::move(a));
-    layer::run_as_handler(*agent, [&] {
-      try {
-        HandlerResult r = (*handler)(all);
-        if (r.future) {
-          r.future->addCallback([out](c10::ivalue::Future& f) { forward_raw(f, out); });
-        } else {
-          out->markCompleted(std::move(r.value));
-        }
-      } catch (...) {
-        out->setError(std::current_exception());
+    CallScope here = scope;
+    here.agent = agent.get();
+    ScopeGuard guard(here);
+    try {
+      HandlerResult r = (*handler)(all);
+      if (r.future) {
+        r.future->addCallback([out](c10::ivalue::Future& f) { forward_raw(f, out); });
+      } else {
+        out->markCompleted(std::move(r.value));
       }
-    });
+    } catch (...) {
+      out->setError(std::current_exception());
+    }
   };
   if (!with_value) {
     run(nullptr);

@@ -74,6 +74,8 @@ void define(rpc::Registry& r) {
   });
   r.def("mix", [](at::Tensor a, at::Tensor b) { return mix(a, b); });
   r.def("context_here", []() { return static_cast<int64_t>(dist::current_context_id()); });
+  r.def("context_in_method",
+        [](at::Tensor) { return static_cast<int64_t>(dist::current_context_id()); });
   r.def("throw_in_backward", [](at::Tensor x) {
     auto y = x * 3;
     y.register_hook([](at::Tensor) -> at::Tensor { throw std::runtime_error("boom in backward"); });
@@ -323,6 +325,9 @@ TEST_CASE("autograd: RRefs: remote() and to_here() inside a context") {
     auto r = rpc::remote<at::Tensor>(w[0], "worker1", "lin1", x);
     auto y = r.to_here();
     auto z = r.rpc_sync<at::Tensor>("pair", y);
+    // A method on the RRef runs in the caller's context, as a handler does
+    // (it runs on a pool thread once the value is ready).
+    CHECK(r.rpc_sync<int64_t>("context_in_method") == static_cast<int64_t>(ctx.id()));
     dist::backward(ctx.id(), {(y.sum() + z.sum())});
     auto ly = lin1(x);
     auto want = local_grads(ly.sum() + (ly * ly + ly).sum(), {x, P().w1});

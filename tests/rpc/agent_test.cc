@@ -589,8 +589,9 @@ TEST_CASE("device maps: CUDA tensors arrive on the mapped device, in calls, answ
       [](AgentOptions& o) {
         if (o.rank == 0) o.set_device_map("worker1", {{0, 0}});
       });
-  // Small (through the ring) and 64 MiB (a segment), pinned staging both
-  // ways; the handler's work follows the copy on its stream.
+  // Small (through the ring, into pinned memory) and 64 MiB (a segment,
+  // pageable: copied synchronously); the handler's work on the default
+  // stream follows the copy.
   for (int64_t n : {int64_t(16), int64_t(16) << 20}) {
     CAPTURE(n);
     auto x = at::randn({n}, at::TensorOptions().device(gpu));

@@ -46,6 +46,7 @@ void define(Registry& r, std::shared_ptr<Stash> stash) {
   });
   r.def("scale", [](at::Tensor self, double s) { return self * s; });
   r.def("numel", [](at::Tensor self) { return self.numel(); });
+  r.def("called_by", [](at::Tensor) { return handler_caller(); });
   auto counter_mu = std::make_shared<std::mutex>();
   r.def("increment", [counter_mu](at::Tensor self) {
     std::lock_guard<std::mutex> lock(*counter_mu);
@@ -157,6 +158,8 @@ TEST_CASE("rref: method proxies run on the owner with the value first") {
   auto r = remote<at::Tensor>(w[0], "worker1", "full", 4, 2.0);
   CHECK(at::allclose(r.rpc_sync<at::Tensor>("scale", 3.0), at::full_like(at::zeros({4}), 6.0)));
   CHECK(r.rpc_async<int64_t>("numel").wait() == 4);
+  // A method knows whose request it serves, as any handler does.
+  CHECK(r.rpc_sync<std::string>("called_by") == "worker0");
   RRef<at::Tensor> scaled = r.remote<at::Tensor>("scale", 0.5);
   CHECK(scaled.owner_name() == "worker1");
   CHECK(at::allclose(scaled.to_here(), at::ones({4})));
