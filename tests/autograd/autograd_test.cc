@@ -74,6 +74,12 @@ void define(rpc::Registry& r) {
   });
   r.def("mix", [](at::Tensor a, at::Tensor b) { return mix(a, b); });
   r.def("context_here", []() { return static_cast<int64_t>(dist::current_context_id()); });
+  // relay, as a method of an RRef held by worker1 (self is added in).
+  r.def("relay_in_method", [](at::Tensor self, at::Tensor x) {
+    auto h = lin1(x);
+    auto y = rpc::rpc_sync<at::Tensor>("worker2", "lin2", h);
+    return y * 2 + h.sum() + self.sum() * 0;
+  });
   r.def("context_in_method",
         [](at::Tensor) { return static_cast<int64_t>(dist::current_context_id()); });
   r.def("throw_in_backward", [](at::Tensor x) {
@@ -165,6 +171,25 @@ TEST_CASE("autograd: nested calls carry the context (0 -> 1 -> 2 -> 1 -> 0)") {
     expect_close(dist::get_gradients(w[2], ctx.id()).at(P().w2), want[3], "w2");
   }
   CHECK(w[0].rpc_sync<int64_t>("worker1", "context_here") == 0);
+  w.shutdown();
+}
+
+TEST_CASE("autograd: a method on an RRef chains its nested call inside the caller's context") {
+  World w(3, define);
+  auto x = input();
+  auto held = rpc::remote<at::Tensor>(w[0], "worker1", "lin1", x.detach());
+  held.to_here();  // ready: the method runs later, on a pool thread of worker1
+  {
+    dist::Context ctx(w[0]);
+    auto y = held.rpc_sync<at::Tensor>("relay_in_method", x);
+    dist::backward(ctx.id(), {y.sum()});
+    auto h = lin1(x);
+    auto want = local_grads((lin2(h) * 2 + h.sum()).sum(), {x, P().w1, P().w2});
+    expect_close(dist::get_gradients(ctx.id()).at(x), want[0], "x");
+    expect_close(dist::get_gradients(w[1], ctx.id()).at(P().w1), want[1], "w1");
+    expect_close(dist::get_gradients(w[2], ctx.id()).at(P().w2), want[2], "w2 (the nested call's)");
+  }
+  held = rpc::RRef<at::Tensor>();
   w.shutdown();
 }
 
