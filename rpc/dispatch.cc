@@ -95,6 +95,21 @@ void Agent::on_message_from_loop(const ConnectionPtr& conn, Message&& msg) {
       return;
     }
   }
+  if (!msg.arrival_error.empty()) {
+    // Its tensors could not be placed on their devices here: it fails
+    // alone (its RRefs, adopted above, go with it).
+    const std::string why = "could not place its tensors on their devices on " + name() + ": " +
+                            msg.arrival_error;
+    if (msg.kind == MessageKind::kRequest) {
+      metrics_->request_served(/*failed=*/true);
+      send_error(conn, msg.id, ErrorCode::kRemote, "the request " + why);
+    } else if (msg.kind == MessageKind::kResponse) {
+      calls_->fail(msg.id, make_error(ErrorCode::kRemote, name(), "the answer " + why),
+                   conn->id());
+      maybe_close_retired(conn->id());
+    }
+    return;
+  }
   switch (msg.kind) {
     case MessageKind::kRequest: {
       if (msg.callee.rfind("tandem.", 0) == 0) {

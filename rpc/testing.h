@@ -15,9 +15,11 @@ inline uint64_t crossed_connections(const Agent& a) { return LayerAccess::crosse
 // Closes the connection to `rank` as if the network dropped it.
 inline void drop_connection(Agent& a, int rank) { LayerAccess::drop_connection(a, rank); }
 
-// How many CUDA devices agents started from now on say they have at their
-// rendezvous (-1: the real number), so that device maps can be checked on a
-// machine without a GPU. Nothing else about CUDA is faked.
+// How many CUDA devices this process says it has (-1: the real number):
+// agents started from now on publish it at their rendezvous, so that device
+// maps can be checked on a machine without a GPU, and frames for those
+// devices pass the decoder's check (placing their tensors then fails, as a
+// CUDA error would). Nothing else about CUDA is faked.
 void set_cuda_devices(int n);
 int cuda_devices_override();
 

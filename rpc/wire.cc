@@ -1,5 +1,6 @@
 #include "tandem/rpc/wire.h"
 #include "tandem/rpc/device.h"
+#include "tandem/rpc/testing.h"
 
 #include <ATen/Context.h>
 #include <ATen/core/Dict.h>
@@ -780,7 +781,9 @@ void FrameDecoder::on_envelope() {
       }
       const c10::Device device = decode_device(meta.getDevice());
       if (!device.is_cpu()) {
-        const int64_t have = at::hasCUDA() ? static_cast<int64_t>(at::getNumGPUs()) : 0;
+        const int64_t have = testing::cuda_devices_override() >= 0
+                                 ? testing::cuda_devices_override()
+                                 : at::hasCUDA() ? static_cast<int64_t>(at::getNumGPUs()) : 0;
         if (!device.is_cuda() || device.index() < 0 || device.index() >= have) {
           throw ProtocolError(which + "is for " + device.str() + ", which this worker does not "
                               "have (" + std::to_string(have) + " CUDA device(s))");
@@ -891,19 +894,28 @@ void FrameDecoder::finish() {
     // was read into, queued on a stream of the target device (rpc/device.h).
     auto arrival = std::make_shared<device::Arrival>();
     Placed placed;
-    for (auto& [host, device] : placements_) {
-      at::Tensor t = arrival->place(host.detach(), device);
-      if (host.requires_grad()) t.set_requires_grad(true);
-      placed.emplace(host.unsafeGetTensorImpl(), std::move(t));
+    try {
+      for (auto& [host, device] : placements_) {
+        at::Tensor t = arrival->place(host.detach(), device);
+        if (host.requires_grad()) t.set_requires_grad(true);
+        placed.emplace(host.unsafeGetTensorImpl(), std::move(t));
+      }
+      arrival->seal();
+    } catch (const std::exception& e) {
+      // Not the peer's fault, and no reason to drop the connection: this
+      // message fails alone (its values stay as read, for its RRefs).
+      pending_.arrival_error = e.what();
+      placed.clear();
     }
-    arrival->seal();
     placements_.clear();
-    for (auto& v : pending_.values) v = with_placed(v, placed);
-    for (auto& g : pending_.grad_tensors) {
-      auto it = placed.find(g.unsafeGetTensorImpl());
-      if (it != placed.end()) g = it->second;
+    if (pending_.arrival_error.empty()) {
+      for (auto& v : pending_.values) v = with_placed(v, placed);
+      for (auto& g : pending_.grad_tensors) {
+        auto it = placed.find(g.unsafeGetTensorImpl());
+        if (it != placed.end()) g = it->second;
+      }
+      pending_.arrival = std::move(arrival);
     }
-    pending_.arrival = std::move(arrival);
   }
   pending_.wire_bytes =
       kPreambleBytes + preamble_.table_bytes + preamble_.envelope_bytes + preamble_.body_bytes;

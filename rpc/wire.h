@@ -70,6 +70,12 @@ struct Message {
   // Received: the copies of its tensors to the CUDA devices the sender's
   // device map named (rpc/device.h); null when every tensor is on the CPU.
   std::shared_ptr<device::Arrival> arrival;
+  // Received: why its tensors could not be placed on the devices the
+  // sender's map named (a CUDA error, such as out of memory); empty when
+  // they were. The message then fails alone (the agent answers a request
+  // with this error, or fails the call an answer was for); its connection
+  // stays up.
+  std::string arrival_error;
   // kHello: one step of the handshake (rpc/auth.h)
   std::string hello_worker;
   int32_t hello_rank = -1;

@@ -17,6 +17,7 @@
 
 #include "rpc/frames.h"
 #include "tandem/rpc/auth.h"
+#include "tandem/rpc/testing.h"
 
 using namespace tandem;
 using namespace tandem::rpc;
@@ -216,6 +217,58 @@ TEST_CASE("failure: bad frames close only the offending connection") {
   write_all(fd, partial.substr(0, partial.size() / 2));
   ::close(fd);
   CHECK(w[0].rpc_sync<int64_t>("worker1", "echo", 8) == 8);
+  w.shutdown();
+}
+
+TEST_CASE("failure: a message whose tensors cannot be placed on their device fails alone") {
+  // This process says it has one CUDA device (rpc/testing.h): a frame for
+  // cuda:0 passes the decoder's check, and placing its tensor there fails,
+  // as a CUDA error (out of memory, say) would on a GPU machine.
+  struct Devices {
+    Devices() { testing::set_cuda_devices(1); }
+    ~Devices() { testing::set_cuda_devices(-1); }
+  } fake;
+  if (at::hasCUDA()) {
+    std::printf("skipped: this machine has a GPU, where the placement would succeed\n");
+    return;
+  }
+  test::World w(2, [](Registry& r) { r.def("echo", [](c10::IValue v) { return v; }); },
+                [](AgentOptions& o) { o.token = "secret"; });
+  int fd = dial(w[1].info().port);
+  greet(fd, "worker0", 0, "secret");
+  write_all(fd, raw_frame([](auto env) {
+              env.setId(5);
+              env.setCallee("echo");
+              auto t = env.initTensors(1)[0];
+              t.setDtype(static_cast<int16_t>(c10::ScalarType::Float));
+              t.initSizes(1).set(0, 1);
+              t.initStrides(1).set(0, 1);
+              t.setByteLength(4);
+              auto d = t.initDevice();
+              d.setType(static_cast<int16_t>(c10::DeviceType::CUDA));
+              d.setIndex(0);
+              env.initValues(1)[0].setTensor(0);
+            }, 4, std::string(4, 'x')));
+  auto reply = read_frame(fd);
+  REQUIRE(reply.has_value());
+  CHECK(reply->kind == MessageKind::kError);
+  CHECK(reply->id == 5);
+  CHECK(reply->error_message.find("the request could not place its tensors on their devices on "
+                                  "worker1") != std::string::npos);
+  // The connection stays up: the next request on it is served.
+  Message req;
+  req.kind = MessageKind::kRequest;
+  req.id = 6;
+  req.callee = "echo";
+  req.values = {int64_t(9)};
+  write_all(fd, frame_bytes(encode(req)));
+  auto next = read_frame(fd);
+  REQUIRE(next.has_value());
+  CHECK(next->kind == MessageKind::kResponse);
+  CHECK(next->id == 6);
+  CHECK(next->values.at(0).toInt() == 9);
+  ::close(fd);
+  CHECK(w[0].rpc_sync<int64_t>("worker1", "echo", 3) == 3);
   w.shutdown();
 }
 
