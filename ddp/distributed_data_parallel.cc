@@ -583,6 +583,7 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, DDPOptions options,
                                   "} is not a CUDA device index");
     }
     model_device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(id));
+    input_device_ = model_device;
   }
   const bool nccl = group_->backend() == "nccl";
   // `what`: "parameter 'fc1.weight'" or "buffer 'bn.running_mean'".

@@ -118,11 +118,15 @@ class Reducer {
   };
   Stats stats() const;
   ProcessGroup& group() { return *group_; }
+  // DDPOptions::device_ids[0] as a device (forward()'s arguments go there);
+  // empty without device_ids.
+  const std::optional<c10::Device>& input_device() const { return input_device_; }
 
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
   std::shared_ptr<ProcessGroup> group_;
+  std::optional<c10::Device> input_device_;
 };
 
 }  // namespace detail
@@ -135,8 +139,7 @@ class DistributedDataParallel {
                                    std::shared_ptr<ProcessGroup> group = nullptr)
       : module_(std::move(module)),
         reducer_(std::make_unique<detail::Reducer>(
-            module_, options, group ? std::move(group) : default_group_ptr())),
-        device_(first_device(options)) {}
+            module_, options, group ? std::move(group) : default_group_ptr())) {}
   explicit DistributedDataParallel(torch::nn::ModuleHolder<M> module, DDPOptions options = {},
                                    std::shared_ptr<ProcessGroup> group = nullptr)
       : DistributedDataParallel(module.ptr(), options, std::move(group)) {}
@@ -215,19 +218,15 @@ class DistributedDataParallel {
   template <class T>
   decltype(auto) to_device(T&& arg) const {
     if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
-      return device_ ? arg.to(*device_) : at::Tensor(arg);
+      const auto& device = reducer_->input_device();
+      return device ? arg.to(*device) : at::Tensor(arg);
     } else {
       return std::forward<T>(arg);
     }
   }
-  static std::optional<c10::Device> first_device(const DDPOptions& o) {
-    if (o.device_ids.empty()) return std::nullopt;
-    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(o.device_ids[0]));
-  }
 
   std::shared_ptr<M> module_;
   std::unique_ptr<detail::Reducer> reducer_;
-  std::optional<c10::Device> device_;
 };
 
 template <class M>

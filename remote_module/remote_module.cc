@@ -5,9 +5,8 @@
 #include <ATen/core/grad_mode.h>
 #include <torch/cuda.h>
 
-#include <functional>
-
 #include <algorithm>
+#include <functional>
 #include <mutex>
 #include <sstream>
 #include <unordered_map>

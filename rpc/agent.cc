@@ -3,8 +3,6 @@
 // dispatch.cc, the connection table in connections.cc.
 #include "tandem/rpc/agent.h"
 
-#include <ATen/Context.h>
-
 #include <algorithm>
 #include <cassert>
 #include <cstdio>
@@ -18,12 +16,12 @@
 #include "tandem/rpc/auth.h"
 #include "tandem/rpc/call_table.h"
 #include "tandem/rpc/connection_table.h"
+#include "tandem/rpc/device.h"
 #include "tandem/rpc/handshake.h"
 #include "tandem/rpc/log.h"
 #include "tandem/rpc/host.h"
 #include "tandem/rpc/rendezvous.h"
 #include "tandem/rpc/rref/context.h"
-#include "tandem/rpc/testing.h"
 
 namespace tandem::rpc {
 namespace {
@@ -143,14 +141,6 @@ void register_agent_extension(ExtensionFactory factory) {
   std::lock_guard<std::mutex> lock(g_extensions_mu);
   extension_factories().push_back(std::move(factory));
 }
-
-namespace testing {
-namespace {
-std::atomic<int> g_cuda_devices{-1};
-}
-void set_cuda_devices(int n) { g_cuda_devices.store(n); }
-int cuda_devices_override() { return g_cuda_devices.load(); }
-}  // namespace testing
 
 AgentOptions& AgentOptions::set_device_map(const std::string& worker,
                                            const std::map<int, int>& map) {
@@ -284,9 +274,7 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
       throw std::invalid_argument("worker name '" + self.name + "' contains a tab or newline");
     }
     self.host = advertise;
-    self.cuda_devices = testing::cuda_devices_override() >= 0
-                            ? testing::cuda_devices_override()
-                            : at::hasCUDA() ? static_cast<int>(at::getNumGPUs()) : 0;
+    self.cuda_devices = device::cuda_device_count();
     self.device_maps = options_.device_maps;
     self.port = transport_->listen(listen_host, 0);
     if (options_.transport_mode != "tcp") self.local = transport_->local_endpoint();

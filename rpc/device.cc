@@ -4,9 +4,11 @@
 // cannot rot unseen.
 #include "tandem/rpc/device.h"
 
+#include <ATen/Context.h>
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <atomic>
 
 #if defined(TANDEM_WITH_CUDA)
 #include <ATen/cuda/CUDAEvent.h>
@@ -20,7 +22,22 @@
 #include <mutex>
 #endif
 
-namespace tandem::rpc::device {
+namespace tandem::rpc {
+
+namespace testing {  // rpc/testing.h
+namespace {
+std::atomic<int> g_cuda_devices{-1};
+}
+void set_cuda_devices(int n) { g_cuda_devices.store(n); }
+}  // namespace testing
+
+namespace device {
+
+int cuda_device_count() {
+  const int faked = testing::g_cuda_devices.load();
+  if (faked >= 0) return faked;
+  return at::hasCUDA() ? static_cast<int>(at::getNumGPUs()) : 0;
+}
 
 at::Tensor host_buffer(at::IntArrayRef shape, c10::ScalarType dtype, c10::Device target) {
   auto options = at::TensorOptions().dtype(dtype);
@@ -33,8 +50,6 @@ at::Tensor host_buffer(at::IntArrayRef shape, c10::ScalarType dtype, c10::Device
 }
 
 #if defined(TANDEM_WITH_CUDA)
-
-bool cuda_compiled() { return true; }
 
 struct Staging::Impl {
   std::vector<c10::DeviceIndex> devices;  // those a copy was queued on
@@ -134,17 +149,8 @@ void Arrival::wait() const {
   for (const auto& l : impl_->lanes) l.done.synchronize();
 }
 
-bool Arrival::empty() const { return impl_->lanes.empty(); }
-
-std::vector<c10::Device> Arrival::devices() const {
-  std::vector<c10::Device> out;
-  for (const auto& l : impl_->lanes) out.push_back(l.device);
-  return out;
-}
-
 #else  // no CUDA: no CUDA tensor exists, and no frame may name a CUDA device
-
-bool cuda_compiled() { return false; }
+       // (but one with faked devices: placing there then fails, as it should)
 
 struct Staging::Impl {};
 Staging::Staging() = default;
@@ -152,24 +158,14 @@ Staging::~Staging() = default;
 at::Tensor Staging::add(const at::Tensor& t) { return t.is_cpu() ? t : t.cpu(); }
 void Staging::done() {}
 
-struct Arrival::Impl {
-  std::vector<c10::Device> devices;
-};
-
-Arrival::Arrival() : impl_(std::make_unique<Impl>()) {}
+struct Arrival::Impl {};
+Arrival::Arrival() = default;
 Arrival::~Arrival() = default;
-
-at::Tensor Arrival::place(const at::Tensor& host, c10::Device target) {
-  auto& d = impl_->devices;
-  if (std::find(d.begin(), d.end(), target) == d.end()) d.push_back(target);
-  return host.to(target);
-}
-
+at::Tensor Arrival::place(const at::Tensor& host, c10::Device target) { return host.to(target); }
 void Arrival::seal() {}
 void Arrival::wait() const {}
-bool Arrival::empty() const { return impl_->devices.empty(); }
-std::vector<c10::Device> Arrival::devices() const { return impl_->devices; }
 
 #endif
 
-}  // namespace tandem::rpc::device
+}  // namespace device
+}  // namespace tandem::rpc

@@ -33,8 +33,9 @@
 
 namespace tandem::rpc::device {
 
-// Whether this build has the CUDA paths (LibTorch built with CUDA).
-bool cuda_compiled();
+// How many CUDA devices this process has (rpc::testing::set_cuda_devices
+// may say otherwise, on machines without a GPU).
+int cuda_device_count();
 
 // A frame's tensors on their way to host memory. add() returns a CPU
 // tensor with `t`'s bytes: a CPU tensor as it is; for a CUDA tensor, a
@@ -68,17 +69,13 @@ class Arrival {
   Arrival(const Arrival&) = delete;
   Arrival& operator=(const Arrival&) = delete;
 
-  // `host`'s copy on `target`, queued on this message's stream there.
+  // `host`'s copy on `target`, queued on the arrival stream there.
   at::Tensor place(const at::Tensor& host, c10::Device target);
   // After the last place(): marks the copies' end on each stream and makes
   // the devices' default streams wait for it.
   void seal();
   // Blocks until every copy is done (their events, not the devices).
   void wait() const;
-  bool empty() const;
-  // The devices copies went to, in the order first used.
-  std::vector<c10::Device> devices() const;
-
 
  private:
   struct Impl;

@@ -1,8 +1,6 @@
 #include "tandem/rpc/wire.h"
 #include "tandem/rpc/device.h"
-#include "tandem/rpc/testing.h"
 
-#include <ATen/Context.h>
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
 #include <ATen/core/jit_type.h>
@@ -781,9 +779,7 @@ void FrameDecoder::on_envelope() {
       }
       const c10::Device device = decode_device(meta.getDevice());
       if (!device.is_cpu()) {
-        const int64_t have = testing::cuda_devices_override() >= 0
-                                 ? testing::cuda_devices_override()
-                                 : at::hasCUDA() ? static_cast<int64_t>(at::getNumGPUs()) : 0;
+        const int64_t have = device::cuda_device_count();
         if (!device.is_cuda() || device.index() < 0 || device.index() >= have) {
           throw ProtocolError(which + "is for " + device.str() + ", which this worker does not "
                               "have (" + std::to_string(have) + " CUDA device(s))");

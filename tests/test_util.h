@@ -23,6 +23,7 @@
 // after doctest has settled the case's result, too late to fail it.
 #pragma once
 
+#include <ATen/Context.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/core/ivalue.h>
 #include <ATen/ops/allclose.h>
@@ -215,6 +216,22 @@ inline Snapshot*& current_snapshot() {
 inline void process_lifetime(const std::function<void()>& start) {
   start();
   if (Snapshot* s = current_snapshot()) *s = Snapshot();
+}
+
+// For a case that needs a GPU: where there is none, says it is skipped and
+// returns false. Else makes what CUDA keeps for the life of the process (its
+// context, driver threads and device files, the autograd engine's device
+// thread) outside the case's leak count, and returns true.
+inline bool cuda_or_skip() {
+  if (!at::hasCUDA()) {
+    std::printf("skipped: no CUDA device on this machine (this test runs on GPU machines)\n");
+    return false;
+  }
+  process_lifetime([] {
+    auto t = at::ones({2}, at::TensorOptions().device(at::kCUDA)).requires_grad_();
+    (t * 2).sum().backward();
+  });
+  return true;
 }
 
 inline std::string thread_name(int tid) {

@@ -571,16 +571,7 @@ TEST_CASE("autograd: malformed autograd metadata is a protocol error") {
 }
 
 TEST_CASE("autograd: CUDA tensors: gradients come back to the device") {
-  if (!at::hasCUDA()) {
-    std::printf("skipped: no CUDA device on this machine (this test runs on GPU machines)\n");
-    return;
-  }
-  // CUDA's context, its driver threads and device files stay for the life
-  // of the process: made here, they are not this case's leaks.
-  test::process_lifetime([] {
-    auto t = at::ones({2}, kF64.device(at::kCUDA)).requires_grad_();
-    (t * 2).sum().backward();
-  });
+  if (!test::cuda_or_skip()) return;
   World w(2, define);
   auto x = at::randn({4, 8}, kF64.device(at::kCUDA)).requires_grad_();
   dist::Context ctx(w[0]);
@@ -598,14 +589,7 @@ TEST_CASE("autograd: CUDA tensors: gradients come back to the device") {
 }
 
 TEST_CASE("autograd: CUDA tensors through a device map: the gradients come back on the GPU") {
-  if (!at::hasCUDA()) {
-    std::printf("skipped: no CUDA device on this machine (this test runs on GPU machines)\n");
-    return;
-  }
-  test::process_lifetime([] {
-    auto t = at::ones({2}, kF64.device(at::kCUDA)).requires_grad_();
-    (t * 2).sum().backward();
-  });
+  if (!test::cuda_or_skip()) return;
   World w(2, define, [](rpc::AgentOptions& o) {
     if (o.rank == 0) o.set_device_map("worker1", {{0, 0}});
   });

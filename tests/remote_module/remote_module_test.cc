@@ -418,12 +418,7 @@ TEST_CASE(
 }
 
 TEST_CASE("nn: a module on cuda:0 answers on the GPU where a device map goes, else on the CPU") {
-  if (!at::hasCUDA()) {
-    std::printf("skipped: no CUDA device on this machine (this test runs on GPU machines)\n");
-    return;
-  }
-  // CUDA's context and driver threads stay for the life of the process.
-  test::process_lifetime([] { (at::ones({2}).to(at::kCUDA) * 2).sum().item<float>(); });
+  if (!test::cuda_or_skip()) return;
   // worker0 maps its cuda:0 to worker1's; worker2 has no map.
   World w(3, define, [](rpc::AgentOptions& o) {
     if (o.rank == 0) o.set_device_map("worker1", {{0, 0}});

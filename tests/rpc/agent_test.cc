@@ -572,12 +572,7 @@ TEST_CASE("device maps: a tensor on a device that cannot travel is refused, nami
 }
 
 TEST_CASE("device maps: CUDA tensors arrive on the mapped device, in calls, answers and RRefs") {
-  if (!at::hasCUDA()) {
-    std::printf("skipped: no CUDA device on this machine (this test runs on GPU machines)\n");
-    return;
-  }
-  // CUDA's context and driver threads stay for the life of the process.
-  test::process_lifetime([] { (at::ones({2}).to(at::kCUDA) * 2).sum().item<float>(); });
+  if (!test::cuda_or_skip()) return;
   const c10::Device gpu(c10::kCUDA, 0);
   World w(
       2,

@@ -104,6 +104,25 @@ Message greet(int fd, const std::string& worker, int rank, const std::string& to
   return *answer;
 }
 
+// A request to "echo" with call id `id`, as a raw client writes it.
+std::string echo_request(uint64_t id, c10::IValue value) {
+  Message req;
+  req.kind = MessageKind::kRequest;
+  req.id = id;
+  req.callee = "echo";
+  req.values = {std::move(value)};
+  return frame_bytes(encode(req));
+}
+
+// Reads the answer to echo_request(id, value) from `fd` and checks it.
+void expect_echo(int fd, uint64_t id, int64_t value) {
+  auto reply = read_frame(fd);
+  REQUIRE(reply.has_value());
+  CHECK(reply->kind == MessageKind::kResponse);
+  CHECK(reply->id == id);
+  CHECK(reply->values.at(0).toInt() == value);
+}
+
 }  // namespace
 
 TEST_CASE("failure: bad frames close only the offending connection") {
@@ -187,12 +206,7 @@ TEST_CASE("failure: bad frames close only the offending connection") {
     CHECK(answer->hello_worker == "worker1");
     Message proof = hello(3, "worker0", 0);
     proof.hello_proof = dialer_proof("guess", h.hello_nonce, answer->hello_nonce, 0, 1);
-    Message req;
-    req.kind = MessageKind::kRequest;
-    req.id = 1;
-    req.callee = "echo";
-    req.values = {int64_t(5)};
-    write_all(fd, frame_bytes(encode(proof)) + frame_bytes(encode(req)));
+    write_all(fd, frame_bytes(encode(proof)) + echo_request(1, int64_t(5)));
     CHECK(closed_by_peer(fd, 2000ms));  // and no reply came
     ::close(fd);
   }
@@ -201,19 +215,9 @@ TEST_CASE("failure: bad frames close only the offending connection") {
   // mid-way just closes quietly.
   int fd = dial(port);
   greet(fd, "worker0", 0, "secret");
-  Message req;
-  req.kind = MessageKind::kRequest;
-  req.id = 99;
-  req.callee = "echo";
-  req.values = {int64_t(5)};
-  write_all(fd, frame_bytes(encode(req)));
-  auto reply = read_frame(fd);
-  REQUIRE(reply.has_value());
-  Message resp = std::move(*reply);
-  CHECK(resp.kind == MessageKind::kResponse);
-  CHECK(resp.id == 99);
-  CHECK(resp.values.at(0).toInt() == 5);
-  std::string partial = frame_bytes(encode(req));
+  write_all(fd, echo_request(99, int64_t(5)));
+  expect_echo(fd, 99, 5);
+  std::string partial = echo_request(99, int64_t(5));
   write_all(fd, partial.substr(0, partial.size() / 2));
   ::close(fd);
   CHECK(w[0].rpc_sync<int64_t>("worker1", "echo", 8) == 8);
@@ -239,15 +243,7 @@ TEST_CASE("failure: a message whose tensors cannot be placed on their device fai
   write_all(fd, raw_frame([](auto env) {
               env.setId(5);
               env.setCallee("echo");
-              auto t = env.initTensors(1)[0];
-              t.setDtype(static_cast<int16_t>(c10::ScalarType::Float));
-              t.initSizes(1).set(0, 1);
-              t.initStrides(1).set(0, 1);
-              t.setByteLength(4);
-              auto d = t.initDevice();
-              d.setType(static_cast<int16_t>(c10::DeviceType::CUDA));
-              d.setIndex(0);
-              env.initValues(1)[0].setTensor(0);
+              test::one_float_for_device(env, static_cast<int16_t>(c10::DeviceType::CUDA), 0);
             }, 4, std::string(4, 'x')));
   auto reply = read_frame(fd);
   REQUIRE(reply.has_value());
@@ -256,17 +252,8 @@ TEST_CASE("failure: a message whose tensors cannot be placed on their device fai
   CHECK(reply->error_message.find("the request could not place its tensors on their devices on "
                                   "worker1") != std::string::npos);
   // The connection stays up: the next request on it is served.
-  Message req;
-  req.kind = MessageKind::kRequest;
-  req.id = 6;
-  req.callee = "echo";
-  req.values = {int64_t(9)};
-  write_all(fd, frame_bytes(encode(req)));
-  auto next = read_frame(fd);
-  REQUIRE(next.has_value());
-  CHECK(next->kind == MessageKind::kResponse);
-  CHECK(next->id == 6);
-  CHECK(next->values.at(0).toInt() == 9);
+  write_all(fd, echo_request(6, int64_t(9)));
+  expect_echo(fd, 6, 9);
   ::close(fd);
   CHECK(w[0].rpc_sync<int64_t>("worker1", "echo", 3) == 3);
   w.shutdown();
@@ -470,14 +457,7 @@ TEST_CASE("failure: a peer that sends requests but never reads cannot grow a wor
   ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
   constexpr int kRequests = 256;
   const at::Tensor mib = at::arange(1 << 18, at::kFloat);  // 1 MiB
-  auto request = [&](int i) {
-    Message req;
-    req.kind = MessageKind::kRequest;
-    req.id = static_cast<uint64_t>(i + 1);
-    req.callee = "echo";
-    req.values = {mib};
-    return frame_bytes(encode(req));
-  };
+  auto request = [&](int i) { return echo_request(static_cast<uint64_t>(i + 1), mib); };
   // Writes until all went or the worker has taken nothing for a second.
   int next = 0;
   std::string pending;

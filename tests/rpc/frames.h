@@ -33,4 +33,18 @@ inline std::string raw_frame(const std::function<void(rpc::schema::Envelope::Bui
   return out + body;
 }
 
+// Describes in `env` one float tensor of one element (4 body bytes) that
+// its sender says goes to device (`type`, `index`), and makes it the value.
+inline void one_float_for_device(rpc::schema::Envelope::Builder env, int16_t type, int16_t index) {
+  auto t = env.initTensors(1)[0];
+  t.setDtype(static_cast<int16_t>(c10::ScalarType::Float));
+  t.initSizes(1).set(0, 1);
+  t.initStrides(1).set(0, 1);
+  t.setByteLength(4);
+  auto d = t.initDevice();
+  d.setType(type);
+  d.setIndex(index);
+  env.initValues(1)[0].setTensor(0);
+}
+
 }  // namespace tandem::test

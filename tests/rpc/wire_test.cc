@@ -351,16 +351,8 @@ TEST_CASE("wire: malformed frames are refused with a protocol error") {
   SUBCASE("a tensor for a device this worker does not have") {
     // A device map's target (DeviceMap) is checked where the tensor lands.
     auto cuda_tensor = [](int16_t type, int16_t index) {
-      return raw_frame([=](auto env) {
-        auto t = env.initTensors(1)[0];
-        t.setDtype(static_cast<int16_t>(c10::ScalarType::Float));
-        t.initSizes(1).set(0, 1);
-        t.initStrides(1).set(0, 1);
-        t.setByteLength(4);
-        auto d = t.initDevice();
-        d.setType(type);
-        d.setIndex(index);
-      }, 4, std::string(4, 'x'));
+      return raw_frame([=](auto env) { tandem::test::one_float_for_device(env, type, index); }, 4,
+                       std::string(4, 'x'));
     };
     if (!at::hasCUDA()) {
       expect_protocol_error(cuda_tensor(static_cast<int16_t>(c10::DeviceType::CUDA), 0),
