@@ -2,7 +2,9 @@
 
 #include <ATen/ops/empty_like.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#if defined(TANDEM_WITH_GLOO)
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
 #if defined(TANDEM_WITH_NCCL)
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
@@ -16,6 +18,14 @@
 #include "tandem/rpc/rendezvous.h"
 
 namespace tandem::ddp {
+
+bool gloo_available() {
+#if defined(TANDEM_WITH_GLOO)
+  return true;
+#else
+  return false;
+#endif
+}
 
 bool nccl_available() {
 #if defined(TANDEM_WITH_NCCL)
@@ -43,6 +53,7 @@ c10d::ReduceOp c10d_op(ReduceOp op) {
   throw std::invalid_argument("unknown ReduceOp");
 }
 
+#if defined(TANDEM_WITH_GLOO)
 // The Gloo device: GLOO_SOCKET_IFNAME as PyTorch reads it, else the address
 // that routes towards the master (loopback for a local job).
 std::shared_ptr<::gloo::transport::Device> gloo_device(const std::string& master_host) {
@@ -59,6 +70,7 @@ std::shared_ptr<::gloo::transport::Device> gloo_device(const std::string& master
   }
   return c10d::ProcessGroupGloo::createDeviceForHostname(host);
 }
+#endif
 
 // Gloo writes to its sockets without MSG_NOSIGNAL: a peer that died would
 // kill this process with SIGPIPE instead of failing the collective. Python
@@ -96,6 +108,13 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(ProcessGroupOptions o) {
     throw std::invalid_argument("unknown process group backend '" + o.backend +
                                 "' (gloo or nccl)");
   }
+#if !defined(TANDEM_WITH_GLOO)
+  if (o.backend == "gloo") {
+    throw std::invalid_argument(
+        "backend 'gloo' was left out of this build: its LibTorch ships no Gloo headers "
+        "(PyTorch's wheels do not; use 'nccl' for CUDA tensors)");
+  }
+#endif
 #if !defined(TANDEM_WITH_NCCL)
   if (o.backend == "nccl") {
     throw std::invalid_argument(
@@ -132,9 +151,11 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(ProcessGroupOptions o) {
   pg->timeout_ = o.timeout;
   try {
     if (o.backend == "gloo") {
+#if defined(TANDEM_WITH_GLOO)
       auto opts = c10d::ProcessGroupGloo::Options::create(o.timeout);
       opts->devices.push_back(gloo_device(master_host));
       pg->pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, opts);
+#endif
     } else {
 #if defined(TANDEM_WITH_NCCL)
       auto opts = c10d::ProcessGroupNCCL::Options::create();
@@ -154,6 +175,22 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(ProcessGroupOptions o) {
 }
 
 ProcessGroup::~ProcessGroup() {
+  wait_for_peers_to_close();
+#if defined(TANDEM_WITH_NCCL) && TORCH_VERSION_MAJOR >= 2
+  // NCCL's communicators keep their threads, sockets and device handles
+  // until the group is shut down (PyTorch's destroy_process_group); gloo's
+  // end with the group.
+  if (auto* nccl = dynamic_cast<c10d::ProcessGroupNCCL*>(pg_.get())) {
+    try {
+      nccl->shutdown();
+    } catch (const std::exception&) {
+      // (a communicator that failed: nothing more to end)
+    }
+  }
+#endif
+}
+
+void ProcessGroup::wait_for_peers_to_close() {
   if (size_ < 2 || !store_ || !pg_) return;  // (a group that never met: nothing to close)
   // Every rank counts itself in; a healthy one waits until the whole group
   // has (each incarnation of a group name adds `size` to the count).

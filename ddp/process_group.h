@@ -66,6 +66,9 @@ constexpr std::chrono::milliseconds kGroupTimeout{-1};
 
 // Whether this build has the nccl backend (LibTorch built with CUDA and NCCL).
 bool nccl_available();
+// Whether this build has the gloo backend (LibTorch's or the system's Gloo
+// headers were found; PyTorch's wheels ship none).
+bool gloo_available();
 
 struct ProcessGroupOptions {
   std::string backend = "gloo";        // "gloo" (CPU tensors) or "nccl" (CUDA tensors)
@@ -136,6 +139,7 @@ class ProcessGroup {
 
  private:
   ProcessGroup() = default;
+  void wait_for_peers_to_close();
   void check_tensor(const at::Tensor& t, const char* what) const;
   Pending pending(c10::intrusive_ptr<c10d::Work> work, const std::string& what,
                   std::chrono::milliseconds timeout) const;

@@ -10,6 +10,7 @@
 #include <torch/optim/sgd.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
+#include <torch/version.h>
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/abs.h>
@@ -279,7 +280,13 @@ class OptimService final : public rpc::AgentExtension,
     // another model would otherwise fail only at the next step.
     for (size_t i = 0; i < local->params.size(); ++i) {
       const at::Tensor& p = local->params[i];
+      // torch::optim keys its state by the parameter's TensorImpl: as text in
+      // LibTorch 1.x, as the pointer itself from 2.0 on.
+#if TORCH_VERSION_MAJOR < 2
       auto it = fresh->state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+#else
+      auto it = fresh->state().find(static_cast<void*>(p.unsafeGetTensorImpl()));
+#endif
       if (it == fresh->state().end()) continue;
       for (const at::Tensor& t : state_tensors(*it->second)) {
         if (t.defined() && t.sizes() != p.sizes()) {

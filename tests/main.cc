@@ -5,6 +5,9 @@
 #include "test_util.h"
 #include "tandem/rpc/transport/uv/uv_transport.h"
 
+#include <ATen/ops/ones.h>
+#include <ATen/ops/sum.h>
+
 #include <cstdlib>
 
 namespace tandem::test {
@@ -29,6 +32,13 @@ int main(int argc, char** argv) {
   tandem::rpc::UvTransport(tandem::rpc::Limits{}, {}).close();
   tandem::test::eventually([&] { return tandem::test::thread_count() == threads; });
   (at::ones({1}).requires_grad_() * 2).sum().backward();
+  // LibTorch's intra-op threads (one per core, OpenMP's in most builds)
+  // start at the first parallel op a thread runs, which a case with a
+  // large tensor does on this one. An op inside LibTorch, large enough to
+  // be split (at::parallel_for here would run serially: this file is not
+  // built with OpenMP).
+  const at::Tensor big = at::ones({int64_t(1) << 22});
+  (void)(big + big).sum().item<float>();
   doctest::Context ctx(argc, argv);
   return ctx.run();
 }

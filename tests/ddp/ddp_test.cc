@@ -301,6 +301,14 @@ TEST_CASE("ddp: nccl with device_ids = {0} trains on the GPU as one process does
   }
   if (!test::cuda_or_skip()) return;
   const c10::Device gpu(c10::kCUDA, 0);
+  // NCCL keeps some things for the process once it has run (its proxy,
+  // NVML's device files): a first group, started and shut down, counts
+  // for the process; what a group holds of its own must go with it.
+  test::process_lifetime([&] {
+    Groups g(1, std::chrono::seconds(20), "nccl");
+    at::Tensor t = at::ones({1}, at::TensorOptions().device(gpu));
+    g[0].all_reduce(t);
+  });
   std::vector<at::Tensor> got;
   {
     Groups g(1, std::chrono::seconds(20), "nccl");
@@ -323,7 +331,7 @@ TEST_CASE("ddp: nccl with device_ids = {0} trains on the GPU as one process does
     Net cpu_net = make_net(0);
     CHECK(error_of([&] { ddp::DistributedDataParallel m(cpu_net, {}, g.groups[0]); }) ==
           "DistributedDataParallel: parameter 'fc1.weight' is on cpu; an nccl group takes CUDA "
-          "parameters (gloo takes CPU ones)");
+          "tensors (gloo takes CPU ones)");
   }
   expect_close(got, local_training(1, 3, 1), 1e-4, 1e-5);
 }

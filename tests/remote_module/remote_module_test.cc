@@ -307,6 +307,8 @@ TEST_CASE("nn: a TorchScript module trains like the same module built in C++") {
 }
 
 TEST_CASE("nn: bad input is refused naming what was wrong, and the owner keeps serving") {
+  int gpus = 0;  // (asking starts CUDA's driver where there is one: not this case's leak)
+  test::process_lifetime([&] { gpus = at::hasCUDA() ? static_cast<int>(at::getNumGPUs()) : 0; });
   World w(2, define);
   {
     auto refused = [&](const std::function<void()>& f, const std::string& says) {
@@ -340,11 +342,10 @@ TEST_CASE("nn: bad input is refused naming what was wrong, and the owner keeps s
         "mode 'median'");
     refused([&] { RemoteModule(w[0], "worker1/cpu", "ScriptTwin", {1}); },
             "module 'ScriptTwin' takes 0 argument(s), got 1");
-    refused(
-        [&] {
-          RemoteModule(w[0], "worker1/cuda:0", "Linear", {2, 2});
-        },
-        "worker1 has no device cuda:0");
+    // A device one past the last: cuda:0 here, cuda:1 on a machine with one GPU.
+    const std::string missing = "cuda:" + std::to_string(gpus);
+    refused([&] { RemoteModule(w[0], "worker1/" + missing, "Linear", {2, 2}); },
+            "worker1 has no device " + missing);
     refused([&] { RemoteModule(w[0], "worker7/cpu", "Linear", {2, 2}); }, "worker7");
     refused([&] { RemoteModule::from_torchscript(w[0], "worker1/cpu", "/nonexistent/model.pt"); },
             "'/nonexistent/model.pt' cannot be read on worker1");

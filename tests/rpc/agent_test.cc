@@ -519,7 +519,7 @@ TEST_CASE("device maps: every worker checks every map at start-up against both e
                             }),
                       doctest::Contains(why.c_str()));
   };
-  refused(-1, {{0, 0}}, "worker1",
+  refused(0, {{0, 0}}, "worker1",
           "worker0's device map to 'worker1' names cuda:0, but worker0 has 0 CUDA device(s)");
   refused(2, {{0, 2}}, "worker1",
           "worker0's device map to 'worker1' maps cuda:0 to cuda:2, but worker1 has 2 CUDA "
@@ -603,7 +603,7 @@ TEST_CASE("device maps: CUDA tensors arrive on the mapped device, in calls, answ
   // worker1 calls worker0 with it too, having no map of its own.
   auto back = w[1].rpc_sync<at::Tensor>("worker0", "scale", at::ones({3}, gpu), 3.0);
   CHECK(back.device() == gpu);
-  CHECK(at::equal(back.cpu(), at::full({3}, 9.0f)));
+  CHECK(at::equal(back.cpu(), at::full({3}, 3.0f)));
   {
     RRef<at::Tensor> r = remote<at::Tensor>(w[0], "worker1", "make_on_gpu", int64_t(7));
     auto v = r.to_here();

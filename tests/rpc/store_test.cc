@@ -70,6 +70,11 @@ std::vector<std::string> listening_addresses(int port) {
 }  // namespace
 
 TEST_CASE("store: the server answers LibTorch's TCPStore client, and a bad client is closed") {
+#if TORCH_VERSION_MAJOR >= 2
+  std::printf("skipped: rpc/store_server.h speaks LibTorch 1.x's TCPStore protocol; with 2.x, "
+              "c10d's own server hosts the store\n");
+  return;
+#endif
   StoreServer server("127.0.0.1", 0);
   auto a = client(server.port());
   auto b = client(server.port());
