@@ -32,7 +32,7 @@ namespace {
 // (names hold no tab or newline).
 std::string join_worker(const WorkerInfo& w) {
   std::string s = w.name + "\t" + w.host + "\t" + std::to_string(w.port) + "\t" + w.local +
-                  "\n" + std::to_string(w.cuda_devices);
+                  "\n" + std::to_string(w.cuda_devices) + "\t" + w.process;
   for (const auto& [to, map] : w.device_maps) {
     s += "\n" + to;
     for (auto [from, dst] : map) s += "\t" + std::to_string(from) + "\t" + std::to_string(dst);
@@ -58,7 +58,11 @@ WorkerInfo split_worker(const std::string& s, int rank) {
   }
   std::string line;
   try {
-    if (std::getline(in, line)) w.cuda_devices = std::stoi(line);
+    if (std::getline(in, line)) {
+      const auto tab = line.find('\t');
+      w.cuda_devices = std::stoi(line.substr(0, tab));
+      if (tab != std::string::npos) w.process = line.substr(tab + 1);
+    }
     while (std::getline(in, line)) {
       std::istringstream fields(line);
       std::string to, from, dst;
@@ -275,6 +279,7 @@ void Agent::start(c10::intrusive_ptr<c10d::Store> store) {
     }
     self.host = advertise;
     self.cuda_devices = device::cuda_device_count();
+    self.process = boot_id() + ":" + std::to_string(::getpid());
     self.device_maps = options_.device_maps;
     self.port = transport_->listen(listen_host, 0);
     if (options_.transport_mode != "tcp") self.local = transport_->local_endpoint();
@@ -455,6 +460,61 @@ std::string Agent::transport_to(const std::string& to) const {
   const int r = get_worker_info(to).rank;
   auto c = conns_ ? conns_->to(r) : nullptr;
   return c ? c->kind() : "";
+}
+
+size_t Agent::cuda_ipc_held() const {
+  std::lock_guard<std::mutex> lock(ipc_mu_);
+  return ipc_held_.size();
+}
+
+bool Agent::ipc_to(int dest) const {
+  if (!options_.cuda_ipc || dest < 0 || dest == rank_ ||
+      static_cast<size_t>(dest) >= workers_.size()) {
+    return false;
+  }
+  const WorkerInfo& self = workers_[rank_];
+  const WorkerInfo& peer = workers_[dest];
+  if (self.cuda_devices == 0 || peer.cuda_devices == 0 || peer.process.empty() ||
+      peer.process == self.process) {
+    return false;  // (a handle cannot be opened in the process that made it)
+  }
+  auto c = conns_ ? conns_->to(dest) : nullptr;
+  return c && std::string(c->kind()) == "shm";  // on this host
+}
+
+void Agent::send_ipc_release(const ConnectionPtr& conn, uint64_t token) {
+  Message m;
+  m.kind = MessageKind::kRequest;
+  m.id = 0;  // one way
+  m.callee = kIpcReleaseCallee;
+  m.values.emplace_back(static_cast<int64_t>(token));
+  try {
+    conn->send(encode(m, options_.limits));
+  } catch (const Error&) {
+    // closed: the sender lets go of what it held for this connection
+  }
+}
+
+void Agent::release_ipc(int from, uint64_t token) {
+  std::shared_ptr<device::IpcExport> buffers;  // freed outside the lock
+  std::lock_guard<std::mutex> lock(ipc_mu_);
+  auto it = ipc_held_.find(token);
+  if (it == ipc_held_.end() || it->second.rank != from) return;  // (not this peer's to release)
+  buffers = std::move(it->second.buffers);
+  ipc_held_.erase(it);
+}
+
+void Agent::drop_ipc_held(int rank) {
+  std::vector<std::shared_ptr<device::IpcExport>> dropped;
+  std::lock_guard<std::mutex> lock(ipc_mu_);
+  for (auto it = ipc_held_.begin(); it != ipc_held_.end();) {
+    if (rank < 0 || it->second.rank == rank) {
+      dropped.push_back(std::move(it->second.buffers));
+      it = ipc_held_.erase(it);
+    } else {
+      ++it;
+    }
+  }
 }
 
 std::optional<c10::Device> Agent::answer_device_to(const std::string& caller,
@@ -706,6 +766,7 @@ void Agent::shutdown(bool graceful) {
                        });
   }
   if (transport_) transport_->close();
+  drop_ipc_held(-1);  // nobody is left to copy from them
   if (calls_) calls_->stop();
   if (pool_) pool_->stop();
   if (conns_) conns_->clear();

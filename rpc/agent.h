@@ -72,6 +72,9 @@ constexpr std::chrono::milliseconds kDefaultTimeout{-1};  // "use the agent's de
 constexpr std::chrono::milliseconds kNoTimeout{0};
 // The one-way notice that retires a connection (connection_table.h, 4.).
 constexpr const char* kRetireCallee = "tandem.conn.retire";
+// One way, to the sender of tensors that came by CUDA IPC: the receiver's
+// copies are done, the buffers of the frame with this token may go.
+constexpr const char* kIpcReleaseCallee = "tandem.cuda_ipc.release";
 
 struct WorkerInfo {
   std::string name;
@@ -82,6 +85,9 @@ struct WorkerInfo {
   // (Transport::local_endpoint); empty when it offers no such path.
   std::string local;
   int cuda_devices = 0;
+  // Which process it is (this boot's id and its pid): CUDA IPC goes only
+  // to another one.
+  std::string process;
   // Its AgentOptions::device_maps, by the worker they lead to.
   std::map<std::string, std::map<int, int>> device_maps;
 };
@@ -138,6 +144,11 @@ struct AgentOptions {
   // device_maps; throws std::invalid_argument for a negative index or a
   // device already mapped elsewhere.
   AgentOptions& set_device_map(const std::string& worker, const std::map<int, int>& map);
+  // CUDA tensors to a worker in another process on this host (over shared
+  // memory) travel as CUDA IPC handles, copied device to device, rather
+  // than through host memory (rpc/device.h). False: always through host
+  // memory.
+  bool cuda_ipc = true;
 };
 
 struct CallOptions {
@@ -181,6 +192,9 @@ class Agent : public std::enable_shared_from_this<Agent> {
   // an unknown worker.
   std::optional<c10::Device> answer_device_to(const std::string& caller,
                                               c10::Device device) const;
+  // Frames whose CUDA IPC buffers this agent holds until their receivers
+  // release them (their copies are not known to be done yet).
+  size_t cuda_ipc_held() const;
   // Where the layers add their events to this worker's timeline
   // (rpc/trace.h); null unless tracing. Valid while the agent lives.
   const std::shared_ptr<Tracer>& tracer() const { return trace_; }
@@ -320,6 +334,18 @@ class Agent : public std::enable_shared_from_this<Agent> {
   // By rank: where CUDA tensors go in what this worker asks of that one,
   // and in its answers to it (AgentOptions::device_maps), once started.
   std::vector<DeviceMap> send_maps_, answer_maps_;
+  // CUDA IPC (rpc/device.h): whether CUDA tensors to a rank may go as
+  // handles, and the buffers of frames sent so, by token, until released.
+  bool ipc_to(int dest) const;
+  void send_ipc_release(const ConnectionPtr& conn, uint64_t token);
+  void release_ipc(int from, uint64_t token);
+  void drop_ipc_held(int rank);  // -1: all
+  struct IpcHeld {
+    int rank = -1;
+    std::shared_ptr<device::IpcExport> buffers;
+  };
+  mutable std::mutex ipc_mu_;
+  std::unordered_map<uint64_t, IpcHeld> ipc_held_;
   std::atomic<uint64_t> next_id_{1};
   bool shut_down_ = false;
   std::mutex shutdown_mu_;

@@ -35,8 +35,14 @@ OutFrame Agent::encode_with_extensions(Message& m, int dest) {
       m.kind == MessageKind::kResponse ? answer_maps_ : send_maps_;
   const DeviceMap* devices =
       dest >= 0 && static_cast<size_t>(dest) < maps.size() ? &maps[dest] : nullptr;
-  OutFrame frame = encode(m, options_.limits, rrefs_.get(), dest, devices);
+  OutFrame frame = encode(m, options_.limits, rrefs_.get(), dest, devices, ipc_to(dest));
   for (const auto& e : extensions_) e->after_encode(m, frame, dest);
+  if (frame.ipc) {
+    // Held until the receiver's copies are done (it releases the token), or
+    // its connection closes; a frame that is never sent is held until then.
+    std::lock_guard<std::mutex> lock(ipc_mu_);
+    ipc_held_[frame.ipc_token] = IpcHeld{dest, std::move(frame.ipc)};
+  }
   return frame;
 }
 

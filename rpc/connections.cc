@@ -279,6 +279,8 @@ void Agent::on_closed_from_loop(const ConnectionPtr& conn, const std::string& re
   }
   const int r = conns_->forget(*conn);
   const uint64_t cid = conn->id();
+  // What it held for a peer it can no longer reach: nobody will release it.
+  if (r >= 0 && !conns_->to(r)) drop_ipc_held(r);
   if (retiring_count_.load(std::memory_order_acquire) > 0) {
     std::lock_guard<std::mutex> lock(retire_mu_);
     retiring_.erase(cid);

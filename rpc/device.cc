@@ -9,9 +9,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
+#include <stdexcept>
 
 #if defined(TANDEM_WITH_CUDA)
 #include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -37,6 +40,20 @@ int cuda_device_count() {
   const int faked = testing::g_cuda_devices.load();
   if (faked >= 0) return faked;
   return at::hasCUDA() ? static_cast<int>(at::getNumGPUs()) : 0;
+}
+
+namespace {
+std::atomic<uint64_t> g_ipc_exported{0};
+std::atomic<uint64_t> g_ipc_imported{0};
+std::atomic<uint64_t> g_ipc_refused{0};
+}  // namespace
+
+IpcStats ipc_stats() {
+  IpcStats s;
+  s.exported = g_ipc_exported.load();
+  s.imported = g_ipc_imported.load();
+  s.refused = g_ipc_refused.load();
+  return s;
 }
 
 at::Tensor host_buffer(at::IntArrayRef shape, c10::ScalarType dtype, c10::Device target) {
@@ -138,6 +155,24 @@ at::Tensor Arrival::place(const at::Tensor& host, c10::Device target) {
   return placed;
 }
 
+at::Tensor Arrival::import(const IpcRef& ref, at::IntArrayRef shape, c10::ScalarType dtype,
+                          c10::Device target) {
+  if (!target.is_cuda()) throw std::invalid_argument("a CUDA IPC tensor must go to a CUDA device");
+  Impl::Lane& lane = impl_->lane(target);
+  const c10::cuda::CUDAStreamGuard guard(lane.stream);
+  const char* src = static_cast<const char*>(IpcImport::process().address(ref, target));
+  // Whatever the sender queued that produces the bytes comes first: its
+  // event (the sender records it again only after this frame's release).
+  auto written = static_cast<cudaEvent_t>(IpcImport::process().event(ref.event_handle, target));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(lane.stream.stream(), written, 0));
+  at::Tensor placed = at::empty(shape, at::TensorOptions().dtype(dtype).device(target));
+  C10_CUDA_CHECK(cudaMemcpyAsync(placed.data_ptr(), src + ref.offset, placed.nbytes(),
+                                 cudaMemcpyDeviceToDevice, lane.stream.stream()));
+  placed.record_stream(c10::cuda::getDefaultCUDAStream(target.index()));
+  ++g_ipc_imported;
+  return placed;
+}
+
 void Arrival::seal() {
   for (auto& l : impl_->lanes) {
     l.done.record(l.stream);
@@ -147,6 +182,163 @@ void Arrival::seal() {
 
 void Arrival::wait() const {
   for (const auto& l : impl_->lanes) l.done.synchronize();
+}
+
+bool cuda_ipc_available() { return at::hasCUDA(); }
+
+struct IpcExport::Impl {
+  struct Device {
+    c10::DeviceIndex index = 0;
+    cudaEvent_t event = nullptr;
+    std::string handle;
+  };
+  std::vector<at::Tensor> buffers;  // what the receiver copies from, held until the release
+  std::vector<Device> devices;
+
+  // Interprocess events are slow to make and to open: each device's are
+  // kept for the process and used again once a frame's receiver released
+  // them, and a receiver opens each once (IpcImport::event).
+  static std::mutex pool_mu;
+  static std::map<c10::DeviceIndex, std::vector<Device>> pool;
+
+  static Device take(c10::DeviceIndex index) {
+    {
+      std::lock_guard<std::mutex> lock(pool_mu);
+      auto& free = pool[index];
+      if (!free.empty()) {
+        Device d = std::move(free.back());
+        free.pop_back();
+        return d;
+      }
+    }
+    Device d;
+    d.index = index;
+    const c10::cuda::CUDAGuard guard(index);
+    C10_CUDA_CHECK(
+        cudaEventCreateWithFlags(&d.event, cudaEventDisableTiming | cudaEventInterprocess));
+    cudaIpcEventHandle_t h;
+    C10_CUDA_CHECK(cudaIpcGetEventHandle(&h, d.event));
+    d.handle.assign(reinterpret_cast<const char*>(&h), sizeof h);
+    return d;
+  }
+
+  ~Impl() {
+    std::lock_guard<std::mutex> lock(pool_mu);
+    for (auto& d : devices) {
+      if (d.event) pool[d.index].push_back(std::move(d));
+    }
+  }
+};
+std::mutex IpcExport::Impl::pool_mu;
+std::map<c10::DeviceIndex, std::vector<IpcExport::Impl::Device>> IpcExport::Impl::pool;
+
+IpcExport::IpcExport() = default;  // made at the first CUDA tensor
+IpcExport::~IpcExport() = default;
+
+std::optional<IpcRef> IpcExport::add(const at::Tensor& t) {
+  if (!t.is_cuda() || t.nbytes() == 0) return std::nullopt;
+  if (!impl_) impl_ = std::make_unique<Impl>();
+  const c10::cuda::CUDAGuard guard(t.device());
+  try {
+    // The tensor itself where it is contiguous (else a contiguous copy, on
+    // the current stream): the receiver copies straight from it, so its
+    // memory is held until the release, and the caller may not change it
+    // in place until its call completes (as with PyTorch's RPC).
+    at::Tensor buf = t.detach().resolve_conj().resolve_neg().contiguous();
+    size_t base_size = 0;
+    void* base = c10::cuda::CUDACachingAllocator::getBaseAllocation(buf.data_ptr(), &base_size);
+    cudaIpcMemHandle_t h;
+    if (base == nullptr || cudaIpcGetMemHandle(&h, base) != cudaSuccess) {
+      (void)cudaGetLastError();  // (the allocator's memory cannot be shared: expandable segments)
+      ++g_ipc_refused;
+      return std::nullopt;
+    }
+    IpcRef ref;
+    ref.mem_handle.assign(reinterpret_cast<const char*>(&h), sizeof h);
+    ref.offset = static_cast<uint64_t>(static_cast<const char*>(buf.data_ptr()) -
+                                       static_cast<const char*>(base));
+    impl_->buffers.push_back(std::move(buf));
+    auto& ds = impl_->devices;
+    if (std::none_of(ds.begin(), ds.end(), [&](const Impl::Device& d) {
+          return d.index == t.device().index();
+        })) {
+      ds.push_back(Impl::Device{t.device().index(), nullptr, {}});
+    }
+    ++g_ipc_exported;
+    return ref;
+  } catch (const c10::Error&) {
+    ++g_ipc_refused;
+    return std::nullopt;
+  }
+}
+
+void IpcExport::seal() {
+  if (!impl_) return;
+  for (auto& d : impl_->devices) {
+    if (d.event) continue;
+    Impl::Device taken = Impl::take(d.index);
+    const c10::cuda::CUDAGuard guard(d.index);
+    const cudaError_t recorded =
+        cudaEventRecord(taken.event, c10::cuda::getCurrentCUDAStream(d.index).stream());
+    d = std::move(taken);  // back to the pool with the rest, whatever happens
+    C10_CUDA_CHECK(recorded);
+  }
+}
+
+const std::string& IpcExport::event_handle(c10::DeviceIndex device) const {
+  if (impl_) {
+    for (const auto& d : impl_->devices) {
+      if (d.index == device && d.event) return d.handle;
+    }
+  }
+  throw std::logic_error("IpcExport: no event for cuda:" + std::to_string(device) +
+                         " (seal() first)");
+}
+
+size_t IpcExport::size() const { return impl_ ? impl_->buffers.size() : 0; }
+
+namespace {
+std::mutex g_import_mu;
+std::map<std::string, void*> g_imported;  // handle bytes -> the allocation's address here
+std::map<std::string, cudaEvent_t> g_events;  // handle bytes -> the event opened here
+}  // namespace
+
+IpcImport& IpcImport::process() {
+  static IpcImport* one = new IpcImport();  // the handles stay open for the process
+  return *one;
+}
+
+void* IpcImport::address(const IpcRef& ref, c10::Device target) {
+  std::lock_guard<std::mutex> lock(g_import_mu);
+  auto it = g_imported.find(ref.mem_handle);
+  if (it == g_imported.end()) {
+    const c10::cuda::CUDAGuard guard(target);
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, ref.mem_handle.data(), sizeof h);
+    void* base = nullptr;
+    C10_CUDA_CHECK(cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess));
+    it = g_imported.emplace(ref.mem_handle, base).first;
+  }
+  return it->second;
+}
+
+void* IpcImport::event(const std::string& handle, c10::Device target) {
+  std::lock_guard<std::mutex> lock(g_import_mu);
+  auto it = g_events.find(handle);
+  if (it == g_events.end()) {
+    const c10::cuda::CUDAGuard guard(target);
+    cudaIpcEventHandle_t h;
+    std::memcpy(&h, handle.data(), sizeof h);
+    cudaEvent_t e = nullptr;
+    C10_CUDA_CHECK(cudaIpcOpenEventHandle(&e, h));
+    it = g_events.emplace(handle, e).first;
+  }
+  return it->second;
+}
+
+size_t IpcImport::open_handles() const {
+  std::lock_guard<std::mutex> lock(g_import_mu);
+  return g_imported.size() + g_events.size();
 }
 
 #else  // no CUDA: no CUDA tensor exists, and no frame may name a CUDA device
@@ -162,8 +354,36 @@ struct Arrival::Impl {};
 Arrival::Arrival() = default;
 Arrival::~Arrival() = default;
 at::Tensor Arrival::place(const at::Tensor& host, c10::Device target) { return host.to(target); }
+at::Tensor Arrival::import(const IpcRef&, at::IntArrayRef, c10::ScalarType, c10::Device target) {
+  throw std::runtime_error("a tensor for " + target.str() + " came by CUDA IPC, but this build "
+                           "has no CUDA");
+}
 void Arrival::seal() {}
 void Arrival::wait() const {}
+
+bool cuda_ipc_available() { return false; }
+struct IpcExport::Impl {};
+IpcExport::IpcExport() = default;
+IpcExport::~IpcExport() = default;
+std::optional<IpcRef> IpcExport::add(const at::Tensor&) { return std::nullopt; }
+void IpcExport::seal() {}
+const std::string& IpcExport::event_handle(c10::DeviceIndex device) const {
+  throw std::logic_error("IpcExport: no event for cuda:" + std::to_string(device));
+}
+size_t IpcExport::size() const { return 0; }
+IpcImport& IpcImport::process() {
+  static IpcImport* one = new IpcImport();
+  return *one;
+}
+void* IpcImport::address(const IpcRef&, c10::Device target) {
+  throw std::runtime_error("cannot open a CUDA IPC handle on " + target.str() +
+                           ": this build has no CUDA");
+}
+void* IpcImport::event(const std::string&, c10::Device target) {
+  throw std::runtime_error("cannot open a CUDA IPC event on " + target.str() +
+                           ": this build has no CUDA");
+}
+size_t IpcImport::open_handles() const { return 0; }
 
 #endif
 

@@ -1,6 +1,10 @@
 // The RPC layer's CUDA work, in one place: how a CUDA tensor leaves for the
 // wire, where a received one is read to, and how it reaches its device.
 //
+// Between processes on one host (the shared-memory transport), CUDA tensors
+// go as CUDA IPC handles and are copied device to device (IpcExport,
+// IpcImport, Arrival::import; below). Elsewhere, through host memory:
+//
 // Sending: the tensor is copied into pinned host memory on its device's
 // current stream (so after whatever the caller queued that produces it), and
 // the sender waits for the frame's copies' events alone, never for the
@@ -28,7 +32,10 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#include <cstdint>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 namespace tandem::rpc::device {
@@ -57,6 +64,78 @@ class Staging {
   std::unique_ptr<Impl> impl_;
 };
 
+// CUDA IPC, between processes on one host (the shared-memory transport):
+// a CUDA tensor travels as a handle to device memory instead of its bytes.
+//
+// The sender exports the tensor's own memory (a contiguous copy where it is
+// not contiguous) and records an interprocess event on the device's current
+// stream, after whatever produces it (IpcExport). It holds the memory until
+// the receiver says it is done with it (a release, by the frame's token):
+// so a tensor sent may not be changed in place until its call completes,
+// as with PyTorch's RPC. The receiver has copied it by the time it answers.
+//
+// The receiver opens the handle (once per allocation: IpcImport caches
+// them), makes its arrival stream wait for the sender's event (on the GPU),
+// and copies device to device into a tensor of its own (Arrival::import).
+// It waits for those copies before releasing the buffers.
+struct IpcRef {
+  std::string mem_handle;    // cudaIpcMemHandle_t of the allocation holding the bytes
+  uint64_t offset = 0;       // the bytes' start within it
+  std::string event_handle;  // cudaIpcEventHandle_t recorded after the bytes were written
+};
+constexpr size_t kIpcHandleBytes = 64;  // both handles' size (CUDA_IPC_HANDLE_SIZE)
+
+// Whether this process can export CUDA tensors over IPC (a CUDA build with a
+// device; rpc::testing may say no).
+bool cuda_ipc_available();
+
+// A frame's CUDA tensors exported over IPC. add() returns the tensor's
+// reference, or nullopt where the driver or the allocator refuses (such a
+// tensor goes through host memory instead); seal() records the devices'
+// events and fills in the references' event handles, in add() order.
+class IpcExport {
+ public:
+  IpcExport();
+  ~IpcExport();
+  IpcExport(const IpcExport&) = delete;
+  IpcExport& operator=(const IpcExport&) = delete;
+  std::optional<IpcRef> add(const at::Tensor& t);
+  // Records each device's event after its copies, on its current stream.
+  void seal();
+  // The event handle of cuda:`device` (after seal()).
+  const std::string& event_handle(c10::DeviceIndex device) const;
+  size_t size() const;  // the buffers held
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// The handles a process opened, each once (cached for the process: the
+// sender's allocator hands out the same allocations again and again, and
+// its events come from a pool).
+class IpcImport {
+ public:
+  static IpcImport& process();
+  // The device address of the allocation `ref` names, opened on `target`.
+  void* address(const IpcRef& ref, c10::Device target);
+  // The sender's event of that handle (a cudaEvent_t), opened on `target`.
+  void* event(const std::string& handle, c10::Device target);
+  // How many handles are open now (tests).
+  size_t open_handles() const;
+
+ private:
+  IpcImport() = default;
+};
+
+// Counters of this process's CUDA IPC traffic (tests and metrics).
+struct IpcStats {
+  uint64_t exported = 0;  // tensors sent as handles
+  uint64_t imported = 0;  // tensors received as handles
+  uint64_t refused = 0;   // tensors that could not be exported (sent through host memory)
+};
+IpcStats ipc_stats();
+
 // Host memory to read a received tensor bound for `target` into: pinned when
 // `target` is a CUDA device, so that its copy there can run asynchronously.
 at::Tensor host_buffer(at::IntArrayRef shape, c10::ScalarType dtype, c10::Device target);
@@ -71,6 +150,10 @@ class Arrival {
 
   // `host`'s copy on `target`, queued on the arrival stream there.
   at::Tensor place(const at::Tensor& host, c10::Device target);
+  // The bytes `ref` names in a peer's device memory, copied into a new
+  // tensor on `target` on the arrival stream there, after the peer's event.
+  at::Tensor import(const IpcRef& ref, at::IntArrayRef shape, c10::ScalarType dtype,
+                    c10::Device target);
   // After the last place(): marks the copies' end on each stream and makes
   // the devices' default streams wait for it.
   void seal();

@@ -95,6 +95,7 @@ void Agent::on_message_from_loop(const ConnectionPtr& conn, Message&& msg) {
       return;
     }
   }
+  if (msg.ipc_release != 0) send_ipc_release(conn, msg.ipc_release);  // copied: done with them
   if (!msg.arrival_error.empty()) {
     // Its tensors could not be placed on their devices here: it fails
     // alone (its RRefs, adopted above, go with it).
@@ -115,6 +116,11 @@ void Agent::on_message_from_loop(const ConnectionPtr& conn, Message&& msg) {
       if (msg.callee.rfind("tandem.", 0) == 0) {
         if (msg.callee == kRetireCallee && msg.id == kNoReply) {
           on_retire_from_loop(conn);
+          return;
+        }
+        if (msg.callee == kIpcReleaseCallee && msg.id == kNoReply && msg.values.size() == 1 &&
+            msg.values[0].isInt()) {
+          release_ipc(from, static_cast<uint64_t>(msg.values[0].toInt()));
           return;
         }
         if (auto on_loop = loop_internal_->find(msg.callee)) {

@@ -97,6 +97,16 @@ struct TensorMeta {
   device @3 :DeviceValue;   # where it lived on the sender
   byteLength @4 :UInt64;    # numel * itemsize, checked by the receiver
   requiresGrad @5 :Bool;    # with Envelope.autogradMessage the receiver records it; else a new leaf
+  cudaIpc @6 :CudaIpc;      # set: the bytes are in the sender's device memory (same host), not the body
+}
+
+# A CUDA tensor's bytes in its sender's device memory (rpc/device.h): the
+# receiver opens the allocation, waits for the event, copies them, and
+# releases the frame's buffers (Envelope.ipcToken) when its copies are done.
+struct CudaIpc {
+  memHandle @0 :Data;    # cudaIpcMemHandle_t of the allocation
+  offset @1 :UInt64;     # where the bytes start in it
+  eventHandle @2 :Data;  # cudaIpcEventHandle_t, recorded after the bytes were written
 }
 
 struct ErrorInfo {
@@ -131,4 +141,7 @@ struct Envelope {
   # With autogradMessage: the recorded sends (by message id) that a gradient
   # for this message would reach, transitively (see autograd/engine.h).
   autogradReach @10 :List(UInt64);
+  # Nonzero when tensors travel by CUDA IPC: the sender holds their buffers
+  # until the receiver releases this token.
+  ipcToken @11 :UInt64;
 }

@@ -9,8 +9,11 @@
 #include <capnp/serialize.h>
 #include <kj/exception.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <unordered_map>
 
 #include "rpc/wire.capnp.h"
@@ -194,23 +197,32 @@ class Encoder {
                                   c10::toString(t.scalar_type()) + " over RPC");
     }
     const c10::Device to = target(t.device());
-    at::Tensor wire = t;
-    // Staged through pinned host memory (rpc/device.h), all of the frame's
-    // copies waited for at once. TODO(perf): CUDA IPC between processes on
-    // one host.
-    if (!wire.device().is_cpu()) wire = staging.add(wire);
-    wire = wire.resolve_conj().resolve_neg().contiguous();
     auto idx = static_cast<uint32_t>(tensors.size());
+    std::optional<device::IpcRef> ipc_ref;
+    at::Tensor wire = t;
+    if (!wire.device().is_cpu()) {
+      // Same host: a handle to a copy in device memory (rpc/device.h), its
+      // place in the body an empty tensor. Else, or where the driver
+      // refuses, staged through pinned host memory, all of the frame's
+      // copies waited for at once.
+      if (ipc) ipc_ref = ipc->add(wire);
+      wire = ipc_ref ? at::empty({0}, at::TensorOptions().dtype(t.scalar_type()))
+                     : staging.add(wire);
+    }
+    wire = wire.resolve_conj().resolve_neg().contiguous();
     index_.emplace(t.unsafeGetTensorImpl(), idx);
     devices_.push_back(to);  // where the receiver places it
     sources.push_back(t);
     tensors.push_back(std::move(wire));
+    ipc_refs.push_back(std::move(ipc_ref));
     return idx;
   }
 
  public:
   std::vector<c10::Device> devices_;
   device::Staging staging;  // the CUDA tensors' copies to host memory
+  std::shared_ptr<device::IpcExport> ipc;  // set where CUDA tensors may go by IPC
+  std::vector<std::optional<device::IpcRef>> ipc_refs;  // by tensor: those that do
 };
 
 // ---- decoding ----------------------------------------------------------------
@@ -418,13 +430,20 @@ uint64_t OutFrame::total_bytes() const {
 }
 
 namespace {
+capnp::Data::Reader as_data(const std::string& bytes) {
+  return capnp::Data::Reader(reinterpret_cast<const kj::byte*>(bytes.data()), bytes.size());
+}
+
 OutFrame encode_unchecked(const Message& m, const Limits& limits, RRefHook* rrefs, int dest,
-                          const DeviceMap* devices, std::vector<RRefDesc>& forks) {
+                          const DeviceMap* devices, bool cuda_ipc, std::vector<RRefDesc>& forks) {
   capnp::MallocMessageBuilder builder;
   auto env = builder.initRoot<schema::Envelope>();
   env.setId(m.id);
   env.setKind(static_cast<schema::Kind>(m.kind));
   Encoder enc(rrefs, dest, devices, forks);
+  if (cuda_ipc && (m.kind == MessageKind::kRequest || m.kind == MessageKind::kResponse)) {
+    enc.ipc = std::make_shared<device::IpcExport>();
+  }
   switch (m.kind) {
     case MessageKind::kRequest:
       env.setCallee(m.callee);
@@ -465,11 +484,21 @@ OutFrame encode_unchecked(const Message& m, const Limits& limits, RRefHook* rref
   }
   enc.staging.done();  // the body's bytes are read from the host copies
   OutFrame frame;
+  if (enc.ipc && enc.ipc->size() > 0) {
+    enc.ipc->seal();  // the events the receiver's copies wait for
+    static std::atomic<uint64_t> next_token{0};
+    frame.ipc_token = ++next_token;
+    frame.ipc = enc.ipc;
+    env.setIpcToken(frame.ipc_token);
+  }
   uint64_t offset = 0;
   if (!enc.tensors.empty()) {
     auto metas = env.initTensors(enc.tensors.size());
     for (size_t i = 0; i < enc.tensors.size(); ++i) {
-      const at::Tensor& t = enc.tensors[i];
+      // A tensor that goes by IPC is described by its source (its place in
+      // the body is empty).
+      const std::optional<device::IpcRef>& ipc = enc.ipc_refs[i];
+      const at::Tensor& t = ipc ? enc.sources[i] : enc.tensors[i];
       auto meta = metas[i];
       meta.setDtype(static_cast<int16_t>(t.scalar_type()));
       auto sizes = meta.initSizes(t.dim());
@@ -490,6 +519,13 @@ OutFrame encode_unchecked(const Message& m, const Limits& limits, RRefHook* rref
       if (enc.sources[i].requires_grad()) {
         meta.setRequiresGrad(true);
         if (m.autograd_message != 0) frame.grad_sources.push_back(enc.sources[i]);
+      }
+      if (ipc) {
+        auto c = meta.initCudaIpc();
+        c.setMemHandle(as_data(ipc->mem_handle));
+        c.setOffset(ipc->offset);
+        c.setEventHandle(as_data(enc.ipc->event_handle(enc.sources[i].device().index())));
+        nbytes = 0;  // not in the body
       }
       offset += padding_before(offset) + nbytes;
     }
@@ -514,10 +550,10 @@ OutFrame encode_unchecked(const Message& m, const Limits& limits, RRefHook* rref
 }  // namespace
 
 OutFrame encode(const Message& m, const Limits& limits, RRefHook* rrefs, int dest,
-                const DeviceMap* devices) {
+                const DeviceMap* devices, bool cuda_ipc) {
   std::vector<RRefDesc> forks;
   try {
-    OutFrame frame = encode_unchecked(m, limits, rrefs, dest, devices, forks);
+    OutFrame frame = encode_unchecked(m, limits, rrefs, dest, devices, cuda_ipc, forks);
     frame.kind = m.kind;
     frame.forks = Forks(rrefs, std::move(forks));
     return frame;
@@ -688,6 +724,7 @@ void FrameDecoder::on_envelope() {
       --handshake_frames_;
     }
     pending_.id = env.getId();
+    ipc_token_ = env.getIpcToken();
     if (pending_.kind == MessageKind::kRequest || pending_.kind == MessageKind::kResponse) {
       pending_.autograd_context = env.getAutogradContext();
       pending_.autograd_message = env.getAutogradMessage();
@@ -738,6 +775,7 @@ void FrameDecoder::on_envelope() {
     }
     std::vector<const SharedRef*> shared(metas.size(), nullptr);
     for (const auto& ref : table_) shared[ref.tensor] = &ref;
+    std::vector<std::optional<IpcPlacement>> ipc(metas.size());
     for (size_t i = 0; i < metas.size(); ++i) {
       auto meta = metas[i];
       const std::string which = "tensor " + std::to_string(i) + ": ";
@@ -790,6 +828,35 @@ void FrameDecoder::on_envelope() {
         throw ProtocolError(which + "requires grad but its dtype " + c10::toString(dtype) +
                             " is not differentiable");
       }
+      if (meta.hasCudaIpc()) {
+        if (!cuda_ipc_) {
+          throw ProtocolError(which + "comes as a CUDA IPC handle, which this connection does "
+                              "not take (only same-host connections do)");
+        }
+        if (!device.is_cuda() || shared[i] || nbytes == 0) {
+          throw ProtocolError(which + "comes as a CUDA IPC handle but is " +
+                              (shared[i] ? std::string("in shared memory too")
+                               : nbytes == 0 ? std::string("empty")
+                                             : "for " + device.str()));
+        }
+        auto c = meta.getCudaIpc();
+        auto mem = c.getMemHandle();
+        auto event = c.getEventHandle();
+        if (mem.size() != device::kIpcHandleBytes || event.size() != device::kIpcHandleBytes) {
+          throw ProtocolError(which + "CUDA IPC handles of " + std::to_string(mem.size()) +
+                              " and " + std::to_string(event.size()) + " bytes (want " +
+                              std::to_string(device::kIpcHandleBytes) + ")");
+        }
+        IpcPlacement p;
+        p.mem_handle.assign(reinterpret_cast<const char*>(mem.begin()), mem.size());
+        p.offset = c.getOffset();
+        p.event_handle.assign(reinterpret_cast<const char*>(event.begin()), event.size());
+        p.dtype = dtype;
+        p.shape = shape;
+        p.device = device;
+        ipc[i] = std::move(p);
+        nbytes = 0;  // its place in the body is empty
+      }
       if (shared[i]) {
         if (nbytes == 0) throw ProtocolError(which + "is empty but named in shared memory");
         shapes.emplace_back(dtype, std::move(shape));
@@ -806,6 +873,10 @@ void FrameDecoder::on_envelope() {
       throw ProtocolError("frame body is " + std::to_string(preamble_.body_bytes) +
                           " bytes but its tensors need " + std::to_string(offset));
     }
+    if (std::any_of(ipc.begin(), ipc.end(), [](const auto& p) { return p.has_value(); }) &&
+        ipc_token_ == 0) {
+      throw ProtocolError("CUDA IPC tensors without a token to release them by");
+    }
     // tensors_ are the ones still to be read from the body; all of them,
     // with those in shared memory, are what the values index.
     std::vector<at::Tensor> all;
@@ -814,11 +885,18 @@ void FrameDecoder::on_envelope() {
       if (shared[i]) {
         all.push_back(resolve_shared_(*shared[i], shapes[i].first, shapes[i].second,
                                       metas[i].getByteLength()));
+      } else if (ipc[i]) {
+        // A placeholder in the values until finish() copies it; an empty
+        // tensor in the body.
+        ipc[i]->placeholder = at::empty({0}, at::TensorOptions().dtype(shapes[i].first));
+        all.push_back(ipc[i]->placeholder);
+        tensors_.push_back(at::empty({0}, at::TensorOptions().dtype(shapes[i].first)));
+        ipc_placements_.push_back(std::move(*ipc[i]));
       } else {
         all.push_back(device::host_buffer(shapes[i].second, shapes[i].first, devices[i]));
         tensors_.push_back(all.back());
       }
-      if (!devices[i].is_cpu()) placements_.emplace_back(all.back(), devices[i]);
+      if (!devices[i].is_cpu() && !ipc[i]) placements_.emplace_back(all.back(), devices[i]);
       if (metas[i].getRequiresGrad()) {
         if (pending_.autograd_message != 0) {
           pending_.grad_tensors.push_back(all.back());  // the layer above records it
@@ -885,9 +963,10 @@ c10::IValue with_placed(const c10::IValue& v, const Placed& placed) {
 }  // namespace
 
 void FrameDecoder::finish() {
-  if (!placements_.empty()) {
+  if (!placements_.empty() || !ipc_placements_.empty()) {
     // The device map's target: a copy from the (pinned) host tensor the body
-    // was read into, queued on a stream of the target device (rpc/device.h).
+    // was read into, or from the sender's device memory (CUDA IPC), queued
+    // on a stream of the target device (rpc/device.h).
     auto arrival = std::make_shared<device::Arrival>();
     Placed placed;
     try {
@@ -896,6 +975,15 @@ void FrameDecoder::finish() {
         if (host.requires_grad()) t.set_requires_grad(true);
         placed.emplace(host.unsafeGetTensorImpl(), std::move(t));
       }
+      for (auto& p : ipc_placements_) {
+        device::IpcRef ref;
+        ref.mem_handle = p.mem_handle;
+        ref.offset = p.offset;
+        ref.event_handle = p.event_handle;
+        at::Tensor t = arrival->import(ref, p.shape, p.dtype, p.device);
+        if (p.placeholder.requires_grad()) t.set_requires_grad(true);
+        placed.emplace(p.placeholder.unsafeGetTensorImpl(), std::move(t));
+      }
       arrival->seal();
     } catch (const std::exception& e) {
       // Not the peer's fault, and no reason to drop the connection: this
@@ -903,7 +991,19 @@ void FrameDecoder::finish() {
       pending_.arrival_error = e.what();
       placed.clear();
     }
+    if (!ipc_placements_.empty()) {
+      // The sender's buffers go back to it (the agent releases the token)
+      // once the copies from them are done.
+      try {
+        if (!pending_.arrival_error.empty()) arrival->seal();
+        arrival->wait();
+      } catch (const std::exception&) {
+        // (a CUDA error: nothing of ours reads them any more)
+      }
+      pending_.ipc_release = ipc_token_;
+    }
     placements_.clear();
+    ipc_placements_.clear();
     if (pending_.arrival_error.empty()) {
       for (auto& v : pending_.values) v = with_placed(v, placed);
       for (auto& g : pending_.grad_tensors) {

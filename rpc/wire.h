@@ -38,6 +38,7 @@ namespace tandem::rpc {
 
 namespace device {
 class Arrival;  // rpc/device.h
+class IpcExport;
 }
 
 enum class MessageKind : uint8_t { kRequest = 0, kResponse = 1, kError = 2, kHello = 3 };
@@ -76,6 +77,10 @@ struct Message {
   // with this error, or fails the call an answer was for); its connection
   // stays up.
   std::string arrival_error;
+  // Received: nonzero when tensors came by CUDA IPC (rpc/device.h). Their
+  // copies are done; the sender holds its buffers until this token is
+  // released to it (the agent does so).
+  uint64_t ipc_release = 0;
   // kHello: one step of the handshake (rpc/auth.h)
   std::string hello_worker;
   int32_t hello_rank = -1;
@@ -209,6 +214,10 @@ struct OutFrame {
   // With Message::autograd_message: the caller's tensors (not their wire
   // copies) that travel flagged as requiring grad, in frame order.
   std::vector<at::Tensor> grad_sources;
+  // With tensors that go by CUDA IPC: their buffers, which the sender holds
+  // until the receiver releases ipc_token (0: none).
+  std::shared_ptr<device::IpcExport> ipc;
+  uint64_t ipc_token = 0;
   uint64_t total_bytes() const;
   // The frame as one string of the bytes a socket carries (tests and tools;
   // the transport writes the pieces without joining them).
@@ -229,9 +238,12 @@ struct DeviceMap {
 // `limits`): the caller learns it at once instead of the peer refusing the frame.
 // RRefs in the values are forked for worker `dest` through `rrefs`; without
 // a hook, a message holding an RRef is refused.
-// CUDA tensors travel only where `devices` maps their device.
+// CUDA tensors travel only where `devices` maps their device; with
+// `cuda_ipc` (the peer is another process on this host, on shared memory),
+// as CUDA IPC handles where the driver allows, else through host memory.
 OutFrame encode(const Message& message, const Limits& limits = Limits{},
-                RRefHook* rrefs = nullptr, int dest = -1, const DeviceMap* devices = nullptr);
+                RRefHook* rrefs = nullptr, int dest = -1, const DeviceMap* devices = nullptr,
+                bool cuda_ipc = false);
 
 // Puts handles[i] where a received message's values hold the placeholder of
 // its rrefs[i]. Throws std::logic_error unless every placeholder is filled.
@@ -256,6 +268,9 @@ class FrameDecoder {
                                                   const std::vector<int64_t>& shape,
                                                   uint64_t nbytes)>;
   void set_shared_resolver(SharedResolver resolve) { resolve_shared_ = std::move(resolve); }
+  // Whether tensors may come as CUDA IPC handles (a same-host connection);
+  // without it, a frame with one is refused.
+  void set_cuda_ipc(bool allowed) { cuda_ipc_ = allowed; }
   // True while handshake frames are still expected.
   bool in_handshake() const { return handshake_frames_ > 0; }
 
@@ -295,6 +310,20 @@ class FrameDecoder {
   std::vector<at::Tensor> tensors_;
   // The current frame's tensors that go to a CUDA device once read.
   std::vector<std::pair<at::Tensor, c10::Device>> placements_;
+  // Those that come by CUDA IPC, each standing in the values as a
+  // placeholder until it is copied (finish()).
+  struct IpcPlacement {
+    at::Tensor placeholder;
+    std::string mem_handle;
+    uint64_t offset = 0;
+    std::string event_handle;
+    c10::ScalarType dtype = c10::ScalarType::Float;
+    std::vector<int64_t> shape;
+    c10::Device device{c10::kCPU};
+  };
+  bool cuda_ipc_ = false;
+  std::vector<IpcPlacement> ipc_placements_;
+  uint64_t ipc_token_ = 0;  // the current frame's
   size_t tensor_index_ = 0;
   uint64_t tensor_done_ = 0;      // bytes of tensors_[tensor_index_] filled
   uint64_t padding_left_ = 0;     // padding bytes before the current tensor

@@ -58,7 +58,8 @@ Weights initial(int stages, uint64_t seed) {
 
 // Stage s on `worker_of(s)`, with the given weights.
 std::vector<RemoteModule> make_stages(rpc::Agent& driver, const Weights& w,
-                                      const std::function<int(int)>& worker_of) {
+                                      const std::function<int(int)>& worker_of,
+                                      const std::string& device = "cpu") {
   const int stages = static_cast<int>(w.w.size());
   auto d = dims(stages);
   std::vector<RemoteModule> out;
@@ -66,7 +67,7 @@ std::vector<RemoteModule> make_stages(rpc::Agent& driver, const Weights& w,
     c10::IValue layers = s + 1 < stages
                              ? nn::list({spec("Linear", {d[s], d[s + 1]}), spec("Tanh")})
                              : nn::list({spec("Linear", {d[s], d[s + 1]})});
-    out.emplace_back(driver, "worker" + std::to_string(worker_of(s)) + "/cpu", "Sequential",
+    out.emplace_back(driver, "worker" + std::to_string(worker_of(s)) + "/" + device, "Sequential",
                      std::vector<c10::IValue>{layers});
     out.back().load_state_dict({{"0.weight", w.w[s]}, {"0.bias", w.b[s]}});
   }
@@ -165,6 +166,48 @@ pipeline::StepStats train_beside_local(rpc::Agent& driver, const std::vector<Rem
   return pipe.last_step();
 }
 
+// Stages on GPUs (each worker's cuda:0, every worker mapping it to every
+// other's): the same losses and weights as the unsplit model trained here,
+// with the DistributedOptimizer stepping the parameters where they live.
+void expect_gpu_stages_train_like_local(const std::string& schedule) {
+  CAPTURE(schedule);
+  const int stages = 2;
+  const int64_t rows = 10;
+  const int steps = 3;
+  const double lr = 0.2;
+  Weights init = initial(stages, 7);
+  auto [want_losses, want] = local_training(init, steps, rows, lr);
+  World w(stages + 1, {}, [&](rpc::AgentOptions& o) {
+    for (int r = 0; r <= stages; ++r) {
+      if (r != o.rank) o.set_device_map("worker" + std::to_string(r), {{0, 0}});
+    }
+  });
+  {
+    auto stage_modules = make_stages(*w.agents[0], init, [](int s) { return 1 + s; }, "cuda:0");
+    pipeline::PipeOptions o;
+    o.chunks = 2;
+    o.schedule = schedule;
+    pipeline::Pipe pipe(*w.agents[0], stage_modules, o);
+    optim::Options so;
+    so.lr = lr;
+    optim::DistributedOptimizer opt(*w.agents[0], optim::Kind::kSGD, pipe.parameters(), so);
+    for (int step = 0; step < steps; ++step) {
+      Batch b = batch(rows, step);
+      dist::Context ctx(*w.agents[0]);
+      const double loss = pipe.step(ctx.id(), b.x, b.y);
+      CHECK(loss == doctest::Approx(want_losses[step]).epsilon(1e-5));
+      opt.step(ctx.id());
+    }
+    for (int s = 0; s < stages; ++s) {
+      CHECK(stage_modules[s].remote_parameters()[0].to_here().is_cuda());  // (they live there)
+      auto state = stage_modules[s].state_dict();  // (a copy on the CPU)
+      CHECK(at::allclose(state.at("0.weight").cpu(), want.w[s].detach(), 1e-4, 1e-5));
+      CHECK(at::allclose(state.at("0.bias").cpu(), want.b[s].detach(), 1e-4, 1e-5));
+    }
+  }
+  w.shutdown();
+}
+
 void expect_trained_like_local(const std::string& schedule, int workers, int per_worker,
                                int chunks) {
   const int stages = workers * per_worker;
@@ -222,6 +265,12 @@ TEST_CASE("pipeline: GPipe, 1F1B and zero-bubble train as the unsplit model, une
       }
     }
   }
+}
+
+TEST_CASE("pipeline: stages on GPUs train as the unsplit model, stepped where they live") {
+  if (!test::cuda_or_skip()) return;
+  expect_gpu_stages_train_like_local("1f1b");
+  expect_gpu_stages_train_like_local("zero-bubble");
 }
 
 TEST_CASE("pipeline: interleaved 1F1B (two stages per worker) trains as the unsplit model") {

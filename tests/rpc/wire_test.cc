@@ -11,6 +11,7 @@
 #include <ATen/ops/imag.h>
 
 #include "rpc/frames.h"
+#include "tandem/rpc/device.h"
 #include "tandem/rpc/auth.h"
 
 using namespace tandem::rpc;
@@ -579,6 +580,66 @@ TEST_CASE("wire: a device index out of range is refused") {
     d.setType(0);
     d.setIndex(300);
   }, 0), "invalid device");
+}
+
+TEST_CASE("wire: CUDA IPC handles are taken only on same-host connections, and checked") {
+  // The decoder's checks run here as on a GPU machine: the worker says it
+  // has one CUDA device (rpc/testing.h); placing there then fails alone.
+  struct Devices {
+    Devices() { testing::set_cuda_devices(1); }
+    ~Devices() { testing::set_cuda_devices(-1); }
+  } fake;
+  // (on a GPU machine, opening the handle below starts CUDA: not this case's leak)
+  tandem::test::process_lifetime([] {
+    if (at::hasCUDA()) (void)at::ones({1}, at::TensorOptions().device(at::kCUDA));
+  });
+  auto ipc_frame = [](size_t mem_bytes, int16_t type, uint64_t token) {
+    return raw_frame([=](auto env) {
+      tandem::test::one_float_for_device(env, type, 0);
+      auto c = env.getTensors()[0].initCudaIpc();
+      c.setMemHandle(capnp::Data::Reader(
+          reinterpret_cast<const kj::byte*>(std::string(mem_bytes, 'm').data()), mem_bytes));
+      c.setOffset(128);
+      std::string event(device::kIpcHandleBytes, 'e');
+      c.setEventHandle(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(event.data()),
+                                           event.size()));
+      env.setIpcToken(token);
+    }, 0);  // its place in the body is empty
+  };
+  const auto cuda = static_cast<int16_t>(c10::DeviceType::CUDA);
+  const auto cpu = static_cast<int16_t>(c10::DeviceType::CPU);
+  // A connection to another host never takes them.
+  expect_protocol_error(ipc_frame(device::kIpcHandleBytes, cuda, 7),
+                        "comes as a CUDA IPC handle, which this connection does not take");
+  auto refused_on_same_host = [](const std::string& bytes, const std::string& needle) {
+    FrameDecoder dec(Limits{});
+    dec.set_cuda_ipc(true);
+    CHECK_THROWS_WITH_AS(dec.feed(bytes.data(), bytes.size()), doctest::Contains(needle.c_str()),
+                         ProtocolError);
+  };
+  refused_on_same_host(ipc_frame(3, cuda, 7), "CUDA IPC handles of 3 and 64 bytes (want 64)");
+  refused_on_same_host(ipc_frame(device::kIpcHandleBytes, cpu, 7),
+                       "comes as a CUDA IPC handle but is for cpu");
+  refused_on_same_host(ipc_frame(device::kIpcHandleBytes, cuda, 0), "without a token");
+  // A well-formed one whose handle cannot be opened (no CUDA here; a stale
+  // handle on a GPU machine) fails that message alone, and the sender's
+  // buffers are released all the same.
+  FrameDecoder dec(Limits{});
+  dec.set_cuda_ipc(true);
+  const std::string ok = ipc_frame(device::kIpcHandleBytes, cuda, 7);
+  dec.feed(ok.data(), ok.size());
+  REQUIRE(dec.has_message());
+  Message m = dec.take();
+  CHECK_FALSE(m.arrival_error.empty());
+  CHECK(m.ipc_release == 7);
+  // A message of CPU tensors is encoded as ever where IPC is allowed.
+  Message plain;
+  plain.kind = MessageKind::kRequest;
+  plain.callee = "f";
+  plain.values.emplace_back(at::ones({4}));
+  OutFrame f = encode(plain, Limits{}, nullptr, -1, nullptr, /*cuda_ipc=*/true);
+  CHECK(f.ipc == nullptr);
+  CHECK(f.ipc_token == 0);
 }
 
 // The fuzz target's seeds (tests/fuzz/corpus, and any input a past `./dev

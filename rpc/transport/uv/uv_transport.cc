@@ -219,6 +219,7 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
                                                            uint64_t nbytes) {
         return in->tensor(ref, dtype, shape, nbytes);
       });
+      decoder_.set_cuda_ipc(true);  // the peer is on this host (rpc/device.h)
       const uint64_t ring = transport->limits_.shm_ring_bytes;
       ring_unavailable_ = testing::shared_segments_failure();
       if (ring == 0) {
