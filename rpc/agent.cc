@@ -467,7 +467,7 @@ size_t Agent::cuda_ipc_held() const {
   return ipc_held_.size();
 }
 
-bool Agent::ipc_to(int dest) const {
+bool Agent::ipc_to(int dest, const Connection* via) const {
   if (!options_.cuda_ipc || dest < 0 || dest == rank_ ||
       static_cast<size_t>(dest) >= workers_.size()) {
     return false;
@@ -478,26 +478,46 @@ bool Agent::ipc_to(int dest) const {
       peer.process == self.process) {
     return false;  // (a handle cannot be opened in the process that made it)
   }
+  {
+    std::lock_guard<std::mutex> lock(ipc_mu_);
+    const auto& refused = ipc_refused_by_;
+    if (std::find(refused.begin(), refused.end(), dest) != refused.end()) return false;
+  }
+  if (via) return std::string(via->kind()) == "shm";
   auto c = conns_ ? conns_->to(dest) : nullptr;
   return c && std::string(c->kind()) == "shm";  // on this host
 }
 
-void Agent::send_ipc_release(const ConnectionPtr& conn, uint64_t token) {
+void Agent::send_ipc_release(const ConnectionPtr& conn, int to, uint64_t token, bool failed) {
   Message m;
   m.kind = MessageKind::kRequest;
   m.id = 0;  // one way
   m.callee = kIpcReleaseCallee;
   m.values.emplace_back(static_cast<int64_t>(token));
-  try {
-    conn->send(encode(m, options_.limits));
-  } catch (const Error&) {
-    // closed: the sender lets go of what it held for this connection
+  m.values.emplace_back(failed);
+  // On the connection the frame came by; if that one is retiring or gone,
+  // on the one that replaced it (else the sender holds its memory until
+  // every connection to us has closed).
+  for (const ConnectionPtr& c : {conn, conns_->to(to)}) {
+    if (!c) continue;
+    try {
+      c->send(encode(m, options_.limits));
+      return;
+    } catch (const Error&) {
+    }
   }
 }
 
-void Agent::release_ipc(int from, uint64_t token) {
+void Agent::release_ipc(int from, uint64_t token, bool failed) {
   std::shared_ptr<device::IpcExport> buffers;  // freed outside the lock
   std::lock_guard<std::mutex> lock(ipc_mu_);
+  if (failed && std::find(ipc_refused_by_.begin(), ipc_refused_by_.end(), from) ==
+                    ipc_refused_by_.end()) {
+    ipc_refused_by_.push_back(from);
+    protocol_log_->write("tandem[" + printable(name()) + "]: " + printable(workers_[from].name) +
+                         " could not use this worker's CUDA IPC handles; CUDA tensors to it "
+                         "go through host memory from now on");
+  }
   auto it = ipc_held_.find(token);
   if (it == ipc_held_.end() || it->second.rank != from) return;  // (not this peer's to release)
   buffers = std::move(it->second.buffers);

@@ -249,7 +249,9 @@ class Agent : public std::enable_shared_from_this<Agent> {
                        std::vector<c10::IValue> args, std::chrono::milliseconds timeout);
   void notify(const std::string& to, const std::string& fn, std::vector<c10::IValue> args);
   // Runs the extensions' before_send, encodes, runs their after_encode.
-  OutFrame encode_with_extensions(Message& m, int dest);
+  // `via`: the connection the frame will go on, where the caller knows it
+  // (an answer goes back on its request's); else the one to `dest`.
+  OutFrame encode_with_extensions(Message& m, int dest, const Connection* via = nullptr);
 
   // connections.cc: the connection to `rank`, opened and greeted on first use.
   ConnectionPtr connection_to(int rank, std::chrono::milliseconds timeout);
@@ -336,9 +338,11 @@ class Agent : public std::enable_shared_from_this<Agent> {
   std::vector<DeviceMap> send_maps_, answer_maps_;
   // CUDA IPC (rpc/device.h): whether CUDA tensors to a rank may go as
   // handles, and the buffers of frames sent so, by token, until released.
-  bool ipc_to(int dest) const;
-  void send_ipc_release(const ConnectionPtr& conn, uint64_t token);
-  void release_ipc(int from, uint64_t token);
+  bool ipc_to(int dest, const Connection* via) const;
+  // `failed`: the handles could not be used here (the frame failed); the
+  // sender then sends that worker its CUDA tensors through host memory.
+  void send_ipc_release(const ConnectionPtr& conn, int to, uint64_t token, bool failed);
+  void release_ipc(int from, uint64_t token, bool failed);
   void drop_ipc_held(int rank);  // -1: all
   struct IpcHeld {
     int rank = -1;
@@ -346,6 +350,7 @@ class Agent : public std::enable_shared_from_this<Agent> {
   };
   mutable std::mutex ipc_mu_;
   std::unordered_map<uint64_t, IpcHeld> ipc_held_;
+  std::vector<int> ipc_refused_by_;  // ranks that could not open our handles
   std::atomic<uint64_t> next_id_{1};
   bool shut_down_ = false;
   std::mutex shutdown_mu_;

@@ -28,14 +28,14 @@ Future<c10::IValue> Agent::call(const std::string& to, const std::string& fn,
   return Future<c10::IValue>(start_call(to, fn, std::move(args), timeout), pool_);
 }
 
-OutFrame Agent::encode_with_extensions(Message& m, int dest) {
+OutFrame Agent::encode_with_extensions(Message& m, int dest, const Connection* via) {
   for (const auto& e : extensions_) e->before_send(m, dest);
   // Forks made here are undone if anything below throws (Forks is RAII).
   const std::vector<DeviceMap>& maps =
       m.kind == MessageKind::kResponse ? answer_maps_ : send_maps_;
   const DeviceMap* devices =
       dest >= 0 && static_cast<size_t>(dest) < maps.size() ? &maps[dest] : nullptr;
-  OutFrame frame = encode(m, options_.limits, rrefs_.get(), dest, devices, ipc_to(dest));
+  OutFrame frame = encode(m, options_.limits, rrefs_.get(), dest, devices, ipc_to(dest, via));
   for (const auto& e : extensions_) e->after_encode(m, frame, dest);
   if (frame.ipc) {
     // Held until the receiver's copies are done (it releases the token), or

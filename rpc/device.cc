@@ -198,13 +198,21 @@ struct IpcExport::Impl {
   // Interprocess events are slow to make and to open: each device's are
   // kept for the process and used again once a frame's receiver released
   // them, and a receiver opens each once (IpcImport::event).
-  static std::mutex pool_mu;
-  static std::map<c10::DeviceIndex, std::vector<Device>> pool;
+  // Kept for the life of the process (never destroyed: an IpcExport may
+  // go back to it from a static's destructor at exit).
+  static std::mutex& pool_mu() {
+    static auto* mu = new std::mutex;
+    return *mu;
+  }
+  static std::map<c10::DeviceIndex, std::vector<Device>>& pool() {
+    static auto* p = new std::map<c10::DeviceIndex, std::vector<Device>>;
+    return *p;
+  }
 
   static Device take(c10::DeviceIndex index) {
     {
-      std::lock_guard<std::mutex> lock(pool_mu);
-      auto& free = pool[index];
+      std::lock_guard<std::mutex> lock(pool_mu());
+      auto& free = pool()[index];
       if (!free.empty()) {
         Device d = std::move(free.back());
         free.pop_back();
@@ -223,30 +231,32 @@ struct IpcExport::Impl {
   }
 
   ~Impl() {
-    std::lock_guard<std::mutex> lock(pool_mu);
+    std::lock_guard<std::mutex> lock(pool_mu());
     for (auto& d : devices) {
-      if (d.event) pool[d.index].push_back(std::move(d));
+      if (d.event) pool()[d.index].push_back(std::move(d));
     }
   }
 };
-std::mutex IpcExport::Impl::pool_mu;
-std::map<c10::DeviceIndex, std::vector<IpcExport::Impl::Device>> IpcExport::Impl::pool;
 
 IpcExport::IpcExport() = default;  // made at the first CUDA tensor
 IpcExport::~IpcExport() = default;
 
-std::optional<IpcRef> IpcExport::add(const at::Tensor& t) {
+std::optional<IpcRef> IpcExport::add(const at::Tensor& t, bool snapshot) {
   if (!t.is_cuda() || t.nbytes() == 0) return std::nullopt;
   if (!impl_) impl_ = std::make_unique<Impl>();
   const c10::cuda::CUDAGuard guard(t.device());
   try {
-    // The tensor itself where it is contiguous (else a contiguous copy, on
-    // the current stream): the receiver copies straight from it, so its
-    // memory is held until the release, and the caller may not change it
-    // in place until its call completes (as with PyTorch's RPC).
-    at::Tensor buf = t.detach().resolve_conj().resolve_neg().contiguous();
+    // The receiver copies straight from `buf`, whose memory is held until
+    // the release: the tensor itself, or a copy made now on the current
+    // stream (after whatever produces `t`).
+    at::Tensor buf = t.detach().resolve_conj().resolve_neg();
+    buf = snapshot ? buf.clone(at::MemoryFormat::Contiguous) : buf.contiguous();
+    // The allocator knows its blocks by their first byte, which is the
+    // storage's, not a view's.
+    const char* storage = static_cast<const char*>(buf.storage().data_ptr().get());
     size_t base_size = 0;
-    void* base = c10::cuda::CUDACachingAllocator::getBaseAllocation(buf.data_ptr(), &base_size);
+    void* base = c10::cuda::CUDACachingAllocator::getBaseAllocation(
+        const_cast<char*>(storage), &base_size);
     cudaIpcMemHandle_t h;
     if (base == nullptr || cudaIpcGetMemHandle(&h, base) != cudaSuccess) {
       (void)cudaGetLastError();  // (the allocator's memory cannot be shared: expandable segments)
@@ -255,6 +265,7 @@ std::optional<IpcRef> IpcExport::add(const at::Tensor& t) {
     }
     IpcRef ref;
     ref.mem_handle.assign(reinterpret_cast<const char*>(&h), sizeof h);
+    ref.alloc_bytes = base_size;
     ref.offset = static_cast<uint64_t>(static_cast<const char*>(buf.data_ptr()) -
                                        static_cast<const char*>(base));
     impl_->buffers.push_back(std::move(buf));
@@ -365,7 +376,7 @@ bool cuda_ipc_available() { return false; }
 struct IpcExport::Impl {};
 IpcExport::IpcExport() = default;
 IpcExport::~IpcExport() = default;
-std::optional<IpcRef> IpcExport::add(const at::Tensor&) { return std::nullopt; }
+std::optional<IpcRef> IpcExport::add(const at::Tensor&, bool) { return std::nullopt; }
 void IpcExport::seal() {}
 const std::string& IpcExport::event_handle(c10::DeviceIndex device) const {
   throw std::logic_error("IpcExport: no event for cuda:" + std::to_string(device));

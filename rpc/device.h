@@ -67,12 +67,13 @@ class Staging {
 // CUDA IPC, between processes on one host (the shared-memory transport):
 // a CUDA tensor travels as a handle to device memory instead of its bytes.
 //
-// The sender exports the tensor's own memory (a contiguous copy where it is
-// not contiguous) and records an interprocess event on the device's current
-// stream, after whatever produces it (IpcExport). It holds the memory until
-// the receiver says it is done with it (a release, by the frame's token):
-// so a tensor sent may not be changed in place until its call completes,
-// as with PyTorch's RPC. The receiver has copied it by the time it answers.
+// The sender exports the tensor's own memory (a call's arguments; a copy
+// for answers, one-way messages and tensors that are not contiguous) and
+// records an interprocess event on the device's current stream, after
+// whatever produces it (IpcExport). It holds the memory until the receiver
+// says it is done with it (a release, by the frame's token): so a call's
+// tensor argument may not be changed in place until the call completes, as
+// with PyTorch's RPC. The receiver has copied it by the time it answers.
 //
 // The receiver opens the handle (once per allocation: IpcImport caches
 // them), makes its arrival stream wait for the sender's event (on the GPU),
@@ -80,6 +81,7 @@ class Staging {
 // It waits for those copies before releasing the buffers.
 struct IpcRef {
   std::string mem_handle;    // cudaIpcMemHandle_t of the allocation holding the bytes
+  uint64_t alloc_bytes = 0;  // the allocation's size
   uint64_t offset = 0;       // the bytes' start within it
   std::string event_handle;  // cudaIpcEventHandle_t recorded after the bytes were written
 };
@@ -91,15 +93,18 @@ bool cuda_ipc_available();
 
 // A frame's CUDA tensors exported over IPC. add() returns the tensor's
 // reference, or nullopt where the driver or the allocator refuses (such a
-// tensor goes through host memory instead); seal() records the devices'
-// events and fills in the references' event handles, in add() order.
+// tensor goes through host memory instead). With `snapshot`, the receiver
+// reads a copy made now (on the current stream) rather than the tensor
+// itself: for answers and one-way messages, whose senders cannot tell when
+// they may change the tensor again (a handler that returns a parameter).
+// A call's arguments go as they are, held until the call completes.
 class IpcExport {
  public:
   IpcExport();
   ~IpcExport();
   IpcExport(const IpcExport&) = delete;
   IpcExport& operator=(const IpcExport&) = delete;
-  std::optional<IpcRef> add(const at::Tensor& t);
+  std::optional<IpcRef> add(const at::Tensor& t, bool snapshot);
   // Records each device's event after its copies, on its current stream.
   void seal();
   // The event handle of cuda:`device` (after seal()).

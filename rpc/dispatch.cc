@@ -95,7 +95,9 @@ void Agent::on_message_from_loop(const ConnectionPtr& conn, Message&& msg) {
       return;
     }
   }
-  if (msg.ipc_release != 0) send_ipc_release(conn, msg.ipc_release);  // copied: done with them
+  if (msg.ipc_release != 0) {  // copied (or failed): done with the sender's memory
+    send_ipc_release(conn, from, msg.ipc_release, !msg.arrival_error.empty());
+  }
   if (!msg.arrival_error.empty()) {
     // Its tensors could not be placed on their devices here: it fails
     // alone (its RRefs, adopted above, go with it).
@@ -118,9 +120,9 @@ void Agent::on_message_from_loop(const ConnectionPtr& conn, Message&& msg) {
           on_retire_from_loop(conn);
           return;
         }
-        if (msg.callee == kIpcReleaseCallee && msg.id == kNoReply && msg.values.size() == 1 &&
-            msg.values[0].isInt()) {
-          release_ipc(from, static_cast<uint64_t>(msg.values[0].toInt()));
+        if (msg.callee == kIpcReleaseCallee && msg.id == kNoReply && msg.values.size() == 2 &&
+            msg.values[0].isInt() && msg.values[1].isBool()) {
+          release_ipc(from, static_cast<uint64_t>(msg.values[0].toInt()), msg.values[1].toBool());
           return;
         }
         if (auto on_loop = loop_internal_->find(msg.callee)) {
@@ -247,7 +249,7 @@ void Agent::reply(const ConnectionPtr& conn, int to, uint64_t id, const RawFutur
   m.autograd_context = autograd_context;
   OutFrame frame;
   try {
-    frame = encode_with_extensions(m, to);
+    frame = encode_with_extensions(m, to, conn.get());
   } catch (const std::exception& e) {
     send_error(conn, id, ErrorCode::kRemote, std::string("cannot send the result: ") + e.what());
     return;

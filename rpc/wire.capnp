@@ -107,6 +107,7 @@ struct CudaIpc {
   memHandle @0 :Data;    # cudaIpcMemHandle_t of the allocation
   offset @1 :UInt64;     # where the bytes start in it
   eventHandle @2 :Data;  # cudaIpcEventHandle_t, recorded after the bytes were written
+  allocBytes @3 :UInt64; # the allocation's size: the bytes must lie within it
 }
 
 struct ErrorInfo {

@@ -205,7 +205,7 @@ class Encoder {
       // place in the body an empty tensor. Else, or where the driver
       // refuses, staged through pinned host memory, all of the frame's
       // copies waited for at once.
-      if (ipc) ipc_ref = ipc->add(wire);
+      if (ipc) ipc_ref = ipc->add(wire, snapshot);
       wire = ipc_ref ? at::empty({0}, at::TensorOptions().dtype(t.scalar_type()))
                      : staging.add(wire);
     }
@@ -222,6 +222,7 @@ class Encoder {
   std::vector<c10::Device> devices_;
   device::Staging staging;  // the CUDA tensors' copies to host memory
   std::shared_ptr<device::IpcExport> ipc;  // set where CUDA tensors may go by IPC
+  bool snapshot = true;  // IPC from a copy made now (answers, one-way messages)
   std::vector<std::optional<device::IpcRef>> ipc_refs;  // by tensor: those that do
 };
 
@@ -443,6 +444,9 @@ OutFrame encode_unchecked(const Message& m, const Limits& limits, RRefHook* rref
   Encoder enc(rrefs, dest, devices, forks);
   if (cuda_ipc && (m.kind == MessageKind::kRequest || m.kind == MessageKind::kResponse)) {
     enc.ipc = std::make_shared<device::IpcExport>();
+    // A call's arguments are read where they are until it completes; an
+    // answer's or a one-way message's sender cannot tell when that is.
+    enc.snapshot = !(m.kind == MessageKind::kRequest && m.id != 0);
   }
   switch (m.kind) {
     case MessageKind::kRequest:
@@ -523,6 +527,7 @@ OutFrame encode_unchecked(const Message& m, const Limits& limits, RRefHook* rref
       if (ipc) {
         auto c = meta.initCudaIpc();
         c.setMemHandle(as_data(ipc->mem_handle));
+        c.setAllocBytes(ipc->alloc_bytes);
         c.setOffset(ipc->offset);
         c.setEventHandle(as_data(enc.ipc->event_handle(enc.sources[i].device().index())));
         nbytes = 0;  // not in the body
@@ -776,6 +781,7 @@ void FrameDecoder::on_envelope() {
     std::vector<const SharedRef*> shared(metas.size(), nullptr);
     for (const auto& ref : table_) shared[ref.tensor] = &ref;
     std::vector<std::optional<IpcPlacement>> ipc(metas.size());
+    uint64_t ipc_bytes = 0;  // (counted against max_body_bytes, as body bytes are)
     for (size_t i = 0; i < metas.size(); ++i) {
       auto meta = metas[i];
       const std::string which = "tensor " + std::to_string(i) + ": ";
@@ -833,6 +839,10 @@ void FrameDecoder::on_envelope() {
           throw ProtocolError(which + "comes as a CUDA IPC handle, which this connection does "
                               "not take (only same-host connections do)");
         }
+        if (in_handshake() || (pending_.kind != MessageKind::kRequest &&
+                               pending_.kind != MessageKind::kResponse)) {
+          throw ProtocolError(which + "comes as a CUDA IPC handle outside a request or answer");
+        }
         if (!device.is_cuda() || shared[i] || nbytes == 0) {
           throw ProtocolError(which + "comes as a CUDA IPC handle but is " +
                               (shared[i] ? std::string("in shared memory too")
@@ -846,6 +856,17 @@ void FrameDecoder::on_envelope() {
           throw ProtocolError(which + "CUDA IPC handles of " + std::to_string(mem.size()) +
                               " and " + std::to_string(event.size()) + " bytes (want " +
                               std::to_string(device::kIpcHandleBytes) + ")");
+        }
+        uint64_t end = 0;
+        if (__builtin_add_overflow(c.getOffset(), nbytes, &end) || end > c.getAllocBytes()) {
+          throw ProtocolError(which + "CUDA IPC bytes at " + std::to_string(c.getOffset()) +
+                              "+" + std::to_string(nbytes) + " overrun the allocation of " +
+                              std::to_string(c.getAllocBytes()) + " bytes");
+        }
+        if (__builtin_add_overflow(ipc_bytes, nbytes, &ipc_bytes) ||
+            ipc_bytes > limits_.max_body_bytes) {
+          throw ProtocolError(which + "CUDA IPC tensors exceed the limit of " +
+                              std::to_string(limits_.max_body_bytes) + " bytes");
         }
         IpcPlacement p;
         p.mem_handle.assign(reinterpret_cast<const char*>(mem.begin()), mem.size());
@@ -993,14 +1014,14 @@ void FrameDecoder::finish() {
     }
     if (!ipc_placements_.empty()) {
       // The sender's buffers go back to it (the agent releases the token)
-      // once the copies from them are done.
+      // once the copies from them are done; where that cannot be told (a
+      // CUDA error), the sender keeps them until the connection closes.
       try {
         if (!pending_.arrival_error.empty()) arrival->seal();
         arrival->wait();
+        pending_.ipc_release = ipc_token_;
       } catch (const std::exception&) {
-        // (a CUDA error: nothing of ours reads them any more)
       }
-      pending_.ipc_release = ipc_token_;
     }
     placements_.clear();
     ipc_placements_.clear();

@@ -593,12 +593,16 @@ TEST_CASE("wire: CUDA IPC handles are taken only on same-host connections, and c
   tandem::test::process_lifetime([] {
     if (at::hasCUDA()) (void)at::ones({1}, at::TensorOptions().device(at::kCUDA));
   });
-  auto ipc_frame = [](size_t mem_bytes, int16_t type, uint64_t token) {
+  auto ipc_frame = [](size_t mem_bytes, int16_t type, uint64_t token,
+                      uint64_t alloc_bytes = 1 << 20,
+                      schema::Kind kind = schema::Kind::REQUEST) {
     return raw_frame([=](auto env) {
+      env.setKind(kind);
       tandem::test::one_float_for_device(env, type, 0);
       auto c = env.getTensors()[0].initCudaIpc();
       c.setMemHandle(capnp::Data::Reader(
           reinterpret_cast<const kj::byte*>(std::string(mem_bytes, 'm').data()), mem_bytes));
+      c.setAllocBytes(alloc_bytes);
       c.setOffset(128);
       std::string event(device::kIpcHandleBytes, 'e');
       c.setEventHandle(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(event.data()),
@@ -621,6 +625,21 @@ TEST_CASE("wire: CUDA IPC handles are taken only on same-host connections, and c
   refused_on_same_host(ipc_frame(device::kIpcHandleBytes, cpu, 7),
                        "comes as a CUDA IPC handle but is for cpu");
   refused_on_same_host(ipc_frame(device::kIpcHandleBytes, cuda, 0), "without a token");
+  // The bytes (4, at offset 128) must lie in the allocation the sender named.
+  refused_on_same_host(ipc_frame(device::kIpcHandleBytes, cuda, 7, 131),
+                       "CUDA IPC bytes at 128+4 overrun the allocation of 131 bytes");
+  refused_on_same_host(ipc_frame(device::kIpcHandleBytes, cuda, 7, 1 << 20, schema::Kind::ERROR),
+                       "comes as a CUDA IPC handle outside a request or answer");
+  {
+    Limits small;
+    small.max_body_bytes = 2;
+    FrameDecoder dec(small);
+    dec.set_cuda_ipc(true);
+    const std::string big = ipc_frame(device::kIpcHandleBytes, cuda, 7);
+    CHECK_THROWS_WITH_AS(dec.feed(big.data(), big.size()),
+                         doctest::Contains("CUDA IPC tensors exceed the limit of 2 bytes"),
+                         ProtocolError);
+  }
   // A well-formed one whose handle cannot be opened (no CUDA here; a stale
   // handle on a GPU machine) fails that message alone, and the sender's
   // buffers are released all the same.

@@ -104,8 +104,8 @@ struct PendingWrite {
     for (size_t i = 0; i < frame.tensors.size(); ++i) {
       const at::Tensor& t = frame.tensors[i];
       std::optional<SharedRef> ref;
-      if (t.nbytes() >= limits.min_shared_tensor_bytes && table.size() < kMaxSharedRefs &&
-          fds.size() < kMaxFdsPerRead) {
+      if (t.nbytes() > 0 && t.nbytes() >= limits.min_shared_tensor_bytes &&
+          table.size() < kMaxSharedRefs && fds.size() < kMaxFdsPerRead) {
         ref = shared.place(t, static_cast<uint32_t>(i), fds);
       }
       if (ref) {
