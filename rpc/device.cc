@@ -45,14 +45,12 @@ int cuda_device_count() {
 namespace {
 std::atomic<uint64_t> g_ipc_exported{0};
 std::atomic<uint64_t> g_ipc_imported{0};
-std::atomic<uint64_t> g_ipc_refused{0};
 }  // namespace
 
 IpcStats ipc_stats() {
   IpcStats s;
   s.exported = g_ipc_exported.load();
   s.imported = g_ipc_imported.load();
-  s.refused = g_ipc_refused.load();
   return s;
 }
 
@@ -155,15 +153,59 @@ at::Tensor Arrival::place(const at::Tensor& host, c10::Device target) {
   return placed;
 }
 
+namespace {
+
+// What this process opened of its peers' handles, each once and kept for
+// the process: a sender's allocator hands out the same allocations again
+// and again, and its events come from a pool.
+template <class T, class Open>
+T open_once(std::map<std::string, T>& opened, const std::string& handle, c10::Device target,
+            Open open) {
+  static auto* mu = new std::mutex;
+  std::lock_guard<std::mutex> lock(*mu);
+  auto it = opened.find(handle);
+  if (it == opened.end()) {
+    const c10::cuda::CUDAGuard guard(target);
+    it = opened.emplace(handle, open(handle)).first;
+  }
+  return it->second;
+}
+
+// The peer's allocation `handle` names, mapped here.
+const char* peer_allocation(const std::string& handle, c10::Device target) {
+  static auto* opened = new std::map<std::string, void*>;
+  return static_cast<const char*>(open_once(*opened, handle, target, [](const std::string& b) {
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, b.data(), sizeof h);
+    void* base = nullptr;
+    C10_CUDA_CHECK(cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess));
+    return base;
+  }));
+}
+
+// The peer's interprocess event `handle` names, opened here.
+cudaEvent_t peer_event(const std::string& handle, c10::Device target) {
+  static auto* opened = new std::map<std::string, cudaEvent_t>;
+  return open_once(*opened, handle, target, [](const std::string& b) {
+    cudaIpcEventHandle_t h;
+    std::memcpy(&h, b.data(), sizeof h);
+    cudaEvent_t e = nullptr;
+    C10_CUDA_CHECK(cudaIpcOpenEventHandle(&e, h));
+    return e;
+  });
+}
+
+}  // namespace
+
 at::Tensor Arrival::import(const IpcRef& ref, at::IntArrayRef shape, c10::ScalarType dtype,
                           c10::Device target) {
   if (!target.is_cuda()) throw std::invalid_argument("a CUDA IPC tensor must go to a CUDA device");
   Impl::Lane& lane = impl_->lane(target);
   const c10::cuda::CUDAStreamGuard guard(lane.stream);
-  const char* src = static_cast<const char*>(IpcImport::process().address(ref, target));
+  const char* src = peer_allocation(ref.mem_handle, target);
   // Whatever the sender queued that produces the bytes comes first: its
   // event (the sender records it again only after this frame's release).
-  auto written = static_cast<cudaEvent_t>(IpcImport::process().event(ref.event_handle, target));
+  const cudaEvent_t written = peer_event(ref.event_handle, target);
   C10_CUDA_CHECK(cudaStreamWaitEvent(lane.stream.stream(), written, 0));
   at::Tensor placed = at::empty(shape, at::TensorOptions().dtype(dtype).device(target));
   C10_CUDA_CHECK(cudaMemcpyAsync(placed.data_ptr(), src + ref.offset, placed.nbytes(),
@@ -184,8 +226,6 @@ void Arrival::wait() const {
   for (const auto& l : impl_->lanes) l.done.synchronize();
 }
 
-bool cuda_ipc_available() { return at::hasCUDA(); }
-
 struct IpcExport::Impl {
   struct Device {
     c10::DeviceIndex index = 0;
@@ -197,7 +237,7 @@ struct IpcExport::Impl {
 
   // Interprocess events are slow to make and to open: each device's are
   // kept for the process and used again once a frame's receiver released
-  // them, and a receiver opens each once (IpcImport::event).
+  // them, and a receiver opens each once (peer_event).
   // Kept for the life of the process (never destroyed: an IpcExport may
   // go back to it from a static's destructor at exit).
   static std::mutex& pool_mu() {
@@ -260,7 +300,6 @@ std::optional<IpcRef> IpcExport::add(const at::Tensor& t, bool snapshot) {
     cudaIpcMemHandle_t h;
     if (base == nullptr || cudaIpcGetMemHandle(&h, base) != cudaSuccess) {
       (void)cudaGetLastError();  // (the allocator's memory cannot be shared: expandable segments)
-      ++g_ipc_refused;
       return std::nullopt;
     }
     IpcRef ref;
@@ -278,7 +317,6 @@ std::optional<IpcRef> IpcExport::add(const at::Tensor& t, bool snapshot) {
     ++g_ipc_exported;
     return ref;
   } catch (const c10::Error&) {
-    ++g_ipc_refused;
     return std::nullopt;
   }
 }
@@ -308,50 +346,6 @@ const std::string& IpcExport::event_handle(c10::DeviceIndex device) const {
 
 size_t IpcExport::size() const { return impl_ ? impl_->buffers.size() : 0; }
 
-namespace {
-std::mutex g_import_mu;
-std::map<std::string, void*> g_imported;  // handle bytes -> the allocation's address here
-std::map<std::string, cudaEvent_t> g_events;  // handle bytes -> the event opened here
-}  // namespace
-
-IpcImport& IpcImport::process() {
-  static IpcImport* one = new IpcImport();  // the handles stay open for the process
-  return *one;
-}
-
-void* IpcImport::address(const IpcRef& ref, c10::Device target) {
-  std::lock_guard<std::mutex> lock(g_import_mu);
-  auto it = g_imported.find(ref.mem_handle);
-  if (it == g_imported.end()) {
-    const c10::cuda::CUDAGuard guard(target);
-    cudaIpcMemHandle_t h;
-    std::memcpy(&h, ref.mem_handle.data(), sizeof h);
-    void* base = nullptr;
-    C10_CUDA_CHECK(cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess));
-    it = g_imported.emplace(ref.mem_handle, base).first;
-  }
-  return it->second;
-}
-
-void* IpcImport::event(const std::string& handle, c10::Device target) {
-  std::lock_guard<std::mutex> lock(g_import_mu);
-  auto it = g_events.find(handle);
-  if (it == g_events.end()) {
-    const c10::cuda::CUDAGuard guard(target);
-    cudaIpcEventHandle_t h;
-    std::memcpy(&h, handle.data(), sizeof h);
-    cudaEvent_t e = nullptr;
-    C10_CUDA_CHECK(cudaIpcOpenEventHandle(&e, h));
-    it = g_events.emplace(handle, e).first;
-  }
-  return it->second;
-}
-
-size_t IpcImport::open_handles() const {
-  std::lock_guard<std::mutex> lock(g_import_mu);
-  return g_imported.size() + g_events.size();
-}
-
 #else  // no CUDA: no CUDA tensor exists, and no frame may name a CUDA device
        // (but one with faked devices: placing there then fails, as it should)
 
@@ -372,7 +366,6 @@ at::Tensor Arrival::import(const IpcRef&, at::IntArrayRef, c10::ScalarType, c10:
 void Arrival::seal() {}
 void Arrival::wait() const {}
 
-bool cuda_ipc_available() { return false; }
 struct IpcExport::Impl {};
 IpcExport::IpcExport() = default;
 IpcExport::~IpcExport() = default;
@@ -382,19 +375,6 @@ const std::string& IpcExport::event_handle(c10::DeviceIndex device) const {
   throw std::logic_error("IpcExport: no event for cuda:" + std::to_string(device));
 }
 size_t IpcExport::size() const { return 0; }
-IpcImport& IpcImport::process() {
-  static IpcImport* one = new IpcImport();
-  return *one;
-}
-void* IpcImport::address(const IpcRef&, c10::Device target) {
-  throw std::runtime_error("cannot open a CUDA IPC handle on " + target.str() +
-                           ": this build has no CUDA");
-}
-void* IpcImport::event(const std::string&, c10::Device target) {
-  throw std::runtime_error("cannot open a CUDA IPC event on " + target.str() +
-                           ": this build has no CUDA");
-}
-size_t IpcImport::open_handles() const { return 0; }
 
 #endif
 

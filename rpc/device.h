@@ -2,8 +2,8 @@
 // wire, where a received one is read to, and how it reaches its device.
 //
 // Between processes on one host (the shared-memory transport), CUDA tensors
-// go as CUDA IPC handles and are copied device to device (IpcExport,
-// IpcImport, Arrival::import; below). Elsewhere, through host memory:
+// go as CUDA IPC handles and are copied device to device (IpcExport and
+// Arrival::import, below). Elsewhere, through host memory:
 //
 // Sending: the tensor is copied into pinned host memory on its device's
 // current stream (so after whatever the caller queued that produces it), and
@@ -75,8 +75,8 @@ class Staging {
 // tensor argument may not be changed in place until the call completes, as
 // with PyTorch's RPC. The receiver has copied it by the time it answers.
 //
-// The receiver opens the handle (once per allocation: IpcImport caches
-// them), makes its arrival stream wait for the sender's event (on the GPU),
+// The receiver opens the handle (once per allocation, kept for the
+// process), makes its arrival stream wait for the sender's event (on the GPU),
 // and copies device to device into a tensor of its own (Arrival::import).
 // It waits for those copies before releasing the buffers.
 struct IpcRef {
@@ -86,10 +86,6 @@ struct IpcRef {
   std::string event_handle;  // cudaIpcEventHandle_t recorded after the bytes were written
 };
 constexpr size_t kIpcHandleBytes = 64;  // both handles' size (CUDA_IPC_HANDLE_SIZE)
-
-// Whether this process can export CUDA tensors over IPC (a CUDA build with a
-// device; rpc::testing may say no).
-bool cuda_ipc_available();
 
 // A frame's CUDA tensors exported over IPC. add() returns the tensor's
 // reference, or nullopt where the driver or the allocator refuses (such a
@@ -116,28 +112,10 @@ class IpcExport {
   std::unique_ptr<Impl> impl_;
 };
 
-// The handles a process opened, each once (cached for the process: the
-// sender's allocator hands out the same allocations again and again, and
-// its events come from a pool).
-class IpcImport {
- public:
-  static IpcImport& process();
-  // The device address of the allocation `ref` names, opened on `target`.
-  void* address(const IpcRef& ref, c10::Device target);
-  // The sender's event of that handle (a cudaEvent_t), opened on `target`.
-  void* event(const std::string& handle, c10::Device target);
-  // How many handles are open now (tests).
-  size_t open_handles() const;
-
- private:
-  IpcImport() = default;
-};
-
 // Counters of this process's CUDA IPC traffic (tests and metrics).
 struct IpcStats {
   uint64_t exported = 0;  // tensors sent as handles
   uint64_t imported = 0;  // tensors received as handles
-  uint64_t refused = 0;   // tensors that could not be exported (sent through host memory)
 };
 IpcStats ipc_stats();
 

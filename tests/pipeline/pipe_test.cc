@@ -166,6 +166,22 @@ pipeline::StepStats train_beside_local(rpc::Agent& driver, const std::vector<Rem
   return pipe.last_step();
 }
 
+// SGD steps of `pipe` on the seeded batches, one per loss the unsplit model
+// had, each step's loss checked against it.
+void step_as_local(rpc::Agent& driver, pipeline::Pipe& pipe, const std::vector<double>& want_losses,
+                   int64_t rows, double lr) {
+  optim::Options so;
+  so.lr = lr;
+  optim::DistributedOptimizer opt(driver, optim::Kind::kSGD, pipe.parameters(), so);
+  for (size_t step = 0; step < want_losses.size(); ++step) {
+    Batch b = batch(rows, static_cast<int>(step));
+    dist::Context ctx(driver);
+    const double loss = pipe.step(ctx.id(), b.x, b.y);
+    CHECK(loss == doctest::Approx(want_losses[step]).epsilon(1e-5));
+    opt.step(ctx.id());
+  }
+}
+
 // Stages on GPUs (each worker's cuda:0, every worker mapping it to every
 // other's): the same losses and weights as the unsplit model trained here,
 // with the DistributedOptimizer stepping the parameters where they live.
@@ -188,16 +204,7 @@ void expect_gpu_stages_train_like_local(const std::string& schedule) {
     o.chunks = 2;
     o.schedule = schedule;
     pipeline::Pipe pipe(*w.agents[0], stage_modules, o);
-    optim::Options so;
-    so.lr = lr;
-    optim::DistributedOptimizer opt(*w.agents[0], optim::Kind::kSGD, pipe.parameters(), so);
-    for (int step = 0; step < steps; ++step) {
-      Batch b = batch(rows, step);
-      dist::Context ctx(*w.agents[0]);
-      const double loss = pipe.step(ctx.id(), b.x, b.y);
-      CHECK(loss == doctest::Approx(want_losses[step]).epsilon(1e-5));
-      opt.step(ctx.id());
-    }
+    step_as_local(*w.agents[0], pipe, want_losses, rows, lr);
     for (int s = 0; s < stages; ++s) {
       CHECK(stage_modules[s].remote_parameters()[0].to_here().is_cuda());  // (they live there)
       auto state = stage_modules[s].state_dict();  // (a copy on the CPU)
@@ -226,16 +233,7 @@ void expect_trained_like_local(const std::string& schedule, int workers, int per
     o.chunks = chunks;
     o.schedule = schedule;
     pipeline::Pipe pipe(*w.agents[0], stage_modules, o);
-    optim::Options so;
-    so.lr = lr;
-    optim::DistributedOptimizer opt(*w.agents[0], optim::Kind::kSGD, pipe.parameters(), so);
-    for (int step = 0; step < steps; ++step) {
-      Batch b = batch(rows, step);
-      dist::Context ctx(*w.agents[0]);
-      const double loss = pipe.step(ctx.id(), b.x, b.y);
-      CHECK(loss == doctest::Approx(want_losses[step]).epsilon(1e-5));
-      opt.step(ctx.id());
-    }
+    step_as_local(*w.agents[0], pipe, want_losses, rows, lr);
     for (int s = 0; s < stages; ++s) {
       auto state = stage_modules[s].state_dict();
       CHECK(at::allclose(state.at("0.weight"), want.w[s].detach(), 1e-5, 1e-6));
