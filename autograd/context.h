@@ -40,7 +40,7 @@
 
 #include "tandem/autograd/functions.h"
 #include "tandem/autograd/graph_task.h"
-#include "tandem/rpc/bounded_set.h"
+#include "tandem/rpc/common/bounded_set.h"
 #include "tandem/rpc/future.h"
 
 namespace tandem::autograd {

@@ -15,7 +15,7 @@
 
 #include "tandem/rpc/errors.h"
 #include "tandem/rpc/layer.h"
-#include "tandem/rpc/spin.h"
+#include "tandem/rpc/agent/spin.h"
 
 namespace tandem::autograd {
 

@@ -36,7 +36,7 @@
 #include <vector>
 
 #include "tandem/autograd/context.h"
-#include "tandem/rpc/wire.h"
+#include "tandem/rpc/message.h"
 
 namespace tandem::autograd {
 

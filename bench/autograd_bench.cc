@@ -30,6 +30,7 @@
 #include "tandem/autograd/dist_autograd.h"
 #include "bench/bench_util.h"
 #include "tandem/rpc/api.h"
+#include "tandem/rpc/wire/wire.h"
 #include "tests/support/local_job.h"
 
 namespace {

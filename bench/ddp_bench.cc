@@ -33,7 +33,7 @@
 
 #include "bench/bench_util.h"
 #include "tandem/ddp/distributed_data_parallel.h"
-#include "tandem/rpc/host.h"
+#include "tandem/rpc/common/host.h"
 
 namespace {
 

@@ -43,7 +43,7 @@
 #include "tandem/pipeline/partition.h"
 #include "tandem/pipeline/pipe.h"
 #include "tandem/rpc/api.h"
-#include "tandem/rpc/host.h"
+#include "tandem/rpc/common/host.h"
 
 namespace {
 

@@ -32,7 +32,7 @@
 #include "tandem/autograd/autograd.h"
 #include "tandem/remote_module/served.h"
 #include "tandem/rpc/api.h"
-#include "tandem/rpc/bounded_set.h"
+#include "tandem/rpc/common/bounded_set.h"
 #include "tandem/rpc/errors.h"
 #include "tandem/rpc/layer.h"
 

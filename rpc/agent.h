@@ -36,36 +36,27 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include <atomic>
 #include <chrono>
-#include <condition_variable>
-#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
-#include <mutex>
 #include <string>
-#include <thread>
-#include <unordered_map>
 #include <vector>
 
 #include "tandem/rpc/convert.h"
 #include "tandem/rpc/extension.h"
 #include "tandem/rpc/future.h"
-#include "tandem/rpc/registry.h"
-#include "tandem/rpc/thread_pool.h"
+#include "tandem/rpc/limits.h"
 #include "tandem/rpc/metrics.h"
+#include "tandem/rpc/registry.h"
 #include "tandem/rpc/trace.h"
 #include "tandem/rpc/transport.h"
-#include "tandem/rpc/wire.h"
 
 namespace tandem::rpc {
 
-class CallTable;
-class ConnectionTable;
-struct HandshakeTable;
-class ProtocolLog;
+class AgentImpl;
 class RRefContext;
+class ThreadPool;
 struct LayerAccess;
 
 constexpr std::chrono::milliseconds kDefaultTimeout{-1};  // "use the agent's default"
@@ -126,7 +117,7 @@ struct AgentOptions {
   // fault-injecting decorator (rpc/transport/faulty/).
   TransportFactory transport;
   // Keep freed host memory mapped for the next step instead of giving it back
-  // to the kernel (rpc/host.h); skipped where the user tuned malloc.
+  // to the kernel (rpc/common/host.h); skipped where the user tuned malloc.
   bool retain_freed_memory = true;
   // Where to write this worker's trace (rpc/trace.h); empty: $TANDEM_TRACE,
   // and no trace when that is unset.
@@ -146,7 +137,7 @@ struct AgentOptions {
   AgentOptions& set_device_map(const std::string& worker, const std::map<int, int>& map);
   // CUDA tensors to a worker in another process on this host (over shared
   // memory) travel as CUDA IPC handles, copied device to device, rather
-  // than through host memory (rpc/device.h). False: always through host
+  // than through host memory (rpc/wire/device.h). False: always through host
   // memory.
   bool cuda_ipc = true;
 };
@@ -165,15 +156,15 @@ class Agent : public std::enable_shared_from_this<Agent> {
   Agent(const Agent&) = delete;
   Agent& operator=(const Agent&) = delete;
 
-  const WorkerInfo& info() const { return workers_[rank_]; }
-  const std::string& name() const { return self_name_; }
-  int rank() const { return rank_; }
-  int world_size() const { return static_cast<int>(workers_.size()); }
+  const WorkerInfo& info() const;
+  const std::string& name() const;
+  int rank() const;
+  int world_size() const;
   const WorkerInfo& get_worker_info(const std::string& name) const;
   const WorkerInfo& get_worker_info(int rank) const;
-  std::vector<WorkerInfo> get_worker_infos() const { return workers_; }
-  Registry& registry() { return *registry_; }
-  const AgentOptions& options() const { return options_; }
+  std::vector<WorkerInfo> get_worker_infos() const;
+  Registry& registry();
+  const AgentOptions& options() const;
   // What the transport refused or held back (rpc/transport.h).
   TransportStats transport_stats() const;
   // What this agent did, and holds now (rpc/metrics.h).
@@ -197,9 +188,9 @@ class Agent : public std::enable_shared_from_this<Agent> {
   size_t cuda_ipc_held() const;
   // Where the layers add their events to this worker's timeline
   // (rpc/trace.h); null unless tracing. Valid while the agent lives.
-  const std::shared_ptr<Tracer>& tracer() const { return trace_; }
+  const std::shared_ptr<Tracer>& tracer() const;
   // This agent's remote references (rpc/rref.h is the typed front).
-  RRefContext& rrefs() { return *rrefs_; }
+  RRefContext& rrefs();
   // The untyped call every other form goes through.
   Future<c10::IValue> call(const std::string& to, const std::string& fn,
                            std::vector<c10::IValue> args,
@@ -225,7 +216,7 @@ class Agent : public std::enable_shared_from_this<Agent> {
              A&&... args) {
     RawFuture raw = start_call(to, fn, to_ivalues(std::forward<A>(args)...), opts.timeout);
     spin_until_done(raw);
-    return Future<R>(std::move(raw), pool_).wait();
+    return Future<R>(std::move(raw), pool()).wait();
   }
 
   // graceful: wait for this worker's calls and RRef messages, then for every
@@ -235,125 +226,19 @@ class Agent : public std::enable_shared_from_this<Agent> {
   void shutdown(bool graceful = true);
 
  private:
-  friend struct LayerAccess;  // rpc/layer.h, rpc/testing.h
+  friend struct LayerAccess;  // rpc/layer.h, rpc/agent/testing.h
 
   Agent(AgentOptions options, std::shared_ptr<Registry> registry);
-  void start(c10::intrusive_ptr<c10d::Store> store);
 
-  // Spins up to AgentOptions::sync_spin for `f` to complete (the blocking
-  // calls use it before they sleep).
-  void spin_until_done(const RawFuture& f) const;
-
-  // calls.cc: the outgoing side.
+  // What rpc_sync needs of the implementation.
   RawFuture start_call(const std::string& to, const std::string& fn,
                        std::vector<c10::IValue> args, std::chrono::milliseconds timeout);
-  void notify(const std::string& to, const std::string& fn, std::vector<c10::IValue> args);
-  // Runs the extensions' before_send, encodes, runs their after_encode.
-  // `via`: the connection the frame will go on, where the caller knows it
-  // (an answer goes back on its request's); else the one to `dest`.
-  OutFrame encode_with_extensions(Message& m, int dest, const Connection* via = nullptr);
+  void spin_until_done(const RawFuture& f) const;
+  const std::shared_ptr<ThreadPool>& pool() const;
 
-  // connections.cc: the connection to `rank`, opened and greeted on first use.
-  ConnectionPtr connection_to(int rank, std::chrono::milliseconds timeout);
-  void on_closed_from_loop(const ConnectionPtr& conn, const std::string& reason);
-  // The second connection of a pair that dialed each other at once
-  // (connection_table.h, 4.): each side tells the other it sends no more
-  // requests on it (retire), and once both have, and neither owes the other
-  // an answer on it, it is closed (maybe_close_retired).
-  void retire(const ConnectionPtr& conn);
-  void on_retire_from_loop(const ConnectionPtr& conn);
-  // Cheap while nothing is retiring: it is called after every answer.
-  void maybe_close_retired(uint64_t conn_id) {
-    if (retiring_count_.load(std::memory_order_acquire) > 0) close_retired_if_done(conn_id);
-  }
-  void close_retired_if_done(uint64_t conn_id);
-
-  // dispatch.cc: the incoming side.
-  void on_message_from_loop(const ConnectionPtr& conn, Message&& msg);
-  // Whether `m` may be delivered on a thread polling its connection
-  // (rpc/transport.h, 8.).
-  bool inline_ok(const Message& m) const;
-  // True on a thread inside on_message_from_loop (the loop thread, or one
-  // polling its connection).
-  static bool& delivering_here();
-  // One step of a peer's handshake (agent.cc, rpc/handshake.h); a step
-  // that fails closes the connection.
-  void on_hello_from_loop(const ConnectionPtr& conn, const Message& msg);
-  // With `handler` null, the function is looked up by the request's callee.
-  void handle_request(const ConnectionPtr& conn, int from, Message msg,
-                      std::shared_ptr<const Handler> handler = nullptr);
-  void reply(const ConnectionPtr& conn, int to, uint64_t id, const RawFuture& result,
-             uint64_t autograd_context, const std::string& callee = {},
-             std::chrono::steady_clock::time_point started = {});
-  void send_error(const ConnectionPtr& conn, uint64_t id, ErrorCode code,
-                  const std::string& message);
-  // The function registered as `fn`: "tandem.*" names are the layers' own
-  // (internal_), every other name the user's registry.
-  std::shared_ptr<const Handler> find_handler(const std::string& fn) const;
-
-  // Meets every worker at `name` through the store. Throws TimeoutError after
-  // init_timeout naming who did not arrive, DisconnectedError as soon as one
-  // of those is found gone (or the store is lost).
-  void barrier(const std::string& name, bool wait = true);
-  // Why worker `rank` cannot be reached now (a fresh TCP connection fails),
-  // or "" when it can.
-  std::string unreachable_reason(int rank);
-  void set_ready();
-
-  AgentOptions options_;
-  std::shared_ptr<Registry> registry_;
-  std::shared_ptr<Registry> internal_;  // "tandem.*": the layers' own functions
-  std::shared_ptr<Registry> loop_internal_;  // "tandem.*" that run on the loop thread
-  std::shared_ptr<RRefContext> rrefs_;
-  std::vector<std::shared_ptr<AgentExtension>> extensions_;
-  std::shared_ptr<ThreadPool> pool_;
-  std::unique_ptr<MetricsRecorder> metrics_ = std::make_unique<MetricsRecorder>();
-  std::shared_ptr<Tracer> trace_;  // null unless tracing (rpc/trace.h)
-  void measure_clock_offset();
-  std::unique_ptr<CallTable> calls_;
-  std::unique_ptr<ConnectionTable> conns_;
-  struct Retiring {
-    ConnectionPtr conn;
-    bool sent = false;      // we told the peer
-    bool received = false;  // the peer told us
-  };
-  mutable std::mutex retire_mu_;
-  std::unordered_map<uint64_t, Retiring> retiring_;  // by connection id
-  std::atomic<size_t> retiring_count_{0};            // retiring_.size(), read without the lock
-  std::unique_ptr<HandshakeTable> handshakes_;
-  std::unique_ptr<ProtocolLog> protocol_log_;  // rate-limited lines about bad peers
-  std::unique_ptr<Transport> transport_;
-  c10::intrusive_ptr<c10d::Store> store_;
-  bool owns_store_ = false;
-  std::string store_address_;  // "host:port" when this agent dialed the store itself
-  int rank_ = -1;
-  std::string self_name_;
-  std::mutex ready_mu_;
-  std::condition_variable ready_cv_;
-  std::atomic<bool> ready_{false};  // rendezvous finished (or failed)
-  std::vector<WorkerInfo> workers_;
-  std::unordered_map<std::string, int> rank_of_;
-  // By rank: where CUDA tensors go in what this worker asks of that one,
-  // and in its answers to it (AgentOptions::device_maps), once started.
-  std::vector<DeviceMap> send_maps_, answer_maps_;
-  // CUDA IPC (rpc/device.h): whether CUDA tensors to a rank may go as
-  // handles, and the buffers of frames sent so, by token, until released.
-  bool ipc_to(int dest, const Connection* via) const;
-  // `failed`: the handles could not be used here (the frame failed); the
-  // sender then sends that worker its CUDA tensors through host memory.
-  void send_ipc_release(const ConnectionPtr& conn, int to, uint64_t token, bool failed);
-  void release_ipc(int from, uint64_t token, bool failed);
-  void drop_ipc_held(int rank);  // -1: all
-  struct IpcHeld {
-    int rank = -1;
-    std::shared_ptr<device::IpcExport> buffers;
-  };
-  mutable std::mutex ipc_mu_;
-  std::unordered_map<uint64_t, IpcHeld> ipc_held_;
-  std::vector<int> ipc_refused_by_;  // ranks that could not open our handles
-  std::atomic<uint64_t> next_id_{1};
-  bool shut_down_ = false;
-  std::mutex shutdown_mu_;
+  // Everything else (rpc/agent/agent_impl.h): the transport, the tables,
+  // the pool, the layers' extensions.
+  std::unique_ptr<AgentImpl> impl_;
 };
 
 // The agent whose handler is running on this thread, if any.

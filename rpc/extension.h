@@ -34,7 +34,7 @@
 #include <string>
 #include <vector>
 
-#include "tandem/rpc/wire.h"
+#include "tandem/rpc/message.h"
 
 namespace tandem::rpc {
 

@@ -16,25 +16,17 @@
 namespace tandem::rpc {
 
 struct LayerAccess {
-  static const std::vector<std::shared_ptr<AgentExtension>>& extensions(const Agent& a) {
-    return a.extensions_;
-  }
-  static const std::shared_ptr<ThreadPool>& pool(const Agent& a) { return a.pool_; }
+  static const std::vector<std::shared_ptr<AgentExtension>>& extensions(const Agent& a);
+  static const std::shared_ptr<ThreadPool>& pool(const Agent& a);
   static void notify(Agent& a, const std::string& to, const std::string& fn,
-                     std::vector<c10::IValue> args) {
-    a.notify(to, fn, std::move(args));
-  }
+                     std::vector<c10::IValue> args);
   static void schedule_after(Agent& a, std::chrono::microseconds delay, std::function<void()> fn);
-  static std::shared_ptr<const Handler> find_handler(const Agent& a, const std::string& fn) {
-    return a.find_handler(fn);
-  }
-  static void spin_until_done(const Agent& a, const RawFuture& f) { a.spin_until_done(f); }
+  static std::shared_ptr<const Handler> find_handler(const Agent& a, const std::string& fn);
+  static void spin_until_done(const Agent& a, const RawFuture& f);
   // On the thread delivering messages: the loop thread, or one polling its
   // connection (rpc/transport.h, 8.).
-  static bool on_loop_thread(const Agent& a) {
-    return a.transport_ && (a.transport_->on_transport_thread() || Agent::delivering_here());
-  }
-  // Tests (rpc/testing.h).
+  static bool on_loop_thread(const Agent& a);
+  // Tests (rpc/agent/testing.h).
   static size_t pending_calls(const Agent& a);
   static size_t live_connections(const Agent& a);
   static uint64_t crossed_connections(const Agent& a);

@@ -46,7 +46,7 @@ std::pair<std::string, int> master_from_init_method(const std::string& init_meth
 // to `timeout`) until the store listens before it connects.
 c10::intrusive_ptr<c10d::Store> make_store(const std::string& host, int port, int rank,
                                            int world_size, std::chrono::milliseconds timeout);
-// Where rank 0's store listens (with LibTorch 1.x, rpc/store_server.h):
+// Where rank 0's store listens (with LibTorch 1.x, rpc/rendezvous/store_server.h):
 // $TANDEM_STORE_BIND if set, else loopback when the master is on this host,
 // else the master's address.
 std::string store_bind_host(const std::string& master_host);

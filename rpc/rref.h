@@ -7,14 +7,14 @@
 //   rpc::RRef<at::Tensor> mine(at::ones({3}));     // a local owner reference
 //
 // The owner keeps the value while any reference to it is alive anywhere, and
-// frees it when the last one goes (rpc/rref/context.h has the protocol). A
+// frees it when the last one goes (rpc/rref_context.h has the protocol). A
 // remote() whose creation failed raises that error at the first use of the
 // reference. Operations on a reference whose owner died fail with
 // DisconnectedError. Copies of an RRef<T> in one process share one handle.
 #pragma once
 
 #include "tandem/rpc/api.h"
-#include "tandem/rpc/rref/context.h"
+#include "tandem/rpc/rref_context.h"
 
 namespace tandem::rpc {
 

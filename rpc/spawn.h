@@ -11,7 +11,7 @@
 //
 // How it works:
 //  1. spawn() starts this same program again, nprocs times, under tandem-run
-//     (rpc/launcher/tandem_run.cc), so each worker sees exactly what
+//     (launcher/tandem_run.cc), so each worker sees exactly what
 //     tandem-run gives its workers: RANK, LOCAL_RANK, WORLD_SIZE,
 //     LOCAL_WORLD_SIZE, MASTER_ADDR, a free MASTER_PORT, a random job token,
 //     the cores shared out (OMP_NUM_THREADS), its output prefixed "[RANK]: ".

@@ -49,7 +49,8 @@
 #include <memory>
 #include <string>
 
-#include "tandem/rpc/wire.h"
+#include "tandem/rpc/limits.h"
+#include "tandem/rpc/message.h"
 
 namespace tandem::rpc {
 

@@ -69,8 +69,8 @@
 #include "tandem/rpc/api.h"
 #include "tandem/rpc/extension.h"
 #include "tandem/rpc/layer.h"
-#include "tandem/rpc/rref/context.h"
-#include "tandem/rpc/testing.h"
+#include "tandem/rpc/rref_context.h"
+#include "tandem/rpc/agent/testing.h"
 
 namespace tandem::test {
 

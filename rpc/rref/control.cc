@@ -1,7 +1,7 @@
 // The RRef protocol's plumbing: the context's life, its handlers, and the
 // control messages (sent idempotently and retried on timeouts), shared by
 // the owner's side (owner.cc) and the user's side (user.cc).
-#include "tandem/rpc/rref/context.h"
+#include "tandem/rpc/rref_context.h"
 
 #include "tandem/rpc/layer.h"
 #include "tandem/rpc/registry.h"
@@ -30,7 +30,8 @@ std::string RRefImpl::str() const {
          (owner_name_.empty() ? "rank " + std::to_string(desc_.owner) : owner_name_) + ")";
 }
 
-RRefContext::RRefContext(Agent& agent) : agent_(agent), self_(agent.rank()) {}
+RRefContext::RRefContext(Agent& agent)
+    : agent_(agent), self_(agent.rank()), tombstones_(std::make_unique<Tombstones>()) {}
 
 RRefContext::~RRefContext() {
   // Values may hold RRefs: destroy them outside the lock. Their handles can

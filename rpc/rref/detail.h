@@ -7,8 +7,19 @@
 #include <tuple>
 #include <vector>
 
+#include "tandem/rpc/common/bounded_set.h"
 #include "tandem/rpc/errors.h"
-#include "tandem/rpc/rref/impl.h"
+#include "tandem/rpc/rref_core.h"
+
+namespace tandem::rpc {
+
+// RRefContext's forks deleted before they arrived (rpc/rref_context.h).
+struct Tombstones {
+  static constexpr size_t kMax = 1 << 16;
+  BoundedSet<ForkId, GloballyUniqueIdHash> forks{kMax};
+};
+
+}  // namespace tandem::rpc
 
 namespace tandem::rpc::rref_detail {
 

@@ -1,6 +1,6 @@
 // The owner's side of RRefs: the value records, their forks and local
 // handles, and the requests that create, fetch, call, fork and delete.
-#include "tandem/rpc/rref/context.h"
+#include "tandem/rpc/rref_context.h"
 #include "tandem/rpc/scope.h"
 
 #include "tandem/rpc/layer.h"
@@ -170,7 +170,7 @@ RawFuture RRefContext::on_call(const RRefId& id, const std::string& fn,
 }
 
 bool RRefContext::take_tombstone_locked(const ForkId& fork) {
-  return tombstones_.erase(fork);
+  return tombstones_->forks.erase(fork);
 }
 
 void RRefContext::on_fork(const RRefId& id, const ForkId& fork) {
@@ -188,7 +188,7 @@ void RRefContext::on_delete(const std::vector<std::pair<RRefId, ForkId>>& batch)
       if (it == owners_.end() || it->second.forks.erase(fork) == 0) {
         // Not known (yet): remember, so a create or fork that arrives later
         // for it does not resurrect it. Repeated deletes stay harmless.
-        tombstones_.insert(fork);
+        tombstones_->forks.insert(fork);
         if (it == owners_.end()) continue;
       }
       if (auto d = release_if_unused_locked(id)) dead.push_back(std::move(d));

@@ -1,6 +1,6 @@
 // The user's side of RRefs: creating values on owners, fetching and calling
 // them, forking references into messages, and deleting forks (batched).
-#include "tandem/rpc/rref/context.h"
+#include "tandem/rpc/rref_context.h"
 
 #include "tandem/rpc/layer.h"
 #include "tandem/rpc/registry.h"

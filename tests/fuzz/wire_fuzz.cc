@@ -31,9 +31,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "tandem/rpc/auth.h"
+#include "tandem/rpc/common/auth.h"
 #include "tandem/rpc/transport/shm/segments.h"
-#include "tandem/rpc/wire.h"
+#include "tandem/rpc/wire/wire.h"
 
 using namespace tandem::rpc;
 
@@ -228,8 +228,7 @@ extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {
     pre.body_bytes = offset;
     std::string out(reinterpret_cast<const char*>(&pre), sizeof(pre));
     out.append(reinterpret_cast<const char*>(&ref), sizeof(ref));
-    auto env = f.envelope.asBytes();
-    out.append(reinterpret_cast<const char*>(env.begin()), env.size());
+    out.append(f.envelope.bytes(), f.envelope.byte_size());
     offset = 0;
     for (const auto& t : body) {
       out.append(padding_before(offset), '\0');

@@ -10,7 +10,7 @@
 #include "tandem/rpc/api.h"
 #include "tandem/rpc/rendezvous.h"
 #include "tandem/rpc/rref.h"
-#include "tandem/rpc/testing.h"
+#include "tandem/rpc/agent/testing.h"
 
 using namespace tandem;
 using namespace tandem::rpc;
@@ -504,7 +504,7 @@ TEST_CASE("device maps: set_device_map refuses bad indices and a device mapped t
 
 TEST_CASE("device maps: every worker checks every map at start-up against both ends' devices") {
   // Workers here have no GPU; what they say at the rendezvous is set, so
-  // the checks run as on a GPU machine (rpc/testing.h).
+  // the checks run as on a GPU machine (rpc/agent/testing.h).
   struct Devices {
     explicit Devices(int n) { testing::set_cuda_devices(n); }
     ~Devices() { testing::set_cuda_devices(-1); }

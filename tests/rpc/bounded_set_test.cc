@@ -1,7 +1,7 @@
 // BoundedSet: remembers at most its capacity, forgetting the oldest first.
 #include "test_util.h"
 
-#include "tandem/rpc/bounded_set.h"
+#include "tandem/rpc/common/bounded_set.h"
 
 using tandem::rpc::BoundedSet;
 

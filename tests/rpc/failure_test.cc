@@ -16,8 +16,8 @@
 #include <optional>
 
 #include "rpc/frames.h"
-#include "tandem/rpc/auth.h"
-#include "tandem/rpc/testing.h"
+#include "tandem/rpc/common/auth.h"
+#include "tandem/rpc/agent/testing.h"
 
 using namespace tandem;
 using namespace tandem::rpc;
@@ -86,7 +86,7 @@ std::optional<Message> read_frame(int fd, std::chrono::milliseconds wait = 2000m
   return dec.take();
 }
 
-// Plays a dialer's part of the handshake (rpc/auth.h) on `fd` as `worker`
+// Plays a dialer's part of the handshake (rpc/common/auth.h) on `fd` as `worker`
 // with `token`. Returns the agent's step 2 (checked against `token`).
 Message greet(int fd, const std::string& worker, int rank, const std::string& token) {
   Message h = hello(1, worker, rank);
@@ -225,7 +225,7 @@ TEST_CASE("failure: bad frames close only the offending connection") {
 }
 
 TEST_CASE("failure: a message whose tensors cannot be placed on their device fails alone") {
-  // This process says it has one CUDA device (rpc/testing.h): a frame for
+  // This process says it has one CUDA device (rpc/agent/testing.h): a frame for
   // cuda:0 passes the decoder's check, and placing its tensor there fails,
   // as a CUDA error (out of memory, say) would on a GPU machine.
   struct Devices {

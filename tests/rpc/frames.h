@@ -7,8 +7,8 @@
 #include <functional>
 #include <string>
 
-#include "rpc/wire.capnp.h"
-#include "tandem/rpc/wire.h"
+#include "rpc/wire/wire.capnp.h"
+#include "tandem/rpc/wire/wire.h"
 
 namespace tandem::test {
 

@@ -20,8 +20,8 @@
 #include <set>
 
 #include "tandem/rpc/api.h"
-#include "tandem/rpc/device.h"
-#include "tandem/rpc/host.h"
+#include "tandem/rpc/wire/device.h"
+#include "tandem/rpc/common/host.h"
 #include "tandem/rpc/rendezvous.h"
 #include "tandem/rpc/spawn.h"
 

@@ -1,4 +1,4 @@
-// The rendezvous store's own server (rpc/store_server.h), spoken to by
+// The rendezvous store's own server (rpc/rendezvous/store_server.h), spoken to by
 // LibTorch's c10d::TCPStore client, and where a job's store listens.
 #include "test_util.h"
 
@@ -12,7 +12,7 @@
 #include <sstream>
 
 #include "tandem/rpc/rendezvous.h"
-#include "tandem/rpc/store_server.h"
+#include "tandem/rpc/rendezvous/store_server.h"
 
 using namespace tandem;
 using namespace tandem::rpc;
@@ -71,7 +71,7 @@ std::vector<std::string> listening_addresses(int port) {
 
 TEST_CASE("store: the server answers LibTorch's TCPStore client, and a bad client is closed") {
 #if TORCH_VERSION_MAJOR >= 2
-  std::printf("skipped: rpc/store_server.h speaks LibTorch 1.x's TCPStore protocol; with 2.x, "
+  std::printf("skipped: rpc/rendezvous/store_server.h speaks LibTorch 1.x's TCPStore protocol; with 2.x, "
               "c10d's own server hosts the store\n");
   return;
 #endif

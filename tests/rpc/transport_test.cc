@@ -111,7 +111,7 @@ Message request(uint64_t id, std::vector<c10::IValue> values = {}) {
 }
 
 // A connection from `a` to `b`, greeted as an agent greets (the peer of an
-// accepted connection writes two handshake frames first: rpc/auth.h) and
+// accepted connection writes two handshake frames first: rpc/common/auth.h) and
 // seen by `b`, which then forgets the greeting: b.got holds what follows.
 // `local`: through b's same-host endpoint.
 ConnectionPtr open(Endpoint& a, Endpoint& b, int port, bool local = false) {
@@ -807,8 +807,7 @@ std::string shared_frame(SharedRef ref) {
   pre.body_bytes = 0;
   std::string out(reinterpret_cast<const char*>(&pre), sizeof(pre));
   out.append(reinterpret_cast<const char*>(&ref), sizeof(ref));
-  auto env = f.envelope.asBytes();
-  out.append(reinterpret_cast<const char*>(env.begin()), env.size());
+  out.append(f.envelope.bytes(), f.envelope.byte_size());
   return out;
 }
 

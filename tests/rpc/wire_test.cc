@@ -11,8 +11,8 @@
 #include <ATen/ops/imag.h>
 
 #include "rpc/frames.h"
-#include "tandem/rpc/device.h"
-#include "tandem/rpc/auth.h"
+#include "tandem/rpc/wire/device.h"
+#include "tandem/rpc/common/auth.h"
 
 using namespace tandem::rpc;
 using tandem::test::raw_frame;
@@ -584,7 +584,7 @@ TEST_CASE("wire: a device index out of range is refused") {
 
 TEST_CASE("wire: CUDA IPC handles are taken only on same-host connections, and checked") {
   // The decoder's checks run here as on a GPU machine: the worker says it
-  // has one CUDA device (rpc/testing.h); placing there then fails alone.
+  // has one CUDA device (rpc/agent/testing.h); placing there then fails alone.
   struct Devices {
     Devices() { testing::set_cuda_devices(1); }
     ~Devices() { testing::set_cuda_devices(-1); }

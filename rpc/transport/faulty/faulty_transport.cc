@@ -9,7 +9,7 @@
 #include <thread>
 #include <unordered_map>
 
-#include "rpc/wire.capnp.h"
+#include "rpc/wire/wire.capnp.h"
 
 namespace tandem::rpc {
 
@@ -52,9 +52,8 @@ OutFrame copy_frame(const OutFrame& f) {
   OutFrame c;
   c.kind = f.kind;
   c.preamble = f.preamble;
-  // capnp::word cannot be copied one by one (clang refuses heapArray's copy).
-  c.envelope = kj::heapArray<capnp::word>(f.envelope.size());
-  std::memcpy(c.envelope.begin(), f.envelope.begin(), f.envelope.size() * sizeof(capnp::word));
+  c.envelope = Envelope(f.envelope.size());
+  std::memcpy(c.envelope.words(), f.envelope.words(), f.envelope.byte_size());
   c.tensors = f.tensors;
   return c;
 }
@@ -221,7 +220,8 @@ void FaultyConnection::send(OutFrame&& frame) {
   MessageKind kind;
   std::string callee;
   {
-    capnp::FlatArrayMessageReader reader(frame.envelope.asPtr());
+    capnp::FlatArrayMessageReader reader(kj::arrayPtr(
+        reinterpret_cast<const capnp::word*>(frame.envelope.words()), frame.envelope.size()));
     auto env = reader.getRoot<schema::Envelope>();
     kind = static_cast<MessageKind>(env.getKind());
     callee = env.getCallee().cStr();

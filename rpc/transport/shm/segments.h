@@ -38,7 +38,7 @@
 #include <string>
 #include <vector>
 
-#include "tandem/rpc/wire.h"
+#include "tandem/rpc/wire/wire.h"
 
 namespace tandem::rpc {
 

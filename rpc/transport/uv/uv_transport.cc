@@ -1,9 +1,9 @@
 #include "tandem/rpc/transport/uv/uv_transport.h"
 
-#include "tandem/rpc/auth.h"
-#include "tandem/rpc/dial.h"
-#include "tandem/rpc/host.h"
-#include "tandem/rpc/log.h"
+#include "tandem/rpc/common/auth.h"
+#include "tandem/rpc/common/dial.h"
+#include "tandem/rpc/common/host.h"
+#include "tandem/rpc/common/log.h"
 #include "tandem/rpc/transport/shm/ring.h"
 #include "tandem/rpc/transport/shm/segments.h"
 
@@ -87,8 +87,7 @@ struct PendingWrite {
     iov.reserve(3 + 2 * frame.tensors.size());
     iov.push_back({&frame.preamble, kPreambleBytes});
     if (!table.empty()) iov.push_back({table.data(), table.size() * sizeof(SharedRef)});
-    auto env = frame.envelope.asBytes();
-    iov.push_back({env.begin(), env.size()});
+    iov.push_back({const_cast<char*>(frame.envelope.bytes()), frame.envelope.byte_size()});
     uint64_t offset = 0;
     for (const auto& t : frame.tensors) {
       uint64_t pad = padding_before(offset);
@@ -219,7 +218,7 @@ class UvConnection final : public Connection, public std::enable_shared_from_thi
                                                            uint64_t nbytes) {
         return in->tensor(ref, dtype, shape, nbytes);
       });
-      decoder_.set_cuda_ipc(true);  // the peer is on this host (rpc/device.h)
+      decoder_.set_cuda_ipc(true);  // the peer is on this host (rpc/wire/device.h)
       const uint64_t ring = transport->limits_.shm_ring_bytes;
       ring_unavailable_ = testing::shared_segments_failure();
       if (ring == 0) {

@@ -1,4 +1,4 @@
-#include "tandem/rpc/host.h"
+#include "tandem/rpc/common/host.h"
 
 #include <ATen/Parallel.h>
 #include <dlfcn.h>

@@ -1,4 +1,4 @@
-#include "tandem/rpc/log.h"
+#include "tandem/rpc/common/log.h"
 
 #include <cstdio>
 

@@ -1,5 +1,5 @@
-#include "tandem/rpc/wire.h"
-#include "tandem/rpc/device.h"
+#include "tandem/rpc/wire/wire.h"
+#include "tandem/rpc/wire/device.h"
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
@@ -8,6 +8,7 @@
 #include <capnp/message.h>
 #include <capnp/serialize.h>
 #include <kj/exception.h>
+#include <kj/io.h>
 
 #include <algorithm>
 #include <atomic>
@@ -16,7 +17,7 @@
 #include <optional>
 #include <unordered_map>
 
-#include "rpc/wire.capnp.h"
+#include "rpc/wire/wire.capnp.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "Tandem's wire format is little-endian");
 
@@ -201,7 +202,7 @@ class Encoder {
     std::optional<device::IpcRef> ipc_ref;
     at::Tensor wire = t;
     if (!wire.device().is_cpu()) {
-      // Same host: a handle to a copy in device memory (rpc/device.h), its
+      // Same host: a handle to a copy in device memory (rpc/wire/device.h), its
       // place in the body an empty tensor. Else, or where the driver
       // refuses, staged through pinned host memory, all of the frame's
       // copies waited for at once.
@@ -414,8 +415,7 @@ void fill_rrefs(std::vector<c10::IValue>& values, const std::vector<RRefPtr>& ha
 
 std::string OutFrame::to_bytes() const {
   std::string out(reinterpret_cast<const char*>(&preamble), kPreambleBytes);
-  auto env = envelope.asBytes();
-  out.append(reinterpret_cast<const char*>(env.begin()), env.size());
+  out.append(envelope.bytes(), envelope.byte_size());
   uint64_t offset = 0;
   for (const auto& t : tensors) {
     uint64_t pad = padding_before(offset);
@@ -427,7 +427,7 @@ std::string OutFrame::to_bytes() const {
 }
 
 uint64_t OutFrame::total_bytes() const {
-  return kPreambleBytes + envelope.size() * sizeof(capnp::word) + preamble.body_bytes;
+  return kPreambleBytes + envelope.byte_size() + preamble.body_bytes;
 }
 
 namespace {
@@ -535,8 +535,15 @@ OutFrame encode_unchecked(const Message& m, const Limits& limits, RRefHook* rref
       offset += padding_before(offset) + nbytes;
     }
   }
-  frame.envelope = capnp::messageToFlatArray(builder);
-  const uint64_t envelope_bytes = frame.envelope.size() * sizeof(capnp::word);
+  // Written straight into the frame's own words (rpc/message.h's Envelope):
+  // the same one copy of the segments as capnp::messageToFlatArray.
+  frame.envelope = Envelope(capnp::computeSerializedSizeInWords(builder));
+  {
+    kj::ArrayOutputStream out(kj::arrayPtr(reinterpret_cast<kj::byte*>(frame.envelope.words()),
+                                           frame.envelope.byte_size()));
+    capnp::writeMessage(out, builder);
+  }
+  const uint64_t envelope_bytes = frame.envelope.byte_size();
   if (envelope_bytes > limits.max_envelope_bytes) {
     throw std::invalid_argument("message envelope of " + std::to_string(envelope_bytes) +
                                 " bytes exceeds the limit of " +
@@ -547,7 +554,7 @@ OutFrame encode_unchecked(const Message& m, const Limits& limits, RRefHook* rref
                                 " bytes exceed the limit of " +
                                 std::to_string(limits.max_body_bytes));
   }
-  frame.preamble.envelope_bytes = static_cast<uint32_t>(frame.envelope.size() * sizeof(capnp::word));
+  frame.preamble.envelope_bytes = static_cast<uint32_t>(frame.envelope.byte_size());
   frame.preamble.body_bytes = offset;
   frame.tensors = std::move(enc.tensors);
   return frame;
@@ -987,7 +994,7 @@ void FrameDecoder::finish() {
   if (!placements_.empty() || !ipc_placements_.empty()) {
     // The device map's target: a copy from the (pinned) host tensor the body
     // was read into, or from the sender's device memory (CUDA IPC), queued
-    // on a stream of the target device (rpc/device.h).
+    // on a stream of the target device (rpc/wire/device.h).
     auto arrival = std::make_shared<device::Arrival>();
     Placed placed;
     try {

@@ -39,14 +39,14 @@
 #include <vector>
 
 #include "tandem/rpc/agent.h"
-#include "tandem/rpc/bounded_set.h"
-#include "tandem/rpc/rref/impl.h"
+#include "tandem/rpc/rref_core.h"
 #include "tandem/rpc/thread_pool.h"
 
 namespace tandem::rpc {
 
 class Agent;
 class Registry;
+struct Tombstones;  // rref/detail.h
 
 class RRefContext final : public RRefHook, public std::enable_shared_from_this<RRefContext> {
  public:
@@ -157,8 +157,9 @@ class RRefContext final : public RRefHook, public std::enable_shared_from_this<R
   // Owner side: forks deleted before their create/fork was processed (the
   // pool may run messages out of order). A late create or fork for one of
   // them must not bring it back. Bounded, oldest forgotten first.
-  static constexpr size_t kMaxTombstones = 1 << 16;
-  BoundedSet<ForkId, GloballyUniqueIdHash> tombstones_{kMaxTombstones};
+  // Forks deleted before they arrived, remembered so that they are refused
+  // when they do (a bounded set: rref/detail.h).
+  std::unique_ptr<Tombstones> tombstones_;
   bool take_tombstone_locked(const ForkId& fork);
   // `n` outstanding items are finished; wakes wait_idle() at zero. The
   // _locked form is for callers already holding mu_.

@@ -1,4 +1,4 @@
-#include "tandem/rpc/auth.h"
+#include "tandem/rpc/common/auth.h"
 
 #include <sys/random.h>
 

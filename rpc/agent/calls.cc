@@ -1,16 +1,16 @@
 // The agent's outgoing side: a call from its arguments to its frame on the
 // wire, registered in the call table until its reply, deadline or failure.
-#include "tandem/rpc/agent.h"
-#include "tandem/rpc/call_table.h"
-#include "tandem/rpc/rref/context.h"
-#include "tandem/rpc/spin.h"
+#include "tandem/rpc/agent/agent_impl.h"
+#include "tandem/rpc/agent/call_table.h"
+#include "tandem/rpc/rref_context.h"
+#include "tandem/rpc/agent/spin.h"
 
 namespace tandem::rpc {
 namespace {
 using Clock = std::chrono::steady_clock;
 }  // namespace
 
-void Agent::spin_until_done(const RawFuture& f) const {
+void AgentImpl::spin_until_done(const RawFuture& f) const {
   // A blocked caller is woken by the loop thread when its reply lands. On an
   // idle core that wake-up costs more than a whole loopback round trip, so
   // keep the core busy for a short while first (see AgentOptions::sync_spin).
@@ -23,12 +23,12 @@ void Agent::spin_until_done(const RawFuture& f) const {
   });
 }
 
-Future<c10::IValue> Agent::call(const std::string& to, const std::string& fn,
+Future<c10::IValue> AgentImpl::call(const std::string& to, const std::string& fn,
                                 std::vector<c10::IValue> args, std::chrono::milliseconds timeout) {
   return Future<c10::IValue>(start_call(to, fn, std::move(args), timeout), pool_);
 }
 
-OutFrame Agent::encode_with_extensions(Message& m, int dest, const Connection* via) {
+OutFrame AgentImpl::encode_with_extensions(Message& m, int dest, const Connection* via) {
   for (const auto& e : extensions_) e->before_send(m, dest);
   // Forks made here are undone if anything below throws (Forks is RAII).
   const std::vector<DeviceMap>& maps =
@@ -46,7 +46,7 @@ OutFrame Agent::encode_with_extensions(Message& m, int dest, const Connection* v
   return frame;
 }
 
-RawFuture Agent::start_call(const std::string& to, const std::string& fn,
+RawFuture AgentImpl::start_call(const std::string& to, const std::string& fn,
                             std::vector<c10::IValue> args, std::chrono::milliseconds timeout) {
   RawFuture fut = make_raw_future();
   const WorkerInfo& dest = get_worker_info(to);
@@ -62,7 +62,7 @@ RawFuture Agent::start_call(const std::string& to, const std::string& fn,
     call.deadline = now + timeout;
   }
   const CallScope& scope = current_scope();
-  if (scope.agent == this && scope.has_deadline &&
+  if (scope.agent == &self_ && scope.has_deadline &&
       (!call.has_deadline || scope.deadline < call.deadline)) {
     call.has_deadline = true;  // a call made by a handler inherits what its caller has left
     call.deadline = scope.deadline;
@@ -77,7 +77,7 @@ RawFuture Agent::start_call(const std::string& to, const std::string& fn,
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(call.deadline - now).count();
     req.timeout_ms = static_cast<uint64_t>(std::max<int64_t>(left, 1));
   }
-  req.autograd_context = autograd_context_for(*this);
+  req.autograd_context = autograd_context_for(self_);
   // Bad arguments (and a failed RRef passed on) throw here, in the caller.
   OutFrame frame = encode_with_extensions(req, dest.rank);
   Forks forks = std::move(frame.forks);  // undone unless the frame is written
@@ -154,14 +154,14 @@ RawFuture Agent::start_call(const std::string& to, const std::string& fn,
   }
 }
 
-void Agent::notify(const std::string& to, const std::string& fn, std::vector<c10::IValue> args) {
+void AgentImpl::notify(const std::string& to, const std::string& fn, std::vector<c10::IValue> args) {
   const WorkerInfo& dest = get_worker_info(to);
   Message req;
   req.kind = MessageKind::kRequest;
   req.id = 0;  // no reply: nobody waits for one
   req.callee = fn;
   req.values = std::move(args);
-  req.autograd_context = autograd_context_for(*this);
+  req.autograd_context = autograd_context_for(self_);
   OutFrame frame = encode_with_extensions(req, dest.rank);
   Forks forks = std::move(frame.forks);
   if (!calls_->accepting()) throw ShutdownError("agent " + name() + " is shut down; cannot notify " + to);

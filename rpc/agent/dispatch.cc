@@ -2,11 +2,11 @@
 // thread, goes to the call table (replies), to the loop's own internal
 // handlers, or to the pool, where a handler runs in its request's scope
 // (rpc/scope.h) and its result goes back as a response or a typed error.
-#include "tandem/rpc/agent.h"
-#include "tandem/rpc/call_table.h"
-#include "tandem/rpc/connection_table.h"
-#include "tandem/rpc/device.h"
-#include "tandem/rpc/rref/context.h"
+#include "tandem/rpc/agent/agent_impl.h"
+#include "tandem/rpc/agent/call_table.h"
+#include "tandem/rpc/agent/connection_table.h"
+#include "tandem/rpc/wire/device.h"
+#include "tandem/rpc/rref_context.h"
 
 #include <cassert>
 
@@ -26,7 +26,7 @@ std::string handler_caller() {
 
 uint64_t handler_autograd_context(const Agent& agent) { return autograd_context_for(agent); }
 
-bool Agent::inline_ok(const Message& m) const {
+bool AgentImpl::inline_ok(const Message& m) const {
   // rpc/transport.h, 8.: what needs no loop-thread state may be delivered on
   // a polling thread: answers, requests for the pool, and the layers' loop
   // handlers (bounded work that only needs to run where messages are
@@ -48,14 +48,14 @@ bool Agent::inline_ok(const Message& m) const {
   return false;
 }
 
-bool& Agent::delivering_here() {
+bool& AgentImpl::delivering_here() {
   thread_local bool delivering = false;
   return delivering;
 }
 
 // On the loop thread, or on a thread polling its connection for a message
 // inline_ok() accepted (one connection's messages come one at a time, in order).
-void Agent::on_message_from_loop(const ConnectionPtr& conn, Message&& msg) {
+void AgentImpl::on_message_from_loop(const ConnectionPtr& conn, Message&& msg) {
   // Loop handlers ask where they run (layer::on_loop_thread): here.
   struct Delivering {
     bool& flag = delivering_here();
@@ -163,12 +163,12 @@ void Agent::on_message_from_loop(const ConnectionPtr& conn, Message&& msg) {
   }
 }
 
-std::shared_ptr<const Handler> Agent::find_handler(const std::string& fn) const {
+std::shared_ptr<const Handler> AgentImpl::find_handler(const std::string& fn) const {
   const bool internal = fn.rfind("tandem.", 0) == 0;
   return (internal ? internal_ : registry_)->find(fn);
 }
 
-void Agent::handle_request(const ConnectionPtr& conn, int from, Message msg,
+void AgentImpl::handle_request(const ConnectionPtr& conn, int from, Message msg,
                            std::shared_ptr<const Handler> handler) {
   remember_connection_for_polling(conn);  // the pool thread polls it while idle
   if (!handler) handler = find_handler(msg.callee);
@@ -179,8 +179,8 @@ void Agent::handle_request(const ConnectionPtr& conn, int from, Message msg,
     return;
   }
   CallScope scope;
-  scope.agent = this;
-  scope.context_agent = this;
+  scope.agent = &self_;
+  scope.context_agent = &self_;
   scope.autograd_context = msg.autograd_context;
   scope.caller = from;
   if (msg.timeout_ms > 0) {
@@ -191,7 +191,7 @@ void Agent::handle_request(const ConnectionPtr& conn, int from, Message msg,
   }
   ScopeGuard guard(scope);
   // Its CUDA arguments are on their way: the default stream, where it runs,
-  // waits for their copies (rpc/device.h), so there is nothing to wait for.
+  // waits for their copies (rpc/wire/device.h), so there is nothing to wait for.
   RawFuture result;
   const uint64_t autograd_context = msg.autograd_context;
   const auto started = trace_ ? Clock::now() : Clock::time_point{};
@@ -201,14 +201,14 @@ void Agent::handle_request(const ConnectionPtr& conn, int from, Message msg,
     if (r.future) {
       // Asynchronous: this pool thread is free now; reply when it completes.
       uint64_t id = msg.id;
-      std::weak_ptr<Agent> weak = weak_from_this();
+      std::weak_ptr<Agent> weak = self_.weak_from_this();
       std::string callee = trace_ ? msg.callee : std::string();
-      r.future->addCallback([weak, conn, from, id, autograd_context, callee,
+      r.future->addCallback([this, weak, conn, from, id, autograd_context, callee,
                              started](c10::ivalue::Future& f) {
         // The future may complete after this agent is gone: then nobody is
         // left to answer, and the caller has failed the call already.
-        if (auto self = weak.lock()) {
-          self->reply(conn, from, id, c10::intrusive_ptr<c10::ivalue::Future>::reclaim_copy(&f),
+        if (auto alive = weak.lock()) {
+          reply(conn, from, id, c10::intrusive_ptr<c10::ivalue::Future>::reclaim_copy(&f),
                       autograd_context, callee, started);
         }
       });
@@ -223,7 +223,7 @@ void Agent::handle_request(const ConnectionPtr& conn, int from, Message msg,
   reply(conn, from, msg.id, result, autograd_context, trace_ ? msg.callee : std::string(), started);
 }
 
-void Agent::reply(const ConnectionPtr& conn, int to, uint64_t id, const RawFuture& result,
+void AgentImpl::reply(const ConnectionPtr& conn, int to, uint64_t id, const RawFuture& result,
                   uint64_t autograd_context, const std::string& callee,
                   Clock::time_point started) {
   metrics_->request_served(result->hasError());
@@ -264,7 +264,7 @@ void Agent::reply(const ConnectionPtr& conn, int to, uint64_t id, const RawFutur
   maybe_close_retired(conn->id());
 }
 
-void Agent::send_error(const ConnectionPtr& conn, uint64_t id, ErrorCode code,
+void AgentImpl::send_error(const ConnectionPtr& conn, uint64_t id, ErrorCode code,
                        const std::string& message) {
   if (id == kNoReply) return;
   Message m;

@@ -1,6 +1,6 @@
 // Proving the cluster token without sending it.
 //
-// Every connection opens with a three-step handshake (rpc/agent.cc runs it;
+// Every connection opens with a three-step handshake (rpc/agent/agent.cc runs it;
 // the frames are MessageKind::kHello, told apart by Message::hello_step):
 //  1. The dialer sends its name, its rank and a fresh random nonce Nd.
 //  2. The acceptor checks that name and rank belong to the world, and answers

@@ -1,6 +1,6 @@
 #include "tandem/rpc/thread_pool.h"
 
-#include "tandem/rpc/spin.h"
+#include "tandem/rpc/agent/spin.h"
 #include "tandem/rpc/transport.h"
 
 #include <cstdio>

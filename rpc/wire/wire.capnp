@@ -11,7 +11,7 @@ enum Kind {
   request @0;
   response @1;
   error @2;
-  hello @3;     # the handshake's frames (rpc/auth.h): who is calling, and proofs of the cluster token
+  hello @3;     # the handshake's frames (rpc/common/auth.h): who is calling, and proofs of the cluster token
 }
 
 enum ErrorCode {
@@ -100,7 +100,7 @@ struct TensorMeta {
   cudaIpc @6 :CudaIpc;      # set: the bytes are in the sender's device memory (same host), not the body
 }
 
-# A CUDA tensor's bytes in its sender's device memory (rpc/device.h): the
+# A CUDA tensor's bytes in its sender's device memory (rpc/wire/device.h): the
 # receiver opens the allocation, waits for the event, copies them, and
 # releases the frame's buffers (Envelope.ipcToken) when its copies are done.
 struct CudaIpc {

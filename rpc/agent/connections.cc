@@ -1,11 +1,11 @@
 // The connection table, and how the agent opens and loses connections.
-#include "tandem/rpc/agent.h"
-#include "tandem/rpc/call_table.h"
-#include "tandem/rpc/auth.h"
-#include "tandem/rpc/connection_table.h"
-#include "tandem/rpc/handshake.h"
-#include "tandem/rpc/log.h"
-#include "tandem/rpc/rref/context.h"
+#include "tandem/rpc/agent/agent_impl.h"
+#include "tandem/rpc/agent/call_table.h"
+#include "tandem/rpc/common/auth.h"
+#include "tandem/rpc/agent/connection_table.h"
+#include "tandem/rpc/agent/handshake.h"
+#include "tandem/rpc/common/log.h"
+#include "tandem/rpc/rref_context.h"
 
 #include <cassert>
 #include <cstdio>
@@ -156,7 +156,7 @@ void GatedConnection::refuse(const std::string& why) {
   held_retire_.reset();
 }
 
-ConnectionPtr Agent::connection_to(int rank, std::chrono::milliseconds timeout) {
+ConnectionPtr AgentImpl::connection_to(int rank, std::chrono::milliseconds timeout) {
   if (auto c = conns_->to(rank)) return c;
   std::lock_guard<std::mutex> serial(conns_->connect_mutex(rank));
   if (auto c = conns_->to(rank)) return c;
@@ -191,7 +191,7 @@ ConnectionPtr Agent::connection_to(int rank, std::chrono::milliseconds timeout) 
   } catch (const DisconnectedError& e) {
     throw DisconnectedError("worker " + w.name + " is unreachable: " + e.what());
   }
-  // Step 1 of the handshake (rpc/handshake.h): registered before it is
+  // Step 1 of the handshake (rpc/agent/handshake.h): registered before it is
   // written, so that the answer finds it; the gate holds every call until
   // the peer has proved the token.
   auto gate = std::make_shared<GatedConnection>(conn);
@@ -217,7 +217,7 @@ ConnectionPtr Agent::connection_to(int rank, std::chrono::milliseconds timeout) 
   return gate;
 }
 
-void Agent::retire(const ConnectionPtr& conn) {
+void AgentImpl::retire(const ConnectionPtr& conn) {
   const uint64_t id = conn->id();
   {
     std::lock_guard<std::mutex> lock(retire_mu_);
@@ -239,7 +239,7 @@ void Agent::retire(const ConnectionPtr& conn) {
   maybe_close_retired(id);
 }
 
-void Agent::on_retire_from_loop(const ConnectionPtr& conn) {
+void AgentImpl::on_retire_from_loop(const ConnectionPtr& conn) {
   const uint64_t id = conn->id();
   {
     std::lock_guard<std::mutex> lock(retire_mu_);
@@ -251,7 +251,7 @@ void Agent::on_retire_from_loop(const ConnectionPtr& conn) {
   maybe_close_retired(id);
 }
 
-void Agent::close_retired_if_done(uint64_t conn_id) {
+void AgentImpl::close_retired_if_done(uint64_t conn_id) {
   ConnectionPtr conn;
   {
     std::lock_guard<std::mutex> lock(retire_mu_);
@@ -271,7 +271,7 @@ void Agent::close_retired_if_done(uint64_t conn_id) {
   conn->close_when_flushed();
 }
 
-void Agent::on_closed_from_loop(const ConnectionPtr& conn, const std::string& reason) {
+void AgentImpl::on_closed_from_loop(const ConnectionPtr& conn, const std::string& reason) {
   assert(transport_->on_transport_thread());
   if (reason.rfind("protocol error", 0) == 0) {
     protocol_log_->write("tandem[" + printable(name()) + "]: " + printable(reason) +

@@ -1,7 +1,7 @@
 #include "tandem/rpc/rendezvous.h"
-#include "tandem/rpc/dial.h"
+#include "tandem/rpc/common/dial.h"
 #include "tandem/rpc/errors.h"
-#include "tandem/rpc/store_server.h"
+#include "tandem/rpc/rendezvous/store_server.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -132,7 +132,7 @@ void wait_for_listener(const std::string& host, int port, std::chrono::milliseco
 #if TORCH_VERSION_MAJOR < 2
 namespace {
 
-// Rank 0's store: our own server (rpc/store_server.h), bound to one address,
+// Rank 0's store: our own server (rpc/rendezvous/store_server.h), bound to one address,
 // and a c10d client of it. One server per port in a process, shared by
 // every store made on it (an agent and a process group of the same job meet
 // at the same MASTER_PORT), as c10d's multiTenant servers are.

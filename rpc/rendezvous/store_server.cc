@@ -1,4 +1,4 @@
-#include "tandem/rpc/store_server.h"
+#include "tandem/rpc/rendezvous/store_server.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>

@@ -45,7 +45,7 @@ class ConnectionTable {
   std::mutex& connect_mutex(int rank) { return *connect_mu_.at(rank); }
   // `conn`, dialed by this agent, reaches `rank`; with `use`, it becomes
   // to(rank) if that has none. A connection that closed meanwhile is not
-  // kept. It is added (as its gate, rpc/handshake.h) before its handshake
+  // kept. It is added (as its gate, rpc/agent/handshake.h) before its handshake
   // is written, so that nothing that comes back on it is unknown; the gate
   // keeps calls from overtaking the handshake. Connections are matched by
   // id(): a gate stands for the transport's connection it wraps.

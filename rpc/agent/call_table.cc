@@ -1,4 +1,4 @@
-#include "tandem/rpc/call_table.h"
+#include "tandem/rpc/agent/call_table.h"
 
 #include "tandem/rpc/errors.h"
 

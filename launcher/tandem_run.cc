@@ -61,9 +61,9 @@
 
 #include "launcher/trace_join.h"
 
-#include "tandem/rpc/auth.h"
+#include "tandem/rpc/common/auth.h"
 #ifdef TANDEM_RUN_HOSTS_STORE
-#include "tandem/rpc/store_server.h"
+#include "tandem/rpc/rendezvous/store_server.h"
 #endif
 
 extern char** environ;
@@ -558,7 +558,7 @@ void Launcher::start_workers() {
            std::to_string(options_.nproc_per_node) +
            " workers (the node's cores shared out); set OMP_NUM_THREADS to choose");
   }
-  // Workers prove the cluster token to each other (rpc/auth.h). A one-node
+  // Workers prove the cluster token to each other (rpc/common/auth.h). A one-node
   // job without TANDEM_TOKEN gets a fresh random one, so that no other
   // process on the host can join it; nodes of a multi-node job must share
   // one, which only the user can give them all.

@@ -1,8 +1,8 @@
-// rpc/device.h: the CUDA paths where LibTorch has CUDA (TANDEM_WITH_CUDA),
+// rpc/wire/device.h: the CUDA paths where LibTorch has CUDA (TANDEM_WITH_CUDA),
 // plain CPU code elsewhere. The CUDA half is also compiled against the CUDA
 // headers on machines without a GPU (the tandem_cuda_check target), so it
 // cannot rot unseen.
-#include "tandem/rpc/device.h"
+#include "tandem/rpc/wire/device.h"
 
 #include <ATen/Context.h>
 #include <ATen/ops/empty.h>
@@ -27,7 +27,7 @@
 
 namespace tandem::rpc {
 
-namespace testing {  // rpc/testing.h
+namespace testing {  // rpc/agent/testing.h
 namespace {
 std::atomic<int> g_cuda_devices{-1};
 }

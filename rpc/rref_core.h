@@ -4,7 +4,7 @@
 // Identity: every RRef has an id (the worker that created it, a counter) and
 // every user handle of it a fork id of the same shape. A fork is one user's
 // claim on the owner's value; the owner keeps the value while any fork, or
-// any handle on the owner itself, is alive. See rpc/rref/context.h for the
+// any handle on the owner itself, is alive. See rpc/rref_context.h for the
 // protocol that keeps those counts right.
 #pragma once
 

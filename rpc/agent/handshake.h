@@ -1,5 +1,5 @@
 // The agent's side of the connection handshake (the protocol is in
-// rpc/auth.h): what each half-greeted connection is waiting for, and the
+// rpc/common/auth.h): what each half-greeted connection is waiting for, and the
 // gate that holds a dialed connection's calls until its peer has proved
 // the cluster token.
 //

@@ -1,4 +1,4 @@
-#include "tandem/rpc/dial.h"
+#include "tandem/rpc/common/dial.h"
 
 #include <netdb.h>
 #include <poll.h>

@@ -20,6 +20,6 @@ inline void drop_connection(Agent& a, int rank) { LayerAccess::drop_connection(a
 // maps can be checked on a machine without a GPU, and frames for those
 // devices pass the decoder's check (placing their tensors then fails, as a
 // CUDA error would). Nothing else about CUDA is faked.
-void set_cuda_devices(int n);  // (defined in rpc/device.cc)
+void set_cuda_devices(int n);  // (defined in rpc/wire/device.cc)
 
 }  // namespace tandem::rpc::testing
