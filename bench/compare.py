@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Side-by-side table of Tandem's benchmark results and PyTorch's.
 
-Reads JSON lines (as printed by build/bin/rpc_bench and ../shared/anchors/*.py)
-from the files given, or stdin; lines that are not JSON objects are ignored.
+Reads JSON lines (as printed by build/bin/*_bench and the PyTorch programs in
+bench/anchors/) from the files given, or stdin ("-"); lines that are not JSON
+objects with a "bench" and an "impl" are ignored, and so are values that are
+not finite numbers.
 Lines are grouped by `bench` and their size key (`bytes`, `hops` or `world`,
 possibly absent; a pipeline line by its schedule, stages and chunks). For each
 metric of the tandem lines it prints Tandem's value over TCP (column tandem;
@@ -12,9 +14,17 @@ and raw TCP.
 Where PyTorch reports several paths (rpc_echo: python, builtin) the better one
 is used: lowest time, highest gbps; its path is shown.
 
-Usage: compare.py [--markdown] [FILE ...]
+--markdown prints that table as Markdown. --summary prints the short Markdown
+table of docs/benchmarks.md and the README instead: one row per headline
+figure (SUMMARY_ROWS; rows without data are left out), Tandem over TCP and
+over shared memory beside PyTorch's best path, and their ratios.
+
+Usage: compare.py [--markdown | --summary] [FILE ...]
+Exit status: 0 when a table was printed, 1 when no benchmark line was found,
+2 for a file that cannot be read or an unknown option.
 """
 import json
+import math
 import sys
 
 SIZE_KEYS = ("config", "bytes", "hops", "world")
@@ -28,6 +38,32 @@ HEADER = ("bench", "size", "metric", "tandem", "tandem_shm", "pytorch", "path", 
           "tandem/pytorch", "shm/pytorch", "tandem/raw_tcp")
 LEFT = {"bench", "size", "metric", "path"}  # text columns; the rest align right
 
+# --summary: the headline figures, in this order. Each row is
+# (bench, size key, size value, size label, metric, metric label, decimals);
+# a size key of None matches lines that carry none of SIZE_KEYS.
+SUMMARY_ROWS = (
+    ("rpc_echo", "bytes", 0, "0 B", "p50_us", "p50 µs", 1),
+    ("rpc_echo", "bytes", 1 << 20, "1 MiB", "p50_us", "p50 µs", 1),
+    ("rpc_echo", "bytes", 16 << 20, "16 MiB", "gbps", "GB/s", 2),
+    ("rref_to_here", "bytes", 1 << 20, "1 MiB", "p50_us", "p50 µs", 1),
+    ("remote_create", None, None, "-", "p50_us", "p50 µs", 1),
+    ("dist_backward", "hops", 16, "16 hops", "p50_us", "p50 µs", 1),
+    ("mp_mlp_step", None, None, "-", "ms", "ms", 2),
+    ("mp_mlp_step", None, None, "-", "overhead_ms", "overhead ms", 2),
+    ("mp_mlp_step", None, None, "-", "ms_per_local", "ms / local_ms", 2),
+    ("ddp_step", "world", 2, "2 ranks", "ms", "ms", 2),
+    ("rpc_echo_cuda", "bytes", 1 << 20, "1 MiB", "gbps", "GB/s", 2),
+    ("rpc_echo_cuda", "bytes", 64 << 20, "64 MiB", "gbps", "GB/s", 2),
+    ("rpc_echo_cuda", "bytes", 1 << 30, "1 GiB", "gbps", "GB/s", 2),
+)
+SUMMARY_HEADER = ("bench", "size", "metric", "Tandem TCP", "Tandem shm", "PyTorch",
+                  "TCP/PyTorch", "shm/PyTorch", "shm/TCP")
+
+
+def is_num(v):
+    """A finite int or float (JSON true/false and NaN are no figures)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
 
 def read_records(streams):
     for stream in streams:
@@ -39,7 +75,8 @@ def read_records(streams):
                 rec = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(rec, dict) and "bench" in rec and "impl" in rec:
+            if (isinstance(rec, dict) and isinstance(rec.get("bench"), str)
+                    and isinstance(rec.get("impl"), str)):
                 if rec["impl"] == "tandem" and rec.get("transport") == "shm":
                     rec = dict(rec, impl="tandem_shm")
                 yield with_derived(rec)
@@ -52,7 +89,7 @@ def with_derived(rec):
         # One row group per schedule and shape.
         rec = dict(rec, config=f"{rec['schedule']} K={rec.get('stages')} M={rec.get('chunks')}")
     ms, local = rec.get("ms"), rec.get("local_ms")
-    if isinstance(ms, (int, float)) and isinstance(local, (int, float)) and local > 0:
+    if is_num(ms) and is_num(local) and local > 0:
         rec = dict(rec, overhead_ms=round(ms - local, 3), ms_per_local=round(ms / local, 3))
     return rec
 
@@ -60,7 +97,11 @@ def with_derived(rec):
 def size_of(rec):
     for key in SIZE_KEYS:
         if key in rec:
-            return key, rec[key]
+            value = rec[key]
+            # Group keys must be hashable: anything but a plain scalar by its text.
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                value = json.dumps(value)
+            return key, value
     return None, None
 
 
@@ -69,7 +110,7 @@ def fmt_size(key, value):
         return "-"
     if key == "config":
         return str(value)
-    if key == "bytes":
+    if key == "bytes" and is_num(value) and value == int(value):
         n = int(value)
         for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
             if n >= scale and n % scale == 0:
@@ -87,14 +128,14 @@ def fmt_num(v):
 
 
 def ratio(a, b):
-    if a is None or b is None or not isinstance(a, (int, float)) or not b:
+    if not is_num(a) or not is_num(b) or not b:
         return "-"
     return f"{a / b:.2f}"
 
 
 def best(recs, metric):
     """The record with the best value of metric, or None."""
-    have = [r for r in recs if isinstance(r.get(metric), (int, float))]
+    have = [r for r in recs if is_num(r.get(metric))]
     if not have:
         return None
     pick = max if metric in HIGHER_IS_BETTER else min
@@ -110,7 +151,7 @@ def median_per_path(recs):
     for path, runs in by_path.items():
         merged = dict(runs[0])
         for m in METRICS:
-            vals = sorted(r[m] for r in runs if isinstance(r.get(m), (int, float)))
+            vals = sorted(r[m] for r in runs if is_num(r.get(m)))
             if vals:
                 merged[m] = vals[len(vals) // 2]
         out.append(merged)
@@ -145,6 +186,54 @@ def build_rows(records):
     return rows
 
 
+def same_size(rec, key, value):
+    """Whether rec is the line of that size (bytes 1048576 and 1048576.0 alike)."""
+    k, v = size_of(rec)
+    if k != key:
+        return False
+    if key is None:
+        return True
+    return v == value if is_num(v) and is_num(value) else str(v) == str(value)
+
+
+def fmt_fixed(v, decimals):
+    return "-" if not is_num(v) else f"{v:.{decimals}f}"
+
+
+def summary_rows(records):
+    """The rows of --summary: SUMMARY_ROWS that have a Tandem figure."""
+    records = list(records)
+    rows = []
+    for bench, key, value, size_label, metric, label, decimals in SUMMARY_ROWS:
+        lines = [r for r in records if r["bench"] == bench and same_size(r, key, value)]
+        picked = []
+        for impl in ("tandem", "tandem_shm", "pytorch"):
+            r = best(median_per_path([x for x in lines if x["impl"] == impl]), metric)
+            picked.append(r[metric] if r else None)
+        tcp, shm, torch = picked
+        if tcp is None and shm is None:
+            continue
+        rows.append((bench, size_label, label,
+                     fmt_fixed(tcp, decimals), fmt_fixed(shm, decimals), fmt_fixed(torch, decimals),
+                     ratio(tcp, torch), ratio(shm, torch), ratio(shm, tcp)))
+    # What one trace event costs (rpc_bench), on and off, in one cell.
+    trace = [r for r in records if r["bench"] == "trace_event" and r["impl"] == "tandem"]
+    on = best(median_per_path(trace), "on_ns")
+    off = best(median_per_path(trace), "off_ns")
+    if on or off:
+        cell = fmt_fixed(on["on_ns"] if on else None, 0) + " / " + \
+            fmt_fixed(off["off_ns"] if off else None, 0)
+        rows.append(("trace_event", "-", "ns, tracing on / off", cell) + ("",) * 5)
+    return rows
+
+
+def print_summary(rows):
+    print("| " + " | ".join(SUMMARY_HEADER) + " |")
+    print("|" + "|".join("---" if i < 3 else "---:" for i in range(len(SUMMARY_HEADER))) + "|")
+    for r in rows:
+        print("|" + "|".join(f" {c} " if c else " " for c in r) + "|")
+
+
 def print_text(rows):
     widths = [max(len(r[i]) for r in [HEADER] + rows) for i in range(len(HEADER))]
 
@@ -166,16 +255,25 @@ def print_markdown(rows):
 
 
 def main(argv):
-    markdown = "--markdown" in argv
-    files = [a for a in argv if a != "--markdown"]
-    if any(a in ("-h", "--help") for a in files):
+    if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip())
         return 0
+    options = [a for a in argv if a.startswith("--")]
+    files = [a for a in argv if not a.startswith("--")]
+    unknown = [a for a in options if a not in ("--markdown", "--summary")]
+    if unknown or len(options) > 1:
+        why = f"unknown option {unknown[0]}" if unknown else "give --markdown or --summary, not both"
+        print(f"compare.py: {why}\nusage: compare.py [--markdown | --summary] [FILE ...]",
+              file=sys.stderr)
+        return 2
+    markdown = "--markdown" in options
+    summary = "--summary" in options
     streams = []
     try:
         for f in files:
             streams.append(sys.stdin if f == "-" else open(f, encoding="utf-8", errors="replace"))
-        rows = build_rows(read_records(streams or [sys.stdin]))
+        records = read_records(streams or [sys.stdin])
+        rows = summary_rows(records) if summary else build_rows(records)
     except OSError as e:
         print(f"compare.py: {e}", file=sys.stderr)
         return 2
@@ -186,9 +284,16 @@ def main(argv):
     if not rows:
         print("compare.py: no benchmark lines found", file=sys.stderr)
         return 1
-    (print_markdown if markdown else print_text)(rows)
+    if summary:
+        print_summary(rows)
+    else:
+        (print_markdown if markdown else print_text)(rows)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except BrokenPipeError:  # the reader went away (| head): nothing more to say
+        sys.stderr.close()
+        sys.exit(0)
