@@ -1,35 +1,25 @@
 #include "tandem/pipeline/pipe.h"
 
 #include <ATen/ops/cat.h>
-#include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/full_like.h>
-#include <ATen/ops/mse_loss.h>
 #include <ATen/ops/tensor_split.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
-#include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/variable.h>
-#include <torch/version.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <cstdio>
-#include <fstream>
 #include <limits>
 #include <map>
 #include <mutex>
-#include <set>
 #include <tuple>
-#include <unordered_map>
-#include <unordered_set>
 
 #include "tandem/autograd/autograd.h"
+#include "tandem/pipeline/step/losses.h"
+#include "tandem/pipeline/step/split_backward.h"
 #include "tandem/remote_module/served.h"
 #include "tandem/rpc/api.h"
 #include "tandem/rpc/bounded_set.h"
@@ -41,141 +31,6 @@ namespace tandem::pipeline {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// ---- losses ----
-
-std::mutex g_losses_mu;
-std::map<std::string, LossFn>& losses() {
-  static std::map<std::string, LossFn> all = {
-      {"cross_entropy",
-       [](const at::Tensor& out, const at::Tensor& target) {
-         return at::cross_entropy_loss(out, target);
-       }},
-      {"mse", [](const at::Tensor& out, const at::Tensor& target) {
-         return at::mse_loss(out, target);
-       }}};
-  return all;
-}
-
-LossFn loss_named(const std::string& name, const std::string& where) {
-  std::lock_guard<std::mutex> lock(g_losses_mu);
-  auto it = losses().find(name);
-  if (it == losses().end()) {
-    std::string known;
-    for (const auto& [n, _] : losses()) known += (known.empty() ? "" : ", ") + n;
-    throw std::invalid_argument("no pipeline loss '" + name + "' on " + where + " (known: " +
-                                known + "; pipeline::register_loss adds one)");
-  }
-  return it->second;
-}
-
-// ---- a backward split in two (I: the input's gradient, W: the weights') ----
-//
-// The I pass runs the engine from the stage's output to its input only, so
-// nodes compute no parameter gradients. On the way it records what reached
-// each node that lies between output and input and also leads to
-// parameters (a Linear's AddmmBackward, say): those nodes are where the
-// parameters' gradients leave the input's path. The W pass then cuts those
-// nodes' edges toward the input and runs the engine from them, with what
-// they got in the I pass, to the parameters: each gradient path to a
-// parameter leaves the input's path exactly once, so nothing is computed
-// twice and every contribution is counted once.
-
-namespace ag = torch::autograd;
-
-class Capture final : public ag::FunctionPreHook {
- public:
-  explicit Capture(std::shared_ptr<ag::variable_list> into) : into_(std::move(into)) {}
-  ag::variable_list operator()(const ag::variable_list& grads) override {
-    *into_ = grads;
-    return grads;
-  }
-
- private:
-  std::shared_ptr<ag::variable_list> into_;
-};
-
-struct WeightWork {
-  struct Root {
-    std::shared_ptr<ag::Node> node;
-    std::vector<size_t> toward_input;  // its edges to cut before the W pass
-    std::shared_ptr<ag::variable_list> grads = std::make_shared<ag::variable_list>();
-  };
-  bool reaches_input = false;  // false: the W pass is the whole parameter backward
-  std::vector<Root> roots;
-  // The input's path's other nodes: the W pass runs none of them, so their
-  // saved tensors go once the I pass is done.
-  std::vector<std::shared_ptr<ag::Node>> path_only;
-};
-
-// The W pass's roots for `output`'s graph back to leaf `input`, with their
-// capture hooks in place (run the I pass next).
-std::shared_ptr<WeightWork> plan_weight_pass(const at::Tensor& output, const at::Tensor& input,
-                                             const std::vector<at::Tensor>& params) {
-  auto work = std::make_shared<WeightWork>();
-  ag::Node* target = ag::impl::gradient_edge(input).function.get();
-  std::unordered_map<ag::Node*, bool> to_input, to_params;
-  std::unordered_set<ag::Node*> param_nodes;
-  for (const auto& p : params) param_nodes.insert(ag::impl::gradient_edge(p).function.get());
-  // Depth-first with memo, without recursion (graphs can be deep).
-  auto reaches = [](ag::Node* start, std::unordered_map<ag::Node*, bool>& memo, const auto& goal) {
-    std::vector<std::pair<ag::Node*, size_t>> path{{start, 0}};
-    if (memo.count(start)) return memo[start];
-    memo[start] = goal(start);
-    while (!path.empty()) {
-      auto& [n, next] = path.back();
-      if (next < n->next_edges().size()) {
-        ag::Node* child = n->next_edges()[next++].function.get();
-        if (!child) continue;
-        auto it = memo.find(child);
-        if (it == memo.end()) {
-          memo[child] = goal(child);
-          path.emplace_back(child, 0);
-        } else if (it->second) {
-          memo[n] = true;
-        }
-      } else {
-        const bool r = memo[n];
-        path.pop_back();
-        if (r && !path.empty()) memo[path.back().first] = true;
-      }
-    }
-    return memo[start];
-  };
-  auto is_target = [&](ag::Node* n) { return n == target; };
-  auto is_a_param = [&](ag::Node* n) { return param_nodes.count(n) > 0; };
-  ag::Node* root = output.grad_fn().get();
-  if (!root || !target || !reaches(root, to_input, is_target)) return work;
-  work->reaches_input = true;
-  // Every node on the input's path (to_input true, reached from root).
-  std::vector<std::shared_ptr<ag::Node>> stack{output.grad_fn()};
-  std::unordered_set<ag::Node*> seen{root};
-  while (!stack.empty()) {
-    std::shared_ptr<ag::Node> n = std::move(stack.back());
-    stack.pop_back();
-    WeightWork::Root r;
-    bool side = false;
-    const auto& edges = n->next_edges();
-    for (size_t i = 0; i < edges.size(); ++i) {
-      ag::Node* child = edges[i].function.get();
-      if (!child) continue;
-      if (reaches(child, to_input, is_target)) {
-        r.toward_input.push_back(i);
-        if (child != target && seen.insert(child).second) stack.push_back(edges[i].function);
-      } else if (reaches(child, to_params, is_a_param)) {
-        side = true;
-      }
-    }
-    if (side) {
-      r.node = n;
-      r.node->add_pre_hook(std::make_unique<Capture>(r.grads));
-      work->roots.push_back(std::move(r));
-    } else {
-      work->path_only.push_back(std::move(n));
-    }
-  }
-  return work;
-}
 
 // ---- a worker's side of one step ----
 
@@ -435,7 +290,7 @@ class PipeService final : public rpc::AgentExtension,
     at::Tensor output;  // the stage's output, or the weighted loss on the last stage
     // Between a split backward's I and W passes:
     at::Tensor grad;                    // the output's gradient
-    std::shared_ptr<WeightWork> work;   // null: W runs the whole parameter backward
+    std::shared_ptr<step::WeightWork> work;  // null: W runs the whole parameter backward
     bool input_done = false;
   };
 
@@ -453,7 +308,7 @@ class PipeService final : public rpc::AgentExtension,
     }
     const int64_t last = a.stages - 1;
     LossFn loss_fn;
-    if (served.count(last) && a.train) loss_fn = loss_named(a.loss, agent_.name());
+    if (served.count(last) && a.train) loss_fn = step::loss_named(a.loss, agent_.name());
     std::vector<at::Tensor> outputs(served.count(last) && !a.train ? a.chunks : 0);
     std::map<std::pair<int64_t, int64_t>, Stash> stash;
     std::map<int64_t, std::vector<at::Tensor>> sums;  // per stage, per parameter
@@ -545,31 +400,9 @@ class PipeService final : public rpc::AgentExtension,
           Stash s = std::move(it->second);
           stash.erase(it);
           rec[i][3] = us();
-          if (s.work && s.work->reaches_input) {
-            ag::edge_list roots;
-            ag::variable_list grads;
-            for (auto& r : s.work->roots) {
-              for (size_t e : r.toward_input) r.node->next_edges()[e] = ag::Edge();
-              // What the I pass captured went through the node's hooks (a
-              // tensor hook on an activation, say): they must not run twice.
-              r.node->pre_hooks().clear();
-#if TORCH_VERSION_MAJOR >= 2
-              r.node->tensor_pre_hooks().clear();
-              r.node->retains_grad_hooks().clear();
-#endif
-              for (size_t k = 0; k < r.grads->size(); ++k) {
-                if (!(*r.grads)[k].defined()) continue;
-                roots.emplace_back(r.node, static_cast<uint32_t>(k));
-                grads.push_back((*r.grads)[k]);
-              }
-            }
-            ag::edge_list outs;
-            for (const auto& p : params[stage]) outs.push_back(ag::impl::gradient_edge(p));
-            if (!roots.empty() && !outs.empty()) {
-              add_to_sums(stage, ag::Engine::get_default_engine().execute(
-                                     roots, grads, /*keep_graph=*/false, /*create_graph=*/false,
-                                     /*accumulate_grad=*/false, outs));
-            }
+          if (s.work) {
+            auto grads = step::weight_pass(*s.work, params[stage]);
+            if (!grads.empty()) add_to_sums(stage, grads);
           } else if (!params[stage].empty() && s.output.requires_grad() && s.output.grad_fn()) {
             add_to_sums(stage, torch::autograd::grad({s.output}, params[stage], {s.grad},
                                                      /*retain_graph=*/false,
@@ -598,19 +431,8 @@ class PipeService final : public rpc::AgentExtension,
             if (input_grad && s.output.is_same(s.input)) {
               input_gradient = g;  // the stage gave back its input
             } else if (input_grad && s.output.requires_grad()) {
-              s.work = plan_weight_pass(s.output, s.input, params[stage]);
-              if (s.work->reaches_input) {
-                // Only the input's gradient; the graph stays for the W pass
-                // where it has one.
-                const bool keep = !s.work->roots.empty();
-                auto got = ag::Engine::get_default_engine().execute(
-                    {ag::impl::gradient_edge(s.output)}, {g}, keep, /*create_graph=*/false,
-                    /*accumulate_grad=*/false, {ag::impl::gradient_edge(s.input)});
-                input_gradient = got.at(0);
-                for (auto& node : s.work->path_only) node->release_variables();
-                s.work->path_only.clear();
-                s.grad = at::Tensor();  // the W pass starts from what the roots got
-              }
+              input_gradient = step::input_pass(s.output, s.input, g, params[stage], s.work);
+              if (s.work) s.grad = at::Tensor();  // the W pass starts from what the roots got
             }
           } else {
             std::vector<at::Tensor> wrt = params[stage];
@@ -677,13 +499,6 @@ std::atomic<int64_t> g_next_step{1};
 }  // namespace
 
 size_t pending_steps(rpc::Agent& agent) { return PipeService::of(agent)->pending(); }
-
-void register_loss(const std::string& name, LossFn fn) {
-  std::lock_guard<std::mutex> lock(g_losses_mu);
-  if (!losses().emplace(name, std::move(fn)).second) {
-    throw std::invalid_argument("pipeline loss '" + name + "' is registered already");
-  }
-}
 
 Pipe::Pipe(std::vector<nn::RemoteModule> stages, PipeOptions options)
     : Pipe(*rpc::current_agent(), std::move(stages), std::move(options)) {}
@@ -914,50 +729,6 @@ at::Tensor Pipe::forward(const at::Tensor& inputs) {
 
 void Pipe::write_trace(const std::string& path) const {
   pipeline::write_trace(last_, worker_names_, path);
-}
-
-void write_trace(const StepStats& stats, const std::vector<std::string>& worker_names,
-                 const std::string& path) {
-  std::ofstream out(path);
-  if (!out) throw std::runtime_error("write_trace: cannot write '" + path + "'");
-  out << "{\"traceEvents\":[\n";
-  bool first = true;
-  auto sep = [&] {
-    if (!first) out << ",\n";
-    first = false;
-  };
-  std::set<std::pair<int, int>> tracks;
-  for (const auto& p : stats.passes) tracks.insert({p.worker, p.action.stage});
-  for (size_t w = 0; w < worker_names.size(); ++w) {
-    sep();
-    // Worker names are rank names ("worker1"), but quote them safely all the same.
-    std::string name;
-    for (char c : worker_names[w]) {
-      if (c == '"' || c == '\\') name += '\\';
-      if (static_cast<unsigned char>(c) >= 0x20) name += c;
-    }
-    out << "{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":" << w
-        << ",\"args\":{\"name\":\"" << name << "\"}}";
-  }
-  for (const auto& [w, stage] : tracks) {
-    sep();
-    out << "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":" << w << ",\"tid\":" << stage
-        << ",\"args\":{\"name\":\"stage " << stage << "\"}}";
-  }
-  char buf[64];
-  for (const auto& p : stats.passes) {
-    sep();
-    const std::string name = to_string(p.action);  // "F3@1"
-    std::snprintf(buf, sizeof buf, "%.3f", p.start_us);
-    out << "{\"ph\":\"X\",\"name\":\"" << name.substr(0, name.find('@'))
-        << "\",\"cat\":\"" << kind_name(p.action.kind) << "\",\"pid\":" << p.worker
-        << ",\"tid\":" << p.action.stage << ",\"ts\":" << buf;
-    std::snprintf(buf, sizeof buf, "%.3f", p.end_us - p.start_us);
-    out << ",\"dur\":" << buf << ",\"args\":{\"micro_batch\":" << p.action.chunk << "}}";
-  }
-  out << "\n]}\n";
-  out.close();
-  if (!out) throw std::runtime_error("write_trace: writing '" + path + "' failed");
 }
 
 }  // namespace tandem::pipeline
