@@ -15,10 +15,13 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <tuple>
 
 #include "tandem/autograd/autograd.h"
+#include "tandem/pipeline/step/errors.h"
 #include "tandem/pipeline/step/losses.h"
+#include "tandem/pipeline/step/messages.h"
 #include "tandem/pipeline/step/split_backward.h"
 #include "tandem/remote_module/served.h"
 #include "tandem/rpc/api.h"
@@ -34,17 +37,7 @@ using Clock = std::chrono::steady_clock;
 
 // ---- a worker's side of one step ----
 
-// A pass timeout that came over the wire, kept within a day so that
-// deadlines cannot overflow.
-std::chrono::milliseconds wire_timeout(int64_t ms) {
-  return std::chrono::milliseconds(std::clamp<int64_t>(ms, 1, int64_t{24} * 3600 * 1000));
-}
-
-enum Slot : int64_t { kActivation = 0, kGradient = 1 };
-
-// How a pass that was stopped because the step failed elsewhere begins its
-// error: such errors are echoes, and the cause is reported instead.
-constexpr const char* kAborted = "step aborted: ";
+using namespace step;  // the step's messages and errors
 
 // Tells workers 0 .. count - 1 of `names` but `skip` that `step` (whose
 // passes wait `timeout` for their messages) is off. Best effort: a worker
@@ -55,8 +48,7 @@ void abort_step(rpc::Agent& agent, const std::vector<std::string>& names, size_t
   for (size_t w = 0; w < count; ++w) {
     if (static_cast<int64_t>(w) == skip) continue;
     try {
-      rpc::LayerAccess::notify(agent, names[w], "tandem.pipe.abort",
-                               rpc::to_ivalues(step, static_cast<int64_t>(timeout.count()), why));
+      rpc::LayerAccess::notify(agent, names[w], kAbortFn, AbortNote{step, timeout, why}.encode());
     } catch (const std::exception&) {
     }
   }
@@ -74,7 +66,7 @@ struct Box {
   std::map<std::tuple<int64_t, int64_t, int64_t>, at::Tensor> items;
   std::string aborted;  // non-empty: the step failed elsewhere
 
-  void put(int64_t slot, int64_t stage, int64_t chunk, at::Tensor t) {
+  void put(Slot slot, int64_t stage, int64_t chunk, at::Tensor t) {
     {
       std::lock_guard<std::mutex> lock(mu);
       items[{slot, stage, chunk}] = std::move(t);
@@ -88,36 +80,18 @@ struct Box {
     }
     cv.notify_all();
   }
-  at::Tensor take(int64_t slot, int64_t stage, int64_t chunk, std::chrono::milliseconds timeout,
-                  const std::string& waiting) {
+  // std::nullopt when it did not come within `timeout`.
+  std::optional<at::Tensor> take(Slot slot, int64_t stage, int64_t chunk,
+                                 std::chrono::milliseconds timeout) {
     std::unique_lock<std::mutex> lock(mu);
-    const auto key = std::make_tuple(slot, stage, chunk);
+    const auto key = std::make_tuple(static_cast<int64_t>(slot), stage, chunk);
     const bool came = cv.wait_for(lock, timeout, [&] { return items.count(key) || !aborted.empty(); });
-    if (!aborted.empty()) throw std::runtime_error(kAborted + aborted);
-    if (!came) {
-      throw rpc::TimeoutError(waiting + ": its " +
-                              (slot == kActivation ? std::string("input") : "output's gradient") +
-                              " did not come within " + std::to_string(timeout.count()) + " ms");
-    }
+    if (!aborted.empty()) throw StepAborted(aborted);
+    if (!came) return std::nullopt;
     at::Tensor t = std::move(items[key]);
     items.erase(key);
     return t;
   }
-};
-
-using RunResult = std::tuple<at::Tensor, at::Tensor, int64_t, std::vector<at::Tensor>>;
-
-struct RunArgs {
-  int64_t step = 0, chunks = 0, stages = 0, workers = 0, me = 0;
-  bool train = true;  // false: forwards only, no gradients; the last stage answers its outputs
-  std::chrono::milliseconds timeout{0};
-  std::vector<int64_t> stage_ids;
-  std::vector<rpc::RRef<c10::IValue>> modules;
-  at::Tensor actions;  // [n, 3] int64: kind, stage, chunk
-  std::vector<std::string> worker_names;
-  std::string loss;
-  std::vector<at::Tensor> inputs, targets;  // this worker's, when it holds stage 0 / the last
-  std::vector<double> weights;              // each chunk's share of the batch
 };
 
 class PipeService final : public rpc::AgentExtension,
@@ -175,19 +149,19 @@ class PipeService final : public rpc::AgentExtension,
   }
 
   // Hands `t` to `worker` (this one: straight into the box).
-  void send(const RunArgs& a, int64_t worker, int64_t slot, int64_t stage, int64_t chunk,
+  void send(const RunRequest& r, int64_t worker, Slot slot, int64_t stage, int64_t chunk,
             at::Tensor t) {
-    if (worker == a.me) {
-      if (auto b = box(a.step, a.timeout, false)) b->put(slot, stage, chunk, std::move(t));
+    const StepHeader& h = r.header;
+    if (worker == h.me) {
+      if (auto b = box(h.step, h.timeout, false)) b->put(slot, stage, chunk, std::move(t));
       return;
     }
-    rpc::LayerAccess::notify(
-        agent_, a.worker_names[worker], "tandem.pipe.put",
-        rpc::to_ivalues(a.step, static_cast<int64_t>(a.timeout.count()), slot, stage, chunk,
-                        std::move(t)));
+    rpc::LayerAccess::notify(agent_, r.worker_names[worker], kPutFn,
+                             Handoff{h.step, h.timeout, slot, stage, chunk, std::move(t)}.encode());
   }
 
-  RunResult run(RunArgs a) {
+  RunReply run(const RunRequest& r) {
+    const StepHeader& a = r.header;
     const uint64_t context = autograd::current_context_id();
     if (a.train && context == 0) {
       throw std::invalid_argument("tandem.pipe.run: a training step must come inside a "
@@ -200,53 +174,28 @@ class PipeService final : public rpc::AgentExtension,
                                " is over here (it ran, or its messages expired waiting for it)");
     }
     try {
-      auto result = run_passes(a, *b, context);
+      RunReply reply = run_passes(r, *b, context);
       finish(a.step);
-      return result;
+      return reply;
+    } catch (const StepAborted&) {
+      finish(a.step);  // an echo: the worker that failed told everyone
+      throw;
     } catch (const std::exception& e) {
       finish(a.step);
-      // An abort came from the worker that failed, which told everyone.
-      const std::string why = e.what();
-      if (why.rfind(kAborted, 0) != 0) {
-        abort_step(agent_, a.worker_names, static_cast<size_t>(a.workers), a.step, a.timeout, why,
-                   a.me);
-      }
+      abort_step(agent_, r.worker_names, static_cast<size_t>(a.workers), a.step, a.timeout,
+                 e.what(), a.me);
       throw;
     }
   }
 
   void register_handlers(rpc::Registry& internal) override {
     std::weak_ptr<PipeService> weak = weak_from_this();
-    auto self = [weak] {
-      auto s = weak.lock();
-      if (!s) throw rpc::ShutdownError("the pipeline service is shut down");
-      return s;
-    };
-    internal.def("tandem.pipe.run",
-                 [self](std::vector<int64_t> header, std::vector<int64_t> stage_ids,
-                        std::vector<rpc::RRef<c10::IValue>> modules, at::Tensor actions,
-                        std::vector<std::string> worker_names, std::string loss,
-                        std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets,
-                        std::vector<double> weights) {
-                   if (header.size() != 7) throw std::invalid_argument("tandem.pipe.run: bad header");
-                   RunArgs a;
-                   a.step = header[0];
-                   a.chunks = header[1];
-                   a.stages = header[2];
-                   a.workers = header[3];
-                   a.me = header[4];
-                   a.timeout = wire_timeout(header[5]);
-                   a.train = header[6] != 0;
-                   a.stage_ids = std::move(stage_ids);
-                   a.modules = std::move(modules);
-                   a.actions = std::move(actions);
-                   a.worker_names = std::move(worker_names);
-                   a.loss = std::move(loss);
-                   a.inputs = std::move(inputs);
-                   a.targets = std::move(targets);
-                   a.weights = std::move(weights);
-                   return self()->run(std::move(a));
-                 });
+    internal.def_ivalue(kRunFn, [weak](std::vector<c10::IValue>& args) -> c10::IValue {
+      const RunRequest request = RunRequest::decode(args);
+      auto self = weak.lock();
+      if (!self) throw rpc::ShutdownError("the pipeline service is shut down");
+      return self->run(request).encode();
+    });
   }
 
   // Puts and aborts are bounded and never block: where they are delivered
@@ -254,18 +203,21 @@ class PipeService final : public rpc::AgentExtension,
   // that runs holding pool threads for a whole step cannot starve them.
   void register_loop_handlers(rpc::Registry& on_loop) override {
     std::weak_ptr<PipeService> weak = weak_from_this();
-    on_loop.def("tandem.pipe.put", [weak](int64_t step, int64_t timeout_ms, int64_t slot,
-                                          int64_t stage, int64_t chunk, at::Tensor t) {
-      auto s = weak.lock();
-      if (!s) return;
-      if (auto b = s->box(step, wire_timeout(timeout_ms), false)) {
-        b->put(slot, stage, chunk, std::move(t));
+    on_loop.def_ivalue(kPutFn, [weak](std::vector<c10::IValue>& args) -> c10::IValue {
+      Handoff h = Handoff::decode(args);
+      if (auto s = weak.lock()) {
+        if (auto b = s->box(h.step, h.timeout, false)) {
+          b->put(h.slot, h.stage, h.chunk, std::move(h.tensor));
+        }
       }
+      return c10::IValue();
     });
-    on_loop.def("tandem.pipe.abort", [weak](int64_t step, int64_t timeout_ms, std::string why) {
-      auto s = weak.lock();
-      if (!s) return;
-      if (auto b = s->box(step, wire_timeout(timeout_ms), false)) b->abort(why);
+    on_loop.def_ivalue(kAbortFn, [weak](std::vector<c10::IValue>& args) -> c10::IValue {
+      const AbortNote note = AbortNote::decode(args);
+      if (auto s = weak.lock()) {
+        if (auto b = s->box(note.step, note.timeout, false)) b->abort(note.why);
+      }
+      return c10::IValue();
     });
   }
 
@@ -294,7 +246,8 @@ class PipeService final : public rpc::AgentExtension,
     bool input_done = false;
   };
 
-  RunResult run_passes(const RunArgs& a, Box& box, uint64_t context) {
+  RunReply run_passes(const RunRequest& a, Box& box, uint64_t context) {
+    const StepHeader& h = a.header;
     std::map<int64_t, std::shared_ptr<nn::Served>> served;
     std::map<int64_t, std::vector<at::Tensor>> params;
     for (size_t i = 0; i < a.stage_ids.size(); ++i) {
@@ -306,34 +259,19 @@ class PipeService final : public rpc::AgentExtension,
         if (p.requires_grad()) params[a.stage_ids[i]].push_back(p);
       }
     }
-    const int64_t last = a.stages - 1;
+    const int64_t last = h.stages - 1;
     LossFn loss_fn;
-    if (served.count(last) && a.train) loss_fn = step::loss_named(a.loss, agent_.name());
-    std::vector<at::Tensor> outputs(served.count(last) && !a.train ? a.chunks : 0);
+    if (served.count(last) && h.train) loss_fn = step::loss_named(a.loss, agent_.name());
+    std::vector<at::Tensor> outputs(served.count(last) && !h.train ? h.chunks : 0);
     std::map<std::pair<int64_t, int64_t>, Stash> stash;
     std::map<int64_t, std::vector<at::Tensor>> sums;  // per stage, per parameter
-    at::Tensor losses = at::full({a.chunks}, std::numeric_limits<double>::quiet_NaN(), at::kDouble);
-    if (a.actions.dim() != 2 || a.actions.size(1) != 3 || a.actions.scalar_type() != at::kLong) {
-      throw std::invalid_argument("tandem.pipe.run: the passes must be an [n, 3] int64 tensor");
-    }
-    const int64_t n = a.actions.size(0);
-    at::Tensor record = at::empty({n, 5}, at::kDouble);
-    auto acts = a.actions.accessor<int64_t, 2>();
-    for (int64_t i = 0; i < n; ++i) {
-      if (acts[i][0] < 0 || acts[i][0] > Action::kWeightGrad || !served.count(acts[i][1]) ||
-          acts[i][2] < 0 || acts[i][2] >= a.chunks) {
-        throw std::invalid_argument("tandem.pipe.run: pass " + std::to_string(i) + " (kind " +
-                                    std::to_string(acts[i][0]) + ", stage " +
-                                    std::to_string(acts[i][1]) + ", micro-batch " +
-                                    std::to_string(acts[i][2]) + ") is not one this worker can run");
-      }
-    }
-    auto rec = record.accessor<double, 2>();
+    at::Tensor losses = at::full({h.chunks}, std::numeric_limits<double>::quiet_NaN(), at::kDouble);
+    RunReply reply;
     rpc::Tracer* const tracer = agent_.tracer().get();
     const auto t0 = Clock::now();
     auto us = [&] { return std::chrono::duration<double, std::micro>(Clock::now() - t0).count(); };
     int64_t peak = 0;
-    c10::AutoGradMode grad_on(a.train);
+    c10::AutoGradMode grad_on(h.train);
     // Adds one pass's parameter gradients to the stage's sums.
     auto add_to_sums = [&](int64_t stage, const std::vector<at::Tensor>& grads) {
       auto& sum = sums[stage];
@@ -348,24 +286,30 @@ class PipeService final : public rpc::AgentExtension,
         }
       }
     };
-    for (int64_t i = 0; i < n; ++i) {
-      const auto kind = static_cast<Action::Kind>(acts[i][0]);
+    for (const Action& pass : a.passes.passes) {
+      const auto kind = pass.kind;
       const bool fwd = kind == Action::kForward;
-      const int64_t stage = acts[i][1], chunk = acts[i][2];
-      const std::string what = std::string(kind_name(kind)) + " of micro-batch " +
-                               std::to_string(chunk) + " through stage " + std::to_string(stage) +
-                               " on " + agent_.name();
-      rec[i][0] = static_cast<double>(kind);
-      rec[i][1] = static_cast<double>(stage);
-      rec[i][2] = static_cast<double>(chunk);
+      const int64_t stage = pass.stage, chunk = pass.chunk;
+      PassTime time{pass};
+      auto take = [&](Slot slot) {
+        auto t = box.take(slot, stage, chunk, h.timeout);
+        if (!t) {
+          throw PassTimeoutError(pass, agent_.name(),
+                                 std::string("its ") +
+                                     (slot == kActivation ? "input" : "output's gradient") +
+                                     " did not come within " + std::to_string(h.timeout.count()) +
+                                     " ms");
+        }
+        return std::move(*t);
+      };
       try {
         if (fwd) {
           at::Tensor x = stage == 0 ? a.inputs.at(chunk)
-                                    : box.take(kActivation, stage, chunk, a.timeout, what);
-          rec[i][3] = us();  // the pass runs from here; waiting for its input is bubble
+                                    : take(kActivation);
+          time.start_us = us();  // the pass runs from here; waiting for its input is bubble
           const c10::Device device = served.at(stage)->device;
           x = x.detach().to(device);  // tensors arrive on the CPU; the stage may be on a GPU
-          if (a.train && stage > 0 && x.is_floating_point()) x.requires_grad_(true);
+          if (h.train && stage > 0 && x.is_floating_point()) x.requires_grad_(true);
           std::vector<c10::IValue> args{x};
           c10::IValue out = served.at(stage)->forward(args);
           if (!out.isTensor()) {
@@ -373,11 +317,11 @@ class PipeService final : public rpc::AgentExtension,
                                         ", not one tensor");
           }
           at::Tensor y = out.toTensor();
-          if (!a.train) {
+          if (!h.train) {
             if (stage == last) {
               outputs.at(chunk) = y;
             } else {
-              send(a, (stage + 1) % a.workers, kActivation, stage + 1, chunk, y);
+              send(a, (stage + 1) % h.workers, kActivation, stage + 1, chunk, y);
             }
           } else if (stage == last) {
             at::Tensor l = loss_fn(y, a.targets.at(chunk).to(y.device()));
@@ -389,7 +333,7 @@ class PipeService final : public rpc::AgentExtension,
             Stash& held = stash[{stage, chunk}];
             held.input = x;
             held.output = y;
-            send(a, (stage + 1) % a.workers, kActivation, stage + 1, chunk, y.detach());
+            send(a, (stage + 1) % h.workers, kActivation, stage + 1, chunk, y.detach());
           }
           peak = std::max(peak, static_cast<int64_t>(stash.size()));
         } else if (kind == Action::kWeightGrad) {
@@ -399,7 +343,7 @@ class PipeService final : public rpc::AgentExtension,
           }
           Stash s = std::move(it->second);
           stash.erase(it);
-          rec[i][3] = us();
+          time.start_us = us();
           if (s.work) {
             auto grads = step::weight_pass(*s.work, params[stage]);
             if (!grads.empty()) add_to_sums(stage, grads);
@@ -420,9 +364,8 @@ class PipeService final : public rpc::AgentExtension,
           }
           Stash& s = split ? it->second : whole;
           at::Tensor g = stage == last ? at::ones_like(s.output)
-                                       : box.take(kGradient, stage, chunk, a.timeout, what)
-                                             .to(s.output.device());
-          rec[i][3] = us();
+                                       : take(kGradient).to(s.output.device());
+          time.start_us = us();
           const bool input_grad = stage > 0 && s.input.requires_grad();
           at::Tensor input_gradient;
           if (split) {
@@ -450,25 +393,26 @@ class PipeService final : public rpc::AgentExtension,
           // The previous stage waits for an answer even when its output got
           // no gradient (not floating point, or not used): zeros.
           if (stage > 0) {
-            send(a, (stage - 1) % a.workers, kGradient, stage - 1, chunk,
+            send(a, (stage - 1) % h.workers, kGradient, stage - 1, chunk,
                  input_gradient.defined() ? input_gradient : at::zeros_like(s.input));
           }
         }
+      } catch (const StepAborted&) {
+        throw;  // an echo keeps its words
+      } catch (const PassTimeoutError&) {
+        throw;  // named already
       } catch (const std::exception& e) {
-        const std::string msg = e.what();
-        // The first failure names its pass; "step aborted" ones keep theirs.
-        if (msg.rfind(kAborted, 0) == 0 || msg.find(" of micro-batch ") != std::string::npos) throw;
-        throw std::runtime_error(what + ": " + msg);
+        throw PassError(pass, agent_.name(), e.what());
       }
-      rec[i][4] = us();
+      time.end_us = us();
+      reply.times.times.push_back(time);
       if (tracer) {
         // rpc/trace.h: "F3@1" (forward of micro-batch 3 through stage 1)
         // from when its input was there.
         const auto begin = t0 + std::chrono::duration_cast<Clock::duration>(
-                                    std::chrono::duration<double, std::micro>(rec[i][3]));
-        tracer->slice(to_string(Action{kind, static_cast<int>(stage), static_cast<int>(chunk)}),
-                      "pipeline", begin, Clock::now(), {},
-                      "{\"step\":" + std::to_string(a.step) + ",\"stage\":" +
+                                    std::chrono::duration<double, std::micro>(time.start_us));
+        tracer->slice(to_string(pass), "pipeline", begin, Clock::now(), {},
+                      "{\"step\":" + std::to_string(h.step) + ",\"stage\":" +
                           std::to_string(stage) + ",\"micro_batch\":" + std::to_string(chunk) +
                           "}");
       }
@@ -478,7 +422,10 @@ class PipeService final : public rpc::AgentExtension,
         if (sum[p].defined()) autograd::accumulate_gradient(agent_, context, params[stage][p], sum[p]);
       }
     }
-    return {losses, record, peak, outputs};
+    reply.losses = losses;
+    reply.peak_stash = peak;
+    reply.outputs = std::move(outputs);
+    return reply;
   }
 
   rpc::Agent& agent_;
@@ -570,12 +517,10 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
                     bool train) {
   auto agent = agent_.lock();
   if (!agent) throw rpc::ShutdownError("Pipe: its agent is gone");
-  const int64_t step = (static_cast<int64_t>(agent->rank()) << 40) | g_next_step.fetch_add(1);
+  const int64_t step_id = (static_cast<int64_t>(agent->rank()) << 40) | g_next_step.fetch_add(1);
   const int64_t stages = static_cast<int64_t>(stages_.size());
   const int64_t chunks = static_cast<int64_t>(xs.size());
   const int last_worker = plan.worker_of(static_cast<int>(stages - 1));
-  rpc::CallOptions untimed;
-  untimed.timeout = rpc::kNoTimeout;  // each pass has its own timeout
 
   struct Wait {
     std::mutex mu;
@@ -584,41 +529,37 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
     bool failed = false;
   };
   auto wait = std::make_shared<Wait>();
-  std::vector<rpc::Future<RunResult>> runs;
+  std::vector<step::RunRequest> requests;  // kept to check the answers against
+  std::vector<rpc::Future<c10::IValue>> runs;
   try {
-  for (int w = 0; w < workers_; ++w) {
-    std::vector<int64_t> ids;
-    std::vector<rpc::RRef<c10::IValue>> modules;
-    for (int64_t s = w; s < stages; s += workers_) {
-      ids.push_back(s);
-      modules.push_back(stages_[s].get_module_rref());
+    for (int w = 0; w < workers_; ++w) {
+      step::RunRequest r;
+      r.header = {step_id, chunks, stages, workers_, w, options_.timeout, train};
+      for (int64_t s = w; s < stages; s += workers_) {
+        r.stage_ids.push_back(s);
+        r.modules.push_back(stages_[s].get_module_rref());
+      }
+      r.passes.passes = plan.actions[w];
+      r.worker_names = worker_names_;
+      r.loss = options_.loss;
+      if (w == 0) r.inputs = xs;
+      if (w == last_worker) r.targets = ys;
+      r.weights = weights;
+      // Untimed: each pass has its own timeout.
+      auto f = agent->call(worker_names_[w], step::kRunFn, r.encode(), rpc::kNoTimeout);
+      requests.push_back(std::move(r));
+      f.raw()->addCallback([wait](c10::ivalue::Future& done) {
+        std::lock_guard<std::mutex> lock(wait->mu);
+        ++wait->done;
+        if (done.hasError()) wait->failed = true;
+        wait->cv.notify_all();
+      });
+      runs.push_back(std::move(f));
     }
-    const auto& list = plan.actions[w];
-    at::Tensor actions = at::empty({static_cast<int64_t>(list.size()), 3}, at::kLong);
-    auto acc = actions.accessor<int64_t, 2>();
-    for (size_t i = 0; i < list.size(); ++i) {
-      acc[i][0] = static_cast<int64_t>(list[i].kind);
-      acc[i][1] = list[i].stage;
-      acc[i][2] = list[i].chunk;
-    }
-    std::vector<int64_t> header = {step, chunks, stages, workers_, w,
-                                   static_cast<int64_t>(options_.timeout.count()), train ? 1 : 0};
-    auto f = agent->rpc_async<RunResult>(
-        untimed, worker_names_[w], "tandem.pipe.run", header, ids, modules, actions,
-        worker_names_, options_.loss, w == 0 ? xs : std::vector<at::Tensor>{},
-        w == last_worker ? ys : std::vector<at::Tensor>{}, weights);
-    f.raw()->addCallback([wait](c10::ivalue::Future& done) {
-      std::lock_guard<std::mutex> lock(wait->mu);
-      ++wait->done;
-      if (done.hasError()) wait->failed = true;
-      wait->cv.notify_all();
-    });
-    runs.push_back(std::move(f));
-  }
   } catch (...) {
     // Those already started would wait for passes that never come.
-    abort_step(*agent, worker_names_, runs.size(), step, options_.timeout,
-               "the driver could not start every worker");
+    abort_step(*agent, worker_names_, runs.size(), step_id, options_.timeout,
+                     "the driver could not start every worker");
     for (auto& r : runs) rpc::wait_raw(r.raw(), std::chrono::milliseconds(0));
     throw;
   }
@@ -629,36 +570,27 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
     wait->cv.wait(lock, [&] { return wait->done == runs.size() || wait->failed; });
     if (wait->failed && wait->done < runs.size()) {
       lock.unlock();
-      abort_step(*agent, worker_names_, runs.size(), step, options_.timeout,
-                 "a worker of the step failed");
+      abort_step(*agent, worker_names_, runs.size(), step_id, options_.timeout,
+                       "a worker of the step failed");
     }
   }
   std::string first_error, aborted_error;
   Run out;
   for (int w = 0; w < workers_; ++w) {
     try {
-      auto [losses, record, peak, outputs] = runs[w].wait();
-      out.stats.peak_stash.push_back(static_cast<int>(peak));
-      auto rec = record.accessor<double, 2>();
-      for (int64_t i = 0; i < record.size(0); ++i) {
-        PassRecord p;
-        p.action = {static_cast<Action::Kind>(static_cast<int>(rec[i][0])),
-                    static_cast<int>(rec[i][1]), static_cast<int>(rec[i][2])};
-        p.worker = w;
-        p.start_us = rec[i][3];
-        p.end_us = rec[i][4];
-        out.stats.passes.push_back(p);
-      }
+      step::RunReply reply = step::RunReply::decode(runs[w].wait(), requests[w]);
+      out.stats.peak_stash.push_back(static_cast<int>(reply.peak_stash));
+      for (const auto& t : reply.times.times) out.stats.passes.push_back({t.pass, w, t.start_us, t.end_us});
       if (w == last_worker) {
-        out.losses = losses;
-        out.outputs = std::move(outputs);
+        out.losses = reply.losses;
+        out.outputs = std::move(reply.outputs);
       }
     } catch (const std::exception& e) {
-      std::string msg = e.what();
-      if (msg.find(kAborted) != std::string::npos) {
-        if (aborted_error.empty()) aborted_error = msg;
+      // The cause, not the echoes of it on the other workers.
+      if (step::is_step_aborted(e)) {
+        if (aborted_error.empty()) aborted_error = e.what();
       } else if (first_error.empty()) {
-        first_error = msg;
+        first_error = e.what();
       }
     }
   }

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <limits>
 
+#include "tandem/pipeline/pipe.h"
 #include "tandem/pipeline/step/errors.h"
 #include "tandem/pipeline/step/messages.h"
 
@@ -453,6 +454,32 @@ TEST_CASE("pipeline errors: a failed pass and an aborted step are types, told ap
     REQUIRE(e);
     CHECK_FALSE(aborted(e));
     CHECK_THROWS_AS(std::rethrow_exception(e), rpc::TimeoutError);
+  }
+  w.shutdown();
+}
+
+TEST_CASE("pipeline messages: a stage worker refuses a lying run or hand-off, naming the field") {
+  World w(2);
+  {
+    // A run whose header names a worker that is not there: the caller's
+    // error says which field.
+    RunRequest bad;
+    bad.header = {5, 1, 2, 2, 5, milliseconds(1000), false};
+    const std::string error = test::error_of([&] {
+      w.agents[0]->call("worker1", pipeline::step::kRunFn, bad.encode()).wait();
+    });
+    CHECK(error == "Error on worker1: tandem.pipe.run: header.me is 5, not in 0 .. 1");
+    // A hand-off in a slot that is neither is dropped; a good one is kept.
+    rpc::LayerAccess::notify(*w.agents[0], "worker1", pipeline::step::kPutFn,
+                             rpc::to_ivalues(int64_t{90}, int64_t{60000}, int64_t{7}, int64_t{1},
+                                             int64_t{0}, at::ones({1})));
+    rpc::LayerAccess::notify(*w.agents[0], "worker1", pipeline::step::kPutFn,
+                             rpc::to_ivalues(int64_t{91}, int64_t{60000}, int64_t{0}, int64_t{1},
+                                             int64_t{0}, at::ones({1})));
+    CHECK(test::eventually([&] { return pipeline::pending_steps(*w.agents[1]) == 1; },
+                           std::chrono::milliseconds(5000)));
+    std::this_thread::sleep_for(milliseconds(50));
+    CHECK(pipeline::pending_steps(*w.agents[1]) == 1);
   }
   w.shutdown();
 }
