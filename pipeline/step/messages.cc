@@ -42,8 +42,8 @@ void check_count(const std::string& message, const std::string& field, size_t go
 void check_args(const std::string& message, const std::vector<c10::IValue>& args, size_t want,
                 const char* names) {
   if (args.size() != want) {
-    throw std::invalid_argument(message + ": " + std::to_string(args.size()) +
-                                " arguments, not " + std::to_string(want) + " (" + names + ")");
+    throw std::invalid_argument(message + ": " + std::to_string(args.size()) + " arguments, not " +
+                                std::to_string(want) + " (" + names + ")");
   }
 }
 
@@ -84,8 +84,7 @@ std::vector<int64_t> StepHeader::encode() const {
 
 StepHeader StepHeader::decode(const std::vector<int64_t>& slots) {
   const std::string m = kRunFn;
-  check_count(m, "header", slots.size(), 7,
-              "step, chunks, stages, workers, me, timeout_ms, train");
+  check_count(m, "header", slots.size(), 7, "step, chunks, stages, workers, me, timeout_ms, train");
   StepHeader h;
   h.step = slots[0];
   check_range(m, "header.step", h.step, 1, std::numeric_limits<int64_t>::max());
@@ -260,8 +259,8 @@ c10::IValue RunReply::encode() const {
 
 RunReply RunReply::decode(const c10::IValue& v, const RunRequest& request) {
   const StepHeader& h = request.header;
-  const std::string m = std::string(kRunFn) + "'s answer from " +
-                        request.worker_names.at(static_cast<size_t>(h.me));
+  const std::string m =
+      std::string(kRunFn) + "'s answer from " + request.worker_names.at(static_cast<size_t>(h.me));
   if (!v.isTuple()) refuse(m, "the answer", "is a " + v.tagKind() + ", not a tuple");
   const auto& items = v.toTupleRef().elements();
   if (items.size() != 4) {
@@ -276,12 +275,12 @@ RunReply RunReply::decode(const c10::IValue& v, const RunRequest& request) {
   r.times = PassTimes::decode(rpc::from_ivalue<at::Tensor>(items[1], m + ": times"),
                               request.passes.passes, m);
   r.peak_stash = rpc::from_ivalue<int64_t>(items[2], m + ": peak_stash");
-  check_range(m, "peak_stash", r.peak_stash, 0,
-              static_cast<int64_t>(request.passes.passes.size()));
+  check_range(m, "peak_stash", r.peak_stash, 0, static_cast<int64_t>(request.passes.passes.size()));
   r.outputs = rpc::from_ivalue<std::vector<at::Tensor>>(items[3], m + ": outputs");
   const bool owes = !h.train && h.holds_last();
-  check_count(m, "outputs", r.outputs.size(), owes ? static_cast<size_t>(h.chunks) : 0,
-              owes ? "one per micro-batch" : "only the last stage's worker gives them, forwards only");
+  check_count(
+      m, "outputs", r.outputs.size(), owes ? static_cast<size_t>(h.chunks) : 0,
+      owes ? "one per micro-batch" : "only the last stage's worker gives them, forwards only");
   for (size_t c = 0; c < r.outputs.size(); ++c) {
     if (!r.outputs[c].defined()) refuse(m, "outputs[" + std::to_string(c) + "]", "is undefined");
   }

@@ -40,13 +40,13 @@ constexpr std::chrono::milliseconds kMaxPassTimeout{int64_t{24} * 3600 * 1000};
 
 // tandem.pipe.run's first argument, 7 int64 slots in this order.
 struct StepHeader {
-  int64_t step = 0;     // > 0: the driver's rank << 40 | its count
-  int64_t chunks = 0;   // micro-batches
-  int64_t stages = 0;   // a multiple of workers
-  int64_t workers = 0;  // the workers holding stages
-  int64_t me = 0;       // the receiving worker's index, 0 .. workers - 1
+  int64_t step = 0;                      // > 0: the driver's rank << 40 | its count
+  int64_t chunks = 0;                    // micro-batches
+  int64_t stages = 0;                    // a multiple of workers
+  int64_t workers = 0;                   // the workers holding stages
+  int64_t me = 0;                        // the receiving worker's index, 0 .. workers - 1
   std::chrono::milliseconds timeout{0};  // how long a pass waits for its input
-  bool train = true;    // false: forwards only, the last stage answers its outputs
+  bool train = true;                     // false: forwards only, the last stage answers its outputs
 
   int64_t worker_of(int64_t stage) const { return stage % workers; }
   bool holds_last() const { return me == worker_of(stages - 1); }
@@ -93,12 +93,12 @@ struct PassTimes {
 // tandem.pipe.run: run these passes of a step on the stages this worker holds.
 struct RunRequest {
   StepHeader header;
-  std::vector<int64_t> stage_ids;                // me, me + workers, ... (all of this worker's)
-  std::vector<rpc::RRef<c10::IValue>> modules;   // theirs, in that order
+  std::vector<int64_t> stage_ids;               // me, me + workers, ... (all of this worker's)
+  std::vector<rpc::RRef<c10::IValue>> modules;  // theirs, in that order
   PassList passes;
-  std::vector<std::string> worker_names;         // by worker index
-  std::string loss;                              // pipeline::register_loss's name
-  std::vector<at::Tensor> inputs;   // per micro-batch, to the worker of stage 0; else none
+  std::vector<std::string> worker_names;  // by worker index
+  std::string loss;                       // pipeline::register_loss's name
+  std::vector<at::Tensor> inputs;         // per micro-batch, to the worker of stage 0; else none
   std::vector<at::Tensor> targets;  // per micro-batch, to the last stage's when training; else none
   std::vector<double> weights;      // per micro-batch: its share of the batch (0 .. 1)
 
@@ -113,10 +113,11 @@ struct RunRequest {
 
 // A worker's answer to tandem.pipe.run.
 struct RunReply {
-  at::Tensor losses;  // [chunks] double: each micro-batch's loss on the last stage's worker, NaN elsewhere
+  // [chunks] double: each micro-batch's loss on the last stage's worker, NaN elsewhere.
+  at::Tensor losses;
   PassTimes times;
-  int64_t peak_stash = 0;            // most micro-batches held between forward and backward
-  std::vector<at::Tensor> outputs;   // forwards only, on the last stage's worker: per micro-batch
+  int64_t peak_stash = 0;           // most micro-batches held between forward and backward
+  std::vector<at::Tensor> outputs;  // forwards only, on the last stage's worker: per micro-batch
 
   c10::IValue encode() const;
   // Checks it against `request`, the one it answers: a tuple of 4 of their

@@ -48,8 +48,11 @@ bool has(const std::string& text, const std::string& part) {
 StepHeader header(bool train = true) { return {77, 3, 4, 2, 1, milliseconds(5000), train}; }
 
 std::vector<Action> passes() {
-  return {{Action::kForward, 1, 0}, {Action::kForward, 3, 0}, {Action::kBackward, 3, 0},
-          {Action::kInputGrad, 1, 2}, {Action::kWeightGrad, 1, 2}};
+  return {{Action::kForward, 1, 0},
+          {Action::kForward, 3, 0},
+          {Action::kBackward, 3, 0},
+          {Action::kInputGrad, 1, 2},
+          {Action::kWeightGrad, 1, 2}};
 }
 
 // A request for header()'s worker; modules are references held by `agent`.
@@ -127,7 +130,8 @@ TEST_CASE("pipeline messages: a step's header round-trips; a bad slot is refused
   CHECK(has(with(6, -1), "header.train is -1"));
 }
 
-TEST_CASE("pipeline messages: a worker's passes round-trip; a bad row or table is refused by name") {
+TEST_CASE(
+    "pipeline messages: a worker's passes round-trip; a bad row or table is refused by name") {
   const std::vector<int64_t> held = {1, 3};
   const at::Tensor t = PassList{passes()}.encode();
   CHECK((t.sizes() == at::IntArrayRef({5, 3})));
@@ -135,13 +139,16 @@ TEST_CASE("pipeline messages: a worker's passes round-trip; a bad row or table i
   CHECK((PassList::decode(t, held, 3).passes == passes()));
   CHECK(PassList::decode(PassList{}.encode(), held, 3).passes.empty());
 
-  auto refused = [&](const at::Tensor& bad) { return refusal([&] { PassList::decode(bad, held, 3); }); };
+  auto refused = [&](const at::Tensor& bad) {
+    return refusal([&] { PassList::decode(bad, held, 3); });
+  };
   auto with = [&](int64_t row, int64_t col, int64_t value) {
     at::Tensor bad = t.clone();
     bad[row][col] = value;
     return refused(bad);
   };
-  const std::string table = "tandem.pipe.run: the passes must be an [n, 3] int64 tensor on the CPU, got ";
+  const std::string table =
+      "tandem.pipe.run: the passes must be an [n, 3] int64 tensor on the CPU, got ";
   CHECK(refused(t.flatten()) == table + "[15] Long on cpu");
   CHECK(refused(t.narrow(1, 0, 2)) == table + "[5, 2] Long on cpu");
   CHECK(refused(at::zeros({5, 4}, at::kLong)) == table + "[5, 4] Long on cpu");
@@ -159,10 +166,13 @@ TEST_CASE("pipeline messages: a worker's passes round-trip; a bad row or table i
   CHECK((PassList::decode(t.t().contiguous().t(), held, 3).passes == passes()));
 }
 
-TEST_CASE("pipeline messages: pass times round-trip; a row of another pass or a bad time is refused") {
+TEST_CASE(
+    "pipeline messages: pass times round-trip; a row of another pass or a bad time is refused") {
   const std::vector<Action> sent = passes();
   PassTimes times;
-  for (size_t i = 0; i < sent.size(); ++i) times.times.push_back({sent[i], 2.0 * i, 2.0 * i + 1.25});
+  for (size_t i = 0; i < sent.size(); ++i) {
+    times.times.push_back({sent[i], 2.0 * i, 2.0 * i + 1.25});
+  }
   const at::Tensor t = times.encode();
   CHECK((t.sizes() == at::IntArrayRef({5, 5})));
   CHECK((t.scalar_type() == at::kDouble));
@@ -174,7 +184,9 @@ TEST_CASE("pipeline messages: pass times round-trip; a row of another pass or a 
     CHECK(back.times[i].end_us == 2.0 * i + 1.25);
   }
 
-  auto refused = [&](const at::Tensor& bad) { return refusal([&] { PassTimes::decode(bad, sent, "answer"); }); };
+  auto refused = [&](const at::Tensor& bad) {
+    return refusal([&] { PassTimes::decode(bad, sent, "answer"); });
+  };
   auto with = [&](int64_t row, int64_t col, double value) {
     at::Tensor bad = t.clone();
     bad[row][col] = value;
@@ -186,17 +198,20 @@ TEST_CASE("pipeline messages: pass times round-trip; a row of another pass or a 
   CHECK(has(refused(t.flatten()), "got [25] Double"));
   CHECK(refused(t.narrow(0, 0, 4)) == "answer: times has 4, not 5 (one per pass sent)");
   CHECK(has(refused(at::cat({t, t.narrow(0, 0, 1)})), "times has 6, not 5"));
-  CHECK(has(with(1, 0, 1), "answer: times[1] is of (kind 1.000000, stage 3.000000, micro-batch "
-                           "0.000000), not of the pass sent, F0@3"));
+  CHECK(has(with(1, 0, 1),
+            "answer: times[1] is of (kind 1.000000, stage 3.000000, micro-batch "
+            "0.000000), not of the pass sent, F0@3"));
   CHECK(has(with(1, 1, 1), "times[1] is of"));
   CHECK(has(with(1, 2, 0.5), "times[1] is of"));
   CHECK(has(with(2, 3, -1), "answer: times[2].start_us is -1.000000, not a time"));
   CHECK(has(with(2, 3, std::nan("")), "times[2].start_us is nan"));
-  CHECK(has(with(2, 4, 3.5), "times[2].end_us is 3.500000, not a time from start_us (4.000000) on"));
+  CHECK(
+      has(with(2, 4, 3.5), "times[2].end_us is 3.500000, not a time from start_us (4.000000) on"));
   CHECK(has(with(2, 4, std::numeric_limits<double>::infinity()), "times[2].end_us is inf"));
 }
 
-TEST_CASE("pipeline messages: a run's request and answer round-trip; a lying field is refused by name") {
+TEST_CASE(
+    "pipeline messages: a run's request and answer round-trip; a lying field is refused by name") {
   World w(1);
   {
     auto& agent = *w.agents[0];
@@ -216,7 +231,9 @@ TEST_CASE("pipeline messages: a run's request and answer round-trip; a lying fie
     CHECK(at::equal(r.targets[2], sent.targets[2]));
     CHECK(r.weights == sent.weights);
 
-    auto refused = [](const RunRequest& bad) { return refusal([&] { RunRequest::decode(bad.encode()); }); };
+    auto refused = [](const RunRequest& bad) {
+      return refusal([&] { RunRequest::decode(bad.encode()); });
+    };
     auto changed = [&](const std::function<void(RunRequest&)>& change) {
       RunRequest bad = request(agent);
       change(bad);
@@ -242,20 +259,28 @@ TEST_CASE("pipeline messages: a run's request and answer round-trip; a lying fie
     CHECK(arg(1, c10::IValue(int64_t{1})) == "tandem.pipe.run: stages: expected list, got Int");
     CHECK(changed([](RunRequest& b) { b.stage_ids = {1}; }) ==
           "tandem.pipe.run: stages has 1, not 2 (stages per worker)");
-    CHECK(changed([](RunRequest& b) { b.stage_ids = {1, 2}; }) ==
-          "tandem.pipe.run: stages[1] is 2, not 3 (worker 1 holds stages 1, 1 + 2, ...)");
+    CHECK(changed([](RunRequest& b) {
+            b.stage_ids = {1, 2};
+          }) == "tandem.pipe.run: stages[1] is 2, not 3 (worker 1 holds stages 1, 1 + 2, ...)");
     CHECK(has(changed([](RunRequest& b) { b.stage_ids = {3, 1}; }), "stages[0] is 3, not 1"));
-    CHECK(has(arg(2, c10::IValue(std::vector<int64_t>{1, 2})), "modules[0]: expected RRef, got Int"));
+    CHECK(
+        has(arg(2, c10::IValue(std::vector<int64_t>{1, 2})), "modules[0]: expected RRef, got Int"));
     CHECK(changed([](RunRequest& b) { b.modules.pop_back(); }) ==
           "tandem.pipe.run: modules has 1, not 2 (one per stage)");
-    CHECK(has(arg(3, c10::IValue(int64_t{0})), "tandem.pipe.run: passes: expected Tensor, got Int"));
-    CHECK(has(changed([](RunRequest& b) { b.passes.passes.push_back({Action::kForward, 0, 0}); }),
+    CHECK(
+        has(arg(3, c10::IValue(int64_t{0})), "tandem.pipe.run: passes: expected Tensor, got Int"));
+    CHECK(has(changed([](RunRequest& b) {
+                b.passes.passes.push_back({Action::kForward, 0, 0});
+              }),
               "passes[5].stage is 0, not a stage this worker holds (1, 3)"));
-    CHECK(has(changed([](RunRequest& b) { b.passes.passes.push_back({Action::kForward, 1, 3}); }),
+    CHECK(has(changed([](RunRequest& b) {
+                b.passes.passes.push_back({Action::kForward, 1, 3});
+              }),
               "passes[5].micro_batch is 3, not in 0 .. 2"));
     CHECK(changed([](RunRequest& b) { b.worker_names.push_back("worker2"); }) ==
           "tandem.pipe.run: worker_names has 3, not 2 (one per worker)");
-    CHECK(has(changed([](RunRequest& b) { b.worker_names.pop_back(); }), "worker_names has 1, not 2"));
+    CHECK(has(changed([](RunRequest& b) { b.worker_names.pop_back(); }),
+              "worker_names has 1, not 2"));
     CHECK(changed([](RunRequest& b) { b.worker_names[0].clear(); }) ==
           "tandem.pipe.run: worker_names[0] is empty");
     CHECK(has(arg(5, c10::IValue(int64_t{0})), "tandem.pipe.run: loss: expected str, got Int"));
@@ -263,9 +288,7 @@ TEST_CASE("pipeline messages: a run's request and answer round-trip; a lying fie
           "tandem.pipe.run: inputs has 1, not 0 (only stage 0's worker gets them)");
     CHECK(changed([](RunRequest& b) { b.targets.pop_back(); }) ==
           "tandem.pipe.run: targets has 2, not 3 (one per micro-batch for the last stage)");
-    CHECK(has(changed([](RunRequest& b) {
-                b.header.train = false;
-              }),
+    CHECK(has(changed([](RunRequest& b) { b.header.train = false; }),
               "targets has 3, not 0 (only the last stage's worker gets them, when training)"));
     CHECK(changed([](RunRequest& b) { b.weights.push_back(0); }) ==
           "tandem.pipe.run: weights has 4, not 3 (one per micro-batch)");
@@ -302,26 +325,32 @@ TEST_CASE("pipeline messages: a run's request and answer round-trip; a lying fie
     };
     CHECK(refusal([&] { RunReply::decode(c10::IValue(int64_t{1}), r); }) ==
           from + "the answer is a Int, not a tuple");
-    CHECK(refusal([&] {
-            RunReply::decode(c10::ivalue::Tuple::create({a.losses, a.times.encode(), int64_t{2}}), r);
-          }) == from + "3 fields, not 4 (losses, times, peak_stash, outputs)");
+    CHECK(
+        refusal([&] {
+          RunReply::decode(c10::ivalue::Tuple::create({a.losses, a.times.encode(), int64_t{2}}), r);
+        }) == from + "3 fields, not 4 (losses, times, peak_stash, outputs)");
     CHECK(refusal([&] {
             RunReply::decode(c10::ivalue::Tuple::create({a.losses, int64_t{0}, int64_t{2},
-                                                          c10::IValue(std::vector<at::Tensor>{})}),
+                                                         c10::IValue(std::vector<at::Tensor>{})}),
                              r);
           }) == from + "times: expected Tensor, got Int");
     CHECK(answer([](RunReply& b) { b.losses = at::zeros({4}, at::kDouble); }, r) ==
           from + "losses has 4, not 3 (one per micro-batch)");
     CHECK(answer([](RunReply& b) { b.losses = at::zeros({3}, at::kFloat); }, r) ==
           from + "losses must be a [chunks] double tensor on the CPU, got [3] Float on cpu");
-    CHECK(has(answer([](RunReply& b) { b.losses = at::zeros({3, 1}, at::kDouble); }, r),
+    CHECK(has(answer(
+                  [](RunReply& b) {
+                    b.losses = at::zeros({3, 1}, at::kDouble);
+                  },
+                  r),
               "losses must be a [chunks] double tensor"));
     CHECK(answer([](RunReply& b) { b.times.times.pop_back(); }, r) ==
           from + "times has 4, not 5 (one per pass sent)");
     CHECK(has(answer([](RunReply& b) { b.times.times[0].pass.chunk = 1; }, r),
               "times[0] is of (kind 0.000000, stage 1.000000, micro-batch 1.000000), not of the "
               "pass sent, F0@1"));
-    CHECK(answer([](RunReply& b) { b.peak_stash = -1; }, r) == from + "peak_stash is -1, not in 0 .. 5");
+    CHECK(answer([](RunReply& b) { b.peak_stash = -1; }, r) ==
+          from + "peak_stash is -1, not in 0 .. 5");
     CHECK(has(answer([](RunReply& b) { b.peak_stash = 6; }, r), "peak_stash is 6, not in 0 .. 5"));
     CHECK(answer([](RunReply& b) { b.outputs = {at::ones({1})}; }, r) ==
           from + "outputs has 1, not 0 (only the last stage's worker gives them, forwards only)");
@@ -344,16 +373,18 @@ TEST_CASE("pipeline messages: a hand-off and an abort round-trip; a bad field is
   CHECK(back.chunk == 5);
   CHECK(at::equal(back.tensor, h.tensor));
   // The layout tests and older peers send by hand.
-  CHECK((Handoff::decode(rpc::to_ivalues(int64_t{79}, kMax, int64_t{0}, int64_t{1}, int64_t{0},
-                                        at::ones({1})))
-            .timeout == pipeline::step::kMaxPassTimeout));
+  CHECK((Handoff::decode(
+             rpc::to_ivalues(int64_t{79}, kMax, int64_t{0}, int64_t{1}, int64_t{0}, at::ones({1})))
+             .timeout == pipeline::step::kMaxPassTimeout));
 
   auto put_with = [&](size_t i, c10::IValue v) {
     auto bad = args;
     bad[i] = std::move(v);
     return refusal([&] { Handoff::decode(bad); });
   };
-  CHECK(refusal([&] { Handoff::decode({args.begin(), args.end() - 1}); }) ==
+  CHECK(refusal([&] {
+          Handoff::decode({args.begin(), args.end() - 1});
+        }) ==
         "tandem.pipe.put: 5 arguments, not 6 (step, timeout_ms, slot, stage, micro-batch, tensor)");
   CHECK(put_with(0, int64_t{0}) == "tandem.pipe.put: step is 0, not at least 1");
   CHECK(has(put_with(0, c10::IValue("x")), "tandem.pipe.put: step: expected int, got String"));
@@ -386,7 +417,8 @@ TEST_CASE("pipeline messages: a hand-off and an abort round-trip; a bad field is
   CHECK(abort_with(2, int64_t{3}) == "tandem.pipe.abort: why: expected str, got Int");
 }
 
-TEST_CASE("pipeline errors: a failed pass and an aborted step are types, told apart across the wire") {
+TEST_CASE(
+    "pipeline errors: a failed pass and an aborted step are types, told apart across the wire") {
   using namespace pipeline::step;
   const Action f{Action::kForward, 1, 3};
   const PassError failed(f, "worker2", "boom");
@@ -394,8 +426,9 @@ TEST_CASE("pipeline errors: a failed pass and an aborted step are types, told ap
   CHECK((failed.pass() == f));
   const PassTimeoutError late({Action::kInputGrad, 0, 2}, "worker1",
                               "its output's gradient did not come within 100 ms");
-  CHECK(std::string(late.what()) == "input gradient of micro-batch 2 through stage 0 on worker1: "
-                                    "its output's gradient did not come within 100 ms");
+  CHECK(std::string(late.what()) ==
+        "input gradient of micro-batch 2 through stage 0 on worker1: "
+        "its output's gradient did not come within 100 ms");
   CHECK(dynamic_cast<const rpc::TimeoutError*>(&late) != nullptr);  // crosses the wire as one
   const StepAborted echo("agent worker3 shut down");
   CHECK(std::string(echo.what()) == "step aborted: agent worker3 shut down");
@@ -465,9 +498,8 @@ TEST_CASE("pipeline messages: a stage worker refuses a lying run or hand-off, na
     // error says which field.
     RunRequest bad;
     bad.header = {5, 1, 2, 2, 5, milliseconds(1000), false};
-    const std::string error = test::error_of([&] {
-      w.agents[0]->call("worker1", pipeline::step::kRunFn, bad.encode()).wait();
-    });
+    const std::string error = test::error_of(
+        [&] { w.agents[0]->call("worker1", pipeline::step::kRunFn, bad.encode()).wait(); });
     CHECK(error == "Error on worker1: tandem.pipe.run: header.me is 5, not in 0 .. 1");
     // A hand-off in a slot that is neither is dropped; a good one is kept.
     rpc::LayerAccess::notify(*w.agents[0], "worker1", pipeline::step::kPutFn,
