@@ -1,451 +1,32 @@
+// The driver: Pipe, on the caller's side. It checks the pipe against its
+// schedule once, and for each step splits the batch, sends every worker
+// holding stages its passes (step/messages.h: one RunRequest each; the stage
+// service, step/stage_service.h, runs them), waits for the answers and
+// reports the cause of a failure rather than its echoes (step/errors.h).
 #include "tandem/pipeline/pipe.h"
 
 #include <ATen/ops/cat.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
-#include <ATen/ops/full_like.h>
 #include <ATen/ops/tensor_split.h>
-#include <c10/core/GradMode.h>
-#include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <condition_variable>
-#include <limits>
-#include <map>
 #include <mutex>
-#include <optional>
-#include <tuple>
 
 #include "tandem/autograd/autograd.h"
 #include "tandem/pipeline/step/errors.h"
-#include "tandem/pipeline/step/losses.h"
 #include "tandem/pipeline/step/messages.h"
-#include "tandem/pipeline/step/split_backward.h"
-#include "tandem/remote_module/served.h"
+#include "tandem/pipeline/step/stage_service.h"
 #include "tandem/rpc/api.h"
-#include "tandem/rpc/bounded_set.h"
 #include "tandem/rpc/errors.h"
-#include "tandem/rpc/layer.h"
 
 namespace tandem::pipeline {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-// ---- a worker's side of one step ----
-
-using namespace step;  // the step's messages and errors
-
-// Tells workers 0 .. count - 1 of `names` but `skip` that `step` (whose
-// passes wait `timeout` for their messages) is off. Best effort: a worker
-// that cannot be reached waits out its pass timeout.
-void abort_step(rpc::Agent& agent, const std::vector<std::string>& names, size_t count,
-                int64_t step, std::chrono::milliseconds timeout, const std::string& why,
-                int64_t skip = -1) {
-  for (size_t w = 0; w < count; ++w) {
-    if (static_cast<int64_t>(w) == skip) continue;
-    try {
-      rpc::LayerAccess::notify(agent, names[w], kAbortFn, AbortNote{step, timeout, why}.encode());
-    } catch (const std::exception&) {
-    }
-  }
-}
-
-// What other workers sent this one for a step: stage inputs and output
-// gradients, by (slot, stage, chunk). A box whose step's run has not come
-// (it was never sent, or its driver died) is dropped once the step's pass
-// timeout has passed since its last message.
-struct Box {
-  bool claimed = false;           // the step's run is here (PipeService::mu_)
-  Clock::time_point expires{};    // unclaimed past this: dropped (PipeService::mu_)
-  std::mutex mu;
-  std::condition_variable cv;
-  std::map<std::tuple<int64_t, int64_t, int64_t>, at::Tensor> items;
-  std::string aborted;  // non-empty: the step failed elsewhere
-
-  void put(Slot slot, int64_t stage, int64_t chunk, at::Tensor t) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      items[{slot, stage, chunk}] = std::move(t);
-    }
-    cv.notify_all();
-  }
-  void abort(const std::string& why) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      if (aborted.empty()) aborted = why;
-    }
-    cv.notify_all();
-  }
-  // std::nullopt when it did not come within `timeout`.
-  std::optional<at::Tensor> take(Slot slot, int64_t stage, int64_t chunk,
-                                 std::chrono::milliseconds timeout) {
-    std::unique_lock<std::mutex> lock(mu);
-    const auto key = std::make_tuple(static_cast<int64_t>(slot), stage, chunk);
-    const bool came = cv.wait_for(lock, timeout, [&] { return items.count(key) || !aborted.empty(); });
-    if (!aborted.empty()) throw StepAborted(aborted);
-    if (!came) return std::nullopt;
-    at::Tensor t = std::move(items[key]);
-    items.erase(key);
-    return t;
-  }
-};
-
-class PipeService final : public rpc::AgentExtension,
-                          public std::enable_shared_from_this<PipeService> {
- public:
-  explicit PipeService(rpc::Agent& agent) : agent_(agent) {}
-
-  static std::shared_ptr<PipeService> of(rpc::Agent& agent) {
-    return rpc::layer::require_extension<PipeService>(agent, "pipeline service", "pipeline");
-  }
-
-  // The box of `step`, made if need be; null when the step is over here or
-  // the service is closed. A message for it keeps an unclaimed box
-  // `timeout` longer; the run claims it.
-  std::shared_ptr<Box> box(int64_t step, std::chrono::milliseconds timeout, bool claim) {
-    std::lock_guard<std::mutex> lock(mu_);
-    drop_expired();
-    if (finished_.contains(static_cast<uint64_t>(step))) return nullptr;  // late: dropped
-    auto it = boxes_.find(step);
-    if (it == boxes_.end()) {
-      if (closed_) return nullptr;
-      it = boxes_.emplace(step, std::make_shared<Box>()).first;
-    }
-    Box& b = *it->second;
-    if (claim) b.claimed = true;
-    b.expires = std::max(b.expires, Clock::now() + timeout);
-    return it->second;
-  }
-
-  // Steps with a box here: running, or sent messages whose run has not come.
-  size_t pending() {
-    std::lock_guard<std::mutex> lock(mu_);
-    drop_expired();
-    return boxes_.size();
-  }
-
-  void finish(int64_t step) {
-    std::lock_guard<std::mutex> lock(mu_);
-    boxes_.erase(step);
-    finished_.insert(static_cast<uint64_t>(step));
-    drop_expired();
-  }
-
-  // mu_ held.
-  void drop_expired() {
-    const auto now = Clock::now();
-    for (auto it = boxes_.begin(); it != boxes_.end();) {
-      if (!it->second->claimed && it->second->expires < now) {
-        finished_.insert(static_cast<uint64_t>(it->first));
-        it = boxes_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-  }
-
-  // Hands `t` to `worker` (this one: straight into the box).
-  void send(const RunRequest& r, int64_t worker, Slot slot, int64_t stage, int64_t chunk,
-            at::Tensor t) {
-    const StepHeader& h = r.header;
-    if (worker == h.me) {
-      if (auto b = box(h.step, h.timeout, false)) b->put(slot, stage, chunk, std::move(t));
-      return;
-    }
-    rpc::LayerAccess::notify(agent_, r.worker_names[worker], kPutFn,
-                             Handoff{h.step, h.timeout, slot, stage, chunk, std::move(t)}.encode());
-  }
-
-  RunReply run(const RunRequest& r) {
-    const StepHeader& a = r.header;
-    const uint64_t context = autograd::current_context_id();
-    if (a.train && context == 0) {
-      throw std::invalid_argument("tandem.pipe.run: a training step must come inside a "
-                                  "distributed autograd context");
-    }
-    auto b = box(a.step, a.timeout, true);
-    if (!b) {
-      throw rpc::ShutdownError("agent " + agent_.name() + " is shutting down, or step " +
-                               std::to_string(a.step) +
-                               " is over here (it ran, or its messages expired waiting for it)");
-    }
-    try {
-      RunReply reply = run_passes(r, *b, context);
-      finish(a.step);
-      return reply;
-    } catch (const StepAborted&) {
-      finish(a.step);  // an echo: the worker that failed told everyone
-      throw;
-    } catch (const std::exception& e) {
-      finish(a.step);
-      abort_step(agent_, r.worker_names, static_cast<size_t>(a.workers), a.step, a.timeout,
-                 e.what(), a.me);
-      throw;
-    }
-  }
-
-  void register_handlers(rpc::Registry& internal) override {
-    std::weak_ptr<PipeService> weak = weak_from_this();
-    internal.def_ivalue(kRunFn, [weak](std::vector<c10::IValue>& args) -> c10::IValue {
-      const RunRequest request = RunRequest::decode(args);
-      auto self = weak.lock();
-      if (!self) throw rpc::ShutdownError("the pipeline service is shut down");
-      return self->run(request).encode();
-    });
-  }
-
-  // Puts and aborts are bounded and never block: where they are delivered
-  // (the loop thread, or a thread polling the connection: rpc/transport.h, 8.), so
-  // that runs holding pool threads for a whole step cannot starve them.
-  void register_loop_handlers(rpc::Registry& on_loop) override {
-    std::weak_ptr<PipeService> weak = weak_from_this();
-    on_loop.def_ivalue(kPutFn, [weak](std::vector<c10::IValue>& args) -> c10::IValue {
-      Handoff h = Handoff::decode(args);
-      if (auto s = weak.lock()) {
-        if (auto b = s->box(h.step, h.timeout, false)) {
-          b->put(h.slot, h.stage, h.chunk, std::move(h.tensor));
-        }
-      }
-      return c10::IValue();
-    });
-    on_loop.def_ivalue(kAbortFn, [weak](std::vector<c10::IValue>& args) -> c10::IValue {
-      const AbortNote note = AbortNote::decode(args);
-      if (auto s = weak.lock()) {
-        if (auto b = s->box(note.step, note.timeout, false)) b->abort(note.why);
-      }
-      return c10::IValue();
-    });
-  }
-
-  void before_send(rpc::Message&, int) override {}
-  void after_encode(const rpc::Message&, rpc::OutFrame&, int) override {}
-  void after_receive(rpc::Message&, int) override {}
-  std::vector<std::string> live_objects() const override { return {}; }
-
-  void close() override {
-    std::map<int64_t, std::shared_ptr<Box>> boxes;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      closed_ = true;
-      boxes.swap(boxes_);
-    }
-    for (auto& [_, b] : boxes) b->abort("agent " + agent_.name() + " shut down");
-  }
-
- private:
-  struct Stash {
-    at::Tensor input;   // a leaf (requires grad past stage 0)
-    at::Tensor output;  // the stage's output, or the weighted loss on the last stage
-    // Between a split backward's I and W passes:
-    at::Tensor grad;                    // the output's gradient
-    std::shared_ptr<step::WeightWork> work;  // null: W runs the whole parameter backward
-    bool input_done = false;
-  };
-
-  RunReply run_passes(const RunRequest& a, Box& box, uint64_t context) {
-    const StepHeader& h = a.header;
-    std::map<int64_t, std::shared_ptr<nn::Served>> served;
-    std::map<int64_t, std::vector<at::Tensor>> params;
-    for (size_t i = 0; i < a.stage_ids.size(); ++i) {
-      auto s = nn::served_of(a.modules[i].local_value());
-      if (!s) throw std::invalid_argument("pipeline stage " + std::to_string(a.stage_ids[i]) +
-                                          " is not a RemoteModule's module");
-      served[a.stage_ids[i]] = s;
-      for (auto& [_, p] : s->parameters()) {
-        if (p.requires_grad()) params[a.stage_ids[i]].push_back(p);
-      }
-    }
-    const int64_t last = h.stages - 1;
-    LossFn loss_fn;
-    if (served.count(last) && h.train) loss_fn = step::loss_named(a.loss, agent_.name());
-    std::vector<at::Tensor> outputs(served.count(last) && !h.train ? h.chunks : 0);
-    std::map<std::pair<int64_t, int64_t>, Stash> stash;
-    std::map<int64_t, std::vector<at::Tensor>> sums;  // per stage, per parameter
-    at::Tensor losses = at::full({h.chunks}, std::numeric_limits<double>::quiet_NaN(), at::kDouble);
-    RunReply reply;
-    rpc::Tracer* const tracer = agent_.tracer().get();
-    const auto t0 = Clock::now();
-    auto us = [&] { return std::chrono::duration<double, std::micro>(Clock::now() - t0).count(); };
-    int64_t peak = 0;
-    c10::AutoGradMode grad_on(h.train);
-    // Adds one pass's parameter gradients to the stage's sums.
-    auto add_to_sums = [&](int64_t stage, const std::vector<at::Tensor>& grads) {
-      auto& sum = sums[stage];
-      sum.resize(params[stage].size());
-      for (size_t p = 0; p < params[stage].size(); ++p) {
-        if (!grads[p].defined()) continue;
-        // autograd's results are fresh tensors of ours: add in place.
-        if (sum[p].defined()) {
-          sum[p].add_(grads[p]);
-        } else {
-          sum[p] = grads[p];
-        }
-      }
-    };
-    for (const Action& pass : a.passes.passes) {
-      const auto kind = pass.kind;
-      const bool fwd = kind == Action::kForward;
-      const int64_t stage = pass.stage, chunk = pass.chunk;
-      PassTime time{pass};
-      auto take = [&](Slot slot) {
-        auto t = box.take(slot, stage, chunk, h.timeout);
-        if (!t) {
-          throw PassTimeoutError(pass, agent_.name(),
-                                 std::string("its ") +
-                                     (slot == kActivation ? "input" : "output's gradient") +
-                                     " did not come within " + std::to_string(h.timeout.count()) +
-                                     " ms");
-        }
-        return std::move(*t);
-      };
-      try {
-        if (fwd) {
-          at::Tensor x = stage == 0 ? a.inputs.at(chunk)
-                                    : take(kActivation);
-          time.start_us = us();  // the pass runs from here; waiting for its input is bubble
-          const c10::Device device = served.at(stage)->device;
-          x = x.detach().to(device);  // tensors arrive on the CPU; the stage may be on a GPU
-          if (h.train && stage > 0 && x.is_floating_point()) x.requires_grad_(true);
-          std::vector<c10::IValue> args{x};
-          c10::IValue out = served.at(stage)->forward(args);
-          if (!out.isTensor()) {
-            throw std::invalid_argument("the stage's forward gave a " + out.tagKind() +
-                                        ", not one tensor");
-          }
-          at::Tensor y = out.toTensor();
-          if (!h.train) {
-            if (stage == last) {
-              outputs.at(chunk) = y;
-            } else {
-              send(a, (stage + 1) % h.workers, kActivation, stage + 1, chunk, y);
-            }
-          } else if (stage == last) {
-            at::Tensor l = loss_fn(y, a.targets.at(chunk).to(y.device()));
-            losses.data_ptr<double>()[chunk] = l.detach().item<double>();
-            Stash& held = stash[{stage, chunk}];
-            held.input = x;
-            held.output = l * a.weights.at(chunk);
-          } else {
-            Stash& held = stash[{stage, chunk}];
-            held.input = x;
-            held.output = y;
-            send(a, (stage + 1) % h.workers, kActivation, stage + 1, chunk, y.detach());
-          }
-          peak = std::max(peak, static_cast<int64_t>(stash.size()));
-        } else if (kind == Action::kWeightGrad) {
-          auto it = stash.find({stage, chunk});
-          if (it == stash.end() || !it->second.input_done) {
-            throw std::logic_error("no input-gradient pass ran before this weight-gradient pass");
-          }
-          Stash s = std::move(it->second);
-          stash.erase(it);
-          time.start_us = us();
-          if (s.work) {
-            auto grads = step::weight_pass(*s.work, params[stage]);
-            if (!grads.empty()) add_to_sums(stage, grads);
-          } else if (!params[stage].empty() && s.output.requires_grad() && s.output.grad_fn()) {
-            add_to_sums(stage, torch::autograd::grad({s.output}, params[stage], {s.grad},
-                                                     /*retain_graph=*/false,
-                                                     /*create_graph=*/false, /*allow_unused=*/true));
-          }
-        } else {
-          auto it = stash.find({stage, chunk});
-          if (it == stash.end()) throw std::logic_error("no forward ran before this backward");
-          if (it->second.input_done) throw std::logic_error("this backward's input gradient ran already");
-          const bool split = kind == Action::kInputGrad;
-          Stash whole;
-          if (!split) {
-            whole = std::move(it->second);
-            stash.erase(it);
-          }
-          Stash& s = split ? it->second : whole;
-          at::Tensor g = stage == last ? at::ones_like(s.output)
-                                       : take(kGradient).to(s.output.device());
-          time.start_us = us();
-          const bool input_grad = stage > 0 && s.input.requires_grad();
-          at::Tensor input_gradient;
-          if (split) {
-            s.input_done = true;
-            s.grad = g;
-            if (input_grad && s.output.is_same(s.input)) {
-              input_gradient = g;  // the stage gave back its input
-            } else if (input_grad && s.output.requires_grad()) {
-              input_gradient = step::input_pass(s.output, s.input, g, params[stage], s.work);
-              if (s.work) s.grad = at::Tensor();  // the W pass starts from what the roots got
-            }
-          } else {
-            std::vector<at::Tensor> wrt = params[stage];
-            if (input_grad) wrt.push_back(s.input);
-            if (!wrt.empty() && s.output.requires_grad()) {
-              auto grads = torch::autograd::grad({s.output}, wrt, {g}, /*retain_graph=*/false,
-                                                 /*create_graph=*/false, /*allow_unused=*/true);
-              if (input_grad) {
-                input_gradient = grads.back();
-                grads.pop_back();
-              }
-              add_to_sums(stage, grads);
-            }
-          }
-          // The previous stage waits for an answer even when its output got
-          // no gradient (not floating point, or not used): zeros.
-          if (stage > 0) {
-            send(a, (stage - 1) % h.workers, kGradient, stage - 1, chunk,
-                 input_gradient.defined() ? input_gradient : at::zeros_like(s.input));
-          }
-        }
-      } catch (const StepAborted&) {
-        throw;  // an echo keeps its words
-      } catch (const PassTimeoutError&) {
-        throw;  // named already
-      } catch (const std::exception& e) {
-        throw PassError(pass, agent_.name(), e.what());
-      }
-      time.end_us = us();
-      reply.times.times.push_back(time);
-      if (tracer) {
-        // rpc/trace.h: "F3@1" (forward of micro-batch 3 through stage 1)
-        // from when its input was there.
-        const auto begin = t0 + std::chrono::duration_cast<Clock::duration>(
-                                    std::chrono::duration<double, std::micro>(time.start_us));
-        tracer->slice(to_string(pass), "pipeline", begin, Clock::now(), {},
-                      "{\"step\":" + std::to_string(h.step) + ",\"stage\":" +
-                          std::to_string(stage) + ",\"micro_batch\":" + std::to_string(chunk) +
-                          "}");
-      }
-    }
-    for (auto& [stage, sum] : sums) {
-      for (size_t p = 0; p < sum.size(); ++p) {
-        if (sum[p].defined()) autograd::accumulate_gradient(agent_, context, params[stage][p], sum[p]);
-      }
-    }
-    reply.losses = losses;
-    reply.peak_stash = peak;
-    reply.outputs = std::move(outputs);
-    return reply;
-  }
-
-  rpc::Agent& agent_;
-  std::mutex mu_;
-  std::map<int64_t, std::shared_ptr<Box>> boxes_;
-  rpc::BoundedSet<uint64_t> finished_{1024};
-  bool closed_ = false;
-};
-
-const bool kRegistered = [] {
-  rpc::register_agent_extension(
-      [](rpc::Agent& agent) { return std::make_shared<PipeService>(agent); });
-  return true;
-}();
-
 std::atomic<int64_t> g_next_step{1};
 
 }  // namespace
-
-size_t pending_steps(rpc::Agent& agent) { return PipeService::of(agent)->pending(); }
 
 Pipe::Pipe(std::vector<nn::RemoteModule> stages, PipeOptions options)
     : Pipe(*rpc::current_agent(), std::move(stages), std::move(options)) {}
@@ -456,8 +37,7 @@ Pipe::Pipe(rpc::Agent& agent, std::vector<nn::RemoteModule> stages, PipeOptions 
       stages_(std::move(stages)),
       options_(std::move(options)),
       schedule_(schedule ? std::move(schedule) : make_schedule(options_.schedule)) {
-  (void)kRegistered;
-  PipeService::of(agent);  // this agent knows the pipeline (it was made after the library loaded)
+  step::require_stage_service(agent);  // the agent was made after the library loaded
   if (stages_.empty()) throw std::invalid_argument("Pipe: no stages");
   if (options_.chunks < 1) {
     throw std::invalid_argument("Pipe: chunks must be at least 1, got " +
@@ -558,7 +138,7 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
     }
   } catch (...) {
     // Those already started would wait for passes that never come.
-    abort_step(*agent, worker_names_, runs.size(), step_id, options_.timeout,
+    step::abort_step(*agent, worker_names_, runs.size(), step_id, options_.timeout,
                      "the driver could not start every worker");
     for (auto& r : runs) rpc::wait_raw(r.raw(), std::chrono::milliseconds(0));
     throw;
@@ -570,7 +150,7 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
     wait->cv.wait(lock, [&] { return wait->done == runs.size() || wait->failed; });
     if (wait->failed && wait->done < runs.size()) {
       lock.unlock();
-      abort_step(*agent, worker_names_, runs.size(), step_id, options_.timeout,
+      step::abort_step(*agent, worker_names_, runs.size(), step_id, options_.timeout,
                        "a worker of the step failed");
     }
   }
@@ -580,7 +160,9 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
     try {
       step::RunReply reply = step::RunReply::decode(runs[w].wait(), requests[w]);
       out.stats.peak_stash.push_back(static_cast<int>(reply.peak_stash));
-      for (const auto& t : reply.times.times) out.stats.passes.push_back({t.pass, w, t.start_us, t.end_us});
+      for (const auto& t : reply.times.times) {
+        out.stats.passes.push_back({t.pass, w, t.start_us, t.end_us});
+      }
       if (w == last_worker) {
         out.losses = reply.losses;
         out.outputs = std::move(reply.outputs);
