@@ -1,689 +1,32 @@
+// The driver: Pipe, on the caller's side. It checks the pipe against its
+// schedule once, and for each step splits the batch, sends every worker
+// holding stages its passes (step/messages.h: one RunRequest each; the stage
+// service, step/stage_service.h, runs them), waits for the answers and
+// reports the cause of a failure rather than its echoes (step/errors.h).
 #include "tandem/pipeline/pipe.h"
 
 #include <ATen/ops/cat.h>
-#include <ATen/ops/cross_entropy_loss.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
-#include <ATen/ops/full_like.h>
-#include <ATen/ops/mse_loss.h>
 #include <ATen/ops/tensor_split.h>
-#include <c10/core/GradMode.h>
-#include <torch/csrc/autograd/autograd.h>
-#include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/variable.h>
-#include <torch/version.h>
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <condition_variable>
-#include <cstdio>
-#include <fstream>
-#include <limits>
-#include <map>
 #include <mutex>
-#include <set>
-#include <tuple>
-#include <unordered_map>
-#include <unordered_set>
 
 #include "tandem/autograd/autograd.h"
-#include "tandem/remote_module/served.h"
+#include "tandem/pipeline/step/errors.h"
+#include "tandem/pipeline/step/messages.h"
+#include "tandem/pipeline/step/stage_service.h"
 #include "tandem/rpc/api.h"
-#include "tandem/rpc/common/bounded_set.h"
 #include "tandem/rpc/errors.h"
-#include "tandem/rpc/layer.h"
 
 namespace tandem::pipeline {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-// ---- losses ----
-
-std::mutex g_losses_mu;
-std::map<std::string, LossFn>& losses() {
-  static std::map<std::string, LossFn> all = {
-      {"cross_entropy",
-       [](const at::Tensor& out, const at::Tensor& target) {
-         return at::cross_entropy_loss(out, target);
-       }},
-      {"mse", [](const at::Tensor& out, const at::Tensor& target) {
-         return at::mse_loss(out, target);
-       }}};
-  return all;
-}
-
-LossFn loss_named(const std::string& name, const std::string& where) {
-  std::lock_guard<std::mutex> lock(g_losses_mu);
-  auto it = losses().find(name);
-  if (it == losses().end()) {
-    std::string known;
-    for (const auto& [n, _] : losses()) known += (known.empty() ? "" : ", ") + n;
-    throw std::invalid_argument("no pipeline loss '" + name + "' on " + where + " (known: " +
-                                known + "; pipeline::register_loss adds one)");
-  }
-  return it->second;
-}
-
-// ---- a backward split in two (I: the input's gradient, W: the weights') ----
-//
-// The I pass runs the engine from the stage's output to its input only, so
-// nodes compute no parameter gradients. On the way it records what reached
-// each node that lies between output and input and also leads to
-// parameters (a Linear's AddmmBackward, say): those nodes are where the
-// parameters' gradients leave the input's path. The W pass then cuts those
-// nodes' edges toward the input and runs the engine from them, with what
-// they got in the I pass, to the parameters: each gradient path to a
-// parameter leaves the input's path exactly once, so nothing is computed
-// twice and every contribution is counted once.
-
-namespace ag = torch::autograd;
-
-class Capture final : public ag::FunctionPreHook {
- public:
-  explicit Capture(std::shared_ptr<ag::variable_list> into) : into_(std::move(into)) {}
-  ag::variable_list operator()(const ag::variable_list& grads) override {
-    *into_ = grads;
-    return grads;
-  }
-
- private:
-  std::shared_ptr<ag::variable_list> into_;
-};
-
-struct WeightWork {
-  struct Root {
-    std::shared_ptr<ag::Node> node;
-    std::vector<size_t> toward_input;  // its edges to cut before the W pass
-    std::shared_ptr<ag::variable_list> grads = std::make_shared<ag::variable_list>();
-  };
-  bool reaches_input = false;  // false: the W pass is the whole parameter backward
-  std::vector<Root> roots;
-  // The input's path's other nodes: the W pass runs none of them, so their
-  // saved tensors go once the I pass is done.
-  std::vector<std::shared_ptr<ag::Node>> path_only;
-};
-
-// The W pass's roots for `output`'s graph back to leaf `input`, with their
-// capture hooks in place (run the I pass next).
-std::shared_ptr<WeightWork> plan_weight_pass(const at::Tensor& output, const at::Tensor& input,
-                                             const std::vector<at::Tensor>& params) {
-  auto work = std::make_shared<WeightWork>();
-  ag::Node* target = ag::impl::gradient_edge(input).function.get();
-  std::unordered_map<ag::Node*, bool> to_input, to_params;
-  std::unordered_set<ag::Node*> param_nodes;
-  for (const auto& p : params) param_nodes.insert(ag::impl::gradient_edge(p).function.get());
-  // Depth-first with memo, without recursion (graphs can be deep).
-  auto reaches = [](ag::Node* start, std::unordered_map<ag::Node*, bool>& memo, const auto& goal) {
-    std::vector<std::pair<ag::Node*, size_t>> path{{start, 0}};
-    if (memo.count(start)) return memo[start];
-    memo[start] = goal(start);
-    while (!path.empty()) {
-      auto& [n, next] = path.back();
-      if (next < n->next_edges().size()) {
-        ag::Node* child = n->next_edges()[next++].function.get();
-        if (!child) continue;
-        auto it = memo.find(child);
-        if (it == memo.end()) {
-          memo[child] = goal(child);
-          path.emplace_back(child, 0);
-        } else if (it->second) {
-          memo[n] = true;
-        }
-      } else {
-        const bool r = memo[n];
-        path.pop_back();
-        if (r && !path.empty()) memo[path.back().first] = true;
-      }
-    }
-    return memo[start];
-  };
-  auto is_target = [&](ag::Node* n) { return n == target; };
-  auto is_a_param = [&](ag::Node* n) { return param_nodes.count(n) > 0; };
-  ag::Node* root = output.grad_fn().get();
-  if (!root || !target || !reaches(root, to_input, is_target)) return work;
-  work->reaches_input = true;
-  // Every node on the input's path (to_input true, reached from root).
-  std::vector<std::shared_ptr<ag::Node>> stack{output.grad_fn()};
-  std::unordered_set<ag::Node*> seen{root};
-  while (!stack.empty()) {
-    std::shared_ptr<ag::Node> n = std::move(stack.back());
-    stack.pop_back();
-    WeightWork::Root r;
-    bool side = false;
-    const auto& edges = n->next_edges();
-    for (size_t i = 0; i < edges.size(); ++i) {
-      ag::Node* child = edges[i].function.get();
-      if (!child) continue;
-      if (reaches(child, to_input, is_target)) {
-        r.toward_input.push_back(i);
-        if (child != target && seen.insert(child).second) stack.push_back(edges[i].function);
-      } else if (reaches(child, to_params, is_a_param)) {
-        side = true;
-      }
-    }
-    if (side) {
-      r.node = n;
-      r.node->add_pre_hook(std::make_unique<Capture>(r.grads));
-      work->roots.push_back(std::move(r));
-    } else {
-      work->path_only.push_back(std::move(n));
-    }
-  }
-  return work;
-}
-
-// ---- a worker's side of one step ----
-
-// A pass timeout that came over the wire, kept within a day so that
-// deadlines cannot overflow.
-std::chrono::milliseconds wire_timeout(int64_t ms) {
-  return std::chrono::milliseconds(std::clamp<int64_t>(ms, 1, int64_t{24} * 3600 * 1000));
-}
-
-enum Slot : int64_t { kActivation = 0, kGradient = 1 };
-
-// How a pass that was stopped because the step failed elsewhere begins its
-// error: such errors are echoes, and the cause is reported instead.
-constexpr const char* kAborted = "step aborted: ";
-
-// Tells workers 0 .. count - 1 of `names` but `skip` that `step` (whose
-// passes wait `timeout` for their messages) is off. Best effort: a worker
-// that cannot be reached waits out its pass timeout.
-void abort_step(rpc::Agent& agent, const std::vector<std::string>& names, size_t count,
-                int64_t step, std::chrono::milliseconds timeout, const std::string& why,
-                int64_t skip = -1) {
-  for (size_t w = 0; w < count; ++w) {
-    if (static_cast<int64_t>(w) == skip) continue;
-    try {
-      rpc::LayerAccess::notify(agent, names[w], "tandem.pipe.abort",
-                               rpc::to_ivalues(step, static_cast<int64_t>(timeout.count()), why));
-    } catch (const std::exception&) {
-    }
-  }
-}
-
-// What other workers sent this one for a step: stage inputs and output
-// gradients, by (slot, stage, chunk). A box whose step's run has not come
-// (it was never sent, or its driver died) is dropped once the step's pass
-// timeout has passed since its last message.
-struct Box {
-  bool claimed = false;           // the step's run is here (PipeService::mu_)
-  Clock::time_point expires{};    // unclaimed past this: dropped (PipeService::mu_)
-  std::mutex mu;
-  std::condition_variable cv;
-  std::map<std::tuple<int64_t, int64_t, int64_t>, at::Tensor> items;
-  std::string aborted;  // non-empty: the step failed elsewhere
-
-  void put(int64_t slot, int64_t stage, int64_t chunk, at::Tensor t) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      items[{slot, stage, chunk}] = std::move(t);
-    }
-    cv.notify_all();
-  }
-  void abort(const std::string& why) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      if (aborted.empty()) aborted = why;
-    }
-    cv.notify_all();
-  }
-  at::Tensor take(int64_t slot, int64_t stage, int64_t chunk, std::chrono::milliseconds timeout,
-                  const std::string& waiting) {
-    std::unique_lock<std::mutex> lock(mu);
-    const auto key = std::make_tuple(slot, stage, chunk);
-    const bool came = cv.wait_for(lock, timeout, [&] { return items.count(key) || !aborted.empty(); });
-    if (!aborted.empty()) throw std::runtime_error(kAborted + aborted);
-    if (!came) {
-      throw rpc::TimeoutError(waiting + ": its " +
-                              (slot == kActivation ? std::string("input") : "output's gradient") +
-                              " did not come within " + std::to_string(timeout.count()) + " ms");
-    }
-    at::Tensor t = std::move(items[key]);
-    items.erase(key);
-    return t;
-  }
-};
-
-using RunResult = std::tuple<at::Tensor, at::Tensor, int64_t, std::vector<at::Tensor>>;
-
-struct RunArgs {
-  int64_t step = 0, chunks = 0, stages = 0, workers = 0, me = 0;
-  bool train = true;  // false: forwards only, no gradients; the last stage answers its outputs
-  std::chrono::milliseconds timeout{0};
-  std::vector<int64_t> stage_ids;
-  std::vector<rpc::RRef<c10::IValue>> modules;
-  at::Tensor actions;  // [n, 3] int64: kind, stage, chunk
-  std::vector<std::string> worker_names;
-  std::string loss;
-  std::vector<at::Tensor> inputs, targets;  // this worker's, when it holds stage 0 / the last
-  std::vector<double> weights;              // each chunk's share of the batch
-};
-
-class PipeService final : public rpc::AgentExtension,
-                          public std::enable_shared_from_this<PipeService> {
- public:
-  explicit PipeService(rpc::Agent& agent) : agent_(agent) {}
-
-  static std::shared_ptr<PipeService> of(rpc::Agent& agent) {
-    return rpc::layer::require_extension<PipeService>(agent, "pipeline service", "pipeline");
-  }
-
-  // The box of `step`, made if need be; null when the step is over here or
-  // the service is closed. A message for it keeps an unclaimed box
-  // `timeout` longer; the run claims it.
-  std::shared_ptr<Box> box(int64_t step, std::chrono::milliseconds timeout, bool claim) {
-    std::lock_guard<std::mutex> lock(mu_);
-    drop_expired();
-    if (finished_.contains(static_cast<uint64_t>(step))) return nullptr;  // late: dropped
-    auto it = boxes_.find(step);
-    if (it == boxes_.end()) {
-      if (closed_) return nullptr;
-      it = boxes_.emplace(step, std::make_shared<Box>()).first;
-    }
-    Box& b = *it->second;
-    if (claim) b.claimed = true;
-    b.expires = std::max(b.expires, Clock::now() + timeout);
-    return it->second;
-  }
-
-  // Steps with a box here: running, or sent messages whose run has not come.
-  size_t pending() {
-    std::lock_guard<std::mutex> lock(mu_);
-    drop_expired();
-    return boxes_.size();
-  }
-
-  void finish(int64_t step) {
-    std::lock_guard<std::mutex> lock(mu_);
-    boxes_.erase(step);
-    finished_.insert(static_cast<uint64_t>(step));
-    drop_expired();
-  }
-
-  // mu_ held.
-  void drop_expired() {
-    const auto now = Clock::now();
-    for (auto it = boxes_.begin(); it != boxes_.end();) {
-      if (!it->second->claimed && it->second->expires < now) {
-        finished_.insert(static_cast<uint64_t>(it->first));
-        it = boxes_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-  }
-
-  // Hands `t` to `worker` (this one: straight into the box).
-  void send(const RunArgs& a, int64_t worker, int64_t slot, int64_t stage, int64_t chunk,
-            at::Tensor t) {
-    if (worker == a.me) {
-      if (auto b = box(a.step, a.timeout, false)) b->put(slot, stage, chunk, std::move(t));
-      return;
-    }
-    rpc::LayerAccess::notify(
-        agent_, a.worker_names[worker], "tandem.pipe.put",
-        rpc::to_ivalues(a.step, static_cast<int64_t>(a.timeout.count()), slot, stage, chunk,
-                        std::move(t)));
-  }
-
-  RunResult run(RunArgs a) {
-    const uint64_t context = autograd::current_context_id();
-    if (a.train && context == 0) {
-      throw std::invalid_argument("tandem.pipe.run: a training step must come inside a "
-                                  "distributed autograd context");
-    }
-    auto b = box(a.step, a.timeout, true);
-    if (!b) {
-      throw rpc::ShutdownError("agent " + agent_.name() + " is shutting down, or step " +
-                               std::to_string(a.step) +
-                               " is over here (it ran, or its messages expired waiting for it)");
-    }
-    try {
-      auto result = run_passes(a, *b, context);
-      finish(a.step);
-      return result;
-    } catch (const std::exception& e) {
-      finish(a.step);
-      // An abort came from the worker that failed, which told everyone.
-      const std::string why = e.what();
-      if (why.rfind(kAborted, 0) != 0) {
-        abort_step(agent_, a.worker_names, static_cast<size_t>(a.workers), a.step, a.timeout, why,
-                   a.me);
-      }
-      throw;
-    }
-  }
-
-  void register_handlers(rpc::Registry& internal) override {
-    std::weak_ptr<PipeService> weak = weak_from_this();
-    auto self = [weak] {
-      auto s = weak.lock();
-      if (!s) throw rpc::ShutdownError("the pipeline service is shut down");
-      return s;
-    };
-    internal.def("tandem.pipe.run",
-                 [self](std::vector<int64_t> header, std::vector<int64_t> stage_ids,
-                        std::vector<rpc::RRef<c10::IValue>> modules, at::Tensor actions,
-                        std::vector<std::string> worker_names, std::string loss,
-                        std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets,
-                        std::vector<double> weights) {
-                   if (header.size() != 7) throw std::invalid_argument("tandem.pipe.run: bad header");
-                   RunArgs a;
-                   a.step = header[0];
-                   a.chunks = header[1];
-                   a.stages = header[2];
-                   a.workers = header[3];
-                   a.me = header[4];
-                   a.timeout = wire_timeout(header[5]);
-                   a.train = header[6] != 0;
-                   a.stage_ids = std::move(stage_ids);
-                   a.modules = std::move(modules);
-                   a.actions = std::move(actions);
-                   a.worker_names = std::move(worker_names);
-                   a.loss = std::move(loss);
-                   a.inputs = std::move(inputs);
-                   a.targets = std::move(targets);
-                   a.weights = std::move(weights);
-                   return self()->run(std::move(a));
-                 });
-  }
-
-  // Puts and aborts are bounded and never block: where they are delivered
-  // (the loop thread, or a thread polling the connection: rpc/transport.h, 8.), so
-  // that runs holding pool threads for a whole step cannot starve them.
-  void register_loop_handlers(rpc::Registry& on_loop) override {
-    std::weak_ptr<PipeService> weak = weak_from_this();
-    on_loop.def("tandem.pipe.put", [weak](int64_t step, int64_t timeout_ms, int64_t slot,
-                                          int64_t stage, int64_t chunk, at::Tensor t) {
-      auto s = weak.lock();
-      if (!s) return;
-      if (auto b = s->box(step, wire_timeout(timeout_ms), false)) {
-        b->put(slot, stage, chunk, std::move(t));
-      }
-    });
-    on_loop.def("tandem.pipe.abort", [weak](int64_t step, int64_t timeout_ms, std::string why) {
-      auto s = weak.lock();
-      if (!s) return;
-      if (auto b = s->box(step, wire_timeout(timeout_ms), false)) b->abort(why);
-    });
-  }
-
-  void before_send(rpc::Message&, int) override {}
-  void after_encode(const rpc::Message&, rpc::OutFrame&, int) override {}
-  void after_receive(rpc::Message&, int) override {}
-  std::vector<std::string> live_objects() const override { return {}; }
-
-  void close() override {
-    std::map<int64_t, std::shared_ptr<Box>> boxes;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      closed_ = true;
-      boxes.swap(boxes_);
-    }
-    for (auto& [_, b] : boxes) b->abort("agent " + agent_.name() + " shut down");
-  }
-
- private:
-  struct Stash {
-    at::Tensor input;   // a leaf (requires grad past stage 0)
-    at::Tensor output;  // the stage's output, or the weighted loss on the last stage
-    // Between a split backward's I and W passes:
-    at::Tensor grad;                    // the output's gradient
-    std::shared_ptr<WeightWork> work;   // null: W runs the whole parameter backward
-    bool input_done = false;
-  };
-
-  RunResult run_passes(const RunArgs& a, Box& box, uint64_t context) {
-    std::map<int64_t, std::shared_ptr<nn::Served>> served;
-    std::map<int64_t, std::vector<at::Tensor>> params;
-    for (size_t i = 0; i < a.stage_ids.size(); ++i) {
-      auto s = nn::served_of(a.modules[i].local_value());
-      if (!s) throw std::invalid_argument("pipeline stage " + std::to_string(a.stage_ids[i]) +
-                                          " is not a RemoteModule's module");
-      served[a.stage_ids[i]] = s;
-      for (auto& [_, p] : s->parameters()) {
-        if (p.requires_grad()) params[a.stage_ids[i]].push_back(p);
-      }
-    }
-    const int64_t last = a.stages - 1;
-    LossFn loss_fn;
-    if (served.count(last) && a.train) loss_fn = loss_named(a.loss, agent_.name());
-    std::vector<at::Tensor> outputs(served.count(last) && !a.train ? a.chunks : 0);
-    std::map<std::pair<int64_t, int64_t>, Stash> stash;
-    std::map<int64_t, std::vector<at::Tensor>> sums;  // per stage, per parameter
-    at::Tensor losses = at::full({a.chunks}, std::numeric_limits<double>::quiet_NaN(), at::kDouble);
-    if (a.actions.dim() != 2 || a.actions.size(1) != 3 || a.actions.scalar_type() != at::kLong) {
-      throw std::invalid_argument("tandem.pipe.run: the passes must be an [n, 3] int64 tensor");
-    }
-    const int64_t n = a.actions.size(0);
-    at::Tensor record = at::empty({n, 5}, at::kDouble);
-    auto acts = a.actions.accessor<int64_t, 2>();
-    for (int64_t i = 0; i < n; ++i) {
-      if (acts[i][0] < 0 || acts[i][0] > Action::kWeightGrad || !served.count(acts[i][1]) ||
-          acts[i][2] < 0 || acts[i][2] >= a.chunks) {
-        throw std::invalid_argument("tandem.pipe.run: pass " + std::to_string(i) + " (kind " +
-                                    std::to_string(acts[i][0]) + ", stage " +
-                                    std::to_string(acts[i][1]) + ", micro-batch " +
-                                    std::to_string(acts[i][2]) + ") is not one this worker can run");
-      }
-    }
-    auto rec = record.accessor<double, 2>();
-    rpc::Tracer* const tracer = agent_.tracer().get();
-    const auto t0 = Clock::now();
-    auto us = [&] { return std::chrono::duration<double, std::micro>(Clock::now() - t0).count(); };
-    int64_t peak = 0;
-    c10::AutoGradMode grad_on(a.train);
-    // Adds one pass's parameter gradients to the stage's sums.
-    auto add_to_sums = [&](int64_t stage, const std::vector<at::Tensor>& grads) {
-      auto& sum = sums[stage];
-      sum.resize(params[stage].size());
-      for (size_t p = 0; p < params[stage].size(); ++p) {
-        if (!grads[p].defined()) continue;
-        // autograd's results are fresh tensors of ours: add in place.
-        if (sum[p].defined()) {
-          sum[p].add_(grads[p]);
-        } else {
-          sum[p] = grads[p];
-        }
-      }
-    };
-    for (int64_t i = 0; i < n; ++i) {
-      const auto kind = static_cast<Action::Kind>(acts[i][0]);
-      const bool fwd = kind == Action::kForward;
-      const int64_t stage = acts[i][1], chunk = acts[i][2];
-      const std::string what = std::string(kind_name(kind)) + " of micro-batch " +
-                               std::to_string(chunk) + " through stage " + std::to_string(stage) +
-                               " on " + agent_.name();
-      rec[i][0] = static_cast<double>(kind);
-      rec[i][1] = static_cast<double>(stage);
-      rec[i][2] = static_cast<double>(chunk);
-      try {
-        if (fwd) {
-          at::Tensor x = stage == 0 ? a.inputs.at(chunk)
-                                    : box.take(kActivation, stage, chunk, a.timeout, what);
-          rec[i][3] = us();  // the pass runs from here; waiting for its input is bubble
-          const c10::Device device = served.at(stage)->device;
-          x = x.detach().to(device);  // tensors arrive on the CPU; the stage may be on a GPU
-          if (a.train && stage > 0 && x.is_floating_point()) x.requires_grad_(true);
-          std::vector<c10::IValue> args{x};
-          c10::IValue out = served.at(stage)->forward(args);
-          if (!out.isTensor()) {
-            throw std::invalid_argument("the stage's forward gave a " + out.tagKind() +
-                                        ", not one tensor");
-          }
-          at::Tensor y = out.toTensor();
-          if (!a.train) {
-            if (stage == last) {
-              outputs.at(chunk) = y;
-            } else {
-              send(a, (stage + 1) % a.workers, kActivation, stage + 1, chunk, y);
-            }
-          } else if (stage == last) {
-            at::Tensor l = loss_fn(y, a.targets.at(chunk).to(y.device()));
-            losses.data_ptr<double>()[chunk] = l.detach().item<double>();
-            Stash& held = stash[{stage, chunk}];
-            held.input = x;
-            held.output = l * a.weights.at(chunk);
-          } else {
-            Stash& held = stash[{stage, chunk}];
-            held.input = x;
-            held.output = y;
-            send(a, (stage + 1) % a.workers, kActivation, stage + 1, chunk, y.detach());
-          }
-          peak = std::max(peak, static_cast<int64_t>(stash.size()));
-        } else if (kind == Action::kWeightGrad) {
-          auto it = stash.find({stage, chunk});
-          if (it == stash.end() || !it->second.input_done) {
-            throw std::logic_error("no input-gradient pass ran before this weight-gradient pass");
-          }
-          Stash s = std::move(it->second);
-          stash.erase(it);
-          rec[i][3] = us();
-          if (s.work && s.work->reaches_input) {
-            ag::edge_list roots;
-            ag::variable_list grads;
-            for (auto& r : s.work->roots) {
-              for (size_t e : r.toward_input) r.node->next_edges()[e] = ag::Edge();
-              // What the I pass captured went through the node's hooks (a
-              // tensor hook on an activation, say): they must not run twice.
-              r.node->pre_hooks().clear();
-#if TORCH_VERSION_MAJOR >= 2
-              r.node->tensor_pre_hooks().clear();
-              r.node->retains_grad_hooks().clear();
-#endif
-              for (size_t k = 0; k < r.grads->size(); ++k) {
-                if (!(*r.grads)[k].defined()) continue;
-                roots.emplace_back(r.node, static_cast<uint32_t>(k));
-                grads.push_back((*r.grads)[k]);
-              }
-            }
-            ag::edge_list outs;
-            for (const auto& p : params[stage]) outs.push_back(ag::impl::gradient_edge(p));
-            if (!roots.empty() && !outs.empty()) {
-              add_to_sums(stage, ag::Engine::get_default_engine().execute(
-                                     roots, grads, /*keep_graph=*/false, /*create_graph=*/false,
-                                     /*accumulate_grad=*/false, outs));
-            }
-          } else if (!params[stage].empty() && s.output.requires_grad() && s.output.grad_fn()) {
-            add_to_sums(stage, torch::autograd::grad({s.output}, params[stage], {s.grad},
-                                                     /*retain_graph=*/false,
-                                                     /*create_graph=*/false, /*allow_unused=*/true));
-          }
-        } else {
-          auto it = stash.find({stage, chunk});
-          if (it == stash.end()) throw std::logic_error("no forward ran before this backward");
-          if (it->second.input_done) throw std::logic_error("this backward's input gradient ran already");
-          const bool split = kind == Action::kInputGrad;
-          Stash whole;
-          if (!split) {
-            whole = std::move(it->second);
-            stash.erase(it);
-          }
-          Stash& s = split ? it->second : whole;
-          at::Tensor g = stage == last ? at::ones_like(s.output)
-                                       : box.take(kGradient, stage, chunk, a.timeout, what)
-                                             .to(s.output.device());
-          rec[i][3] = us();
-          const bool input_grad = stage > 0 && s.input.requires_grad();
-          at::Tensor input_gradient;
-          if (split) {
-            s.input_done = true;
-            s.grad = g;
-            if (input_grad && s.output.is_same(s.input)) {
-              input_gradient = g;  // the stage gave back its input
-            } else if (input_grad && s.output.requires_grad()) {
-              s.work = plan_weight_pass(s.output, s.input, params[stage]);
-              if (s.work->reaches_input) {
-                // Only the input's gradient; the graph stays for the W pass
-                // where it has one.
-                const bool keep = !s.work->roots.empty();
-                auto got = ag::Engine::get_default_engine().execute(
-                    {ag::impl::gradient_edge(s.output)}, {g}, keep, /*create_graph=*/false,
-                    /*accumulate_grad=*/false, {ag::impl::gradient_edge(s.input)});
-                input_gradient = got.at(0);
-                for (auto& node : s.work->path_only) node->release_variables();
-                s.work->path_only.clear();
-                s.grad = at::Tensor();  // the W pass starts from what the roots got
-              }
-            }
-          } else {
-            std::vector<at::Tensor> wrt = params[stage];
-            if (input_grad) wrt.push_back(s.input);
-            if (!wrt.empty() && s.output.requires_grad()) {
-              auto grads = torch::autograd::grad({s.output}, wrt, {g}, /*retain_graph=*/false,
-                                                 /*create_graph=*/false, /*allow_unused=*/true);
-              if (input_grad) {
-                input_gradient = grads.back();
-                grads.pop_back();
-              }
-              add_to_sums(stage, grads);
-            }
-          }
-          // The previous stage waits for an answer even when its output got
-          // no gradient (not floating point, or not used): zeros.
-          if (stage > 0) {
-            send(a, (stage - 1) % a.workers, kGradient, stage - 1, chunk,
-                 input_gradient.defined() ? input_gradient : at::zeros_like(s.input));
-          }
-        }
-      } catch (const std::exception& e) {
-        const std::string msg = e.what();
-        // The first failure names its pass; "step aborted" ones keep theirs.
-        if (msg.rfind(kAborted, 0) == 0 || msg.find(" of micro-batch ") != std::string::npos) throw;
-        throw std::runtime_error(what + ": " + msg);
-      }
-      rec[i][4] = us();
-      if (tracer) {
-        // rpc/trace.h: "F3@1" (forward of micro-batch 3 through stage 1)
-        // from when its input was there.
-        const auto begin = t0 + std::chrono::duration_cast<Clock::duration>(
-                                    std::chrono::duration<double, std::micro>(rec[i][3]));
-        tracer->slice(to_string(Action{kind, static_cast<int>(stage), static_cast<int>(chunk)}),
-                      "pipeline", begin, Clock::now(), {},
-                      "{\"step\":" + std::to_string(a.step) + ",\"stage\":" +
-                          std::to_string(stage) + ",\"micro_batch\":" + std::to_string(chunk) +
-                          "}");
-      }
-    }
-    for (auto& [stage, sum] : sums) {
-      for (size_t p = 0; p < sum.size(); ++p) {
-        if (sum[p].defined()) autograd::accumulate_gradient(agent_, context, params[stage][p], sum[p]);
-      }
-    }
-    return {losses, record, peak, outputs};
-  }
-
-  rpc::Agent& agent_;
-  std::mutex mu_;
-  std::map<int64_t, std::shared_ptr<Box>> boxes_;
-  rpc::BoundedSet<uint64_t> finished_{1024};
-  bool closed_ = false;
-};
-
-const bool kRegistered = [] {
-  rpc::register_agent_extension(
-      [](rpc::Agent& agent) { return std::make_shared<PipeService>(agent); });
-  return true;
-}();
-
 std::atomic<int64_t> g_next_step{1};
 
 }  // namespace
-
-size_t pending_steps(rpc::Agent& agent) { return PipeService::of(agent)->pending(); }
-
-void register_loss(const std::string& name, LossFn fn) {
-  std::lock_guard<std::mutex> lock(g_losses_mu);
-  if (!losses().emplace(name, std::move(fn)).second) {
-    throw std::invalid_argument("pipeline loss '" + name + "' is registered already");
-  }
-}
 
 Pipe::Pipe(std::vector<nn::RemoteModule> stages, PipeOptions options)
     : Pipe(*rpc::current_agent(), std::move(stages), std::move(options)) {}
@@ -694,8 +37,7 @@ Pipe::Pipe(rpc::Agent& agent, std::vector<nn::RemoteModule> stages, PipeOptions 
       stages_(std::move(stages)),
       options_(std::move(options)),
       schedule_(schedule ? std::move(schedule) : make_schedule(options_.schedule)) {
-  (void)kRegistered;
-  PipeService::of(agent);  // this agent knows the pipeline (it was made after the library loaded)
+  step::require_stage_service(agent);  // the agent was made after the library loaded
   if (stages_.empty()) throw std::invalid_argument("Pipe: no stages");
   if (options_.chunks < 1) {
     throw std::invalid_argument("Pipe: chunks must be at least 1, got " +
@@ -755,12 +97,10 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
                     bool train) {
   auto agent = agent_.lock();
   if (!agent) throw rpc::ShutdownError("Pipe: its agent is gone");
-  const int64_t step = (static_cast<int64_t>(agent->rank()) << 40) | g_next_step.fetch_add(1);
+  const int64_t step_id = (static_cast<int64_t>(agent->rank()) << 40) | g_next_step.fetch_add(1);
   const int64_t stages = static_cast<int64_t>(stages_.size());
   const int64_t chunks = static_cast<int64_t>(xs.size());
   const int last_worker = plan.worker_of(static_cast<int>(stages - 1));
-  rpc::CallOptions untimed;
-  untimed.timeout = rpc::kNoTimeout;  // each pass has its own timeout
 
   struct Wait {
     std::mutex mu;
@@ -769,41 +109,37 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
     bool failed = false;
   };
   auto wait = std::make_shared<Wait>();
-  std::vector<rpc::Future<RunResult>> runs;
+  std::vector<step::RunRequest> requests;  // kept to check the answers against
+  std::vector<rpc::Future<c10::IValue>> runs;
   try {
-  for (int w = 0; w < workers_; ++w) {
-    std::vector<int64_t> ids;
-    std::vector<rpc::RRef<c10::IValue>> modules;
-    for (int64_t s = w; s < stages; s += workers_) {
-      ids.push_back(s);
-      modules.push_back(stages_[s].get_module_rref());
+    for (int w = 0; w < workers_; ++w) {
+      step::RunRequest r;
+      r.header = {step_id, chunks, stages, workers_, w, options_.timeout, train};
+      for (int64_t s = w; s < stages; s += workers_) {
+        r.stage_ids.push_back(s);
+        r.modules.push_back(stages_[s].get_module_rref());
+      }
+      r.passes.passes = plan.actions[w];
+      r.worker_names = worker_names_;
+      r.loss = options_.loss;
+      if (w == 0) r.inputs = xs;
+      if (w == last_worker) r.targets = ys;
+      r.weights = weights;
+      // Untimed: each pass has its own timeout.
+      auto f = agent->call(worker_names_[w], step::kRunFn, r.encode(), rpc::kNoTimeout);
+      requests.push_back(std::move(r));
+      f.raw()->addCallback([wait](c10::ivalue::Future& done) {
+        std::lock_guard<std::mutex> lock(wait->mu);
+        ++wait->done;
+        if (done.hasError()) wait->failed = true;
+        wait->cv.notify_all();
+      });
+      runs.push_back(std::move(f));
     }
-    const auto& list = plan.actions[w];
-    at::Tensor actions = at::empty({static_cast<int64_t>(list.size()), 3}, at::kLong);
-    auto acc = actions.accessor<int64_t, 2>();
-    for (size_t i = 0; i < list.size(); ++i) {
-      acc[i][0] = static_cast<int64_t>(list[i].kind);
-      acc[i][1] = list[i].stage;
-      acc[i][2] = list[i].chunk;
-    }
-    std::vector<int64_t> header = {step, chunks, stages, workers_, w,
-                                   static_cast<int64_t>(options_.timeout.count()), train ? 1 : 0};
-    auto f = agent->rpc_async<RunResult>(
-        untimed, worker_names_[w], "tandem.pipe.run", header, ids, modules, actions,
-        worker_names_, options_.loss, w == 0 ? xs : std::vector<at::Tensor>{},
-        w == last_worker ? ys : std::vector<at::Tensor>{}, weights);
-    f.raw()->addCallback([wait](c10::ivalue::Future& done) {
-      std::lock_guard<std::mutex> lock(wait->mu);
-      ++wait->done;
-      if (done.hasError()) wait->failed = true;
-      wait->cv.notify_all();
-    });
-    runs.push_back(std::move(f));
-  }
   } catch (...) {
     // Those already started would wait for passes that never come.
-    abort_step(*agent, worker_names_, runs.size(), step, options_.timeout,
-               "the driver could not start every worker");
+    step::abort_step(*agent, worker_names_, runs.size(), step_id, options_.timeout,
+                     "the driver could not start every worker");
     for (auto& r : runs) rpc::wait_raw(r.raw(), std::chrono::milliseconds(0));
     throw;
   }
@@ -814,36 +150,29 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
     wait->cv.wait(lock, [&] { return wait->done == runs.size() || wait->failed; });
     if (wait->failed && wait->done < runs.size()) {
       lock.unlock();
-      abort_step(*agent, worker_names_, runs.size(), step, options_.timeout,
-                 "a worker of the step failed");
+      step::abort_step(*agent, worker_names_, runs.size(), step_id, options_.timeout,
+                       "a worker of the step failed");
     }
   }
   std::string first_error, aborted_error;
   Run out;
   for (int w = 0; w < workers_; ++w) {
     try {
-      auto [losses, record, peak, outputs] = runs[w].wait();
-      out.stats.peak_stash.push_back(static_cast<int>(peak));
-      auto rec = record.accessor<double, 2>();
-      for (int64_t i = 0; i < record.size(0); ++i) {
-        PassRecord p;
-        p.action = {static_cast<Action::Kind>(static_cast<int>(rec[i][0])),
-                    static_cast<int>(rec[i][1]), static_cast<int>(rec[i][2])};
-        p.worker = w;
-        p.start_us = rec[i][3];
-        p.end_us = rec[i][4];
-        out.stats.passes.push_back(p);
+      step::RunReply reply = step::RunReply::decode(runs[w].wait(), requests[w]);
+      out.stats.peak_stash.push_back(static_cast<int>(reply.peak_stash));
+      for (const auto& t : reply.times.times) {
+        out.stats.passes.push_back({t.pass, w, t.start_us, t.end_us});
       }
       if (w == last_worker) {
-        out.losses = losses;
-        out.outputs = std::move(outputs);
+        out.losses = reply.losses;
+        out.outputs = std::move(reply.outputs);
       }
     } catch (const std::exception& e) {
-      std::string msg = e.what();
-      if (msg.find(kAborted) != std::string::npos) {
-        if (aborted_error.empty()) aborted_error = msg;
+      // The cause, not the echoes of it on the other workers.
+      if (step::is_step_aborted(e)) {
+        if (aborted_error.empty()) aborted_error = e.what();
       } else if (first_error.empty()) {
-        first_error = msg;
+        first_error = e.what();
       }
     }
   }
@@ -914,50 +243,6 @@ at::Tensor Pipe::forward(const at::Tensor& inputs) {
 
 void Pipe::write_trace(const std::string& path) const {
   pipeline::write_trace(last_, worker_names_, path);
-}
-
-void write_trace(const StepStats& stats, const std::vector<std::string>& worker_names,
-                 const std::string& path) {
-  std::ofstream out(path);
-  if (!out) throw std::runtime_error("write_trace: cannot write '" + path + "'");
-  out << "{\"traceEvents\":[\n";
-  bool first = true;
-  auto sep = [&] {
-    if (!first) out << ",\n";
-    first = false;
-  };
-  std::set<std::pair<int, int>> tracks;
-  for (const auto& p : stats.passes) tracks.insert({p.worker, p.action.stage});
-  for (size_t w = 0; w < worker_names.size(); ++w) {
-    sep();
-    // Worker names are rank names ("worker1"), but quote them safely all the same.
-    std::string name;
-    for (char c : worker_names[w]) {
-      if (c == '"' || c == '\\') name += '\\';
-      if (static_cast<unsigned char>(c) >= 0x20) name += c;
-    }
-    out << "{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":" << w
-        << ",\"args\":{\"name\":\"" << name << "\"}}";
-  }
-  for (const auto& [w, stage] : tracks) {
-    sep();
-    out << "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":" << w << ",\"tid\":" << stage
-        << ",\"args\":{\"name\":\"stage " << stage << "\"}}";
-  }
-  char buf[64];
-  for (const auto& p : stats.passes) {
-    sep();
-    const std::string name = to_string(p.action);  // "F3@1"
-    std::snprintf(buf, sizeof buf, "%.3f", p.start_us);
-    out << "{\"ph\":\"X\",\"name\":\"" << name.substr(0, name.find('@'))
-        << "\",\"cat\":\"" << kind_name(p.action.kind) << "\",\"pid\":" << p.worker
-        << ",\"tid\":" << p.action.stage << ",\"ts\":" << buf;
-    std::snprintf(buf, sizeof buf, "%.3f", p.end_us - p.start_us);
-    out << ",\"dur\":" << buf << ",\"args\":{\"micro_batch\":" << p.action.chunk << "}}";
-  }
-  out << "\n]}\n";
-  out.close();
-  if (!out) throw std::runtime_error("write_trace: writing '" + path + "' failed");
 }
 
 }  // namespace tandem::pipeline
