@@ -68,8 +68,8 @@ DistributedOptimizer::DistributedOptimizer(rpc::Agent& agent, Kind kind,
       } else {
         remote.push_back(
             agent
-                .call(agent.get_worker_info(rank).name, "tandem.optim.create",
-                      rpc::to_ivalues(id, static_cast<int64_t>(kind), owner::pack(options), mine))
+                .call(agent.get_worker_info(rank).name, owner::kCreate,
+                      owner::CreateRequest{id, kind, options, mine}.encode())
                 .raw());
       }
     }
@@ -104,7 +104,7 @@ void DistributedOptimizer::drop() noexcept {
         OptimService::of(*agent)->destroy(part.id);
       } else {
         pending.push_back(agent->call(agent->get_worker_info(part.owner).name,
-                                      "tandem.optim.destroy", rpc::to_ivalues(part.id))
+                                      owner::kDestroy, owner::IdRequest{part.id}.encode())
                               .raw());
       }
     } catch (const std::exception&) {
@@ -162,8 +162,8 @@ void DistributedOptimizer::step(uint64_t context_id) {
                    std::to_string(parts_.size()) + "}");
   }
   on_owners(
-      "DistributedOptimizer::step", "tandem.optim.step",
-      [&](const Part& p) { return rpc::to_ivalues(p.id, static_cast<int64_t>(context_id)); },
+      "DistributedOptimizer::step", owner::kStep,
+      [&](const Part& p) { return owner::StepRequest{p.id, context_id}.encode(); },
       [&](const Part& p) {
         service->step(p.id, context_id);
         return c10::IValue();
@@ -178,8 +178,8 @@ void DistributedOptimizer::set_lr(double lr) {
   }
   auto service = OptimService::of(*agent());
   on_owners(
-      "DistributedOptimizer::set_lr", "tandem.optim.set_lr",
-      [&](const Part& p) { return rpc::to_ivalues(p.id, lr); },
+      "DistributedOptimizer::set_lr", owner::kSetLr,
+      [&](const Part& p) { return owner::SetLrRequest{p.id, lr}.encode(); },
       [&](const Part& p) {
         service->set_lr(p.id, lr);
         return c10::IValue();
@@ -200,11 +200,12 @@ double DistributedOptimizer::clip_grad_norm(uint64_t context_id, double max_norm
   }
   auto agent = this->agent();
   auto service = OptimService::of(*agent);
-  const auto ctx = static_cast<int64_t>(context_id);
   auto results = on_owners(
-      what, "tandem.optim.grad_norms",
-      [&](const Part& p) { return rpc::to_ivalues(p.id, ctx, norm_type); },
-      [&](const Part& p) { return rpc::to_ivalue(service->grad_norms(p.id, context_id, norm_type)); });
+      what, owner::kGradNorms,
+      [&](const Part& p) { return owner::GradNormsRequest{p.id, context_id, norm_type}.encode(); },
+      [&](const Part& p) {
+        return owner::GradNormsReply{service->grad_norms(p.id, context_id, norm_type)}.encode();
+      });
   // Back in the order of the constructor's parameters: stacked in that
   // order, the total is clip_grad_norm_'s over the same list to the last bit.
   size_t num_params = 0;
@@ -212,13 +213,7 @@ double DistributedOptimizer::clip_grad_norm(uint64_t context_id, double max_norm
   std::vector<at::Tensor> by_param(num_params);
   for (size_t i = 0; i < parts_.size(); ++i) {
     const std::string from = agent->get_worker_info(parts_[i].owner).name;
-    auto norms = rpc::from_ivalue<std::vector<c10::optional<at::Tensor>>>(
-        results[i], "the gradient norms from " + from);
-    if (norms.size() != parts_[i].index.size()) {
-      throw std::runtime_error(what + ": " + from + " sent " + std::to_string(norms.size()) +
-                               " gradient norms for its " +
-                               std::to_string(parts_[i].index.size()) + " parameters");
-    }
+    auto norms = owner::GradNormsReply::decode(results[i], parts_[i].index.size(), from).norms;
     for (size_t k = 0; k < norms.size(); ++k) {
       if (norms[k]) by_param[parts_[i].index[k]] = *norms[k];
     }
@@ -240,8 +235,8 @@ double DistributedOptimizer::clip_grad_norm(uint64_t context_id, double max_norm
   const double coef = at::clamp(max_norm / (total + 1e-6), c10::nullopt, 1.0).item<double>();
   if (coef < 1) {  // a factor of 1 would change nothing
     on_owners(
-        what, "tandem.optim.scale_grads",
-        [&](const Part& p) { return rpc::to_ivalues(p.id, ctx, coef); },
+        what, owner::kScaleGrads,
+        [&](const Part& p) { return owner::ScaleGradsRequest{p.id, context_id, coef}.encode(); },
         [&](const Part& p) {
           service->scale_grads(p.id, context_id, coef);
           return c10::IValue();
@@ -255,9 +250,9 @@ OptimizerState DistributedOptimizer::state_dict() const {
   auto service = OptimService::of(*agent);
   const double lr = this->lr();
   auto results = on_owners(
-      "DistributedOptimizer::state_dict", "tandem.optim.state",
-      [&](const Part& p) { return rpc::to_ivalues(p.id); },
-      [&](const Part& p) { return c10::IValue(service->state(p.id)); });
+      "DistributedOptimizer::state_dict", owner::kState,
+      [&](const Part& p) { return owner::IdRequest{p.id}.encode(); },
+      [&](const Part& p) { return owner::StateReply{service->state(p.id)}.encode(); });
   OptimizerState out;
   out.kind = kind_;
   out.lr = lr;
@@ -266,7 +261,7 @@ OptimizerState DistributedOptimizer::state_dict() const {
     part.rank = parts_[i].owner;
     part.worker = agent->get_worker_info(part.rank).name;
     part.num_params = static_cast<int64_t>(parts_[i].index.size());
-    part.bytes = rpc::from_ivalue<std::string>(results[i], "the optimizer state from " + part.worker);
+    part.bytes = owner::StateReply::decode(results[i], part.worker).bytes;
     out.parts.push_back(std::move(part));
   }
   return out;
@@ -311,8 +306,8 @@ void DistributedOptimizer::load_state_dict(const OptimizerState& state) {
     return state.parts[static_cast<size_t>(&p - parts_.data())].bytes;
   };
   on_owners(
-      "DistributedOptimizer::load_state_dict", "tandem.optim.load",
-      [&](const Part& p) { return rpc::to_ivalues(p.id, bytes_of(p), state.lr); },
+      "DistributedOptimizer::load_state_dict", owner::kLoad,
+      [&](const Part& p) { return owner::LoadRequest{p.id, bytes_of(p), state.lr}.encode(); },
       [&](const Part& p) {
         service->load(p.id, bytes_of(p), state.lr);
         return c10::IValue();

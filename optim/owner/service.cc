@@ -211,29 +211,45 @@ void OptimService::register_handlers(rpc::Registry& internal) {
     if (!s) throw rpc::ShutdownError("the distributed optimizer is shut down");
     return s;
   };
-  internal.def("tandem.optim.create", [self](int64_t id, int64_t kind, std::vector<double> options,
-                                             std::vector<rpc::RRef<at::Tensor>> params) {
+  // Each decodes its message (protocol.h) before it touches the service.
+  internal.def_ivalue(kCreate, [self](std::vector<c10::IValue>& args) {
+    CreateRequest m = CreateRequest::decode(args);
     std::vector<at::Tensor> tensors;
-    tensors.reserve(params.size());
-    for (auto& p : params) tensors.push_back(p.local_value());
-    self()->create(id, kind_of(kind), std::move(tensors), unpack(options));
+    tensors.reserve(m.params.size());
+    for (auto& p : m.params) tensors.push_back(p.local_value());
+    self()->create(m.id, m.kind, std::move(tensors), m.options);
+    return c10::IValue();
   });
-  internal.def("tandem.optim.step", [self](int64_t id, int64_t context_id) {
-    self()->step(id, static_cast<uint64_t>(context_id));
+  internal.def_ivalue(kStep, [self](std::vector<c10::IValue>& args) {
+    StepRequest m = StepRequest::decode(args);
+    self()->step(m.id, m.context_id);
+    return c10::IValue();
   });
-  internal.def("tandem.optim.destroy", [self](int64_t id) { self()->destroy(id); });
-  internal.def("tandem.optim.set_lr",
-               [self](int64_t id, double lr) { self()->set_lr(id, lr); });
-  internal.def("tandem.optim.grad_norms", [self](int64_t id, int64_t context_id,
-                                                 double norm_type) {
-    return self()->grad_norms(id, static_cast<uint64_t>(context_id), norm_type);
+  internal.def_ivalue(kDestroy, [self](std::vector<c10::IValue>& args) {
+    self()->destroy(IdRequest::decode(args, kDestroy).id);
+    return c10::IValue();
   });
-  internal.def("tandem.optim.scale_grads", [self](int64_t id, int64_t context_id, double coef) {
-    self()->scale_grads(id, static_cast<uint64_t>(context_id), coef);
+  internal.def_ivalue(kSetLr, [self](std::vector<c10::IValue>& args) {
+    SetLrRequest m = SetLrRequest::decode(args);
+    self()->set_lr(m.id, m.lr);
+    return c10::IValue();
   });
-  internal.def("tandem.optim.state", [self](int64_t id) { return self()->state(id); });
-  internal.def("tandem.optim.load", [self](int64_t id, std::string bytes, double lr) {
-    self()->load(id, bytes, lr);
+  internal.def_ivalue(kGradNorms, [self](std::vector<c10::IValue>& args) {
+    GradNormsRequest m = GradNormsRequest::decode(args);
+    return GradNormsReply{self()->grad_norms(m.id, m.context_id, m.norm_type)}.encode();
+  });
+  internal.def_ivalue(kScaleGrads, [self](std::vector<c10::IValue>& args) {
+    ScaleGradsRequest m = ScaleGradsRequest::decode(args);
+    self()->scale_grads(m.id, m.context_id, m.coef);
+    return c10::IValue();
+  });
+  internal.def_ivalue(kState, [self](std::vector<c10::IValue>& args) {
+    return StateReply{self()->state(IdRequest::decode(args, kState).id)}.encode();
+  });
+  internal.def_ivalue(kLoad, [self](std::vector<c10::IValue>& args) {
+    LoadRequest m = LoadRequest::decode(args);
+    self()->load(m.id, m.bytes, m.lr);
+    return c10::IValue();
   });
 }
 
