@@ -1,11 +1,14 @@
-// The checkpoint format: its encoder (state_to_bytes), its decoder
-// (state_from_bytes), and the file around them.
+// The checkpoint format: one encoder (state_to_bytes), one decoder
+// (state_from_bytes) that checks every field, and the file around them.
 #include "tandem/optim/optimizer_state.h"
 
 #include <cerrno>
+#include <climits>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 
@@ -15,6 +18,8 @@ namespace {
 constexpr char kMagic[] = "TANDEM-OPTIM-STATE\n";
 constexpr size_t kMagicSize = sizeof(kMagic) - 1;
 constexpr uint32_t kVersion = 1;
+// The fewest bytes a part takes: its rank, two lengths and num_params.
+constexpr uint64_t kMinPartSize = 32;
 
 uint64_t fnv1a(const char* data, size_t size) {
   uint64_t h = 14695981039346656037ull;
@@ -38,14 +43,22 @@ void put_bytes(std::string& out, const std::string& s) {
   out += s;
 }
 
-// Reads the fields of a state whose hash matched; a length that runs past
-// the end is still refused, naming the source.
+// A number for a message ("-1", "nan", "0.001").
+std::string number(double v) {
+  std::ostringstream out;
+  out << v;
+  return out.str();
+}
+
+// Reads the fields of a state whose hash matched, each by its name: one
+// that runs past the end is still refused (a hash can be made to match),
+// naming the field and the source.
 class Reader {
  public:
   Reader(const std::string& data, size_t end, const std::string& source)
       : data_(data), end_(end), source_(source) {}
-  uint64_t uint(int bytes) {
-    need(static_cast<uint64_t>(bytes), "a number");
+  uint64_t uint(int bytes, const std::string& field) {
+    need(static_cast<uint64_t>(bytes), field);
     uint64_t v = 0;
     for (int i = 0; i < bytes; ++i) {
       v |= static_cast<uint64_t>(static_cast<unsigned char>(data_[pos_ + i])) << (8 * i);
@@ -53,16 +66,16 @@ class Reader {
     pos_ += static_cast<size_t>(bytes);
     return v;
   }
-  int64_t i64() { return static_cast<int64_t>(uint(8)); }
-  double f64() {
-    uint64_t bits = uint(8);
+  int64_t i64(const std::string& field) { return static_cast<int64_t>(uint(8, field)); }
+  double f64(const std::string& field) {
+    uint64_t bits = uint(8, field);
     double v;
     std::memcpy(&v, &bits, sizeof v);
     return v;
   }
-  std::string bytes(const char* what) {
-    uint64_t n = uint(8);
-    need(n, what);
+  std::string bytes(const std::string& field) {
+    uint64_t n = uint(8, field + "'s length");
+    need(n, field + " (" + std::to_string(n) + " bytes)");
     std::string out = data_.substr(pos_, static_cast<size_t>(n));
     pos_ += static_cast<size_t>(n);
     return out;
@@ -73,8 +86,8 @@ class Reader {
   }
 
  private:
-  void need(uint64_t n, const char* what) const {
-    if (n > end_ - pos_) bad(std::string(what) + " runs past its end");
+  void need(uint64_t n, const std::string& field) const {
+    if (n > end_ - pos_) bad(field + " runs past its end");
   }
   const std::string& data_;
   const size_t end_;
@@ -119,25 +132,38 @@ OptimizerState state_from_bytes(const std::string& data, const std::string& sour
     throw corrupt("its hash does not match (truncated or altered)");
   }
   Reader in(data, end, source);
-  if (uint64_t version = in.uint(4); version != kVersion) {
+  if (uint64_t version = in.uint(4, "its version"); version != kVersion) {
     in.bad("version " + std::to_string(version) + ", this build reads " + std::to_string(kVersion));
   }
   OptimizerState state;
-  const int64_t kind = in.i64();
+  const int64_t kind = in.i64("its kind");
   if (auto k = kind_from_number(kind)) {
     state.kind = *k;
   } else {
     in.bad("unknown optimizer kind " + std::to_string(kind));
   }
-  state.lr = in.f64();
-  const uint64_t parts = in.uint(8);
-  if (parts > in.left() / 32) in.bad(std::to_string(parts) + " parts cannot fit in it");
+  // No optimizer's rate is NaN or negative, so no state_dict() holds one.
+  // (Infinity is let through: Options let it through, and load_state_dict
+  // refuses it, naming it.)
+  state.lr = in.f64("its learning rate");
+  if (std::isnan(state.lr) || state.lr < 0) in.bad("its learning rate is " + number(state.lr));
+  const uint64_t parts = in.uint(8, "its part count");
+  if (parts > in.left() / kMinPartSize) in.bad(std::to_string(parts) + " parts cannot fit in it");
+  std::set<int64_t> ranks;
   for (uint64_t i = 0; i < parts; ++i) {
+    const std::string part = "part " + std::to_string(i) + "'s ";
     OptimizerState::Part p;
-    p.rank = static_cast<int>(in.i64());
-    p.worker = in.bytes("a worker name");
-    p.num_params = in.i64();
-    p.bytes = in.bytes("an optimizer state");
+    // A rank is an int: one outside it would be read as another rank.
+    const int64_t rank = in.i64(part + "rank");
+    if (rank < 0 || rank > INT_MAX) in.bad(part + "rank is " + std::to_string(rank));
+    if (!ranks.insert(rank).second) {
+      in.bad(part + "rank " + std::to_string(rank) + " is another part's too");
+    }
+    p.rank = static_cast<int>(rank);
+    p.worker = in.bytes(part + "worker name");
+    p.num_params = in.i64(part + "parameter count");
+    if (p.num_params < 0) in.bad(part + "parameter count is " + std::to_string(p.num_params));
+    p.bytes = in.bytes(part + "optimizer state");
     state.parts.push_back(std::move(p));
   }
   if (in.left() != 0) in.bad(std::to_string(in.left()) + " bytes after its last part");

@@ -4,7 +4,8 @@
 // What it promises: state_to_bytes writes one format (below), and
 // state_from_bytes reads back exactly what it wrote, or refuses with
 // std::invalid_argument naming the source and what is wrong (another file,
-// a truncated or altered one); it never reads past the end. Its neighbours: DistributedOptimizer::state_dict() makes an
+// a truncated or altered one, a field no checkpoint holds); it never reads
+// past the end. Its neighbours: DistributedOptimizer::state_dict() makes an
 // OptimizerState from every owner's archive and load_state_dict() hands the
 // parts back to their owners (optim/distributed_optimizer.h); each part's
 // bytes are the owner's LibTorch archive, opaque here and read by the owner.
@@ -52,6 +53,10 @@ void save_state(const OptimizerState& state, const std::string& path);
 OptimizerState load_state(const std::string& path);
 // The same bytes, for a checkpoint of one's own that holds more than the
 // optimizer (examples/char_lm.cc). `source` names the bytes in errors.
+// Beyond the hash, state_from_bytes refuses, naming the field: a version
+// other than 1, an unknown kind, a learning rate that is NaN or negative,
+// a rank outside 0..INT_MAX or given twice, a negative parameter count,
+// and a length or count that runs past the end.
 std::string state_to_bytes(const OptimizerState& state);
 OptimizerState state_from_bytes(const std::string& data,
                                 const std::string& source = "the optimizer state");
