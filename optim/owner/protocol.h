@@ -23,7 +23,6 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
-#include <c10/util/Optional.h>
 
 #include <cstdint>
 #include <string>

@@ -17,7 +17,6 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <c10/util/Optional.h>
 
 #include <cstdint>
 #include <map>
@@ -29,10 +28,6 @@
 #include "tandem/optim/options.h"
 #include "tandem/rpc/agent.h"
 #include "tandem/rpc/extension.h"
-
-namespace torch::optim {
-class Optimizer;
-}  // namespace torch::optim
 
 namespace tandem::optim::owner {
 
