@@ -38,8 +38,13 @@
 //     coefficient max_norm / (total + 1e-6) is below 1 every owner scales
 //     its gradients in that context in place, so the next step() uses them.
 //  6. state_dict() / load_state_dict() gather and restore every owner's
-//     LibTorch optimizer state (OptimizerState below); save(path) /
-//     load(path) keep one in a file.
+//     LibTorch optimizer state (OptimizerState, optim/optimizer_state.h);
+//     save(path) / load(path) keep one in a file.
+//
+// Its neighbours: Kind and Options are optim/options.h's; the owners'
+// service (optim/owner/service.h) holds the optimizers, and this class
+// reaches it by the messages of optim/owner/protocol.h (its own worker's
+// part by direct calls); checkpoints are optim/optimizer_state.h's.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -51,76 +56,12 @@
 #include <string>
 #include <vector>
 
+#include "tandem/optim/optimizer_state.h"
+#include "tandem/optim/options.h"
 #include "tandem/rpc/agent.h"
 #include "tandem/rpc/rref.h"
 
 namespace tandem::optim {
-
-enum class Kind { kSGD, kAdam, kAdamW, kAdagrad, kRMSprop };
-
-// One options struct for every kind; each kind reads the fields PyTorch's
-// optimizer of that name takes, with PyTorch's defaults. Where the default
-// differs by kind, a negative value means "the kind's default": eps (1e-10
-// for Adagrad, 1e-8 otherwise) and weight_decay (0.01 for AdamW, 0 otherwise).
-struct Options {
-  double lr = 0.01;
-  double weight_decay = -1;
-  // SGD
-  double momentum = 0;
-  double dampening = 0;
-  bool nesterov = false;
-  // Adam, AdamW
-  double beta1 = 0.9;
-  double beta2 = 0.999;
-  double eps = -1;
-  bool amsgrad = false;
-  // Adagrad
-  double lr_decay = 0;
-  double initial_accumulator_value = 0;
-  // RMSprop (eps, momentum and weight_decay above)
-  double alpha = 0.99;
-  bool centered = false;
-};
-
-std::string kind_name(Kind kind);
-
-// A checkpoint of a DistributedOptimizer: every owner's LibTorch optimizer,
-// serialized there (Optimizer::save into a torch::serialize::OutputArchive),
-// plus the learning rate. The parts follow the optimizer's owners() order;
-// load_state_dict() takes it only into an optimizer of the same kind over
-// the same owners with as many parameters on each (the parameters of a
-// fresh run: the state is matched to them by position, as in LibTorch).
-// The hyper-parameters other than lr come from the loading optimizer's
-// Options (LibTorch's own load keeps them too).
-struct OptimizerState {
-  struct Part {
-    int rank = -1;           // the owner
-    std::string worker;      // its name (for messages)
-    int64_t num_params = 0;  // parameters this owner steps
-    std::string bytes;       // its OutputArchive, as written by save_to()
-  };
-  Kind kind = Kind::kSGD;
-  double lr = 0;
-  std::vector<Part> parts;
-};
-
-// One OptimizerState in one file, and back. The format (little-endian):
-//   "TANDEM-OPTIM-STATE\n", u32 version (1), i64 kind, f64 lr, u64 parts,
-//   per part: i64 rank, u64 n + n bytes of worker name, i64 num_params,
-//             u64 n + n bytes of state;
-//   u64 FNV-1a hash of everything before it.
-// save_state writes a temporary file beside `path` and renames it over
-// `path`, so a crash never leaves half a checkpoint. Errors name the path:
-// std::runtime_error when the file cannot be opened or written,
-// std::invalid_argument when what is read is not such a checkpoint
-// (another file, truncated, corrupt).
-void save_state(const OptimizerState& state, const std::string& path);
-OptimizerState load_state(const std::string& path);
-// The same bytes, for a checkpoint of one's own that holds more than the
-// optimizer (examples/char_lm.cc). `source` names the bytes in errors.
-std::string state_to_bytes(const OptimizerState& state);
-OptimizerState state_from_bytes(const std::string& data,
-                                const std::string& source = "the optimizer state");
 
 class DistributedOptimizer {
  public:

@@ -1,0 +1,94 @@
+#include "tandem/optim/owner/local_optimizer.h"
+
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+#include <torch/version.h>
+
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace tandem::optim::owner {
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(Kind kind, std::vector<at::Tensor> params,
+                                                        Options o) {
+  if (o.eps < 0) o.eps = kind == Kind::kAdagrad ? 1e-10 : 1e-8;
+  if (o.weight_decay < 0) o.weight_decay = kind == Kind::kAdamW ? 1e-2 : 0;
+  if (o.lr < 0) throw std::invalid_argument("optimizer options: negative learning rate");
+  switch (kind) {
+    case Kind::kSGD:
+      return std::make_unique<torch::optim::SGD>(
+          params, torch::optim::SGDOptions(o.lr)
+                      .momentum(o.momentum)
+                      .dampening(o.dampening)
+                      .weight_decay(o.weight_decay)
+                      .nesterov(o.nesterov));
+    case Kind::kAdam:
+      return std::make_unique<torch::optim::Adam>(
+          params, torch::optim::AdamOptions(o.lr)
+                      .betas({o.beta1, o.beta2})
+                      .eps(o.eps)
+                      .weight_decay(o.weight_decay)
+                      .amsgrad(o.amsgrad));
+    case Kind::kAdamW:
+      return std::make_unique<torch::optim::AdamW>(
+          params, torch::optim::AdamWOptions(o.lr)
+                      .betas({o.beta1, o.beta2})
+                      .eps(o.eps)
+                      .weight_decay(o.weight_decay)
+                      .amsgrad(o.amsgrad));
+    case Kind::kAdagrad:
+      return std::make_unique<torch::optim::Adagrad>(
+          params, torch::optim::AdagradOptions(o.lr)
+                      .lr_decay(o.lr_decay)
+                      .weight_decay(o.weight_decay)
+                      .initial_accumulator_value(o.initial_accumulator_value)
+                      .eps(o.eps));
+    case Kind::kRMSprop:
+      return std::make_unique<torch::optim::RMSprop>(
+          params, torch::optim::RMSpropOptions(o.lr)
+                      .alpha(o.alpha)
+                      .eps(o.eps)
+                      .weight_decay(o.weight_decay)
+                      .momentum(o.momentum)
+                      .centered(o.centered));
+  }
+  throw std::invalid_argument("unknown optimizer kind " + std::to_string(static_cast<int>(kind)));
+}
+
+void set_lr(torch::optim::Optimizer& optimizer, double lr) {
+  for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
+}
+
+const torch::optim::OptimizerParamState* find_state(const torch::optim::Optimizer& optimizer,
+                                                    const at::Tensor& param) {
+  // torch::optim keys its state by the parameter's TensorImpl: as text in
+  // LibTorch 1.x, as the pointer itself from 2.0 on.
+#if TORCH_VERSION_MAJOR < 2
+  auto it = optimizer.state().find(c10::guts::to_string(param.unsafeGetTensorImpl()));
+#else
+  auto it = optimizer.state().find(static_cast<void*>(param.unsafeGetTensorImpl()));
+#endif
+  return it == optimizer.state().end() ? nullptr : it->second.get();
+}
+
+std::vector<at::Tensor> state_tensors(const torch::optim::OptimizerParamState& s) {
+  using namespace torch::optim;
+  if (auto* x = dynamic_cast<const SGDParamState*>(&s)) return {x->momentum_buffer()};
+  if (auto* x = dynamic_cast<const AdamParamState*>(&s)) {
+    return {x->exp_avg(), x->exp_avg_sq(), x->max_exp_avg_sq()};
+  }
+  if (auto* x = dynamic_cast<const AdamWParamState*>(&s)) {
+    return {x->exp_avg(), x->exp_avg_sq(), x->max_exp_avg_sq()};
+  }
+  if (auto* x = dynamic_cast<const AdagradParamState*>(&s)) return {x->sum()};
+  if (auto* x = dynamic_cast<const RMSpropParamState*>(&s)) {
+    return {x->square_avg(), x->momentum_buffer(), x->grad_avg()};
+  }
+  return {};
+}
+
+}  // namespace tandem::optim::owner

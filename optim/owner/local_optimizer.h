@@ -1,0 +1,38 @@
+// The LibTorch optimizer an owner steps its parameters with.
+//
+// What it promises: make_optimizer builds the torch::optim optimizer of a
+// Kind from Options exactly as the same LibTorch class would be built by
+// hand (the kind's defaults filled in for a negative eps or weight_decay),
+// and refuses options LibTorch refuses; state_tensors and find_state read
+// back what LibTorch keeps per parameter, on LibTorch 1.x and 2.x alike.
+// Its neighbour: the owners' service (optim/owner/service.h) makes, steps,
+// saves and loads these; nothing here knows about RPC.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/optim/optimizer.h>
+
+#include <memory>
+#include <vector>
+
+#include "tandem/optim/options.h"
+
+namespace tandem::optim::owner {
+
+// std::invalid_argument for a negative learning rate; LibTorch's own
+// checks (c10::Error) for the rest.
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(Kind kind, std::vector<at::Tensor> params,
+                                                        Options options);
+
+// Sets the learning rate of all of its param groups.
+void set_lr(torch::optim::Optimizer& optimizer, double lr);
+
+// The state LibTorch keeps for parameter `param`, or null when it keeps
+// none (SGD before its first step).
+const torch::optim::OptimizerParamState* find_state(const torch::optim::Optimizer& optimizer,
+                                                    const at::Tensor& param);
+
+// The tensors of one parameter's state (some may be undefined).
+std::vector<at::Tensor> state_tensors(const torch::optim::OptimizerParamState& state);
+
+}  // namespace tandem::optim::owner

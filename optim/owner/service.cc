@@ -1,0 +1,280 @@
+#include "tandem/optim/owner/service.h"
+
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <ATen/ops/abs.h>
+#include <ATen/ops/max.h>
+#include <ATen/ops/norm.h>
+
+#include <cmath>
+#include <sstream>
+#include <stdexcept>
+#include <utility>
+
+#include "tandem/autograd/autograd.h"
+#include "tandem/optim/owner/local_optimizer.h"
+#include "tandem/optim/owner/protocol.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/rpc/layer.h"
+#include "tandem/rpc/registry.h"
+#include "tandem/rpc/rref.h"
+#include "tandem/rpc/trace.h"
+
+namespace tandem::optim::owner {
+namespace {
+
+const bool kRegistered = [] {
+  rpc::register_agent_extension(
+      [](rpc::Agent& agent) { return std::make_shared<OptimService>(agent); });
+  return true;
+}();
+
+void restore(std::vector<at::Tensor>& params, std::vector<at::Tensor>& saved) {
+  for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = std::move(saved[i]);
+}
+
+}  // namespace
+
+struct OptimService::Local {
+  std::mutex mu;  // serializes steps, lr changes, clipping and loads
+  Kind kind;
+  Options options;  // as created: a load starts from a fresh optimizer made with them
+  std::vector<at::Tensor> params;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+};
+
+OptimService::OptimService(rpc::Agent& agent) : agent_(agent) {}
+
+OptimService::~OptimService() = default;
+
+std::shared_ptr<OptimService> OptimService::of(rpc::Agent& agent) {
+  (void)kRegistered;
+  return rpc::layer::require_extension<OptimService>(agent, "distributed optimizer", "optim");
+}
+
+void OptimService::create(int64_t id, Kind kind, std::vector<at::Tensor> params,
+                          const Options& options) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].is_leaf() || !params[i].requires_grad()) {
+      throw std::invalid_argument("parameter " + std::to_string(i) + " on " + agent_.name() +
+                                  " is not a leaf that requires grad");
+    }
+  }
+  auto local = std::make_shared<Local>();
+  local->kind = kind;
+  local->options = options;
+  local->params = params;
+  local->optimizer = make_optimizer(kind, std::move(params), options);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) throw rpc::ShutdownError("agent " + agent_.name() + " is shutting down");
+  if (!optimizers_.emplace(id, std::move(local)).second) {
+    throw std::invalid_argument("optimizer " + std::to_string(id) + " exists already");
+  }
+}
+
+void OptimService::step(int64_t id, uint64_t context_id) {
+  // rpc/trace.h: each owner's local step, waiting for the lock included.
+  rpc::TraceScope trace(agent_.tracer().get(), "optim");
+  auto local = find(id);
+  if (trace.on()) {
+    trace.set_name("optimizer step");
+    trace.set_args("{\"optimizer\":" + std::to_string(id) + ",\"context\":" +
+                   std::to_string(context_id) + ",\"params\":" +
+                   std::to_string(local->params.size()) + "}");
+  }
+  autograd::Gradients grads = autograd::get_gradients(agent_, context_id);
+  std::lock_guard<std::mutex> lock(local->mu);  // steps on one optimizer are serialized
+  // So are steps of different optimizers here: they may share parameters
+  // (two trainers' optimizers over one parameter server's table), and a
+  // step lends each parameter's .grad to its optimizer for its duration.
+  std::lock_guard<std::mutex> steps(step_mu_);
+  std::vector<at::Tensor> saved;
+  saved.reserve(local->params.size());
+  for (auto& p : local->params) {
+    saved.push_back(p.grad());
+    auto it = grads.find(p);
+    // No gradient in this context: LibTorch's optimizers skip the parameter.
+    p.mutable_grad() = it == grads.end() ? at::Tensor() : it->value();
+  }
+  try {
+    local->optimizer->step();
+  } catch (...) {
+    restore(local->params, saved);
+    throw;
+  }
+  restore(local->params, saved);
+}
+
+void OptimService::set_lr(int64_t id, double lr) {
+  auto local = find(id);
+  std::lock_guard<std::mutex> lock(local->mu);
+  owner::set_lr(*local->optimizer, lr);
+}
+
+std::vector<c10::optional<at::Tensor>> OptimService::grad_norms(int64_t id, uint64_t context_id,
+                                                                double norm_type) {
+  auto local = find(id);
+  autograd::Gradients grads = autograd::get_gradients(agent_, context_id);
+  std::vector<c10::optional<at::Tensor>> out;
+  out.reserve(local->params.size());
+  for (auto& p : local->params) {
+    auto it = grads.find(p);
+    if (it == grads.end()) {
+      out.emplace_back(c10::nullopt);
+      continue;
+    }
+    const at::Tensor& g = it->value();
+    at::Tensor n = std::isinf(norm_type) ? g.abs().max() : at::norm(g, norm_type);
+    out.emplace_back(n.cpu());
+  }
+  return out;
+}
+
+void OptimService::scale_grads(int64_t id, uint64_t context_id, double coef) {
+  auto local = find(id);
+  autograd::Gradients grads = autograd::get_gradients(agent_, context_id);
+  std::lock_guard<std::mutex> lock(local->mu);  // not in the middle of a step
+  for (auto& p : local->params) {
+    auto it = grads.find(p);
+    if (it != grads.end()) it->value().mul_(coef);
+  }
+}
+
+std::string OptimService::state(int64_t id) {
+  auto local = find(id);
+  std::ostringstream bytes;
+  {
+    std::lock_guard<std::mutex> lock(local->mu);
+    torch::serialize::OutputArchive archive;
+    local->optimizer->save(archive);
+    archive.save_to(bytes);
+  }
+  return std::move(bytes).str();
+}
+
+void OptimService::load(int64_t id, const std::string& bytes, double lr) {
+  auto local = find(id);
+  // A fresh optimizer: LibTorch's load only adds the saved per-parameter
+  // state to what is there, so a parameter with no saved state (SGD
+  // before its first step) would keep this optimizer's. Swapped in only
+  // once all of it was read.
+  auto fresh = make_optimizer(local->kind, local->params, local->options);
+  try {
+    torch::serialize::InputArchive archive;
+    archive.load_from(bytes.data(), bytes.size());
+    fresh->load(archive);
+  } catch (const c10::Error& e) {
+    throw std::invalid_argument("the optimizer state for " + agent_.name() +
+                                " cannot be read: " + e.what_without_backtrace());
+  }
+  // Counts matched on the caller; shapes can only be seen here. A state of
+  // another model would otherwise fail only at the next step.
+  for (size_t i = 0; i < local->params.size(); ++i) {
+    const at::Tensor& p = local->params[i];
+    const torch::optim::OptimizerParamState* s = find_state(*fresh, p);
+    if (!s) continue;
+    for (const at::Tensor& t : state_tensors(*s)) {
+      if (t.defined() && t.sizes() != p.sizes()) {
+        std::ostringstream msg;
+        msg << "the optimizer state for " << agent_.name() << " does not fit its parameter " << i
+            << ": the state is of shape " << t.sizes() << ", the parameter " << p.sizes();
+        throw std::invalid_argument(msg.str());
+      }
+    }
+  }
+  owner::set_lr(*fresh, lr);
+  std::unique_ptr<torch::optim::Optimizer> old;  // freed outside the lock
+  std::lock_guard<std::mutex> lock(local->mu);
+  old = std::exchange(local->optimizer, std::move(fresh));
+}
+
+void OptimService::destroy(int64_t id) {
+  std::shared_ptr<Local> dead;  // freed outside the lock
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = optimizers_.find(id);
+  if (it == optimizers_.end()) return;  // idempotent
+  dead = std::move(it->second);
+  optimizers_.erase(it);
+}
+
+size_t OptimService::live() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return optimizers_.size();
+}
+
+void OptimService::register_handlers(rpc::Registry& internal) {
+  std::weak_ptr<OptimService> weak = weak_from_this();
+  auto self = [weak] {
+    auto s = weak.lock();
+    if (!s) throw rpc::ShutdownError("the distributed optimizer is shut down");
+    return s;
+  };
+  // Each decodes its message (protocol.h) before it touches the service.
+  internal.def_ivalue(kCreate, [self](std::vector<c10::IValue>& args) {
+    CreateRequest m = CreateRequest::decode(args);
+    std::vector<at::Tensor> tensors;
+    tensors.reserve(m.params.size());
+    for (auto& p : m.params) tensors.push_back(p.local_value());
+    self()->create(m.id, m.kind, std::move(tensors), m.options);
+    return c10::IValue();
+  });
+  internal.def_ivalue(kStep, [self](std::vector<c10::IValue>& args) {
+    StepRequest m = StepRequest::decode(args);
+    self()->step(m.id, m.context_id);
+    return c10::IValue();
+  });
+  internal.def_ivalue(kDestroy, [self](std::vector<c10::IValue>& args) {
+    self()->destroy(IdRequest::decode(args, kDestroy).id);
+    return c10::IValue();
+  });
+  internal.def_ivalue(kSetLr, [self](std::vector<c10::IValue>& args) {
+    SetLrRequest m = SetLrRequest::decode(args);
+    self()->set_lr(m.id, m.lr);
+    return c10::IValue();
+  });
+  internal.def_ivalue(kGradNorms, [self](std::vector<c10::IValue>& args) {
+    GradNormsRequest m = GradNormsRequest::decode(args);
+    return GradNormsReply{self()->grad_norms(m.id, m.context_id, m.norm_type)}.encode();
+  });
+  internal.def_ivalue(kScaleGrads, [self](std::vector<c10::IValue>& args) {
+    ScaleGradsRequest m = ScaleGradsRequest::decode(args);
+    self()->scale_grads(m.id, m.context_id, m.coef);
+    return c10::IValue();
+  });
+  internal.def_ivalue(kState, [self](std::vector<c10::IValue>& args) {
+    return StateReply{self()->state(IdRequest::decode(args, kState).id)}.encode();
+  });
+  internal.def_ivalue(kLoad, [self](std::vector<c10::IValue>& args) {
+    LoadRequest m = LoadRequest::decode(args);
+    self()->load(m.id, m.bytes, m.lr);
+    return c10::IValue();
+  });
+}
+
+std::vector<std::string> OptimService::live_objects() const {
+  std::vector<std::string> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [id, _] : optimizers_) out.push_back("distributed optimizer " + std::to_string(id));
+  return out;
+}
+
+void OptimService::close() {
+  std::map<int64_t, std::shared_ptr<Local>> dead;
+  std::lock_guard<std::mutex> lock(mu_);
+  closed_ = true;
+  dead.swap(optimizers_);
+}
+
+std::shared_ptr<OptimService::Local> OptimService::find(int64_t id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = optimizers_.find(id);
+  if (it == optimizers_.end()) {
+    throw std::invalid_argument("no distributed optimizer " + std::to_string(id) + " on " +
+                                agent_.name());
+  }
+  return it->second;
+}
+
+}  // namespace tandem::optim::owner

@@ -1,0 +1,86 @@
+// The owners' service: on every worker, the LibTorch optimizers that
+// DistributedOptimizers made there over its parameters.
+//
+// What it promises: one optimizer per id, made, stepped, clipped, saved,
+// loaded and dropped only through the calls below; steps on one optimizer
+// are serialized, and so are steps of different optimizers on this worker
+// (they may share parameters, and a step lends each parameter's .grad to
+// its optimizer); a load swaps in a fresh optimizer only when all of the
+// state was read; an optimizer still alive at a graceful shutdown is a
+// leak (live_objects). How it talks to its neighbours: it is an agent
+// extension (rpc/extension.h), made with every agent, that registers the
+// tandem.optim.* functions (their messages: optim/owner/protocol.h); the
+// DistributedOptimizer (optim/distributed_optimizer.cc)
+// reaches the other owners' services by those functions and its own
+// worker's service by the methods below, without RPC. The optimizers
+// themselves are optim/owner/local_optimizer.h's.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "tandem/optim/options.h"
+#include "tandem/rpc/agent.h"
+#include "tandem/rpc/extension.h"
+
+namespace tandem::optim::owner {
+
+class OptimService final : public rpc::AgentExtension,
+                           public std::enable_shared_from_this<OptimService> {
+ public:
+  explicit OptimService(rpc::Agent& agent);
+  ~OptimService() override;
+
+  // The service of `agent` (std::logic_error if the agent was made before
+  // this library was loaded).
+  static std::shared_ptr<OptimService> of(rpc::Agent& agent);
+
+  // Every method but destroy throws std::invalid_argument for an id this
+  // worker holds no optimizer under.
+  // `params` must be leaves that require grad (std::invalid_argument naming
+  // the first that is not); ids are unique per worker.
+  void create(int64_t id, Kind kind, std::vector<at::Tensor> params, const Options& options);
+  // Steps with the gradients of autograd context `context_id` here; a
+  // parameter with none in the context is left alone.
+  void step(int64_t id, uint64_t context_id);
+  void set_lr(int64_t id, double lr);
+  // Per parameter, the norm of its gradient in the context (on the CPU, in
+  // the gradient's dtype, as clip_grad_norm_ computes it), or None.
+  std::vector<c10::optional<at::Tensor>> grad_norms(int64_t id, uint64_t context_id,
+                                                    double norm_type);
+  // Scales the optimizer's gradients in the context by `coef`, in place:
+  // get_gradients hands out the context's own tensors, so the next
+  // get_gradients (and step) sees the scaled ones.
+  void scale_grads(int64_t id, uint64_t context_id, double coef);
+  // The optimizer's LibTorch archive, and back (with its learning rate).
+  std::string state(int64_t id);
+  void load(int64_t id, const std::string& bytes, double lr);
+  void destroy(int64_t id);  // idempotent
+  size_t live() const;
+
+  // rpc::AgentExtension
+  void register_handlers(rpc::Registry& internal) override;
+  void before_send(rpc::Message&, int) override {}
+  void after_encode(const rpc::Message&, rpc::OutFrame&, int) override {}
+  void after_receive(rpc::Message&, int) override {}
+  std::vector<std::string> live_objects() const override;
+  void close() override;
+
+ private:
+  struct Local;
+  std::shared_ptr<Local> find(int64_t id) const;
+
+  rpc::Agent& agent_;
+  mutable std::mutex mu_;
+  std::mutex step_mu_;  // one step at a time on this worker (after a Local's mu)
+  std::map<int64_t, std::shared_ptr<Local>> optimizers_;
+  bool closed_ = false;
+};
+
+}  // namespace tandem::optim::owner
