@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Side-by-side table of Tandem's benchmark results and PyTorch's.
 
-Reads JSON lines (as printed by build/bin/rpc_bench and ../shared/anchors/*.py)
+Reads JSON lines (as printed by build/bin/rpc_bench and bench/anchors/*.py)
 from the files given, or stdin; lines that are not JSON objects are ignored.
 Lines are grouped by `bench` and their size key (`bytes`, `hops` or `world`,
 possibly absent; a pipeline line by its schedule, stages and chunks). For each
