@@ -1,5 +1,5 @@
 // autograd_bench: distributed backward over a chain of RPC hops, like
-// ../shared/anchors/dist_backward.py.
+// bench/anchors/dist_backward.py (PyTorch's side).
 //
 // Two processes on loopback: this one is worker0 and starts itself again as
 // worker1. worker0 holds x (64 floats, requires grad); each hop is

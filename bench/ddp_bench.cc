@@ -1,5 +1,5 @@
 // ddp_bench: one DistributedDataParallel training step over Gloo, two
-// processes on this host, like ../shared/anchors/ddp.py.
+// processes on this host, like bench/anchors/ddp.py (PyTorch's side).
 //
 // Model: MLP 512-2048-2048-512-10 (ReLU), batch 64 per process, SGD lr=0.01,
 // seed 0, rank r's data from a generator seeded 100 + r; one intra-op thread

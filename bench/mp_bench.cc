@@ -1,5 +1,5 @@
 // mp_bench: one model-parallel training step, like
-// ../shared/anchors/model_parallel.py.
+// bench/anchors/model_parallel.py (PyTorch's side).
 //
 // The model is Linear(256,1024)-ReLU on the trainer (worker0) and two
 // RemoteModules on worker1: Linear(1024,1024), then ReLU on the trainer, then

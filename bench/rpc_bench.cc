@@ -1,7 +1,7 @@
 // rpc_bench: round-trip latency and bandwidth of Tandem's RPC, next to the
 // physical floor (two plain blocking TCP sockets doing the same ping-pong).
 //
-// Two processes on loopback, like ../shared/anchors/rpc_echo.py: this one is
+// Two processes on loopback, like bench/anchors/rpc_echo.py: this one is
 // the caller (rank 0); it starts itself again as the callee (rank 1). For each
 // size, the caller sends a float tensor of max(bytes/4, 1) elements to the
 // callee's registered "echo" and gets it back.
@@ -12,7 +12,7 @@
 //   {"bench":"rpc_echo","impl":"tandem","transport":"shm","bytes":N,...}
 //   {"bench":"rpc_echo","impl":"raw_tcp","bytes":N,...}
 // gbps counts the bytes that crossed in both directions. And, like
-// ../shared/anchors/rref.py, for remote references:
+// bench/anchors/rref.py, for remote references:
 //   {"bench":"remote_create","impl":"tandem","transport":..,"p50_us":..}   remote() until the owner confirmed
 //   {"bench":"rref_to_here","impl":"tandem","transport":..,"bytes":N,"p50_us":..}   N = 0 and 1 MiB
 // And what one trace event costs, tracing on and off (rpc/trace.h):

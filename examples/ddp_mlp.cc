@@ -1,4 +1,4 @@
-// ddp_mlp: data-parallel training of the model of ../shared/anchors/ddp.py
+// ddp_mlp: data-parallel training of the model of bench/anchors/ddp.py
 // (MLP 512-2048-2048-512-10) with DistributedDataParallel over Gloo and a
 // DistributedSampler, one process per rank:
 //

@@ -1,4 +1,4 @@
-// model_parallel_mlp: the model of ../shared/anchors/model_parallel.py
+// model_parallel_mlp: the model of bench/anchors/model_parallel.py
 // trained across two workers, then checked against the same training in
 // one process.
 //

@@ -2,7 +2,8 @@
 # Builds and checks Tandem on a CUDA machine that has PyTorch (a CUDA
 # LibTorch) but no package registry, as the GPU machines lent to this project
 # are. Cap'n Proto, libuv and doctest come as Debian .deb files in .device/
-# (../shared/device/fetch-deps.sh downloads them) and are unpacked into
+# (tools/fetch_gpu_deps.sh downloads them, on a machine that reaches Debian's
+# package registry; carry .device/ along with the tree) and are unpacked into
 # /opt/deps, never over /.
 #
 #   tools/gpu_session.sh build         configure + build build-cuda/ (keeps going past errors)
@@ -17,6 +18,8 @@ cd "$(dirname "$(readlink -f "$0")")/.."
 out=${OUT:-build-cuda/logs}
 mkdir -p "$out" /opt/deps
 if [[ ! -f /opt/deps/.unpacked ]]; then
+  compgen -G '.device/*.deb' >/dev/null ||
+    { echo "gpu_session: no .deb files in .device/ (run tools/fetch_gpu_deps.sh where apt reaches Debian)" >&2; exit 1; }
   for f in .device/*.deb; do dpkg -x "$f" /opt/deps; done
   touch /opt/deps/.unpacked
 fi
