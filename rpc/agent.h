@@ -21,12 +21,11 @@
 // Layers above (RRefs, distributed autograd) hook into every request and
 // response through rpc/extension.h, and reach the agent's pool, timers and
 // one-way messages through rpc/layer.h; tests reach its tables through
-// rpc/testing.h. Neither is part of this user-facing header.
+// rpc/agent/testing.h. Neither is part of this user-facing header.
 //
-// The implementation is one file per idea: start-up, handshake and shutdown
-// (agent.cc); the calls in flight, their deadlines and the timer
-// (call_table.h, calls.cc); dispatch of what arrives and the handler scope
-// (dispatch.cc); the connection table (connection_table.h, connections.cc).
+// The implementation sits behind a pointer (rpc/agent/agent_impl.h, which
+// says where each of its parts lives), so none of its members, threads or
+// codec types reach a user's build.
 //
 // Start-up: the agent listens, publishes "name host port" under its rank in
 // the c10d store, and reads every other worker's entry. Graceful shutdown:

@@ -1,6 +1,8 @@
-// The agent's start-up (rendezvous), the handshake on every connection, and
-// shutdown. The outgoing side is in calls.cc, the incoming side in
-// dispatch.cc, the connection table in connections.cc.
+// The agent's start-up (rendezvous) and what it tells about itself. The
+// handshake on every connection is in handshake.cc, shutdown in
+// shutdown.cc, CUDA IPC's held buffers in cuda_ipc.cc, the outgoing side in
+// calls.cc, the incoming side in dispatch.cc, the connection table in
+// connections.cc.
 #include "tandem/rpc/agent/agent_impl.h"
 
 #include <algorithm>
@@ -21,123 +23,18 @@
 #include "tandem/rpc/common/log.h"
 #include "tandem/rpc/common/host.h"
 #include "tandem/rpc/rendezvous.h"
+#include "tandem/rpc/rendezvous/worker_entry.h"
 #include "tandem/rpc/rref_context.h"
 
 namespace tandem::rpc {
 namespace {
-
-// A rendezvous entry: name, host, port and same-host endpoint on the first
-// line, the number of CUDA devices on the second, then a line per device
-// map (the worker it leads to, then pairs of device indices), tab-separated
-// (names hold no tab or newline).
-std::string join_worker(const WorkerInfo& w) {
-  std::string s = w.name + "\t" + w.host + "\t" + std::to_string(w.port) + "\t" + w.local +
-                  "\n" + std::to_string(w.cuda_devices) + "\t" + w.process;
-  for (const auto& [to, map] : w.device_maps) {
-    s += "\n" + to;
-    for (auto [from, dst] : map) s += "\t" + std::to_string(from) + "\t" + std::to_string(dst);
-  }
-  return s;
-}
-
-WorkerInfo split_worker(const std::string& s, int rank) {
-  std::istringstream in(s);
-  WorkerInfo w;
-  std::string port;
-  if (!std::getline(in, w.name, '\t') || !std::getline(in, w.host, '\t') ||
-      !std::getline(in, port, '\t')) {
-    throw std::runtime_error("malformed rendezvous entry for rank " + std::to_string(rank));
-  }
-  std::getline(in, w.local);  // absent or empty: no same-host path
-  w.rank = rank;
-  try {
-    w.port = std::stoi(port);
-  } catch (const std::exception&) {
-    throw std::runtime_error("malformed rendezvous entry for rank " + std::to_string(rank) +
-                             ": port '" + printable(port) + "'");
-  }
-  std::string line;
-  try {
-    if (std::getline(in, line)) {
-      const auto tab = line.find('\t');
-      w.cuda_devices = std::stoi(line.substr(0, tab));
-      if (tab != std::string::npos) w.process = line.substr(tab + 1);
-    }
-    while (std::getline(in, line)) {
-      std::istringstream fields(line);
-      std::string to, from, dst;
-      std::getline(fields, to, '\t');
-      auto& map = w.device_maps[to];
-      while (std::getline(fields, from, '\t') && std::getline(fields, dst, '\t')) {
-        map[std::stoi(from)] = std::stoi(dst);
-      }
-    }
-  } catch (const std::exception&) {
-    throw std::runtime_error("malformed rendezvous entry for rank " + std::to_string(rank) +
-                             ": devices '" + printable(line) + "'");
-  }
-  return w;
-}
-
-std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
-
-std::string cuda(int i) { return "cuda:" + std::to_string(i); }
-
-const std::map<int, int>* find_map(const std::map<std::string, std::map<int, int>>& maps,
-                                   const std::string& to) {
-  auto it = maps.find(to);
-  return it == maps.end() ? nullptr : &it->second;
-}
-
-// Every worker's device maps, checked against both ends' devices
-// (AgentOptions::device_maps). The same on every worker, so all refuse a
-// bad map alike, naming whose it is.
-void check_device_maps(const std::vector<WorkerInfo>& workers,
-                       const std::unordered_map<std::string, int>& rank_of) {
-  for (const WorkerInfo& w : workers) {
-    for (const auto& [to, map] : w.device_maps) {
-      const std::string whose = w.name + "'s device map to '" + printable(to) + "'";
-      auto r = rank_of.find(to);
-      if (r == rank_of.end()) throw std::invalid_argument(whose + ": there is no such worker");
-      if (r->second == w.rank) throw std::invalid_argument(whose + ": a map to itself");
-      const WorkerInfo& peer = workers[r->second];
-      std::map<int, int> back;
-      for (auto [from, dst] : map) {
-        if (from >= w.cuda_devices) {
-          throw std::invalid_argument(whose + " names " + cuda(from) + ", but " + w.name +
-                                      " has " + std::to_string(w.cuda_devices) +
-                                      " CUDA device(s)");
-        }
-        if (dst >= peer.cuda_devices) {
-          throw std::invalid_argument(whose + " maps " + cuda(from) + " to " + cuda(dst) +
-                                      ", but " + peer.name + " has " +
-                                      std::to_string(peer.cuda_devices) + " CUDA device(s)");
-        }
-        auto [it, fresh] = back.emplace(dst, from);
-        if (!fresh) {
-          throw std::invalid_argument(whose + " maps both " + cuda(it->second) + " and " +
-                                      cuda(from) + " to " + cuda(dst) +
-                                      ": answers could not find their way back");
-        }
-      }
-    }
-  }
-}
-
-std::map<int, int> inverse(const std::map<int, int>& map) {
-  std::map<int, int> out;
-  for (auto [from, dst] : map) out[dst] = from;
-  return out;
-}
-
-// The first line of a (c10) error message, which goes on with a C++ trace.
-std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
 std::mutex g_extensions_mu;
 std::vector<ExtensionFactory>& extension_factories() {
   static std::vector<ExtensionFactory> factories;
   return factories;
 }
+
 
 }  // namespace
 
@@ -295,7 +192,7 @@ void AgentImpl::start(c10::intrusive_ptr<c10d::Store> store) {
           "'): another job on the same MASTER_PORT, two workers with one RANK, or a planted "
           "entry; refusing to start");
     }
-    store_->set(key, bytes(join_worker(self)));
+    store_->set(key, store_bytes(join_worker(self)));
     // Wait for every entry by polling (a c10d get that times out says only
     // "Socket Timeout"): past init_timeout, name who never came.
     const auto deadline = std::chrono::steady_clock::now() + options_.init_timeout;
@@ -333,17 +230,7 @@ void AgentImpl::start(c10::intrusive_ptr<c10d::Store> store) {
       }
     }
     check_device_maps(workers_, rank_of_);
-    send_maps_.resize(world);
-    answer_maps_.resize(world);
-    for (int r = 0; r < world; ++r) {
-      const auto* mine = find_map(workers_[rank_].device_maps, workers_[r].name);
-      const auto* theirs = find_map(workers_[r].device_maps, self_name_);
-      send_maps_[r].peer = answer_maps_[r].peer = workers_[r].name;
-      // Calls go by our map, else back along theirs; answers go back along
-      // the caller's map, else by ours.
-      send_maps_[r].cuda = mine ? *mine : theirs ? inverse(*theirs) : std::map<int, int>();
-      answer_maps_[r].cuda = theirs ? inverse(*theirs) : mine ? *mine : std::map<int, int>();
-    }
+    route_device_maps(workers_, rank_, send_maps_, answer_maps_);
     conns_ = std::make_unique<ConnectionTable>(world);
   } catch (...) {
     set_ready();
@@ -456,80 +343,6 @@ std::string AgentImpl::transport_to(const std::string& to) const {
   return c ? c->kind() : "";
 }
 
-size_t AgentImpl::cuda_ipc_held() const {
-  std::lock_guard<std::mutex> lock(ipc_mu_);
-  return ipc_held_.size();
-}
-
-bool AgentImpl::ipc_to(int dest, const Connection* via) const {
-  if (!options_.cuda_ipc || dest < 0 || dest == rank_ ||
-      static_cast<size_t>(dest) >= workers_.size()) {
-    return false;
-  }
-  const WorkerInfo& self = workers_[rank_];
-  const WorkerInfo& peer = workers_[dest];
-  if (self.cuda_devices == 0 || peer.cuda_devices == 0 || peer.process.empty() ||
-      peer.process == self.process) {
-    return false;  // (a handle cannot be opened in the process that made it)
-  }
-  {
-    std::lock_guard<std::mutex> lock(ipc_mu_);
-    const auto& refused = ipc_refused_by_;
-    if (std::find(refused.begin(), refused.end(), dest) != refused.end()) return false;
-  }
-  if (via) return std::string(via->kind()) == "shm";
-  auto c = conns_ ? conns_->to(dest) : nullptr;
-  return c && std::string(c->kind()) == "shm";  // on this host
-}
-
-void AgentImpl::send_ipc_release(const ConnectionPtr& conn, int to, uint64_t token, bool failed) {
-  Message m;
-  m.kind = MessageKind::kRequest;
-  m.id = 0;  // one way
-  m.callee = kIpcReleaseCallee;
-  m.values.emplace_back(static_cast<int64_t>(token));
-  m.values.emplace_back(failed);
-  // On the connection the frame came by; if that one is retiring or gone,
-  // on the one that replaced it (else the sender holds its memory until
-  // every connection to us has closed).
-  for (const ConnectionPtr& c : {conn, conns_->to(to)}) {
-    if (!c) continue;
-    try {
-      c->send(encode(m, options_.limits));
-      return;
-    } catch (const Error&) {
-    }
-  }
-}
-
-void AgentImpl::release_ipc(int from, uint64_t token, bool failed) {
-  std::shared_ptr<device::IpcExport> buffers;  // freed outside the lock
-  std::lock_guard<std::mutex> lock(ipc_mu_);
-  if (failed && std::find(ipc_refused_by_.begin(), ipc_refused_by_.end(), from) ==
-                    ipc_refused_by_.end()) {
-    ipc_refused_by_.push_back(from);
-    protocol_log_->write("tandem[" + printable(name()) + "]: " + printable(workers_[from].name) +
-                         " could not use this worker's CUDA IPC handles; CUDA tensors to it "
-                         "go through host memory from now on");
-  }
-  auto it = ipc_held_.find(token);
-  if (it == ipc_held_.end() || it->second.rank != from) return;  // (not this peer's to release)
-  buffers = std::move(it->second.buffers);
-  ipc_held_.erase(it);
-}
-
-void AgentImpl::drop_ipc_held(int rank) {
-  std::vector<std::shared_ptr<device::IpcExport>> dropped;
-  std::lock_guard<std::mutex> lock(ipc_mu_);
-  for (auto it = ipc_held_.begin(); it != ipc_held_.end();) {
-    if (rank < 0 || it->second.rank == rank) {
-      dropped.push_back(std::move(it->second.buffers));
-      it = ipc_held_.erase(it);
-    } else {
-      ++it;
-    }
-  }
-}
 
 std::optional<c10::Device> AgentImpl::answer_device_to(const std::string& caller,
                                                    c10::Device device) const {
@@ -558,257 +371,5 @@ const WorkerInfo& AgentImpl::get_worker_info(int rank) const {
   return workers_[rank];
 }
 
-void AgentImpl::on_hello_from_loop(const ConnectionPtr& conn, const Message& msg) {
-  assert(transport_->on_transport_thread());
-  const uint64_t id = conn->id();
-  const std::string& token = options_.token;
-  std::unique_lock<std::mutex> lock(handshakes_->mu);
-  // Refuses the handshake: the connection closes with `why`, and a dialed
-  // one's gate gives `why` to any call still trying to send on it.
-  std::shared_ptr<GatedConnection> gate;
-  auto reject = [&](const std::string& why) {
-    lock.unlock();
-    const std::string reason =
-        "protocol error from " + conn->peer_address() + ": handshake rejected: " + why;
-    if (gate) gate->refuse(reason);
-    conn->close(reason);
-  };
-  if (msg.hello_nonce.size() != (msg.hello_step == 3 ? 0 : kNonceBytes) ||
-      msg.hello_proof.size() != (msg.hello_step == 1 ? 0 : kProofBytes)) {
-    return reject("step " + std::to_string(msg.hello_step) + " with a nonce of " +
-                  std::to_string(msg.hello_nonce.size()) + " and a proof of " +
-                  std::to_string(msg.hello_proof.size()) + " bytes");
-  }
-  const bool dialed = handshakes_->dialed.count(id) > 0;
-  const bool accepted = handshakes_->accepted.count(id) > 0;
-  switch (msg.hello_step) {
-    case 1: {  // a dialer introduces itself on a connection we accepted
-      const int r = msg.hello_rank;
-      if (dialed || accepted || conns_->rank_of(*conn) >= 0) return reject("a second step 1");
-      if (r < 0 || r >= world_size() || workers_[r].name != msg.hello_worker) {
-        return reject("unknown worker '" + printable(msg.hello_worker, 64) + "' (rank " +
-                      std::to_string(r) + ")");
-      }
-      HandshakeTable::Accepted a{r, msg.hello_nonce, random_bytes(kNonceBytes)};
-      Message answer;
-      answer.kind = MessageKind::kHello;
-      answer.hello_step = 2;
-      answer.hello_worker = name();
-      answer.hello_rank = rank_;
-      answer.hello_nonce = a.nonce;
-      answer.hello_proof = acceptor_proof(token, a.dialer_nonce, a.nonce, r, rank_);
-      handshakes_->accepted[id] = std::move(a);
-      lock.unlock();
-      try {
-        conn->send(encode(answer, options_.limits));
-      } catch (const DisconnectedError&) {
-        // closed meanwhile: on_closed forgets it
-      }
-      return;
-    }
-    case 2: {  // the worker we dialed answers, with its proof
-      if (!dialed) return reject("a step 2 nobody asked for");
-      HandshakeTable::Dialed d = std::move(handshakes_->dialed[id]);
-      handshakes_->dialed.erase(id);
-      gate = d.gate;
-      const std::string& expected = workers_[d.rank].name;
-      if (msg.hello_rank != d.rank || msg.hello_worker != expected) {
-        return reject("dialed " + expected + " (rank " + std::to_string(d.rank) +
-                      ") but '" + printable(msg.hello_worker, 64) + "' (rank " +
-                      std::to_string(msg.hello_rank) +
-                      ") answered");
-      }
-      if (!constant_time_equal(msg.hello_proof, acceptor_proof(token, d.nonce, msg.hello_nonce,
-                                                               rank_, d.rank))) {
-        return reject(expected + " did not prove the cluster token (is TANDEM_TOKEN the same "
-                      "on every worker?)");
-      }
-      lock.unlock();
-      Message proof;
-      proof.kind = MessageKind::kHello;
-      proof.hello_step = 3;
-      proof.hello_worker = name();
-      proof.hello_rank = rank_;
-      proof.hello_proof = dialer_proof(token, d.nonce, msg.hello_nonce, rank_, d.rank);
-      d.gate->open(encode(proof, options_.limits));
-      return;
-    }
-    case 3: {  // the dialer's proof, on a connection we accepted
-      if (!accepted) return reject("a step 3 before step 1");
-      HandshakeTable::Accepted a = std::move(handshakes_->accepted[id]);
-      handshakes_->accepted.erase(id);
-      if (!constant_time_equal(msg.hello_proof,
-                               dialer_proof(token, a.dialer_nonce, a.nonce, a.rank, rank_))) {
-        return reject(workers_[a.rank].name + " (as it claimed) did not prove the cluster token");
-      }
-      lock.unlock();
-      // One connection per pair (connection_table.h, 4.): when both dialed,
-      // the lower rank keeps the one it dialed.
-      if (auto lost = conns_->add_accepted(conn, a.rank, /*take_over=*/a.rank < rank_)) {
-        retire(lost);
-      }
-      return;
-    }
-    default:
-      return reject("unknown step " + std::to_string(msg.hello_step));
-  }
-}
-
-void AgentImpl::barrier(const std::string& key, bool wait) {
-  const std::string k = "tandem/barrier/" + key;
-  const std::string done = k + "/done";
-  const std::string where =
-      (store_address_.empty() ? "the rendezvous store" : "the rendezvous store at " + store_address_) +
-      (store_hosted_by_launcher() ? " (hosted by the launcher)"
-                                  : " (hosted by " + workers_[0].name + ", rank 0)");
-  auto store_lost = [&](const std::exception& e) {
-    return DisconnectedError("graceful shutdown of " + name() + " lost " + where + ": " +
-                             printable(first_line(e.what())));
-  };
-  try {
-    store_->set(k + "/" + std::to_string(rank_), bytes("1"));  // who arrived
-    if (store_->add(k, 1) == world_size()) store_->set(done, bytes("1"));
-  } catch (const std::exception& e) {
-    throw store_lost(e);
-  }
-  if (!wait) return;
-  // Poll rather than wait: a c10d wait that times out cannot be taken back
-  // (its late answer would be read as the next command's), and between
-  // polls the workers that have not arrived are checked. One that no longer
-  // accepts connections has died, and will never arrive: say so at once
-  // instead of waiting out init_timeout. A worker may sit here for a whole
-  // training run (a parameter server, a bench's peer), so the polls thin
-  // out to ten a second, each one small request to the store, and the
-  // check of who is missing runs once a second.
-  const auto start = std::chrono::steady_clock::now();
-  const auto deadline = start + options_.init_timeout;
-  auto pause = std::chrono::milliseconds(1);
-  auto next_probe = start + std::chrono::milliseconds(200);
-  auto missing = [&] {
-    std::vector<int> out;
-    for (int r = 0; r < world_size(); ++r) {
-      if (r != rank_ && !store_->check({k + "/" + std::to_string(r)})) out.push_back(r);
-    }
-    return out;
-  };
-  for (;;) {
-    try {
-      if (store_->check({done})) return;
-      const auto now = std::chrono::steady_clock::now();
-      if (now >= deadline) {
-        std::string names;
-        for (int r : missing()) names += (names.empty() ? "" : ", ") + workers_[r].name;
-        throw TimeoutError("graceful shutdown of " + name() +
-                           " did not meet the other workers within " +
-                           std::to_string(options_.init_timeout.count()) + " ms" +
-                           (names.empty() ? "" : ": not arrived: " + names));
-      }
-      if (now >= next_probe) {
-        next_probe = now + std::chrono::seconds(1);
-        std::string gone;
-        for (int r : missing()) {
-          const std::string why = unreachable_reason(r);
-          if (why.empty()) continue;
-          // It may have arrived, and closed, since the check above.
-          if (store_->check({done})) return;
-          if (store_->check({k + "/" + std::to_string(r)})) continue;
-          gone += (gone.empty() ? "" : "; ") + workers_[r].name + " (" + why + ")";
-        }
-        if (!gone.empty()) {
-          throw DisconnectedError("graceful shutdown of " + name() +
-                                  ": worker(s) gone before reaching shutdown: " + gone);
-        }
-      }
-    } catch (const Error&) {
-      throw;
-    } catch (const std::exception& e) {
-      throw store_lost(e);
-    }
-    std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::milliseconds(100));
-  }
-}
-
-std::string AgentImpl::unreachable_reason(int rank) {
-  // An open connection to it is answer enough (keepalive would have closed
-  // it); only a worker this one holds no connection to is dialed.
-  if (auto c = conns_->to(rank); c && !c->closed()) return "";
-  const WorkerInfo& w = workers_[rank];
-  try {
-    // A bare TCP connection, closed again at once: the peer sees it end
-    // before its handshake, which is no error.
-    transport_->connect(w.host, w.port, std::chrono::milliseconds(500))->close("");
-    return "";
-  } catch (const std::exception& e) {
-    return printable(e.what());
-  }
-}
-
-void AgentImpl::shutdown(bool graceful) {
-  if (pool_ && pool_->in_pool()) {
-    throw std::logic_error("shutdown() cannot run on the agent's own pool (inside a handler or callback)");
-  }
-  std::lock_guard<std::mutex> serial(shutdown_mu_);
-  if (shut_down_) return;
-  std::exception_ptr barrier_error;
-  if (graceful && transport_ && calls_) {
-    calls_->wait_idle();
-    // RRef deletes, confirmations and hand-overs still in flight.
-    rrefs_->wait_idle(options_.init_timeout);
-    calls_->wait_idle();
-    try {
-      barrier("shutdown");
-    } catch (const std::exception&) {
-      barrier_error = std::current_exception();
-    }
-  }
-  std::vector<std::string> leaked;
-  if (graceful && !barrier_error) {
-    if (rrefs_) leaked = rrefs_->live_user_refs();
-    for (const auto& e : extensions_) {
-      for (auto& l : e->live_objects()) leaked.push_back(std::move(l));
-    }
-  }
-  if (rrefs_) rrefs_->close();
-  for (const auto& e : extensions_) e->close();
-  if (calls_) {
-    calls_->close_new();
-    calls_->fail_where([](const CallTable::Call&) { return true; },
-                       [this](const CallTable::Call& c) {
-                         return std::make_exception_ptr(ShutdownError(
-                             "agent " + name() + " shut down during '" + c.callee + "'"));
-                       });
-  }
-  if (transport_) transport_->close();
-  drop_ipc_held(-1);  // nobody is left to copy from them
-  if (calls_) calls_->stop();
-  if (pool_) pool_->stop();
-  if (conns_) conns_->clear();
-  if (graceful && store_ && !barrier_error) {
-    // Rank 0 hosts the store when it made it: it stays up until everyone has
-    // left the barrier above.
-    try {
-      barrier("left", /*wait=*/owns_store_ && rank_ == 0);
-    } catch (const std::exception&) {
-      barrier_error = std::current_exception();
-    }
-  }
-  store_.reset();
-  shut_down_ = true;
-  if (trace_) {
-    try {
-      trace_->write();
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "tandem[%s]: %s\n", printable(name()).c_str(), e.what());
-    }
-  }
-  if (!leaked.empty()) {
-    std::string list;
-    for (const auto& l : leaked) list += (list.empty() ? "" : ", ") + l;
-    throw ShutdownError("graceful shutdown of " + name() + " found " +
-                        std::to_string(leaked.size()) + " object(s) still alive (leaks): " + list);
-  }
-  if (barrier_error) std::rethrow_exception(barrier_error);
-}
 
 }  // namespace tandem::rpc

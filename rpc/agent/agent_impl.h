@@ -3,14 +3,16 @@
 // agent's tables, threads and the codec's types stay out of the installed
 // headers. Layers reach it through rpc/layer.h (LayerAccess), never here.
 //
-// One file per idea, all in this folder: start-up, handshake and shutdown
-// (agent.cc); the outgoing calls (calls.cc) and the table of calls in
-// flight with their deadlines and timer (call_table.h); dispatch of what
-// arrives and the handler scope (dispatch.cc); the connection table
-// (connection_table.h, connections.cc); the handshake's state
-// (handshake.h). Threads: the transport's loop thread delivers messages
-// (`..._from_loop`), the pool runs handlers and callbacks, the call
-// table's timer expires deadlines; any thread may call.
+// One file per idea, all in this folder: start-up (agent.cc), the
+// connection handshake (handshake.cc), shutdown (shutdown.cc), the outgoing
+// calls (calls.cc) and the table of calls in flight with their deadlines
+// and timer (call_table.h), dispatch of what arrives and the handler scope
+// (dispatch.cc), the connection table (connection_table.h,
+// connections.cc), CUDA IPC's held buffers (cuda_ipc.cc); what workers
+// publish at the rendezvous is in rpc/rendezvous/worker_entry.h. Threads:
+// the transport's loop thread delivers messages (`..._from_loop`), the pool
+// runs handlers and callbacks, the call table's timer expires deadlines;
+// any thread may call.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>

@@ -28,3 +28,22 @@ foreach(name "backward" "backward nodes" "DistributedOptimizer::step" "optimizer
     message(FATAL_ERROR "the consumer's trace has no '${name}' event")
   endif()
 endforeach()
+
+# What is installed is the public surface only: no installed header includes
+# Cap'n Proto, kj or libuv (they stay inside the libraries), and every Tandem
+# header an installed one includes is installed too.
+file(GLOB_RECURSE installed RELATIVE ${work}/prefix/include ${work}/prefix/include/tandem/*.h)
+foreach(header ${installed})
+  file(STRINGS ${work}/prefix/include/${header} includes REGEX "^#include")
+  foreach(line ${includes})
+    if(line MATCHES "[<\"](capnp/|kj/|uv\\.h)")
+      message(FATAL_ERROR "installed ${header} includes an internal dependency: ${line}")
+    endif()
+    if(line MATCHES "\"(tandem/[^\"]+)\"")
+      # (CMAKE_MATCH_1 is read after the match, so in an if of its own.)
+      if(NOT EXISTS ${work}/prefix/include/${CMAKE_MATCH_1})
+        message(FATAL_ERROR "installed ${header} includes ${CMAKE_MATCH_1}, which is not installed")
+      endif()
+    endif()
+  endforeach()
+endforeach()
