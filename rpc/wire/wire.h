@@ -8,6 +8,10 @@
 // been checked, and can hand out the tensor's storage as the target of the next
 // socket read so large tensors arrive with no copy in user space.
 // Any violation throws ProtocolError; the caller closes that connection.
+//
+// The codec's files: encode.cc (Message -> OutFrame), decode.cc
+// (FrameDecoder), values.h (the value tree <-> its Cap'n Proto form) and
+// checks.h (every check a received frame passes, each alone).
 #pragma once
 
 #include <ATen/core/ivalue.h>
@@ -74,6 +78,8 @@ inline uint64_t padding_before(uint64_t offset) {
   return (kTensorAlignment - offset % kTensorAlignment) % kTensorAlignment;
 }
 
+struct TensorPlan;  // a received tensor's checked description (decode.cc)
+
 class FrameDecoder {
  public:
   // The first `handshake_frames` frames must be small kHellos (no tensors,
@@ -113,6 +119,9 @@ class FrameDecoder {
   void on_preamble();
   void on_table();
   void on_envelope();
+  // Allocates (or resolves, or stands in for) the planned tensors; returns
+  // all of them, in frame order, for the values to index.
+  std::vector<at::Tensor> make_tensors(std::vector<TensorPlan>& plans);
   void advance_body();  // skips padding, moves to the next tensor, finishes the frame
   void finish();
 

@@ -2,8 +2,8 @@
 // frame decoder (preamble, Cap'n Proto envelope, value tree, tensor
 // descriptions, the handshake's frame rules) and the handshake's checks.
 // Built by `./dev fuzz` with clang (-fsanitize=fuzzer,address,undefined);
-// wire.cc, errors.cc and auth.cc are compiled into it so that coverage
-// guides the search through them.
+// the codec (rpc/wire/), errors.cc and auth.cc are compiled into it so that
+// coverage guides the search through them.
 //
 // An input is: one control byte, then the bytes a peer writes. The control
 // byte picks how many handshake frames must come first (0-2) and how the
@@ -13,9 +13,13 @@
 // memfd, announced before the input, with a fresh block every 4 KiB).
 // Every frame that decodes is encoded again and
 // must decode to the same kind, id and callee; then the handshake's proof
-// check runs on it. A ProtocolError ends the input (the transport would
+// check runs on it. The same bytes also go to one check alone
+// (check_shape, rpc/wire/checks.h), which a decoder reaches only through a
+// well-formed envelope: whatever it passes must describe a contiguous tensor
+// whose element count it got right. A ProtocolError ends the input (the transport would
 // close the connection); any other exception, crash, leak or undefined
 // behaviour is a finding.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -23,6 +27,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
@@ -33,6 +38,7 @@
 
 #include "tandem/rpc/common/auth.h"
 #include "tandem/rpc/transport/shm/segments.h"
+#include "tandem/rpc/wire/checks.h"
 #include "tandem/rpc/wire/wire.h"
 
 using namespace tandem::rpc;
@@ -73,6 +79,30 @@ void check_handshake(const Message& m) {
   const std::string mine(kNonceBytes, 'n');
   const std::string want = acceptor_proof("token", m.hello_nonce, mine, m.hello_rank, 0);
   if (constant_time_equal(m.hello_proof, want) != (m.hello_proof == want)) std::abort();
+}
+
+// The input read as up to 8 sizes, then as many strides, through
+// check_shape; what passes is checked again in wider arithmetic.
+void check_shape_alone(const uint8_t* data, size_t size) {
+  const size_t dims = std::min<size_t>(size / (2 * sizeof(int64_t)), 8);
+  std::vector<int64_t> sizes(dims), strides(dims), shape;
+  std::memcpy(sizes.data(), data, dims * sizeof(int64_t));
+  std::memcpy(strides.data(), data + dims * sizeof(int64_t), dims * sizeof(int64_t));
+  uint64_t numel = 0;
+  try {
+    numel = check_shape(0, sizes, strides, shape);
+  } catch (const ProtocolError&) {
+    return;
+  }
+  // (Every prefix product fits 64 bits once it passed, so 128 bits hold the whole.)
+  unsigned __int128 product = 1;
+  __int128 stride = 1;
+  for (size_t d = dims; d-- > 0;) {
+    if (sizes[d] < 0 || (sizes[d] != 1 && strides[d] != stride)) std::abort();
+    product *= static_cast<uint64_t>(sizes[d]);
+    stride *= std::max<int64_t>(sizes[d], 1);
+  }
+  if (product != numel || shape != sizes) std::abort();
 }
 
 constexpr size_t kSegmentBytes = 1 << 20;
@@ -127,6 +157,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const uint8_t control = data[0];
   ++data;
   --size;
+  check_shape_alone(data, size);
   const Limits limits = fuzz_limits();
   FrameDecoder dec(limits, /*handshake_frames=*/control % 3);
   std::unique_ptr<SegmentReader> shared;
