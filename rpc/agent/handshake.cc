@@ -9,6 +9,7 @@
 #include "tandem/rpc/agent/handshake.h"
 #include "tandem/rpc/common/auth.h"
 #include "tandem/rpc/common/log.h"
+#include "tandem/rpc/wire/checks.h"
 
 namespace tandem::rpc {
 
@@ -27,11 +28,10 @@ void AgentImpl::on_hello_from_loop(const ConnectionPtr& conn, const Message& msg
     if (gate) gate->refuse(reason);
     conn->close(reason);
   };
-  if (msg.hello_nonce.size() != (msg.hello_step == 3 ? 0 : kNonceBytes) ||
-      msg.hello_proof.size() != (msg.hello_step == 1 ? 0 : kProofBytes)) {
-    return reject("step " + std::to_string(msg.hello_step) + " with a nonce of " +
-                  std::to_string(msg.hello_nonce.size()) + " and a proof of " +
-                  std::to_string(msg.hello_proof.size()) + " bytes");
+  try {
+    check_hello(msg.hello_step, msg.hello_nonce.size(), msg.hello_proof.size());
+  } catch (const ProtocolError& e) {
+    return reject(e.what());
   }
   const bool dialed = handshakes_->dialed.count(id) > 0;
   const bool accepted = handshakes_->accepted.count(id) > 0;
@@ -103,7 +103,7 @@ void AgentImpl::on_hello_from_loop(const ConnectionPtr& conn, const Message& msg
       }
       return;
     }
-    default:
+    default:  // (check_hello refused it above)
       return reject("unknown step " + std::to_string(msg.hello_step));
   }
 }
