@@ -16,8 +16,9 @@
 //     buffers (preamble, envelope, each tensor's storage): no copy and no
 //     hand-off to the loop on the common path. Only what the socket would not
 //     take is queued; the loop finishes it when the socket is writable.
-//     (DESIGN.md sketches uv_write from the loop; writing from the caller
-//     saves one thread hand-off per message, measured in bench/rpc_bench.)
+//     (uv_write from the loop would be the plain libuv way; writing from the
+//     caller saves one thread hand-off per message, measured in
+//     bench/rpc_bench.)
 //  4. Everything else that touches a handle is posted to the loop as a
 //     command through one uv_async_t (post()).
 //  5. Backpressure. A peer that sends requests but does not read our
