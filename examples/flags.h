@@ -12,7 +12,8 @@
 //
 // parse() returns the problem as one line instead of exiting, because a
 // distributed program must still let its peers go before it exits (see
-// char_lm.cc). --help and -h set help(); usage() is the text to print then.
+// examples/char_lm/main.cc). --help and -h set help(); usage() is the text
+// to print then.
 #pragma once
 
 #include <algorithm>

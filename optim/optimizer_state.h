@@ -52,7 +52,7 @@ struct OptimizerState {
 void save_state(const OptimizerState& state, const std::string& path);
 OptimizerState load_state(const std::string& path);
 // The same bytes, for a checkpoint of one's own that holds more than the
-// optimizer (examples/char_lm.cc). `source` names the bytes in errors.
+// optimizer (examples/char_lm/checkpoint.cc). `source` names the bytes in errors.
 // Beyond the hash, state_from_bytes refuses, naming the field: a version
 // other than 1, an unknown kind, a learning rate that is NaN or negative,
 // a rank outside 0..INT_MAX or given twice, a negative parameter count,

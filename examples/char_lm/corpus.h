@@ -1,0 +1,35 @@
+// char_lm's text (load_corpus: the file or the default directory, its
+// vocabulary and tokens) and the batch of each step (batch_at), a function of
+// (seed, step) alone. Read by main.cc before training, and by the training
+// loops (train.cc, train_pipeline.cc) and the sampler (model.cc).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+
+#include "examples/char_lm/config.h"
+
+namespace char_lm {
+
+struct Corpus {
+  std::string name;
+  std::string text;
+  std::string vocab;  // the distinct bytes, in order
+  at::Tensor tokens;  // int64, each byte's index in vocab
+  uint64_t fingerprint = 0;
+};
+
+// The text --corpus names, or every regular file of the default directory;
+// bad input throws UsageError.
+Corpus load_corpus(const std::string& flag);
+
+// The batch of step `step`: a function of (seed, step) alone, so that a
+// resumed run draws exactly the batches an uninterrupted one would.
+struct Batch {
+  at::Tensor x, y;  // [B, T] int64: inputs and the characters that follow them
+};
+Batch batch_at(const Corpus& c, int64_t seed, int64_t step);
+
+}  // namespace char_lm

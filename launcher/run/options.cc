@@ -1,0 +1,116 @@
+// The command line (launcher/run/options.h).
+#include "launcher/run/options.h"
+
+#include <algorithm>
+#include <climits>
+#include <optional>
+
+namespace tandem::launcher {
+
+namespace {
+
+constexpr const char* kValueFlags[] = {
+    "nproc-per-node", "nnodes", "node-rank", "master-addr", "master-port", "trace",
+};
+
+int parse_int(const std::string& flag, const std::string& text, long long min, long long max) {
+  std::string expected = "expected an integer in [" + std::to_string(min) + ", " +
+                         std::to_string(max) + "]";
+  std::string bad = "invalid value '" + text + "' for " + flag + " (" + expected + ")";
+  if (text.empty()) throw UsageError(bad);
+  long long value = 0;
+  for (char c : text) {
+    if (c < '0' || c > '9') throw UsageError(bad);
+    value = value * 10 + (c - '0');
+    if (value > max) throw UsageError(bad);
+  }
+  if (value < min) throw UsageError(bad);
+  return static_cast<int>(value);
+}
+
+// Accepts torchrun's underscore spelling too: --nproc_per_node is --nproc-per-node.
+std::string normalize_flag(std::string name) {
+  std::replace(name.begin(), name.end(), '_', '-');
+  return name;
+}
+
+bool takes_value(const std::string& name) {
+  for (const char* flag : kValueFlags) {
+    if (name == flag) return true;
+  }
+  return false;
+}
+
+void apply_option(Options& options, const std::string& name, const std::string& value) {
+  const std::string flag = "--" + name;
+  if (name == "nproc-per-node") {
+    options.nproc_per_node = parse_int(flag, value, 1, INT_MAX);
+  } else if (name == "nnodes") {
+    options.nnodes = parse_int(flag, value, 1, INT_MAX);
+  } else if (name == "node-rank") {
+    options.node_rank = parse_int(flag, value, 0, INT_MAX - 1);
+  } else if (name == "master-addr") {
+    if (value.empty()) throw UsageError("--master-addr must not be empty");
+    options.master_addr = value;
+  } else if (name == "master-port") {
+    options.master_port = parse_int(flag, value, 0, 65535);
+  } else if (name == "trace") {
+    if (value.empty()) throw UsageError("--trace must name a directory");
+    options.trace_dir = value;
+  }
+}
+
+void validate(const Options& options) {
+  if (options.nproc_per_node == 0) throw UsageError("missing required option --nproc-per-node");
+  if (options.node_rank >= options.nnodes) {
+    throw UsageError("--node-rank " + std::to_string(options.node_rank) +
+                     " is out of range for --nnodes " + std::to_string(options.nnodes) +
+                     " (expected 0 <= node-rank < nnodes)");
+  }
+  if (static_cast<long long>(options.nproc_per_node) * options.nnodes > INT_MAX) {
+    throw UsageError("--nproc-per-node times --nnodes is too large");
+  }
+  if (options.nnodes > 1 && options.master_port == 0) {
+    throw UsageError("--master-port (non-zero) is required when --nnodes is greater than 1");
+  }
+  if (options.program.empty()) throw UsageError("missing PROGRAM to run");
+}
+
+}  // namespace
+
+Options parse_args(int argc, char** argv) {
+  Options options;
+  int i = 1;
+  for (; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--") {
+      ++i;
+      break;
+    }
+    if (arg.size() < 2 || arg[0] != '-') break;  // PROGRAM: options end here
+    if (arg == "--help" || arg == "-h") {
+      options.help = true;
+      return options;
+    }
+    if (arg.compare(0, 2, "--") != 0) throw UsageError("unknown option '" + arg + "'");
+    std::string name = arg.substr(2);
+    std::optional<std::string> value;
+    const size_t equals = name.find('=');
+    if (equals != std::string::npos) {
+      value = name.substr(equals + 1);
+      name.resize(equals);
+    }
+    name = normalize_flag(name);
+    if (!takes_value(name)) throw UsageError("unknown option '" + arg + "'");
+    if (!value) {
+      if (i + 1 >= argc) throw UsageError("option --" + name + " requires a value");
+      value = argv[++i];
+    }
+    apply_option(options, name, *value);
+  }
+  options.program.assign(argv + i, argv + argc);
+  validate(options);
+  return options;
+}
+
+}  // namespace tandem::launcher

@@ -1,0 +1,56 @@
+// tandem-run's command line: the usage and help texts, and parse_args, which
+// turns argv into Options or throws UsageError (main prints it and exits 2).
+// The Launcher (launcher/run/launcher.h) starts its workers from Options.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace tandem::launcher {
+
+constexpr char kUsage[] =
+    "usage: tandem-run --nproc-per-node N [--nnodes K --node-rank R --master-addr A "
+    "--master-port P] PROGRAM ARGS...\n";
+
+constexpr char kHelp[] =
+    "\n"
+    "Starts N copies of PROGRAM on this node with torchrun-compatible environment variables\n"
+    "(RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT).\n"
+    "\n"
+    "options (also accepted as --opt=value):\n"
+    "  --nproc-per-node N   workers to start on this node (required, N >= 1)\n"
+    "  --nnodes K           nodes in the job (default 1)\n"
+    "  --node-rank R        this node's index, 0 <= R < K (default 0)\n"
+    "  --master-addr A      address of the rank-0 node (default 127.0.0.1)\n"
+    "  --master-port P      port on the rank-0 node; 0 picks a free one when K is 1\n"
+    "                       (default 0; required when K > 1)\n"
+    "  --trace DIR          every worker writes its trace into DIR (TANDEM_TRACE); once they\n"
+    "                       exited, this node's traces are joined into DIR/tandem-trace.json\n"
+    "  --help               print this help and exit\n"
+    "  --                   end of options; PROGRAM follows\n"
+    "\n"
+    "Unless OMP_NUM_THREADS is set, each worker gets OMP_NUM_THREADS = cores / N.\n"
+    "Worker output is prefixed with \"[RANK]: \". SIGINT and SIGTERM are forwarded to the\n"
+    "workers. When a worker fails the others get SIGTERM (SIGKILL after 5 s) and tandem-run\n"
+    "exits with the failed worker's code (128 + signal when it was killed).\n";
+
+class UsageError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct Options {
+  int nproc_per_node = 0;  // 0: not given
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;  // 0: pick a free one (single node only)
+  std::string trace_dir;  // --trace
+  std::vector<std::string> program;
+  bool help = false;
+};
+
+Options parse_args(int argc, char** argv);
+
+}  // namespace tandem::launcher

@@ -1,0 +1,151 @@
+// Watching over the workers (launcher/run/launcher.h): one poll() loop over
+// their pipes and the signal pipe, reaping, fail-fast shutdown, and draining.
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+#include "launcher/run/io.h"
+#include "launcher/run/launcher.h"
+
+namespace tandem::launcher {
+
+namespace {
+
+constexpr auto kKillGrace = std::chrono::seconds(5);
+// How long pipes may stay open after every worker exited (a descendant of a worker can hold
+// them); everything the workers themselves wrote is readable at once.
+constexpr auto kDrainGrace = std::chrono::seconds(2);
+constexpr int kMaxPollMs = 1000;
+
+}  // namespace
+
+int Launcher::run() {
+  start_workers();
+  while (live_workers_ > 0 || has_open_pipes()) {
+    poll_once();
+    reap_workers();
+    check_deadlines();
+  }
+  if (!options_.trace_dir.empty()) join_traces();
+  return exit_code_;
+}
+
+void Launcher::poll_once() {
+  std::vector<pollfd> fds;
+  std::vector<LineForwarder*> forwarders;
+  fds.push_back({signal_fd_, POLLIN, 0});
+  forwarders.push_back(nullptr);
+  for (Worker& worker : workers_) {
+    for (LineForwarder* forwarder : {&worker.out, &worker.err}) {
+      if (!forwarder->is_open()) continue;
+      fds.push_back({forwarder->fd(), POLLIN, 0});
+      forwarders.push_back(forwarder);
+    }
+  }
+  if (::poll(fds.data(), fds.size(), poll_timeout_ms()) <= 0) return;  // timeout or EINTR
+  if (fds[0].revents != 0) handle_signals();
+  for (size_t i = 1; i < fds.size(); ++i) {
+    if (fds[i].revents != 0) forwarders[i]->read_some();
+  }
+}
+
+int Launcher::poll_timeout_ms() const {
+  const Clock::time_point now = Clock::now();
+  long long timeout = kMaxPollMs;
+  for (const auto& deadline : {kill_deadline_, drain_deadline_}) {
+    if (!deadline) continue;
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(*deadline - now).count();
+    timeout = std::min(timeout, std::max(0LL, static_cast<long long>(left)));
+  }
+  return static_cast<int>(timeout);
+}
+
+void Launcher::handle_signals() {
+  unsigned char buffer[64];
+  ssize_t n;
+  while ((n = ::read(signal_fd_, buffer, sizeof(buffer))) > 0) {
+    for (ssize_t i = 0; i < n; ++i) {
+      const int signal_number = buffer[i];
+      if (signal_number == SIGINT || signal_number == SIGTERM) signal_live_workers(signal_number);
+      // SIGCHLD only wakes the loop; reap_workers() runs after every poll.
+    }
+  }
+}
+
+void Launcher::reap_workers() {
+  int status = 0;
+  pid_t pid;
+  while (live_workers_ > 0 && (pid = ::waitpid(-1, &status, WNOHANG)) > 0) {
+    Worker* worker = find_worker(pid);
+    if (worker != nullptr && worker->alive) on_worker_exit(*worker, status);
+  }
+}
+
+void Launcher::on_worker_exit(Worker& worker, int status) {
+  worker.alive = false;
+  --live_workers_;
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return;
+  if (shutting_down_) return;  // a consequence of the shutdown already under way
+  int code = kExitFailure;
+  std::string what = "exited abnormally";
+  if (WIFEXITED(status)) {
+    code = WEXITSTATUS(status);
+    what = "exited with code " + std::to_string(code);
+  } else if (WIFSIGNALED(status)) {
+    code = kSignalExitBase + WTERMSIG(status);
+    what = "killed by signal " + std::to_string(WTERMSIG(status));
+  }
+  report("worker " + std::to_string(worker.rank) + " " + what);
+  begin_shutdown(code);
+}
+
+void Launcher::begin_shutdown(int exit_code) {
+  if (shutting_down_) return;
+  shutting_down_ = true;
+  exit_code_ = exit_code;
+  signal_live_workers(SIGTERM);
+  kill_deadline_ = Clock::now() + kKillGrace;
+}
+
+// Signals each live worker's process group; a worker that has not called setsid() yet (just
+// forked) has no group of its own, so it is signalled directly.
+void Launcher::signal_live_workers(int signal_number) {
+  for (const Worker& worker : workers_) {
+    if (!worker.alive) continue;
+    if (::kill(-worker.pid, signal_number) != 0) ::kill(worker.pid, signal_number);
+  }
+}
+
+void Launcher::check_deadlines() {
+  const Clock::time_point now = Clock::now();
+  if (kill_deadline_ && now >= *kill_deadline_) {
+    kill_deadline_.reset();
+    signal_live_workers(SIGKILL);
+  }
+  if (live_workers_ == 0 && !drain_deadline_) drain_deadline_ = now + kDrainGrace;
+  if (drain_deadline_ && now >= *drain_deadline_) {
+    for (Worker& worker : workers_) {
+      worker.out.finish();
+      worker.err.finish();
+    }
+  }
+}
+
+bool Launcher::has_open_pipes() const {
+  for (const Worker& worker : workers_) {
+    if (worker.out.is_open() || worker.err.is_open()) return true;
+  }
+  return false;
+}
+
+Worker* Launcher::find_worker(pid_t pid) {
+  for (Worker& worker : workers_) {
+    if (worker.pid == pid) return &worker;
+  }
+  return nullptr;
+}
+
+}  // namespace tandem::launcher
