@@ -21,8 +21,7 @@ thread_local Current tls_current;
 
 Context::Context() : Context(*rpc::current_agent()) {}
 
-Context::Context(rpc::Agent& agent)
-    : owner_(DistAutograd::of(agent)) {
+Context::Context(rpc::Agent& agent) : owner_(DistAutograd::of(agent)) {
   uint64_t outer = current_context_id();
   if (outer != 0) {
     throw std::logic_error("distributed autograd context " + std::to_string(outer) +

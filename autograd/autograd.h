@@ -100,11 +100,9 @@ uint64_t current_context_id();
 // done, or throws the first error. With retain_graph the graph can be run
 // again. The agent is the one that owns the context on this thread, else
 // the current agent; timeout defaults to its rpc_timeout.
-void backward(uint64_t context_id, const std::vector<at::Tensor>& roots,
-              bool retain_graph = false);
+void backward(uint64_t context_id, const std::vector<at::Tensor>& roots, bool retain_graph = false);
 void backward(rpc::Agent& agent, uint64_t context_id, const std::vector<at::Tensor>& roots,
-              bool retain_graph = false,
-              std::chrono::milliseconds timeout = rpc::kDefaultTimeout);
+              bool retain_graph = false, std::chrono::milliseconds timeout = rpc::kDefaultTimeout);
 
 // This worker's leaf gradients in the context: leaf tensor -> gradient
 // (looked up by identity: grads.at(weight)). The map is a copy, the

@@ -26,8 +26,8 @@ std::shared_ptr<ContextState> Contexts::find(uint64_t id) const {
 std::shared_ptr<ContextState> Contexts::get(uint64_t id) const {
   auto ctx = find(id);
   if (!ctx) {
-    throw std::invalid_argument("no distributed autograd context " + std::to_string(id) +
-                                " on " + name_ + " (never used here, or released)");
+    throw std::invalid_argument("no distributed autograd context " + std::to_string(id) + " on " +
+                                name_ + " (never used here, or released)");
   }
   return ctx;
 }

@@ -35,9 +35,10 @@ class AgentLink final : public EngineLink {
     std::vector<c10::IValue> items;
     items.reserve(grads.size());
     for (auto& g : grads) items.push_back(g.defined() ? c10::IValue(std::move(g)) : c10::IValue());
-    rpc::layer::notify(agent_, agent_.get_worker_info(worker).name, "tandem.autograd.grad",
-                  {static_cast<int64_t>(context), static_cast<int64_t>(task),
-                   static_cast<int64_t>(message), c10::ivalue::Tuple::create(std::move(items))});
+    rpc::layer::notify(
+        agent_, agent_.get_worker_info(worker).name, "tandem.autograd.grad",
+        {static_cast<int64_t>(context), static_cast<int64_t>(task), static_cast<int64_t>(message),
+         c10::ivalue::Tuple::create(std::move(items))});
   }
 
   void abort(int worker, uint64_t context, uint64_t task) noexcept override {
@@ -176,8 +177,7 @@ void DistAutograd::grad_from_loop(std::vector<c10::IValue>& args) {
         throw std::invalid_argument("a gradient must be a tensor or None, got " + g.tagKind());
       }
     }
-    engine_->on_grad_from_loop(ctx, task, static_cast<uint64_t>(args[2].toInt()),
-                               std::move(list));
+    engine_->on_grad_from_loop(ctx, task, static_cast<uint64_t>(args[2].toInt()), std::move(list));
   } catch (...) {
     if (task == 0) {
       std::fprintf(stderr, "tandem[%s]: dropped a malformed gradient message\n", name().c_str());

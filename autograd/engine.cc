@@ -61,8 +61,7 @@ std::string Engine::describe(const std::function<std::string(int)>& worker_name)
       if (t->phase != GraphTask::Phase::kWaitingForRun && t->phase != GraphTask::Phase::kRunning) {
         continue;
       }
-      const auto age =
-          std::chrono::duration_cast<std::chrono::milliseconds>(now - t->made).count();
+      const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(now - t->made).count();
       out += "backward of context " + std::to_string(t->context) + " (task " +
              std::to_string(t->id) + ", root " + worker_name(t->root) + "), " +
              std::to_string(age) + " ms old: ";
@@ -84,7 +83,8 @@ std::string Engine::describe(const std::function<std::string(int)>& worker_name)
       for (auto& [worker, messages] : waiting) {
         std::sort(messages.begin(), messages.end());
         out += "; waiting for gradients from " + worker_name(worker) + " (message(s)";
-        for (size_t i = 0; i < messages.size() && i < 8; ++i) out += " " + std::to_string(messages[i]);
+        for (size_t i = 0; i < messages.size() && i < 8; ++i)
+          out += " " + std::to_string(messages[i]);
         if (messages.size() > 8) out += " ...";
         out += ")";
       }

@@ -176,7 +176,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
  private:
   struct Join;
 
-  std::shared_ptr<GraphTask> task_of(ContextState& ctx, uint64_t task);  // ctx.mu held
+  std::shared_ptr<GraphTask> task_of(ContextState& ctx, uint64_t task);   // ctx.mu held
   std::shared_ptr<GraphTask> find_task(uint64_t context, uint64_t task);  // or null
   // The recorded sends of these message ids (ctx.mu held); throws naming a missing one.
   std::vector<std::shared_ptr<SendBackward>> sends_of(ContextState& ctx,

@@ -56,8 +56,7 @@ std::vector<uint64_t> reach_of(const std::vector<at::Tensor>& tensors) {
 
 variable_list RecvBackward::apply(variable_list&&) {
   throw std::logic_error(
-      "this tensor came over RPC inside distributed autograd context " +
-      std::to_string(context_) +
+      "this tensor came over RPC inside distributed autograd context " + std::to_string(context_) +
       ": differentiate it with tandem::autograd::backward(context_id, roots), not "
       "LibTorch's own backward()");
 }
@@ -65,7 +64,7 @@ variable_list RecvBackward::apply(variable_list&&) {
 void Recorder::before_send(rpc::Message& m, int dest) {
   if (m.kind == rpc::MessageKind::kRequest) {
     // The agent set the context current on the sending thread (rpc/scope.h).
-    if (m.autograd_context == 0) return;  // outside any context: nothing to do
+    if (m.autograd_context == 0) return;               // outside any context: nothing to do
     if (m.callee.rfind("tandem.autograd.", 0) == 0) {  // the engine's own traffic
       m.autograd_context = 0;
       return;
@@ -120,8 +119,7 @@ void Recorder::after_receive(rpc::Message& m, int from) {
   const int world_size = m.autograd_reach.empty() ? 0 : world_size_();
   for (uint64_t r : m.autograd_reach) {
     if (id_worker(r) < 0 || id_worker(r) >= world_size) {
-      throw rpc::ProtocolError("autograd reach names unknown rank " +
-                               std::to_string(id_worker(r)));
+      throw rpc::ProtocolError("autograd reach names unknown rank " + std::to_string(id_worker(r)));
     }
   }
   // Released here: the tensors arrive without history, as new leaves.

@@ -18,17 +18,17 @@
 //   {"bench":"dist_record","impl":"tandem","p50_us":..}
 //
 // Usage: autograd_bench [--hops 1,4,16] [--iters 200] [--rounds 5]
-#include <ATen/ops/allclose.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/allclose.h>
 #include <ATen/ops/ones.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 
+#include "bench/bench_util.h"
 #include "tandem/autograd/autograd.h"
 #include "tandem/autograd/dist_autograd.h"
-#include "bench/bench_util.h"
 #include "tandem/rpc/api.h"
 #include "tandem/rpc/wire/wire.h"
 #include "tests/support/local_job.h"
@@ -118,8 +118,8 @@ std::vector<Figures> round_trip(const std::vector<int>& hop_counts, int iters) {
         fwd_plain.push_back(plain);
       }
     }
-    out.push_back({percentile(back, 0.5),
-                   (percentile(fwd_ctx, 0.5) - percentile(fwd_plain, 0.5)) / hops});
+    out.push_back(
+        {percentile(back, 0.5), (percentile(fwd_ctx, 0.5) - percentile(fwd_plain, 0.5)) / hops});
   }
   rpc::shutdown(true);
   support::wait_exit(child);

@@ -86,7 +86,8 @@ class Flags {
   Flags& add(const std::string& name, int* value, int min) {
     flags_.push_back({name, std::to_string(*value), [=](const std::string& s) {
                         int64_t v = to_int(s);
-                        if (v < min || v > std::numeric_limits<int>::max()) throw std::invalid_argument("out of range");
+                        if (v < min || v > std::numeric_limits<int>::max())
+                          throw std::invalid_argument("out of range");
                         *value = static_cast<int>(v);
                       }});
     return *this;
@@ -124,8 +125,8 @@ class Flags {
   bool parse(int argc, char** argv) const {
     for (int i = 1; i < argc; ++i) {
       const std::string name = argv[i];
-      auto f = std::find_if(flags_.begin(), flags_.end(),
-                            [&](const Flag& x) { return x.name == name; });
+      auto f =
+          std::find_if(flags_.begin(), flags_.end(), [&](const Flag& x) { return x.name == name; });
       if (f == flags_.end()) return fail("unknown argument '" + name + "'");
       if (i + 1 == argc) return fail(name + " needs a value");
       try {

@@ -8,7 +8,8 @@
 // all-reduce time hidden behind backward: 1 - (time backward still waited
 // for buckets after its own work) / (the same buckets all-reduced alone).
 //
-// Prints: {"bench":"ddp_step","impl":"tandem","world":2,"ms":..,"local_ms":..,"overlap":..,"loss":..}
+// Prints:
+// {"bench":"ddp_step","impl":"tandem","world":2,"ms":..,"local_ms":..,"overlap":..,"loss":..}
 //
 // Usage: ddp_bench [--steps 30] [--warmup 5] [--rounds 3]
 // Env: TANDEM_BENCH_BUCKET_MB=N sets bucket_cap_mb (default 25);
@@ -95,7 +96,8 @@ Figures run_rank(int steps, int warmup) {
     auto model = make_model();
     ddp::DDPOptions o;
     if (const char* mb = std::getenv("TANDEM_BENCH_BUCKET_MB")) o.bucket_cap_mb = std::atof(mb);
-    if (const char* hook = std::getenv("TANDEM_BENCH_HOOK"); hook && std::strcmp(hook, "fp16") == 0) {
+    if (const char* hook = std::getenv("TANDEM_BENCH_HOOK");
+        hook && std::strcmp(hook, "fp16") == 0) {
       o.comm_hook = ddp::fp16_compress_hook();
     }
     ddp::DistributedDataParallel net(model, o);
@@ -122,7 +124,8 @@ Figures run_rank(int steps, int warmup) {
     // The same buckets all-reduced with nothing else running.
     auto stats = net.reducer().stats();
     std::vector<at::Tensor> buckets;
-    for (size_t bytes : stats.bucket_bytes) buckets.push_back(at::zeros({static_cast<int64_t>(bytes / 4)}));
+    for (size_t bytes : stats.bucket_bytes)
+      buckets.push_back(at::zeros({static_cast<int64_t>(bytes / 4)}));
     const double cpu_before = cpu_ms();
     const auto wall_before = Clock::now();
     double alone = timed(steps / 2 + 1, 2, [&](bool) {

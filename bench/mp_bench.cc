@@ -55,9 +55,7 @@ rpc::AgentOptions options(int rank) {
 struct Batch {
   at::Tensor x, y;
 };
-Batch batch() {
-  return {at::randn({64, 256}), at::randint(0, 10, {64}, at::kLong)};
-}
+Batch batch() { return {at::randn({64, 256}), at::randint(0, 10, {64}, at::kLong)}; }
 
 bool phases = false;     // --phases 1: each phase's mean time on stderr
 bool with_local = true;  // --local 0: the distributed step alone (for profiling)

@@ -162,13 +162,19 @@ Line run_pipe(const Config& c, const std::string& schedule, std::vector<nn::Remo
   });
   if (std::getenv("TANDEM_BENCH_VERBOSE")) {
     const int n = c.warmup + c.steps;
-    std::fprintf(stderr, "pipeline_bench %s: pipe.step %.2f ms, optimizer %.2f ms, release %.2f ms\n",
+    std::fprintf(stderr,
+                 "pipeline_bench %s: pipe.step %.2f ms, optimizer %.2f ms, release %.2f ms\n",
                  schedule.c_str(), phase[0] / n, phase[1] / n, phase[2] / n);
   }
   const auto& bubble = pipe.last_step().bubble;
   if (trace && !c.trace.empty()) pipe.write_trace(c.trace);
-  return {schedule, static_cast<int>(stages.size()), pipe.workers(), chunks, sps,
-          std::accumulate(bubble.begin(), bubble.end(), 0.0) / bubble.size(), bubble};
+  return {schedule,
+          static_cast<int>(stages.size()),
+          pipe.workers(),
+          chunks,
+          sps,
+          std::accumulate(bubble.begin(), bubble.end(), 0.0) / bubble.size(),
+          bubble};
 }
 
 void print(const Line& l, double single) {
@@ -225,7 +231,9 @@ int main(int argc, char** argv) {
         return n;
       };
       const auto two_counts = counts(2);
-      auto two = [&] { return pipeline::partition(all, {"worker0/cpu", "worker1/cpu"}, two_counts); };
+      auto two = [&] {
+        return pipeline::partition(all, {"worker0/cpu", "worker1/cpu"}, two_counts);
+      };
       lines.push_back(run_pipe(c, "gpipe", two(), c.chunks, false));
       lines.push_back(run_pipe(c, "1f1b", two(), c.chunks, true));
       lines.push_back(run_pipe(c, "zero-bubble", two(), c.chunks, false));
@@ -234,9 +242,9 @@ int main(int argc, char** argv) {
             all, {"worker0/cpu", "worker1/cpu", "worker0/cpu", "worker1/cpu"}, counts(4));
         lines.push_back(run_pipe(c, "interleaved", four, c.chunks, false));
       }
-      lines.push_back(run_pipe(c, "gpipe",
-                               pipeline::partition(all, {"worker1/cpu"}, {static_cast<int>(all.size())}),
-                               1, false));
+      lines.push_back(run_pipe(
+          c, "gpipe", pipeline::partition(all, {"worker1/cpu"}, {static_cast<int>(all.size())}), 1,
+          false));
     }
     rpc::shutdown(true);
     tandem::support::wait_exit(child);

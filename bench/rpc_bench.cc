@@ -13,7 +13,8 @@
 //   {"bench":"rpc_echo","impl":"raw_tcp","bytes":N,...}
 // gbps counts the bytes that crossed in both directions. And, like
 // bench/anchors/rref.py, for remote references:
-//   {"bench":"remote_create","impl":"tandem","transport":..,"p50_us":..}   remote() until the owner confirmed
+//   {"bench":"remote_create","impl":"tandem","transport":..,"p50_us":..}   remote() until the owner
+//   confirmed
 //   {"bench":"rref_to_here","impl":"tandem","transport":..,"bytes":N,"p50_us":..}   N = 0 and 1 MiB
 // And what one trace event costs, tracing on and off (rpc/trace.h):
 //   {"bench":"trace_event","impl":"tandem","on_ns":..,"off_ns":..}
@@ -38,11 +39,11 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
-#include <torch/cuda.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
+#include <torch/cuda.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -78,7 +79,6 @@ int iterations_for(int64_t bytes) {
   return 40;
 }
 
-
 // One round's figures for one size.
 struct Round {
   double p50 = 0, p99 = 0, mean = 0;
@@ -93,20 +93,20 @@ Round summarize(const std::vector<double>& lat_s) {
   return r;
 }
 
-
 void emit_p50(const char* bench, const std::string& transport, int64_t bytes,
               const std::vector<Round>& rounds) {
   std::vector<double> p50;
   for (const auto& r : rounds) p50.push_back(r.p50);
   if (bytes >= 0) {
-    std::printf("{\"bench\":\"%s\",\"impl\":\"tandem\",\"transport\":\"%s\",\"bytes\":%lld,"
-                "\"p50_us\":%.1f,\"rounds\":%zu}\n",
-                bench, transport.c_str(), static_cast<long long>(bytes), median(p50) * 1e6,
-                rounds.size());
+    std::printf(
+        "{\"bench\":\"%s\",\"impl\":\"tandem\",\"transport\":\"%s\",\"bytes\":%lld,"
+        "\"p50_us\":%.1f,\"rounds\":%zu}\n",
+        bench, transport.c_str(), static_cast<long long>(bytes), median(p50) * 1e6, rounds.size());
   } else {
-    std::printf("{\"bench\":\"%s\",\"impl\":\"tandem\",\"transport\":\"%s\",\"p50_us\":%.1f,"
-                "\"rounds\":%zu}\n",
-                bench, transport.c_str(), median(p50) * 1e6, rounds.size());
+    std::printf(
+        "{\"bench\":\"%s\",\"impl\":\"tandem\",\"transport\":\"%s\",\"p50_us\":%.1f,"
+        "\"rounds\":%zu}\n",
+        bench, transport.c_str(), median(p50) * 1e6, rounds.size());
   }
   std::fflush(stdout);
 }
@@ -123,11 +123,10 @@ void emit(const std::string& impl, const std::string& transport, int64_t bytes,
   std::printf(
       "{\"bench\":\"%s\",\"impl\":\"%s\"%s,\"bytes\":%lld,\"p50_us\":%.1f,\"p99_us\":%.1f,"
       "\"gbps\":%.3f,\"rounds\":%zu}\n",
-      bench, impl.c_str(), tr.c_str(), static_cast<long long>(bytes), median(p50) * 1e6, median(p99) * 1e6,
-      2.0 * bytes / median(mean) / 1e9, rounds.size());
+      bench, impl.c_str(), tr.c_str(), static_cast<long long>(bytes), median(p50) * 1e6,
+      median(p99) * 1e6, 2.0 * bytes / median(mean) / 1e9, rounds.size());
   std::fflush(stdout);
 }
-
 
 // ---- the raw TCP floor ----------------------------------------------------------
 
@@ -317,9 +316,10 @@ void cuda_ceilings(const std::vector<int64_t>& sizes) {
         {"h2d_pinned", gbps([&] { a.copy_(h, true); })},
         {"d2h_pinned", gbps([&] { h.copy_(a, true); })}};
     for (const auto& [kind, g] : kinds) {
-      std::printf("{\"bench\":\"cuda_copy\",\"impl\":\"cuda\",\"kind\":\"%s\",\"bytes\":%lld,"
-                  "\"gbps\":%.3f}\n",
-                  kind, static_cast<long long>(bytes), g);
+      std::printf(
+          "{\"bench\":\"cuda_copy\",\"impl\":\"cuda\",\"kind\":\"%s\",\"bytes\":%lld,"
+          "\"gbps\":%.3f}\n",
+          kind, static_cast<long long>(bytes), g);
     }
     std::fflush(stdout);
   }
@@ -340,8 +340,8 @@ void trace_cost() {
         scope.set_args("{\"context\":" + std::to_string(i) + "}");
       }
     }
-    return std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0)
-               .count() / n;
+    return std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() /
+           n;
   };
   const double off = per_event(nullptr);
   char dir[] = "/tmp/tandem-bench-trace-XXXXXX";
@@ -361,7 +361,8 @@ int main(int argc, char** argv) {
   try {
     if (const char* role = std::getenv("TANDEM_BENCH_ROLE")) {
       unsetenv("TANDEM_BENCH_ROLE");
-      if (std::strcmp(role, "raw") == 0) return raw_server(std::atoi(std::getenv("TANDEM_BENCH_PORT")));
+      if (std::strcmp(role, "raw") == 0)
+        return raw_server(std::atoi(std::getenv("TANDEM_BENCH_PORT")));
       if (std::strcmp(role, "rpc") == 0) {
         const char* device = std::getenv("TANDEM_BENCH_DEVICE");
         g_cuda = device && std::strcmp(device, "cuda") == 0;
@@ -374,7 +375,9 @@ int main(int argc, char** argv) {
     std::string transport_list = "tcp,shm";
     std::string device = "cpu";
     tandem::bench::Flags flags("rpc_bench");
-    flags.add("--sizes", &list, 0).add("--rounds", &rounds, 1).add("--transports", &transport_list)
+    flags.add("--sizes", &list, 0)
+        .add("--rounds", &rounds, 1)
+        .add("--transports", &transport_list)
         .add("--device", &device);
     if (!flags.parse(argc, argv)) return 2;
     if (device != "cpu" && device != "cuda") {
@@ -383,8 +386,9 @@ int main(int argc, char** argv) {
     }
     if (device == "cuda") {
       if (!torch::cuda::is_available()) {
-        std::fprintf(stderr, "rpc_bench: --device cuda: LibTorch sees no CUDA device on this "
-                             "machine\n");
+        std::fprintf(stderr,
+                     "rpc_bench: --device cuda: LibTorch sees no CUDA device on this "
+                     "machine\n");
         return 2;
       }
       g_cuda = true;
@@ -406,7 +410,8 @@ int main(int argc, char** argv) {
       at = comma + 1;
     }
     const size_t nt = transports.size();
-    std::vector<std::vector<std::vector<Round>>> ours(nt, std::vector<std::vector<Round>>(list.size()));
+    std::vector<std::vector<std::vector<Round>>> ours(nt,
+                                                      std::vector<std::vector<Round>>(list.size()));
     std::vector<std::vector<Round>> raw(list.size());
     std::vector<std::vector<Round>> creates(nt);
     std::vector<std::vector<std::vector<Round>>> to_here(

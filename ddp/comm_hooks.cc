@@ -13,8 +13,9 @@ namespace {
 CommHook compress_hook(at::ScalarType wire) {
   return [wire](ProcessGroup& group, at::Tensor& bucket) {
     if (!at::isFloatingType(bucket.scalar_type())) {
-      throw std::invalid_argument(std::string("DistributedDataParallel: a compression hook takes ") +
-                                  "floating-point buckets, not " + c10::toString(bucket.scalar_type()));
+      throw std::invalid_argument(
+          std::string("DistributedDataParallel: a compression hook takes ") +
+          "floating-point buckets, not " + c10::toString(bucket.scalar_type()));
     }
     at::Tensor packed = bucket.div(group.size()).to(wire);
     BucketWork w;

@@ -32,8 +32,8 @@
 #include <functional>
 #include <memory>
 #include <optional>
-#include <type_traits>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -66,8 +66,8 @@ CommHook fp16_compress_hook();
 CommHook bf16_compress_hook();
 
 struct DDPOptions {
-  double bucket_cap_mb = 25;    // MiB per bucket
-  double first_bucket_mb = 1;   // the first bucket is small so communication starts early
+  double bucket_cap_mb = 25;   // MiB per bucket
+  double first_bucket_mb = 1;  // the first bucket is small so communication starts early
   // Parameters that may get no gradient in a step (a branch not taken): their
   // slot counts as zero, and one that no rank used keeps its .grad untouched.
   bool find_unused_parameters = false;
@@ -79,7 +79,7 @@ struct DDPOptions {
   // (the CPU for gloo, one GPU for nccl).
   std::vector<int> device_ids;
   std::chrono::milliseconds timeout = kGroupTimeout;  // each bucket's all_reduce
-  CommHook comm_hook;  // empty: allreduce_hook()
+  CommHook comm_hook;                                 // empty: allreduce_hook()
 };
 
 namespace detail {

@@ -94,19 +94,23 @@ std::shared_ptr<ProcessGroup> g_default;
 
 const char* to_string(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kSum: return "sum";
-    case ReduceOp::kAvg: return "avg";
-    case ReduceOp::kProduct: return "product";
-    case ReduceOp::kMin: return "min";
-    case ReduceOp::kMax: return "max";
+    case ReduceOp::kSum:
+      return "sum";
+    case ReduceOp::kAvg:
+      return "avg";
+    case ReduceOp::kProduct:
+      return "product";
+    case ReduceOp::kMin:
+      return "min";
+    case ReduceOp::kMax:
+      return "max";
   }
   return "?";
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::create(ProcessGroupOptions o) {
   if (o.backend != "gloo" && o.backend != "nccl") {
-    throw std::invalid_argument("unknown process group backend '" + o.backend +
-                                "' (gloo or nccl)");
+    throw std::invalid_argument("unknown process group backend '" + o.backend + "' (gloo or nccl)");
   }
 #if !defined(TANDEM_WITH_GLOO)
   if (o.backend == "gloo") {
@@ -331,8 +335,8 @@ void init_process_group(ProcessGroupOptions options) {
   g_default = std::move(pg);
 }
 
-void init_process_group(const std::string& backend, const std::string& init_method,
-                        int world_size, int rank, std::chrono::milliseconds timeout) {
+void init_process_group(const std::string& backend, const std::string& init_method, int world_size,
+                        int rank, std::chrono::milliseconds timeout) {
   ProcessGroupOptions o;
   o.backend = backend;
   o.init_method = init_method;

@@ -24,9 +24,9 @@
 // destroying it too, so that no rank closes its connections while a peer
 // still reads its last collective's data from them.
 #include <ATen/core/Tensor.h>
+#include <torch/version.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
-#include <torch/version.h>
 
 #include <atomic>
 #include <chrono>

@@ -16,9 +16,9 @@
 // (LibTorch's own DistributedRandomSampler orders indices differently.)
 #include <torch/data/samplers/base.h>
 
+#include <c10/util/Optional.h>
 #include <cstddef>
 #include <cstdint>
-#include <c10/util/Optional.h>
 #include <vector>
 
 namespace tandem::ddp {

@@ -93,9 +93,11 @@ int train(int64_t epochs, int64_t samples, int64_t batch, double lr, int64_t log
                                std::to_string(world) + " ranks fewer than one --batch");
   }
   if (rank == 0) {
-    std::printf("ddp_mlp: %d ranks, %lld samples (%zu per rank), batch %lld per rank, %lld steps "
-                "per epoch\n", world, static_cast<long long>(samples), sampler.num_samples(),
-                static_cast<long long>(batch), static_cast<long long>(steps_per_epoch));
+    std::printf(
+        "ddp_mlp: %d ranks, %lld samples (%zu per rank), batch %lld per rank, %lld steps "
+        "per epoch\n",
+        world, static_cast<long long>(samples), sampler.num_samples(),
+        static_cast<long long>(batch), static_cast<long long>(steps_per_epoch));
   }
   double first_loss = -1, last_loss = 0, window = 0;
   int64_t in_window = 0;
@@ -177,6 +179,4 @@ static int job_main(int argc, char** argv) {
 }
 
 // examples/launch.h: under tandem-run, or started alone (2 workers).
-int main(int argc, char** argv) {
-  return examples::launch("ddp_mlp", 2, argc, argv, job_main);
-}
+int main(int argc, char** argv) { return examples::launch("ddp_mlp", 2, argc, argv, job_main); }

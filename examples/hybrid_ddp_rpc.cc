@@ -150,15 +150,15 @@ double run_trainer(const ModuleRef& table_ref, int64_t trainer, int64_t epochs, 
 
 int run_master(int trainers, int64_t epochs, double lr) {
   at::manual_seed(0);
-  tandem::nn::RemoteModule table("ps/cpu", "EmbeddingBag",
-                                 {kEmbeddings, kDim, std::string("sum")});
+  tandem::nn::RemoteModule table("ps/cpu", "EmbeddingBag", {kEmbeddings, kDim, std::string("sum")});
   // Small rows to start with (a sum of rows drawn from N(0, 1), the default,
   // drowns what SGD learns about each item for a long while).
   table.load_state_dict({{"weight", at::randn({kEmbeddings, kDim}) * 0.1}});
-  std::printf("master: EmbeddingBag(%lld, %lld, sum) on ps; %d trainer(s), %lld epoch(s) of %lld "
-              "batches\n",
-              static_cast<long long>(kEmbeddings), static_cast<long long>(kDim), trainers,
-              static_cast<long long>(epochs), static_cast<long long>(kBatchesPerEpoch));
+  std::printf(
+      "master: EmbeddingBag(%lld, %lld, sum) on ps; %d trainer(s), %lld epoch(s) of %lld "
+      "batches\n",
+      static_cast<long long>(kEmbeddings), static_cast<long long>(kDim), trainers,
+      static_cast<long long>(epochs), static_cast<long long>(kBatchesPerEpoch));
   std::fflush(stdout);
   // Training takes longer than the default call timeout: this call has none.
   rpc::CallOptions untimed;
@@ -166,8 +166,8 @@ int run_master(int trainers, int64_t epochs, double lr) {
   std::vector<rpc::Future<double>> runs;
   for (int t = 0; t < trainers; ++t) {
     runs.push_back(rpc::rpc_async<double>(untimed, name_of(t + 2), "run_trainer",
-                                          table.get_module_rref(), static_cast<int64_t>(t),
-                                          epochs, lr));
+                                          table.get_module_rref(), static_cast<int64_t>(t), epochs,
+                                          lr));
   }
   int rc = 0;
   for (int t = 0; t < trainers; ++t) {
@@ -196,9 +196,10 @@ static int job_main(int argc, char** argv) {
     const std::string error = flags.parse(argc, argv);
     if (env.rank < 0 || env.world_size < 3) {
       return examples::outside_world(
-          flags, error, "start me with 3 or more workers (a master, a parameter server and "
-                        "trainers): build/bin/tandem-run --nproc-per-node 4 "
-                        "build/bin/hybrid_ddp_rpc");
+          flags, error,
+          "start me with 3 or more workers (a master, a parameter server and "
+          "trainers): build/bin/tandem-run --nproc-per-node 4 "
+          "build/bin/hybrid_ddp_rpc");
     }
 
     auto registry = std::make_shared<rpc::Registry>();

@@ -28,7 +28,6 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
-
 #include <algorithm>
 #include <cstdio>
 
@@ -75,8 +74,7 @@ struct Layers {
 };
 Layers make_layers(int64_t seed) {
   at::manual_seed(static_cast<uint64_t>(seed));
-  return {torch::nn::Linear(256, 1024), torch::nn::Linear(1024, 1024),
-          torch::nn::Linear(1024, 10)};
+  return {torch::nn::Linear(256, 1024), torch::nn::Linear(1024, 1024), torch::nn::Linear(1024, 10)};
 }
 
 std::map<std::string, at::Tensor> state_of(const torch::nn::Module& m) {
@@ -114,9 +112,10 @@ int train(int64_t steps, int64_t seed) {
   o.lr = kLr;
   optim::DistributedOptimizer opt(optim::Kind::kSGD, params, o);
 
-  std::printf("model_parallel_mlp: Linear(256,1024)-ReLU here, Linear(1024,1024)-ReLU-"
-              "Linear(1024,10) on worker1; SGD lr %.2f, batch %lld, %lld steps\n",
-              kLr, static_cast<long long>(kBatch), static_cast<long long>(steps));
+  std::printf(
+      "model_parallel_mlp: Linear(256,1024)-ReLU here, Linear(1024,1024)-ReLU-"
+      "Linear(1024,10) on worker1; SGD lr %.2f, batch %lld, %lld steps\n",
+      kLr, static_cast<long long>(kBatch), static_cast<long long>(steps));
   double sum = 0;
   int64_t since = 0;
   for (int64_t step = 0; step < steps; ++step) {
@@ -155,9 +154,10 @@ int train(int64_t steps, int64_t seed) {
                                 rel_diff(mid.state_dict(), state_of(*local.mid)),
                                 rel_diff(last.state_dict(), state_of(*local.last))});
   const bool ok = diff <= 1e-4;
-  std::printf("final parameters %s the same model trained locally with torch::optim::SGD "
-              "(max relative difference %.2e, tolerance 1e-4)\n",
-              ok ? "agree with" : "DIFFER FROM", diff);
+  std::printf(
+      "final parameters %s the same model trained locally with torch::optim::SGD "
+      "(max relative difference %.2e, tolerance 1e-4)\n",
+      ok ? "agree with" : "DIFFER FROM", diff);
   return ok ? 0 : 1;
 }
 
@@ -178,8 +178,9 @@ int worker(int argc, char** argv) {
     const std::string error = flags.parse(argc, argv);
     if (env.world_size != 2) {
       return examples::outside_world(
-          flags, error, "start me with 2 workers (build/bin/tandem-run --nproc-per-node 2 "
-                        "build/bin/model_parallel_mlp), or alone: I start them myself");
+          flags, error,
+          "start me with 2 workers (build/bin/tandem-run --nproc-per-node 2 "
+          "build/bin/model_parallel_mlp), or alone: I start them myself");
     }
     // Joined even on a bad flag, so that worker1's shutdown() returns.
     rpc::init(std::make_shared<rpc::Registry>());

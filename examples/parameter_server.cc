@@ -73,7 +73,8 @@ int serve(Server& s, int trainers) {
   at::manual_seed(0);
   {
     // On this worker itself: the RemoteModule is how its reference is made.
-    tandem::nn::RemoteModule table("worker0/cpu", "EmbeddingBag", {kItems, kDim, std::string("sum")});
+    tandem::nn::RemoteModule table("worker0/cpu", "EmbeddingBag",
+                                   {kItems, kDim, std::string("sum")});
     // Small rows to start with: a sum of 8 rows drawn from N(0, 1) (the
     // default) drowns what SGD learns about each item for hundreds of steps.
     table.load_state_dict({{"weight", at::randn({kItems, kDim}) * 0.1}});
@@ -122,7 +123,8 @@ int train(int rank, int trainers, int64_t steps, double lr, bool data_parallel) 
   int64_t since = 0;
   for (int64_t step = 0; step < steps; ++step) {
     at::Tensor items = at::randint(0, kItems, {kBatch * kBag}, bags, at::kLong);
-    at::Tensor votes = at::one_hot(class_of.index_select(0, items), kClasses).view({kBatch, kBag, kClasses});
+    at::Tensor votes =
+        at::one_hot(class_of.index_select(0, items), kClasses).view({kBatch, kBag, kClasses});
     at::Tensor labels = at::argmax(votes.sum(1), 1);
 
     dist::Context ctx;
@@ -184,9 +186,9 @@ static int job_main(int argc, char** argv) {
         .add_switch("--ddp", &data_parallel, "one DistributedDataParallel head for all trainers");
     const std::string error = flags.parse(argc, argv);
     if (env.rank < 0 || env.world_size < 2) {
-      return examples::outside_world(
-          flags, error, "start me with 2 or more workers: build/bin/tandem-run "
-                        "--nproc-per-node 3 build/bin/parameter_server");
+      return examples::outside_world(flags, error,
+                                     "start me with 2 or more workers: build/bin/tandem-run "
+                                     "--nproc-per-node 3 build/bin/parameter_server");
     }
     rpc::init(registry);
     // Every trainer parses the same flags: the first one speaks for them.

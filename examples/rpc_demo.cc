@@ -65,7 +65,8 @@ bool train(rpc::Agent& agent, at::Tensor& w0) {
   at::Tensor target = at::tanh(x.narrow(1, 0, kDim).flip({1}));
   auto forward = [&](const at::Tensor& in) {
     at::Tensor h = layer(in, w0);
-    for (int r = 1; r < world; ++r) h = rpc::rpc_sync<at::Tensor>("worker" + std::to_string(r), "layer", h);
+    for (int r = 1; r < world; ++r)
+      h = rpc::rpc_sync<at::Tensor>("worker" + std::to_string(r), "layer", h);
     return (h - target).pow(2).mean();
   };
   bool grads_ok = true;
@@ -80,16 +81,16 @@ bool train(rpc::Agent& agent, at::Tensor& w0) {
       // The same model in this process, with every layer's weight fetched.
       std::vector<at::Tensor> ws = {w0};
       for (int r = 1; r < world; ++r) {
-        ws.push_back(rpc::rpc_sync<at::Tensor>("worker" + std::to_string(r), "weight")
-                         .requires_grad_());
+        ws.push_back(
+            rpc::rpc_sync<at::Tensor>("worker" + std::to_string(r), "weight").requires_grad_());
       }
       at::Tensor h = x;
       for (auto& w : ws) h = layer(h, w);
       auto local = torch::autograd::grad({(h - target).pow(2).mean()}, ws);
       grads_ok = at::allclose(g0, local[0], 1e-5, 1e-7);
       for (int r = 1; r < world; ++r) {
-        at::Tensor remote = rpc::rpc_sync<at::Tensor>("worker" + std::to_string(r), "grad_of_weight",
-                                                      static_cast<int64_t>(ctx.id()));
+        at::Tensor remote = rpc::rpc_sync<at::Tensor>(
+            "worker" + std::to_string(r), "grad_of_weight", static_cast<int64_t>(ctx.id()));
         grads_ok = grads_ok && at::allclose(remote, local[r], 1e-5, 1e-7);
       }
       first = loss.item<double>();
@@ -134,7 +135,8 @@ static int job_main(int, char**) {
       weight.sub_(g * lr);
     });
     registry->def("check_row", [](int64_t row) -> int64_t {
-      if (row < 0 || row >= kRows) throw std::out_of_range("row " + std::to_string(row) + " does not exist");
+      if (row < 0 || row >= kRows)
+        throw std::out_of_range("row " + std::to_string(row) + " does not exist");
       return row;
     });
 
@@ -208,6 +210,4 @@ static int job_main(int, char**) {
 }
 
 // examples/launch.h: under tandem-run, or started alone (2 workers).
-int main(int argc, char** argv) {
-  return examples::launch("rpc_demo", 2, argc, argv, job_main);
-}
+int main(int argc, char** argv) { return examples::launch("rpc_demo", 2, argc, argv, job_main); }

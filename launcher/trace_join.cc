@@ -87,7 +87,8 @@ TraceJoin join_traces(const std::vector<std::string>& inputs, const std::string&
   TraceJoin result;
   std::string events;
   for (const auto& input : inputs) {
-    std::vector<std::string> files = is_dir(input) ? rank_files(input) : std::vector<std::string>{input};
+    std::vector<std::string> files =
+        is_dir(input) ? rank_files(input) : std::vector<std::string>{input};
     if (files.empty()) result.skipped.push_back(input + ": no tandem-trace-rank*.json in it");
     for (const auto& path : files) {
       std::string why;
@@ -101,8 +102,10 @@ TraceJoin join_traces(const std::vector<std::string>& inputs, const std::string&
   if (result.files == 0) throw std::runtime_error("no trace to join in what was given");
   FILE* f = std::fopen(out.c_str(), "w");
   if (!f) throw std::runtime_error("cannot write " + out);
-  std::fprintf(f, "{\"traceEvents\":[\n%s\n],\"displayTimeUnit\":\"ms\",\"otherData\":"
-                  "{\"files\":%d}}\n", events.c_str(), result.files);
+  std::fprintf(f,
+               "{\"traceEvents\":[\n%s\n],\"displayTimeUnit\":\"ms\",\"otherData\":"
+               "{\"files\":%d}}\n",
+               events.c_str(), result.files);
   if (std::fclose(f) != 0) throw std::runtime_error("writing " + out + " failed");
   return result;
 }

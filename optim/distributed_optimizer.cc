@@ -66,11 +66,10 @@ DistributedOptimizer::DistributedOptimizer(rpc::Agent& agent, Kind kind,
         for (auto& p : mine) tensors.push_back(p.local_value());
         service->create(id, kind, std::move(tensors), options);
       } else {
-        remote.push_back(
-            agent
-                .call(agent.get_worker_info(rank).name, owner::kCreate,
-                      owner::CreateRequest{id, kind, options, mine}.encode())
-                .raw());
+        remote.push_back(agent
+                             .call(agent.get_worker_info(rank).name, owner::kCreate,
+                                   owner::CreateRequest{id, kind, options, mine}.encode())
+                             .raw());
       }
     }
     rpc::wait_raw_or_throw(rpc::when_all_raw(remote), std::chrono::milliseconds(0),
@@ -103,8 +102,9 @@ void DistributedOptimizer::drop() noexcept {
       if (part.owner == agent->rank()) {
         OptimService::of(*agent)->destroy(part.id);
       } else {
-        pending.push_back(agent->call(agent->get_worker_info(part.owner).name,
-                                      owner::kDestroy, owner::IdRequest{part.id}.encode())
+        pending.push_back(agent
+                              ->call(agent->get_worker_info(part.owner).name, owner::kDestroy,
+                                     owner::IdRequest{part.id}.encode())
                               .raw());
       }
     } catch (const std::exception&) {
@@ -158,12 +158,14 @@ void DistributedOptimizer::step(uint64_t context_id) {
   rpc::TraceScope trace(agent->tracer().get(), "optim");
   if (trace.on()) {
     trace.set_name("DistributedOptimizer::step");
-    trace.set_args("{\"context\":" + std::to_string(context_id) + ",\"owners\":" +
-                   std::to_string(parts_.size()) + "}");
+    trace.set_args("{\"context\":" + std::to_string(context_id) +
+                   ",\"owners\":" + std::to_string(parts_.size()) + "}");
   }
   on_owners(
       "DistributedOptimizer::step", owner::kStep,
-      [&](const Part& p) { return owner::StepRequest{p.id, context_id}.encode(); },
+      [&](const Part& p) {
+        return owner::StepRequest{p.id, context_id}.encode();
+      },
       [&](const Part& p) {
         service->step(p.id, context_id);
         return c10::IValue();
@@ -179,7 +181,9 @@ void DistributedOptimizer::set_lr(double lr) {
   auto service = OptimService::of(*agent());
   on_owners(
       "DistributedOptimizer::set_lr", owner::kSetLr,
-      [&](const Part& p) { return owner::SetLrRequest{p.id, lr}.encode(); },
+      [&](const Part& p) {
+        return owner::SetLrRequest{p.id, lr}.encode();
+      },
       [&](const Part& p) {
         service->set_lr(p.id, lr);
         return c10::IValue();
@@ -202,7 +206,9 @@ double DistributedOptimizer::clip_grad_norm(uint64_t context_id, double max_norm
   auto service = OptimService::of(*agent);
   auto results = on_owners(
       what, owner::kGradNorms,
-      [&](const Part& p) { return owner::GradNormsRequest{p.id, context_id, norm_type}.encode(); },
+      [&](const Part& p) {
+        return owner::GradNormsRequest{p.id, context_id, norm_type}.encode();
+      },
       [&](const Part& p) {
         return owner::GradNormsReply{service->grad_norms(p.id, context_id, norm_type)}.encode();
       });
@@ -236,7 +242,9 @@ double DistributedOptimizer::clip_grad_norm(uint64_t context_id, double max_norm
   if (coef < 1) {  // a factor of 1 would change nothing
     on_owners(
         what, owner::kScaleGrads,
-        [&](const Part& p) { return owner::ScaleGradsRequest{p.id, context_id, coef}.encode(); },
+        [&](const Part& p) {
+          return owner::ScaleGradsRequest{p.id, context_id, coef}.encode();
+        },
         [&](const Part& p) {
           service->scale_grads(p.id, context_id, coef);
           return c10::IValue();
@@ -296,8 +304,8 @@ void DistributedOptimizer::load_state_dict(const OptimizerState& state) {
   for (size_t i = 0; i < parts_.size(); ++i) {
     if (state.parts[i].num_params != static_cast<int64_t>(parts_[i].index.size())) {
       throw std::invalid_argument(what + "the state has " +
-                                  std::to_string(state.parts[i].num_params) +
-                                  " parameter(s) on " + agent->get_worker_info(parts_[i].owner).name +
+                                  std::to_string(state.parts[i].num_params) + " parameter(s) on " +
+                                  agent->get_worker_info(parts_[i].owner).name +
                                   ", this optimizer " + std::to_string(parts_[i].index.size()));
     }
   }
@@ -307,7 +315,9 @@ void DistributedOptimizer::load_state_dict(const OptimizerState& state) {
   };
   on_owners(
       "DistributedOptimizer::load_state_dict", owner::kLoad,
-      [&](const Part& p) { return owner::LoadRequest{p.id, bytes_of(p), state.lr}.encode(); },
+      [&](const Part& p) {
+        return owner::LoadRequest{p.id, bytes_of(p), state.lr}.encode();
+      },
       [&](const Part& p) {
         service->load(p.id, bytes_of(p), state.lr);
         return c10::IValue();

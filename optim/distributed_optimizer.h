@@ -127,7 +127,7 @@ class DistributedOptimizer {
     std::vector<size_t> index;  // its parameters' positions in the constructor's list
   };
   std::shared_ptr<rpc::Agent> agent() const;  // throws ShutdownError once it is gone
-  void drop() noexcept;                        // every owner's optimizer, best effort
+  void drop() noexcept;                       // every owner's optimizer, best effort
   // Runs `fn` on every owner at once: an RPC with args(part) to each other
   // owner, local(part) for the caller's own part on this thread. Returns
   // each part's result in parts_ order; throws the first remote failure,

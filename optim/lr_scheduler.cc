@@ -69,8 +69,7 @@ double StepLR::lr_at(int64_t epoch) const {
   return base_lr() * std::pow(gamma_, static_cast<double>(epoch / step_size_));
 }
 
-CosineAnnealingLR::CosineAnnealingLR(DistributedOptimizer& optimizer, int64_t T_max,
-                                     double eta_min)
+CosineAnnealingLR::CosineAnnealingLR(DistributedOptimizer& optimizer, int64_t T_max, double eta_min)
     : LRScheduler(optimizer), t_max_(T_max), eta_min_(eta_min) {
   if (T_max <= 0) {
     throw std::invalid_argument("CosineAnnealingLR: T_max must be > 0, got " +
@@ -84,10 +83,9 @@ CosineAnnealingLR::CosineAnnealingLR(DistributedOptimizer& optimizer, int64_t T_
 }
 
 double CosineAnnealingLR::lr_at(int64_t epoch) const {
-  return eta_min_ + (base_lr() - eta_min_) *
-                        (1 + std::cos(M_PI * static_cast<double>(epoch) /
-                                      static_cast<double>(t_max_))) /
-                        2;
+  return eta_min_ +
+         (base_lr() - eta_min_) *
+             (1 + std::cos(M_PI * static_cast<double>(epoch) / static_cast<double>(t_max_))) / 2;
 }
 
 LambdaLR::LambdaLR(DistributedOptimizer& optimizer, std::function<double(int64_t)> factor)

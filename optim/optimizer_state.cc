@@ -115,7 +115,8 @@ std::string state_to_bytes(const OptimizerState& state) {
 
 OptimizerState state_from_bytes(const std::string& data, const std::string& source) {
   if (data.size() < kMagicSize || data.compare(0, kMagicSize, kMagic, kMagicSize) != 0) {
-    throw std::invalid_argument(source + " is not an optimizer checkpoint (it does not "
+    throw std::invalid_argument(source +
+                                " is not an optimizer checkpoint (it does not "
                                 "start with TANDEM-OPTIM-STATE)");
   }
   auto corrupt = [&](const std::string& why) {
@@ -177,8 +178,8 @@ void save_state(const OptimizerState& state, const std::string& path) {
   {
     std::ofstream file(tmp, std::ios::binary | std::ios::trunc);
     if (!file) {
-      throw std::runtime_error("cannot write optimizer checkpoint '" + path + "': " +
-                               std::strerror(errno));
+      throw std::runtime_error("cannot write optimizer checkpoint '" + path +
+                               "': " + std::strerror(errno));
     }
     file.write(out.data(), static_cast<std::streamsize>(out.size()));
     file.close();
@@ -199,8 +200,8 @@ OptimizerState load_state(const std::string& path) {
   {
     std::ifstream file(path, std::ios::binary);
     if (!file) {
-      throw std::runtime_error("cannot open optimizer checkpoint '" + path + "': " +
-                               std::strerror(errno));
+      throw std::runtime_error("cannot open optimizer checkpoint '" + path +
+                               "': " + std::strerror(errno));
     }
     std::ostringstream all;
     all << file.rdbuf();

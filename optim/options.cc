@@ -4,11 +4,16 @@ namespace tandem::optim {
 
 std::string kind_name(Kind kind) {
   switch (kind) {
-    case Kind::kSGD: return "SGD";
-    case Kind::kAdam: return "Adam";
-    case Kind::kAdamW: return "AdamW";
-    case Kind::kAdagrad: return "Adagrad";
-    case Kind::kRMSprop: return "RMSprop";
+    case Kind::kSGD:
+      return "SGD";
+    case Kind::kAdam:
+      return "Adam";
+    case Kind::kAdamW:
+      return "AdamW";
+    case Kind::kAdagrad:
+      return "Adagrad";
+    case Kind::kRMSprop:
+      return "RMSprop";
   }
   return "unknown";
 }

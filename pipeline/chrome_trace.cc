@@ -30,8 +30,8 @@ void write_trace(const StepStats& stats, const std::vector<std::string>& worker_
       if (c == '"' || c == '\\') name += '\\';
       if (static_cast<unsigned char>(c) >= 0x20) name += c;
     }
-    out << "{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":" << w
-        << ",\"args\":{\"name\":\"" << name << "\"}}";
+    out << "{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":" << w << ",\"args\":{\"name\":\""
+        << name << "\"}}";
   }
   for (const auto& [w, stage] : tracks) {
     sep();
@@ -43,9 +43,9 @@ void write_trace(const StepStats& stats, const std::vector<std::string>& worker_
     sep();
     const std::string name = to_string(p.action);  // "F3@1"
     std::snprintf(buf, sizeof buf, "%.3f", p.start_us);
-    out << "{\"ph\":\"X\",\"name\":\"" << name.substr(0, name.find('@'))
-        << "\",\"cat\":\"" << kind_name(p.action.kind) << "\",\"pid\":" << p.worker
-        << ",\"tid\":" << p.action.stage << ",\"ts\":" << buf;
+    out << "{\"ph\":\"X\",\"name\":\"" << name.substr(0, name.find('@')) << "\",\"cat\":\""
+        << kind_name(p.action.kind) << "\",\"pid\":" << p.worker << ",\"tid\":" << p.action.stage
+        << ",\"ts\":" << buf;
     std::snprintf(buf, sizeof buf, "%.3f", p.end_us - p.start_us);
     out << ",\"dur\":" << buf << ",\"args\":{\"micro_batch\":" << p.action.chunk << "}}";
   }

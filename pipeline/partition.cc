@@ -24,8 +24,8 @@ std::vector<nn::RemoteModule> partition(rpc::Agent& agent, const std::vector<c10
                                         const std::vector<std::string>& devices,
                                         const std::vector<int>& counts) {
   if (devices.size() != counts.size()) {
-    throw std::invalid_argument("partition: " + std::to_string(counts.size()) + " stage counts but " +
-                                std::to_string(devices.size()) + " devices");
+    throw std::invalid_argument("partition: " + std::to_string(counts.size()) +
+                                " stage counts but " + std::to_string(devices.size()) + " devices");
   }
   size_t total = 0;
   for (size_t i = 0; i < counts.size(); ++i) {
@@ -125,9 +125,11 @@ std::vector<int> balance_by_parameters(const std::vector<c10::IValue>& layers, i
 std::vector<double> layer_times(const std::vector<c10::IValue>& layers, const at::Tensor& sample,
                                 int repeats, c10::Device device) {
   if (repeats < 1) {
-    throw std::invalid_argument("layer_times: repeats must be >= 1, not " + std::to_string(repeats));
+    throw std::invalid_argument("layer_times: repeats must be >= 1, not " +
+                                std::to_string(repeats));
   }
-  if (!sample.defined()) throw std::invalid_argument("layer_times: the sample is an undefined tensor");
+  if (!sample.defined())
+    throw std::invalid_argument("layer_times: the sample is an undefined tensor");
   std::vector<std::shared_ptr<nn::Served>> built;
   for (size_t i = 0; i < layers.size(); ++i) {
     built.push_back(build_layer(layers, i, "layer_times"));

@@ -59,7 +59,8 @@ Pipe::Pipe(rpc::Agent& agent, std::vector<nn::RemoteModule> stages, PipeOptions 
         if (worker_names_[w] == owner) {
           throw std::invalid_argument("Pipe: stages " + std::to_string(w) + " and " +
                                       std::to_string(s) + " both live on " + owner + "; schedule " +
-                                      schedule_->name() + " wants stage s on the worker of stage s % " +
+                                      schedule_->name() +
+                                      " wants stage s on the worker of stage s % " +
                                       std::to_string(workers_) + ", one worker each");
         }
       }
@@ -76,11 +77,10 @@ Pipe::Pipe(rpc::Agent& agent, std::vector<nn::RemoteModule> stages, PipeOptions 
   plan_ = schedule_->plan(workers_, options_.chunks);
   check(plan_);
   if (plan_.workers != workers_ || plan_.stages != n || plan_.chunks != options_.chunks) {
-    throw std::invalid_argument("Pipe: schedule " + schedule_->name() + " planned " +
-                                std::to_string(plan_.workers) + " workers and " +
-                                std::to_string(plan_.stages) + " stages for a pipe of " +
-                                std::to_string(workers_) + " workers and " + std::to_string(n) +
-                                " stages");
+    throw std::invalid_argument(
+        "Pipe: schedule " + schedule_->name() + " planned " + std::to_string(plan_.workers) +
+        " workers and " + std::to_string(plan_.stages) + " stages for a pipe of " +
+        std::to_string(workers_) + " workers and " + std::to_string(n) + " stages");
   }
 }
 
@@ -234,7 +234,8 @@ at::Tensor Pipe::forward(const at::Tensor& inputs) {
   plan.chunks = chunks;
   plan.actions.resize(workers_);
   for (int m = 0; m < chunks; ++m) {
-    for (int s = 0; s < plan.stages; ++s) plan.actions[s % workers_].push_back({Action::kForward, s, m});
+    for (int s = 0; s < plan.stages; ++s)
+      plan.actions[s % workers_].push_back({Action::kForward, s, m});
   }
   Run r = run(plan, at::tensor_split(inputs, chunks), {}, std::vector<double>(chunks, 0),
               /*train=*/false);

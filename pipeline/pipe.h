@@ -54,8 +54,8 @@ using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tens
 void register_loss(const std::string& name, LossFn fn);
 
 struct PipeOptions {
-  int chunks = 1;                      // micro-batches per batch
-  std::string schedule = "gpipe";      // make_schedule's names; see also Pipe's last constructor
+  int chunks = 1;                  // micro-batches per batch
+  std::string schedule = "gpipe";  // make_schedule's names; see also Pipe's last constructor
   std::string loss = "cross_entropy";
   // How long a pass may wait for its input or gradient from another stage.
   std::chrono::milliseconds timeout{60000};
@@ -137,7 +137,7 @@ class Pipe {
   PipeOptions options_;
   std::shared_ptr<const Schedule> schedule_;
   int workers_ = 0;
-  Plan plan_;  // the schedule's, checked once against this pipe
+  Plan plan_;                              // the schedule's, checked once against this pipe
   std::vector<std::string> worker_names_;  // by schedule worker index
   StepStats last_;
 };

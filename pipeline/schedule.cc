@@ -67,7 +67,8 @@ std::vector<double> run(const Plan& p, double f, double b, double w_cost,
   std::vector<bool> split(static_cast<size_t>(p.stages) * p.chunks, false);
   for (const auto& list : p.actions) {
     for (const Action& a : list) {
-      if (a.kind == Action::kInputGrad) split[static_cast<size_t>(a.stage) * p.chunks + a.chunk] = true;
+      if (a.kind == Action::kInputGrad)
+        split[static_cast<size_t>(a.stage) * p.chunks + a.chunk] = true;
     }
   }
   auto is_split = [&](int stage, int chunk) {
@@ -95,10 +96,10 @@ std::vector<double> run(const Plan& p, double f, double b, double w_cost,
           start = std::max(start, t);
         }
         if (!ready) break;
-        const double cost = a.kind == Action::kForward      ? f
-                            : a.kind == Action::kBackward   ? b
-                            : a.kind == Action::kInputGrad  ? b - w_cost
-                                                            : w_cost;
+        const double cost = a.kind == Action::kForward     ? f
+                            : a.kind == Action::kBackward  ? b
+                            : a.kind == Action::kInputGrad ? b - w_cost
+                                                           : w_cost;
         finish[index_of(p, a)] = free_at[w] = start + cost;
         if (busy) (*busy)[w] += cost;
         ++next[w];
@@ -115,8 +116,10 @@ std::vector<double> run(const Plan& p, double f, double b, double w_cost,
                    std::to_string(next[w]) + " of its list)";
         }
       }
-      throw std::invalid_argument("the plan cannot finish: each worker waits for a pass that "
-                                  "comes after its own in some list; stuck: " + stuck);
+      throw std::invalid_argument(
+          "the plan cannot finish: each worker waits for a pass that "
+          "comes after its own in some list; stuck: " +
+          stuck);
     }
   }
   return finish;
@@ -192,8 +195,8 @@ Plan Interleaved1F1B::plan(int workers, int chunks) const {
   };
   for (int w = 0; w < workers; ++w) {
     auto& list = p.actions[w];
-    int warmup = chunks == workers ? total
-                                   : std::min((workers - w - 1) * 2 + (v_ - 1) * workers, total);
+    int warmup =
+        chunks == workers ? total : std::min((workers - w - 1) * 2 + (v_ - 1) * workers, total);
     for (int k = 0; k < warmup; ++k) list.push_back(pass(w, k, true));
     for (int i = 0; i < total - warmup; ++i) {
       list.push_back(pass(w, warmup + i, true));
@@ -268,8 +271,9 @@ namespace {
 void check_passes(const Plan& p) {
   if (p.workers < 1 || p.chunks < 1 || p.stages < p.workers || p.stages % p.workers != 0 ||
       static_cast<int>(p.actions.size()) != p.workers) {
-    throw std::invalid_argument("a plan needs workers >= 1, chunks >= 1, stages a multiple of "
-                                "workers and one action list per worker");
+    throw std::invalid_argument(
+        "a plan needs workers >= 1, chunks >= 1, stages a multiple of "
+        "workers and one action list per worker");
   }
   std::vector<int> seen(kKinds * static_cast<size_t>(p.stages) * p.chunks, 0);
   for (int w = 0; w < p.workers; ++w) {

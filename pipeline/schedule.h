@@ -122,9 +122,9 @@ void check(const Plan& plan);
 // The plan run with these unit costs and free communication.
 struct Simulation {
   double makespan = 0;
-  std::vector<double> busy;         // per worker
-  std::vector<double> bubble;       // per worker: 1 - busy / makespan
-  std::vector<int> peak_stash;      // per worker: most micro-batches held from F to B (or W)
+  std::vector<double> busy;     // per worker
+  std::vector<double> bubble;   // per worker: 1 - busy / makespan
+  std::vector<int> peak_stash;  // per worker: most micro-batches held from F to B (or W)
 };
 // check()s the plan first. A split backward costs backward_cost in all:
 // weight_cost (half of it when not given) for its W, the rest for its I.

@@ -83,11 +83,11 @@ struct WorkerInfo {
 };
 
 struct AgentOptions {
-  std::string name;          // empty: "worker<rank>"
-  int rank = -1;             // -1: from the environment (RANK, SLURM_PROCID, ...)
-  int world_size = -1;       // -1: from the environment
+  std::string name;                    // empty: "worker<rank>"
+  int rank = -1;                       // -1: from the environment (RANK, SLURM_PROCID, ...)
+  int world_size = -1;                 // -1: from the environment
   std::string init_method = "env://";  // or "tcp://host:port"
-  std::chrono::milliseconds rpc_timeout{60000};   // per-call default; 0 = none
+  std::chrono::milliseconds rpc_timeout{60000};    // per-call default; 0 = none
   std::chrono::milliseconds init_timeout{120000};  // rendezvous and shutdown barrier
   int num_worker_threads = 4;
   // rpc_sync spins this long for its reply before it sleeps: waking a thread
@@ -180,8 +180,7 @@ class Agent : public std::enable_shared_from_this<Agent> {
   // of the caller's map, else this worker's own); nullopt when no map covers
   // it, so such an answer would be refused. Throws std::invalid_argument for
   // an unknown worker.
-  std::optional<c10::Device> answer_device_to(const std::string& caller,
-                                              c10::Device device) const;
+  std::optional<c10::Device> answer_device_to(const std::string& caller, c10::Device device) const;
   // Frames whose CUDA IPC buffers this agent holds until their receivers
   // release them (their copies are not known to be done yet).
   size_t cuda_ipc_held() const;
@@ -211,8 +210,7 @@ class Agent : public std::enable_shared_from_this<Agent> {
     return rpc_sync<R>(CallOptions{}, to, fn, std::forward<A>(args)...);
   }
   template <class R = c10::IValue, class... A>
-  R rpc_sync(const CallOptions& opts, const std::string& to, const std::string& fn,
-             A&&... args) {
+  R rpc_sync(const CallOptions& opts, const std::string& to, const std::string& fn, A&&... args) {
     RawFuture raw = start_call(to, fn, to_ivalues(std::forward<A>(args)...), opts.timeout);
     spin_until_done(raw);
     return Future<R>(std::move(raw), pool()).wait();
@@ -230,8 +228,8 @@ class Agent : public std::enable_shared_from_this<Agent> {
   Agent(AgentOptions options, std::shared_ptr<Registry> registry);
 
   // What rpc_sync needs of the implementation.
-  RawFuture start_call(const std::string& to, const std::string& fn,
-                       std::vector<c10::IValue> args, std::chrono::milliseconds timeout);
+  RawFuture start_call(const std::string& to, const std::string& fn, std::vector<c10::IValue> args,
+                       std::chrono::milliseconds timeout);
   void spin_until_done(const RawFuture& f) const;
   const std::shared_ptr<ThreadPool>& pool() const;
 

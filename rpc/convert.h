@@ -118,8 +118,8 @@ T from_ivalue(const c10::IValue& v, const std::string& what) {
     D out;
     out.reserve(list.size());
     for (size_t i = 0; i < list.size(); ++i) {
-      out.push_back(from_ivalue<typename D::value_type>(list.get(i),
-                                                        what + "[" + std::to_string(i) + "]"));
+      out.push_back(
+          from_ivalue<typename D::value_type>(list.get(i), what + "[" + std::to_string(i) + "]"));
     }
     return out;
   } else if constexpr (is_tuple<D>::value) {

@@ -6,12 +6,18 @@ namespace tandem::rpc {
 
 const char* error_code_name(ErrorCode code) {
   switch (code) {
-    case ErrorCode::kRemote: return "RemoteError";
-    case ErrorCode::kTimeout: return "Timeout";
-    case ErrorCode::kDisconnected: return "Disconnected";
-    case ErrorCode::kUnknownFunction: return "UnknownFunction";
-    case ErrorCode::kShutdown: return "Shutdown";
-    case ErrorCode::kProtocol: return "Protocol";
+    case ErrorCode::kRemote:
+      return "RemoteError";
+    case ErrorCode::kTimeout:
+      return "Timeout";
+    case ErrorCode::kDisconnected:
+      return "Disconnected";
+    case ErrorCode::kUnknownFunction:
+      return "UnknownFunction";
+    case ErrorCode::kShutdown:
+      return "Shutdown";
+    case ErrorCode::kProtocol:
+      return "Protocol";
   }
   return "Unknown";
 }
@@ -25,13 +31,18 @@ std::exception_ptr make_error(ErrorCode code, const std::string& worker,
                               const std::string& message) {
   const std::string where = worker.empty() ? message : message + " (worker " + worker + ")";
   switch (code) {
-    case ErrorCode::kRemote: return std::make_exception_ptr(RemoteError(worker, message));
-    case ErrorCode::kTimeout: return std::make_exception_ptr(TimeoutError(where));
-    case ErrorCode::kDisconnected: return std::make_exception_ptr(DisconnectedError(where));
+    case ErrorCode::kRemote:
+      return std::make_exception_ptr(RemoteError(worker, message));
+    case ErrorCode::kTimeout:
+      return std::make_exception_ptr(TimeoutError(where));
+    case ErrorCode::kDisconnected:
+      return std::make_exception_ptr(DisconnectedError(where));
     case ErrorCode::kUnknownFunction:
       return std::make_exception_ptr(UnknownFunctionError(where));
-    case ErrorCode::kShutdown: return std::make_exception_ptr(ShutdownError(where));
-    case ErrorCode::kProtocol: return std::make_exception_ptr(ProtocolError(where));
+    case ErrorCode::kShutdown:
+      return std::make_exception_ptr(ShutdownError(where));
+    case ErrorCode::kProtocol:
+      return std::make_exception_ptr(ProtocolError(where));
   }
   return std::make_exception_ptr(RemoteError(worker, message));
 }

@@ -52,8 +52,7 @@ std::shared_ptr<T> require_extension(const Agent& agent, const std::string& what
   auto t = extension<T>(agent);
   if (!t) {
     throw std::logic_error("agent " + agent.name() + " has no " + what +
-                           ": it was created before Tandem's " + library +
-                           " library was loaded");
+                           ": it was created before Tandem's " + library + " library was loaded");
   }
   return t;
 }

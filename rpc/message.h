@@ -29,15 +29,15 @@ namespace tandem::rpc {
 namespace device {
 class Arrival;  // rpc/wire/device.h
 class IpcExport;
-}
+}  // namespace device
 
 enum class MessageKind : uint8_t { kRequest = 0, kResponse = 1, kError = 2, kHello = 3 };
 
 struct Message {
   MessageKind kind = MessageKind::kRequest;
   uint64_t id = 0;
-  std::string callee;       // request: the registered function's name
-  uint64_t timeout_ms = 0;  // request: time left for the call; 0 = none
+  std::string callee;               // request: the registered function's name
+  uint64_t timeout_ms = 0;          // request: time left for the call; 0 = none
   std::vector<c10::IValue> values;  // request: arguments; response: one result
   // Received: every RRef in `values` as its sender described it, in frame
   // order. Until the agent puts its handles there (fill_rrefs), each stands
@@ -80,7 +80,7 @@ struct Message {
 };
 
 constexpr uint32_t kMagic = 0x4d444e54;  // "TNDM" read as little-endian
-constexpr uint16_t kVersion = 2;  // 2: the token is proved, never sent (rpc/common/auth.h)
+constexpr uint16_t kVersion = 2;         // 2: the token is proved, never sent (rpc/common/auth.h)
 constexpr size_t kPreambleBytes = 24;
 constexpr size_t kTensorAlignment = 64;
 
@@ -104,8 +104,7 @@ constexpr uint16_t kFlagSharedTensors = 1;
 class Envelope {
  public:
   Envelope() = default;
-  explicit Envelope(size_t words)
-      : words_(words ? new uint64_t[words] : nullptr), size_(words) {}
+  explicit Envelope(size_t words) : words_(words ? new uint64_t[words] : nullptr), size_(words) {}
   uint64_t* words() { return words_.get(); }
   const uint64_t* words() const { return words_.get(); }
   size_t size() const { return size_; }  // in words

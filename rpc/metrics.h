@@ -41,7 +41,8 @@ struct FunctionStats {
 struct Metrics {
   uint64_t calls_sent = 0;    // calls this agent made (the layers' own "tandem.*" ones too)
   uint64_t calls_failed = 0;  // of those that ended, failed
-  std::map<std::string, uint64_t> failures;  // by kind: "Timeout", "RemoteError", "Disconnected" ...
+  std::map<std::string, uint64_t>
+      failures;  // by kind: "Timeout", "RemoteError", "Disconnected" ...
   uint64_t calls_in_flight = 0;
   uint64_t requests_served = 0;  // requests whose handler ran here (one-way ones too)
   uint64_t requests_failed = 0;  // of those, answered with an error (unknown functions too)

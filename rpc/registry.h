@@ -73,11 +73,12 @@ class Registry {
         detail::invoke_typed<Args>(fn, args, name, std::make_index_sequence<n>());
         return {};
       } else if constexpr (is_future<R>::value) {
-        return {c10::IValue(), detail::invoke_typed<Args>(fn, args, name,
-                                                          std::make_index_sequence<n>()).raw()};
+        return {c10::IValue(),
+                detail::invoke_typed<Args>(fn, args, name, std::make_index_sequence<n>()).raw()};
       } else {
-        return {to_ivalue(detail::invoke_typed<Args>(fn, args, name, std::make_index_sequence<n>())),
-                RawFuture()};
+        return {
+            to_ivalue(detail::invoke_typed<Args>(fn, args, name, std::make_index_sequence<n>())),
+            RawFuture()};
       }
     });
     return *this;

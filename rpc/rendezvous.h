@@ -40,10 +40,10 @@ std::pair<int, int> rank_and_size(int rank, int world_size, const WorldEnv& env,
 std::pair<std::string, int> master_from_init_method(const std::string& init_method);
 
 // Rank 0 hosts the store (with LibTorch 1.x on its own server, bound to
-// store_bind_host(host); with 2.x c10d's, on every interface), unless the launcher does (torchrun sets
-// TORCHELASTIC_USE_AGENT_STORE=True when it hosts one on MASTER_PORT): then
-// every rank joins it as a client. A client waits (retrying every few ms, up
-// to `timeout`) until the store listens before it connects.
+// store_bind_host(host); with 2.x c10d's, on every interface), unless the launcher does (torchrun
+// sets TORCHELASTIC_USE_AGENT_STORE=True when it hosts one on MASTER_PORT): then every rank joins
+// it as a client. A client waits (retrying every few ms, up to `timeout`) until the store listens
+// before it connects.
 c10::intrusive_ptr<c10d::Store> make_store(const std::string& host, int port, int rank,
                                            int world_size, std::chrono::milliseconds timeout);
 // Where rank 0's store listens (with LibTorch 1.x, rpc/rendezvous/store_server.h):

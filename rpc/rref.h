@@ -111,8 +111,8 @@ struct is_rref<RRef<T>> : std::true_type {};
 
 // remote(): create `fn(args...)` on worker `to`; returns at once.
 template <class R = c10::IValue, class... A>
-RRef<R> remote(Agent& agent, const CallOptions& opts, const std::string& to,
-               const std::string& fn, A&&... args) {
+RRef<R> remote(Agent& agent, const CallOptions& opts, const std::string& to, const std::string& fn,
+               A&&... args) {
   return RRef<R>(agent.rrefs().remote(agent.get_worker_info(to).rank, fn,
                                       to_ivalues(std::forward<A>(args)...), opts.timeout));
 }
@@ -125,8 +125,7 @@ RRef<R> remote(const std::string& to, const std::string& fn, A&&... args) {
   return remote<R>(*current_agent(), CallOptions{}, to, fn, std::forward<A>(args)...);
 }
 template <class R = c10::IValue, class... A>
-RRef<R> remote(const CallOptions& opts, const std::string& to, const std::string& fn,
-               A&&... args) {
+RRef<R> remote(const CallOptions& opts, const std::string& to, const std::string& fn, A&&... args) {
   return remote<R>(*current_agent(), opts, to, fn, std::forward<A>(args)...);
 }
 

@@ -135,8 +135,8 @@ class RRefContext final : public RRefHook, public std::enable_shared_from_this<R
   void on_child_accept(const ForkId& fork);  // parent side
   // Runs the user's function `fn` on `value` and `args` when `value` is
   // ready; the result (or error) completes the returned future.
-  RawFuture apply_when_ready(RawFuture value, const std::string& fn,
-                             std::vector<c10::IValue> args, bool with_value);
+  RawFuture apply_when_ready(RawFuture value, const std::string& fn, std::vector<c10::IValue> args,
+                             bool with_value);
 
   Agent& agent_;
   const int self_;

@@ -41,7 +41,10 @@ class SpawnError : public std::runtime_error {
  public:
   SpawnError(const std::string& what, int rank, int exit_code, int signal,
              std::vector<std::string> last_lines)
-      : std::runtime_error(what), rank(rank), exit_code(exit_code), signal(signal),
+      : std::runtime_error(what),
+        rank(rank),
+        exit_code(exit_code),
+        signal(signal),
         last_lines(std::move(last_lines)) {}
   int rank;       // the worker that failed first; -1 when the launcher itself failed
   int exit_code;  // its exit code, or -1 when a signal killed it
@@ -50,7 +53,7 @@ class SpawnError : public std::runtime_error {
 };
 
 struct SpawnOptions {
-  std::string launcher;   // tandem-run's path; empty: found as in 4.
+  std::string launcher;    // tandem-run's path; empty: found as in 4.
   size_t last_lines = 20;  // how many of the failed worker's lines SpawnError keeps
 };
 

@@ -35,7 +35,8 @@
 //     clock ("clock_error_us": -1): exact on one host, unaligned across.
 //  4. Off, the layers hold no tracer: one null check per event site. On, an
 //     event costs a clock read, a few string copies and one lock
-//     (rpc_bench's trace_event line: about 0.6 µs). At most kMaxEvents are kept; more are counted as dropped.
+//     (rpc_bench's trace_event line: about 0.6 µs). At most kMaxEvents are kept; more are counted
+//     as dropped.
 #pragma once
 
 #include <chrono>

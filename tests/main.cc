@@ -2,8 +2,8 @@
 // TANDEM_TEST_WORKER set, it is instead one worker of a multi-process test
 // (started by a test through tandem-run or directly): see worker_main().
 #define DOCTEST_CONFIG_IMPLEMENT
-#include "test_util.h"
 #include "tandem/rpc/transport/uv/uv_transport.h"
+#include "test_util.h"
 
 #include <ATen/ops/ones.h>
 #include <ATen/ops/sum.h>

@@ -66,11 +66,11 @@
 
 #include "support/local_job.h"
 #include "tandem/rpc/agent.h"
+#include "tandem/rpc/agent/testing.h"
 #include "tandem/rpc/api.h"
 #include "tandem/rpc/extension.h"
 #include "tandem/rpc/layer.h"
 #include "tandem/rpc/rref_context.h"
-#include "tandem/rpc/agent/testing.h"
 
 namespace tandem::test {
 
@@ -274,7 +274,8 @@ inline void check_leaks(const Snapshot& start) {
       return out;
     };
     FAIL_CHECK("leak: file descriptors left open: " << join(differ(now, start.fds))
-               << "; closed that were open at the start: " << join(differ(start.fds, now)));
+                                                    << "; closed that were open at the start: "
+                                                    << join(differ(start.fds, now)));
   }
 }
 
@@ -413,8 +414,7 @@ struct TraceEvent {
 struct Trace {
   bool ok = false;
   std::vector<TraceEvent> events;
-  std::vector<TraceEvent> find(const std::string& ph, const std::string& name,
-                               int pid = -1) const {
+  std::vector<TraceEvent> find(const std::string& ph, const std::string& name, int pid = -1) const {
     std::vector<TraceEvent> out;
     for (const auto& e : events) {
       if (e.ph == ph && e.name == name && (pid < 0 || e.pid == pid)) out.push_back(e);
@@ -487,8 +487,8 @@ inline bool valid_json(const std::string& path) {
     std::printf("(python3 not installed: %s was checked line by line only)\n", path.c_str());
     return true;
   }
-  return std::system(("python3 -c \"import json,sys; json.load(open(sys.argv[1]))\" " + path)
-                         .c_str()) == 0;
+  return std::system(
+             ("python3 -c \"import json,sys; json.load(open(sys.argv[1]))\" " + path).c_str()) == 0;
 }
 
 // A fresh directory under /tmp, removed with what is in it at the end of scope.
@@ -556,8 +556,7 @@ inline int serve(std::shared_ptr<rpc::Registry> reg) {
 // did not wait for it.
 struct ChildWorker {
   explicit ChildWorker(const std::string& mode)
-      : store(support::store_server()),
-        pid(support::spawn_self([&] {
+      : store(support::store_server()), pid(support::spawn_self([&] {
           auto env = support::worker_env(1, 2, store->getPort());
           env.push_back("TANDEM_TEST_WORKER=" + mode);
           return env;

@@ -105,8 +105,8 @@ void Engine::drain(const std::shared_ptr<ContextState>& ctx,
   if (task->draining || task->phase != GraphTask::Phase::kRunning) return;
   task->draining = true;
   const auto tracer = link_->tracer();
-  const auto drain_start = tracer ? std::chrono::steady_clock::now()
-                                  : std::chrono::steady_clock::time_point{};
+  const auto drain_start =
+      tracer ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
   size_t ran = 0;
   while (!task->ready.empty() && task->phase == GraphTask::Phase::kRunning) {
     ++ran;

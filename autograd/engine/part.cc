@@ -74,9 +74,8 @@ rpc::RawFuture Engine::run_part(const RunRequest& request) {
     const auto start = std::chrono::steady_clock::now();
     task->done->addCallback([tracer, start, context, id](c10::ivalue::Future& f) {
       tracer->span("backward part", "autograd.part", id, start, std::chrono::steady_clock::now(),
-                   "{\"context\":" + std::to_string(context) + ",\"task\":" +
-                       std::to_string(id) + ",\"ok\":" + (f.hasError() ? "false" : "true") +
-                       "}");
+                   "{\"context\":" + std::to_string(context) + ",\"task\":" + std::to_string(id) +
+                       ",\"ok\":" + (f.hasError() ? "false" : "true") + "}");
     });
   }
   // A part with nothing to wait for is done at once; drain() notices.

@@ -214,7 +214,8 @@ void Reducer::Impl::finalize() {
     if (missing.size() > 5) names += " and " + std::to_string(missing.size() - 5) + " more";
     throw std::runtime_error(
         "DistributedDataParallel: parameter" + std::string(missing.size() > 1 ? "s " : " ") +
-        names + " got no gradient in this backward; if the model leaves parameters unused "
+        names +
+        " got no gradient in this backward; if the model leaves parameters unused "
         "in some steps, construct it with DDPOptions::find_unused_parameters = true");
   }
   at::Tensor used;

@@ -51,7 +51,8 @@ void Reducer::Impl::finish_join() {
 
 void Reducer::begin_join() {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  if (impl_->join_enabled) throw std::logic_error("DistributedDataParallel: join() scopes do not nest");
+  if (impl_->join_enabled)
+    throw std::logic_error("DistributedDataParallel: join() scopes do not nest");
   impl_->join_enabled = true;
   impl_->join_round = 0;
   impl_->last_real_round = -1;

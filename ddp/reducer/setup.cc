@@ -28,8 +28,7 @@ std::string shape_text(at::IntArrayRef sizes) {
 // `device`: where the group's collectives take their tensors (CPU for gloo,
 // the model's GPU for nccl).
 std::vector<std::string> all_gather_strings(const std::string& mine, ProcessGroup& group,
-                                            std::chrono::milliseconds timeout,
-                                            c10::Device device) {
+                                            std::chrono::milliseconds timeout, c10::Device device) {
   at::Tensor len = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong).to(device);
   auto lens = group.all_gather(len, timeout);
   int64_t longest = 1;
@@ -105,7 +104,8 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, DDPOptions options,
     : group_(std::move(group)) {
   if (!module) throw std::invalid_argument("DistributedDataParallel: the module is null");
   if (!(options.bucket_cap_mb > 0) || !(options.first_bucket_mb > 0)) {
-    throw std::invalid_argument("DistributedDataParallel: bucket_cap_mb and first_bucket_mb must be > 0");
+    throw std::invalid_argument(
+        "DistributedDataParallel: bucket_cap_mb and first_bucket_mb must be > 0");
   }
   impl_ = std::make_unique<Impl>(std::move(module), options, *group_);
   Impl& m = *impl_;
@@ -135,10 +135,12 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, DDPOptions options,
                                   " (move the model there first: model->to(device))");
     }
     if (!nccl && !t.device().is_cpu()) {
-      throw std::invalid_argument(where + "; a gloo group takes CPU tensors (nccl takes CUDA ones)");
+      throw std::invalid_argument(where +
+                                  "; a gloo group takes CPU tensors (nccl takes CUDA ones)");
     }
     if (nccl && !t.device().is_cuda()) {
-      throw std::invalid_argument(where + "; an nccl group takes CUDA tensors (gloo takes CPU ones)");
+      throw std::invalid_argument(where +
+                                  "; an nccl group takes CUDA tensors (gloo takes CPU ones)");
     }
     if (nccl && !model_device) model_device = t.device();
     if (nccl && t.device() != *model_device) {
@@ -157,7 +159,8 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, DDPOptions options,
     m.params.push_back(std::move(p));
   }
   if (m.params.empty()) {
-    throw std::invalid_argument("DistributedDataParallel: the module has no parameter that requires grad");
+    throw std::invalid_argument(
+        "DistributedDataParallel: the module has no parameter that requires grad");
   }
   if (nccl) m.comm_device = *model_device;
   std::string fingerprint;
@@ -179,12 +182,13 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, DDPOptions options,
     while (k < a.size() && k < b.size() && a[k] == b[k]) ++k;
     auto has = [&](const std::vector<std::string>& lines, size_t rank) {
       return "rank " + std::to_string(rank) + " has " +
-             (k < lines.size() ? lines[k] : "no entry #" + std::to_string(k) + " (" +
-                                                std::to_string(lines.size()) + " in all)");
+             (k < lines.size() ? lines[k]
+                               : "no entry #" + std::to_string(k) + " (" +
+                                     std::to_string(lines.size()) + " in all)");
     };
-    throw std::invalid_argument(
-        "DistributedDataParallel: the ranks' models differ at parameter #" + std::to_string(k) +
-        ": " + has(a, 0) + ", " + has(b, r) + " (every rank must build the same model)");
+    throw std::invalid_argument("DistributedDataParallel: the ranks' models differ at parameter #" +
+                                std::to_string(k) + ": " + has(a, 0) + ", " + has(b, r) +
+                                " (every rank must build the same model)");
   }
   if (group_->size() > 1) broadcast_coalesced(m.state(), *group_, m.timeout());
 

@@ -26,9 +26,9 @@ struct Config {
   double lr = 6e-3;
   std::string corpus;  // empty: kDefaultCorpus
   std::string checkpoint = "char_lm.ckpt";
-  std::string mode = "single";  // or "hybrid", "pipeline"
+  std::string mode = "single";    // or "hybrid", "pipeline"
   std::string schedule = "1f1b";  // --mode pipeline's
-  std::string losses;  // --losses: each progress line also goes there as CSV
+  std::string losses;             // --losses: each progress line also goes there as CSV
   bool resume = false;
   bool hybrid() const { return mode == "hybrid"; }
   bool pipeline() const { return mode == "pipeline"; }

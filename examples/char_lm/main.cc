@@ -24,11 +24,10 @@
 // the shared modules with its own optimizer, as in PyTorch's DDP + RPC
 // tutorial, but never while another trainer's forward or backward uses
 // them (the trainers meet before and after stepping). Gradients are not
-// clipped in this mode (see the training loop). Trainer r trains on the batches of steps s * (N - 1) + r, so the
-// trainers read different text. The shared modules take the trainers' steps
-// in no fixed order, so a hybrid run is not reproducible to the bit and
-// writes no checkpoint (--resume is refused); at the end the trainers check
-// that their LSTMs are identical.
+// clipped in this mode (see the training loop). Trainer r trains on the batches of steps s * (N -
+// 1) + r, so the trainers read different text. The shared modules take the trainers' steps in no
+// fixed order, so a hybrid run is not reproducible to the bit and writes no checkpoint (--resume is
+// refused); at the end the trainers check that their LSTMs are identical.
 //
 // The text is, by default, every regular file in /usr/share/common-licenses
 // (sorted by name; the symbolic links there only repeat other files), so the
@@ -90,7 +89,8 @@ int job_main(int argc, char** argv) {
     Config cfg;
     examples::Flags flags("char_lm");
     flags.add("--steps", &cfg.steps, 1, "total training steps")
-        .add("--corpus", &cfg.corpus, "text file to train on (default: /usr/share/common-licenses/*)")
+        .add("--corpus", &cfg.corpus,
+             "text file to train on (default: /usr/share/common-licenses/*)")
         .add("--checkpoint", &cfg.checkpoint, "checkpoint file")
         .add("--checkpoint-every", &cfg.checkpoint_every, 1, "write the checkpoint every N steps")
         .add_switch("--resume", &cfg.resume, "continue from --checkpoint up to --steps")
@@ -107,14 +107,16 @@ int job_main(int argc, char** argv) {
     const Place at{env.rank, env.world_size - 1};
     if (error.empty() && env.world_size >= 2) {
       if (cfg.hybrid() && at.trainers < 2) {
-        error = "--mode hybrid needs 3 or more processes (trainers and a parameter server): "
-                "tandem-run --nproc-per-node 3";
+        error =
+            "--mode hybrid needs 3 or more processes (trainers and a parameter server): "
+            "tandem-run --nproc-per-node 3";
       } else if (!cfg.hybrid() && at.trainers > 1) {
         error = "--mode " + cfg.mode + " runs on 2 processes; pass --mode hybrid for " +
                 std::to_string(at.trainers) + " data-parallel trainers";
       } else if (cfg.hybrid() && cfg.resume) {
-        error = "--resume is for --mode single: hybrid trainers step the shared modules in no "
-                "fixed order, so a hybrid run writes no checkpoint";
+        error =
+            "--resume is for --mode single: hybrid trainers step the shared modules in no "
+            "fixed order, so a hybrid run writes no checkpoint";
       } else if (!cfg.pipeline() && cfg.schedule != "1f1b") {
         error = "--schedule is for --mode pipeline";
       } else if (cfg.pipeline() && cfg.resume) {
@@ -147,8 +149,9 @@ int job_main(int argc, char** argv) {
     }
     if (env.rank < 0 || env.world_size < 2) {
       return examples::outside_world(
-          flags, error, "start me with 2 workers: build/bin/tandem-run --nproc-per-node 2 "
-                        "build/bin/char_lm");
+          flags, error,
+          "start me with 2 workers: build/bin/tandem-run --nproc-per-node 2 "
+          "build/bin/char_lm");
     }
 
     // Join the world even when there is nothing to train, so that the

@@ -28,8 +28,9 @@ std::pair<tandem::nn::RemoteModule, tandem::nn::RemoteModule> remote_modules(con
     return {tandem::nn::RemoteModule(at.server() + "/cpu", "Embedding", {V, kEmbed}),
             tandem::nn::RemoteModule(at.server() + "/cpu", "Linear", {kHidden, V})};
   }
-  return {tandem::nn::RemoteModule(rpc::rpc_sync<ModuleRef>("worker0", "shared_module", int64_t(0))),
-          tandem::nn::RemoteModule(rpc::rpc_sync<ModuleRef>("worker0", "shared_module", int64_t(1)))};
+  return {
+      tandem::nn::RemoteModule(rpc::rpc_sync<ModuleRef>("worker0", "shared_module", int64_t(0))),
+      tandem::nn::RemoteModule(rpc::rpc_sync<ModuleRef>("worker0", "shared_module", int64_t(1)))};
 }
 
 // The trainers' process group for the life of a hybrid run.
@@ -114,16 +115,15 @@ int train(const Config& cfg, const Corpus& corpus, const std::optional<Checkpoin
 
   const bool speak = at.rank == 0;
   if (speak) {
-    std::printf("char_lm: %s, %zu bytes, vocabulary %lld; embedding and decoder on %s, "
-                "LSTM(%lld->%lld) %s; %s steps %lld..%lld\n",
-                corpus.name.c_str(), corpus.text.size(), static_cast<long long>(V),
-                at.server().c_str(), static_cast<long long>(kEmbed),
-                static_cast<long long>(kHidden),
-                cfg.hybrid() ? ("on each of " + std::to_string(at.trainers) +
-                                " DDP trainers").c_str()
-                             : "here",
-                resume ? "resuming," : "training", static_cast<long long>(start + 1),
-                static_cast<long long>(cfg.steps));
+    std::printf(
+        "char_lm: %s, %zu bytes, vocabulary %lld; embedding and decoder on %s, "
+        "LSTM(%lld->%lld) %s; %s steps %lld..%lld\n",
+        corpus.name.c_str(), corpus.text.size(), static_cast<long long>(V), at.server().c_str(),
+        static_cast<long long>(kEmbed), static_cast<long long>(kHidden),
+        cfg.hybrid() ? ("on each of " + std::to_string(at.trainers) + " DDP trainers").c_str()
+                     : "here",
+        resume ? "resuming," : "training", static_cast<long long>(start + 1),
+        static_cast<long long>(cfg.steps));
     std::fflush(stdout);
   }
 
@@ -158,7 +158,8 @@ int train(const Config& cfg, const Corpus& corpus, const std::optional<Checkpoin
   if (cfg.hybrid()) {
     // Every trainer's LSTM against worker0's; and no trainer still steps
     // the shared modules while worker0 samples from them.
-    const bool same = examples::same_on_every_rank(lstm->parameters(), tandem::ddp::default_group());
+    const bool same =
+        examples::same_on_every_rank(lstm->parameters(), tandem::ddp::default_group());
     if (!same) throw std::runtime_error("the trainers' LSTMs differ after training");
     if (!speak) return 0;
     std::printf("trainers' LSTMs identical\nfinal step %lld loss %.6f\n",
@@ -168,9 +169,9 @@ int train(const Config& cfg, const Corpus& corpus, const std::optional<Checkpoin
                 loss_value, cfg.checkpoint.c_str());
   }
   m.ddp = nullptr;  // sampling needs no gradients averaged
-  std::printf("sample: %s\n",
-              generate(stateful(m), corpus, "The ", 200, 0.8, static_cast<uint64_t>(cfg.seed) + 1)
-                  .c_str());
+  std::printf(
+      "sample: %s\n",
+      generate(stateful(m), corpus, "The ", 200, 0.8, static_cast<uint64_t>(cfg.seed) + 1).c_str());
   std::fflush(stdout);
   return 0;
 }

@@ -67,12 +67,12 @@ int train_pipeline(const Config& cfg, const Corpus& corpus, Clock::time_point st
   optim::Options o;
   o.lr = cfg.lr;
   optim::DistributedOptimizer opt(optim::Kind::kAdam, pipe.parameters(), o);
-  std::printf("char_lm: %s, %zu bytes, vocabulary %lld; pipeline: Embedding + LSTM(%lld->%lld) "
-              "on worker0, decoder on %s; %d micro-batches a step (%s); training steps 1..%lld\n",
-              corpus.name.c_str(), corpus.text.size(), static_cast<long long>(V),
-              static_cast<long long>(kEmbed), static_cast<long long>(kHidden),
-              at.server().c_str(), po.chunks, po.schedule.c_str(),
-              static_cast<long long>(cfg.steps));
+  std::printf(
+      "char_lm: %s, %zu bytes, vocabulary %lld; pipeline: Embedding + LSTM(%lld->%lld) "
+      "on worker0, decoder on %s; %d micro-batches a step (%s); training steps 1..%lld\n",
+      corpus.name.c_str(), corpus.text.size(), static_cast<long long>(V),
+      static_cast<long long>(kEmbed), static_cast<long long>(kHidden), at.server().c_str(),
+      po.chunks, po.schedule.c_str(), static_cast<long long>(cfg.steps));
   std::fflush(stdout);
 
   double loss_value = 0;
@@ -96,8 +96,9 @@ int train_pipeline(const Config& cfg, const Corpus& corpus, Clock::time_point st
     std::vector<int64_t> window(seen.begin() + static_cast<std::ptrdiff_t>(from), seen.end());
     return pipe.forward(at::tensor(window).view({1, -1}))[0][-1];
   };
-  std::printf("sample: %s\n",
-              generate(next, corpus, "The ", 200, 0.8, static_cast<uint64_t>(cfg.seed) + 1).c_str());
+  std::printf(
+      "sample: %s\n",
+      generate(next, corpus, "The ", 200, 0.8, static_cast<uint64_t>(cfg.seed) + 1).c_str());
   std::fflush(stdout);
   return 0;
 }

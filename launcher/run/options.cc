@@ -14,8 +14,8 @@ constexpr const char* kValueFlags[] = {
 };
 
 int parse_int(const std::string& flag, const std::string& text, long long min, long long max) {
-  std::string expected = "expected an integer in [" + std::to_string(min) + ", " +
-                         std::to_string(max) + "]";
+  std::string expected =
+      "expected an integer in [" + std::to_string(min) + ", " + std::to_string(max) + "]";
   std::string bad = "invalid value '" + text + "' for " + flag + " (" + expected + ")";
   if (text.empty()) throw UsageError(bad);
   long long value = 0;

@@ -45,7 +45,7 @@ struct Options {
   int nnodes = 1;
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
-  int master_port = 0;  // 0: pick a free one (single node only)
+  int master_port = 0;    // 0: pick a free one (single node only)
   std::string trace_dir;  // --trace
   std::vector<std::string> program;
   bool help = false;

@@ -22,8 +22,8 @@ namespace tandem::launcher {
 namespace {
 
 constexpr const char* kWorkerVariables[] = {
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-    "MASTER_PORT",
+    "RANK",       "LOCAL_RANK",  "WORLD_SIZE",  "LOCAL_WORLD_SIZE",
+    "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
 };
 
 std::string variable_name(const char* entry) {
@@ -104,8 +104,9 @@ void Launcher::start_workers() {
   if ((!token || !*token) && options_.nnodes == 1) {
     job_token_ = tandem::rpc::random_hex(32);
   } else if (!token || !*token) {
-    report("warning: TANDEM_TOKEN is not set: any process that can reach this job's workers "
-           "can join it; set the same random TANDEM_TOKEN on every node");
+    report(
+        "warning: TANDEM_TOKEN is not set: any process that can reach this job's workers "
+        "can join it; set the same random TANDEM_TOKEN on every node");
   }
 #ifdef TANDEM_RUN_HOSTS_STORE
   // Node 0's launcher hosts the store, listening on loopback for a one-node
@@ -116,7 +117,9 @@ void Launcher::start_workers() {
   const char* store_choice = std::getenv("TANDEM_STORE");
   if (options_.node_rank == 0 && !(store_choice && std::string(store_choice) == "c10d")) {
     const char* bind = std::getenv("TANDEM_STORE_BIND");
-    const std::string host = bind ? bind : options_.nnodes == 1 ? "127.0.0.1" : options_.master_addr;
+    const std::string host = bind                   ? bind
+                             : options_.nnodes == 1 ? "127.0.0.1"
+                                                    : options_.master_addr;
     try {
       store_ = std::make_unique<tandem::rpc::StoreServer>(host, options_.master_port);
       hosts_store_ = true;

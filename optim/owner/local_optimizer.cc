@@ -20,26 +20,23 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(Kind kind, std::vector<a
   if (o.lr < 0) throw std::invalid_argument("optimizer options: negative learning rate");
   switch (kind) {
     case Kind::kSGD:
-      return std::make_unique<torch::optim::SGD>(
-          params, torch::optim::SGDOptions(o.lr)
-                      .momentum(o.momentum)
-                      .dampening(o.dampening)
-                      .weight_decay(o.weight_decay)
-                      .nesterov(o.nesterov));
+      return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(o.lr)
+                                                             .momentum(o.momentum)
+                                                             .dampening(o.dampening)
+                                                             .weight_decay(o.weight_decay)
+                                                             .nesterov(o.nesterov));
     case Kind::kAdam:
-      return std::make_unique<torch::optim::Adam>(
-          params, torch::optim::AdamOptions(o.lr)
-                      .betas({o.beta1, o.beta2})
-                      .eps(o.eps)
-                      .weight_decay(o.weight_decay)
-                      .amsgrad(o.amsgrad));
+      return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(o.lr)
+                                                              .betas({o.beta1, o.beta2})
+                                                              .eps(o.eps)
+                                                              .weight_decay(o.weight_decay)
+                                                              .amsgrad(o.amsgrad));
     case Kind::kAdamW:
-      return std::make_unique<torch::optim::AdamW>(
-          params, torch::optim::AdamWOptions(o.lr)
-                      .betas({o.beta1, o.beta2})
-                      .eps(o.eps)
-                      .weight_decay(o.weight_decay)
-                      .amsgrad(o.amsgrad));
+      return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(o.lr)
+                                                               .betas({o.beta1, o.beta2})
+                                                               .eps(o.eps)
+                                                               .weight_decay(o.weight_decay)
+                                                               .amsgrad(o.amsgrad));
     case Kind::kAdagrad:
       return std::make_unique<torch::optim::Adagrad>(
           params, torch::optim::AdagradOptions(o.lr)
@@ -48,13 +45,12 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(Kind kind, std::vector<a
                       .initial_accumulator_value(o.initial_accumulator_value)
                       .eps(o.eps));
     case Kind::kRMSprop:
-      return std::make_unique<torch::optim::RMSprop>(
-          params, torch::optim::RMSpropOptions(o.lr)
-                      .alpha(o.alpha)
-                      .eps(o.eps)
-                      .weight_decay(o.weight_decay)
-                      .momentum(o.momentum)
-                      .centered(o.centered));
+      return std::make_unique<torch::optim::RMSprop>(params, torch::optim::RMSpropOptions(o.lr)
+                                                                 .alpha(o.alpha)
+                                                                 .eps(o.eps)
+                                                                 .weight_decay(o.weight_decay)
+                                                                 .momentum(o.momentum)
+                                                                 .centered(o.centered));
   }
   throw std::invalid_argument("unknown optimizer kind " + std::to_string(static_cast<int>(kind)));
 }

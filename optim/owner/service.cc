@@ -80,9 +80,9 @@ void OptimService::step(int64_t id, uint64_t context_id) {
   auto local = find(id);
   if (trace.on()) {
     trace.set_name("optimizer step");
-    trace.set_args("{\"optimizer\":" + std::to_string(id) + ",\"context\":" +
-                   std::to_string(context_id) + ",\"params\":" +
-                   std::to_string(local->params.size()) + "}");
+    trace.set_args("{\"optimizer\":" + std::to_string(id) +
+                   ",\"context\":" + std::to_string(context_id) +
+                   ",\"params\":" + std::to_string(local->params.size()) + "}");
   }
   autograd::Gradients grads = autograd::get_gradients(agent_, context_id);
   std::lock_guard<std::mutex> lock(local->mu);  // steps on one optimizer are serialized
@@ -256,7 +256,8 @@ void OptimService::register_handlers(rpc::Registry& internal) {
 std::vector<std::string> OptimService::live_objects() const {
   std::vector<std::string> out;
   std::lock_guard<std::mutex> lock(mu_);
-  for (const auto& [id, _] : optimizers_) out.push_back("distributed optimizer " + std::to_string(id));
+  for (const auto& [id, _] : optimizers_)
+    out.push_back("distributed optimizer " + std::to_string(id));
   return out;
 }
 

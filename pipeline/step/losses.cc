@@ -18,9 +18,8 @@ std::map<std::string, LossFn>& losses() {
        [](const at::Tensor& out, const at::Tensor& target) {
          return at::cross_entropy_loss(out, target);
        }},
-      {"mse", [](const at::Tensor& out, const at::Tensor& target) {
-         return at::mse_loss(out, target);
-       }}};
+      {"mse",
+       [](const at::Tensor& out, const at::Tensor& target) { return at::mse_loss(out, target); }}};
   return all;
 }
 
@@ -39,8 +38,8 @@ LossFn step::loss_named(const std::string& name, const std::string& where) {
   if (it == losses().end()) {
     std::string known;
     for (const auto& [n, _] : losses()) known += (known.empty() ? "" : ", ") + n;
-    throw std::invalid_argument("no pipeline loss '" + name + "' on " + where + " (known: " +
-                                known + "; pipeline::register_loss adds one)");
+    throw std::invalid_argument("no pipeline loss '" + name + "' on " + where +
+                                " (known: " + known + "; pipeline::register_loss adds one)");
   }
   return it->second;
 }

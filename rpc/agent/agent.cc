@@ -15,16 +15,16 @@
 
 #include <unistd.h>
 
-#include "tandem/rpc/common/auth.h"
 #include "tandem/rpc/agent/call_table.h"
 #include "tandem/rpc/agent/connection_table.h"
-#include "tandem/rpc/wire/device.h"
 #include "tandem/rpc/agent/handshake.h"
-#include "tandem/rpc/common/log.h"
+#include "tandem/rpc/common/auth.h"
 #include "tandem/rpc/common/host.h"
+#include "tandem/rpc/common/log.h"
 #include "tandem/rpc/rendezvous.h"
 #include "tandem/rpc/rendezvous/worker_entry.h"
 #include "tandem/rpc/rref_context.h"
+#include "tandem/rpc/wire/device.h"
 
 namespace tandem::rpc {
 namespace {
@@ -34,7 +34,6 @@ std::vector<ExtensionFactory>& extension_factories() {
   static std::vector<ExtensionFactory> factories;
   return factories;
 }
-
 
 }  // namespace
 
@@ -54,9 +53,9 @@ AgentOptions& AgentOptions::set_device_map(const std::string& worker,
     }
     auto [it, fresh] = mine.emplace(from, dst);
     if (!fresh && it->second != dst) {
-      throw std::invalid_argument("set_device_map(\"" + printable(worker) + "\"): cuda:" +
-                                  std::to_string(from) + " is already mapped to cuda:" +
-                                  std::to_string(it->second));
+      throw std::invalid_argument("set_device_map(\"" + printable(worker) +
+                                  "\"): cuda:" + std::to_string(from) +
+                                  " is already mapped to cuda:" + std::to_string(it->second));
     }
   }
   return *this;
@@ -115,7 +114,8 @@ void AgentImpl::start(c10::intrusive_ptr<c10d::Store> store) {
       advertise = listen_host;
     } else {
       advertise = local_address_towards(master_host);
-      if (advertise.empty()) throw std::runtime_error("cannot tell this host's address; set advertise_host");
+      if (advertise.empty())
+        throw std::runtime_error("cannot tell this host's address; set advertise_host");
     }
   }
 
@@ -156,9 +156,9 @@ void AgentImpl::start(c10::intrusive_ptr<c10d::Store> store) {
   cb.inline_ok = [this](const Message& m) { return inline_ok(m); };
   handshakes_ = std::make_unique<HandshakeTable>();
   protocol_log_ = std::make_unique<ProtocolLog>();
-  TransportFactory make = options_.transport            ? options_.transport
-                         : options_.transport_mode == "tcp" ? tcp_transport()
-                                                            : shm_transport();
+  TransportFactory make = options_.transport                 ? options_.transport
+                          : options_.transport_mode == "tcp" ? tcp_transport()
+                                                             : shm_transport();
   transport_ = make(options_.limits, std::move(cb));
 
   try {
@@ -175,8 +175,9 @@ void AgentImpl::start(c10::intrusive_ptr<c10d::Store> store) {
     self.port = transport_->listen(listen_host, 0);
     if (options_.transport_mode != "tcp") self.local = transport_->local_endpoint();
     if (options_.transport_mode == "shm" && self.local.empty()) {
-      throw std::runtime_error("transport 'shm' was asked for, but this worker has no "
-                               "shared-memory endpoint (see the message above)");
+      throw std::runtime_error(
+          "transport 'shm' was asked for, but this worker has no "
+          "shared-memory endpoint (see the message above)");
     }
 
     // An entry for this rank already there was not written by this worker:
@@ -187,8 +188,10 @@ void AgentImpl::start(c10::intrusive_ptr<c10d::Store> store) {
     if (store_->check({key})) {
       auto v = store_->get(key);
       throw std::runtime_error(
-          "rendezvous: the entry for rank " + std::to_string(rank_) + " was written by someone "
-          "else before this worker ('" + printable(std::string(v.begin(), v.end())) +
+          "rendezvous: the entry for rank " + std::to_string(rank_) +
+          " was written by someone "
+          "else before this worker ('" +
+          printable(std::string(v.begin(), v.end())) +
           "'): another job on the same MASTER_PORT, two workers with one RANK, or a planted "
           "entry; refusing to start");
     }
@@ -210,11 +213,10 @@ void AgentImpl::start(c10::intrusive_ptr<c10d::Store> store) {
       if (std::chrono::steady_clock::now() >= deadline) {
         std::string ranks;
         for (int r : missing) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-        throw TimeoutError("rendezvous" +
-                           (store_address_.empty() ? std::string() : " at " + store_address_) +
-                           ": rank(s) " + ranks + " of " + std::to_string(world) +
-                           " did not arrive within " +
-                           std::to_string(options_.init_timeout.count()) + " ms");
+        throw TimeoutError(
+            "rendezvous" + (store_address_.empty() ? std::string() : " at " + store_address_) +
+            ": rank(s) " + ranks + " of " + std::to_string(world) + " did not arrive within " +
+            std::to_string(options_.init_timeout.count()) + " ms");
       }
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::milliseconds(20));
@@ -248,8 +250,8 @@ void AgentImpl::measure_clock_offset() {
   for (int i = 0; i < 8; ++i) {
     try {
       const int64_t t0 = Tracer::micros(std::chrono::steady_clock::now());
-      auto answer = self_.rpc_sync<std::tuple<int64_t, std::string>>(workers_[0].name,
-                                                              "tandem.trace.clock");
+      auto answer =
+          self_.rpc_sync<std::tuple<int64_t, std::string>>(workers_[0].name, "tandem.trace.clock");
       const int64_t t1 = Tracer::micros(std::chrono::steady_clock::now());
       if (!boot_id().empty() && std::get<1>(answer) == boot_id()) {
         trace_->set_clock(0, 0);
@@ -297,8 +299,8 @@ std::string AgentImpl::debug_info() const {
     std::lock_guard<std::mutex> lock(retire_mu_);
     for (const auto& [id, r] : retiring_) {
       out += "  connection " + std::to_string(id) + " retiring (notice " +
-             (r.sent ? "sent" : "not sent") + ", peer's " + (r.received ? "received" : "not received") +
-             ")\n";
+             (r.sent ? "sent" : "not sent") + ", peer's " +
+             (r.received ? "received" : "not received") + ")\n";
     }
   }
   if (calls_) {
@@ -343,9 +345,8 @@ std::string AgentImpl::transport_to(const std::string& to) const {
   return c ? c->kind() : "";
 }
 
-
 std::optional<c10::Device> AgentImpl::answer_device_to(const std::string& caller,
-                                                   c10::Device device) const {
+                                                       c10::Device device) const {
   const int r = get_worker_info(caller).rank;
   if (!device.is_cuda() || r >= static_cast<int>(answer_maps_.size())) return std::nullopt;
   const auto& map = answer_maps_[r].cuda;
@@ -370,6 +371,5 @@ const WorkerInfo& AgentImpl::get_worker_info(int rank) const {
   }
   return workers_[rank];
 }
-
 
 }  // namespace tandem::rpc

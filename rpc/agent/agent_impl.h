@@ -62,8 +62,7 @@ class AgentImpl {
   Metrics metrics() const;
   std::string debug_info() const;
   std::string transport_to(const std::string& to) const;
-  std::optional<c10::Device> answer_device_to(const std::string& caller,
-                                              c10::Device device) const;
+  std::optional<c10::Device> answer_device_to(const std::string& caller, c10::Device device) const;
   size_t cuda_ipc_held() const;
   const std::shared_ptr<Tracer>& tracer() const { return trace_; }
   RRefContext& rrefs() { return *rrefs_; }
@@ -81,8 +80,8 @@ class AgentImpl {
   const std::shared_ptr<ThreadPool>& pool() const { return pool_; }
 
   // calls.cc: the outgoing side.
-  RawFuture start_call(const std::string& to, const std::string& fn,
-                       std::vector<c10::IValue> args, std::chrono::milliseconds timeout);
+  RawFuture start_call(const std::string& to, const std::string& fn, std::vector<c10::IValue> args,
+                       std::chrono::milliseconds timeout);
   void notify(const std::string& to, const std::string& fn, std::vector<c10::IValue> args);
 
   // True on a thread inside on_message_from_loop (the loop thread, or one
@@ -141,14 +140,14 @@ class AgentImpl {
   Agent& self_;  // the user's handle, which owns this
   AgentOptions options_;
   std::shared_ptr<Registry> registry_;
-  std::shared_ptr<Registry> internal_;  // "tandem.*": the layers' own functions
+  std::shared_ptr<Registry> internal_;       // "tandem.*": the layers' own functions
   std::shared_ptr<Registry> loop_internal_;  // "tandem.*" that run on the loop thread
   std::shared_ptr<RRefContext> rrefs_;
   std::vector<std::shared_ptr<AgentExtension>> extensions_;
   std::shared_ptr<ThreadPool> pool_;
   std::unique_ptr<MetricsRecorder> metrics_ = std::make_unique<MetricsRecorder>();
   std::shared_ptr<Tracer> trace_;  // null unless tracing (rpc/trace.h)
-  void measure_clock_offset();  // rpc/trace.h, 3.
+  void measure_clock_offset();     // rpc/trace.h, 3.
   std::unique_ptr<CallTable> calls_;
   std::unique_ptr<ConnectionTable> conns_;
   struct Retiring {

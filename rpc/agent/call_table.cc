@@ -27,8 +27,8 @@ void CallTable::count(const Call& c, const std::exception_ptr& error) {
     const std::string args = std::string("{\"to\":") + std::to_string(c.peer) +
                              ",\"ok\":" + (error ? "false" : "true") + "}";
     if (!c.overlapped) {
-      tracer_->slice(c.callee, "rpc", c.started, now, {flow, 0, 0, flow | Tracer::kReplyFlow},
-                     args, c.tid);
+      tracer_->slice(c.callee, "rpc", c.started, now, {flow, 0, 0, flow | Tracer::kReplyFlow}, args,
+                     c.tid);
     } else {
       // Overlapping slices on one thread do not nest: the send stays on the
       // thread (where the flow starts), the wait gets a track of its own.
@@ -195,8 +195,8 @@ void CallTable::timer_loop() {
     }
     lock.unlock();
     for (auto& c : expired) {
-      auto e = std::make_exception_ptr(TimeoutError(
-          "call to '" + c.callee + "' on " + worker_name_(c.peer) + " timed out"));
+      auto e = std::make_exception_ptr(
+          TimeoutError("call to '" + c.callee + "' on " + worker_name_(c.peer) + " timed out"));
       count(c, e);
       c.future->setError(std::move(e));
     }
@@ -232,14 +232,19 @@ std::vector<CallTable::Pending> CallTable::snapshot() const {
   std::vector<Pending> out;
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [id, c] : calls_) {
-    Pending p{id, c.callee, c.peer, c.sent,
-              std::chrono::duration_cast<std::chrono::milliseconds>(now - c.started), std::nullopt};
+    Pending p{id,
+              c.callee,
+              c.peer,
+              c.sent,
+              std::chrono::duration_cast<std::chrono::milliseconds>(now - c.started),
+              std::nullopt};
     if (c.has_deadline) {
       p.left = std::chrono::duration_cast<std::chrono::milliseconds>(c.deadline - now);
     }
     out.push_back(std::move(p));
   }
-  std::sort(out.begin(), out.end(), [](const Pending& a, const Pending& b) { return a.age > b.age; });
+  std::sort(out.begin(), out.end(),
+            [](const Pending& a, const Pending& b) { return a.age > b.age; });
   return out;
 }
 

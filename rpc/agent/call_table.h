@@ -100,7 +100,7 @@ class CallTable {
   void close_new();  // add() refuses from now on
   void wait_idle();  // until no call is in flight
   size_t size() const;
-  void stop();       // stops and joins the timer thread; idempotent
+  void stop();  // stops and joins the timer thread; idempotent
 
   // With tracing on (rpc/trace.h): each call that ends becomes a slice on
   // its thread, or a send slice and an async span when it overlapped

@@ -2,8 +2,8 @@
 // wire, registered in the call table until its reply, deadline or failure.
 #include "tandem/rpc/agent/agent_impl.h"
 #include "tandem/rpc/agent/call_table.h"
-#include "tandem/rpc/rref_context.h"
 #include "tandem/rpc/agent/spin.h"
+#include "tandem/rpc/rref_context.h"
 
 namespace tandem::rpc {
 namespace {
@@ -24,15 +24,15 @@ void AgentImpl::spin_until_done(const RawFuture& f) const {
 }
 
 Future<c10::IValue> AgentImpl::call(const std::string& to, const std::string& fn,
-                                std::vector<c10::IValue> args, std::chrono::milliseconds timeout) {
+                                    std::vector<c10::IValue> args,
+                                    std::chrono::milliseconds timeout) {
   return Future<c10::IValue>(start_call(to, fn, std::move(args), timeout), pool_);
 }
 
 OutFrame AgentImpl::encode_with_extensions(Message& m, int dest, const Connection* via) {
   for (const auto& e : extensions_) e->before_send(m, dest);
   // Forks made here are undone if anything below throws (Forks is RAII).
-  const std::vector<DeviceMap>& maps =
-      m.kind == MessageKind::kResponse ? answer_maps_ : send_maps_;
+  const std::vector<DeviceMap>& maps = m.kind == MessageKind::kResponse ? answer_maps_ : send_maps_;
   const DeviceMap* devices =
       dest >= 0 && static_cast<size_t>(dest) < maps.size() ? &maps[dest] : nullptr;
   OutFrame frame = encode(m, options_.limits, rrefs_.get(), dest, devices, ipc_to(dest, via));
@@ -47,7 +47,7 @@ OutFrame AgentImpl::encode_with_extensions(Message& m, int dest, const Connectio
 }
 
 RawFuture AgentImpl::start_call(const std::string& to, const std::string& fn,
-                            std::vector<c10::IValue> args, std::chrono::milliseconds timeout) {
+                                std::vector<c10::IValue> args, std::chrono::milliseconds timeout) {
   RawFuture fut = make_raw_future();
   const WorkerInfo& dest = get_worker_info(to);
   if (timeout.count() < 0) timeout = options_.rpc_timeout;
@@ -95,9 +95,10 @@ RawFuture AgentImpl::start_call(const std::string& to, const std::string& fn,
   for (int attempt = 0;; ++attempt) {
     ConnectionPtr conn;
     try {
-      auto connect_timeout = has_deadline ? std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                deadline - Clock::now())
-                                          : std::chrono::milliseconds(30000);
+      auto connect_timeout =
+          has_deadline
+              ? std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now())
+              : std::chrono::milliseconds(30000);
       conn = connection_to(dest.rank, std::max(connect_timeout, std::chrono::milliseconds(1)));
     } catch (...) {
       if (attempt == 0) {
@@ -128,8 +129,8 @@ RawFuture AgentImpl::start_call(const std::string& to, const std::string& fn,
       // sent yet, as far as it knew): fail it here.
       if (conn->closed()) {
         calls_->fail(req.id,
-                     std::make_exception_ptr(DisconnectedError(
-                         "connection to " + to + " lost during '" + fn + "'")),
+                     std::make_exception_ptr(
+                         DisconnectedError("connection to " + to + " lost during '" + fn + "'")),
                      0);
       }
     } catch (const RetiredError&) {
@@ -137,14 +138,14 @@ RawFuture AgentImpl::start_call(const std::string& to, const std::string& fn,
       // after we took it: the frame is still ours, send it on the current one.
       if (attempt < 16) continue;
       calls_->fail(req.id,
-                   std::make_exception_ptr(DisconnectedError(
-                       "cannot send '" + fn + "' to " + to + ": its connections keep retiring")),
+                   std::make_exception_ptr(DisconnectedError("cannot send '" + fn + "' to " + to +
+                                                             ": its connections keep retiring")),
                    0);
     } catch (const Error& e) {
-    // The connection broke under us (a frame cut short is dropped by the
-    // peer); on_closed may already have failed the call, in which case this
-    // finds nothing to complete. The forks are undone as `forks` goes; the
-    // table's to() skips the closed connection from now on.
+      // The connection broke under us (a frame cut short is dropped by the
+      // peer); on_closed may already have failed the call, in which case this
+      // finds nothing to complete. The forks are undone as `forks` goes; the
+      // table's to() skips the closed connection from now on.
       calls_->fail(req.id,
                    std::make_exception_ptr(
                        DisconnectedError("cannot send '" + fn + "' to " + to + ": " + e.what())),
@@ -154,7 +155,8 @@ RawFuture AgentImpl::start_call(const std::string& to, const std::string& fn,
   }
 }
 
-void AgentImpl::notify(const std::string& to, const std::string& fn, std::vector<c10::IValue> args) {
+void AgentImpl::notify(const std::string& to, const std::string& fn,
+                       std::vector<c10::IValue> args) {
   const WorkerInfo& dest = get_worker_info(to);
   Message req;
   req.kind = MessageKind::kRequest;
@@ -164,7 +166,8 @@ void AgentImpl::notify(const std::string& to, const std::string& fn, std::vector
   req.autograd_context = autograd_context_for(self_);
   OutFrame frame = encode_with_extensions(req, dest.rank);
   Forks forks = std::move(frame.forks);
-  if (!calls_->accepting()) throw ShutdownError("agent " + name() + " is shut down; cannot notify " + to);
+  if (!calls_->accepting())
+    throw ShutdownError("agent " + name() + " is shut down; cannot notify " + to);
   for (int attempt = 0;; ++attempt) {
     try {
       auto timeout = options_.rpc_timeout.count() > 0 ? options_.rpc_timeout

@@ -71,8 +71,8 @@ class ConnectionTable {
 
  private:
   mutable std::shared_mutex mu_;
-  std::vector<ConnectionPtr> peers_;                 // by rank
-  std::unordered_map<uint64_t, int> rank_of_conn_;   // by connection id
+  std::vector<ConnectionPtr> peers_;                // by rank
+  std::unordered_map<uint64_t, int> rank_of_conn_;  // by connection id
   std::vector<std::unique_ptr<std::mutex>> connect_mu_;
   std::unordered_set<uint64_t> dialed_;  // ids of the ones add() took
   std::atomic<uint64_t> crossings_{0};

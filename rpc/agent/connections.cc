@@ -1,9 +1,9 @@
 // The connection table, and how the agent opens and loses connections.
 #include "tandem/rpc/agent/agent_impl.h"
 #include "tandem/rpc/agent/call_table.h"
-#include "tandem/rpc/common/auth.h"
 #include "tandem/rpc/agent/connection_table.h"
 #include "tandem/rpc/agent/handshake.h"
+#include "tandem/rpc/common/auth.h"
 #include "tandem/rpc/common/log.h"
 #include "tandem/rpc/rref_context.h"
 
@@ -106,7 +106,6 @@ void ConnectionTable::clear() {
   dialed_.clear();
 }
 
-
 void GatedConnection::send(OutFrame&& frame) {
   if (!open_.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -115,7 +114,8 @@ void GatedConnection::send(OutFrame&& frame) {
         throw RetiredError("connection to " + peer_address() + " is retired");
       }
       if (!refused_.empty()) throw DisconnectedError(refused_);
-      if (inner_->closed()) throw DisconnectedError("connection to " + peer_address() + " is closed");
+      if (inner_->closed())
+        throw DisconnectedError("connection to " + peer_address() + " is closed");
       held_.push_back(std::move(frame));
       return;
     }
@@ -176,14 +176,15 @@ ConnectionPtr AgentImpl::connection_to(int rank, std::chrono::milliseconds timeo
         why = e.what();
         if (mode == "auto") {
           protocol_log_->write("tandem[" + printable(name()) + "]: shared memory to " +
-                               printable(w.name) + " failed (" + printable(why) +
-                               "); using TCP");
+                               printable(w.name) + " failed (" + printable(why) + "); using TCP");
         }
       }
     }
     if (!conn && mode == "shm") {
-      throw DisconnectedError("worker " + w.name + " cannot be reached over shared memory "
-                              "(transport 'shm'): " + why);
+      throw DisconnectedError("worker " + w.name +
+                              " cannot be reached over shared memory "
+                              "(transport 'shm'): " +
+                              why);
     }
   }
   try {
@@ -304,9 +305,9 @@ void AgentImpl::on_closed_from_loop(const ConnectionPtr& conn, const std::string
   // of the close from send() (or after it, from closed()).
   calls_->fail_where([cid](const CallTable::Call& c) { return c.conn_id == cid && c.sent; },
                      [&](const CallTable::Call& c) {
-                       return std::make_exception_ptr(DisconnectedError(
-                           "connection to " + peer + " lost during '" + c.callee + "'" +
-                           (why.empty() ? "" : ": " + why)));
+                       return std::make_exception_ptr(
+                           DisconnectedError("connection to " + peer + " lost during '" + c.callee +
+                                             "'" + (why.empty() ? "" : ": " + why)));
                      });
 }
 

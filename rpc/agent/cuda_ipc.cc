@@ -60,8 +60,8 @@ void AgentImpl::send_ipc_release(const ConnectionPtr& conn, int to, uint64_t tok
 void AgentImpl::release_ipc(int from, uint64_t token, bool failed) {
   std::shared_ptr<device::IpcExport> buffers;  // freed outside the lock
   std::lock_guard<std::mutex> lock(ipc_mu_);
-  if (failed && std::find(ipc_refused_by_.begin(), ipc_refused_by_.end(), from) ==
-                    ipc_refused_by_.end()) {
+  if (failed &&
+      std::find(ipc_refused_by_.begin(), ipc_refused_by_.end(), from) == ipc_refused_by_.end()) {
     ipc_refused_by_.push_back(from);
     protocol_log_->write("tandem[" + printable(name()) + "]: " + printable(workers_[from].name) +
                          " could not use this worker's CUDA IPC handles; CUDA tensors to it "
@@ -85,6 +85,5 @@ void AgentImpl::drop_ipc_held(int rank) {
     }
   }
 }
-
 
 }  // namespace tandem::rpc

@@ -5,8 +5,8 @@
 #include "tandem/rpc/agent/agent_impl.h"
 #include "tandem/rpc/agent/call_table.h"
 #include "tandem/rpc/agent/connection_table.h"
-#include "tandem/rpc/wire/device.h"
 #include "tandem/rpc/rref_context.h"
+#include "tandem/rpc/wire/device.h"
 
 #include <cassert>
 
@@ -101,14 +101,13 @@ void AgentImpl::on_message_from_loop(const ConnectionPtr& conn, Message&& msg) {
   if (!msg.arrival_error.empty()) {
     // Its tensors could not be placed on their devices here: it fails
     // alone (its RRefs, adopted above, go with it).
-    const std::string why = "could not place its tensors on their devices on " + name() + ": " +
-                            msg.arrival_error;
+    const std::string why =
+        "could not place its tensors on their devices on " + name() + ": " + msg.arrival_error;
     if (msg.kind == MessageKind::kRequest) {
       metrics_->request_served(/*failed=*/true);
       send_error(conn, msg.id, ErrorCode::kRemote, "the request " + why);
     } else if (msg.kind == MessageKind::kResponse) {
-      calls_->fail(msg.id, make_error(ErrorCode::kRemote, name(), "the answer " + why),
-                   conn->id());
+      calls_->fail(msg.id, make_error(ErrorCode::kRemote, name(), "the answer " + why), conn->id());
       maybe_close_retired(conn->id());
     }
     return;
@@ -169,7 +168,7 @@ std::shared_ptr<const Handler> AgentImpl::find_handler(const std::string& fn) co
 }
 
 void AgentImpl::handle_request(const ConnectionPtr& conn, int from, Message msg,
-                           std::shared_ptr<const Handler> handler) {
+                               std::shared_ptr<const Handler> handler) {
   remember_connection_for_polling(conn);  // the pool thread polls it while idle
   if (!handler) handler = find_handler(msg.callee);
   if (!handler) {
@@ -185,9 +184,10 @@ void AgentImpl::handle_request(const ConnectionPtr& conn, int from, Message msg,
   scope.caller = from;
   if (msg.timeout_ms > 0) {
     scope.has_deadline = true;
-    scope.deadline = Clock::now() + std::min(std::chrono::milliseconds(std::min<uint64_t>(
-                                                 msg.timeout_ms, kMaxTimeout.count())),
-                                             kMaxTimeout);
+    scope.deadline =
+        Clock::now() +
+        std::min(std::chrono::milliseconds(std::min<uint64_t>(msg.timeout_ms, kMaxTimeout.count())),
+                 kMaxTimeout);
   }
   ScopeGuard guard(scope);
   // Its CUDA arguments are on their way: the default stream, where it runs,
@@ -203,15 +203,15 @@ void AgentImpl::handle_request(const ConnectionPtr& conn, int from, Message msg,
       uint64_t id = msg.id;
       std::weak_ptr<Agent> weak = self_.weak_from_this();
       std::string callee = trace_ ? msg.callee : std::string();
-      r.future->addCallback([this, weak, conn, from, id, autograd_context, callee,
-                             started](c10::ivalue::Future& f) {
-        // The future may complete after this agent is gone: then nobody is
-        // left to answer, and the caller has failed the call already.
-        if (auto alive = weak.lock()) {
-          reply(conn, from, id, c10::intrusive_ptr<c10::ivalue::Future>::reclaim_copy(&f),
-                      autograd_context, callee, started);
-        }
-      });
+      r.future->addCallback(
+          [this, weak, conn, from, id, autograd_context, callee, started](c10::ivalue::Future& f) {
+            // The future may complete after this agent is gone: then nobody is
+            // left to answer, and the caller has failed the call already.
+            if (auto alive = weak.lock()) {
+              reply(conn, from, id, c10::intrusive_ptr<c10::ivalue::Future>::reclaim_copy(&f),
+                    autograd_context, callee, started);
+            }
+          });
       return;
     }
     result = make_raw_future();
@@ -224,8 +224,8 @@ void AgentImpl::handle_request(const ConnectionPtr& conn, int from, Message msg,
 }
 
 void AgentImpl::reply(const ConnectionPtr& conn, int to, uint64_t id, const RawFuture& result,
-                  uint64_t autograd_context, const std::string& callee,
-                  Clock::time_point started) {
+                      uint64_t autograd_context, const std::string& callee,
+                      Clock::time_point started) {
   metrics_->request_served(result->hasError());
   if (trace_ && started != Clock::time_point{}) {
     const uint64_t flow = id == kNoReply ? 0 : (static_cast<uint64_t>(to) << 48) | id;
@@ -265,7 +265,7 @@ void AgentImpl::reply(const ConnectionPtr& conn, int to, uint64_t id, const RawF
 }
 
 void AgentImpl::send_error(const ConnectionPtr& conn, uint64_t id, ErrorCode code,
-                       const std::string& message) {
+                           const std::string& message) {
   if (id == kNoReply) return;
   Message m;
   m.kind = MessageKind::kError;

@@ -67,14 +67,14 @@ void AgentImpl::on_hello_from_loop(const ConnectionPtr& conn, const Message& msg
       gate = d.gate;
       const std::string& expected = workers_[d.rank].name;
       if (msg.hello_rank != d.rank || msg.hello_worker != expected) {
-        return reject("dialed " + expected + " (rank " + std::to_string(d.rank) +
-                      ") but '" + printable(msg.hello_worker, 64) + "' (rank " +
-                      std::to_string(msg.hello_rank) +
-                      ") answered");
+        return reject("dialed " + expected + " (rank " + std::to_string(d.rank) + ") but '" +
+                      printable(msg.hello_worker, 64) + "' (rank " +
+                      std::to_string(msg.hello_rank) + ") answered");
       }
-      if (!constant_time_equal(msg.hello_proof, acceptor_proof(token, d.nonce, msg.hello_nonce,
-                                                               rank_, d.rank))) {
-        return reject(expected + " did not prove the cluster token (is TANDEM_TOKEN the same "
+      if (!constant_time_equal(msg.hello_proof,
+                               acceptor_proof(token, d.nonce, msg.hello_nonce, rank_, d.rank))) {
+        return reject(expected +
+                      " did not prove the cluster token (is TANDEM_TOKEN the same "
                       "on every worker?)");
       }
       lock.unlock();
@@ -107,6 +107,5 @@ void AgentImpl::on_hello_from_loop(const ConnectionPtr& conn, const Message& msg
       return reject("unknown step " + std::to_string(msg.hello_step));
   }
 }
-
 
 }  // namespace tandem::rpc

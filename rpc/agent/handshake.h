@@ -59,7 +59,7 @@ class GatedConnection final : public Connection {
   std::atomic<bool> open_{false};
   std::mutex mu_;
   std::vector<OutFrame> held_;
-  std::string refused_;  // why the handshake failed; empty while it has not
+  std::string refused_;                  // why the handshake failed; empty while it has not
   std::optional<OutFrame> held_retire_;  // a retire() waiting for the gate to open
 };
 

@@ -89,7 +89,8 @@ std::string Metrics::to_string() const {
   };
   add("calls sent %llu (failed %llu), in flight %llu\n", (unsigned long long)calls_sent,
       (unsigned long long)calls_failed, (unsigned long long)calls_in_flight);
-  for (const auto& [kind, n] : failures) add("  failed: %s %llu\n", kind.c_str(), (unsigned long long)n);
+  for (const auto& [kind, n] : failures)
+    add("  failed: %s %llu\n", kind.c_str(), (unsigned long long)n);
   add("requests served %llu (failed %llu), pool queue %zu\n", (unsigned long long)requests_served,
       (unsigned long long)requests_failed, pool_queue);
   add("bytes sent %llu, received %llu, through shared memory %llu; connections %llu; "

@@ -25,7 +25,8 @@ void AgentImpl::barrier(const std::string& key, bool wait) {
   const std::string k = "tandem/barrier/" + key;
   const std::string done = k + "/done";
   const std::string where =
-      (store_address_.empty() ? "the rendezvous store" : "the rendezvous store at " + store_address_) +
+      (store_address_.empty() ? "the rendezvous store"
+                              : "the rendezvous store at " + store_address_) +
       (store_hosted_by_launcher() ? " (hosted by the launcher)"
                                   : " (hosted by " + workers_[0].name + ", rank 0)");
   auto store_lost = [&](const std::exception& e) {
@@ -113,7 +114,8 @@ std::string AgentImpl::unreachable_reason(int rank) {
 
 void AgentImpl::shutdown(bool graceful) {
   if (pool_ && pool_->in_pool()) {
-    throw std::logic_error("shutdown() cannot run on the agent's own pool (inside a handler or callback)");
+    throw std::logic_error(
+        "shutdown() cannot run on the agent's own pool (inside a handler or callback)");
   }
   std::lock_guard<std::mutex> serial(shutdown_mu_);
   if (shut_down_) return;
@@ -177,6 +179,5 @@ void AgentImpl::shutdown(bool graceful) {
   }
   if (barrier_error) std::rethrow_exception(barrier_error);
 }
-
 
 }  // namespace tandem::rpc

@@ -46,8 +46,7 @@ bool constant_time_equal(const std::string& a, const std::string& b);
 
 // The handshake's two proofs (see the top of this file), as raw bytes.
 std::string acceptor_proof(const std::string& token, const std::string& dialer_nonce,
-                           const std::string& acceptor_nonce, int dialer_rank,
-                           int acceptor_rank);
+                           const std::string& acceptor_nonce, int dialer_rank, int acceptor_rank);
 std::string dialer_proof(const std::string& token, const std::string& dialer_nonce,
                          const std::string& acceptor_nonce, int dialer_rank, int acceptor_rank);
 

@@ -29,7 +29,8 @@ Dialed dial_tcp(const std::string& host, int port, std::chrono::milliseconds tim
   out.error = EADDRNOTAVAIL;  // no address at all
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (addrinfo* ai = res; ai && out.fd < 0; ai = ai->ai_next) {
-    int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol);
+    int fd =
+        ::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol);
     if (fd < 0) {
       out.error = errno;
       continue;
@@ -41,9 +42,10 @@ Dialed dial_tcp(const std::string& host, int port, std::chrono::milliseconds tim
       do {
         const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
             deadline - std::chrono::steady_clock::now());
-        pr = ::poll(&p, 1, timeout.count() > 0
-                               ? static_cast<int>(std::clamp<int64_t>(left.count(), 0, INT32_MAX))
-                               : -1);
+        pr = ::poll(&p, 1,
+                    timeout.count() > 0
+                        ? static_cast<int>(std::clamp<int64_t>(left.count(), 0, INT32_MAX))
+                        : -1);
       } while (pr < 0 && errno == EINTR);
       if (pr == 0) {
         err = ETIMEDOUT;

@@ -8,9 +8,9 @@
 namespace tandem::rpc {
 
 struct Dialed {
-  int fd = -1;        // a connected non-blocking socket (the caller closes it), or -1
-  int error = 0;      // with fd -1: the last connect's errno (0 when the name did not resolve)
-  std::string why;    // with fd -1: "cannot resolve ..." or "cannot connect to host:port: ..."
+  int fd = -1;      // a connected non-blocking socket (the caller closes it), or -1
+  int error = 0;    // with fd -1: the last connect's errno (0 when the name did not resolve)
+  std::string why;  // with fd -1: "cannot resolve ..." or "cannot connect to host:port: ..."
 };
 
 // Connects to host:port, trying each address it resolves to, for at most

@@ -60,11 +60,13 @@ bool retain_freed_memory() {
 bool freed_memory_retained() { return g_retained.load(); }
 
 void set_num_threads(int n) {
-  if (n < 1) throw std::invalid_argument("set_num_threads: n must be >= 1, not " + std::to_string(n));
+  if (n < 1)
+    throw std::invalid_argument("set_num_threads: n must be >= 1, not " + std::to_string(n));
   at::set_num_threads(n);
   // Only where LibTorch's BLAS is OpenBLAS (already loaded with it).
   using SetThreads = void (*)(int);
-  if (auto fn = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) fn(n);
+  if (auto fn = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads")))
+    fn(n);
 }
 
 const std::string& boot_id() {

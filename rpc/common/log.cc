@@ -12,9 +12,15 @@ std::string printable(const std::string& s, size_t max_chars) {
   for (size_t i = 0; i < n; ++i) {
     const auto c = static_cast<unsigned char>(s[i]);
     switch (c) {
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (c >= 0x20 && c < 0x7f) {
           out += static_cast<char>(c);

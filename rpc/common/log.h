@@ -27,8 +27,7 @@ std::string printable(const std::string& s, size_t max_chars = 512);
 // written after the window rolls over. Thread-safe.
 class ProtocolLog {
  public:
-  explicit ProtocolLog(int burst = 10,
-                       std::chrono::milliseconds window = std::chrono::seconds(10))
+  explicit ProtocolLog(int burst = 10, std::chrono::milliseconds window = std::chrono::seconds(10))
       : burst_(burst), window_(window) {}
   // `line` is written as it is (escape what a peer chose first); returns
   // whether it was written.

@@ -111,10 +111,9 @@ void Tracer::slice(const std::string& name, const char* cat, Clock::time_point s
   const int64_t ts = micros(start) + offset_us_;
   const int64_t dur = std::max<int64_t>(0, micros(end) - micros(start));
   const std::string common = "\"pid\":" + std::to_string(rank_) + ",\"tid\":" + std::to_string(tid);
-  add_locked("{\"ph\":\"X\",\"name\":" + json_string(name) + ",\"cat\":\"" + cat +
-                    "\"," + common + ",\"ts\":" + std::to_string(ts) +
-                    ",\"dur\":" + std::to_string(dur) +
-                    (args_json.empty() ? "" : ",\"args\":" + args_json) + "}");
+  add_locked("{\"ph\":\"X\",\"name\":" + json_string(name) + ",\"cat\":\"" + cat + "\"," + common +
+             ",\"ts\":" + std::to_string(ts) + ",\"dur\":" + std::to_string(dur) +
+             (args_json.empty() ? "" : ",\"args\":" + args_json) + "}");
   // A flow event binds to the slice enclosing it on its thread: the start's
   // at the slice's first microsecond, the answer's at its last.
   const int64_t last = ts + std::max<int64_t>(0, dur - 1);
@@ -138,13 +137,14 @@ void Tracer::span(const std::string& name, const char* cat, uint64_t id, Clock::
   }
   const int64_t ts = micros(start) + offset_us_;
   const int64_t te = std::max(ts, micros(end) + offset_us_);
-  const std::string common = ",\"name\":" + json_string(name) + ",\"cat\":\"" + cat +
-                             "\",\"id\":\"0x" + [&] {
-                               char buf[24];
-                               std::snprintf(buf, sizeof(buf), "%llx",
-                                             static_cast<unsigned long long>(id));
-                               return std::string(buf);
-                             }() + "\",\"pid\":" + std::to_string(rank_) + ",\"tid\":0";
+  const std::string common =
+      ",\"name\":" + json_string(name) + ",\"cat\":\"" + cat + "\",\"id\":\"0x" +
+      [&] {
+        char buf[24];
+        std::snprintf(buf, sizeof(buf), "%llx", static_cast<unsigned long long>(id));
+        return std::string(buf);
+      }() +
+      "\",\"pid\":" + std::to_string(rank_) + ",\"tid\":0";
   add_locked("{\"ph\":\"b\"" + common + ",\"ts\":" + std::to_string(ts) +
              (args_json.empty() ? "" : ",\"args\":" + args_json) + "}");
   add_locked("{\"ph\":\"e\"" + common + ",\"ts\":" + std::to_string(te) + "}");
@@ -162,11 +162,14 @@ std::string Tracer::write() {
   std::fprintf(f, "{\"traceEvents\":[\n");
   std::fprintf(f, "{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":%d,\"args\":{\"name\":%s}}",
                rank_, json_string(worker_).c_str());
-  std::fprintf(f, ",\n{\"ph\":\"M\",\"name\":\"process_sort_index\",\"pid\":%d,\"args\":"
-                  "{\"sort_index\":%d}}", rank_, rank_);
+  std::fprintf(f,
+               ",\n{\"ph\":\"M\",\"name\":\"process_sort_index\",\"pid\":%d,\"args\":"
+               "{\"sort_index\":%d}}",
+               rank_, rank_);
   for (const auto& e : events_) std::fprintf(f, ",\n%s", e.c_str());
-  std::fprintf(f, "\n],\"displayTimeUnit\":\"ms\",\"otherData\":{\"worker\":%s,\"rank\":%d,"
-                  "\"clock_offset_us\":%lld,\"clock_error_us\":%lld,\"dropped_events\":%llu}}\n",
+  std::fprintf(f,
+               "\n],\"displayTimeUnit\":\"ms\",\"otherData\":{\"worker\":%s,\"rank\":%d,"
+               "\"clock_offset_us\":%lld,\"clock_error_us\":%lld,\"dropped_events\":%llu}}\n",
                json_string(worker_).c_str(), rank_, static_cast<long long>(offset_us_),
                static_cast<long long>(error_us_), static_cast<unsigned long long>(dropped_));
   std::fclose(f);

@@ -6,9 +6,9 @@
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <sys/socket.h>
+#include <torch/version.h>
 #include <unistd.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#include <torch/version.h>
 
 #include <cerrno>
 #include <cstdio>
@@ -79,7 +79,8 @@ std::pair<std::string, int> master_from_init_method(const std::string& init_meth
       throw std::invalid_argument("init_method env:// needs MASTER_ADDR in the environment");
     }
     if (w.master_port <= 0 || w.master_port > 65535) {
-      throw std::invalid_argument("init_method env:// needs MASTER_PORT (1-65535) in the environment");
+      throw std::invalid_argument(
+          "init_method env:// needs MASTER_PORT (1-65535) in the environment");
     }
     return {w.master_addr, w.master_port};
   }
@@ -261,9 +262,10 @@ std::string local_address_towards(const std::string& host) {
       socklen_t len = sizeof(ss);
       char buf[INET6_ADDRSTRLEN] = {};
       if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) == 0) {
-        const void* addr = ss.ss_family == AF_INET6
-                               ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&ss)->sin6_addr)
-                               : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&ss)->sin_addr);
+        const void* addr =
+            ss.ss_family == AF_INET6
+                ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&ss)->sin6_addr)
+                : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&ss)->sin_addr);
         if (::inet_ntop(ss.ss_family, addr, buf, sizeof(buf))) out = buf;
       }
     }

@@ -19,7 +19,17 @@
 namespace tandem::rpc {
 namespace {
 
-enum Query : uint8_t { kSet, kCompareSet, kGet, kAdd, kCheck, kWait, kGetNumKeys, kWatchKey, kDeleteKey };
+enum Query : uint8_t {
+  kSet,
+  kCompareSet,
+  kGet,
+  kAdd,
+  kCheck,
+  kWait,
+  kGetNumKeys,
+  kWatchKey,
+  kDeleteKey
+};
 constexpr uint8_t kReady = 0, kNotReady = 1, kStopWaiting = 0;
 
 // A query cut short: wait for more bytes.
@@ -201,7 +211,8 @@ StoreServer::StoreServer(const std::string& host, int port)
   }
   std::string err = "no address";
   for (addrinfo* ai = res; ai && listen_fd_ < 0; ai = ai->ai_next) {
-    int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol);
+    int fd =
+        ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol);
     if (fd < 0) continue;
     int one = 1;
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
@@ -213,7 +224,8 @@ StoreServer::StoreServer(const std::string& host, int port)
     }
   }
   ::freeaddrinfo(res);
-  if (listen_fd_ < 0) throw std::runtime_error("rendezvous store: cannot listen on " + where + ": " + err);
+  if (listen_fd_ < 0)
+    throw std::runtime_error("rendezvous store: cannot listen on " + where + ": " + err);
   sockaddr_storage ss{};
   socklen_t len = sizeof(ss);
   ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len);

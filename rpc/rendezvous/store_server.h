@@ -60,7 +60,7 @@ class StoreServer {
   std::string host_;
   int port_ = 0;
   int listen_fd_ = -1;
-  int wake_[2] = {-1, -1};  // a pipe: the destructor writes to stop run()
+  int wake_[2] = {-1, -1};        // a pipe: the destructor writes to stop run()
   std::unique_ptr<State> state_;  // run()'s thread only, until joined
   std::thread thread_;
 };

@@ -25,8 +25,8 @@ std::map<int, int> inverse(const std::map<int, int>& map) {
 }  // namespace
 
 std::string join_worker(const WorkerInfo& w) {
-  std::string s = w.name + "\t" + w.host + "\t" + std::to_string(w.port) + "\t" + w.local +
-                  "\n" + std::to_string(w.cuda_devices) + "\t" + w.process;
+  std::string s = w.name + "\t" + w.host + "\t" + std::to_string(w.port) + "\t" + w.local + "\n" +
+                  std::to_string(w.cuda_devices) + "\t" + w.process;
   for (const auto& [to, map] : w.device_maps) {
     s += "\n" + to;
     for (auto [from, dst] : map) s += "\t" + std::to_string(from) + "\t" + std::to_string(dst);
@@ -85,9 +85,8 @@ void check_device_maps(const std::vector<WorkerInfo>& workers,
       std::map<int, int> back;
       for (auto [from, dst] : map) {
         if (from >= w.cuda_devices) {
-          throw std::invalid_argument(whose + " names " + cuda(from) + ", but " + w.name +
-                                      " has " + std::to_string(w.cuda_devices) +
-                                      " CUDA device(s)");
+          throw std::invalid_argument(whose + " names " + cuda(from) + ", but " + w.name + " has " +
+                                      std::to_string(w.cuda_devices) + " CUDA device(s)");
         }
         if (dst >= peer.cuda_devices) {
           throw std::invalid_argument(whose + " maps " + cuda(from) + " to " + cuda(dst) +

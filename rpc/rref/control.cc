@@ -154,9 +154,9 @@ void RRefContext::send_control(int to, const std::string& fn, std::vector<c10::I
     }
     if (retry) {
       layer::schedule_after(ctx->agent_, kControlBackoff * attempt,
-                                 [ctx, to, fn, msg = std::move(msg), then, attempt]() mutable {
-                                   ctx->send_control(to, fn, std::move(msg), then, attempt + 1);
-                                 });
+                            [ctx, to, fn, msg = std::move(msg), then, attempt]() mutable {
+                              ctx->send_control(to, fn, std::move(msg), then, attempt + 1);
+                            });
     } else {
       then(error);
     }

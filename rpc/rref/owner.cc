@@ -51,8 +51,8 @@ RawFuture RRefContext::apply_when_ready(RawFuture value, const std::string& fn,
   // RemoteModule's forward runs on the module its RRef holds).
   auto handler = layer::find_handler(agent_, fn);
   if (!handler) {
-    out->setError(std::make_exception_ptr(UnknownFunctionError(
-        "no function '" + fn + "' is registered")));
+    out->setError(
+        std::make_exception_ptr(UnknownFunctionError("no function '" + fn + "' is registered")));
     return out;
   }
   std::weak_ptr<Agent> weak_agent = agent_.weak_from_this();
@@ -121,8 +121,9 @@ RawFuture RRefContext::on_create(const RRefId& id, const ForkId& fork, const std
     if (self_id) self_value = record_locked(*self_id).value;
   }
   if (first && !value->completed()) {  // a retried create runs nothing twice
-    RawFuture produced = self_value ? apply_when_ready(self_value, fn, std::move(user_args), true)
-                                    : apply_when_ready(RawFuture(), fn, std::move(user_args), false);
+    RawFuture produced = self_value
+                             ? apply_when_ready(self_value, fn, std::move(user_args), true)
+                             : apply_when_ready(RawFuture(), fn, std::move(user_args), false);
     produced->addCallback([value](c10::ivalue::Future& f) { forward_raw(f, value); });
   }
   // The creator hears when the value exists (or why it does not), not the value.
@@ -158,8 +159,8 @@ void RRefContext::drop_placeholder(const RRefId& id) {
     dead = std::make_unique<OwnerRecord>(std::move(it->second));
     owners_.erase(it);
   }
-  dead->value->setError(std::make_exception_ptr(std::runtime_error(
-      "RRef " + id.str() + " is not known to its owner " + agent_.name())));
+  dead->value->setError(std::make_exception_ptr(
+      std::runtime_error("RRef " + id.str() + " is not known to its owner " + agent_.name())));
 }
 
 RawFuture RRefContext::on_fetch(const RRefId& id) { return value_for_request(id); }

@@ -87,16 +87,17 @@ static RawFuture failed_already(const RRefPtr& rref) {
 RawFuture RRefContext::fetch(const RRefPtr& rref, std::chrono::milliseconds timeout) {
   if (auto f = failed_already(rref)) return f;
   std::vector<c10::IValue> msg = to_ivalues(wire(rref->desc().id));
-  auto f = agent_.call(worker_name(rref->desc().owner), "tandem.rref.fetch", std::move(msg), timeout);
+  auto f =
+      agent_.call(worker_name(rref->desc().owner), "tandem.rref.fetch", std::move(msg), timeout);
   return race_with_confirmation(rref, f.raw());
 }
 
 RawFuture RRefContext::call(const RRefPtr& rref, const std::string& fn,
                             std::vector<c10::IValue> args, std::chrono::milliseconds timeout) {
   if (auto f = failed_already(rref)) return f;
-  std::vector<c10::IValue> msg =
-      to_ivalues(wire(rref->desc().id), fn, list_of(std::move(args)));
-  auto f = agent_.call(worker_name(rref->desc().owner), "tandem.rref.call", std::move(msg), timeout);
+  std::vector<c10::IValue> msg = to_ivalues(wire(rref->desc().id), fn, list_of(std::move(args)));
+  auto f =
+      agent_.call(worker_name(rref->desc().owner), "tandem.rref.call", std::move(msg), timeout);
   return race_with_confirmation(rref, f.raw());
 }
 
@@ -132,7 +133,7 @@ RRefDesc RRefContext::fork_for_send(const RRefPtr& rref, int dest) {
     record_locked(d.id).forks.insert(d.fork);  // the owner counts the new fork itself
   } else {
     pending_children_[d.fork] = rref;  // hold our own reference until the owner knows the child
-    ++outstanding_;                     // ... and graceful shutdown waits for that
+    ++outstanding_;                    // ... and graceful shutdown waits for that
   }
   return d;
 }

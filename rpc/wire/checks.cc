@@ -44,11 +44,10 @@ void check_preamble(const Preamble& p, const Limits& limits, bool handshake) {
             return "impossible envelope length " + std::to_string(p.envelope_bytes) + " (limit " +
                    std::to_string(limits.max_envelope_bytes) + ")";
           });
-  require(!handshake || (p.envelope_bytes <= limits.max_handshake_bytes && p.body_bytes == 0),
-          [&] {
-            return "the first frame must be a handshake (envelope of at most " +
-                   std::to_string(limits.max_handshake_bytes) + " bytes, no tensors)";
-          });
+  require(!handshake || (p.envelope_bytes <= limits.max_handshake_bytes && p.body_bytes == 0), [&] {
+    return "the first frame must be a handshake (envelope of at most " +
+           std::to_string(limits.max_handshake_bytes) + " bytes, no tensors)";
+  });
   require(p.body_bytes <= limits.max_body_bytes, [&] {
     return "tensor body of " + std::to_string(p.body_bytes) + " bytes exceeds the limit of " +
            std::to_string(limits.max_body_bytes);
@@ -71,8 +70,7 @@ size_t check_table_length(const Preamble& p, bool carried, bool handshake) {
   require(p.table_bytes != 0 && p.table_bytes % sizeof(SharedRef) == 0 &&
               p.table_bytes <= kMaxSharedRefs * sizeof(SharedRef),
           [&] {
-            return "impossible shared tensor table of " + std::to_string(p.table_bytes) +
-                   " bytes";
+            return "impossible shared tensor table of " + std::to_string(p.table_bytes) + " bytes";
           });
   return p.table_bytes / sizeof(SharedRef);
 }
@@ -102,14 +100,12 @@ MessageKind check_kind(uint16_t kind, bool handshake) {
 }
 
 void check_autograd(uint64_t context, uint64_t message) {
-  require(message == 0 || context != 0, [&] {
-    return "autograd message " + std::to_string(message) + " outside any context";
-  });
+  require(message == 0 || context != 0,
+          [&] { return "autograd message " + std::to_string(message) + " outside any context"; });
 }
 
 void check_autograd_reach(size_t reach, uint64_t message) {
-  require(reach == 0 || message != 0,
-          [] { return "autograd reach without an autograd message"; });
+  require(reach == 0 || message != 0, [] { return "autograd reach without an autograd message"; });
 }
 
 ErrorCode check_error_code(uint16_t code) {
@@ -119,13 +115,12 @@ ErrorCode check_error_code(uint16_t code) {
 }
 
 void check_hello(uint8_t step, size_t nonce_bytes, size_t proof_bytes) {
-  require(nonce_bytes == (step == 3 ? 0 : kNonceBytes) &&
-              proof_bytes == (step == 1 ? 0 : kProofBytes),
-          [&] {
-            return "step " + std::to_string(step) + " with a nonce of " +
-                   std::to_string(nonce_bytes) + " and a proof of " +
-                   std::to_string(proof_bytes) + " bytes";
-          });
+  require(
+      nonce_bytes == (step == 3 ? 0 : kNonceBytes) && proof_bytes == (step == 1 ? 0 : kProofBytes),
+      [&] {
+        return "step " + std::to_string(step) + " with a nonce of " + std::to_string(nonce_bytes) +
+               " and a proof of " + std::to_string(proof_bytes) + " bytes";
+      });
   require(step >= 1 && step <= 3, [&] { return "unknown step " + std::to_string(step); });
 }
 
@@ -140,8 +135,7 @@ c10::ScalarType check_dtype(size_t tensor, int dtype) {
 uint64_t check_byte_length(size_t tensor, uint64_t numel, c10::ScalarType dtype,
                            uint64_t byte_length) {
   uint64_t nbytes = 0;
-  require(!__builtin_mul_overflow(numel, static_cast<uint64_t>(c10::elementSize(dtype)),
-                                  &nbytes) &&
+  require(!__builtin_mul_overflow(numel, static_cast<uint64_t>(c10::elementSize(dtype)), &nbytes) &&
               nbytes == byte_length,
           [&] {
             return tensor_prefix(tensor) + "byte length " + std::to_string(byte_length) +
@@ -161,13 +155,13 @@ c10::Device check_device_value(int type, int index) {
 }
 
 void check_tensor_device(size_t tensor, c10::Device device, int64_t cuda_devices) {
-  require(device.is_cpu() ||
-              (device.is_cuda() && device.index() >= 0 && device.index() < cuda_devices),
-          [&] {
-            return tensor_prefix(tensor) + "is for " + device.str() +
-                   ", which this worker does not have (" + std::to_string(cuda_devices) +
-                   " CUDA device(s))";
-          });
+  require(
+      device.is_cpu() || (device.is_cuda() && device.index() >= 0 && device.index() < cuda_devices),
+      [&] {
+        return tensor_prefix(tensor) + "is for " + device.str() +
+               ", which this worker does not have (" + std::to_string(cuda_devices) +
+               " CUDA device(s))";
+      });
 }
 
 void check_requires_grad(size_t tensor, bool requires_grad, c10::ScalarType dtype) {
@@ -181,8 +175,9 @@ void check_requires_grad(size_t tensor, bool requires_grad, c10::ScalarType dtyp
 
 void check_ipc_allowed(size_t tensor, bool cuda_ipc, bool handshake, MessageKind kind) {
   require(cuda_ipc, [&] {
-    return tensor_prefix(tensor) + "comes as a CUDA IPC handle, which this connection does not "
-                                   "take (only same-host connections do)";
+    return tensor_prefix(tensor) +
+           "comes as a CUDA IPC handle, which this connection does not "
+           "take (only same-host connections do)";
   });
   require(!handshake && (kind == MessageKind::kRequest || kind == MessageKind::kResponse), [&] {
     return tensor_prefix(tensor) + "comes as a CUDA IPC handle outside a request or answer";
@@ -256,15 +251,14 @@ void check_type_arity(size_t have, size_t want) {
 
 void check_tensor_index(uint32_t index, size_t tensors) {
   require(index < tensors, [&] {
-    return "tensor index " + std::to_string(index) + " out of range (" +
-           std::to_string(tensors) + " tensors in frame)";
+    return "tensor index " + std::to_string(index) + " out of range (" + std::to_string(tensors) +
+           " tensors in frame)";
   });
 }
 
 void check_dict_sizes(size_t keys, size_t values) {
   require(keys == values, [&] {
-    return "dict with " + std::to_string(keys) + " keys and " + std::to_string(values) +
-           " values";
+    return "dict with " + std::to_string(keys) + " keys and " + std::to_string(values) + " values";
   });
 }
 

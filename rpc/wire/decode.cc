@@ -3,8 +3,8 @@
 // each part's checks (rpc/wire/checks.h) as soon as the part is complete,
 // and allocates a frame's tensors only once every one of their
 // descriptions passed; the body is then read into the tensors' own storage.
-#include "tandem/rpc/wire/wire.h"
 #include "tandem/rpc/wire/device.h"
+#include "tandem/rpc/wire/wire.h"
 
 #include <ATen/ops/empty.h>
 #include <capnp/message.h>
@@ -237,8 +237,7 @@ void FrameDecoder::on_envelope() {
     read_fields(env, pending_);
     std::vector<TensorPlan> plans =
         plan_tensors(env.getTensors(), FrameRules{limits_, table_, cuda_ipc_, in_handshake(),
-                                                  pending_.kind, preamble_.body_bytes,
-                                                  ipc_token_});
+                                                  pending_.kind, preamble_.body_bytes, ipc_token_});
     const std::vector<at::Tensor> all = make_tensors(plans);
     auto values = env.getValues();
     pending_.values.reserve(values.size());

@@ -15,8 +15,8 @@
 #if defined(TANDEM_WITH_CUDA)
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
@@ -70,7 +70,7 @@ struct Staging::Impl {
   std::vector<c10::DeviceIndex> devices;  // those a copy was queued on
 };
 
-Staging::Staging() = default;  // made at the first CUDA tensor: most frames have none
+Staging::Staging() = default;   // made at the first CUDA tensor: most frames have none
 Staging::~Staging() = default;  // pinned buffers are kept by the host allocator until copied
 
 at::Tensor Staging::add(const at::Tensor& t) {
@@ -78,8 +78,8 @@ at::Tensor Staging::add(const at::Tensor& t) {
   if (!impl_) impl_ = std::make_unique<Impl>();
   const c10::cuda::CUDAGuard guard(t.device());
   at::Tensor src = t.detach().resolve_conj().resolve_neg().contiguous();
-  at::Tensor host = at::empty(
-      src.sizes(), at::TensorOptions().dtype(src.scalar_type()).pinned_memory(true));
+  at::Tensor host =
+      at::empty(src.sizes(), at::TensorOptions().dtype(src.scalar_type()).pinned_memory(true));
   host.copy_(src, /*non_blocking=*/true);  // on the device's current stream
   auto& d = impl_->devices;
   if (std::find(d.begin(), d.end(), t.device().index()) == d.end()) d.push_back(t.device().index());
@@ -198,7 +198,7 @@ cudaEvent_t peer_event(const std::string& handle, c10::Device target) {
 }  // namespace
 
 at::Tensor Arrival::import(const IpcRef& ref, at::IntArrayRef shape, c10::ScalarType dtype,
-                          c10::Device target) {
+                           c10::Device target) {
   if (!target.is_cuda()) throw std::invalid_argument("a CUDA IPC tensor must go to a CUDA device");
   Impl::Lane& lane = impl_->lane(target);
   const c10::cuda::CUDAStreamGuard guard(lane.stream);
@@ -295,8 +295,8 @@ std::optional<IpcRef> IpcExport::add(const at::Tensor& t, bool snapshot) {
     // storage's, not a view's.
     const char* storage = static_cast<const char*>(buf.storage().data_ptr().get());
     size_t base_size = 0;
-    void* base = c10::cuda::CUDACachingAllocator::getBaseAllocation(
-        const_cast<char*>(storage), &base_size);
+    void* base =
+        c10::cuda::CUDACachingAllocator::getBaseAllocation(const_cast<char*>(storage), &base_size);
     cudaIpcMemHandle_t h;
     if (base == nullptr || cudaIpcGetMemHandle(&h, base) != cudaSuccess) {
       (void)cudaGetLastError();  // (the allocator's memory cannot be shared: expandable segments)
@@ -309,9 +309,8 @@ std::optional<IpcRef> IpcExport::add(const at::Tensor& t, bool snapshot) {
                                        static_cast<const char*>(base));
     impl_->buffers.push_back(std::move(buf));
     auto& ds = impl_->devices;
-    if (std::none_of(ds.begin(), ds.end(), [&](const Impl::Device& d) {
-          return d.index == t.device().index();
-        })) {
+    if (std::none_of(ds.begin(), ds.end(),
+                     [&](const Impl::Device& d) { return d.index == t.device().index(); })) {
       ds.push_back(Impl::Device{t.device().index(), nullptr, {}});
     }
     ++g_ipc_exported;
@@ -360,7 +359,8 @@ Arrival::Arrival() = default;
 Arrival::~Arrival() = default;
 at::Tensor Arrival::place(const at::Tensor& host, c10::Device target) { return host.to(target); }
 at::Tensor Arrival::import(const IpcRef&, at::IntArrayRef, c10::ScalarType, c10::Device target) {
-  throw std::runtime_error("a tensor for " + target.str() + " came by CUDA IPC, but this build "
+  throw std::runtime_error("a tensor for " + target.str() +
+                           " came by CUDA IPC, but this build "
                            "has no CUDA");
 }
 void Arrival::seal() {}

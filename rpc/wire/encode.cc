@@ -3,8 +3,8 @@
 // the frame's tensor table here: each travels once, contiguous, in host
 // memory or (same host, CUDA) as an IPC handle, described by a TensorMeta
 // the receiver checks (rpc/wire/checks.h) before it allocates anything.
-#include "tandem/rpc/wire/wire.h"
 #include "tandem/rpc/wire/device.h"
+#include "tandem/rpc/wire/wire.h"
 
 #include <ATen/ops/empty.h>
 #include <capnp/message.h>
@@ -31,11 +31,11 @@ class TensorTable final : public TensorSink {
  public:
   explicit TensorTable(const DeviceMap* map) : devices_map_(map) {}
   std::vector<at::Tensor> tensors;
-  std::vector<at::Tensor> sources;  // the caller's tensor behind each wire tensor
-  std::vector<c10::Device> devices;  // where the receiver places each
-  device::Staging staging;  // the CUDA tensors' copies to host memory
+  std::vector<at::Tensor> sources;         // the caller's tensor behind each wire tensor
+  std::vector<c10::Device> devices;        // where the receiver places each
+  device::Staging staging;                 // the CUDA tensors' copies to host memory
   std::shared_ptr<device::IpcExport> ipc;  // set where CUDA tensors may go by IPC
-  bool snapshot = true;  // IPC from a copy made now (answers, one-way messages)
+  bool snapshot = true;                    // IPC from a copy made now (answers, one-way messages)
   std::vector<std::optional<device::IpcRef>> ipc_refs;  // by tensor: those that do
 
   uint32_t tensor(const at::Tensor& t) override {
@@ -59,8 +59,8 @@ class TensorTable final : public TensorSink {
       // refuses, staged through pinned host memory, all of the frame's
       // copies waited for at once.
       if (ipc) ipc_ref = ipc->add(wire, snapshot);
-      wire = ipc_ref ? at::empty({0}, at::TensorOptions().dtype(t.scalar_type()))
-                     : staging.add(wire);
+      wire =
+          ipc_ref ? at::empty({0}, at::TensorOptions().dtype(t.scalar_type())) : staging.add(wire);
     }
     wire = wire.resolve_conj().resolve_neg().contiguous();
     index_.emplace(t.unsafeGetTensorImpl(), idx);
@@ -79,9 +79,8 @@ class TensorTable final : public TensorSink {
   // the device map says, and nowhere without one.
   c10::Device target(c10::Device d) const {
     if (d.is_cpu()) return d;
-    const std::string to = devices_map_ && !devices_map_->peer.empty()
-                               ? " to " + devices_map_->peer
-                               : std::string();
+    const std::string to =
+        devices_map_ && !devices_map_->peer.empty() ? " to " + devices_map_->peer : std::string();
     if (!d.is_cuda()) {
       throw std::invalid_argument("cannot send a tensor on " + d.str() + to +
                                   ": only CPU and CUDA tensors travel over RPC");
@@ -93,11 +92,12 @@ class TensorTable final : public TensorSink {
       }
     }
     const std::string peer = to.empty() ? "<worker>" : devices_map_->peer;
-    throw std::invalid_argument(
-        "cannot send a tensor on " + d.str() + to + ": no device map says where " + d.str() +
-        "'s tensors go there (AgentOptions::set_device_map(\"" + peer + "\", {{" +
-        std::to_string(d.index()) + ", <device there>}})); CUDA tensors are never moved to the "
-        "CPU unasked (call .cpu() to send it through host memory)");
+    throw std::invalid_argument("cannot send a tensor on " + d.str() + to +
+                                ": no device map says where " + d.str() +
+                                "'s tensors go there (AgentOptions::set_device_map(\"" + peer +
+                                "\", {{" + std::to_string(d.index()) +
+                                ", <device there>}})); CUDA tensors are never moved to the "
+                                "CPU unasked (call .cpu() to send it through host memory)");
   }
 };
 

@@ -17,28 +17,46 @@ namespace tandem::rpc {
 void write_type(schema::TypeDesc::Builder b, const c10::TypePtr& t) {
   using K = schema::TypeKind;
   switch (t->kind()) {
-    case c10::TypeKind::NoneType: b.setKind(K::NONE); return;
-    case c10::TypeKind::BoolType: b.setKind(K::BOOL); return;
-    case c10::TypeKind::IntType: b.setKind(K::INT); return;
-    case c10::TypeKind::FloatType: b.setKind(K::FLOAT); return;
-    case c10::TypeKind::NumberType: b.setKind(K::NUMBER); return;
-    case c10::TypeKind::StringType: b.setKind(K::STRING); return;
-    case c10::TypeKind::TensorType: b.setKind(K::TENSOR); return;
-    case c10::TypeKind::DeviceObjType: b.setKind(K::DEVICE); return;
+    case c10::TypeKind::NoneType:
+      b.setKind(K::NONE);
+      return;
+    case c10::TypeKind::BoolType:
+      b.setKind(K::BOOL);
+      return;
+    case c10::TypeKind::IntType:
+      b.setKind(K::INT);
+      return;
+    case c10::TypeKind::FloatType:
+      b.setKind(K::FLOAT);
+      return;
+    case c10::TypeKind::NumberType:
+      b.setKind(K::NUMBER);
+      return;
+    case c10::TypeKind::StringType:
+      b.setKind(K::STRING);
+      return;
+    case c10::TypeKind::TensorType:
+      b.setKind(K::TENSOR);
+      return;
+    case c10::TypeKind::DeviceObjType:
+      b.setKind(K::DEVICE);
+      return;
     case c10::TypeKind::ListType:
     case c10::TypeKind::DictType:
     case c10::TypeKind::TupleType:
     case c10::TypeKind::OptionalType: {
       auto contained = t->containedTypes();
-      b.setKind(t->kind() == c10::TypeKind::ListType   ? K::LIST
-                : t->kind() == c10::TypeKind::DictType ? K::DICT
+      b.setKind(t->kind() == c10::TypeKind::ListType    ? K::LIST
+                : t->kind() == c10::TypeKind::DictType  ? K::DICT
                 : t->kind() == c10::TypeKind::TupleType ? K::TUPLE
                                                         : K::OPTIONAL);
       auto els = b.initElements(contained.size());
       for (size_t i = 0; i < contained.size(); ++i) write_type(els[i], contained[i]);
       return;
     }
-    default: b.setKind(K::ANY); return;
+    default:
+      b.setKind(K::ANY);
+      return;
   }
 }
 
@@ -120,15 +138,24 @@ c10::TypePtr read_type(schema::TypeDesc::Reader r) {
   using K = schema::TypeKind;
   auto els = r.getElements();
   switch (r.getKind()) {
-    case K::ANY: return c10::AnyType::get();
-    case K::NONE: return c10::NoneType::get();
-    case K::BOOL: return c10::BoolType::get();
-    case K::INT: return c10::IntType::get();
-    case K::FLOAT: return c10::FloatType::get();
-    case K::NUMBER: return c10::NumberType::get();
-    case K::STRING: return c10::StringType::get();
-    case K::TENSOR: return c10::TensorType::get();
-    case K::DEVICE: return c10::DeviceObjType::get();
+    case K::ANY:
+      return c10::AnyType::get();
+    case K::NONE:
+      return c10::NoneType::get();
+    case K::BOOL:
+      return c10::BoolType::get();
+    case K::INT:
+      return c10::IntType::get();
+    case K::FLOAT:
+      return c10::FloatType::get();
+    case K::NUMBER:
+      return c10::NumberType::get();
+    case K::STRING:
+      return c10::StringType::get();
+    case K::TENSOR:
+      return c10::TensorType::get();
+    case K::DEVICE:
+      return c10::DeviceObjType::get();
     case K::LIST:
       check_type_arity(els.size(), 1);
       return c10::ListType::create(read_type(els[0]));
@@ -215,10 +242,14 @@ c10::IValue read_value(schema::Value::Reader r, const std::vector<at::Tensor>& t
                        std::vector<RRefDesc>& rrefs) {
   using V = schema::Value;
   switch (r.which()) {
-    case V::NONE: return c10::IValue();
-    case V::BOOL: return c10::IValue(r.getBool());
-    case V::INT: return c10::IValue(static_cast<int64_t>(r.getInt()));
-    case V::DOUBLE: return c10::IValue(r.getDouble());
+    case V::NONE:
+      return c10::IValue();
+    case V::BOOL:
+      return c10::IValue(r.getBool());
+    case V::INT:
+      return c10::IValue(static_cast<int64_t>(r.getInt()));
+    case V::DOUBLE:
+      return c10::IValue(r.getDouble());
     case V::STRING: {
       auto d = r.getString();
       return c10::IValue(std::string(reinterpret_cast<const char*>(d.begin()), d.size()));
@@ -260,7 +291,8 @@ c10::IValue read_value(schema::Value::Reader r, const std::vector<at::Tensor>& t
       }
       return c10::IValue(std::move(dict));
     }
-    case V::DEVICE: return c10::IValue(read_device(r.getDevice()));
+    case V::DEVICE:
+      return c10::IValue(read_device(r.getDevice()));
     case V::RREF: {
       auto x = r.getRref();
       RRefDesc d;

@@ -65,9 +65,8 @@ struct DeviceMap {
 // CUDA tensors travel only where `devices` maps their device; with
 // `cuda_ipc` (the peer is another process on this host, on shared memory),
 // as CUDA IPC handles where the driver allows, else through host memory.
-OutFrame encode(const Message& message, const Limits& limits = Limits{},
-                RRefHook* rrefs = nullptr, int dest = -1, const DeviceMap* devices = nullptr,
-                bool cuda_ipc = false);
+OutFrame encode(const Message& message, const Limits& limits = Limits{}, RRefHook* rrefs = nullptr,
+                int dest = -1, const DeviceMap* devices = nullptr, bool cuda_ipc = false);
 
 // Puts handles[i] where a received message's values hold the placeholder of
 // its rrefs[i]. Throws std::logic_error unless every placeholder is filled.
@@ -90,9 +89,9 @@ class FrameDecoder {
       : limits_(limits), handshake_frames_(handshake_frames) {}
   // Makes the tensor a frame's SharedRef names (checked; throws
   // ProtocolError). Without one, a frame with shared tensors is refused.
-  using SharedResolver = std::function<at::Tensor(const SharedRef& ref, c10::ScalarType dtype,
-                                                  const std::vector<int64_t>& shape,
-                                                  uint64_t nbytes)>;
+  using SharedResolver =
+      std::function<at::Tensor(const SharedRef& ref, c10::ScalarType dtype,
+                               const std::vector<int64_t>& shape, uint64_t nbytes)>;
   void set_shared_resolver(SharedResolver resolve) { resolve_shared_ = std::move(resolve); }
   // Whether tensors may come as CUDA IPC handles (a same-host connection);
   // without it, a frame with one is refused.
@@ -154,9 +153,9 @@ class FrameDecoder {
   std::vector<IpcPlacement> ipc_placements_;
   uint64_t ipc_token_ = 0;  // the current frame's
   size_t tensor_index_ = 0;
-  uint64_t tensor_done_ = 0;      // bytes of tensors_[tensor_index_] filled
-  uint64_t padding_left_ = 0;     // padding bytes before the current tensor
-  uint64_t body_offset_ = 0;      // bytes of the body consumed so far
+  uint64_t tensor_done_ = 0;   // bytes of tensors_[tensor_index_] filled
+  uint64_t padding_left_ = 0;  // padding bytes before the current tensor
+  uint64_t body_offset_ = 0;   // bytes of the body consumed so far
   std::deque<Message> ready_;
 };
 

@@ -197,11 +197,11 @@ TEST_CASE("autograd: fan-out, fan-in, a tensor sent twice, a parameter on two wo
   World w(3, define);
   auto x = input();
   dist::Context ctx(w[0]);
-  auto h = at::mm(x, P().w0);                                      // on worker0
-  auto a = w[0].rpc_sync<at::Tensor>("worker1", "lin1", h);        // fan-out ...
-  auto b = w[0].rpc_sync<at::Tensor>("worker2", "lin1", h);        // ... h sent twice
-  auto c = w[0].rpc_sync<at::Tensor>("worker1", "pair", a, b);     // fan-in
-  auto d = w[0].rpc_sync<at::Tensor>("worker2", "twice", h, h);    // one message, h twice
+  auto h = at::mm(x, P().w0);                                            // on worker0
+  auto a = w[0].rpc_sync<at::Tensor>("worker1", "lin1", h);              // fan-out ...
+  auto b = w[0].rpc_sync<at::Tensor>("worker2", "lin1", h);              // ... h sent twice
+  auto c = w[0].rpc_sync<at::Tensor>("worker1", "pair", a, b);           // fan-in
+  auto d = w[0].rpc_sync<at::Tensor>("worker2", "twice", h, h);          // one message, h twice
   auto e = w[0].rpc_sync<at::Tensor>("worker1", "scale_by", x, P().w0);  // w0 used remotely too
   auto loss = c.sum() + d.pow(2).sum() + (e * h).sum();
   dist::backward(ctx.id(), {loss});
@@ -246,7 +246,7 @@ TEST_CASE("autograd: a tensor sent and never used by the loss does not hang") {
   auto x = input(2);
   dist::Context ctx(w[0]);
   auto h = at::mm(x, P().w0);
-  auto unused = w[0].rpc_sync<at::Tensor>("worker1", "ignore", h);   // result ignores h
+  auto unused = w[0].rpc_sync<at::Tensor>("worker1", "ignore", h);  // result ignores h
   auto dropped = w[0].rpc_sync<at::Tensor>("worker1", "lin1", h);   // result never used
   CHECK(unused.requires_grad());
   auto t0 = std::chrono::steady_clock::now();
@@ -507,8 +507,9 @@ TEST_CASE("autograd: a part slower than the timeout fails backward with TimeoutE
 TEST_CASE("autograd: engine requests from a peer are checked") {
   World w(2, define);
   auto run = [&](int64_t ctx, int64_t root, std::vector<int64_t> sends) {
-    return w[0].call("worker1", "tandem.autograd.run",
-                     {ctx, int64_t(1), root, false, int64_t(1000), c10::List<int64_t>(sends)})
+    return w[0]
+        .call("worker1", "tandem.autograd.run",
+              {ctx, int64_t(1), root, false, int64_t(1000), c10::List<int64_t>(sends)})
         .wait();
   };
   CHECK_THROWS_WITH_AS(run(424242, 0, {1}), doctest::Contains("no distributed autograd context"),
@@ -524,7 +525,7 @@ TEST_CASE("autograd: engine requests from a peer are checked") {
     // A malformed gradient (one way, so nobody answers) is dropped; worker1 goes on.
     rpc::layer::notify(w[0], "worker1", "tandem.autograd.grad", {std::string("not a context")});
     rpc::layer::notify(w[0], "worker1", "tandem.autograd.grad",
-                {int64_t(ctx.id()), int64_t(5), int64_t(6), std::string("not a tuple")});
+                       {int64_t(ctx.id()), int64_t(5), int64_t(6), std::string("not a tuple")});
     dist::backward(ctx.id(), {y.sum()});
     CHECK(dist::get_gradients(w[1], ctx.id()).contains(P().w1));
   }
@@ -668,8 +669,7 @@ TEST_CASE("autograd: metrics count contexts, backward passes, parts and gradient
     CHECK(layer(1, "autograd.gradients_received") == 1);
     CHECK(layer(0, "autograd.gradients_received") == 1);
   }
-  CHECK(test::eventually([&] {
-    return layer(0, "autograd.contexts") == 0 && layer(1, "autograd.contexts") == 0;
-  }));
+  CHECK(test::eventually(
+      [&] { return layer(0, "autograd.contexts") == 0 && layer(1, "autograd.contexts") == 0; }));
   w.shutdown();
 }

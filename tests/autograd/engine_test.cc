@@ -219,8 +219,8 @@ Net::Net(int n) {
     w->rank = r;
     w->name = "worker" + std::to_string(r);
     // A release goes on to the workers that took part, as over the agent.
-    w->contexts = std::make_shared<autograd::Contexts>(
-        r, w->name, [this, r](int worker, uint64_t id) {
+    w->contexts =
+        std::make_shared<autograd::Contexts>(r, w->name, [this, r](int worker, uint64_t id) {
           auto out = rpc::make_raw_future();
           Worker& to = (*this)[worker];
           to.pool.post([&to, id, r, out] {
@@ -229,7 +229,8 @@ Net::Net(int n) {
           });
           return out;
         });
-    w->engine = std::make_shared<autograd::Engine>(w->contexts, std::make_shared<FakeLink>(*this, r));
+    w->engine =
+        std::make_shared<autograd::Engine>(w->contexts, std::make_shared<FakeLink>(*this, r));
     workers_.push_back(std::move(w));
   }
 }
@@ -256,8 +257,8 @@ std::vector<at::Tensor> transfer(Net& net, uint64_t ctx, int from, int to,
     std::lock_guard<std::mutex> lock(dst->mu);
     ++dst->recvs;
   }
-  auto recv = std::make_shared<autograd::RecvBackward>(ctx, message, from,
-                                                       autograd::reach_of(tensors));
+  auto recv =
+      std::make_shared<autograd::RecvBackward>(ctx, message, from, autograd::reach_of(tensors));
   std::vector<at::Tensor> out;
   for (const auto& t : tensors) {
     at::Tensor copy = t.detach().clone();

@@ -62,17 +62,16 @@ void define(rpc::Registry& r) {
   // then() callback.
   r.def("chain", [](at::Tensor t) {
     auto agent = rpc::current_agent();
-    return agent->rpc_async<at::Tensor>("worker2", "scale", t, 2).then(
-        [agent](rpc::Future<at::Tensor> r) {
+    return agent->rpc_async<at::Tensor>("worker2", "scale", t, 2)
+        .then([agent](rpc::Future<at::Tensor> r) {
           return agent->rpc_async<at::Tensor>("worker2", "scale", r.wait(), 3);
         });
   });
   // The same with the convenience API inside the callback.
   r.def("chain_api", [](at::Tensor t) {
-    return rpc::rpc_async<at::Tensor>("worker1", "scale", t, 2).then(
-        [](rpc::Future<at::Tensor> r) {
-          return rpc::rpc_async<at::Tensor>("worker1", "scale", r.wait(), 3);
-        });
+    return rpc::rpc_async<at::Tensor>("worker1", "scale", t, 2).then([](rpc::Future<at::Tensor> r) {
+      return rpc::rpc_async<at::Tensor>("worker1", "scale", r.wait(), 3);
+    });
   });
   // A callback's call inherits what is left of the handler's deadline.
   r.def("chain_slow", []() {
@@ -97,7 +96,8 @@ void define(rpc::Registry& r) {
 
 // Counts the calls of a post-hook and keeps the last gradient it saw.
 struct CountingPostHook : torch::autograd::FunctionPostHook {
-  explicit CountingPostHook(std::shared_ptr<std::vector<at::Tensor>> seen) : seen(std::move(seen)) {}
+  explicit CountingPostHook(std::shared_ptr<std::vector<at::Tensor>> seen)
+      : seen(std::move(seen)) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                             const torch::autograd::variable_list& inputs) override {
     seen->push_back(inputs.at(0).clone());
@@ -154,7 +154,7 @@ TEST_CASE("seams: a callback's calls inherit the handler's remaining deadline") 
   // The callback's own call (1500 ms of work; the agents' default timeout is
   // 20 s) gave up when the caller's 400 ms were spent.
   int64_t ms = deadline_outcome().get(5s);
-  CHECK(ms >= 0);     // it timed out: without the inherited deadline it succeeds after 1500 ms
+  CHECK(ms >= 0);  // it timed out: without the inherited deadline it succeeds after 1500 ms
   CHECK(ms < 1400);
   CHECK(std::chrono::steady_clock::now() - t0 < 1500ms);
   w.shutdown();
@@ -213,8 +213,8 @@ TEST_CASE("seams: a tensor with no gradient in a context is named in the error")
     CHECK(grads.size() == 1);
     CHECK(grads.contains(x));
     CHECK_FALSE(grads.contains(unused));
-    const std::string want = "get_gradients(" + std::to_string(ctx.id()) +
-                             ") on worker0: this tensor got no gradient";
+    const std::string want =
+        "get_gradients(" + std::to_string(ctx.id()) + ") on worker0: this tensor got no gradient";
     CHECK_THROWS_WITH_AS(grads.at(unused), doctest::Contains(want.c_str()), std::out_of_range);
     CHECK(at::allclose(grads.at(x), at::full_like(x, 2)));
   }
@@ -249,7 +249,8 @@ struct PassHook : torch::autograd::FunctionPostHook {
     int ends = 0;
     bool throw_at_end = false;
   };
-  PassHook(at::Tensor leaf, std::shared_ptr<Seen> seen) : leaf(std::move(leaf)), seen(std::move(seen)) {}
+  PassHook(at::Tensor leaf, std::shared_ptr<Seen> seen)
+      : leaf(std::move(leaf)), seen(std::move(seen)) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                             const torch::autograd::variable_list&) override {
     seen->active = dist::pass::active();
@@ -269,7 +270,8 @@ struct PassHook : torch::autograd::FunctionPostHook {
   std::shared_ptr<Seen> seen;
 };
 
-TEST_CASE("seams: a leaf hook reads and replaces the context's gradient and runs at the part's end") {
+TEST_CASE(
+    "seams: a leaf hook reads and replaces the context's gradient and runs at the part's end") {
   World w(2, define);
   auto x = at::arange(1, 4, kF64).requires_grad_();
   auto seen = std::make_shared<PassHook::Seen>();
@@ -344,8 +346,7 @@ TEST_CASE("seams: a gradient lost on the wire fails backward at its timeout, nev
     auto y = w[0].rpc_sync<at::Tensor>("worker1", "scale", x, 2);
     auto t0 = std::chrono::steady_clock::now();
     // The root's own deadline or its `run` call's, whichever fires first.
-    CHECK_THROWS_AS(dist::backward(w[0], ctx.id(), {at::sum(y)}, false, 500ms),
-                    rpc::TimeoutError);
+    CHECK_THROWS_AS(dist::backward(w[0], ctx.id(), {at::sum(y)}, false, 500ms), rpc::TimeoutError);
     CHECK(std::chrono::steady_clock::now() - t0 < 2000ms);
     CHECK(plan->hits(0) == 1);
     // The next backward in the same context gets its gradient through.

@@ -18,8 +18,8 @@
 
 using namespace tandem;
 using namespace std::chrono_literals;
-using test::Groups;
 using test::error_of;
+using test::Groups;
 using test::on_ranks;
 
 namespace {
@@ -176,7 +176,9 @@ TEST_CASE("ddp: no_sync accumulates locally and the next backward averages it al
   for (int r = 0; r < world; ++r) expect_close(result[r], want);
 }
 
-TEST_CASE("ddp: an unused parameter fails the backward by name, or is skipped with find_unused_parameters") {
+TEST_CASE(
+    "ddp: an unused parameter fails the backward by name, or is skipped with "
+    "find_unused_parameters") {
   const int world = 2;
   {
     Groups g(world);
@@ -185,7 +187,8 @@ TEST_CASE("ddp: an unused parameter fails the backward by name, or is skipped wi
       Net net = make_net(0, /*with_unused=*/true);
       ddp::DistributedDataParallel model(net, {}, g.groups[r]);
       Batch b = batch(r, 0);
-      errors[r] = error_of([&] { torch::nn::functional::cross_entropy(model(b.x), b.y).backward(); });
+      errors[r] =
+          error_of([&] { torch::nn::functional::cross_entropy(model(b.x), b.y).backward(); });
     });
     for (const auto& e : errors) {
       CHECK(e.find("parameters 'unused.weight', 'unused.bias' got no gradient in this backward") !=
@@ -253,11 +256,13 @@ TEST_CASE("ddp: bad DistributedDataParallel arguments are refused") {
   Net net = make_net(0);
   ddp::DDPOptions o;
   o.bucket_cap_mb = 0;
-  CHECK(error_of([&] { ddp::DistributedDataParallel m(net, o, g.groups[0]); })
-            .find("bucket_cap_mb and first_bucket_mb must be > 0") != std::string::npos);
+  CHECK(error_of([&] {
+          ddp::DistributedDataParallel m(net, o, g.groups[0]);
+        }).find("bucket_cap_mb and first_bucket_mb must be > 0") != std::string::npos);
   for (auto& p : net->parameters()) p.set_requires_grad(false);
-  CHECK(error_of([&] { ddp::DistributedDataParallel m(net, {}, g.groups[0]); })
-            .find("no parameter that requires grad") != std::string::npos);
+  CHECK(error_of([&] {
+          ddp::DistributedDataParallel m(net, {}, g.groups[0]);
+        }).find("no parameter that requires grad") != std::string::npos);
   CHECK(error_of([&] { ddp::DistributedDataParallel m(net); }).find("init_process_group") !=
         std::string::npos);
 }
@@ -270,7 +275,9 @@ TEST_CASE("ddp: device_ids: one device per process, and the model must be on it"
     o.device_ids = std::move(ids);
     return o;
   };
-  CHECK(error_of([&] { ddp::DistributedDataParallel m(net, with({0, 1}), g.groups[0]); }) ==
+  CHECK(error_of([&] {
+          ddp::DistributedDataParallel m(net, with({0, 1}), g.groups[0]);
+        }) ==
         "DistributedDataParallel: device_ids names 2 devices; each process drives one "
         "(device_ids = {local_rank})");
   CHECK(error_of([&] { ddp::DistributedDataParallel m(net, with({-1}), g.groups[0]); }) ==
@@ -403,11 +410,11 @@ TEST_CASE("ddp: a backward that fails midway leaves the next step working") {
   ddp::DistributedDataParallel model(net, {}, g.groups[0]);
   Batch b = batch(0, 0);
   // A gradient hook of the user's that throws ends this backward early.
-  auto handle = net->fc1->weight.register_hook([](at::Tensor) -> at::Tensor {
-    throw std::runtime_error("user hook failed");
-  });
-  CHECK(error_of([&] { torch::nn::functional::cross_entropy(model(b.x), b.y).backward(); })
-            .find("user hook failed") != std::string::npos);
+  auto handle = net->fc1->weight.register_hook(
+      [](at::Tensor) -> at::Tensor { throw std::runtime_error("user hook failed"); });
+  CHECK(error_of([&] {
+          torch::nn::functional::cross_entropy(model(b.x), b.y).backward();
+        }).find("user hook failed") != std::string::npos);
   net->fc1->weight.remove_hook(handle);
   net->zero_grad();
   torch::nn::functional::cross_entropy(model(b.x), b.y).backward();

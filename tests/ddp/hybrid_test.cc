@@ -50,7 +50,8 @@ TEST_CASE("ddp hybrid: DDP's dense part and remote heads train as in one process
   // each head trained by its own trainer's.
   torch::nn::Linear dense = linear(5, 4, 0);
   std::vector<torch::nn::Linear> heads = {linear(4, 3, 1), linear(4, 3, 2)};
-  std::vector<std::map<std::string, at::Tensor>> head_start = {state_of(heads[0]), state_of(heads[1])};
+  std::vector<std::map<std::string, at::Tensor>> head_start = {state_of(heads[0]),
+                                                               state_of(heads[1])};
   {
     std::vector<at::Tensor> all = dense->parameters();
     for (auto& h : heads) {
@@ -80,7 +81,8 @@ TEST_CASE("ddp hybrid: DDP's dense part and remote heads train as in one process
     nn::RemoteModule head(agent, "worker0/cpu", "Linear", {4, 3});
     head.load_state_dict(head_start[t]);
     std::vector<rpc::RRef<at::Tensor>> params;
-    for (auto& p : mine->parameters()) params.push_back(rpc::RRef<at::Tensor>::make_local(agent, p));
+    for (auto& p : mine->parameters())
+      params.push_back(rpc::RRef<at::Tensor>::make_local(agent, p));
     for (auto& p : head.remote_parameters()) params.push_back(p);
     optim::Options o;
     o.lr = lr;
@@ -100,7 +102,8 @@ TEST_CASE("ddp hybrid: DDP's dense part and remote heads train as in one process
   for (int t = 0; t < trainers; ++t) {
     INFO("trainer " << t);
     auto want = dense->parameters();
-    for (size_t i = 0; i < want.size(); ++i) CHECK(at::allclose(dense_after[t][i], want[i], 1e-5, 1e-6));
+    for (size_t i = 0; i < want.size(); ++i)
+      CHECK(at::allclose(dense_after[t][i], want[i], 1e-5, 1e-6));
     CHECK(at::allclose(head_after[t].at("weight"), heads[t]->weight, 1e-5, 1e-6));
     CHECK(at::allclose(head_after[t].at("bias"), heads[t]->bias, 1e-5, 1e-6));
   }

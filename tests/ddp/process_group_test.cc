@@ -3,8 +3,8 @@
 
 using namespace tandem;
 using namespace std::chrono_literals;
-using test::Groups;
 using test::error_of;
+using test::Groups;
 using test::on_ranks;
 
 namespace {
@@ -78,11 +78,16 @@ TEST_CASE("ddp: bad arguments are refused naming what was wrong") {
     if (!o.store) o.store = support::store_client(store->getPort());
     return error_of([&] { ddp::ProcessGroup::create(o); });
   };
-  CHECK(contains(fails(opts([](auto& o) { o.backend = "mpi"; })), "unknown process group backend 'mpi'"));
+  CHECK(contains(fails(opts([](auto& o) { o.backend = "mpi"; })),
+                 "unknown process group backend 'mpi'"));
   if (!ddp::nccl_available()) {  // (TANDEM_WITH_NCCL is the library's, not the tests')
-    CHECK(contains(fails(opts([](auto& o) { o.backend = "nccl"; })), "needs a LibTorch built with CUDA"));
+    CHECK(contains(fails(opts([](auto& o) { o.backend = "nccl"; })),
+                   "needs a LibTorch built with CUDA"));
   }
-  CHECK(contains(fails(opts([](auto& o) { o.rank = 3; o.world_size = 2; })),
+  CHECK(contains(fails(opts([](auto& o) {
+                   o.rank = 3;
+                   o.world_size = 2;
+                 })),
                  "rank 3 is not in [0, world size 2)"));
   CHECK(contains(fails(opts([](auto& o) { o.timeout = 0ms; })), "timeout must be > 0"));
   CHECK(contains(error_of([&] {
@@ -99,9 +104,11 @@ TEST_CASE("ddp: bad arguments are refused naming what was wrong") {
   CHECK(contains(error_of([&] { pg->all_reduce(ints, ddp::ReduceOp::kAvg); }),
                  "avg needs a floating-point tensor, not Long"));
   at::Tensor strided = at::zeros({4, 4}).t();
-  CHECK(contains(error_of([&] { pg->all_reduce(strided); }), "all_reduce: the tensor must be contiguous"));
+  CHECK(contains(error_of([&] { pg->all_reduce(strided); }),
+                 "all_reduce: the tensor must be contiguous"));
   at::Tensor undefined;
-  CHECK(contains(error_of([&] { pg->broadcast(undefined, 0); }), "broadcast: the tensor is undefined"));
+  CHECK(contains(error_of([&] { pg->broadcast(undefined, 0); }),
+                 "broadcast: the tensor is undefined"));
   at::Tensor t = at::ones({2});
   CHECK(contains(error_of([&] { pg->broadcast(t, 1); }), "source rank 1 is not in [0, 1)"));
   // Still serves afterwards.
@@ -159,6 +166,7 @@ TEST_CASE("ddp: a group whose peers never come fails within its timeout") {
   o.store = support::store_client(store->getPort());
   auto t0 = std::chrono::steady_clock::now();
   std::string err = error_of([&] { ddp::ProcessGroup::create(o); });
-  CHECK(contains(err, "process group 'default' (gloo, rank 0 of 2) could not meet its peers within 500 ms"));
+  CHECK(contains(
+      err, "process group 'default' (gloo, rank 0 of 2) could not meet its peers within 500 ms"));
   CHECK(std::chrono::steady_clock::now() - t0 < 10s);
 }

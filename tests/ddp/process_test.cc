@@ -20,7 +20,7 @@ namespace {
 
 void expect_sums(const std::string& env) {
   test::RunResult r = test::run_command(env + " TANDEM_TEST_WORKER=sum " + TANDEM_RUN_PATH +
-                            " --nproc-per-node 3 " + support::self_exe());
+                                        " --nproc-per-node 3 " + support::self_exe());
   INFO(r.output);
   CHECK(r.status == 0);
   for (int rank = 0; rank < 3; ++rank) {
@@ -41,9 +41,7 @@ std::shared_ptr<ddp::ProcessGroup> parent_group(test::ChildWorker& child) {
 
 }  // namespace
 
-TEST_CASE("ddp process: init_process_group from tandem-run's environment") {
-  expect_sums("");
-}
+TEST_CASE("ddp process: init_process_group from tandem-run's environment") { expect_sums(""); }
 
 TEST_CASE("ddp process: a process group and an RPC agent share the job's MASTER_PORT") {
   expect_sums("TANDEM_TEST_WITH_RPC=1");

@@ -93,9 +93,9 @@ TEST_CASE("ddp: DistributedSampler's shares cover the dataset and feed a data lo
   ddp::DistributedSampler sampler(10, 2, 1, true, 0);
   sampler.set_epoch(1);
   auto expected = sampler.indices();
-  auto loader = torch::data::make_data_loader(
-      data.map(torch::data::transforms::Stack<>()), std::move(sampler),
-      torch::data::DataLoaderOptions().batch_size(2));
+  auto loader = torch::data::make_data_loader(data.map(torch::data::transforms::Stack<>()),
+                                              std::move(sampler),
+                                              torch::data::DataLoaderOptions().batch_size(2));
   std::vector<size_t> got;
   for (auto& batch : *loader) {
     for (int64_t k = 0; k < batch.data.size(0); ++k) {
@@ -124,10 +124,11 @@ TEST_CASE("ddp: DistributedSampler's shares cover the dataset and feed a data lo
 }
 
 TEST_CASE("ddp: DistributedSampler refuses a rank outside its replicas") {
-  CHECK_THROWS_WITH_AS(ddp::DistributedSampler(10, 2, 2), doctest::Contains("rank 2 is not in [0, num_replicas 2)"),
+  CHECK_THROWS_WITH_AS(ddp::DistributedSampler(10, 2, 2),
+                       doctest::Contains("rank 2 is not in [0, num_replicas 2)"),
                        std::invalid_argument);
-  CHECK_THROWS_WITH_AS(ddp::DistributedSampler(10, 0, 0), doctest::Contains("num_replicas must be >= 1"),
-                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(ddp::DistributedSampler(10, 0, 0),
+                       doctest::Contains("num_replicas must be >= 1"), std::invalid_argument);
   // Without a default group, the defaults have nothing to read.
   CHECK_THROWS_WITH_AS(ddp::DistributedSampler(10), doctest::Contains("init_process_group"),
                        std::logic_error);

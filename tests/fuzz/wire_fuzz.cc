@@ -167,8 +167,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     shared = std::make_unique<SegmentReader>(limits);
     shared->adopt(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
     dec.set_shared_resolver([r = shared.get()](const SharedRef& ref, c10::ScalarType dtype,
-                                               const std::vector<int64_t>& shape,
-                                               uint64_t nbytes) {
+                                               const std::vector<int64_t>& shape, uint64_t nbytes) {
       return r->tensor(ref, dtype, shape, nbytes);
     });
     dec.set_cuda_ipc(true);  // (handles reach the device check; only a GPU machine passes it)
@@ -228,8 +227,7 @@ extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {
   req.id = 7;
   req.callee = "f";
   req.timeout_ms = 100;
-  req.values = {int64_t(1), 2.5, std::string("s"),
-                c10::IValue(c10::List<int64_t>({1, 2, 3})),
+  req.values = {int64_t(1), 2.5, std::string("s"), c10::IValue(c10::List<int64_t>({1, 2, 3})),
                 c10::ivalue::Tuple::create({c10::IValue(true), c10::IValue()})};
   Message tensors = req;
   tensors.values = {at::arange(6, at::kFloat).reshape({2, 3}), at::empty({0, 4}),

@@ -29,8 +29,8 @@
 #include <ATen/ops/add.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/ones.h>
-#include <ATen/ops/zeros.h>
 #include <ATen/ops/sum.h>
+#include <ATen/ops/zeros.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
@@ -66,8 +66,8 @@ int main(int argc, char** argv) {
   reg->def("scale", [](at::Tensor t, double s) { return at::mul(t, s); });
   reg->def("scale_twice", [](at::Tensor t) {
     auto agent = tandem::rpc::current_agent();
-    return agent->rpc_async<at::Tensor>("worker0", "scale", t, 2).then(
-        [agent](tandem::rpc::Future<at::Tensor> r) {
+    return agent->rpc_async<at::Tensor>("worker0", "scale", t, 2)
+        .then([agent](tandem::rpc::Future<at::Tensor> r) {
           return agent->rpc_async<at::Tensor>("worker0", "scale", r.wait(), 3);
         });
   });
@@ -108,7 +108,8 @@ int main(int argc, char** argv) {
     tandem::autograd::Context ctx;
     at::Tensor x = at::ones({4}).requires_grad_();
     auto r = tandem::rpc::remote<at::Tensor>("worker0", "scale", x, 3.0);
-    at::Tensor w = tandem::rpc::rpc_sync<at::Tensor>("worker0", "scale_held", std::make_tuple(2.0, r));
+    at::Tensor w =
+        tandem::rpc::rpc_sync<at::Tensor>("worker0", "scale_held", std::make_tuple(2.0, r));
     tandem::autograd::backward(ctx.id(), {at::sum(w)});
     held = tandem::autograd::get_gradients(ctx.id()).at(x)[0].item<double>();
   }
@@ -149,7 +150,7 @@ int main(int argc, char** argv) {
     torch::optim::SGD opt(net.parameters(), torch::optim::SGDOptions(0.5));
     at::sum(net(at::ones({1, 2}))).backward();
     opt.step();
-    ddp_weight = fc->weight[0][0].item<double>();  // 1 - 0.5 * 1
+    ddp_weight = fc->weight[0][0].item<double>();                  // 1 - 0.5 * 1
     share = tandem::ddp::DistributedSampler(10).indices().size();  // the default group's 1 rank
     {
       tandem::nn::RemoteModule first("worker0/cpu", "Linear", {2, 2});
@@ -167,9 +168,9 @@ int main(int argc, char** argv) {
       at::Tensor h = first.forward(at::ones({1, 2}));  // [2, 2]
       tandem::autograd::backward(ctx.id(), {at::sum(dense(h))});
       opt.step(ctx.id());
-      hybrid_head = head->weight[0][0].item<double>();                     // 1 - 0.5 * 2
+      hybrid_head = head->weight[0][0].item<double>();                      // 1 - 0.5 * 2
       hybrid_first = first.state_dict().at("weight")[0][0].item<double>();  // 1 - 0.5 * 1
-      hybrid_grad_untouched = !head->weight.grad().defined();  // the context held it
+      hybrid_grad_untouched = !head->weight.grad().defined();               // the context held it
     }
     tandem::ddp::destroy_process_group();
   }
@@ -197,16 +198,17 @@ int main(int argc, char** argv) {
   const double makespan =
       tandem::pipeline::simulate(tandem::pipeline::OneFOneB().plan(2, 4)).makespan;
   std::printf("a 1F1B schedule of 4 micro-batches on 2 workers takes %.0f units\n", makespan);
-  std::printf("DDP's weight after one step %.2f, the sampler's share %zu; after a hybrid step the "
-              "DDP layer's weight %.2f, the RemoteModule's %.2f, .grad %s\n",
-              ddp_weight, share, hybrid_head, hybrid_first,
-              hybrid_grad_untouched ? "untouched" : "SET");
-  std::printf("after one SGD step the parameter is %.2f, the RemoteModule's weight %.2f\n",
-              stepped, module_weight);
-  std::printf("twice(21) = %lld, d(sum(3x))/dx = %.1f, d(sum(6x) + sum(x))/dx = %.1f, "
-              "through a held RRef in a tuple d(sum(2*3x))/dx = %.1f, %s\n",
-              static_cast<long long>(y), g, chained, held,
-              named ? "a missing gradient is named" : "a missing gradient is NOT named");
+  std::printf(
+      "DDP's weight after one step %.2f, the sampler's share %zu; after a hybrid step the "
+      "DDP layer's weight %.2f, the RemoteModule's %.2f, .grad %s\n",
+      ddp_weight, share, hybrid_head, hybrid_first, hybrid_grad_untouched ? "untouched" : "SET");
+  std::printf("after one SGD step the parameter is %.2f, the RemoteModule's weight %.2f\n", stepped,
+              module_weight);
+  std::printf(
+      "twice(21) = %lld, d(sum(3x))/dx = %.1f, d(sum(6x) + sum(x))/dx = %.1f, "
+      "through a held RRef in a tuple d(sum(2*3x))/dx = %.1f, %s\n",
+      static_cast<long long>(y), g, chained, held,
+      named ? "a missing gradient is named" : "a missing gradient is NOT named");
   return y == 42 && g == 3.0 && chained == 7.0 && held == 6.0 && stepped == -0.5 &&
                  module_weight == 0.5 && named && ddp_weight == 0.5 && share == 10 &&
                  hybrid_head == 0.0 && hybrid_first == 0.5 && hybrid_grad_untouched &&

@@ -80,9 +80,11 @@ inline std::unique_ptr<torch::optim::Optimizer> local_optimizer(optim::Kind kind
   if (o.weight_decay < 0) o.weight_decay = kind == optim::Kind::kAdamW ? 1e-2 : 0;
   switch (kind) {
     case optim::Kind::kSGD:
-      return std::make_unique<torch::optim::SGD>(
-          p, torch::optim::SGDOptions(o.lr).momentum(o.momentum).dampening(o.dampening)
-                 .weight_decay(o.weight_decay).nesterov(o.nesterov));
+      return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(o.lr)
+                                                        .momentum(o.momentum)
+                                                        .dampening(o.dampening)
+                                                        .weight_decay(o.weight_decay)
+                                                        .nesterov(o.nesterov));
     case optim::Kind::kAdam:
       return std::make_unique<torch::optim::Adam>(
           p, torch::optim::AdamOptions(o.lr).weight_decay(o.weight_decay).amsgrad(o.amsgrad));

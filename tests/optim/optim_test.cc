@@ -3,10 +3,10 @@
 // optimizer; bad input and failures are clear; nothing is left behind.
 #include "test_util.h"
 
+#include "optim/optim_support.h"
 #include "tandem/autograd/autograd.h"
 #include "tandem/optim/distributed_optimizer.h"
 #include "tandem/rpc/rref.h"
-#include "optim/optim_support.h"
 
 using namespace tandem;
 using namespace tandem::test::optim_support;
@@ -130,7 +130,8 @@ TEST_CASE("optim: bad input is refused, naming what was wrong") {
   }
   CHECK(optim::live_optimizers(w[1]) == 0);
   // The owner keeps serving.
-  CHECK(w[0].rpc_sync<at::Tensor>("worker1", "layer", int64_t(0), at::ones({1, 2}, kF64)).numel() == 2);
+  CHECK(w[0].rpc_sync<at::Tensor>("worker1", "layer", int64_t(0), at::ones({1, 2}, kF64)).numel() ==
+        2);
   good = frozen = rpc::RRef<at::Tensor>();
   L().w.clear();
   w.shutdown();

@@ -24,9 +24,8 @@ int worker_main(const std::string& mode) {
   (void)mode;  // "owner": serve until the others shut down (or this dies)
   auto weight = at::ones({3, 2}).requires_grad_();
   auto reg = std::make_shared<rpc::Registry>();
-  reg->def("param", [weight] {
-    return rpc::RRef<at::Tensor>::make_local(*rpc::current_agent(), weight);
-  });
+  reg->def("param",
+           [weight] { return rpc::RRef<at::Tensor>::make_local(*rpc::current_agent(), weight); });
   reg->def("layer", [weight](at::Tensor x) { return at::mm(x, weight); });
   reg->def("die", [] { std::_Exit(9); });
   return serve(reg);

@@ -9,11 +9,11 @@
 #include <cmath>
 #include <limits>
 
+#include "optim/optim_support.h"
 #include "tandem/autograd/autograd.h"
 #include "tandem/optim/distributed_optimizer.h"
 #include "tandem/optim/owner/protocol.h"
 #include "tandem/rpc/rref.h"
-#include "optim/optim_support.h"
 
 using namespace tandem;
 using namespace tandem::optim::owner;
@@ -68,15 +68,17 @@ TEST_CASE("optim protocol: create carries every option by name, in the order it 
   World w(1);
   const at::Tensor t = at::zeros({2}).requires_grad_();
   {
-    CreateRequest m{(int64_t(3) << 40) | 5, optim::Kind::kRMSprop, odd_options(),
+    CreateRequest m{(int64_t(3) << 40) | 5,
+                    optim::Kind::kRMSprop,
+                    odd_options(),
                     {rpc::RRef<at::Tensor>::make_local(w[0], t)}};
     const std::vector<c10::IValue> args = m.encode();
     REQUIRE(args.size() == 4);
     // The wire: (int id, int kind, 13 floats, RRef list), flags as 0 or 1.
     CHECK(args[0].toInt() == m.id);
     CHECK(args[1].toInt() == 4);
-    CHECK((args[2].toDoubleVector() ==
-           std::vector<double>{0.25, 0.125, 0.5, 0.0625, 1, 0.8, 0.9, 1e-7, 0, 0.03, 0.04, 0.7, 1}));
+    CHECK((args[2].toDoubleVector() == std::vector<double>{0.25, 0.125, 0.5, 0.0625, 1, 0.8, 0.9,
+                                                           1e-7, 0, 0.03, 0.04, 0.7, 1}));
     const CreateRequest back = CreateRequest::decode(args);
     CHECK(back.id == m.id);
     CHECK(back.kind == optim::Kind::kRMSprop);
@@ -97,8 +99,8 @@ TEST_CASE("optim protocol: create carries every option by name, in the order it 
     REQUIRE(back.params.size() == 1);
     CHECK(back.params[0].local_value().is_same(t));
     // The kinds' defaults (negative eps and weight_decay) travel as they are.
-    const CreateRequest d =
-        CreateRequest::decode(CreateRequest{1, optim::Kind::kSGD, optim::Options{}, m.params}.encode());
+    const CreateRequest d = CreateRequest::decode(
+        CreateRequest{1, optim::Kind::kSGD, optim::Options{}, m.params}.encode());
     CHECK(d.options.eps == -1);
     CHECK(d.options.weight_decay == -1);
   }  // every handle to the RRef gone
@@ -147,9 +149,10 @@ TEST_CASE("optim protocol: a create with a wrong count, kind, options or params 
       CAPTURE(lie);
       numbers = good_numbers();
       numbers[at] = lie;
-      CHECK_THROWS_WITH_AS(CreateRequest::decode(create_args(0, rpc::to_ivalue(numbers))),
-                           doctest::Contains((std::string("tandem.optim.create: ") + name + ": ").c_str()),
-                           std::invalid_argument);
+      CHECK_THROWS_WITH_AS(
+          CreateRequest::decode(create_args(0, rpc::to_ivalue(numbers))),
+          doctest::Contains((std::string("tandem.optim.create: ") + name + ": ").c_str()),
+          std::invalid_argument);
     }
   }
   numbers = good_numbers();
@@ -166,7 +169,8 @@ TEST_CASE("optim protocol: a create with a wrong count, kind, options or params 
   refused(create_args(0, good), "tandem.optim.create: params: none");
 }
 
-TEST_CASE("optim protocol: step, destroy, state, set_lr, grad_norms, scale_grads and load round-trip") {
+TEST_CASE(
+    "optim protocol: step, destroy, state, set_lr, grad_norms, scale_grads and load round-trip") {
   const uint64_t big_context = (uint64_t(1) << 63) | 9;  // the top bit set: negative on the wire
   StepRequest step = StepRequest::decode(StepRequest{11, big_context}.encode());
   CHECK(step.id == 11);
@@ -205,8 +209,8 @@ TEST_CASE("optim protocol: step, destroy, state, set_lr, grad_norms, scale_grads
   CHECK(StateReply::decode(StateReply{bytes}.encode(), "worker1").bytes == bytes);
 
   // Norms: None for no gradient; NaN and infinity are norms too.
-  GradNormsReply reply{{c10::nullopt, scalar(0.5), scalar(kNaN, at::kFloat), scalar(kInf),
-                        scalar(0)}};
+  GradNormsReply reply{
+      {c10::nullopt, scalar(0.5), scalar(kNaN, at::kFloat), scalar(kInf), scalar(0)}};
   GradNormsReply back = GradNormsReply::decode(reply.encode(), 5, "worker1");
   REQUIRE(back.norms.size() == 5);
   CHECK_FALSE(back.norms[0]);
@@ -245,12 +249,15 @@ TEST_CASE("optim protocol: lying requests are refused, naming the function and t
 
   // Types.
   refused(step, V{c10::IValue(1.5), ctx}, "tandem.optim.step: id: expected int, got Double");
-  refused(step, V{id, c10::IValue("ctx")}, "tandem.optim.step: context_id: expected int, got String");
+  refused(step, V{id, c10::IValue("ctx")},
+          "tandem.optim.step: context_id: expected int, got String");
   refused(destroy, V{c10::IValue()}, "tandem.optim.destroy: id: expected int, got None");
-  refused(set_lr, V{id, c10::IValue("fast")}, "tandem.optim.set_lr: lr: expected float, got String");
+  refused(set_lr, V{id, c10::IValue("fast")},
+          "tandem.optim.set_lr: lr: expected float, got String");
   refused(grad_norms, V{id, ctx, c10::IValue(true)},
           "tandem.optim.grad_norms: norm_type: expected float, got Bool");
-  refused(scale, V{id, ctx, c10::IValue()}, "tandem.optim.scale_grads: coef: expected float, got None");
+  refused(scale, V{id, ctx, c10::IValue()},
+          "tandem.optim.scale_grads: coef: expected float, got None");
   refused(load, V{id, c10::IValue(int64_t(3)), c10::IValue(0.5)},
           "tandem.optim.load: bytes: expected str, got Int");
 
@@ -300,8 +307,9 @@ TEST_CASE("optim protocol: a lying gradient-norm answer is refused, naming the o
                        doctest::Contains("the optimizer state from worker1: expected str, got Int"),
                        std::invalid_argument);
   // Too few, too many.
-  refused(answer({scalar(1)}), 2,
-          "DistributedOptimizer::clip_grad_norm: worker1 sent 1 gradient norms for its 2 parameters");
+  refused(
+      answer({scalar(1)}), 2,
+      "DistributedOptimizer::clip_grad_norm: worker1 sent 1 gradient norms for its 2 parameters");
   refused(answer({scalar(1), c10::nullopt, scalar(2)}), 2,
           "worker1 sent 3 gradient norms for its 2 parameters");
   // Not one non-negative floating-point number on the CPU.

@@ -138,7 +138,9 @@ TEST_CASE("optim state format: every truncation and every flipped byte is refuse
           "ckpt is corrupt: its hash does not match (truncated or altered)");
 }
 
-TEST_CASE("optim state format: a sealed checkpoint with a field no checkpoint holds is refused, naming it") {
+TEST_CASE(
+    "optim state format: a sealed checkpoint with a field no checkpoint holds is refused, naming "
+    "it") {
   // Cut short, each field named. (Part 0 is long, so that the part count
   // fits what is left wherever part 1 is cut.) The offsets: 19 bytes of
   // magic, the version at 19, the kind at 23, lr at 31, the part count at
@@ -190,7 +192,7 @@ TEST_CASE("optim state format: a sealed checkpoint with a field no checkpoint ho
     CAPTURE(n);
     std::string b = body;
     for (int i = 0; i < 8; ++i) b[55 + i] = static_cast<char>((n >> (8 * i)) & 0xff);
-    CHECK_THROWS_WITH_AS(optim::state_from_bytes(sealed(b), "ckpt"),
-                         doctest::Contains("part 0's "), std::invalid_argument);
+    CHECK_THROWS_WITH_AS(optim::state_from_bytes(sealed(b), "ckpt"), doctest::Contains("part 0's "),
+                         std::invalid_argument);
   }
 }

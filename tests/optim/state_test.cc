@@ -30,11 +30,11 @@ using namespace at;  // NOLINT
 #include <iterator>
 #include <limits>
 
+#include "optim/optim_support.h"
 #include "tandem/autograd/autograd.h"
 #include "tandem/optim/distributed_optimizer.h"
 #include "tandem/optim/lr_scheduler.h"
 #include "tandem/rpc/rref.h"
-#include "optim/optim_support.h"
 
 using namespace tandem;
 using namespace tandem::test::optim_support;
@@ -396,7 +396,8 @@ TEST_CASE("optim: a run checkpointed and resumed in fresh optimizers ends bit-id
   w.shutdown();
 }
 
-TEST_CASE("optim: bad rates, clipping and checkpoints are refused clearly, and the owners still serve") {
+TEST_CASE(
+    "optim: bad rates, clipping and checkpoints are refused clearly, and the owners still serve") {
   World w(3, define);
   TempDir dir;
   at::manual_seed(3);
@@ -426,8 +427,8 @@ TEST_CASE("optim: bad rates, clipping and checkpoints are refused clearly, and t
     {
       dist::Context ctx(w[0]);
       w[0].rpc_sync<at::Tensor>("worker1", "linear", int64_t(1), at::ones({1, 2}, kF64));
-      CHECK_THROWS_WITH_AS(adam.clip_grad_norm(ctx.id(), 0), doctest::Contains("max_norm must be > 0, got 0"),
-                           std::invalid_argument);
+      CHECK_THROWS_WITH_AS(adam.clip_grad_norm(ctx.id(), 0),
+                           doctest::Contains("max_norm must be > 0, got 0"), std::invalid_argument);
       CHECK_THROWS_WITH_AS(adam.clip_grad_norm(ctx.id(), std::nan("")),
                            doctest::Contains("max_norm"), std::invalid_argument);
       CHECK_THROWS_WITH_AS(adam.clip_grad_norm(ctx.id(), 1.0, -2),
@@ -447,19 +448,22 @@ TEST_CASE("optim: bad rates, clipping and checkpoints are refused clearly, and t
     CHECK_THROWS_WITH_AS(adam.load_state_dict(sgd.state_dict()),
                          doctest::Contains("the state is of a SGD optimizer, this one is Adam"),
                          std::invalid_argument);
-    CHECK_THROWS_WITH_AS(adam.load_state_dict(adam_on2.state_dict()),
-                         doctest::Contains("the state is of owners [worker2], this optimizer's are [worker1]"),
-                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(
+        adam.load_state_dict(adam_on2.state_dict()),
+        doctest::Contains("the state is of owners [worker2], this optimizer's are [worker1]"),
+        std::invalid_argument);
     CHECK_THROWS_WITH_AS(adam.load_state_dict(adam_on12.state_dict()),
                          doctest::Contains("[worker1, worker2]"), std::invalid_argument);
-    CHECK_THROWS_WITH_AS(adam.load_state_dict(adam_two.state_dict()),
-                         doctest::Contains("the state has 2 parameter(s) on worker1, this optimizer 1"),
-                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(
+        adam.load_state_dict(adam_two.state_dict()),
+        doctest::Contains("the state has 2 parameter(s) on worker1, this optimizer 1"),
+        std::invalid_argument);
     {
       // The same counts, but another model's state: seen by the owner.
       optim::DistributedOptimizer adam_2x3(w[0], optim::Kind::kAdam, {p1_2x3}, o);
       dist::Context ctx(w[0]);
-      at::Tensor y = w[0].rpc_sync<at::Tensor>("worker1", "linear", int64_t(3), at::ones({1, 2}, kF64));
+      at::Tensor y =
+          w[0].rpc_sync<at::Tensor>("worker1", "linear", int64_t(3), at::ones({1, 2}, kF64));
       dist::backward(w[0], ctx.id(), {y.sum()});
       adam_2x3.step(ctx.id());
       CHECK_THROWS_WITH_AS(
@@ -499,9 +503,10 @@ TEST_CASE("optim: bad rates, clipping and checkpoints are refused clearly, and t
                          std::runtime_error);
     const std::string other = dir.file("other.ckpt");
     write_file(other, "hello, not a checkpoint");
-    CHECK_THROWS_WITH_AS(adam.load(other),
-                         doctest::Contains(("'" + other + "' is not an optimizer checkpoint").c_str()),
-                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(
+        adam.load(other),
+        doctest::Contains(("'" + other + "' is not an optimizer checkpoint").c_str()),
+        std::invalid_argument);
     const std::string good = dir.file("good.ckpt");
     adam.save(good);
     const std::string data = read_file(good);
@@ -509,9 +514,10 @@ TEST_CASE("optim: bad rates, clipping and checkpoints are refused clearly, and t
     std::string altered = data;
     altered[data.size() / 2] = static_cast<char>(altered[data.size() / 2] ^ 0x10);
     write_file(flipped, altered);
-    CHECK_THROWS_WITH_AS(adam.load(flipped),
-                         doctest::Contains(("'" + flipped + "' is corrupt: its hash does not match").c_str()),
-                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(
+        adam.load(flipped),
+        doctest::Contains(("'" + flipped + "' is corrupt: its hash does not match").c_str()),
+        std::invalid_argument);
     const std::string cut = dir.file("cut.ckpt");
     write_file(cut, data.substr(0, data.size() - 20));
     CHECK_THROWS_WITH_AS(adam.load(cut), doctest::Contains(("'" + cut + "' is corrupt").c_str()),
@@ -532,7 +538,8 @@ TEST_CASE("optim: bad rates, clipping and checkpoints are refused clearly, and t
     const at::Tensor before = L().w[1].detach().clone();
     {
       dist::Context ctx(w[0]);
-      at::Tensor y = w[0].rpc_sync<at::Tensor>("worker1", "linear", int64_t(1), at::ones({1, 2}, kF64));
+      at::Tensor y =
+          w[0].rpc_sync<at::Tensor>("worker1", "linear", int64_t(1), at::ones({1, 2}, kF64));
       dist::backward(w[0], ctx.id(), {y.sum()});
       CHECK(adam.clip_grad_norm(ctx.id(), 0.5) > 0);
       adam.step(ctx.id());

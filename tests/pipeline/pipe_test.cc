@@ -7,12 +7,12 @@
 
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/cross_entropy_loss.h>
-#include <ATen/ops/randint.h>
 #include <ATen/ops/pow.h>
+#include <ATen/ops/randint.h>
 #include <ATen/ops/relu.h>
 #include <ATen/ops/tanh.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
 #include <limits>
@@ -64,9 +64,8 @@ std::vector<RemoteModule> make_stages(rpc::Agent& driver, const Weights& w,
   auto d = dims(stages);
   std::vector<RemoteModule> out;
   for (int s = 0; s < stages; ++s) {
-    c10::IValue layers = s + 1 < stages
-                             ? nn::list({spec("Linear", {d[s], d[s + 1]}), spec("Tanh")})
-                             : nn::list({spec("Linear", {d[s], d[s + 1]})});
+    c10::IValue layers = s + 1 < stages ? nn::list({spec("Linear", {d[s], d[s + 1]}), spec("Tanh")})
+                                        : nn::list({spec("Linear", {d[s], d[s + 1]})});
     out.emplace_back(driver, "worker" + std::to_string(worker_of(s)) + "/" + device, "Sequential",
                      std::vector<c10::IValue>{layers});
     out.back().load_state_dict({{"0.weight", w.w[s]}, {"0.bias", w.b[s]}});
@@ -83,8 +82,8 @@ Batch batch(int64_t rows, int step) {
 }
 
 // The same model trained whole here with torch::optim::SGD: losses, final weights.
-std::pair<std::vector<double>, Weights> local_training(const Weights& init, int steps,
-                                                       int64_t rows, double lr) {
+std::pair<std::vector<double>, Weights> local_training(const Weights& init, int steps, int64_t rows,
+                                                       double lr) {
   const int stages = static_cast<int>(init.w.size());
   std::vector<at::Tensor> params;
   Weights w;
@@ -199,7 +198,8 @@ void expect_gpu_stages_train_like_local(const std::string& schedule) {
     }
   });
   {
-    auto stage_modules = make_stages(*w.agents[0], init, [](int s) { return 1 + s; }, "cuda:0");
+    auto stage_modules = make_stages(
+        *w.agents[0], init, [](int s) { return 1 + s; }, "cuda:0");
     pipeline::PipeOptions o;
     o.chunks = 2;
     o.schedule = schedule;
@@ -207,7 +207,7 @@ void expect_gpu_stages_train_like_local(const std::string& schedule) {
     step_as_local(*w.agents[0], pipe, want_losses, rows, lr);
     for (int s = 0; s < stages; ++s) {
       CHECK(stage_modules[s].remote_parameters()[0].to_here().is_cuda());  // (they live there)
-      auto state = stage_modules[s].state_dict();  // (a copy on the CPU)
+      auto state = stage_modules[s].state_dict();                          // (a copy on the CPU)
       CHECK(at::allclose(state.at("0.weight").cpu(), want.w[s].detach(), 1e-4, 1e-5));
       CHECK(at::allclose(state.at("0.bias").cpu(), want.b[s].detach(), 1e-4, 1e-5));
     }
@@ -255,7 +255,8 @@ void expect_trained_like_local(const std::string& schedule, int workers, int per
 
 }  // namespace
 
-TEST_CASE("pipeline: GPipe, 1F1B and zero-bubble train as the unsplit model, uneven micro-batches too") {
+TEST_CASE(
+    "pipeline: GPipe, 1F1B and zero-bubble train as the unsplit model, uneven micro-batches too") {
   for (const char* schedule : {"gpipe", "1f1b", "zero-bubble"}) {
     for (int workers : {2, 3}) {
       for (int chunks : {1, 3, 4}) {  // 10 rows: 4+3+3, 3+3+2+2
@@ -306,11 +307,12 @@ TEST_CASE("pipeline: bad input is refused before any work, naming what was wrong
     pipeline::Pipe pipe(*w.agents[0], stages, four);
     dist::Context ctx(*w.agents[0]);
     Batch b = batch(3, 0);
-    CHECK(test::error_of([&] { pipe.step(ctx.id(), b.x, b.y); })
-              .find("a batch of 3 cannot make 4 micro-batches") != std::string::npos);
+    CHECK(test::error_of([&] {
+            pipe.step(ctx.id(), b.x, b.y);
+          }).find("a batch of 3 cannot make 4 micro-batches") != std::string::npos);
     Batch c = batch(8, 0);
-    CHECK(test::error_of([&] { pipe.step(ctx.id(), c.x, b.y); })
-              .find("8 inputs but 3 targets") != std::string::npos);
+    CHECK(test::error_of([&] { pipe.step(ctx.id(), c.x, b.y); }).find("8 inputs but 3 targets") !=
+          std::string::npos);
     CHECK(test::error_of([&] { pipe.step(0, c.x, c.y); }).find("no distributed autograd context") !=
           std::string::npos);
   }
@@ -322,9 +324,12 @@ TEST_CASE("pipeline: a failing stage fails the step on every worker, naming the 
   {
     // Stage 1 expects 5 features but stage 0 gives 8: its forward fails.
     std::vector<RemoteModule> stages;
-    stages.emplace_back(*w.agents[0], "worker1/cpu", "Linear", std::vector<c10::IValue>{kIn, kHidden});
-    stages.emplace_back(*w.agents[0], "worker2/cpu", "Linear", std::vector<c10::IValue>{5, kHidden});
-    stages.emplace_back(*w.agents[0], "worker3/cpu", "Linear", std::vector<c10::IValue>{kHidden, kClasses});
+    stages.emplace_back(*w.agents[0], "worker1/cpu", "Linear",
+                        std::vector<c10::IValue>{kIn, kHidden});
+    stages.emplace_back(*w.agents[0], "worker2/cpu", "Linear",
+                        std::vector<c10::IValue>{5, kHidden});
+    stages.emplace_back(*w.agents[0], "worker3/cpu", "Linear",
+                        std::vector<c10::IValue>{kHidden, kClasses});
     for (const char* schedule : {"gpipe", "1f1b"}) {
       CAPTURE(schedule);
       pipeline::PipeOptions o;
@@ -344,7 +349,8 @@ TEST_CASE("pipeline: a failing stage fails the step on every worker, naming the 
     pipeline::PipeOptions o;
     o.loss = "hinge";
     std::vector<RemoteModule> good;
-    good.emplace_back(*w.agents[0], "worker1/cpu", "Linear", std::vector<c10::IValue>{kIn, kClasses});
+    good.emplace_back(*w.agents[0], "worker1/cpu", "Linear",
+                      std::vector<c10::IValue>{kIn, kClasses});
     pipeline::Pipe pipe(*w.agents[0], good, o);
     dist::Context ctx(*w.agents[0]);
     Batch b = batch(4, 0);
@@ -362,8 +368,9 @@ TEST_CASE("pipeline: a user's loss, a user's schedule, and inference") {
   pipeline::register_loss("sum_squares", [](const at::Tensor& out, const at::Tensor& target) {
     return (out - target).pow(2).sum(1).mean();
   });
-  CHECK(test::error_of([] { pipeline::register_loss("mse", {}); })
-            .find("pipeline loss 'mse' is registered already") != std::string::npos);
+  CHECK(test::error_of([] {
+          pipeline::register_loss("mse", {});
+        }).find("pipeline loss 'mse' is registered already") != std::string::npos);
   // GPipe with the backwards in reverse order.
   struct Reverse final : pipeline::Schedule {
     std::string name() const override { return "reverse"; }
@@ -432,10 +439,12 @@ TEST_CASE("pipeline: a user's loss, a user's schedule, and inference") {
       ++slices;
     }
     CHECK(slices == 12);
-    CHECK(text.find("\"name\":\"B2\",\"cat\":\"backward\",\"pid\":0,\"tid\":0") != std::string::npos);
+    CHECK(text.find("\"name\":\"B2\",\"cat\":\"backward\",\"pid\":0,\"tid\":0") !=
+          std::string::npos);
     CHECK(text.find("\"args\":{\"name\":\"worker2\"}") != std::string::npos);
-    CHECK(test::error_of([&] { pipe.write_trace("/nonexistent/dir/t.json"); })
-              .find("write_trace: cannot write '/nonexistent/dir/t.json'") != std::string::npos);
+    CHECK(test::error_of([&] {
+            pipe.write_trace("/nonexistent/dir/t.json");
+          }).find("write_trace: cannot write '/nonexistent/dir/t.json'") != std::string::npos);
   }
   w.shutdown();
 }
@@ -475,8 +484,9 @@ TEST_CASE("pipeline: integer activations, a schedule of the wrong shape, a conte
       CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(4));
       CHECK(dist::get_gradients(*w.agents[2], ctx.id()).size() == 1);  // the embedding's
       // A context id that is not the one current here is refused.
-      CHECK(test::error_of([&] { pipe.step(ctx.id() + 1, ids, target); })
-                .find("is not the one current on this thread") != std::string::npos);
+      CHECK(test::error_of([&] {
+              pipe.step(ctx.id() + 1, ids, target);
+            }).find("is not the one current on this thread") != std::string::npos);
     }
 
     // A user's schedule that plans another shape than the pipe's.
@@ -486,9 +496,10 @@ TEST_CASE("pipeline: integer activations, a schedule of the wrong shape, a conte
         return pipeline::GPipe().plan(3, chunks);  // 3 workers, whatever is asked
       }
     };
-    CHECK(test::error_of([&] { pipeline::Pipe(*w.agents[0], stages, o, std::make_shared<Wrong>()); })
-              .find("schedule wrong planned 3 workers and 3 stages for a pipe of 2 workers and 2 "
-                    "stages") != std::string::npos);
+    CHECK(
+        test::error_of([&] { pipeline::Pipe(*w.agents[0], stages, o, std::make_shared<Wrong>()); })
+            .find("schedule wrong planned 3 workers and 3 stages for a pipe of 2 workers and 2 "
+                  "stages") != std::string::npos);
   }
   w.shutdown();
 }
@@ -497,10 +508,12 @@ TEST_CASE("pipeline: a sequential model's layers cut into stages, by counts or b
   CHECK(pipeline::balance({1, 1, 1, 1}, 2) == std::vector<int>{2, 2});
   CHECK(pipeline::balance({5, 1, 1, 1, 1, 1}, 2) == std::vector<int>{1, 5});
   CHECK(pipeline::balance({1, 2, 3, 4, 5}, 3) == std::vector<int>{3, 1, 1});  // 6, 4, 5
-  CHECK(test::error_of([] { pipeline::balance({1, 2}, 3); })
-            .find("balance: 3 stages for 2 layers") != std::string::npos);
-  CHECK(test::error_of([] { pipeline::balance({1, -2}, 1); }).find("costs must be >= 0") !=
-        std::string::npos);
+  CHECK(test::error_of([] {
+          pipeline::balance({1, 2}, 3);
+        }).find("balance: 3 stages for 2 layers") != std::string::npos);
+  CHECK(test::error_of([] {
+          pipeline::balance({1, -2}, 1);
+        }).find("costs must be >= 0") != std::string::npos);
 
   // Parameters: 500, 0, 10100, 0, 404.
   const std::vector<c10::IValue> layers = {spec("Linear", {4, 100}), spec("ReLU"),
@@ -508,8 +521,9 @@ TEST_CASE("pipeline: a sequential model's layers cut into stages, by counts or b
                                            spec("Linear", {100, 4})};
   const std::vector<int> counts = pipeline::balance_by_parameters(layers, 2);
   CHECK(counts == std::vector<int>{1, 4});
-  CHECK(test::error_of([] { pipeline::balance_by_parameters({c10::IValue(int64_t{3})}, 1); })
-            .find("layer 0 is not an nn::spec(factory, args)") != std::string::npos);
+  CHECK(test::error_of([] {
+          pipeline::balance_by_parameters({c10::IValue(int64_t{3})}, 1);
+        }).find("layer 0 is not an nn::spec(factory, args)") != std::string::npos);
 
   World w(3);
   {
@@ -544,18 +558,23 @@ TEST_CASE("pipeline: a sequential model's layers cut into stages, by counts or b
     CAPTURE(split);
     auto apart = [](int cut) { return cut == 2 || cut == 3; };  // a cut between layers 1 and 3
     CHECK((apart(split[0]) || apart(split[0] + split[1])));
-    CHECK(test::error_of([&] { pipeline::layer_times({spec("Linear", {3, 4})}, sample); })
-              .find("layer_times: layer 0 (Linear) failed on its input of shape [128, 512]") !=
+    CHECK(test::error_of([&] {
+            pipeline::layer_times({spec("Linear", {3, 4})}, sample);
+          }).find("layer_times: layer 0 (Linear) failed on its input of shape [128, 512]") !=
           std::string::npos);
-    CHECK(test::error_of([&] { pipeline::layer_times({relu, c10::IValue(int64_t{3})}, sample); })
-              .find("layer_times: layer 1 is not an nn::spec(factory, args)") != std::string::npos);
-    CHECK(test::error_of([&] { pipeline::layer_times(one, sample, 0); })
-              .find("repeats must be >= 1, not 0") != std::string::npos);
-    CHECK(test::error_of([&] { pipeline::balance_by_time(one, 7, sample); })
-              .find("balance: 7 stages for 6 layers") != std::string::npos);
+    CHECK(test::error_of([&] {
+            pipeline::layer_times({relu, c10::IValue(int64_t{3})}, sample);
+          }).find("layer_times: layer 1 is not an nn::spec(factory, args)") != std::string::npos);
+    CHECK(test::error_of([&] {
+            pipeline::layer_times(one, sample, 0);
+          }).find("repeats must be >= 1, not 0") != std::string::npos);
+    CHECK(test::error_of([&] {
+            pipeline::balance_by_time(one, 7, sample);
+          }).find("balance: 7 stages for 6 layers") != std::string::npos);
 
-    CHECK(test::error_of([&] { pipeline::partition(*w.agents[0], layers, {"worker1/cpu"}, {5, 0}); })
-              .find("2 stage counts but 1 devices") != std::string::npos);
+    CHECK(test::error_of([&] {
+            pipeline::partition(*w.agents[0], layers, {"worker1/cpu"}, {5, 0});
+          }).find("2 stage counts but 1 devices") != std::string::npos);
     CHECK(test::error_of([&] {
             pipeline::partition(*w.agents[0], layers, {"worker1/cpu", "worker2/cpu"}, {5, 0});
           }).find("stage 1 has 0 layers; each needs at least 1") != std::string::npos);
@@ -573,7 +592,8 @@ TEST_CASE("pipeline: a TorchScript stage trains beside a factory-built one as th
   World w(3);
   {
     std::vector<RemoteModule> stages;
-    stages.emplace_back(*w.agents[0], "worker1/cpu", "Linear", std::vector<c10::IValue>{int64_t{5}, int64_t{4}});
+    stages.emplace_back(*w.agents[0], "worker1/cpu", "Linear",
+                        std::vector<c10::IValue>{int64_t{5}, int64_t{4}});
     stages.push_back(RemoteModule::from_torchscript(*w.agents[0], "worker2/cpu", script));
     LocalStages local = local_copies(stages);
     REQUIRE(local[1].size() == 4);  // fc1.*, fc2.*
@@ -602,9 +622,9 @@ TEST_CASE("pipeline: messages for a step whose run never comes are dropped after
     };
     CHECK(pipeline::pending_steps(to) == 0);
     auto put = [&](int64_t step, int64_t timeout_ms, int64_t chunk) {
-      rpc::LayerAccess::notify(from, "worker1", "tandem.pipe.put",
-                               rpc::to_ivalues(step, timeout_ms, int64_t{0}, int64_t{1}, chunk,
-                                               at::ones({2, 3})));
+      rpc::LayerAccess::notify(
+          from, "worker1", "tandem.pipe.put",
+          rpc::to_ivalues(step, timeout_ms, int64_t{0}, int64_t{1}, chunk, at::ones({2, 3})));
     };
     // An activation for step 77 (pass timeout 2 s) and an abort for step
     // 78: no run comes for either.
@@ -646,8 +666,9 @@ struct TwiceImpl : torch::nn::Module {
 
 }  // namespace
 
-TEST_CASE("pipeline: zero-bubble's split backward equals the whole one: several layers a stage, "
-          "a weight used twice, a stage without parameters") {
+TEST_CASE(
+    "pipeline: zero-bubble's split backward equals the whole one: several layers a stage, "
+    "a weight used twice, a stage without parameters") {
   nn::register_module("test_twice", [](int64_t d) { return std::make_shared<TwiceImpl>(d); });
   World w(5);
   {
@@ -655,11 +676,12 @@ TEST_CASE("pipeline: zero-bubble's split backward equals the whole one: several 
     stages.emplace_back(*w.agents[0], "worker1/cpu", "Sequential",
                         std::vector<c10::IValue>{nn::list({spec("Linear", {6, 8}), spec("Tanh"),
                                                            spec("Linear", {8, 8}), spec("Tanh")})});
-    stages.emplace_back(*w.agents[0], "worker2/cpu", "test_twice", std::vector<c10::IValue>{int64_t{8}});
+    stages.emplace_back(*w.agents[0], "worker2/cpu", "test_twice",
+                        std::vector<c10::IValue>{int64_t{8}});
     stages.emplace_back(*w.agents[0], "worker3/cpu", "Tanh", std::vector<c10::IValue>{});
     stages.emplace_back(*w.agents[0], "worker4/cpu", "Sequential",
-                        std::vector<c10::IValue>{nn::list({spec("Linear", {8, 8}), spec("ReLU"),
-                                                           spec("Linear", {8, 3})})});
+                        std::vector<c10::IValue>{nn::list(
+                            {spec("Linear", {8, 8}), spec("ReLU"), spec("Linear", {8, 3})})});
     LocalStages local = local_copies(stages);
     auto linear = [](const std::map<std::string, at::Tensor>& m, const std::string& prefix,
                      const at::Tensor& x) {
@@ -672,10 +694,11 @@ TEST_CASE("pipeline: zero-bubble's split backward equals the whole one: several 
       return linear(local[3], "2.", at::relu(linear(local[3], "0.", h)));
     };
     // 10 rows in 4 micro-batches: 3 + 3 + 2 + 2.
-    auto last = train_beside_local(*w.agents[0], stages, local, forward, "zero-bubble", 4, 10, 6,
-                                   0.2, 60);
+    auto last =
+        train_beside_local(*w.agents[0], stages, local, forward, "zero-bubble", 4, 10, 6, 0.2, 60);
     size_t weight_passes = 0;
-    for (const auto& p : last.passes) weight_passes += p.action.kind == pipeline::Action::kWeightGrad;
+    for (const auto& p : last.passes)
+      weight_passes += p.action.kind == pipeline::Action::kWeightGrad;
     CHECK(weight_passes == 4 * 4);
   }
   w.shutdown();
@@ -739,8 +762,9 @@ TEST_CASE("pipeline: two drivers step their own pipes at once over the same two 
   w.shutdown();
 }
 
-TEST_CASE("pipeline: a pipe's step and a RemoteModule's backward share one context and one "
-          "optimizer step") {
+TEST_CASE(
+    "pipeline: a pipe's step and a RemoteModule's backward share one context and one "
+    "optimizer step") {
   // The pipe trains on (x, y); in the same context a RemoteModule on worker3
   // gets its own loss's backward. One DistributedOptimizer steps both.
   const double lr = 0.2;
@@ -748,7 +772,8 @@ TEST_CASE("pipeline: a pipe's step and a RemoteModule's backward share one conte
   {
     Weights init = initial(2, 21);
     auto stages = make_stages(*w.agents[0], init, [](int s) { return 1 + s; });
-    RemoteModule side(*w.agents[0], "worker3/cpu", "Linear", std::vector<c10::IValue>{kIn, int64_t{1}});
+    RemoteModule side(*w.agents[0], "worker3/cpu", "Linear",
+                      std::vector<c10::IValue>{kIn, int64_t{1}});
     auto side_state = side.state_dict();
     at::Tensor sw = side_state.at("weight").clone().requires_grad_(),
                sb = side_state.at("bias").clone().requires_grad_();
@@ -802,21 +827,23 @@ struct HalvedImpl : torch::nn::Module {
 
 }  // namespace
 
-TEST_CASE("pipeline: zero-bubble passes back a stage that returns its input, and runs a "
-          "tensor hook once") {
+TEST_CASE(
+    "pipeline: zero-bubble passes back a stage that returns its input, and runs a "
+    "tensor hook once") {
   nn::register_module("test_identity", [] { return std::make_shared<IdentityImpl>(); });
-  nn::register_module("test_halved", [](int64_t in, int64_t out) {
-    return std::make_shared<HalvedImpl>(in, out);
-  });
+  nn::register_module(
+      "test_halved", [](int64_t in, int64_t out) { return std::make_shared<HalvedImpl>(in, out); });
   World w(4);
   {
     std::vector<RemoteModule> stages;
-    stages.emplace_back(*w.agents[0], "worker1/cpu", "Linear", std::vector<c10::IValue>{kIn, kHidden});
+    stages.emplace_back(*w.agents[0], "worker1/cpu", "Linear",
+                        std::vector<c10::IValue>{kIn, kHidden});
     stages.emplace_back(*w.agents[0], "worker2/cpu", "test_identity", std::vector<c10::IValue>{});
     stages.emplace_back(*w.agents[0], "worker3/cpu", "test_halved",
                         std::vector<c10::IValue>{kHidden, kClasses});
     auto s0 = stages[0].state_dict(), s2 = stages[2].state_dict();
-    at::Tensor w0 = s0.at("weight").clone().requires_grad_(), b0 = s0.at("bias").clone().requires_grad_();
+    at::Tensor w0 = s0.at("weight").clone().requires_grad_(),
+               b0 = s0.at("bias").clone().requires_grad_();
     at::Tensor w2 = s2.at("lin.weight").clone().requires_grad_(),
                b2 = s2.at("lin.bias").clone().requires_grad_();
     Batch b = batch(6, 0);

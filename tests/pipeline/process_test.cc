@@ -56,8 +56,9 @@ TEST_CASE("pipeline process: a stage's process dying mid-step fails the step at 
     pipeline::Pipe pipe(*agent, stages, o);
     dist::Context ctx(*agent);
     const auto t0 = std::chrono::steady_clock::now();
-    const std::string error =
-        test::error_of([&] { pipe.step(ctx.id(), at::ones({4, 4}), at::zeros({4, 4})); });
+    const std::string error = test::error_of([&] {
+      pipe.step(ctx.id(), at::ones({4, 4}), at::zeros({4, 4}));
+    });
     CHECK(std::chrono::steady_clock::now() - t0 < 10s);  // the pass timeout is 60 s
     INFO(error);
     CHECK(error.find("Pipe::step: ") == 0);

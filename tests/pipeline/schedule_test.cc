@@ -72,8 +72,8 @@ TEST_CASE("pipeline schedules: the simulated bubbles match the closed forms") {
       }
       // Interleaved with 2 stages per worker, each half the work: the
       // bubble's (workers - 1) slots shrink to half.
-      auto inter = pipeline::simulate(pipeline::Interleaved1F1B(2).plan(workers, chunks), f / 2,
-                                      b / 2);
+      auto inter =
+          pipeline::simulate(pipeline::Interleaved1F1B(2).plan(workers, chunks), f / 2, b / 2);
       CHECK(inter.makespan == doctest::Approx(chunks * (f + b) + (workers - 1) * (f + b) / 2));
       CHECK(inter.makespan < ofob.makespan);
     }
@@ -84,16 +84,21 @@ TEST_CASE("pipeline schedules: bad counts and bad plans are refused, naming the 
   CHECK(test::error_of([] { pipeline::make_schedule("chimera"); })
             .find("unknown pipeline schedule 'chimera' (gpipe, 1f1b, zero-bubble, interleaved or "
                   "interleaved:N)") != std::string::npos);
-  CHECK(test::error_of([] { pipeline::make_schedule("interleaved:x"); })
-            .find("unknown pipeline schedule") != std::string::npos);
-  CHECK(test::error_of([] { pipeline::make_schedule("interleaved:0"); })
-            .find("stages per worker must be at least 1, got 0") != std::string::npos);
-  CHECK(test::error_of([] { pipeline::GPipe().plan(0, 4); })
-            .find("gpipe: the pipeline needs at least 1 worker, got 0") != std::string::npos);
-  CHECK(test::error_of([] { pipeline::OneFOneB().plan(2, 0); })
-            .find("1f1b: chunks (micro-batches) must be at least 1, got 0") != std::string::npos);
-  CHECK(test::error_of([] { pipeline::Interleaved1F1B(2).plan(2, 3); })
-            .find("interleaved:2: chunks (3) must be a multiple of the workers (2)") !=
+  CHECK(test::error_of([] {
+          pipeline::make_schedule("interleaved:x");
+        }).find("unknown pipeline schedule") != std::string::npos);
+  CHECK(test::error_of([] {
+          pipeline::make_schedule("interleaved:0");
+        }).find("stages per worker must be at least 1, got 0") != std::string::npos);
+  CHECK(test::error_of([] {
+          pipeline::GPipe().plan(0, 4);
+        }).find("gpipe: the pipeline needs at least 1 worker, got 0") != std::string::npos);
+  CHECK(test::error_of([] {
+          pipeline::OneFOneB().plan(2, 0);
+        }).find("1f1b: chunks (micro-batches) must be at least 1, got 0") != std::string::npos);
+  CHECK(test::error_of([] {
+          pipeline::Interleaved1F1B(2).plan(2, 3);
+        }).find("interleaved:2: chunks (3) must be a multiple of the workers (2)") !=
         std::string::npos);
 
   pipeline::Plan plan = pipeline::GPipe().plan(2, 2);
@@ -104,12 +109,15 @@ TEST_CASE("pipeline schedules: bad counts and bad plans are refused, naming the 
   };
   CHECK(broken([](pipeline::Plan& p) { p.actions[1].pop_back(); }).find("no worker runs B1@1") !=
         std::string::npos);
-  CHECK(broken([](pipeline::Plan& p) { p.actions[0][1] = p.actions[0][0]; })
-            .find("F0@0 is listed twice") != std::string::npos);
-  CHECK(broken([](pipeline::Plan& p) { std::swap(p.actions[0][0], p.actions[1][0]); })
-            .find("worker 0 lists F0@1, whose stage lives on worker 1") != std::string::npos);
-  CHECK(broken([](pipeline::Plan& p) { p.actions[0][0].chunk = 5; })
-            .find("outside 2 stages and 2 chunks") != std::string::npos);
+  CHECK(broken([](pipeline::Plan& p) {
+          p.actions[0][1] = p.actions[0][0];
+        }).find("F0@0 is listed twice") != std::string::npos);
+  CHECK(broken([](pipeline::Plan& p) {
+          std::swap(p.actions[0][0], p.actions[1][0]);
+        }).find("worker 0 lists F0@1, whose stage lives on worker 1") != std::string::npos);
+  CHECK(broken([](pipeline::Plan& p) {
+          p.actions[0][0].chunk = 5;
+        }).find("outside 2 stages and 2 chunks") != std::string::npos);
   // Worker 1 runs B0 before the F0 whose loss it needs; worker 0 waits on it.
   const std::string stuck = broken([](pipeline::Plan& p) {
     std::rotate(p.actions[1].begin(), p.actions[1].begin() + 2, p.actions[1].end());
@@ -143,8 +151,9 @@ TEST_CASE("pipeline schedules: a schedule of the user's plugs in") {
   CHECK(sim.peak_stash == std::vector<int>{4, 4, 4});
 }
 
-TEST_CASE("pipeline schedules: zero-bubble splits each backward, keeps 1F1B's memory, and "
-          "shrinks the bubble") {
+TEST_CASE(
+    "pipeline schedules: zero-bubble splits each backward, keeps 1F1B's memory, and "
+    "shrinks the bubble") {
   pipeline::Plan plan = pipeline::ZeroBubble().plan(2, 4);
   // The last worker sends each input gradient before its weight pass; the
   // first fills its wait for gradients with forwards and weight passes.
@@ -168,8 +177,9 @@ TEST_CASE("pipeline schedules: zero-bubble splits each backward, keeps 1F1B's me
   CHECK(pipeline::make_schedule("zero-bubble")->name() == "zero-bubble");
 }
 
-TEST_CASE("pipeline schedules: split backwards that are half there, doubled or out of order are "
-          "refused") {
+TEST_CASE(
+    "pipeline schedules: split backwards that are half there, doubled or out of order are "
+    "refused") {
   using K = Action::Kind;
   auto plan = [](std::vector<Action> w0) {
     pipeline::Plan p;
@@ -179,21 +189,24 @@ TEST_CASE("pipeline schedules: split backwards that are half there, doubled or o
     p.actions = {std::move(w0)};
     return p;
   };
-  CHECK_NOTHROW(pipeline::check(plan({{K::kForward, 0, 0}, {K::kInputGrad, 0, 0}, {K::kWeightGrad, 0, 0}})));
+  CHECK_NOTHROW(
+      pipeline::check(plan({{K::kForward, 0, 0}, {K::kInputGrad, 0, 0}, {K::kWeightGrad, 0, 0}})));
   CHECK(test::error_of([&] {
           pipeline::check(plan({{K::kForward, 0, 0}, {K::kInputGrad, 0, 0}}));
         }) == "no worker runs W0@0 (I0@0 is listed)");
   CHECK(test::error_of([&] {
           pipeline::check(plan({{K::kForward, 0, 0}, {K::kWeightGrad, 0, 0}}));
         }) == "no worker runs I0@0 (W0@0 is listed)");
-  CHECK(test::error_of([&] {
-          pipeline::check(plan({{K::kForward, 0, 0}, {K::kBackward, 0, 0}, {K::kWeightGrad, 0, 0}}));
-        }) == "the backward of micro-batch 0 through stage 0 is listed both whole (B0@0) and split "
-              "(W0@0)");
-  CHECK(test::error_of([&] {
-          pipeline::check(plan({{K::kForward, 0, 0}, {K::kWeightGrad, 0, 0}, {K::kInputGrad, 0, 0}}));
-        }).find("the plan cannot finish") != std::string::npos);
-  CHECK(test::error_of([&] {
-          pipeline::simulate(pipeline::ZeroBubble().plan(2, 2), 1, 1, 2);
-        }) == "simulate: costs must be >= 0, and a backward's at least its W's");
+  CHECK(
+      test::error_of([&] {
+        pipeline::check(plan({{K::kForward, 0, 0}, {K::kBackward, 0, 0}, {K::kWeightGrad, 0, 0}}));
+      }) ==
+      "the backward of micro-batch 0 through stage 0 is listed both whole (B0@0) and split "
+      "(W0@0)");
+  CHECK(
+      test::error_of([&] {
+        pipeline::check(plan({{K::kForward, 0, 0}, {K::kWeightGrad, 0, 0}, {K::kInputGrad, 0, 0}}));
+      }).find("the plan cannot finish") != std::string::npos);
+  CHECK(test::error_of([&] { pipeline::simulate(pipeline::ZeroBubble().plan(2, 2), 1, 1, 2); }) ==
+        "simulate: costs must be >= 0, and a backward's at least its W's");
 }

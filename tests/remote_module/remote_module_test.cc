@@ -344,8 +344,11 @@ TEST_CASE("nn: bad input is refused naming what was wrong, and the owner keeps s
             "module 'ScriptTwin' takes 0 argument(s), got 1");
     // A device one past the last: cuda:0 here, cuda:1 on a machine with one GPU.
     const std::string missing = "cuda:" + std::to_string(gpus);
-    refused([&] { RemoteModule(w[0], "worker1/" + missing, "Linear", {2, 2}); },
-            "worker1 has no device " + missing);
+    refused(
+        [&] {
+          RemoteModule(w[0], "worker1/" + missing, "Linear", {2, 2});
+        },
+        "worker1 has no device " + missing);
     refused([&] { RemoteModule(w[0], "worker7/cpu", "Linear", {2, 2}); }, "worker7");
     refused([&] { RemoteModule::from_torchscript(w[0], "worker1/cpu", "/nonexistent/model.pt"); },
             "'/nonexistent/model.pt' cannot be read on worker1");
@@ -453,8 +456,8 @@ TEST_CASE("nn: a module on cuda:0 answers on the GPU where a device map goes, el
 
 TEST_CASE("nn: a RemoteModule that outlives its agent fails cleanly, and goes quietly") {
   World w(2, define);
-  auto fc = std::make_unique<RemoteModule>(w[0], "worker1/cpu", "Linear",
-                                           std::vector<c10::IValue>{2, 2});
+  auto fc =
+      std::make_unique<RemoteModule>(w[0], "worker1/cpu", "Linear", std::vector<c10::IValue>{2, 2});
   CHECK(fc->forward(at::ones({1, 2})).numel() == 2);
   // Alive at a graceful shutdown: reported like any RRef left behind.
   CHECK_THROWS_WITH(w.shutdown_unchecked(true), doctest::Contains("leak"));

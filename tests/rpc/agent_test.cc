@@ -7,10 +7,10 @@
 #include <atomic>
 #include <chrono>
 
+#include "tandem/rpc/agent/testing.h"
 #include "tandem/rpc/api.h"
 #include "tandem/rpc/rendezvous.h"
 #include "tandem/rpc/rref.h"
-#include "tandem/rpc/agent/testing.h"
 
 using namespace tandem;
 using namespace tandem::rpc;
@@ -45,10 +45,9 @@ void define_common(Registry& r) {
     return s;
   });
   r.def("describe", [](std::tuple<std::string, int64_t> t,
-                       std::unordered_map<std::string, double> m,
-                       c10::optional<int64_t> maybe) {
-    return std::get<0>(t) + ":" + std::to_string(std::get<1>(t)) + ":" +
-           std::to_string(m.size()) + ":" + (maybe ? std::to_string(*maybe) : "none");
+                       std::unordered_map<std::string, double> m, c10::optional<int64_t> maybe) {
+    return std::get<0>(t) + ":" + std::to_string(std::get<1>(t)) + ":" + std::to_string(m.size()) +
+           ":" + (maybe ? std::to_string(*maybe) : "none");
   });
   r.def("split", [](at::Tensor t) {
     return std::make_tuple(t.narrow(0, 0, 1), t.narrow(0, 1, t.size(0) - 1));
@@ -70,8 +69,9 @@ void define_common(Registry& r) {
   });
   // Asynchronous: returns a future; the pool thread is released meanwhile.
   r.def("relay_async", [](std::string to, int64_t ms) {
-    return current_agent()->rpc_async<int64_t>(to, "sleep_ms", ms).then(
-        [](Future<int64_t> f) { return f.wait() + 1; });
+    return current_agent()->rpc_async<int64_t>(to, "sleep_ms", ms).then([](Future<int64_t> f) {
+      return f.wait() + 1;
+    });
   });
 }
 
@@ -84,14 +84,13 @@ TEST_CASE("agent: typed calls between workers") {
   CHECK(at::allclose(y, x + x));
   CHECK(at::allclose(w[1].rpc_sync<at::Tensor>("worker0", "scale", x, 0.5), x * 0.5));
   CHECK(w[0].rpc_sync<int64_t>("worker1", "sum_ints", std::vector<int>{1, 2, 3}) == 6);
-  CHECK(w[0].rpc_sync<std::string>(
-            "worker1", "describe", std::make_tuple(std::string("a"), int64_t(3)),
-            std::unordered_map<std::string, double>{{"k", 1.0}, {"j", 2.0}},
-            c10::optional<int64_t>(7)) == "a:3:2:7");
   CHECK(w[0].rpc_sync<std::string>("worker1", "describe",
-                                   std::make_tuple(std::string("b"), int64_t(1)),
-                                   std::unordered_map<std::string, double>{},
-                                   c10::optional<int64_t>()) == "b:1:0:none");
+                                   std::make_tuple(std::string("a"), int64_t(3)),
+                                   std::unordered_map<std::string, double>{{"k", 1.0}, {"j", 2.0}},
+                                   c10::optional<int64_t>(7)) == "a:3:2:7");
+  CHECK(w[0].rpc_sync<std::string>(
+            "worker1", "describe", std::make_tuple(std::string("b"), int64_t(1)),
+            std::unordered_map<std::string, double>{}, c10::optional<int64_t>()) == "b:1:0:none");
   auto [head, tail] =
       w[0].rpc_sync<std::tuple<at::Tensor, at::Tensor>>("worker1", "split", at::arange(5));
   CHECK(head.numel() == 1);
@@ -241,9 +240,10 @@ TEST_CASE("agent: when_all, when_any and wait(timeout)") {
   CHECK(when_all(fs).wait() == std::vector<int64_t>{30, 1, 10});
   CHECK(when_all(std::vector<Future<int64_t>>{}).wait().empty());
   // The first error in order, once all have completed.
-  std::vector<Future<int64_t>> mixed{w[0].rpc_async<int64_t>("worker1", "sleep_ms", 50),
-                                     w[0].rpc_async<int64_t>("worker1", "fail", std::string("first-failure")),
-                                     w[0].rpc_async<int64_t>("worker1", "fail", std::string("second-failure"))};
+  std::vector<Future<int64_t>> mixed{
+      w[0].rpc_async<int64_t>("worker1", "sleep_ms", 50),
+      w[0].rpc_async<int64_t>("worker1", "fail", std::string("first-failure")),
+      w[0].rpc_async<int64_t>("worker1", "fail", std::string("second-failure"))};
   auto all = when_all(mixed);
   CHECK_THROWS_WITH_AS(all.wait(), doctest::Contains("first-failure"), RemoteError);
   CHECK(mixed[0].done());
@@ -303,8 +303,8 @@ TEST_CASE("agent: a nested call inherits its caller's remaining deadline") {
   // worker1's relay itself gave up too, at its own deadline (long before
   // worker2's 3 s are over): its failure reaches nobody, nothing is pending.
   CHECK(eventually([&] { return rpc::testing::pending_calls(w[1]) == 0; }, 1000ms));
-  CHECK(w[0].rpc_sync<int64_t>("worker1", "relay", std::string("worker2"),
-                               std::string("sleep_ms"), int64_t(5)) == 5);
+  CHECK(w[0].rpc_sync<int64_t>("worker1", "relay", std::string("worker2"), std::string("sleep_ms"),
+                               int64_t(5)) == 5);
   w.shutdown();
 }
 
@@ -325,12 +325,15 @@ TEST_CASE("agent: a function returning a future frees its pool thread") {
 TEST_CASE("agent: a handler may wait on a call it started, even with one pool thread") {
   // Replies complete futures without needing a pool thread, so this does not
   // wedge worker1 (it is still better to chain than to block).
-  World w(3, [](Registry& r) {
-    define_common(r);
-    r.def("wait_inside", [](std::string to) {
-      return current_agent()->rpc_async<int64_t>(to, "sleep_ms", 30).wait() + 1;
-    });
-  }, [](AgentOptions& o) { o.num_worker_threads = o.rank == 1 ? 1 : 2; });
+  World w(
+      3,
+      [](Registry& r) {
+        define_common(r);
+        r.def("wait_inside", [](std::string to) {
+          return current_agent()->rpc_async<int64_t>(to, "sleep_ms", 30).wait() + 1;
+        });
+      },
+      [](AgentOptions& o) { o.num_worker_threads = o.rank == 1 ? 1 : 2; });
   CHECK(w[0].rpc_sync<int64_t>("worker1", "wait_inside", std::string("worker2")) == 31);
   w.shutdown();
 }
@@ -338,14 +341,17 @@ TEST_CASE("agent: a handler may wait on a call it started, even with one pool th
 TEST_CASE("agent: a handler answers with a promise's future once another call completes it") {
   auto ready = std::make_shared<Promise<int64_t>>();
   auto never = std::make_shared<Promise<void>>();
-  World w(2, [&](Registry& r) {
-    r.def("wait_ready", [ready] { return ready->future(); });
-    r.def("set_ready", [ready](int64_t v) { ready->set_value(v); });
-    r.def("fail_never", [never] {
-      never->set_error(std::make_exception_ptr(std::runtime_error("the table is gone")));
-    });
-    r.def("wait_never", [never] { return never->future(); });
-  }, [](AgentOptions& o) { o.num_worker_threads = 1; });  // waiting holds no pool thread
+  World w(
+      2,
+      [&](Registry& r) {
+        r.def("wait_ready", [ready] { return ready->future(); });
+        r.def("set_ready", [ready](int64_t v) { ready->set_value(v); });
+        r.def("fail_never", [never] {
+          never->set_error(std::make_exception_ptr(std::runtime_error("the table is gone")));
+        });
+        r.def("wait_never", [never] { return never->future(); });
+      },
+      [](AgentOptions& o) { o.num_worker_threads = 1; });  // waiting holds no pool thread
   auto a = w[0].rpc_async<int64_t>("worker1", "wait_ready");
   auto b = w[0].rpc_async<int64_t>("worker1", "wait_ready");
   auto c = w[0].rpc_async<void>("worker1", "wait_never");
@@ -646,9 +652,7 @@ TEST_CASE("agent: two workers that dial each other at once call on one connectio
   // the other; both then call on the connection the lower rank dialed.
   uint64_t crossings = 0;
   for (int trial = 0; trial < 40 && crossings == 0; ++trial) {
-    test::World w(2, [](rpc::Registry& r) {
-      r.def("echo", [](int64_t x) { return x; });
-    });
+    test::World w(2, [](rpc::Registry& r) { r.def("echo", [](int64_t x) { return x; }); });
     std::atomic<int> ready{0};
     auto call = [&](int from) {
       ready.fetch_add(1);
@@ -705,7 +709,8 @@ TEST_CASE("agent: workers on one host call over shared memory unless told otherw
     w.shutdown();
   }
   SUBCASE("shm forced, towards a peer that offers none") {
-    World w(2, define_common, [](AgentOptions& o) { o.transport_mode = o.rank == 0 ? "shm" : "tcp"; });
+    World w(2, define_common,
+            [](AgentOptions& o) { o.transport_mode = o.rank == 0 ? "shm" : "tcp"; });
     CHECK_THROWS_WITH_AS(w[0].rpc_sync<at::Tensor>("worker1", "echo", big),
                          doctest::Contains("worker worker1 cannot be reached over shared memory "
                                            "(transport 'shm'): it offers no shared-memory "
@@ -748,7 +753,8 @@ TEST_CASE("agent: over shm, a waiting caller and an idle pool thread read their 
     };
     if (poll) {
       // Answers on the caller's thread, requests on a pool thread.
-      CHECK(test::eventually([&] { return some_calls(), both_polled(); }, std::chrono::seconds(10)));
+      CHECK(
+          test::eventually([&] { return some_calls(), both_polled(); }, std::chrono::seconds(10)));
       CHECK(w[0].metrics().to_string().find("messages read by waiting threads") !=
             std::string::npos);
     } else {
@@ -766,8 +772,9 @@ TEST_CASE("agent: crossed dials under load lose no call, and end with one connec
     CAPTURE(mode);
     uint64_t crossings = 0;
     for (int trial = 0; trial < 12; ++trial) {
-      test::World w(2, [](rpc::Registry& r) { r.def("echo", [](c10::IValue v) { return v; }); },
-                    [&](AgentOptions& o) { o.transport_mode = mode; });
+      test::World w(
+          2, [](rpc::Registry& r) { r.def("echo", [](c10::IValue v) { return v; }); },
+          [&](AgentOptions& o) { o.transport_mode = mode; });
       std::atomic<int> ready{0};
       std::atomic<int> wrong{0};
       auto load = [&](int from, int thread) {

@@ -16,8 +16,8 @@
 #include <optional>
 
 #include "rpc/frames.h"
-#include "tandem/rpc/common/auth.h"
 #include "tandem/rpc/agent/testing.h"
+#include "tandem/rpc/common/auth.h"
 
 using namespace tandem;
 using namespace tandem::rpc;
@@ -126,8 +126,9 @@ void expect_echo(int fd, uint64_t id, int64_t value) {
 }  // namespace
 
 TEST_CASE("failure: bad frames close only the offending connection") {
-  test::World w(2, [](Registry& r) { r.def("echo", [](c10::IValue v) { return v; }); },
-                [](AgentOptions& o) { o.token = "secret"; });
+  test::World w(
+      2, [](Registry& r) { r.def("echo", [](c10::IValue v) { return v; }); },
+      [](AgentOptions& o) { o.token = "secret"; });
   const int port = w[1].info().port;
   // A good client first, so we can see it keeps working.
   CHECK(w[0].rpc_sync<int64_t>("worker1", "echo", 1) == 1);
@@ -142,38 +143,49 @@ TEST_CASE("failure: bad frames close only the offending connection") {
   Preamble bad_magic;
   bad_magic.magic = 0xdeadbeef;
   bad_magic.envelope_bytes = 64;
-  cases.push_back({"bad magic", std::string(reinterpret_cast<char*>(&bad_magic), sizeof(bad_magic)), false});
+  cases.push_back(
+      {"bad magic", std::string(reinterpret_cast<char*>(&bad_magic), sizeof(bad_magic)), false});
   Preamble old_version;
   old_version.version = 1;  // sent the token itself
   old_version.envelope_bytes = 64;
-  cases.push_back({"wire version 1", std::string(reinterpret_cast<char*>(&old_version), sizeof(old_version)), false});
+  cases.push_back({"wire version 1",
+                   std::string(reinterpret_cast<char*>(&old_version), sizeof(old_version)), false});
   Preamble huge;
   huge.envelope_bytes = 0xfffffff8u;
-  cases.push_back({"impossible envelope length", std::string(reinterpret_cast<char*>(&huge), sizeof(huge)), false});
+  cases.push_back({"impossible envelope length",
+                   std::string(reinterpret_cast<char*>(&huge), sizeof(huge)), false});
   Preamble body;
   body.envelope_bytes = 64;
   body.body_bytes = 1ull << 60;
-  cases.push_back({"impossible body length", std::string(reinterpret_cast<char*>(&body), sizeof(body)), false});
-  cases.push_back({"unknown dtype", raw_frame([](auto env) {
-                                      auto t = env.initTensors(1)[0];
-                                      t.setDtype(123);
-                                    }, 0)});
-  cases.push_back({"byte length not matching the shape", raw_frame([](auto env) {
-    auto t = env.initTensors(1)[0];
-    t.setDtype(static_cast<int16_t>(c10::ScalarType::Float));
-    t.initSizes(1).set(0, 1000);
-    t.initStrides(1).set(0, 1);
-    t.setByteLength(8);
-    env.initValues(1)[0].setTensor(0);
-  }, 8)});
-  cases.push_back({"capnp nesting over its limit", raw_frame([](auto env) {
-    auto v = env.initValues(1)[0];
-    for (int i = 0; i < 200; ++i) v = v.initTuple(1)[0];
-    v.setInt(0);
-  }, 0)});
-  cases.push_back({"a request before the handshake", raw_frame([](auto env) {
-    env.initValues(1)[0].setInt(1);
-  }, 0), false});
+  cases.push_back(
+      {"impossible body length", std::string(reinterpret_cast<char*>(&body), sizeof(body)), false});
+  cases.push_back({"unknown dtype", raw_frame(
+                                        [](auto env) {
+                                          auto t = env.initTensors(1)[0];
+                                          t.setDtype(123);
+                                        },
+                                        0)});
+  cases.push_back({"byte length not matching the shape",
+                   raw_frame(
+                       [](auto env) {
+                         auto t = env.initTensors(1)[0];
+                         t.setDtype(static_cast<int16_t>(c10::ScalarType::Float));
+                         t.initSizes(1).set(0, 1000);
+                         t.initStrides(1).set(0, 1);
+                         t.setByteLength(8);
+                         env.initValues(1)[0].setTensor(0);
+                       },
+                       8)});
+  cases.push_back({"capnp nesting over its limit", raw_frame(
+                                                       [](auto env) {
+                                                         auto v = env.initValues(1)[0];
+                                                         for (int i = 0; i < 200; ++i)
+                                                           v = v.initTuple(1)[0];
+                                                         v.setInt(0);
+                                                       },
+                                                       0)});
+  cases.push_back({"a request before the handshake",
+                   raw_frame([](auto env) { env.initValues(1)[0].setInt(1); }, 0), false});
   Message unknown = hello(1, "mallory", 0);
   unknown.hello_nonce = std::string(kNonceBytes, 'n');
   cases.push_back({"a handshake naming an unknown worker", frame_bytes(encode(unknown)), false});
@@ -236,15 +248,19 @@ TEST_CASE("failure: a message whose tensors cannot be placed on their device fai
     std::printf("skipped: this machine has a GPU, where the placement would succeed\n");
     return;
   }
-  test::World w(2, [](Registry& r) { r.def("echo", [](c10::IValue v) { return v; }); },
-                [](AgentOptions& o) { o.token = "secret"; });
+  test::World w(
+      2, [](Registry& r) { r.def("echo", [](c10::IValue v) { return v; }); },
+      [](AgentOptions& o) { o.token = "secret"; });
   int fd = dial(w[1].info().port);
   greet(fd, "worker0", 0, "secret");
-  write_all(fd, raw_frame([](auto env) {
-              env.setId(5);
-              env.setCallee("echo");
-              test::one_float_for_device(env, static_cast<int16_t>(c10::DeviceType::CUDA), 0);
-            }, 4, std::string(4, 'x')));
+  write_all(fd, raw_frame(
+                    [](auto env) {
+                      env.setId(5);
+                      env.setCallee("echo");
+                      test::one_float_for_device(env, static_cast<int16_t>(c10::DeviceType::CUDA),
+                                                 0);
+                    },
+                    4, std::string(4, 'x')));
   auto reply = read_frame(fd);
   REQUIRE(reply.has_value());
   CHECK(reply->kind == MessageKind::kError);
@@ -262,8 +278,9 @@ TEST_CASE("failure: a message whose tensors cannot be placed on their device fai
 TEST_CASE("failure: a caller with a different cluster token is refused") {
   // worker0 carries no token; worker1 wants one: the handshake fails and the
   // call ends with Disconnected instead of hanging.
-  test::World w(2, [](Registry& r) { r.def("echo", [](c10::IValue v) { return v; }); },
-                [](AgentOptions& o) { o.token = o.rank == 1 ? "secret" : "other"; });
+  test::World w(
+      2, [](Registry& r) { r.def("echo", [](c10::IValue v) { return v; }); },
+      [](AgentOptions& o) { o.token = o.rank == 1 ? "secret" : "other"; });
   auto t0 = std::chrono::steady_clock::now();
   CHECK_THROWS_AS(w[0].rpc_sync("worker1", "echo", 1), DisconnectedError);
   CHECK(std::chrono::steady_clock::now() - t0 < 2000ms);
@@ -469,8 +486,8 @@ TEST_CASE("failure: a peer that sends requests but never reads cannot grow a wor
         pending = request(next++);
         pending_off = 0;
       }
-      ssize_t n = ::send(fd, pending.data() + pending_off, pending.size() - pending_off,
-                         MSG_NOSIGNAL);
+      ssize_t n =
+          ::send(fd, pending.data() + pending_off, pending.size() - pending_off, MSG_NOSIGNAL);
       if (n > 0) {
         pending_off += static_cast<size_t>(n);
         last_progress = std::chrono::steady_clock::now();
@@ -484,8 +501,8 @@ TEST_CASE("failure: a peer that sends requests but never reads cannot grow a wor
   };
   CHECK_FALSE(write_more(1000ms));  // the worker stopped reading
   const long during = rss_mib(child.pid);
-  INFO("worker RSS before " << before << " MiB, during the flood " << during << " MiB, "
-                            << next << " requests begun");
+  INFO("worker RSS before " << before << " MiB, during the flood " << during << " MiB, " << next
+                            << " requests begun");
   CHECK(next < kRequests);
   CHECK(during - before < 160);  // the bounds (32 + 32 MiB), kernel buffers, the pool's work
   CHECK(agent->rpc_sync<int64_t>("worker1", "read_pauses") >= 1);
@@ -526,11 +543,12 @@ TEST_CASE("failure: a peer that sends requests but never reads cannot grow a wor
 }
 
 TEST_CASE("failure: connections that never finish their handshake are closed, and capped") {
-  test::World w(2, [](Registry& r) { r.def("echo", [](c10::IValue v) { return v; }); },
-                [](AgentOptions& o) {
-                  o.limits.handshake_timeout = 300ms;
-                  o.limits.max_handshaking_connections = 8;
-                });
+  test::World w(
+      2, [](Registry& r) { r.def("echo", [](c10::IValue v) { return v; }); },
+      [](AgentOptions& o) {
+        o.limits.handshake_timeout = 300ms;
+        o.limits.max_handshaking_connections = 8;
+      });
   const int port = w[1].info().port;
   // Slow-loris: each sends one byte of a preamble and waits.
   std::vector<int> loris;

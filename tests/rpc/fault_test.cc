@@ -63,8 +63,8 @@ TEST_CASE("fault: a lost reply fails the call at its timeout, the next call goes
   plan->add({Fault::kDrop, MessageKind::kResponse});
   World w = faulty_world(2, plan);
   auto t0 = std::chrono::steady_clock::now();
-  CHECK_THROWS_WITH_AS(w[0].rpc_sync<int64_t>("worker1", "echo", 1),
-                       doctest::Contains("timed out"), TimeoutError);
+  CHECK_THROWS_WITH_AS(w[0].rpc_sync<int64_t>("worker1", "echo", 1), doctest::Contains("timed out"),
+                       TimeoutError);
   auto took = std::chrono::steady_clock::now() - t0;
   CHECK(took >= 390ms);
   CHECK(took < 2000ms);

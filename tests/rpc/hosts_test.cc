@@ -42,7 +42,8 @@ struct Hosts {
          sh(in(left) + "ip link set " + left_if + " up") &&
          sh(in(right) + "ip addr add 10.231.0.2/24 dev " + right_if) &&
          sh(in(right) + "ip link set " + right_if + " up") &&
-         (left.empty() || sh(in(left) + "ip link set lo up")) && sh(in(right) + "ip link set lo up");
+         (left.empty() || sh(in(left) + "ip link set lo up")) &&
+         sh(in(right) + "ip link set lo up");
   }
   ~Hosts() {
     sh("ip link del " + left_if);  // here, if it stayed here (and not cut already)
@@ -94,13 +95,14 @@ TEST_CASE("hosts: a two-node job on addresses of its own trains, and requires th
     CHECK(a.status == 0);
     CHECK(b.status == 0);
     for (int rank = 0; rank < 4; ++rank) {
-      const std::string line = "rank " + std::to_string(rank) + " of 4 (local " +
-                               std::to_string(rank % 2) + ") ok";
+      const std::string line =
+          "rank " + std::to_string(rank) + " of 4 (local " + std::to_string(rank % 2) + ") ok";
       CHECK((rank < 2 ? a : b).output.find(line) != std::string::npos);
     }
   }
   SUBCASE("a model split across the two hosts trains as it does in one process") {
-    const std::string bin = std::string(TANDEM_RUN_PATH).substr(0, std::string(TANDEM_RUN_PATH).rfind('/'));
+    const std::string bin =
+        std::string(TANDEM_RUN_PATH).substr(0, std::string(TANDEM_RUN_PATH).rfind('/'));
     auto mlp = [&](const std::string& ns, int node_rank) {
       return Hosts::in(ns) + "env TANDEM_TOKEN=job-token " + TANDEM_RUN_PATH +
              " --nnodes 2 --node-rank " + std::to_string(node_rank) +
@@ -125,7 +127,8 @@ TEST_CASE("hosts: a two-node job on addresses of its own trains, and requires th
   }
 }
 
-TEST_CASE("hosts: cutting a host's link fails calls and a distributed backward with DisconnectedError") {
+TEST_CASE(
+    "hosts: cutting a host's link fails calls and a distributed backward with DisconnectedError") {
   Hosts h(/*left_is_here=*/true);
   if (skipped(h)) return;
   // This process is worker 0 on 10.231.0.1 and hosts the store there;

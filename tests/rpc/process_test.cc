@@ -10,20 +10,20 @@
 #include <ATen/ops/arange.h>
 #include <dirent.h>
 
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <cctype>
 #include <fstream>
 #include <iterator>
 #include <map>
 #include <set>
 
 #include "tandem/rpc/api.h"
-#include "tandem/rpc/wire/device.h"
 #include "tandem/rpc/common/host.h"
 #include "tandem/rpc/rendezvous.h"
 #include "tandem/rpc/spawn.h"
+#include "tandem/rpc/wire/device.h"
 
 using namespace tandem;
 using namespace tandem::rpc;
@@ -113,9 +113,8 @@ int worker_main(const std::string& mode) {
     });
     reg->def("pid", []() { return static_cast<int64_t>(::getpid()); });
     reg->def("echo", [](c10::IValue v) { return v; });
-    reg->def("read_pauses", []() {
-      return static_cast<int64_t>(handler_agent()->transport_stats().read_pauses);
-    });
+    reg->def("read_pauses",
+             []() { return static_cast<int64_t>(handler_agent()->transport_stats().read_pauses); });
     WorldEnv env = world_from_env();
     if (const char* fail = std::getenv("TANDEM_TEST_FAIL_RANK")) {
       if (std::atoi(fail) == env.rank) {
@@ -133,9 +132,8 @@ int worker_main(const std::string& mode) {
       // Rank 0's cuda:0 maps to rank 1's: both processes share this host's GPU.
       if (env.rank == 0) opts.set_device_map("worker1", {{0, 0}});
       opts.cuda_ipc = std::getenv("TANDEM_TEST_NO_CUDA_IPC") == nullptr;
-      reg->def("scale_on_gpu", [](at::Tensor t, double s) {
-        return std::make_tuple(t * s, t.device().str());
-      });
+      reg->def("scale_on_gpu",
+               [](at::Tensor t, double s) { return std::make_tuple(t * s, t.device().str()); });
     }
     auto agent = init(reg, opts);
     if (mode == "cuda_ipc") {
@@ -149,8 +147,8 @@ int worker_main(const std::string& mode) {
         rpc::rpc_sync<int64_t>("worker1", "pid");
         for (int64_t n : {int64_t(16), int64_t(16) << 20}) {
           auto x = at::randn({n}, at::TensorOptions().device(at::kCUDA));
-          auto [y, where] = rpc::rpc_sync<std::tuple<at::Tensor, std::string>>(
-              "worker1", "scale_on_gpu", x, 2.0);
+          auto [y, where] =
+              rpc::rpc_sync<std::tuple<at::Tensor, std::string>>("worker1", "scale_on_gpu", x, 2.0);
           ok = ok && where == "cuda:0" && y.device() == x.device() && at::equal(y, x * 2);
         }
       }
@@ -188,10 +186,10 @@ int worker_main(const std::string& mode) {
       for (auto& c : calls) ok = ok && c.wait() > 0;
       rpc::shutdown(true);
       if (agent->rank() == 0) {
-        std::printf("all-to-all of %d %s, init to shutdown %.3f s\n", agent->world_size(),
-                    ok ? "ok" : "WRONG",
-                    std::chrono::duration<double>(std::chrono::steady_clock::now() - started)
-                        .count());
+        std::printf(
+            "all-to-all of %d %s, init to shutdown %.3f s\n", agent->world_size(),
+            ok ? "ok" : "WRONG",
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
       }
       return ok ? 0 : 1;
     }
@@ -238,8 +236,9 @@ int worker_main(const std::string& mode) {
 }  // namespace tandem::test
 
 TEST_CASE("process: tandem-run starts a world of real workers") {
-  test::RunResult r = test::run_command(std::string("TANDEM_TEST_WORKER=launch ") + TANDEM_RUN_PATH +
-                            " --nproc-per-node 3 " + support::self_exe());
+  test::RunResult r =
+      test::run_command(std::string("TANDEM_TEST_WORKER=launch ") + TANDEM_RUN_PATH +
+                        " --nproc-per-node 3 " + support::self_exe());
   INFO(r.output);
   CHECK(r.status == 0);
   for (int rank = 0; rank < 3; ++rank) {
@@ -248,13 +247,14 @@ TEST_CASE("process: tandem-run starts a world of real workers") {
   }
 }
 
-TEST_CASE("device maps: CUDA tensors to another process on this host go by CUDA IPC, and "
-          "come back the same way") {
+TEST_CASE(
+    "device maps: CUDA tensors to another process on this host go by CUDA IPC, and "
+    "come back the same way") {
   if (!test::cuda_or_skip()) return;
   auto run = [](const std::string& extra) {
-    test::RunResult r = test::run_command("TANDEM_TEST_WORKER=cuda_ipc " + extra + " " +
-                                          TANDEM_RUN_PATH + " --nproc-per-node 2 " +
-                                          support::self_exe());
+    test::RunResult r =
+        test::run_command("TANDEM_TEST_WORKER=cuda_ipc " + extra + " " + TANDEM_RUN_PATH +
+                          " --nproc-per-node 2 " + support::self_exe());
     INFO(r.output);
     CHECK(r.status == 0);
     return r.output;
@@ -272,8 +272,9 @@ TEST_CASE("device maps: CUDA tensors to another process on this host go by CUDA 
 
 TEST_CASE("process: tandem-run stops everyone when one worker fails") {
   auto t0 = std::chrono::steady_clock::now();
-  test::RunResult r = test::run_command(std::string("TANDEM_TEST_WORKER=launch TANDEM_TEST_FAIL_RANK=1 ") +
-                            TANDEM_RUN_PATH + " --nproc-per-node 2 " + support::self_exe());
+  test::RunResult r =
+      test::run_command(std::string("TANDEM_TEST_WORKER=launch TANDEM_TEST_FAIL_RANK=1 ") +
+                        TANDEM_RUN_PATH + " --nproc-per-node 2 " + support::self_exe());
   INFO(r.output);
   CHECK(r.status == 3);
   CHECK(r.output.find("[1]: rank 1 failing on purpose") != std::string::npos);
@@ -316,9 +317,10 @@ TEST_CASE("process: graceful shutdown after a worker died fails at once, naming 
   ::kill(child.pid, SIGKILL);
   child.wait();
   auto t0 = std::chrono::steady_clock::now();
-  CHECK_THROWS_WITH_AS(agent->shutdown(true),
-                       doctest::Contains("gone before reaching shutdown: worker1 (cannot connect to"),
-                       DisconnectedError);
+  CHECK_THROWS_WITH_AS(
+      agent->shutdown(true),
+      doctest::Contains("gone before reaching shutdown: worker1 (cannot connect to"),
+      DisconnectedError);
   CHECK(std::chrono::steady_clock::now() - t0 < 3s);
   agent->shutdown(true);  // done already: nothing more to do
   agent = nullptr;
@@ -361,15 +363,16 @@ TEST_CASE("process: the same workers start under torchrun, joining the store it 
   // Debian's torchrun 1.13 spells its flags with underscores, and under
   // Python 3.11 needs --redirects and --tee given (its defaults parse to None).
   // It hosts the store on MASTER_PORT itself (TORCHELASTIC_USE_AGENT_STORE).
-  const std::string cmd = "TANDEM_TEST_WORKER=launch torchrun --no_python --nproc_per_node 3 "
-                          "--redirects 2 --tee 2 --master_port " +
-                          std::to_string(support::free_port()) + " " + support::self_exe();
+  const std::string cmd =
+      "TANDEM_TEST_WORKER=launch torchrun --no_python --nproc_per_node 3 "
+      "--redirects 2 --tee 2 --master_port " +
+      std::to_string(support::free_port()) + " " + support::self_exe();
   test::RunResult r = test::run_command(cmd);
   INFO(cmd << "\n" << r.output);
   CHECK(r.status == 0);
   for (int rank = 0; rank < 3; ++rank) {
-    CHECK(r.output.find("rank " + std::to_string(rank) + " of 3 (local " +
-                        std::to_string(rank) + ") ok") != std::string::npos);
+    CHECK(r.output.find("rank " + std::to_string(rank) + " of 3 (local " + std::to_string(rank) +
+                        ") ok") != std::string::npos);
   }
 }
 
@@ -377,9 +380,9 @@ TEST_CASE("process: a 16-worker world starts, calls all-to-all and shuts down qu
   // LibTorch's store client sleeps a second after a refused connect; the
   // workers knock until the store listens instead.
   auto t0 = std::chrono::steady_clock::now();
-  test::RunResult r = test::run_command(std::string("TANDEM_TEST_WORKER=all_to_all ") +
-                                        TANDEM_RUN_PATH + " --nproc-per-node 16 " +
-                                        support::self_exe());
+  test::RunResult r =
+      test::run_command(std::string("TANDEM_TEST_WORKER=all_to_all ") + TANDEM_RUN_PATH +
+                        " --nproc-per-node 16 " + support::self_exe());
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   INFO(r.output);
@@ -394,7 +397,8 @@ TEST_CASE("process: a 16-worker world starts, calls all-to-all and shuts down qu
   CHECK(rpc_seconds < 1.0);
 }
 
-TEST_CASE("process: a node that never arrives: workers name who is missing and exit with an error") {
+TEST_CASE(
+    "process: a node that never arrives: workers name who is missing and exit with an error") {
   // Node 0 of 2 starts; node 1 never does.
   const int port = support::free_port();
   test::RunResult r = test::run_command(
@@ -435,7 +439,8 @@ TEST_CASE("process: launcher variables from Slurm and Open MPI") {
 
 TEST_CASE("process: freed host memory stays mapped for the next step unless the user opts out") {
   auto probe = [](const std::string& env) {
-    test::RunResult r = test::run_command(env + " TANDEM_TEST_WORKER=malloc_faults " + support::self_exe());
+    test::RunResult r =
+        test::run_command(env + " TANDEM_TEST_WORKER=malloc_faults " + support::self_exe());
     INFO(r.output);
     REQUIRE(r.status == 0);
     int applied = -1;
@@ -456,8 +461,9 @@ TEST_CASE("process: freed host memory stays mapped for the next step unless the 
   CHECK(probe("GLIBC_TUNABLES=glibc.malloc.trim_threshold=1073741824").first == 0);
 }
 
-TEST_CASE("process: a worker killed mid-call over shared memory is noticed at once, and leaves "
-          "nothing in /dev/shm") {
+TEST_CASE(
+    "process: a worker killed mid-call over shared memory is noticed at once, and leaves "
+    "nothing in /dev/shm") {
   auto shm_files = [] {
     std::set<std::string> names;
     if (DIR* d = ::opendir("/dev/shm")) {
@@ -508,8 +514,8 @@ int processes_with(const std::string& marker) {
 
 TEST_CASE("spawn: three workers of this program run the function and the call returns") {
   const std::string marker = "TANDEM_TEST_SPAWN_ID=" + std::to_string(::getpid()) + "ok";
-  test::RunResult r = test::run_command(marker + " TANDEM_TEST_WORKER=spawn_ok " +
-                                        support::self_exe());
+  test::RunResult r =
+      test::run_command(marker + " TANDEM_TEST_WORKER=spawn_ok " + support::self_exe());
   INFO(r.output);
   CHECK(r.status == 0);
   for (int rank = 0; rank < 3; ++rank) {
@@ -526,13 +532,12 @@ TEST_CASE("spawn: a failing rank stops the others and its error reaches the call
   SUBCASE("it throws") {
     const std::string marker = "TANDEM_TEST_SPAWN_ID=" + std::to_string(::getpid()) + "fail";
     auto t0 = std::chrono::steady_clock::now();
-    test::RunResult r = test::run_command(marker + " TANDEM_TEST_WORKER=spawn_fail " +
-                                          support::self_exe());
+    test::RunResult r =
+        test::run_command(marker + " TANDEM_TEST_WORKER=spawn_fail " + support::self_exe());
     INFO(r.output);
     CHECK(r.status == 0);
     CHECK(r.output.find("SpawnError rank=1 exit_code=1 signal=0 "
-                        "last=tandem::spawn: rank 1 failed: boom on purpose") !=
-          std::string::npos);
+                        "last=tandem::spawn: rank 1 failed: boom on purpose") != std::string::npos);
     CHECK(r.output.find("what: tandem::spawn: rank 1 exited with code 1; its last lines:\n"
                         "  rank 1 of 3 started\n  rank 1 about to fail\n") != std::string::npos);
     CHECK(r.output.find("spawn returned") == std::string::npos);
@@ -541,8 +546,8 @@ TEST_CASE("spawn: a failing rank stops the others and its error reaches the call
   }
   SUBCASE("it is killed") {
     const std::string marker = "TANDEM_TEST_SPAWN_ID=" + std::to_string(::getpid()) + "kill";
-    test::RunResult r = test::run_command(marker + " TANDEM_TEST_WORKER=spawn_kill " +
-                                          support::self_exe());
+    test::RunResult r =
+        test::run_command(marker + " TANDEM_TEST_WORKER=spawn_kill " + support::self_exe());
     INFO(r.output);
     CHECK(r.output.find("SpawnError rank=2 exit_code=-1 signal=9") != std::string::npos);
     CHECK(r.output.find("rank 2 was killed by signal 9 (Killed)") != std::string::npos);

@@ -102,8 +102,9 @@ void define(Registry& r, std::shared_ptr<Stash> stash) {
 }
 
 World make_world(std::shared_ptr<Stash> stash = std::make_shared<Stash>()) {
-  return World(3, [stash](Registry& r) { define(r, stash); },
-               [](AgentOptions& o) { o.num_worker_threads = 4; });
+  return World(
+      3, [stash](Registry& r) { define(r, stash); },
+      [](AgentOptions& o) { o.num_worker_threads = 4; });
 }
 
 // Reference counting is asynchronous: waits until no worker has an RRef
@@ -147,7 +148,8 @@ TEST_CASE("rref: a local owner reference") {
   CHECK(mine.confirmed_by_owner());
   CHECK(at::equal(mine.local_value(), at::arange(4)));
   // Handed to another worker, it works there as a user reference.
-  at::Tensor back = w[1].rpc_sync<at::Tensor>("worker0", "sum_all", std::vector<RRef<at::Tensor>>{mine});
+  at::Tensor back =
+      w[1].rpc_sync<at::Tensor>("worker0", "sum_all", std::vector<RRef<at::Tensor>>{mine});
   CHECK(at::equal(back, at::arange(4)));
   mine = RRef<at::Tensor>();
   w.shutdown();
@@ -174,7 +176,8 @@ TEST_CASE("rref: RRefs travel as arguments and results, nested in lists, dicts a
   auto b = remote<at::Tensor>(w[0], "worker2", "full", 3, 2.0);
   auto c = RRef<at::Tensor>::make_local(w[0], at::full_like(at::zeros({3}), 4.0));
   // worker2 receives three references: to its own value, to worker1's, to worker0's.
-  at::Tensor s = w[0].rpc_sync<at::Tensor>("worker2", "sum_all", std::vector<RRef<at::Tensor>>{a, b, c});
+  at::Tensor s =
+      w[0].rpc_sync<at::Tensor>("worker2", "sum_all", std::vector<RRef<at::Tensor>>{a, b, c});
   CHECK(at::allclose(s, at::full_like(at::zeros({3}), 7.0)));
   // ... and in a dict.
   std::unordered_map<std::string, RRef<at::Tensor>> named{{"a", a}, {"b", b}};
@@ -274,15 +277,15 @@ TEST_CASE("rref: the owner frees the value exactly when the last reference goes"
   auto r = remote<at::Tensor>(w[0], "worker1", "make_counted", 16);
   r.confirmation().wait();
   w[0].rpc_sync("worker2", "stash", r);  // a second holder
-  r = RRef<at::Tensor>();                 // the creator lets go
-  settle(w);                              // ... and its delete has been answered
-  CHECK(g_freed.load() == 0);             // worker2 still holds it
+  r = RRef<at::Tensor>();                // the creator lets go
+  settle(w);                             // ... and its delete has been answered
+  CHECK(g_freed.load() == 0);            // worker2 still holds it
   CHECK(w[1].rrefs().owned_values() == 1);
-  w[0].rpc_sync("worker2", "unstash");    // the last reference goes
+  w[0].rpc_sync("worker2", "unstash");  // the last reference goes
   CHECK(eventually([] { return g_freed.load() == 1; }));
   CHECK(w[1].rrefs().owned_values() == 0);
   settle(w);
-  CHECK(g_freed.load() == 1);             // and exactly once
+  CHECK(g_freed.load() == 1);  // and exactly once
   w.shutdown();
 }
 
@@ -296,7 +299,7 @@ TEST_CASE("rref: a reference whose owner died fails with Disconnected") {
   CHECK_THROWS_AS(r.rpc_sync("numel"), DisconnectedError);
   CHECK(std::chrono::steady_clock::now() - t0 < 1000ms);
   r = RRef<at::Tensor>();  // its delete cannot reach the owner; it gives up
-  w.shutdown(false);  // the value stays on the dead worker1: nothing more to check
+  w.shutdown(false);       // the value stays on the dead worker1: nothing more to check
 }
 
 TEST_CASE("rref: graceful shutdown reports user references still alive") {
@@ -319,10 +322,11 @@ TEST_CASE("rref: a message that was never sent leaves no fork behind") {
   auto r = remote<at::Tensor>(w[0], "worker1", "ones", 2);
   r.wait_confirmed();
   // A value that cannot travel after the RRef: the fork made for it is undone.
-  CHECK_THROWS_AS(w[0].rpc_sync("worker2", "stash",
-                                c10::ivalue::Tuple::create({r.to_ivalue_checked(),
-                                                            c10::IValue(at::ones({2}).to_sparse())})),
-                  std::invalid_argument);
+  CHECK_THROWS_AS(
+      w[0].rpc_sync("worker2", "stash",
+                    c10::ivalue::Tuple::create(
+                        {r.to_ivalue_checked(), c10::IValue(at::ones({2}).to_sparse())})),
+      std::invalid_argument);
   // A worker that is gone: the request never leaves.
   w[2].shutdown(false);
   CHECK_THROWS_AS(w[0].rpc_sync("worker2", "stash", r), DisconnectedError);
@@ -406,10 +410,10 @@ TEST_CASE("rref: a delete that overtakes its fork or create does not resurrect i
   // Malformed control messages are refused, naming what was wrong.
   CHECK_THROWS_WITH_AS(w[0].call("worker1", "tandem.rref.fork", {id(1), int64_t(5)}).wait(),
                        doctest::Contains("argument 2 of 'tandem.rref.fork'"), RemoteError);
-  CHECK_THROWS_WITH_AS(
-      w[0].call("worker1", "tandem.rref.fetch", {to_ivalue(std::make_tuple(int64_t(9), int64_t(1)))})
-          .wait(),
-      doctest::Contains("worker 9 is outside the world"), RemoteError);
+  CHECK_THROWS_WITH_AS(w[0].call("worker1", "tandem.rref.fetch",
+                                 {to_ivalue(std::make_tuple(int64_t(9), int64_t(1)))})
+                           .wait(),
+                       doctest::Contains("worker 9 is outside the world"), RemoteError);
   CHECK_THROWS_WITH_AS(
       w[0].call("worker1", "tandem.rref.delete", {to_ivalue(std::vector<int64_t>{0, 1, 0})}).wait(),
       doctest::Contains("not a multiple of 4"), RemoteError);
@@ -418,8 +422,9 @@ TEST_CASE("rref: a delete that overtakes its fork or create does not resurrect i
 }
 
 TEST_CASE("rref: a request for a value its owner never had is dropped, not kept") {
-  World w(2, [](Registry& r) { define(r, std::make_shared<Stash>()); },
-          [](AgentOptions& o) { o.rpc_timeout = 300ms; });
+  World w(
+      2, [](Registry& r) { define(r, std::make_shared<Stash>()); },
+      [](AgentOptions& o) { o.rpc_timeout = 300ms; });
   auto f = w[0].call("worker1", "tandem.rref.fetch",
                      {to_ivalue(std::make_tuple(int64_t(0), int64_t(4242)))}, 50ms);
   CHECK_THROWS_AS(f.wait(), TimeoutError);

@@ -56,7 +56,8 @@ std::vector<std::string> listening_addresses(int port) {
       } else {
         in6_addr a{};
         for (int i = 0; i < 4; ++i) {
-          const uint32_t word = static_cast<uint32_t>(std::stoul(hex.substr(8 * i, 8), nullptr, 16));
+          const uint32_t word =
+              static_cast<uint32_t>(std::stoul(hex.substr(8 * i, 8), nullptr, 16));
           std::memcpy(reinterpret_cast<char*>(&a) + 4 * i, &word, 4);
         }
         ::inet_ntop(AF_INET6, &a, buf, sizeof(buf));
@@ -71,8 +72,9 @@ std::vector<std::string> listening_addresses(int port) {
 
 TEST_CASE("store: the server answers LibTorch's TCPStore client, and a bad client is closed") {
 #if TORCH_VERSION_MAJOR >= 2
-  std::printf("skipped: rpc/rendezvous/store_server.h speaks LibTorch 1.x's TCPStore protocol; with 2.x, "
-              "c10d's own server hosts the store\n");
+  std::printf(
+      "skipped: rpc/rendezvous/store_server.h speaks LibTorch 1.x's TCPStore protocol; with 2.x, "
+      "c10d's own server hosts the store\n");
   return;
 #endif
   StoreServer server("127.0.0.1", 0);

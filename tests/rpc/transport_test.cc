@@ -115,8 +115,8 @@ Message request(uint64_t id, std::vector<c10::IValue> values = {}) {
 // seen by `b`, which then forgets the greeting: b.got holds what follows.
 // `local`: through b's same-host endpoint.
 ConnectionPtr open(Endpoint& a, Endpoint& b, int port, bool local = false) {
-  auto c = local ? a.t->connect_local(b.t->local_endpoint(), 5s)
-                 : a.t->connect("127.0.0.1", port, 5s);
+  auto c =
+      local ? a.t->connect_local(b.t->local_endpoint(), 5s) : a.t->connect("127.0.0.1", port, 5s);
   REQUIRE(c);
   CHECK(std::string(c->kind()) == (local ? "shm" : "tcp"));
   Message hello;
@@ -168,7 +168,7 @@ TEST_CASE("transport: empty, large and many-tensor messages arrive intact and in
     Endpoint a(make), b(make);
     int port = b.t->listen("127.0.0.1", 0);
     auto c = open(a, b, port, be.local);
-    c->send(encode(request(1)));  // no values at all
+    c->send(encode(request(1)));                 // no values at all
     auto big = at::arange(8 << 20, at::kFloat);  // 32 MiB
     c->send(encode(request(2, {big})));
     std::vector<at::Tensor> many;
@@ -382,8 +382,8 @@ at::Tensor received(Endpoint& e, size_t i) {
 
 TEST_CASE("shm: large tensors travel through shared memory, small ones in the frame") {
   ShmPair p(small_pool());
-  auto small = at::arange(256, at::kFloat);           // 1 KiB: inline
-  auto large = at::arange(1 << 18, at::kFloat);       // 1 MiB: shared
+  auto small = at::arange(256, at::kFloat);      // 1 KiB: inline
+  auto large = at::arange(1 << 18, at::kFloat);  // 1 MiB: shared
   p.c->send(encode(request(1, {c10::List<at::Tensor>({small, large, small * 2})})));
   REQUIRE(p.b.wait([&] { return p.b.got.size() == 1; }));
   {
@@ -534,7 +534,8 @@ TEST_CASE("shm: a spinning thread reads its connection itself, and the order hol
   CHECK_FALSE(served->poll_inline());
 }
 
-TEST_CASE("shm: a small ring wraps, fills and wakes; frames both ways arrive once, in order, intact") {
+TEST_CASE(
+    "shm: a small ring wraps, fills and wakes; frames both ways arrive once, in order, intact") {
   // A 4 KiB ring: frames of every size wrap around it, larger ones stream
   // through it while their writer waits for space (ring.h, 2.-3.), and
   // 40 KiB tensors bring new segments whose descriptors come first (4.).
@@ -650,8 +651,9 @@ TEST_CASE("shm: with a ring on one side only, frames both ways arrive once, in o
   CHECK(b.closed.empty());
 }
 
-TEST_CASE("shm: a reader that stops reading leaves the ring full; the writer queues, and goes on "
-          "when answers drain") {
+TEST_CASE(
+    "shm: a reader that stops reading leaves the ring full; the writer queues, and goes on "
+    "when answers drain") {
   // Backpressure (uv_transport.h, 5.) through a 4 KiB ring: b holds a few
   // requests, then stops reading past max_held_bytes; a's ring fills and
   // its sends queue. Answers resume b, whose reads wake a's writer.
@@ -674,8 +676,8 @@ TEST_CASE("shm: a reader that stops reading leaves the ring full; the writer que
   for (size_t i = 0; i < size_t(n); ++i) {
     if (!b.wait([&] { return b.got.size() > i; }, 10s)) {
       std::lock_guard<std::mutex> la(a.mu), lb(b.mu);
-      FAIL("stuck at " << i << " of " << n << "; a closed: "
-                       << (a.closed.empty() ? "-" : a.closed[0].second)
+      FAIL("stuck at " << i << " of " << n
+                       << "; a closed: " << (a.closed.empty() ? "-" : a.closed[0].second)
                        << "; b closed: " << (b.closed.empty() ? "-" : b.closed[0].second)
                        << "; a got " << a.got.size());
     }
@@ -699,7 +701,8 @@ TEST_CASE("shm: a reader that stops reading leaves the ring full; the writer que
   CHECK(b.closed.empty());
 }
 
-TEST_CASE("shm: a write into a ring a spin polls wakes nobody; what the spin leaves, the loop delivers") {
+TEST_CASE(
+    "shm: a write into a ring a spin polls wakes nobody; what the spin leaves, the loop delivers") {
   Endpoint a(shm_transport()), b(shm_transport(), Limits{}, [](const Message&) { return true; });
   const int port = b.t->listen("127.0.0.1", 0);
   auto c = open(a, b, port, /*local=*/true);
@@ -903,9 +906,7 @@ TEST_CASE("shm: bad references and descriptors close that connection, not the tr
   Endpoint a(shm_transport());
   auto good = open(a, b, port, /*local=*/true);
   good->send(encode(request(42, {at::arange(1 << 18, at::kFloat)})));
-  REQUIRE(b.wait([&] {
-    return !b.got.empty() && b.got.back().id == 42;
-  }));
+  REQUIRE(b.wait([&] { return !b.got.empty() && b.got.back().id == 42; }));
 }
 
 namespace {
@@ -934,8 +935,8 @@ struct RawRing {
   RawRing(const std::string& endpoint, int ring_fd, uint64_t capacity)
       : raw(endpoint, /*greet=*/false), capacity(capacity) {
     raw.write(std::string(1, kRingHello), {ring_fd});
-    void* p = ::mmap(nullptr, testing::RingLayout::kHeaderBytes + capacity,
-                     PROT_READ | PROT_WRITE, MAP_SHARED, ring_fd, 0);
+    void* p = ::mmap(nullptr, testing::RingLayout::kHeaderBytes + capacity, PROT_READ | PROT_WRITE,
+                     MAP_SHARED, ring_fd, 0);
     REQUIRE(p != MAP_FAILED);
     base = static_cast<char*>(p);
     ::close(ring_fd);

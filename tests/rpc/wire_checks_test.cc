@@ -48,14 +48,15 @@ TEST_CASE("wire checks: the preamble") {
   REFUSES(check_preamble(preamble_with([](Preamble& p) { p.envelope_bytes = 13; }), limits, false),
           "impossible envelope length 13 (limit " + kLimitText + ")");
   const auto over = static_cast<uint32_t>(limits.max_envelope_bytes + 8);
-  REFUSES(check_preamble(preamble_with([=](Preamble& p) { p.envelope_bytes = over; }), limits,
-                         false),
-          "impossible envelope length " + std::to_string(over) + " (limit " + kLimitText + ")");
-  REFUSES(check_preamble(preamble_with([&](Preamble& p) { p.body_bytes = limits.max_body_bytes + 1; }),
-                         limits, false),
-          "tensor body of 17179869185 bytes exceeds the limit of 17179869184");
-  CHECK_NOTHROW(check_preamble(preamble_with([&](Preamble& p) { p.body_bytes = limits.max_body_bytes; }),
-                               limits, false));
+  REFUSES(
+      check_preamble(preamble_with([=](Preamble& p) { p.envelope_bytes = over; }), limits, false),
+      "impossible envelope length " + std::to_string(over) + " (limit " + kLimitText + ")");
+  REFUSES(
+      check_preamble(preamble_with([&](Preamble& p) { p.body_bytes = limits.max_body_bytes + 1; }),
+                     limits, false),
+      "tensor body of 17179869185 bytes exceeds the limit of 17179869184");
+  CHECK_NOTHROW(check_preamble(
+      preamble_with([&](Preamble& p) { p.body_bytes = limits.max_body_bytes; }), limits, false));
   REFUSES(check_preamble(preamble_with([](Preamble& p) { p.flags = 2; }), limits, false),
           "unknown frame flags 2");
   CHECK_NOTHROW(check_preamble(preamble_with([](Preamble& p) { p.flags = kFlagSharedTensors; }),
@@ -68,9 +69,10 @@ TEST_CASE("wire checks: the preamble") {
                                  /*handshake=*/true));
     REFUSES(check_preamble(good_preamble(), limits, true), want);
     REFUSES(check_preamble(preamble_with([](Preamble& p) {
-              p.body_bytes = 0;
-              p.envelope_bytes = 4104;
-            }), limits, true),
+                             p.body_bytes = 0;
+                             p.envelope_bytes = 4104;
+                           }),
+                           limits, true),
             want);
     // The checks come in order: a bad magic is named first.
     REFUSES(check_preamble(preamble_with([](Preamble& p) { p.magic = 0; }), limits, true),
@@ -187,7 +189,8 @@ TEST_CASE("wire checks: a tensor's shape and strides") {
   CHECK(check_shape(0, Ints{}, Ints{}, shape) == 1);  // a scalar
   CHECK(shape.empty());
   CHECK(check_shape(0, Ints{0, 4}, Ints{4, 1}, shape) == 0);
-  CHECK(check_shape(0, Ints{2, 1, 3}, Ints{3, 999, 1}, shape) == 6);  // a size-1 dim's stride is free
+  CHECK(check_shape(0, Ints{2, 1, 3}, Ints{3, 999, 1}, shape) ==
+        6);  // a size-1 dim's stride is free
   CHECK(check_shape(0, Ints{kMaxDimSize}, Ints{1}, shape) == uint64_t(kMaxDimSize));
   CHECK(check_shape(0, Ints(kMaxDims, 1), Ints(kMaxDims, 1), shape) == 1);
 
@@ -197,13 +200,13 @@ TEST_CASE("wire checks: a tensor's shape and strides") {
   REFUSES(check_shape(1, Ints{-4}, Ints{1}, shape), "tensor 1: negative size");
   REFUSES(check_shape(0, Ints{kMaxDimSize + 1}, Ints{1}, shape),
           "tensor 0: size 281474976710657 too large");
-  REFUSES(check_shape(0, Ints{int64_t(1) << 40, int64_t(1) << 40, 4},
-                      Ints{int64_t(1) << 42, 4, 1}, shape),
-          "tensor 0: shape product overflows");
-  // 2^63 elements fit the unsigned count but not the signed strides.
-  REFUSES(check_shape(0, Ints{int64_t(1) << 32, int64_t(1) << 31}, Ints{int64_t(1) << 31, 1},
+  REFUSES(check_shape(0, Ints{int64_t(1) << 40, int64_t(1) << 40, 4}, Ints{int64_t(1) << 42, 4, 1},
                       shape),
           "tensor 0: shape product overflows");
+  // 2^63 elements fit the unsigned count but not the signed strides.
+  REFUSES(
+      check_shape(0, Ints{int64_t(1) << 32, int64_t(1) << 31}, Ints{int64_t(1) << 31, 1}, shape),
+      "tensor 0: shape product overflows");
   REFUSES(check_shape(0, Ints{2, 2}, Ints{1, 2}, shape), "tensor 0: strides are not contiguous");
   REFUSES(check_shape(0, Ints{2, 0}, Ints{0, 1}, shape), "tensor 0: strides are not contiguous");
 }
@@ -211,7 +214,7 @@ TEST_CASE("wire checks: a tensor's shape and strides") {
 TEST_CASE("wire checks: a device as written, and a tensor's device") {
   CHECK((check_device_value(0, -1) == c10::Device(c10::kCPU)));
   CHECK((check_device_value(static_cast<int>(c10::DeviceType::CUDA), 1) ==
-        c10::Device(c10::kCUDA, 1)));
+         c10::Device(c10::kCUDA, 1)));
   REFUSES(check_device_value(-1, 0), "invalid device (type -1, index 0) in envelope");
   const int past = static_cast<int>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES);
   REFUSES(check_device_value(past, 0),
@@ -250,8 +253,10 @@ TEST_CASE("wire checks: a tensor's CUDA IPC placement") {
   REFUSES(check_ipc_tensor(0, cuda, false, 0), "tensor 0: comes as a CUDA IPC handle but is empty");
 
   CHECK_NOTHROW(check_ipc_handles(0, 64, 64, 64));
-  REFUSES(check_ipc_handles(0, 3, 64, 64), "tensor 0: CUDA IPC handles of 3 and 64 bytes (want 64)");
-  REFUSES(check_ipc_handles(0, 64, 0, 64), "tensor 0: CUDA IPC handles of 64 and 0 bytes (want 64)");
+  REFUSES(check_ipc_handles(0, 3, 64, 64),
+          "tensor 0: CUDA IPC handles of 3 and 64 bytes (want 64)");
+  REFUSES(check_ipc_handles(0, 64, 0, 64),
+          "tensor 0: CUDA IPC handles of 64 and 0 bytes (want 64)");
 
   CHECK_NOTHROW(check_ipc_range(0, 128, 4, 132));
   REFUSES(check_ipc_range(0, 128, 4, 131),
@@ -264,7 +269,8 @@ TEST_CASE("wire checks: a tensor's CUDA IPC placement") {
   check_ipc_total(0, 4, 8, total);
   check_ipc_total(1, 4, 8, total);
   CHECK(total == 8);
-  REFUSES(check_ipc_total(2, 1, 8, total), "tensor 2: CUDA IPC tensors exceed the limit of 8 bytes");
+  REFUSES(check_ipc_total(2, 1, 8, total),
+          "tensor 2: CUDA IPC tensors exceed the limit of 8 bytes");
   total = ~uint64_t(0) - 1;
   REFUSES(check_ipc_total(0, 4, ~uint64_t(0), total),
           "tensor 0: CUDA IPC tensors exceed the limit of 18446744073709551615 bytes");
@@ -300,9 +306,9 @@ TEST_CASE("wire checks: the value tree") {
   CHECK_NOTHROW(check_dict_sizes(2, 2));
   REFUSES(check_dict_sizes(2, 1), "dict with 2 keys and 1 values");
 
-  for (const c10::IValue& key : {c10::IValue(std::string("k")), c10::IValue(int64_t(1)),
-                                 c10::IValue(1.5), c10::IValue(true), c10::IValue(at::ones({1})),
-                                 c10::IValue(c10::Device(c10::kCPU))}) {
+  for (const c10::IValue& key :
+       {c10::IValue(std::string("k")), c10::IValue(int64_t(1)), c10::IValue(1.5), c10::IValue(true),
+        c10::IValue(at::ones({1})), c10::IValue(c10::Device(c10::kCPU))}) {
     CHECK_NOTHROW(check_dict_key(key));
   }
   REFUSES(check_dict_key(c10::IValue()), "unhashable dict key of type None");
@@ -315,8 +321,10 @@ TEST_CASE("wire checks: the value tree") {
   CHECK_NOTHROW(check_rref(d));
   for (int field = 0; field < 4; ++field) {
     RRefDesc bad = d;
-    (field == 0 ? bad.owner : field == 1 ? bad.id.worker : field == 2 ? bad.fork.worker
-                                                                      : bad.parent) = -1;
+    (field == 0   ? bad.owner
+     : field == 1 ? bad.id.worker
+     : field == 2 ? bad.fork.worker
+                  : bad.parent) = -1;
     REFUSES(check_rref(bad), "RRef with a negative worker in envelope");
   }
 }

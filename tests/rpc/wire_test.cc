@@ -5,14 +5,13 @@
 #include <filesystem>
 #include <fstream>
 
-
 #include <cstring>
 
 #include <ATen/ops/imag.h>
 
 #include "rpc/frames.h"
-#include "tandem/rpc/wire/device.h"
 #include "tandem/rpc/common/auth.h"
+#include "tandem/rpc/wire/device.h"
 
 using namespace tandem::rpc;
 using tandem::test::raw_frame;
@@ -59,9 +58,15 @@ TEST_CASE("wire: scalars, strings and containers round-trip with their types") {
   c10::impl::GenericDict d(c10::StringType::get(), c10::IntType::get());
   d.insert("x", 1);
   d.insert("y", 2);
-  m.values = {c10::IValue(), true, int64_t(-7), 2.5, with_nul,
-              c10::IValue(std::vector<int64_t>{}), c10::IValue(std::vector<double>{1.5, 2.5}),
-              c10::ivalue::Tuple::create({int64_t(1), std::string("s")}), c10::IValue(d),
+  m.values = {c10::IValue(),
+              true,
+              int64_t(-7),
+              2.5,
+              with_nul,
+              c10::IValue(std::vector<int64_t>{}),
+              c10::IValue(std::vector<double>{1.5, 2.5}),
+              c10::ivalue::Tuple::create({int64_t(1), std::string("s")}),
+              c10::IValue(d),
               c10::Device(c10::kCPU)};
   Message out = round_trip(m);
   CHECK(out.id == 42);
@@ -251,7 +256,9 @@ RRefPtr handle(int32_t owner, uint64_t local) {
                                        make_raw_future(), std::weak_ptr<RRefContext>(), false);
 }
 
-bool holds(const c10::IValue& v, const RRefPtr& h) { return v.isRRef() && v.toRRef().get() == h.get(); }
+bool holds(const c10::IValue& v, const RRefPtr& h) {
+  return v.isRRef() && v.toRRef().get() == h.get();
+}
 }  // namespace
 
 TEST_CASE("wire: a received RRef is a plain description until the agent puts its handle there") {
@@ -264,7 +271,8 @@ TEST_CASE("wire: a received RRef is a plain description until the agent puts its
   dict.insert("k", c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(d)));
   Message m;
   m.values = {c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(a)), c10::IValue(list),
-              c10::ivalue::Tuple::create({int64_t(1), c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(c))}),
+              c10::ivalue::Tuple::create(
+                  {int64_t(1), c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(c))}),
               c10::IValue(dict)};
   OutFrame frame = encode(m, Limits{}, &hook, 1);
   REQUIRE(hook.forks.size() == 4);
@@ -288,7 +296,8 @@ TEST_CASE("wire: a received RRef is a plain description until the agent puts its
   CHECK(dynamic_cast<RRefImpl*>(out.values[0].toRRef().get()) == nullptr);
 
   std::vector<RRefPtr> mine = {handle(2, 1), handle(0, 2), handle(2, 3), handle(1, 4)};
-  CHECK_THROWS_AS(fill_rrefs(out.values, {mine[0], mine[1], mine[2]}), std::logic_error);  // one place left
+  CHECK_THROWS_AS(fill_rrefs(out.values, {mine[0], mine[1], mine[2]}),
+                  std::logic_error);  // one place left
   FrameDecoder dec2{Limits{}};
   std::string bytes2 = tandem::test::frame_bytes(encode(m, Limits{}, &hook, 1));
   dec2.feed(bytes2.data(), bytes2.size());
@@ -343,11 +352,14 @@ TEST_CASE("wire: malformed frames are refused with a protocol error") {
     expect_protocol_error(std::string(reinterpret_cast<char*>(&p), sizeof(p)), "exceeds the limit");
   }
   SUBCASE("unknown dtype") {
-    expect_protocol_error(raw_frame([](auto env) {
-      auto t = env.initTensors(1)[0];
-      t.setDtype(99);
-      t.setByteLength(0);
-    }, 0), "unknown dtype");
+    expect_protocol_error(raw_frame(
+                              [](auto env) {
+                                auto t = env.initTensors(1)[0];
+                                t.setDtype(99);
+                                t.setByteLength(0);
+                              },
+                              0),
+                          "unknown dtype");
   }
   SUBCASE("a tensor for a device this worker does not have") {
     // A device map's target (DeviceMap) is checked where the tensor lands.
@@ -365,64 +377,82 @@ TEST_CASE("wire: malformed frames are refused with a protocol error") {
                           "which this worker does not have");
   }
   SUBCASE("quantized dtypes are not accepted from the wire") {
-    expect_protocol_error(raw_frame([](auto env) {
-      auto t = env.initTensors(1)[0];
-      t.setDtype(static_cast<int16_t>(c10::ScalarType::QInt8));
-    }, 0), "unknown dtype");
+    expect_protocol_error(raw_frame(
+                              [](auto env) {
+                                auto t = env.initTensors(1)[0];
+                                t.setDtype(static_cast<int16_t>(c10::ScalarType::QInt8));
+                              },
+                              0),
+                          "unknown dtype");
   }
   SUBCASE("byte length that does not match the shape") {
-    expect_protocol_error(raw_frame([](auto env) {
-      auto t = env.initTensors(1)[0];
-      t.setDtype(static_cast<int16_t>(c10::ScalarType::Float));
-      t.initSizes(1).set(0, 4);
-      t.initStrides(1).set(0, 1);
-      t.setByteLength(15);
-    }, 15, std::string(15, 'x')), "does not match");
+    expect_protocol_error(raw_frame(
+                              [](auto env) {
+                                auto t = env.initTensors(1)[0];
+                                t.setDtype(static_cast<int16_t>(c10::ScalarType::Float));
+                                t.initSizes(1).set(0, 4);
+                                t.initStrides(1).set(0, 1);
+                                t.setByteLength(15);
+                              },
+                              15, std::string(15, 'x')),
+                          "does not match");
   }
   SUBCASE("shape whose product overflows") {
-    expect_protocol_error(raw_frame([](auto env) {
-      auto t = env.initTensors(1)[0];
-      t.setDtype(static_cast<int16_t>(c10::ScalarType::Float));
-      auto s = t.initSizes(3);
-      s.set(0, int64_t(1) << 40);
-      s.set(1, int64_t(1) << 40);
-      s.set(2, 4);
-      auto st = t.initStrides(3);
-      st.set(0, int64_t(1) << 42);
-      st.set(1, 4);
-      st.set(2, 1);
-      t.setByteLength(16);
-    }, 16), "overflows");
+    expect_protocol_error(raw_frame(
+                              [](auto env) {
+                                auto t = env.initTensors(1)[0];
+                                t.setDtype(static_cast<int16_t>(c10::ScalarType::Float));
+                                auto s = t.initSizes(3);
+                                s.set(0, int64_t(1) << 40);
+                                s.set(1, int64_t(1) << 40);
+                                s.set(2, 4);
+                                auto st = t.initStrides(3);
+                                st.set(0, int64_t(1) << 42);
+                                st.set(1, 4);
+                                st.set(2, 1);
+                                t.setByteLength(16);
+                              },
+                              16),
+                          "overflows");
   }
   SUBCASE("negative size") {
-    expect_protocol_error(raw_frame([](auto env) {
-      auto t = env.initTensors(1)[0];
-      t.setDtype(static_cast<int16_t>(c10::ScalarType::Float));
-      t.initSizes(1).set(0, -4);
-      t.initStrides(1).set(0, 1);
-    }, 0), "negative size");
+    expect_protocol_error(raw_frame(
+                              [](auto env) {
+                                auto t = env.initTensors(1)[0];
+                                t.setDtype(static_cast<int16_t>(c10::ScalarType::Float));
+                                t.initSizes(1).set(0, -4);
+                                t.initStrides(1).set(0, 1);
+                              },
+                              0),
+                          "negative size");
   }
   SUBCASE("non-contiguous strides") {
-    expect_protocol_error(raw_frame([](auto env) {
-      auto t = env.initTensors(1)[0];
-      t.setDtype(static_cast<int16_t>(c10::ScalarType::Float));
-      auto s = t.initSizes(2);
-      s.set(0, 2);
-      s.set(1, 2);
-      auto st = t.initStrides(2);
-      st.set(0, 1);
-      st.set(1, 2);
-      t.setByteLength(16);
-    }, 16), "not contiguous");
+    expect_protocol_error(raw_frame(
+                              [](auto env) {
+                                auto t = env.initTensors(1)[0];
+                                t.setDtype(static_cast<int16_t>(c10::ScalarType::Float));
+                                auto s = t.initSizes(2);
+                                s.set(0, 2);
+                                s.set(1, 2);
+                                auto st = t.initStrides(2);
+                                st.set(0, 1);
+                                st.set(1, 2);
+                                t.setByteLength(16);
+                              },
+                              16),
+                          "not contiguous");
   }
   SUBCASE("body length that disagrees with the tensors") {
-    expect_protocol_error(raw_frame([](auto env) {
-      auto t = env.initTensors(1)[0];
-      t.setDtype(static_cast<int16_t>(c10::ScalarType::Float));
-      t.initSizes(1).set(0, 4);
-      t.initStrides(1).set(0, 1);
-      t.setByteLength(16);
-    }, 64), "need 16");
+    expect_protocol_error(raw_frame(
+                              [](auto env) {
+                                auto t = env.initTensors(1)[0];
+                                t.setDtype(static_cast<int16_t>(c10::ScalarType::Float));
+                                t.initSizes(1).set(0, 4);
+                                t.initStrides(1).set(0, 1);
+                                t.setByteLength(16);
+                              },
+                              64),
+                          "need 16");
   }
   SUBCASE("tensor index out of range") {
     expect_protocol_error(raw_frame([](auto env) { env.initValues(1)[0].setTensor(3); }, 0),
@@ -434,26 +464,35 @@ TEST_CASE("wire: malformed frames are refused with a protocol error") {
         "unknown message kind");
   }
   SUBCASE("dict with more keys than values") {
-    expect_protocol_error(raw_frame([](auto env) {
-      auto d = env.initValues(1)[0].initDict();
-      d.initKeys(2)[0].setInt(1);
-      d.initValues(1);
-    }, 0), "keys");
+    expect_protocol_error(raw_frame(
+                              [](auto env) {
+                                auto d = env.initValues(1)[0].initDict();
+                                d.initKeys(2)[0].setInt(1);
+                                d.initValues(1);
+                              },
+                              0),
+                          "keys");
   }
   SUBCASE("value tree nested past the capnp limit") {
-    expect_protocol_error(raw_frame([](auto env) {
-      auto v = env.initValues(1)[0];
-      for (int i = 0; i < 100; ++i) v = v.initTuple(1)[0];
-      v.setInt(1);
-    }, 0), "malformed envelope");
+    expect_protocol_error(raw_frame(
+                              [](auto env) {
+                                auto v = env.initValues(1)[0];
+                                for (int i = 0; i < 100; ++i) v = v.initTuple(1)[0];
+                                v.setInt(1);
+                              },
+                              0),
+                          "malformed envelope");
   }
   SUBCASE("envelope that makes the reader traverse too much") {
     Limits tight;
     tight.traversal_limit_words = 64;
-    expect_protocol_error(raw_frame([](auto env) {
-      auto l = env.initValues(1)[0].initList().initItems(200);
-      for (auto v : l) v.setInt(1);
-    }, 0), "malformed envelope", tight);
+    expect_protocol_error(raw_frame(
+                              [](auto env) {
+                                auto l = env.initValues(1)[0].initList().initItems(200);
+                                for (auto v : l) v.setInt(1);
+                              },
+                              0),
+                          "malformed envelope", tight);
   }
   SUBCASE("garbage in place of an envelope") {
     Preamble p;
@@ -575,11 +614,14 @@ TEST_CASE("auth: SHA-256 and HMAC-SHA256 match the published test vectors") {
 }
 
 TEST_CASE("wire: a device index out of range is refused") {
-  expect_protocol_error(raw_frame([](auto env) {
-    auto d = env.initValues(1)[0].initDevice();
-    d.setType(0);
-    d.setIndex(300);
-  }, 0), "invalid device");
+  expect_protocol_error(raw_frame(
+                            [](auto env) {
+                              auto d = env.initValues(1)[0].initDevice();
+                              d.setType(0);
+                              d.setIndex(300);
+                            },
+                            0),
+                        "invalid device");
 }
 
 TEST_CASE("wire: CUDA IPC handles are taken only on same-host connections, and checked") {
@@ -594,21 +636,22 @@ TEST_CASE("wire: CUDA IPC handles are taken only on same-host connections, and c
     if (at::hasCUDA()) (void)at::ones({1}, at::TensorOptions().device(at::kCUDA));
   });
   auto ipc_frame = [](size_t mem_bytes, int16_t type, uint64_t token,
-                      uint64_t alloc_bytes = 1 << 20,
-                      schema::Kind kind = schema::Kind::REQUEST) {
-    return raw_frame([=](auto env) {
-      env.setKind(kind);
-      tandem::test::one_float_for_device(env, type, 0);
-      auto c = env.getTensors()[0].initCudaIpc();
-      c.setMemHandle(capnp::Data::Reader(
-          reinterpret_cast<const kj::byte*>(std::string(mem_bytes, 'm').data()), mem_bytes));
-      c.setAllocBytes(alloc_bytes);
-      c.setOffset(128);
-      std::string event(device::kIpcHandleBytes, 'e');
-      c.setEventHandle(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(event.data()),
-                                           event.size()));
-      env.setIpcToken(token);
-    }, 0);  // its place in the body is empty
+                      uint64_t alloc_bytes = 1 << 20, schema::Kind kind = schema::Kind::REQUEST) {
+    return raw_frame(
+        [=](auto env) {
+          env.setKind(kind);
+          tandem::test::one_float_for_device(env, type, 0);
+          auto c = env.getTensors()[0].initCudaIpc();
+          c.setMemHandle(capnp::Data::Reader(
+              reinterpret_cast<const kj::byte*>(std::string(mem_bytes, 'm').data()), mem_bytes));
+          c.setAllocBytes(alloc_bytes);
+          c.setOffset(128);
+          std::string event(device::kIpcHandleBytes, 'e');
+          c.setEventHandle(
+              capnp::Data::Reader(reinterpret_cast<const kj::byte*>(event.data()), event.size()));
+          env.setIpcToken(token);
+        },
+        0);  // its place in the body is empty
   };
   const auto cuda = static_cast<int16_t>(c10::DeviceType::CUDA);
   const auto cpu = static_cast<int16_t>(c10::DeviceType::CPU);
@@ -681,8 +724,8 @@ TEST_CASE("wire: the fuzz corpus replays without a finding") {
     for (int control = 0; control < 256; control += 7) {
       if (bytes.empty()) break;
       bytes[0] = static_cast<char>(control);
-      CHECK(LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(bytes.data()),
-                                   bytes.size()) == 0);
+      CHECK(LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()) ==
+            0);
     }
     ++inputs;
   }

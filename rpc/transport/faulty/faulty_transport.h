@@ -42,7 +42,11 @@ struct Fault {
   enum Action { kDrop, kDelay, kDuplicate, kReorder, kCut };
   Fault(Action action, std::optional<MessageKind> kind = std::nullopt, std::string callee = {},
         int skip = 0, int count = 1, std::chrono::milliseconds delay = {})
-      : action(action), kind(kind), callee(std::move(callee)), skip(skip), count(count),
+      : action(action),
+        kind(kind),
+        callee(std::move(callee)),
+        skip(skip),
+        count(count),
         delay(delay) {}
 
   Action action;

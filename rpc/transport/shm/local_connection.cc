@@ -91,12 +91,10 @@ LocalConnection::LocalConnection(UvTransport* transport, int fd, uint64_t id, st
     shared_out_ = std::make_unique<SegmentWriter>(limits);
   }
   shared_in_ = std::make_unique<SegmentReader>(limits);
-  decoder_.set_shared_resolver([in = shared_in_.get()](const SharedRef& ref,
-                                                       c10::ScalarType dtype,
-                                                       const std::vector<int64_t>& shape,
-                                                       uint64_t nbytes) {
-    return in->tensor(ref, dtype, shape, nbytes);
-  });
+  decoder_.set_shared_resolver(
+      [in = shared_in_.get()](const SharedRef& ref, c10::ScalarType dtype,
+                              const std::vector<int64_t>& shape,
+                              uint64_t nbytes) { return in->tensor(ref, dtype, shape, nbytes); });
   decoder_.set_cuda_ipc(true);  // the peer is on this host (rpc/wire/device.h)
   const uint64_t ring = limits.shm_ring_bytes;
   ring_unavailable_ = testing::shared_segments_failure();
@@ -343,7 +341,8 @@ bool LocalConnection::read_codes_locked(Reader who, std::string& error) {
       return false;
     }
     fds.clear();
-    if (!collect_descriptors(read.msg, fds)) return fail("more descriptors than a frame may announce");
+    if (!collect_descriptors(read.msg, fds))
+      return fail("more descriptors than a frame may announce");
     if (hello) {
       if (buf[0] == kRingHello && fds.size() == 1) {
         const int fd = fds[0];
@@ -439,14 +438,15 @@ bool LocalConnection::read_ring_locked(Reader who, bool drain) {
         return delivered;
       }
       if (ring.announced() > fds_adopted_) {
-        error = "ring announced " + std::to_string(ring.announced()) +
-                " segment descriptor(s); " + std::to_string(fds_adopted_) + " came";
+        error = "ring announced " + std::to_string(ring.announced()) + " segment descriptor(s); " +
+                std::to_string(fds_adopted_) + " came";
         return fail();
       }
     }
     auto [direct, want] = decoder_.direct_target(kDirectReadMin);
     char* buf = direct ? direct : scratch;
-    const size_t len = static_cast<size_t>(std::min<uint64_t>(avail, direct ? want : kStagingBytes));
+    const size_t len =
+        static_cast<size_t>(std::min<uint64_t>(avail, direct ? want : kStagingBytes));
     ring.read(buf, len);
     if (drain) drain_left -= len;
     // Without a ring of our own our socket carries frames, not codes: the

@@ -19,10 +19,10 @@ struct RingHeader {
   uint32_t magic;
   uint32_t version;
   uint64_t capacity;
-  alignas(64) std::atomic<uint64_t> head;  // the writer's
-  alignas(64) std::atomic<uint64_t> tail;  // the reader's
-  alignas(64) std::atomic<uint32_t> need_wake;  // the reader sleeps: wake it
-  alignas(64) std::atomic<uint32_t> pollers;    // reader threads polling now
+  alignas(64) std::atomic<uint64_t> head;            // the writer's
+  alignas(64) std::atomic<uint64_t> tail;            // the reader's
+  alignas(64) std::atomic<uint32_t> need_wake;       // the reader sleeps: wake it
+  alignas(64) std::atomic<uint32_t> pollers;         // reader threads polling now
   alignas(64) std::atomic<uint32_t> writer_waiting;  // the writer waits for space
   alignas(64) std::atomic<uint64_t> announced;       // segment descriptors sent
 };

@@ -52,7 +52,7 @@ namespace tandem::rpc {
 constexpr char kRingHello = 'R';    // with the writer's ring descriptor
 constexpr char kNoRingHello = 'N';  // no ring: frames follow on the socket
 constexpr char kRingWake = 'W';
-constexpr char kRingFds = 'F';      // with segment descriptors
+constexpr char kRingFds = 'F';  // with segment descriptors
 
 struct RingHeader;
 

@@ -195,8 +195,8 @@ void SegmentReader::adopt(int fd) {
   auto m = std::make_shared<Mapping>();
   m->fd = fd;  // closed by ~Mapping on every path
   if (mappings_.size() >= limits_.max_shared_segments) {
-    throw ProtocolError("peer announced more than " +
-                        std::to_string(limits_.max_shared_segments) + " shared segments");
+    throw ProtocolError("peer announced more than " + std::to_string(limits_.max_shared_segments) +
+                        " shared segments");
   }
   const int seals = ::fcntl(fd, F_GET_SEALS);
   if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {

@@ -72,8 +72,13 @@ void PendingWrite::place_shared(SegmentWriter& shared, const Limits& limits) {
 
 StreamConnection::StreamConnection(UvTransport* transport, Kind kind, int fd, uint64_t id,
                                    std::string peer, bool accepted)
-    : transport_(transport), kind_(kind), fd_(fd), id_(id), peer_(std::move(peer)),
-      accepted_(accepted), opened_at_(Clock::now()),
+    : transport_(transport),
+      kind_(kind),
+      fd_(fd),
+      id_(id),
+      peer_(std::move(peer)),
+      accepted_(accepted),
+      opened_at_(Clock::now()),
       decoder_(transport->limits(), /*handshake_frames=*/accepted ? 2 : 1) {
   poll_.data = nullptr;
 }
@@ -282,9 +287,9 @@ void StreamConnection::on_poll(uv_poll_t* handle, int status, int events) {
     std::string what = err == ECONNRESET  ? "connection reset by " + raw->peer_
                        : err == EPIPE     ? "connection closed by " + raw->peer_
                        : err == ETIMEDOUT ? "connection to " + raw->peer_ + " timed out"
-                       : err != 0 ? "connection to " + raw->peer_ + " failed: " + errno_text(err)
-                                  : "connection to " + raw->peer_ + " failed: " +
-                                        uv_strerror(status);
+                       : err != 0
+                           ? "connection to " + raw->peer_ + " failed: " + errno_text(err)
+                           : "connection to " + raw->peer_ + " failed: " + uv_strerror(status);
     self->close_from_loop(what);
     return;
   }

@@ -82,18 +82,17 @@ struct PendingWrite {
   void place_shared(SegmentWriter& shared, const Limits& limits);
 
   OutFrame frame;
-  std::vector<SharedRef> table;  // tensors placed in shared memory
-  uint64_t shared_bytes = 0;     // their bytes
+  std::vector<SharedRef> table;   // tensors placed in shared memory
+  uint64_t shared_bytes = 0;      // their bytes
   uint64_t shared_fallbacks = 0;  // large tensors left in the body (pool full or unavailable)
-  std::vector<int> fds;          // segments announced with this frame (owned by the writer)
+  std::vector<int> fds;           // segments announced with this frame (owned by the writer)
   bool fds_sent = false;
   uint64_t reply_bytes = 0;  // the whole frame when it answers the peer, else 0
   std::vector<iovec> iov;
   size_t next = 0;
 };
 
-class StreamConnection : public Connection,
-                         public std::enable_shared_from_this<StreamConnection> {
+class StreamConnection : public Connection, public std::enable_shared_from_this<StreamConnection> {
  public:
   enum class Kind { kTcp, kLocal };
   // Who drains: the transport's loop thread, or a thread polling (3.).

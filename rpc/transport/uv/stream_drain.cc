@@ -187,9 +187,9 @@ void StreamConnection::deliver_deferred_locked() {
 }
 
 void StreamConnection::update_inline_locked() {
-  inline_ok_.store(kind_ == Kind::kLocal && transport_->limits().poll_while_spinning &&
-                       polling_ && !loop_closed_ && !paused_ && !reading_stopped_ &&
-                       deferred_.empty() && !decoder_.in_handshake() &&
+  inline_ok_.store(kind_ == Kind::kLocal && transport_->limits().poll_while_spinning && polling_ &&
+                       !loop_closed_ && !paused_ && !reading_stopped_ && deferred_.empty() &&
+                       !decoder_.in_handshake() &&
                        static_cast<bool>(transport_->callbacks().inline_ok),
                    std::memory_order_release);
 }

@@ -51,7 +51,8 @@ int open_tcp_listener(const std::string& host, int port, int& bound) {
   const std::string port_s = std::to_string(port);
   int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), port_s.c_str(), &hints, &res);
   if (rc != 0) {
-    throw std::invalid_argument("cannot resolve listen address '" + host + "': " + gai_strerror(rc));
+    throw std::invalid_argument("cannot resolve listen address '" + host +
+                                "': " + gai_strerror(rc));
   }
   int fd = -1;
   std::string err;

@@ -44,19 +44,22 @@ struct UvTransport::Loop {
 };
 
 UvTransport::UvTransport(Limits limits, Callbacks callbacks, bool shared_memory)
-    : limits_(limits), callbacks_(std::move(callbacks)), shared_memory_(shared_memory),
-      loop_(std::make_unique<Loop>()), staging_(kStagingBytes) {
+    : limits_(limits),
+      callbacks_(std::move(callbacks)),
+      shared_memory_(shared_memory),
+      loop_(std::make_unique<Loop>()),
+      staging_(kStagingBytes) {
   uv_loop_init(&loop_->loop);
   loop_->wake.data = this;
-  uv_async_init(&loop_->loop, &loop_->wake, [](uv_async_t* h) {
-    static_cast<UvTransport*>(h->data)->run_commands();
-  });
+  uv_async_init(&loop_->loop, &loop_->wake,
+                [](uv_async_t* h) { static_cast<UvTransport*>(h->data)->run_commands(); });
   loop_->sweep.data = this;
   uv_timer_init(&loop_->loop, &loop_->sweep);
   const auto period = static_cast<uint64_t>(kSweepPeriod.count());
-  uv_timer_start(&loop_->sweep, [](uv_timer_t* h) {
-    static_cast<UvTransport*>(h->data)->sweep_handshakes_from_loop();
-  }, period, period);
+  uv_timer_start(
+      &loop_->sweep,
+      [](uv_timer_t* h) { static_cast<UvTransport*>(h->data)->sweep_handshakes_from_loop(); },
+      period, period);
   loop_->accept_retry.data = this;
   uv_timer_init(&loop_->loop, &loop_->accept_retry);
   loop_->ring_retry.data = this;
@@ -117,8 +120,9 @@ void UvTransport::listen_local() {
   // namespace can reach it (which is what "the same host" means here).
   const std::string& key = local_host_key();
   if (key.empty()) {
-    std::fprintf(stderr, "tandem: no same-host endpoint (cannot read this host's boot id or "
-                         "network namespace); peers on this host use TCP\n");
+    std::fprintf(stderr,
+                 "tandem: no same-host endpoint (cannot read this host's boot id or "
+                 "network namespace); peers on this host use TCP\n");
     return;
   }
   const std::string name = "tandem-" + random_hex(8);
@@ -246,9 +250,10 @@ void UvTransport::accept_from_loop(bool local) {
       }
       if (loop_->listening) uv_poll_stop(&loop_->listen_poll);
       if (loop_->local_listening) uv_poll_stop(&loop_->local_poll);
-      uv_timer_start(&loop_->accept_retry, [](uv_timer_t* h) {
-        static_cast<UvTransport*>(h->data)->watch_listener_from_loop();
-      }, static_cast<uint64_t>(kAcceptBackoff.count()), 0);
+      uv_timer_start(
+          &loop_->accept_retry,
+          [](uv_timer_t* h) { static_cast<UvTransport*>(h->data)->watch_listener_from_loop(); },
+          static_cast<uint64_t>(kAcceptBackoff.count()), 0);
       return;
     }
     if (handshaking_ >= limits_.max_handshaking_connections) {
@@ -263,9 +268,9 @@ void UvTransport::accept_from_loop(bool local) {
       std::shared_ptr<TcpConnection> conn;
       {
         std::lock_guard<std::mutex> lock(mu_);
-        conn = std::make_shared<TcpConnection>(
-            this, fd, next_id_++, tcp_address(reinterpret_cast<sockaddr*>(&ss)),
-            /*accepted=*/true);
+        conn = std::make_shared<TcpConnection>(this, fd, next_id_++,
+                                               tcp_address(reinterpret_cast<sockaddr*>(&ss)),
+                                               /*accepted=*/true);
       }
       adopt_from_loop(conn);
       continue;
@@ -311,16 +316,19 @@ void UvTransport::retry_ring_from_loop(const std::shared_ptr<StreamConnection>& 
   ring_retry_.push_back(conn);
   if (loop_->ring_retry_active) return;
   loop_->ring_retry_active = true;
-  uv_timer_start(&loop_->ring_retry, [](uv_timer_t* h) {
-    auto* t = static_cast<UvTransport*>(h->data);
-    t->loop_->ring_retry_active = false;
-    // A write that finds the ring still full asks again (local_connection.cc, write_ring).
-    std::vector<std::weak_ptr<StreamConnection>> due = std::move(t->ring_retry_);
-    t->ring_retry_.clear();
-    for (auto& weak : due) {
-      if (auto c = weak.lock(); c && !c->closed_on_loop()) c->flush_if_queued_from_loop();
-    }
-  }, kRingRetry.count(), 0);
+  uv_timer_start(
+      &loop_->ring_retry,
+      [](uv_timer_t* h) {
+        auto* t = static_cast<UvTransport*>(h->data);
+        t->loop_->ring_retry_active = false;
+        // A write that finds the ring still full asks again (local_connection.cc, write_ring).
+        std::vector<std::weak_ptr<StreamConnection>> due = std::move(t->ring_retry_);
+        t->ring_retry_.clear();
+        for (auto& weak : due) {
+          if (auto c = weak.lock(); c && !c->closed_on_loop()) c->flush_if_queued_from_loop();
+        }
+      },
+      kRingRetry.count(), 0);
 }
 
 void UvTransport::sweep_handshakes_from_loop() {
@@ -388,9 +396,7 @@ void UvTransport::stop_from_loop() {
   uv_close(reinterpret_cast<uv_handle_t*>(&loop_->wake), nullptr);
 }
 
-bool UvTransport::on_transport_thread() const {
-  return thread_id_ == std::this_thread::get_id();
-}
+bool UvTransport::on_transport_thread() const { return thread_id_ == std::this_thread::get_id(); }
 
 void UvTransport::close() {
   {

@@ -153,8 +153,8 @@ class UvTransport final : public Transport {
   std::vector<std::function<void()>> commands_;
   std::string local_endpoint_;  // under mu_: "shm:<boot id>:<net ns>:<name>"
   std::string local_name_;      // under mu_: the abstract socket's name
-  bool closing_ = false;    // close() was called
-  bool loop_gone_ = false;  // the wake-up handle is closed; post() fails
+  bool closing_ = false;        // close() was called
+  bool loop_gone_ = false;      // the wake-up handle is closed; post() fails
 
   int listen_fd_ = -1;
   int local_fd_ = -1;
