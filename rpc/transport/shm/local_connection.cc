@@ -130,16 +130,7 @@ int LocalConnection::send_code(char code, const std::vector<int>& fds) {
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerRead)];
-  if (!fds.empty()) {
-    const size_t fd_bytes = sizeof(int) * fds.size();
-    msg.msg_control = control;
-    msg.msg_controllen = CMSG_SPACE(fd_bytes);
-    cmsghdr* c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(fd_bytes);
-    std::memcpy(CMSG_DATA(c), fds.data(), fd_bytes);
-  }
+  if (!fds.empty()) attach_fds(msg, control, fds.data(), fds.size());
   for (;;) {
     const ssize_t n = ::sendmsg(fd_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n == 1) return 1;

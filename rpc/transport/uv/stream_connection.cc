@@ -184,16 +184,7 @@ bool StreamConnection::write_socket_locked(PendingWrite& w) {
     msg.msg_iovlen = std::min<size_t>(w.iov.size() - w.next, IOV_MAX);
     // New segments' descriptors ride on the frame's first bytes.
     alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerRead)];
-    if (!w.fds.empty() && !w.fds_sent) {
-      const size_t fd_bytes = sizeof(int) * w.fds.size();
-      msg.msg_control = control;
-      msg.msg_controllen = CMSG_SPACE(fd_bytes);
-      cmsghdr* c = CMSG_FIRSTHDR(&msg);
-      c->cmsg_level = SOL_SOCKET;
-      c->cmsg_type = SCM_RIGHTS;
-      c->cmsg_len = CMSG_LEN(fd_bytes);
-      std::memcpy(CMSG_DATA(c), w.fds.data(), fd_bytes);
-    }
+    if (!w.fds.empty() && !w.fds_sent) attach_fds(msg, control, w.fds.data(), w.fds.size());
     ssize_t n = ::sendmsg(fd_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n > 0) w.fds_sent = true;
     if (n < 0) {

@@ -50,6 +50,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -60,6 +61,21 @@
 #include "tandem/rpc/wire/wire.h"
 
 namespace tandem::rpc {
+
+// Puts `n` descriptors beside the bytes `msg` sends (SCM_RIGHTS), in
+// `control`, which must hold CMSG_SPACE(sizeof(int) * n) bytes and outlive
+// the sendmsg(). Both of a same-host connection's writers use it: the
+// stream's frames (new segments) and the local connection's codes.
+inline void attach_fds(msghdr& msg, char* control, const int* fds, size_t n) {
+  const size_t fd_bytes = sizeof(int) * n;
+  msg.msg_control = control;
+  msg.msg_controllen = CMSG_SPACE(fd_bytes);
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(fd_bytes);
+  std::memcpy(CMSG_DATA(c), fds, fd_bytes);
+}
 
 class UvTransport;
 class LocalConnection;
