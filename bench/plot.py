@@ -3,7 +3,7 @@
 figures against PyTorch's from one ./dev bench run.
 
 Usage: plot.py LOSSES_CSV BENCH_JSONL OUT_DIR
-Writes OUT_DIR/loss.png (from char_lm's --losses CSV) and OUT_DIR/bench.png
+Writes OUT_DIR/loss.png (from gpt's --losses CSV) and OUT_DIR/bench.png
 (time of each Tandem line divided by PyTorch's from the same run, over TCP
 and over shared memory; below 1 is faster). A missing input skips its picture.
 """
@@ -36,7 +36,7 @@ def plot_losses(path, out):
     ax.plot(steps, losses, marker="o", markersize=3)
     ax.set_xlabel("step")
     ax.set_ylabel("mean loss since the previous point")
-    ax.set_title("char_lm (./dev demo): embedding and decoder on a parameter server")
+    ax.set_title("gpt (./dev demo): 2 pipeline stages x 2 data-parallel replicas")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out)

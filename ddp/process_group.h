@@ -13,8 +13,13 @@
 //
 // A collective that does not finish within its timeout throws
 // ddp::CollectiveError naming the collective, the group's rank and the time;
-// so does one whose peer died (Gloo reports the broken connection). After
-// either, the group is unusable, as in PyTorch: destroy it and make a new one.
+// so does one whose peer died (Gloo reports the broken connection). Either
+// error also names the peers that are gone: at creation every rank publishes
+// who it is (its worker's name, host and process), and on a failure the
+// survivors check in at the group's store: a peer on this host whose process
+// has exited is named as gone at once, one that does not check in within
+// two seconds as not answering. After either, the group is unusable, as in
+// PyTorch: destroy it and make a new one.
 // A call's own timeout only bounds the caller's wait: Gloo's operation itself
 // ends at the group's timeout, and destroying the group waits for that.
 // Making a group sets SIGPIPE to ignored when it has its default action (as
@@ -40,6 +45,10 @@ namespace c10d {
 class ProcessGroup;
 class Backend;
 }  // namespace c10d
+
+namespace tandem::rpc {
+class Agent;
+}
 
 namespace tandem::ddp {
 
@@ -80,9 +89,14 @@ struct ProcessGroupOptions {
   // the group's own, so an RPC agent may share it).
   c10::intrusive_ptr<c10d::Store> store;
   std::string group_name;  // empty: "default" for the default group
+  // How the other ranks' errors name this one: its worker's name. Empty:
+  // the current RPC agent's (rpc::init), else none (the rank alone).
+  std::string member_name;
 };
 
 class ProcessGroup {
+  struct Peers;  // who the ranks are, and who is gone after a failure
+
  public:
   // Meets the other ranks and builds the backend's group. Throws
   // std::invalid_argument for a bad backend, rank, size or init_method, and
@@ -115,6 +129,13 @@ class ProcessGroup {
     // when kGroupTimeout). Once only.
     void wait(std::chrono::milliseconds timeout = kGroupTimeout);
     bool valid() const { return work_ != nullptr; }
+    // Whether the collective has ended (worked or failed): wait() then
+    // returns or throws at once.
+    bool done() const;
+    // Gives up on it: the caller will never wait() (its step failed
+    // elsewhere). The group is marked broken, as after a failure: closing
+    // it waits for no peer.
+    void abandon();
     // Runs `fn` once the collective has ended (on the backend's thread, or
     // here if it has already), whether it worked or not. False, and `fn`
     // dropped, when the backend cannot say (then only wait() knows).
@@ -126,6 +147,7 @@ class ProcessGroup {
     std::string what_;  // "all_reduce(sum) on rank 1 of 2"
     std::chrono::milliseconds timeout_{};
     std::shared_ptr<std::atomic<bool>> broken_;  // the group's: set when this fails
+    std::shared_ptr<Peers> peers_;               // the group's: who is gone, on a failure
   };
   // In place, finished by wait(). kAvg sums only: callers scale first (DDP
   // divides its buckets before they go).
@@ -137,9 +159,22 @@ class ProcessGroup {
   // The c10d group itself, for what this front does not cover.
   C10dEngine& c10d() { return *pg_; }
 
+  // Who a rank of the group is, as it said at creation.
+  struct Member {
+    std::string name;  // its worker's name; empty when it had none
+    std::string host;
+    int64_t pid = 0;
+  };
+  const std::vector<Member>& members() const;
+  // "rank 2 (worker \"trainer1\", pid 4242 on host-a)": how errors name rank r.
+  std::string describe(int r) const;
+
  private:
   ProcessGroup() = default;
   void wait_for_peers_to_close();
+  // Publishes who this rank is and reads who the others are.
+  static std::shared_ptr<Peers> meet_peers(c10d::Store& store, int rank, int size,
+                                           std::string name);
   void check_tensor(const at::Tensor& t, const char* what) const;
   Pending pending(c10::intrusive_ptr<c10d::Work> work, const std::string& what,
                   std::chrono::milliseconds timeout) const;
@@ -151,6 +186,7 @@ class ProcessGroup {
   c10::intrusive_ptr<c10d::Store> store_;  // the group's own keys (prefixed)
   // A collective failed: the peers may be gone, so closing waits for nobody.
   std::shared_ptr<std::atomic<bool>> broken_ = std::make_shared<std::atomic<bool>>(false);
+  std::shared_ptr<Peers> peers_;
   int rank_ = -1, size_ = 0;
   std::string backend_;
   std::chrono::milliseconds timeout_{};
@@ -177,5 +213,18 @@ std::vector<at::Tensor> all_gather(const at::Tensor& tensor,
 void barrier(std::chrono::milliseconds timeout = kGroupTimeout);
 
 const char* to_string(ReduceOp op);
+
+// ---- groups by name, per worker ----
+// How a layer running on a worker finds the group its caller names: the
+// pipeline's stage service finds PipeOptions::data_parallel_group here. A
+// Mesh registers its groups under Mesh::group_name(dim). Per agent, so that
+// the workers of one test process keep theirs apart; an entry lasts as long
+// as its group (the registry holds it weakly). Registering a name again
+// replaces the entry.
+void register_group(const rpc::Agent& agent, const std::string& name,
+                    const std::shared_ptr<ProcessGroup>& group);
+void unregister_group(const rpc::Agent& agent, const std::string& name);
+// Null when `agent` has no live group of that name.
+std::shared_ptr<ProcessGroup> find_group(const rpc::Agent& agent, const std::string& name);
 
 }  // namespace tandem::ddp

@@ -25,7 +25,14 @@
 #     pipeline with --resume, --schedule without --mode pipeline;
 #  f. ddp_mlp on 2 processes, and as two one-process "nodes" (two tandem-run
 #     --nnodes 2), exits 0 with identical replicas and a falling loss; a bad
-#     flag exits 2, as does --backend mpi, and --backend nccl where LibTorch has no CUDA.
+#     flag exits 2, as does --backend mpi, and --backend nccl where LibTorch has no CUDA;
+#  g. gpt --steps 20 as 1 x 1, 1 x 2, 2 x 1 and 2 x 2 (pp x dp), and 2 x 2 by
+#     gpipe, zero-bubble and interleaved, ends on the same loss (within 1e-4);
+#     its loss falls, --losses writes the CSV, a sample is printed; stopped at
+#     10 and resumed to 20 it ends exactly as uninterrupted (2 x 2 -> 2 x 2),
+#     and within 1e-4 when resumed on another --dp (2 x 2 -> 2 x 1); started
+#     alone it spawns its workers; a layout that is not the world, heads
+#     that do not divide the width, another --pp on resume exit 2, named.
 set -uo pipefail
 bin="$(readlink -f "${1:?usage: check_examples.sh BIN_DIR}")"
 run="$bin/tandem-run"
@@ -237,6 +244,66 @@ if grep -q "^TANDEM_CUDA_BUILD:INTERNAL=OFF" "$bin/../CMakeCache.txt" 2>/dev/nul
   expect_rc "ddp_mlp --backend nccl without CUDA" "$rc" 2 f.log &&
     { grep -q "backend 'nccl' needs a LibTorch built with CUDA" f.log || fail "ddp_mlp --backend nccl: no message"; }
 fi
+
+# g. the transformer, pipelined x data-parallel
+# near WHAT A B: passes when losses A and B agree within 1e-4
+near() {
+  if [[ -z $2 || -z $3 ]] || ! awk -v a="$2" -v b="$3" 'BEGIN { d = a - b; exit !(d < 1e-4 && d > -1e-4) }'; then
+    fail "$1 ends at loss '$3', 1 x 1 at '$2'"
+  else
+    echo "ok: $1 ends as 1 x 1 does: loss $3 ($2)"
+  fi
+}
+gpt_final() { final_line "$1" | awk '{print $NF}'; }
+gpt_args=(--steps 20 --log-every 10 --sample 0)
+rc=$(launch g11.log 1 gpt --pp 1 --dp 1 "${gpt_args[@]}" --checkpoint g11.ckpt)
+if expect_rc "gpt 1 x 1 --steps 20" "$rc" 0 g11.log; then
+  base=$(gpt_final g11.log)
+  for layout in "1 2" "2 1" "2 2"; do
+    set -- $layout
+    rc=$(launch "g$1$2.log" $(($1 * $2)) gpt --pp "$1" --dp "$2" "${gpt_args[@]}" --checkpoint "g$1$2.ckpt")
+    expect_rc "gpt $1 x $2" "$rc" 0 "g$1$2.log" && near "gpt $1 x $2" "$base" "$(gpt_final "g$1$2.log")"
+  done
+  for schedule in gpipe zero-bubble interleaved; do
+    rc=$(launch "gs.log" 4 gpt --schedule "$schedule" "${gpt_args[@]}" --checkpoint gs.ckpt)
+    expect_rc "gpt 2 x 2 --schedule $schedule" "$rc" 0 gs.log && near "gpt 2 x 2 ($schedule)" "$base" "$(gpt_final gs.log)"
+  done
+fi
+rc=$(launch g.log 4 gpt --steps 40 --log-every 10 --checkpoint g.ckpt --losses g.csv)
+if expect_rc "gpt 2 x 2 --steps 40" "$rc" 0 g.log; then
+  fell gpt "$(losses g.log | head -n1)" "$(losses g.log | tail -n1)"
+  [[ $(head -n1 g.csv) == "step,loss,tokens_per_s,elapsed_s" && $(tail -n1 g.csv | cut -d, -f1) == 40 ]] ||
+    { fail "gpt --losses wrote no CSV curve"; cat g.csv; }
+  [[ $(sample_line g.log) == "sample: "?* ]] || fail "gpt printed no sample"
+fi
+rc=$(launch gr1.log 4 gpt "${gpt_args[@]}" --stop-at 10 --checkpoint gr.ckpt)
+expect_rc "gpt 2 x 2 --stop-at 10" "$rc" 0 gr1.log
+cp gr.ckpt gr2.ckpt
+rc=$(launch gr2.log 4 gpt "${gpt_args[@]}" --resume --checkpoint gr.ckpt)
+if expect_rc "gpt 2 x 2 --resume" "$rc" 0 gr2.log; then
+  if [[ -z $(final_line g22.log) || "$(final_line g22.log)" != "$(final_line gr2.log)" ]]; then
+    fail "gpt resumed: '$(final_line gr2.log)', uninterrupted: '$(final_line g22.log)'"
+  else
+    echo "ok: gpt resumed ends as the uninterrupted run: $(final_line gr2.log)"
+  fi
+fi
+rc=$(launch gr3.log 2 gpt --dp 1 "${gpt_args[@]}" --resume --checkpoint gr2.ckpt)
+expect_rc "gpt 2 x 2 resumed as 2 x 1" "$rc" 0 gr3.log && near "gpt resumed on --dp 1" "$(gpt_final g22.log)" "$(gpt_final gr3.log)"
+timeout 120 "$bin/gpt" --pp 1 --dp 2 --steps 10 --sample 0 --checkpoint g0.ckpt >g0.log 2>&1
+expect_rc "gpt alone (spawning its 2 workers)" "$?" 0 g0.log
+gpt_bad() {  # gpt_bad NPROC PATTERN ARGS...
+  local n="$1" pattern="$2"
+  shift 2
+  local rc
+  rc=$(launch e.log "$n" gpt "$@")
+  if expect_rc "gpt $* on $n" "$rc" 2 e.log; then
+    grep -q -- "$pattern" e.log || { fail "gpt $*: no message matching '$pattern'"; cat e.log; }
+  fi
+}
+gpt_bad 4 "--pp 3 --dp 2 needs 6 processes, not 4" --pp 3
+gpt_bad 4 "--heads 5 does not divide --dim 64" --heads 5
+gpt_bad 2 "was cut into 2 stages, this job into 1" --pp 1 --dp 2 --resume --checkpoint gr2.ckpt --steps 20
+gpt_bad 4 "no checkpoint at" --resume --checkpoint "$tmp/none.ckpt"
 
 if ((failures)); then
   echo "check_examples: $failures failure(s)"

@@ -44,6 +44,10 @@ Pipe::Pipe(rpc::Agent& agent, std::vector<nn::RemoteModule> stages, PipeOptions 
                                 std::to_string(options_.chunks));
   }
   if (options_.timeout.count() <= 0) throw std::invalid_argument("Pipe: timeout must be > 0");
+  if (!(options_.bucket_cap_mb > 0) || options_.bucket_cap_mb > 1 << 20) {
+    throw std::invalid_argument("Pipe: bucket_cap_mb must be in (0, 1048576], got " +
+                                std::to_string(options_.bucket_cap_mb));
+  }
   const int per = schedule_->stages_per_worker();
   const int n = static_cast<int>(stages_.size());
   if (n % per != 0) {
@@ -125,6 +129,10 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
       if (w == 0) r.inputs = xs;
       if (w == last_worker) r.targets = ys;
       r.weights = weights;
+      r.data_parallel.group = options_.data_parallel_group;
+      r.data_parallel.sync = sync_;
+      r.data_parallel.bucket_cap_bytes =
+          std::max<int64_t>(1, static_cast<int64_t>(options_.bucket_cap_mb * (1 << 20)));
       // Untimed: each pass has its own timeout.
       auto f = agent->call(worker_names_[w], step::kRunFn, r.encode(), rpc::kNoTimeout);
       requests.push_back(std::move(r));
@@ -154,7 +162,7 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
                        "a worker of the step failed");
     }
   }
-  std::string first_error, aborted_error;
+  std::string first_error, aborted_error, disconnected;
   Run out;
   for (int w = 0; w < workers_; ++w) {
     try {
@@ -163,10 +171,16 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
       for (const auto& t : reply.times.times) {
         out.stats.passes.push_back({t.pass, w, t.start_us, t.end_us});
       }
+      for (const auto& a : reply.allreduces.times) {
+        out.stats.allreduces.push_back({static_cast<int>(a.stage), w, a.launch_us, a.done_us});
+      }
       if (w == last_worker) {
         out.losses = reply.losses;
         out.outputs = std::move(reply.outputs);
       }
+    } catch (const rpc::DisconnectedError& e) {
+      // A worker that is gone is the cause: the others' failures echo it.
+      if (disconnected.empty()) disconnected = e.what();
     } catch (const std::exception& e) {
       // The cause, not the echoes of it on the other workers.
       if (step::is_step_aborted(e)) {
@@ -177,6 +191,7 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
     }
   }
   const char* what = train ? "Pipe::step: " : "Pipe::forward: ";
+  if (!disconnected.empty()) throw rpc::DisconnectedError(what + disconnected);
   if (!first_error.empty()) throw std::runtime_error(what + first_error);
   if (!aborted_error.empty()) throw std::runtime_error(what + aborted_error);
   double span = 0;
@@ -188,6 +203,13 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
   for (int w = 0; w < workers_; ++w) {
     out.stats.bubble.push_back(span > 0 ? 1 - busy[w] / span : 0);
   }
+  // The averages' time before the last pass ended was hidden behind passes.
+  double total = 0, hidden = 0;
+  for (const auto& a : out.stats.allreduces) {
+    total += a.done_us - a.launch_us;
+    hidden += std::max(0.0, std::min(a.done_us, span) - a.launch_us);
+  }
+  out.stats.allreduce_hidden = total > 0 ? hidden / total : 0;
   return out;
 }
 

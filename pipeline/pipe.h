@@ -31,13 +31,40 @@
 // autograd context, so DistributedOptimizer::step(ctx) steps them where
 // they live. A failing pass fails the step on every worker at once, with
 // the first error naming its stage and worker; some workers may have added
-// their gradients to the context by then, so do not step with it.
+// their gradients to the context by then, so do not step with it. A worker
+// that died fails the step with rpc::DisconnectedError naming it.
+//
+// Data parallelism over pipelines (pipeline x data parallelism): several
+// replicas of one pipe, each over its own workers and its own share of the
+// data, average each stage's gradients over that stage's replicas. Name the
+// process group of each stage worker's data-parallel peers, registered on
+// every stage worker (a Mesh does it: mesh.group_name("dp")):
+//
+//   tandem::Mesh mesh({{"pp", 2}, {"dp", 2}});      // on every rank
+//   if (mesh.coordinate("pp") == 0) {               // each replica's driver: its first stage
+//     o.data_parallel_group = mesh.group_name("dp");
+//     std::vector<nn::RemoteModule> stages = {
+//         {mesh.worker_at({{"pp", 0}}) + "/cpu", "Linear", {...}},
+//         {mesh.worker_at({{"pp", 1}}) + "/cpu", "Linear", {...}}};
+//     pipeline::Pipe pipe(stages, o);                 // this replica's pipe
+//     ... pipe.step(ctx.id(), my_shard_x, my_shard_y); opt.step(ctx.id()); ...
+//   }
+//
+// Each stage worker starts the average of a stage (bucketed as DDP's, one
+// all_reduce a bucket, divided by the group's size) as soon as the stage's
+// last gradient pass of the step has run, so it overlaps the passes still
+// running on the other stages; step() returns once every stage's average is
+// in the context. Replicas built alike and stepped alike (same schedule,
+// chunks and optimizer) then keep equal parameters. Inside no_sync() steps
+// only accumulate into their context (use one context for the steps that
+// accumulate); the first step after it averages everything accumulated.
 #include <ATen/core/Tensor.h>
 
 #include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tandem/pipeline/schedule.h"
@@ -59,6 +86,11 @@ struct PipeOptions {
   std::string loss = "cross_entropy";
   // How long a pass may wait for its input or gradient from another stage.
   std::chrono::milliseconds timeout{60000};
+  // Data parallelism: the name of the process group (ddp::find_group) of
+  // each stage worker's peers holding the same stage in the other replicas;
+  // empty: one pipe, no averaging.
+  std::string data_parallel_group;
+  double bucket_cap_mb = 25;  // per all_reduce of a stage's gradients
 };
 
 // When one pass ran, on its worker's clock, in µs since that worker began the step.
@@ -66,6 +98,15 @@ struct PassRecord {
   Action action;
   int worker = 0;
   double start_us = 0, end_us = 0;
+};
+
+// When one stage's gradients were averaged over its data-parallel group
+// (from the launch of its first bucket to the end of its last), on its
+// worker's clock.
+struct AllReduceRecord {
+  int stage = 0;
+  int worker = 0;
+  double launch_us = 0, done_us = 0;
 };
 
 // What the last step did on each worker. The workers' clocks start when
@@ -77,6 +118,11 @@ struct StepStats {
   // Per worker: the share of the step's span (first start to last end over
   // all workers) it spent waiting rather than running passes.
   std::vector<double> bubble;
+  // Data parallelism: each stage's average, and the share of their time
+  // spent while passes still ran (before the last pass of the step ended,
+  // on any worker): the part hidden behind pipeline work. 0 without any.
+  std::vector<AllReduceRecord> allreduces;
+  double allreduce_hidden = 0;
 };
 
 // Writes the passes as Chrome trace-event JSON (chrome://tracing and
@@ -120,6 +166,31 @@ class Pipe {
   const StepStats& last_step() const { return last_; }
   // write_trace of the last step.
   void write_trace(const std::string& path) const;
+
+  // Data parallelism: whether steps average the stages' gradients (true
+  // unless inside no_sync()). Without data_parallel_group there is nothing
+  // to average, and steps accumulate into their context either way.
+  void set_sync(bool sync) { sync_ = sync; }
+  bool sync() const { return sync_; }
+  // Gradient accumulation, as DDP's no_sync: steps inside the scope only
+  // add to their context's gradients; the first step after it averages
+  // all of them.
+  class NoSync {
+   public:
+    explicit NoSync(Pipe& p) : p_(&p), was_(p.sync()) { p.set_sync(false); }
+    ~NoSync() {
+      if (p_) p_->set_sync(was_);
+    }
+    NoSync(NoSync&& o) noexcept : p_(std::exchange(o.p_, nullptr)), was_(o.was_) {}
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+    NoSync& operator=(NoSync&&) = delete;
+
+   private:
+    Pipe* p_;
+    bool was_;
+  };
+  [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
   // Who holds the stages, by schedule worker index (stage s: s % workers()).
   const std::vector<std::string>& worker_names() const { return worker_names_; }
 
@@ -140,6 +211,7 @@ class Pipe {
   Plan plan_;                              // the schedule's, checked once against this pipe
   std::vector<std::string> worker_names_;  // by schedule worker index
   StepStats last_;
+  bool sync_ = true;
 };
 
 }  // namespace tandem::pipeline

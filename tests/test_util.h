@@ -524,6 +524,34 @@ inline RunResult run_command(const std::string& cmd) {
   return r;
 }
 
+// A job of `world` copies of this test binary in `mode` (see main.cc),
+// started directly rather than by tandem-run (which would end the others as
+// soon as one fails, before they can say how they failed), each bounded by
+// `timeout 90`. Returns every rank's output, each line prefixed "[rank] ",
+// and its exit code as a last line "[rank] exit <code>" (124: it hung).
+inline std::string run_direct_job(const std::string& mode, int world) {
+  const int port = support::free_port();
+  const std::string n = std::to_string(world - 1);
+  return run_command("d=$(mktemp -d); for r in $(seq 0 " + n +
+                     "); do (RANK=$r WORLD_SIZE=" + std::to_string(world) +
+                     " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
+                     " TANDEM_TEST_WORKER=" + mode + " timeout 90 " + support::self_exe() +
+                     " > $d/$r.log 2>&1; echo \"exit $?\" >> $d/$r.log) & done; wait; " +
+                     "for r in $(seq 0 " + n + "); do sed \"s/^/[$r] /\" $d/$r.log; done; " +
+                     "rm -rf $d")
+      .output;
+}
+
+// The line of `text` that starts with `prefix` ("[0] failed"), or "".
+inline std::string line_of(const std::string& text, const std::string& prefix) {
+  for (size_t at = 0; at < text.size();) {
+    const size_t end = std::min(text.find('\n', at), text.size());
+    if (text.compare(at, prefix.size(), prefix) == 0) return text.substr(at, end - at);
+    at = end + 1;
+  }
+  return "";
+}
+
 // What `fn` threw, or "" when it did not.
 inline std::string error_of(const std::function<void()>& fn) {
   try {

@@ -2,14 +2,11 @@
 #include "examples/char_lm/checkpoint.h"
 
 #include <ATen/core/ivalue.h>
-#include <ATen/ops/empty.h>
-#include <torch/serialize/input-archive.h>
-#include <torch/serialize/output-archive.h>
 
-#include <cstring>
 #include <filesystem>
 #include <stdexcept>
 
+#include "examples/archive.h"
 #include "examples/char_lm/config.h"
 
 namespace char_lm {
@@ -17,27 +14,8 @@ namespace char_lm {
 namespace optim = tandem::optim;
 namespace fs = std::filesystem;
 
-namespace {
-
-void write_named(torch::serialize::OutputArchive& out, const std::string& key, const Named& m) {
-  torch::serialize::OutputArchive sub;
-  for (const auto& [name, t] : m) sub.write(name, t.detach().clone(), /*is_buffer=*/true);
-  out.write(key, sub);
-}
-
-Named read_named(torch::serialize::InputArchive& in, const std::string& key) {
-  torch::serialize::InputArchive sub;
-  in.read(key, sub);
-  Named m;
-  for (const auto& name : sub.keys()) {
-    at::Tensor t;
-    sub.read(name, t, /*is_buffer=*/true);
-    m[name] = t;
-  }
-  return m;
-}
-
-}  // namespace
+using examples::read_named;
+using examples::write_named;
 
 void save_checkpoint(const Checkpoint& ck, const std::string& path) {
   torch::serialize::OutputArchive out;
@@ -48,15 +26,8 @@ void save_checkpoint(const Checkpoint& ck, const std::string& path) {
   write_named(out, "lstm", ck.lstm);
   write_named(out, "embedding", ck.embedding);
   write_named(out, "decoder", ck.decoder);
-  // The optimizer's own bytes (checked by a hash), as a byte tensor.
-  const std::string optim_bytes = optim::state_to_bytes(ck.optim);
-  at::Tensor bytes = at::empty({static_cast<int64_t>(optim_bytes.size())}, at::kByte);
-  std::memcpy(bytes.data_ptr(), optim_bytes.data(), optim_bytes.size());
-  out.write("optim", bytes, /*is_buffer=*/true);
-  // A crash mid-write leaves the old checkpoint whole.
-  const std::string tmp = path + ".tmp";
-  out.save_to(tmp);
-  fs::rename(tmp, path);
+  examples::write_optimizer(out, "optim", ck.optim);
+  examples::save_replacing(out, path);
 }
 
 Checkpoint load_checkpoint(const std::string& path) {
@@ -80,11 +51,7 @@ Checkpoint load_checkpoint(const std::string& path) {
     ck.lstm = read_named(in, "lstm");
     ck.embedding = read_named(in, "embedding");
     ck.decoder = read_named(in, "decoder");
-    at::Tensor bytes;
-    in.read("optim", bytes, /*is_buffer=*/true);
-    ck.optim = optim::state_from_bytes(
-        std::string(static_cast<const char*>(bytes.data_ptr()), bytes.numel()),
-        "the optimizer state in '" + path + "'");
+    ck.optim = examples::read_optimizer(in, "optim", path);
   } catch (const std::invalid_argument& e) {
     throw UsageError(e.what());
   } catch (const c10::Error& e) {

@@ -26,7 +26,7 @@
 
 namespace char_lm {
 
-using Named = std::map<std::string, at::Tensor>;
+using Named = std::map<std::string, at::Tensor>;  // as examples::Named
 
 struct Checkpoint {
   int64_t step = 0;

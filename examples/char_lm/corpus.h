@@ -1,7 +1,7 @@
 // char_lm's text (load_corpus: the file or the default directory, its
-// vocabulary and tokens) and the batch of each step (batch_at), a function of
-// (seed, step) alone. Read by main.cc before training, and by the training
-// loops (train.cc, train_pipeline.cc) and the sampler (model.cc).
+// vocabulary and tokens; examples/text.h) and the batch of each step
+// (batch_at), a function of (seed, step) alone. Read by main.cc before training, and by the
+// training loops (train.cc, train_pipeline.cc) and the sampler (model.cc).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -10,20 +10,17 @@
 #include <string>
 
 #include "examples/char_lm/config.h"
+#include "examples/text.h"
 
 namespace char_lm {
 
-struct Corpus {
-  std::string name;
-  std::string text;
-  std::string vocab;  // the distinct bytes, in order
-  at::Tensor tokens;  // int64, each byte's index in vocab
-  uint64_t fingerprint = 0;
-};
+using examples::Corpus;
 
 // The text --corpus names, or every regular file of the default directory;
 // bad input throws UsageError.
-Corpus load_corpus(const std::string& flag);
+inline Corpus load_corpus(const std::string& flag) {
+  return examples::load_corpus(flag, kWindow + 1);
+}
 
 // The batch of step `step`: a function of (seed, step) alone, so that a
 // resumed run draws exactly the batches an uninterrupted one would.

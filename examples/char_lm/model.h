@@ -1,8 +1,9 @@
 // char_lm's model: the trainer's view of it (Model: the remote embedding and
 // decoder around the local LSTM, or its DDP wrapper in --mode hybrid), every
 // parameter's first value (initial_parameters, the same in every mode), and
-// sampling text from any model that answers next logits (generate). The
-// training loops (train.cc, train_pipeline.cc) build and sample with these.
+// sampling text from any model that answers next logits (generate, in
+// examples/text.h). The training loops (train.cc, train_pipeline.cc) build
+// and sample with these.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -39,17 +40,11 @@ struct Model {
   }
 };
 
-// Feeds new characters [1, k] to a model and answers the logits [V] that
-// follow the last of them (the model keeps what it needs of the earlier ones).
-using NextLogits = std::function<at::Tensor(const at::Tensor& ids)>;
+using examples::generate;
+using examples::NextLogits;
 
 // The split model's next logits: the LSTM's state carried over.
 NextLogits stateful(Model& m);
-
-// `n` characters after `prompt`, sampled at `temperature`. No autograd
-// context: the remote forwards record nothing outside one.
-std::string generate(const NextLogits& model, const Corpus& c, std::string prompt, int n,
-                     double temperature, uint64_t seed);
 
 // Every parameter's first value, drawn here from the seed in one fixed
 // order, whatever the mode: the remote modules are overwritten with it (or

@@ -6,8 +6,8 @@
 #include <stdexcept>
 
 #include "examples/char_lm/model.h"
-#include "examples/char_lm/progress.h"
 #include "examples/char_lm/train.h"
+#include "examples/progress.h"
 #include "examples/replicas.h"
 #include "tandem/autograd/autograd.h"
 #include "tandem/optim/distributed_optimizer.h"
@@ -129,7 +129,8 @@ int train(const Config& cfg, const Corpus& corpus, const std::optional<Checkpoin
 
   double loss_value = 0;
   // Tokens of all trainers (they step together); worker0's loss.
-  Progress progress{cfg, started, kBatch * kWindow * at.trainers};
+  examples::Progress progress{cfg.steps,  cfg.log_every, cfg.losses,
+                              cfg.resume, started,       kBatch * kWindow * at.trainers};
   for (int64_t step = start; step < cfg.steps; ++step) {
     Batch b = batch_at(corpus, cfg.seed, step * at.trainers + at.rank);
     {

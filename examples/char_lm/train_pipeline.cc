@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "examples/char_lm/model.h"
-#include "examples/char_lm/progress.h"
 #include "examples/char_lm/train.h"
+#include "examples/progress.h"
 #include "tandem/autograd/autograd.h"
 #include "tandem/optim/distributed_optimizer.h"
 #include "tandem/pipeline/pipe.h"
@@ -76,7 +76,8 @@ int train_pipeline(const Config& cfg, const Corpus& corpus, Clock::time_point st
   std::fflush(stdout);
 
   double loss_value = 0;
-  Progress progress{cfg, started, kBatch * kWindow};
+  examples::Progress progress{cfg.steps,  cfg.log_every, cfg.losses,
+                              cfg.resume, started,       kBatch * kWindow};
   for (int64_t step = 0; step < cfg.steps; ++step) {
     Batch b = batch_at(corpus, cfg.seed, step);
     {

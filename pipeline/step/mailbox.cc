@@ -33,4 +33,18 @@ std::optional<at::Tensor> Mailbox::take(Slot slot, int64_t stage, int64_t chunk,
   return t;
 }
 
+bool Mailbox::wait_until(const std::function<bool()>& ready, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const bool came = cv_.wait_for(lock, timeout, [&] { return !aborted_.empty() || ready(); });
+  if (!aborted_.empty()) throw StepAborted(aborted_);
+  return came;
+}
+
+void Mailbox::wake() {
+  // Under the lock, so that a waiter between its check and its sleep
+  // cannot miss it.
+  { std::lock_guard<std::mutex> lock(mu_); }
+  cv_.notify_all();
+}
+
 }  // namespace tandem::pipeline::step

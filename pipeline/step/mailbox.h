@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -33,6 +34,12 @@ class Mailbox {
   // Throws StepAborted once the step is aborted, even with the item here.
   std::optional<at::Tensor> take(Slot slot, int64_t stage, int64_t chunk,
                                  std::chrono::milliseconds timeout);
+  // Waits until `ready()` holds (asked after every put, abort and wake),
+  // the step is aborted (StepAborted), or `timeout` passes (false). For
+  // waits on something else than an item: a collective, say.
+  bool wait_until(const std::function<bool()>& ready, std::chrono::milliseconds timeout);
+  // What a wait_until waits for may have changed: it asks again.
+  void wake();
 
   // The stage service's, under its own lock: whether the step's run is
   // here, and until when an unclaimed box is kept.

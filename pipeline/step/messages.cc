@@ -196,14 +196,17 @@ PassTimes PassTimes::decode(const at::Tensor& t, const std::vector<Action>& sent
 // ---- RunRequest ----
 
 std::vector<c10::IValue> RunRequest::encode() const {
-  return rpc::to_ivalues(header.encode(), stage_ids, modules, passes.encode(), worker_names, loss,
-                         inputs, targets, weights);
+  return rpc::to_ivalues(
+      header.encode(), stage_ids, modules, passes.encode(), worker_names, loss, inputs, targets,
+      weights, data_parallel.group,
+      std::vector<int64_t>{data_parallel.sync ? 1 : 0, data_parallel.bucket_cap_bytes});
 }
 
 RunRequest RunRequest::decode(const std::vector<c10::IValue>& args) {
   const std::string m = kRunFn;
-  check_args(m, args, 9,
-             "header, stages, modules, passes, worker names, loss, inputs, targets, weights");
+  check_args(m, args, 11,
+             "header, stages, modules, passes, worker names, loss, inputs, targets, weights, "
+             "data-parallel group, data-parallel flags");
   RunRequest r;
   r.header = StepHeader::decode(rpc::from_ivalue<std::vector<int64_t>>(args[0], m + ": header"));
   const StepHeader& h = r.header;
@@ -248,13 +251,70 @@ RunRequest RunRequest::decode(const std::vector<c10::IValue>& args) {
              "is " + std::to_string(w) + ", not a share of the batch (0 .. 1)");
     }
   }
+  r.data_parallel.group = rpc::from_ivalue<std::string>(args[9], m + ": data-parallel group");
+  const auto flags = rpc::from_ivalue<std::vector<int64_t>>(args[10], m + ": data-parallel flags");
+  check_count(m, "data-parallel flags", flags.size(), 2, "sync, bucket_cap_bytes");
+  check_range(m, "data-parallel sync", flags[0], 0, 1);
+  r.data_parallel.sync = flags[0] == 1;
+  check_range(m, "data-parallel bucket_cap_bytes", flags[1], 1,
+              std::numeric_limits<int64_t>::max());
+  r.data_parallel.bucket_cap_bytes = flags[1];
   return r;
+}
+
+// ---- AllReduceTimes ----
+
+at::Tensor AllReduceTimes::encode() const {
+  at::Tensor t = at::empty({static_cast<int64_t>(times.size()), 3}, at::kDouble);
+  auto acc = t.accessor<double, 2>();
+  for (size_t i = 0; i < times.size(); ++i) {
+    acc[i][0] = static_cast<double>(times[i].stage);
+    acc[i][1] = times[i].launch_us;
+    acc[i][2] = times[i].done_us;
+  }
+  return t;
+}
+
+AllReduceTimes AllReduceTimes::decode(const at::Tensor& t, const std::vector<int64_t>& held,
+                                      const std::string& from) {
+  check_table(from, "allreduces", t, 3, at::kDouble, "an [n, 3] double tensor on the CPU");
+  AllReduceTimes out;
+  auto acc = t.accessor<double, 2>();
+  std::vector<int64_t> seen;
+  for (int64_t r = 0; r < t.size(0); ++r) {
+    const size_t i = static_cast<size_t>(r);
+    const double stage = acc[r][0];
+    const auto s = static_cast<int64_t>(stage);
+    if (!std::isfinite(stage) || static_cast<double>(s) != stage ||
+        std::find(held.begin(), held.end(), s) == held.end()) {
+      refuse(from, row("allreduces", i, "stage"),
+             "is " + std::to_string(stage) + ", not a stage of this worker");
+    }
+    if (std::find(seen.begin(), seen.end(), s) != seen.end()) {
+      refuse(from, row("allreduces", i, "stage"),
+             "is " + std::to_string(s) + ", averaged twice in one step");
+    }
+    seen.push_back(s);
+    const double launch = acc[r][1], done = acc[r][2];
+    if (!std::isfinite(launch) || launch < 0) {
+      refuse(from, row("allreduces", i, "launch_us"),
+             "is " + std::to_string(launch) + ", not a time");
+    }
+    if (!std::isfinite(done) || done < launch) {
+      refuse(from, row("allreduces", i, "done_us"),
+             "is " + std::to_string(done) + ", not a time from launch_us (" +
+                 std::to_string(launch) + ") on");
+    }
+    out.times.push_back({s, launch, done});
+  }
+  return out;
 }
 
 // ---- RunReply ----
 
 c10::IValue RunReply::encode() const {
-  return rpc::to_ivalue(std::make_tuple(losses, times.encode(), peak_stash, outputs));
+  return rpc::to_ivalue(
+      std::make_tuple(losses, times.encode(), peak_stash, outputs, allreduces.encode()));
 }
 
 RunReply RunReply::decode(const c10::IValue& v, const RunRequest& request) {
@@ -262,10 +322,11 @@ RunReply RunReply::decode(const c10::IValue& v, const RunRequest& request) {
   const std::string m =
       std::string(kRunFn) + "'s answer from " + request.worker_names.at(static_cast<size_t>(h.me));
   if (!v.isTuple()) refuse(m, "the answer", "is a " + v.tagKind() + ", not a tuple");
-  const auto& items = v.toTupleRef().elements();
-  if (items.size() != 4) {
+  // (a vector: GCC sees the tuple's inline storage of three and warns past it)
+  const std::vector<c10::IValue> items = v.toTupleRef().elements().vec();
+  if (items.size() != 5) {
     throw std::invalid_argument(m + ": " + std::to_string(items.size()) +
-                                " fields, not 4 (losses, times, peak_stash, outputs)");
+                                " fields, not 5 (losses, times, peak_stash, outputs, allreduces)");
   }
   RunReply r;
   r.losses = rpc::from_ivalue<at::Tensor>(items[0], m + ": losses");
@@ -283,6 +344,11 @@ RunReply RunReply::decode(const c10::IValue& v, const RunRequest& request) {
       owes ? "one per micro-batch" : "only the last stage's worker gives them, forwards only");
   for (size_t c = 0; c < r.outputs.size(); ++c) {
     if (!r.outputs[c].defined()) refuse(m, "outputs[" + std::to_string(c) + "]", "is undefined");
+  }
+  r.allreduces = AllReduceTimes::decode(rpc::from_ivalue<at::Tensor>(items[4], m + ": allreduces"),
+                                        request.stage_ids, m);
+  if (!r.allreduces.times.empty() && !(h.train && request.data_parallel.averages())) {
+    refuse(m, "allreduces", "has rows, but the step asked for no averaging");
   }
   return r;
 }

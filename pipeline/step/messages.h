@@ -90,6 +90,34 @@ struct PassTimes {
                           const std::string& from);
 };
 
+// How a training step's gradients are averaged over the data-parallel
+// replicas of this worker's stages: two arguments of tandem.pipe.run, the
+// group's name (empty: no averaging) and [sync, bucket_cap_bytes].
+struct DataParallelNote {
+  std::string group;  // ddp::find_group's name on the worker; empty: none
+  bool sync = true;   // false: accumulate only (Pipe::no_sync)
+  int64_t bucket_cap_bytes = 25 << 20;
+
+  bool averages() const { return !group.empty() && sync; }
+};
+
+// When a stage's gradients were averaged: rows (stage, launch µs, done µs)
+// of an [n, 3] double tensor, on the worker's clock of PassTimes.
+struct AllReduceTime {
+  int64_t stage = 0;
+  double launch_us = 0, done_us = 0;
+};
+struct AllReduceTimes {
+  std::vector<AllReduceTime> times;
+
+  at::Tensor encode() const;
+  // Checks the tensor's shape, dtype and device; each row's stage one of
+  // `held`, at most one row a stage; its times finite, not negative, done
+  // no earlier than launched.
+  static AllReduceTimes decode(const at::Tensor& t, const std::vector<int64_t>& held,
+                               const std::string& from);
+};
+
 // tandem.pipe.run: run these passes of a step on the stages this worker holds.
 struct RunRequest {
   StepHeader header;
@@ -101,13 +129,15 @@ struct RunRequest {
   std::vector<at::Tensor> inputs;         // per micro-batch, to the worker of stage 0; else none
   std::vector<at::Tensor> targets;  // per micro-batch, to the last stage's when training; else none
   std::vector<double> weights;      // per micro-batch: its share of the batch (0 .. 1)
+  DataParallelNote data_parallel;
 
   std::vector<c10::IValue> encode() const;
-  // Checks: 9 arguments of their types; the header (StepHeader::decode);
+  // Checks: 11 arguments of their types; the header (StepHeader::decode);
   // the stages are exactly this worker's, with a module each; the passes
   // (PassList::decode); a non-empty name per worker; as many inputs,
   // targets and weights as the worker should get, the weights finite and
-  // within 0 .. 1.
+  // within 0 .. 1; the data-parallel note's flags (sync 0 or 1, a bucket
+  // cap of at least one byte).
   static RunRequest decode(const std::vector<c10::IValue>& args);
 };
 
@@ -118,12 +148,15 @@ struct RunReply {
   PassTimes times;
   int64_t peak_stash = 0;           // most micro-batches held between forward and backward
   std::vector<at::Tensor> outputs;  // forwards only, on the last stage's worker: per micro-batch
+  AllReduceTimes allreduces;        // when its stages' gradients were averaged, if they were
 
   c10::IValue encode() const;
-  // Checks it against `request`, the one it answers: a tuple of 4 of their
+  // Checks it against `request`, the one it answers: a tuple of 5 of their
   // types; losses [chunks] double on the CPU; the times
   // (PassTimes::decode against the passes sent); peak_stash within 0 ..
-  // the passes sent; as many defined outputs as the worker owes.
+  // the passes sent; as many defined outputs as the worker owes; the
+  // all-reduce times (AllReduceTimes::decode), none unless the request
+  // asked for averaging.
   static RunReply decode(const c10::IValue& v, const RunRequest& request);
 };
 

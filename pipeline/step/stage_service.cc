@@ -11,6 +11,7 @@
 #include "tandem/autograd/autograd.h"
 #include "tandem/pipeline/pipe.h"
 #include "tandem/pipeline/step/errors.h"
+#include "tandem/pipeline/step/grad_sync.h"
 #include "tandem/pipeline/step/mailbox.h"
 #include "tandem/pipeline/step/messages.h"
 #include "tandem/pipeline/step/passes.h"
@@ -86,7 +87,7 @@ class PipeService final : public rpc::AgentExtension,
                                " is over here (it ran, or its messages expired waiting for it)");
     }
     try {
-      RunReply reply = run_passes(r, *b, context);
+      RunReply reply = run_passes(r, b, context);
       finish(h.step);
       return reply;
     } catch (const StepAborted&) {
@@ -183,14 +184,18 @@ class PipeService final : public rpc::AgentExtension,
 
   // The step's passes in order, each timed (from when its input was there)
   // and, on a failure, named; then the gradients into `context`.
-  RunReply run_passes(const RunRequest& r, Mailbox& box, uint64_t context) {
+  RunReply run_passes(const RunRequest& r, const std::shared_ptr<Mailbox>& shared_box,
+                      uint64_t context) {
+    Mailbox& box = *shared_box;
     StepState state(r, agent_.name());
     rpc::Tracer* const tracer = agent_.tracer().get();
     const auto t0 = Clock::now();
     auto us = [&] { return std::chrono::duration<double, std::micro>(Clock::now() - t0).count(); };
     RunReply reply;
     c10::AutoGradMode grad_on(r.header.train);
-    for (const Action& pass : r.passes.passes) {
+    GradSync sync(agent_, r, context, shared_box, t0);
+    for (size_t i = 0; i < r.passes.passes.size(); ++i) {
+      const Action& pass = r.passes.passes[i];
       PassTime time{pass};
       Io io(*this, r, box, pass, [&] { time.start_us = us(); });
       try {
@@ -214,7 +219,10 @@ class PipeService final : public rpc::AgentExtension,
                           ",\"stage\":" + std::to_string(pass.stage) +
                           ",\"micro_batch\":" + std::to_string(pass.chunk) + "}");
       }
+      sync.after_pass(state, i);
     }
+    sync.finish(state);
+    reply.allreduces = sync.times();
     hand_over_gradients(state, agent_, context);
     reply.losses = state.losses;
     reply.peak_stash = state.peak;

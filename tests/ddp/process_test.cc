@@ -82,6 +82,31 @@ TEST_CASE("ddp process: a rank killed mid-training fails the others' backward, n
   CHECK(std::chrono::steady_clock::now() - t0 < 5s);
 }
 
+TEST_CASE("ddp process: rank 2 of 3 killed in its all-reduce: the others' errors name it") {
+  // With RPC agents beside the group (so the errors name workers), and
+  // without (the ranks alone).
+  for (const bool with_rpc : {true, false}) {
+    CAPTURE(with_rpc);
+    ::setenv("TANDEM_TEST_WITH_RPC", with_rpc ? "1" : "", 1);
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string out = test::run_direct_job("rank2_dies_in_allreduce", 3);
+    ::unsetenv("TANDEM_TEST_WITH_RPC");
+    INFO(out);
+    CHECK(std::chrono::steady_clock::now() - t0 < 30s);
+    CHECK(out.find("[2] exit 7") != std::string::npos);
+    for (int r : {0, 1}) {
+      const std::string line = test::line_of(out, "[" + std::to_string(r) + "] worker failed");
+      CAPTURE(line);
+      CHECK(line.find("all_reduce(sum) on rank " + std::to_string(r) + " of 3 failed: rank 2 (") !=
+            std::string::npos);
+      CHECK(line.find(with_rpc ? "(worker \"worker2\", pid " : "(pid ") != std::string::npos);
+      CHECK(line.find("is gone (its process exited)") != std::string::npos);
+      CHECK(line.find("timeout") == std::string::npos);  // nothing timed out
+      CHECK(out.find("[" + std::to_string(r) + "] exit 2") != std::string::npos);
+    }
+  }
+}
+
 namespace tandem::test {
 
 // A worker process of this binary (TANDEM_TEST_WORKER=mode; see main.cc).
@@ -91,9 +116,12 @@ namespace tandem::test {
 //   "join_then_die": joins, then exits abruptly in its first collective's place.
 //   "ddp_then_die": wraps a model in DDP (a collective with the test), then
 //          exits abruptly before its first backward.
+//   "rank2_dies_in_allreduce": rank 2 exits abruptly where its all-reduce
+//          would be; the others' all-reduce fails (printed by the catch).
 int worker_main(const std::string& mode) {
   try {
     bool with_rpc = std::getenv("TANDEM_TEST_WITH_RPC") != nullptr;
+    if (const char* w = std::getenv("TANDEM_TEST_WITH_RPC"); !w || !*w) with_rpc = false;
     if (with_rpc) rpc::init(std::make_shared<rpc::Registry>());
     ddp::init_process_group("gloo", "env://", -1, -1, 30s);
     if (mode == "join_then_die") std::_Exit(7);
@@ -103,6 +131,10 @@ int worker_main(const std::string& mode) {
       std::_Exit(7);
     }
     at::Tensor t = at::full_like(at::zeros({4}), ddp::get_rank() + 1);
+    if (mode == "rank2_dies_in_allreduce") {
+      if (ddp::get_rank() == 2) std::_Exit(7);
+      t = at::ones({1 << 16});
+    }
     ddp::all_reduce(t);
     std::printf("rank %d of %d sum %g\n", ddp::get_rank(), ddp::get_world_size(),
                 t[0].item<double>());

@@ -15,9 +15,14 @@
 // `consumer spawn` starts a two-worker job from code (tandem::spawn finds the
 // installed tandem-run beside the library): the workers call each other
 // over the same-host shared-memory transport with a 1 MiB tensor.
+// `consumer mesh` starts four, laid out as a mesh of 2 pipeline stages x 2
+// data-parallel replicas: each replica's driver steps its two-stage pipe on
+// its own rows, the stages average their gradients over the replicas, and
+// the replicas end with the same parameters.
 #include <tandem/autograd/autograd.h>
 #include <tandem/ddp/distributed_data_parallel.h>
 #include <tandem/ddp/sampler.h>
+#include <tandem/mesh/mesh.h>
 #include <tandem/optim/distributed_optimizer.h>
 #include <tandem/pipeline/pipe.h>
 #include <tandem/pipeline/schedule.h>
@@ -59,8 +64,48 @@ int spawn_job() {
   return 0;
 }
 
+int mesh_job() {
+  tandem::spawn(4, [](int rank, int) {
+    tandem::rpc::init(std::make_shared<tandem::rpc::Registry>());
+    {
+      tandem::Mesh mesh({{"pp", 2}, {"dp", 2}});
+      if (mesh.coordinate("pp") == 0) {
+        std::vector<tandem::nn::RemoteModule> stages;
+        for (int s = 0; s < 2; ++s) {
+          stages.emplace_back(mesh.worker_at({{"pp", s}}) + "/cpu", "Linear",
+                              std::vector<c10::IValue>{int64_t{4}, int64_t{4}});
+          stages.back().load_state_dict(
+              {{"weight", at::ones({4, 4}) * (s + 1)}, {"bias", at::zeros({4})}});
+        }
+        tandem::pipeline::PipeOptions o;
+        o.chunks = 2;
+        o.loss = "mse";
+        o.data_parallel_group = mesh.group_name("dp");
+        tandem::pipeline::Pipe pipe(stages, o);
+        tandem::optim::DistributedOptimizer opt(tandem::optim::Kind::kSGD, pipe.parameters());
+        const double row = mesh.coordinate("dp") + 1;  // each replica its own rows
+        {
+          tandem::autograd::Context ctx;
+          pipe.step(ctx.id(), at::ones({4, 4}) * row, at::zeros({4, 4}));
+          opt.step(ctx.id());
+        }
+        at::Tensor w = stages[1].state_dict().at("weight");
+        auto all = mesh.group("dp")->all_gather(w);
+        const bool same = at::equal(all[0], all[1]) && !at::equal(w, at::ones({4, 4}) * 2);
+        std::printf("rank %d: replica %d stepped; replicas %s\n", rank, mesh.coordinate("dp"),
+                    same ? "identical" : "DIFFERENT");
+        if (!same) throw std::runtime_error("the replicas differ");
+      }
+      tandem::rpc::shutdown();
+    }
+  });
+  std::printf("the 2 x 2 mesh job finished\n");
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "spawn") == 0) return spawn_job();
+  if (argc > 1 && std::strcmp(argv[1], "mesh") == 0) return mesh_job();
   auto reg = std::make_shared<tandem::rpc::Registry>();
   reg->def("twice", [](int64_t x) { return 2 * x; });
   reg->def("scale", [](at::Tensor t, double s) { return at::mul(t, s); });

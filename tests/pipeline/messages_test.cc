@@ -217,7 +217,7 @@ TEST_CASE(
     auto& agent = *w.agents[0];
     const RunRequest sent = request(agent);
     std::vector<c10::IValue> args = sent.encode();
-    REQUIRE(args.size() == 9);
+    REQUIRE(args.size() == 11);
     const RunRequest r = RunRequest::decode(args);
     CHECK(r.header.encode() == sent.header.encode());
     CHECK(r.stage_ids == sent.stage_ids);
@@ -230,6 +230,18 @@ TEST_CASE(
     REQUIRE(r.targets.size() == 3);
     CHECK(at::equal(r.targets[2], sent.targets[2]));
     CHECK(r.weights == sent.weights);
+    CHECK(r.data_parallel.group.empty());
+    CHECK(r.data_parallel.sync);
+    CHECK_FALSE(r.data_parallel.averages());
+    {
+      RunRequest dp = request(agent);
+      dp.data_parallel = {"mesh#0/dp", false, 4096};
+      const RunRequest back = RunRequest::decode(dp.encode());
+      CHECK(back.data_parallel.group == "mesh#0/dp");
+      CHECK_FALSE(back.data_parallel.sync);
+      CHECK(back.data_parallel.bucket_cap_bytes == 4096);
+      CHECK_FALSE(back.data_parallel.averages());  // not while accumulating
+    }
 
     auto refused = [](const RunRequest& bad) {
       return refusal([&] { RunRequest::decode(bad.encode()); });
@@ -248,11 +260,11 @@ TEST_CASE(
       auto short_args = sent.encode();
       short_args.pop_back();
       CHECK(refusal([&] { RunRequest::decode(short_args); }) ==
-            "tandem.pipe.run: 8 arguments, not 9 (header, stages, modules, passes, worker names, "
-            "loss, inputs, targets, weights)");
+            "tandem.pipe.run: 10 arguments, not 11 (header, stages, modules, passes, worker "
+            "names, loss, inputs, targets, weights, data-parallel group, data-parallel flags)");
       auto long_args = sent.encode();
       long_args.emplace_back(int64_t{1});
-      CHECK(has(refusal([&] { RunRequest::decode(long_args); }), "10 arguments, not 9"));
+      CHECK(has(refusal([&] { RunRequest::decode(long_args); }), "12 arguments, not 11"));
     }
     CHECK(arg(0, c10::IValue("x")) == "tandem.pipe.run: header: expected list, got String");
     CHECK(has(changed([](RunRequest& b) { b.header.me = 2; }), "header.me is 2"));
@@ -296,6 +308,13 @@ TEST_CASE(
           "tandem.pipe.run: weights[1] is 1.500000, not a share of the batch (0 .. 1)");
     CHECK(has(changed([](RunRequest& b) { b.weights[2] = -0.25; }), "weights[2] is -0.250000"));
     CHECK(has(changed([](RunRequest& b) { b.weights[0] = std::nan(""); }), "weights[0] is nan"));
+    CHECK(has(arg(9, c10::IValue(int64_t{0})), "data-parallel group: expected str, got Int"));
+    CHECK(arg(10, c10::IValue(std::vector<int64_t>{1})) ==
+          "tandem.pipe.run: data-parallel flags has 1, not 2 (sync, bucket_cap_bytes)");
+    CHECK(arg(10, c10::IValue(std::vector<int64_t>{2, 10})) ==
+          "tandem.pipe.run: data-parallel sync is 2, not in 0 .. 1");
+    CHECK(arg(10, c10::IValue(std::vector<int64_t>{1, 0})) ==
+          "tandem.pipe.run: data-parallel bucket_cap_bytes is 0, not at least 1");
     // Worker 0 gets the inputs, one per micro-batch.
     CHECK(has(changed([](RunRequest& b) {
                 b.header.me = 0;
@@ -328,12 +347,51 @@ TEST_CASE(
     CHECK(
         refusal([&] {
           RunReply::decode(c10::ivalue::Tuple::create({a.losses, a.times.encode(), int64_t{2}}), r);
-        }) == from + "3 fields, not 4 (losses, times, peak_stash, outputs)");
+        }) == from + "3 fields, not 5 (losses, times, peak_stash, outputs, allreduces)");
     CHECK(refusal([&] {
             RunReply::decode(c10::ivalue::Tuple::create({a.losses, int64_t{0}, int64_t{2},
-                                                         c10::IValue(std::vector<at::Tensor>{})}),
+                                                         c10::IValue(std::vector<at::Tensor>{}),
+                                                         a.allreduces.encode()}),
                              r);
           }) == from + "times: expected Tensor, got Int");
+    // The all-reduce times: only when averaging, one row a stage of the worker's.
+    {
+      RunRequest dp = request(agent);
+      dp.data_parallel.group = "mesh#0/dp";
+      RunReply ok = reply(dp);
+      ok.allreduces.times = {{3, 1.0, 4.0}, {1, 2.0, 2.0}};
+      const RunReply got = RunReply::decode(ok.encode(), dp);
+      REQUIRE(got.allreduces.times.size() == 2);
+      CHECK(got.allreduces.times[0].stage == 3);
+      CHECK(got.allreduces.times[0].done_us == 4.0);
+      CHECK(answer(
+                [](RunReply& b) {
+                  b.allreduces.times = {{1, 1.0, 2.0}};
+                },
+                r) == from + "allreduces has rows, but the step asked for no averaging");
+      CHECK(answer(
+                [](RunReply& b) {
+                  b.allreduces.times = {{2, 1.0, 2.0}};
+                },
+                dp) == from + "allreduces[0].stage is 2.000000, not a stage of this worker");
+      CHECK(answer(
+                [](RunReply& b) {
+                  b.allreduces.times = {{1, 1.0, 2.0}, {1, 3.0, 4.0}};
+                },
+                dp) == from + "allreduces[1].stage is 1, averaged twice in one step");
+      CHECK(has(answer(
+                    [](RunReply& b) {
+                      b.allreduces.times = {{1, 5.0, 2.0}};
+                    },
+                    dp),
+                "allreduces[0].done_us is 2.000000, not a time from launch_us (5.000000) on"));
+      CHECK(has(answer(
+                    [](RunReply& b) {
+                      b.allreduces.times = {{1, -1.0, 2.0}};
+                    },
+                    dp),
+                "allreduces[0].launch_us is -1.000000, not a time"));
+    }
     CHECK(answer([](RunReply& b) { b.losses = at::zeros({4}, at::kDouble); }, r) ==
           from + "losses has 4, not 3 (one per micro-batch)");
     CHECK(answer([](RunReply& b) { b.losses = at::zeros({3}, at::kFloat); }, r) ==

@@ -1,10 +1,9 @@
-// The progress lines (examples/char_lm/progress.h).
-#include "examples/char_lm/progress.h"
+// The progress lines (examples/progress.h).
+#include "examples/progress.h"
 
-#include <chrono>
 #include <cstdio>
 
-namespace char_lm {
+namespace examples {
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -13,16 +12,16 @@ double seconds_since(Clock::time_point t0) {
 void Progress::add(int64_t done, double loss) {
   sum += loss;
   ++since;
-  if (done % cfg.log_every != 0 && done != cfg.steps && done != 1) return;
+  if (done % log_every != 0 && done != steps && done != 1) return;
   const double dt = seconds_since(last_line);
   std::printf("step %lld/%lld  loss %.3f  tokens/s %.0f  elapsed %.1fs\n",
-              static_cast<long long>(done), static_cast<long long>(cfg.steps), sum / since,
+              static_cast<long long>(done), static_cast<long long>(steps), sum / since,
               since * tokens_per_step / dt, seconds_since(started));
   std::fflush(stdout);
-  if (!cfg.losses.empty()) {
+  if (!csv.empty()) {
     // Written afresh by a run from step 1, appended to by a resumed one.
-    const bool fresh = csv_rows == 0 && !cfg.resume;
-    if (FILE* f = std::fopen(cfg.losses.c_str(), fresh ? "w" : "a")) {
+    const bool fresh = csv_rows == 0 && !resumed;
+    if (FILE* f = std::fopen(csv.c_str(), fresh ? "w" : "a")) {
       if (fresh) std::fprintf(f, "step,loss,tokens_per_s,elapsed_s\n");
       std::fprintf(f, "%lld,%.6f,%.0f,%.3f\n", static_cast<long long>(done), sum / since,
                    since * tokens_per_step / dt, seconds_since(started));
@@ -35,4 +34,4 @@ void Progress::add(int64_t done, double loss) {
   last_line = Clock::now();
 }
 
-}  // namespace char_lm
+}  // namespace examples

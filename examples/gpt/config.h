@@ -1,0 +1,50 @@
+// gpt's common ground: the flags' values (Config) and where this process
+// is in the job (Place). Every piece of examples/gpt/ includes it; it
+// includes none of them. The program itself is described in main.cc.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include "examples/flags.h"
+
+namespace gpt {
+
+using Clock = std::chrono::steady_clock;
+using examples::UsageError;
+
+struct Config {
+  // The job's layout: pp pipeline stages times dp data-parallel replicas.
+  int64_t pp = 2, dp = 2;
+  std::string schedule = "1f1b";
+  int64_t chunks = 4;  // micro-batches per replica and step
+  // The model.
+  int64_t layers = 4, dim = 64, heads = 4, context = 64;
+  // Training.
+  int64_t steps = 600;  // the schedule's length
+  int64_t stop_at = 0;  // stop after this step (0: --steps), as if interrupted
+  int64_t batch = 32;   // sequences per step, over all replicas
+  double lr = 3e-3;
+  int64_t warmup = 30;  // steps of linear warm-up before the cosine decay
+  double clip = 1.0;    // global gradient norm
+  int64_t seed = 0;
+  int64_t log_every = 25;
+  std::string corpus;  // empty: /usr/share/common-licenses/*
+  std::string losses;  // each progress line also as a CSV row
+  std::string checkpoint = "gpt.ckpt";
+  int64_t checkpoint_every = 100;
+  bool resume = false;
+  int64_t sample = 200;  // characters generated at the end
+};
+
+// Where this process is: its rank, and its coordinates in the mesh
+// (pp, dp). Replica d's driver is the rank at (0, d).
+struct Place {
+  int rank = 0;
+  int stage = 0;    // coordinate along pp
+  int replica = 0;  // coordinate along dp
+  bool driver() const { return stage == 0; }
+};
+
+}  // namespace gpt

@@ -1,0 +1,198 @@
+// gpt: a small decoder-only transformer trained at character level, cut into
+// pipeline stages and replicated data-parallel over a mesh (pp x dp): the
+// main job, what `./dev demo` runs (2 x 2 on 4 local processes).
+//
+//   build/bin/tandem-run --nproc-per-node 4 build/bin/gpt [--pp 2 --dp 2] [--schedule 1f1b]
+//       [--chunks 4] [--steps 300] [--batch 32] [--corpus FILE] [--checkpoint gpt.ckpt]
+//       [--resume] [--losses gpt_losses.csv] ...
+//   build/bin/gpt --pp 2 --dp 2        (started alone, it starts its pp x dp workers itself)
+//
+// The mesh (tandem::Mesh, {{"pp", pp}, {"dp", dp}}) puts rank pp_index * dp +
+// dp_index at stage pp_index of replica dp_index. Replica d's driver is the
+// rank at (0, d): it builds its replica's stages from the model's layer
+// specs (examples/gpt/model.h: embeddings, `--layers` transformer blocks, a
+// head), cut by pipeline::partition where rank 0 measured the layers' times
+// (pipeline::balance_by_time), on the workers at (s, d); runs each step's
+// `--batch / --dp` sequences through its pipe in `--chunks` micro-batches by
+// `--schedule`; and steps them with one Adam DistributedOptimizer, clipped
+// to a global norm of `--clip`, under a cosine schedule with `--warmup`
+// steps of warm-up. The pipes average each stage's gradients over its
+// replicas (PipeOptions::data_parallel_group = the mesh's dp group), so
+// every replica's stage s holds the same parameters throughout. The other
+// ranks only serve their stages.
+//
+// Determinism: the initial parameters come from at::manual_seed(--seed),
+// the batches from a DistributedSampler seeded with it (step s's global
+// batch is the same set of windows whatever the layout), and the schedule
+// is a function of the step, so 2 x 2, 1 x 2, 2 x 1 and 1 x 1 follow the
+// same losses (to float rounding) and --resume continues exactly (the last
+// line's loss is printed with %.6f to compare). The checkpoint's format is
+// in examples/gpt/checkpoint.h.
+//
+// The text is, by default, every regular file in /usr/share/common-licenses
+// (the demo runs on any Debian machine); --corpus takes any other file.
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <optional>
+
+#include "examples/gpt/checkpoint.h"
+#include "examples/gpt/config.h"
+#include "examples/gpt/train.h"
+#include "examples/launch.h"
+#include "examples/text.h"
+#include "tandem/mesh/mesh.h"
+#include "tandem/rpc/api.h"
+#include "tandem/rpc/rendezvous.h"
+
+namespace gpt {
+namespace {
+
+namespace rpc = tandem::rpc;
+
+void add_flags(examples::Flags& flags, Config& cfg) {
+  flags.add("--pp", &cfg.pp, 1, "pipeline stages (workers per replica)")
+      .add("--dp", &cfg.dp, 1, "data-parallel replicas")
+      .add_choice("--schedule", &cfg.schedule, {"gpipe", "1f1b", "zero-bubble", "interleaved"},
+                  "the pipeline schedule (interleaved: two stages a worker)")
+      .add("--chunks", &cfg.chunks, 1, "micro-batches per replica and step")
+      .add("--layers", &cfg.layers, 1, "transformer blocks")
+      .add("--dim", &cfg.dim, 1, "model width")
+      .add("--heads", &cfg.heads, 1, "attention heads (dividing --dim)")
+      .add("--context", &cfg.context, 2, "characters a sequence holds")
+      .add("--steps", &cfg.steps, 1, "total training steps (the schedule's length)")
+      .add("--stop-at", &cfg.stop_at, 0,
+           "stop after this step with a checkpoint, as if interrupted (0: --steps)")
+      .add("--batch", &cfg.batch, 1, "sequences per step, over all replicas")
+      .add("--lr", &cfg.lr, "Adam's peak learning rate")
+      .add("--warmup", &cfg.warmup, 1, "steps of linear warm-up")
+      .add("--clip", &cfg.clip, "the global gradient norm")
+      .add("--seed", &cfg.seed, 0, "seed of the initial parameters, the batches and the sample")
+      .add("--log-every", &cfg.log_every, 1, "print the mean loss every N steps")
+      .add("--corpus", &cfg.corpus, "text to train on (default: /usr/share/common-licenses/*)")
+      .add("--losses", &cfg.losses, "also write each progress line to this CSV file")
+      .add("--checkpoint", &cfg.checkpoint, "checkpoint file")
+      .add("--checkpoint-every", &cfg.checkpoint_every, 1, "write the checkpoint every N steps")
+      .add_switch("--resume", &cfg.resume, "continue from --checkpoint up to --steps")
+      .add("--sample", &cfg.sample, 0, "characters generated at the end");
+}
+
+// What is wrong with the flags for a job of `world` processes, or "".
+std::string check(const Config& cfg, int world) {
+  const std::string layout = std::to_string(cfg.pp) + " x " + std::to_string(cfg.dp);
+  if (world >= 1 && cfg.pp * cfg.dp != world) {
+    return "--pp " + std::to_string(cfg.pp) + " --dp " + std::to_string(cfg.dp) + " needs " +
+           std::to_string(cfg.pp * cfg.dp) + " processes, not " + std::to_string(world) +
+           " (tandem-run --nproc-per-node " + std::to_string(cfg.pp * cfg.dp) + ")";
+  }
+  if (cfg.batch % cfg.dp != 0) {
+    return "--batch " + std::to_string(cfg.batch) + " does not divide among " +
+           std::to_string(cfg.dp) + " replicas";
+  }
+  if (cfg.batch / cfg.dp < cfg.chunks) {
+    return "each replica's " + std::to_string(cfg.batch / cfg.dp) + " sequences cannot make " +
+           std::to_string(cfg.chunks) + " micro-batches (--chunks)";
+  }
+  if (cfg.stop_at > cfg.steps) {
+    return "--stop-at " + std::to_string(cfg.stop_at) + " is past --steps " +
+           std::to_string(cfg.steps);
+  }
+  if (cfg.dim % cfg.heads != 0) {
+    return "--heads " + std::to_string(cfg.heads) + " does not divide --dim " +
+           std::to_string(cfg.dim);
+  }
+  if (cfg.layers + 2 < stage_count(cfg)) {
+    return "a " + layout + " job (" + cfg.schedule + ") has " + std::to_string(stage_count(cfg)) +
+           " stages, more than the model's " + std::to_string(cfg.layers + 2) + " layers";
+  }
+  return "";
+}
+
+// The checkpoint --resume names, checked against the text and the flags.
+Checkpoint checked_resume(const Config& cfg, const examples::Corpus& corpus) {
+  Checkpoint ck = load_checkpoint(cfg.checkpoint);
+  const std::string what = "checkpoint '" + cfg.checkpoint + "'";
+  if (ck.corpus_fnv != corpus.fingerprint || ck.vocab != corpus.vocab) {
+    throw UsageError(what + " was trained on another text; pass the same --corpus");
+  }
+  if (ck.seed != cfg.seed) {
+    throw UsageError(what + " was trained with --seed " + std::to_string(ck.seed));
+  }
+  const std::vector<int64_t> shape = {cfg.layers, cfg.dim, cfg.heads, cfg.context};
+  if (ck.shape != shape) {
+    throw UsageError(what + " holds another model (--layers, --dim, --heads, --context " +
+                     std::to_string(ck.shape.at(0)) + " " + std::to_string(ck.shape.at(1)) + " " +
+                     std::to_string(ck.shape.at(2)) + " " + std::to_string(ck.shape.at(3)) + ")");
+  }
+  if (static_cast<int64_t>(ck.counts.size()) != stage_count(cfg)) {
+    throw UsageError(what + " was cut into " + std::to_string(ck.counts.size()) +
+                     " stages, this job into " + std::to_string(stage_count(cfg)) +
+                     " (pass the --pp and --schedule it was written with; --dp may change)");
+  }
+  if (ck.step >= cfg.steps) {
+    throw UsageError(what + " is at step " + std::to_string(ck.step) + "; pass a larger --steps");
+  }
+  return ck;
+}
+
+int job_main(int argc, char** argv) {
+  const Clock::time_point started = Clock::now();
+  try {
+    const rpc::WorldEnv env = rpc::world_from_env();
+    Config cfg;
+    examples::Flags flags("gpt");
+    add_flags(flags, cfg);
+    std::string error = flags.parse(argc, argv);
+    if (error.empty()) error = check(cfg, env.world_size);
+    std::optional<examples::Corpus> corpus;
+    std::optional<Checkpoint> resume;
+    if (error.empty() && !flags.help()) {
+      try {
+        corpus = examples::load_corpus(cfg.corpus, cfg.context + 1 + cfg.batch);
+        if (cfg.resume) resume = checked_resume(cfg, *corpus);
+      } catch (const UsageError& e) {
+        error = e.what();
+      }
+    }
+    if (env.rank < 0) {
+      return examples::outside_world(
+          flags, error,
+          "start me with pp x dp workers: build/bin/tandem-run --nproc-per-node 4 "
+          "build/bin/gpt --pp 2 --dp 2");
+    }
+    // Every rank joins the world, even with nothing to train, so that the
+    // others' shutdown returns.
+    rpc::init(std::make_shared<rpc::Registry>());
+    std::optional<tandem::Mesh> mesh;
+    const int rc = examples::run_worker(flags, error, /*speak=*/env.rank == 0, [&] {
+      tandem::MeshOptions mo;
+      mo.timeout = std::chrono::minutes(2);  // a stuck collective fails loudly
+      mesh.emplace(
+          tandem::Mesh::Shape{{"pp", static_cast<int>(cfg.pp)}, {"dp", static_cast<int>(cfg.dp)}},
+          mo);
+      if (mesh->coordinate("pp") != 0) return 0;  // serves its stages until the drivers are done
+      return drive(Job{cfg, *corpus, resume, *mesh, started});
+    });
+    // A failed worker leaves at once (the launcher ends the others): a
+    // graceful shutdown would wait for replicas stuck on its averages.
+    rpc::shutdown(rc == 0);
+    return rc;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gpt: %s\n", e.what());
+    return 1;
+  }
+}
+
+}  // namespace
+}  // namespace gpt
+
+int main(int argc, char** argv) {
+  // examples/launch.h: under tandem-run, or started alone with pp x dp workers.
+  long pp = 2, dp = 2;
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (std::strcmp(argv[i], "--pp") == 0) pp = std::strtol(argv[i + 1], nullptr, 10);
+    if (std::strcmp(argv[i], "--dp") == 0) dp = std::strtol(argv[i + 1], nullptr, 10);
+  }
+  const int nprocs = pp >= 1 && dp >= 1 && pp * dp <= 256 ? static_cast<int>(pp * dp) : 1;
+  return examples::launch("gpt", nprocs, argc, argv, gpt::job_main);
+}

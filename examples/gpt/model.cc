@@ -1,0 +1,161 @@
+// The transformer's layers and their factories (examples/gpt/model.h).
+#include "examples/gpt/model.h"
+
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cross_entropy_loss.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/softmax.h>
+#include <torch/nn/init.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+
+#include <cmath>
+#include <limits>
+
+#include "tandem/pipeline/pipe.h"
+#include "tandem/remote_module/remote_module.h"
+#include "tandem/remote_module/served.h"
+
+namespace gpt {
+namespace {
+
+namespace tnn = torch::nn;
+
+// GPT-2's initialisation: weights from N(0, 0.02), biases zero.
+void init_linear(tnn::Linear& l) {
+  tnn::init::normal_(l->weight, 0, 0.02);
+  tnn::init::zeros_(l->bias);
+}
+
+// Token and position embeddings: ids [B, T] -> [B, T, dim].
+struct EmbedImpl : tnn::Module {
+  EmbedImpl(int64_t vocab, int64_t dim, int64_t context)
+      : tok(register_module("tok", tnn::Embedding(vocab, dim))),
+        pos(register_module("pos", tnn::Embedding(context, dim))) {
+    tnn::init::normal_(tok->weight, 0, 0.02);
+    tnn::init::normal_(pos->weight, 0, 0.02);
+  }
+  at::Tensor forward(at::Tensor ids) {
+    return tok(ids) + pos(at::arange(ids.size(1), ids.options()));
+  }
+  tnn::Embedding tok, pos;
+};
+
+// x + attention(ln1(x)), then + mlp(ln2(x)): causal self-attention over
+// `heads` heads, and a 4x-wide GELU MLP.
+struct BlockImpl : tnn::Module {
+  BlockImpl(int64_t dim, int64_t heads, int64_t context)
+      : heads(heads),
+        context(context),
+        ln1(register_module("ln1", tnn::LayerNorm(tnn::LayerNormOptions({dim})))),
+        qkv(register_module("qkv", tnn::Linear(dim, 3 * dim))),
+        proj(register_module("proj", tnn::Linear(dim, dim))),
+        ln2(register_module("ln2", tnn::LayerNorm(tnn::LayerNormOptions({dim})))),
+        fc(register_module("fc", tnn::Linear(dim, 4 * dim))),
+        out(register_module("out", tnn::Linear(4 * dim, dim))) {
+    if (dim % heads != 0) {
+      throw std::invalid_argument("gpt_block: dim " + std::to_string(dim) +
+                                  " is not a multiple of heads " + std::to_string(heads));
+    }
+    for (auto* l : {&qkv, &proj, &fc, &out}) init_linear(*l);
+  }
+
+  at::Tensor forward(at::Tensor x) {
+    const int64_t B = x.size(0), T = x.size(1), C = x.size(2), hd = C / heads;
+    // [B, T, 3, heads, hd] -> [3, B, heads, T, hd]
+    at::Tensor q_k_v = qkv(ln1(x)).view({B, T, 3, heads, hd}).permute({2, 0, 3, 1, 4});
+    at::Tensor q = q_k_v[0], k = q_k_v[1], v = q_k_v[2];
+    at::Tensor att = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
+    const at::Tensor future = at::ones({T, T}, x.options().dtype(at::kBool)).triu(1);
+    att = at::softmax(att.masked_fill(future, -std::numeric_limits<float>::infinity()), -1);
+    at::Tensor y = at::matmul(att, v).transpose(1, 2).reshape({B, T, C});
+    x = x + proj(y);
+    return x + out(at::gelu(fc(ln2(x))));
+  }
+
+  int64_t heads, context;
+  tnn::LayerNorm ln1;
+  tnn::Linear qkv, proj;
+  tnn::LayerNorm ln2;
+  tnn::Linear fc, out;
+};
+
+// ln, then logits over the vocabulary: [B, T, dim] -> [B, T, vocab].
+struct HeadImpl : tnn::Module {
+  HeadImpl(int64_t dim, int64_t vocab)
+      : ln(register_module("ln", tnn::LayerNorm(tnn::LayerNormOptions({dim})))),
+        lm(register_module("lm", tnn::Linear(dim, vocab))) {
+    init_linear(lm);
+  }
+  at::Tensor forward(at::Tensor x) { return lm(ln(x)); }
+  tnn::LayerNorm ln;
+  tnn::Linear lm;
+};
+
+const bool kRegistered = [] {
+  tandem::nn::register_module("gpt_embed", [](int64_t vocab, int64_t dim, int64_t context) {
+    return std::make_shared<EmbedImpl>(vocab, dim, context);
+  });
+  tandem::nn::register_module("gpt_block", [](int64_t dim, int64_t heads, int64_t context) {
+    return std::make_shared<BlockImpl>(dim, heads, context);
+  });
+  tandem::nn::register_module("gpt_head", [](int64_t dim, int64_t vocab) {
+    return std::make_shared<HeadImpl>(dim, vocab);
+  });
+  tandem::pipeline::register_loss(kLoss, [](const at::Tensor& logits, const at::Tensor& y) {
+    return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.reshape(-1));
+  });
+  return true;
+}();
+
+}  // namespace
+
+std::vector<c10::IValue> layer_specs(const Config& cfg, int64_t vocab) {
+  (void)kRegistered;
+  namespace nn = tandem::nn;
+  std::vector<c10::IValue> layers = {nn::spec("gpt_embed", {vocab, cfg.dim, cfg.context})};
+  for (int64_t i = 0; i < cfg.layers; ++i) {
+    layers.push_back(nn::spec("gpt_block", {cfg.dim, cfg.heads, cfg.context}));
+  }
+  layers.push_back(nn::spec("gpt_head", {cfg.dim, vocab}));
+  return layers;
+}
+
+Named initial_parameters(const Config& cfg, int64_t vocab) {
+  at::manual_seed(static_cast<uint64_t>(cfg.seed));
+  std::vector<c10::IValue> args = {tandem::nn::list(layer_specs(cfg, vocab))};
+  auto whole = tandem::nn::make_module("Sequential", args);
+  Named out;
+  for (const auto& [name, t] : whole->parameters()) out[name] = t.detach().clone();
+  return out;
+}
+
+Named stage_part(const Named& whole, int64_t first, int64_t count) {
+  Named part;
+  for (const auto& [name, t] : whole) {
+    const auto dot = name.find('.');
+    const int64_t layer = std::stoll(name.substr(0, dot));
+    if (layer >= first && layer < first + count) {
+      part[std::to_string(layer - first) + name.substr(dot)] = t;
+    }
+  }
+  return part;
+}
+
+void add_stage_part(Named& whole, const Named& stage, int64_t first) {
+  for (const auto& [name, t] : stage) {
+    const auto dot = name.find('.');
+    whole[std::to_string(std::stoll(name.substr(0, dot)) + first) + name.substr(dot)] = t;
+  }
+}
+
+int64_t parameter_count(const Named& whole) {
+  int64_t n = 0;
+  for (const auto& [_, t] : whole) n += t.numel();
+  return n;
+}
+
+}  // namespace gpt

@@ -1,0 +1,45 @@
+// gpt's model: a decoder-only transformer as a list of layer specs (token
+// and position embeddings, `layers` blocks of causal self-attention and an
+// MLP, each behind a LayerNorm, and a LayerNorm + linear head), which
+// pipeline::partition cuts into stages; the factories that build those
+// layers on whichever worker holds them (registered when this file's
+// object loads, on every process of the job); every parameter's first value
+// (the same whatever the layout); and the loss over every character.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "examples/gpt/config.h"
+
+namespace gpt {
+
+using Named = std::map<std::string, at::Tensor>;
+
+// The name pipeline::register_loss knows gpt's loss by: cross-entropy over
+// every position of logits [B, T, V] against targets [B, T].
+constexpr const char* kLoss = "gpt";
+
+// [embed, block x layers, head].
+std::vector<c10::IValue> layer_specs(const Config& cfg, int64_t vocab);
+
+// Every parameter of the whole model, named "<layer>.<name>" ("3.attn.qkv.weight"):
+// built here, layer by layer in order, from at::manual_seed(seed).
+Named initial_parameters(const Config& cfg, int64_t vocab);
+
+// The part of `whole` ("<layer>.<name>") that belongs to the stage holding
+// layers [first, first + count), named as that stage's Sequential names it
+// ("<layer - first>.<name>").
+Named stage_part(const Named& whole, int64_t first, int64_t count);
+// And back: a stage's state_dict() into the whole model's names.
+void add_stage_part(Named& whole, const Named& stage, int64_t first);
+
+// Parameters of the whole model.
+int64_t parameter_count(const Named& whole);
+
+}  // namespace gpt

@@ -1,0 +1,230 @@
+// The drivers' training loop (examples/gpt/train.h).
+#include "examples/gpt/train.h"
+
+#include <ATen/ops/arange.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+
+#include <cmath>
+#include <cstdio>
+
+#include "examples/progress.h"
+#include "tandem/autograd/autograd.h"
+#include "tandem/ddp/sampler.h"
+#include "tandem/optim/distributed_optimizer.h"
+#include "tandem/optim/lr_scheduler.h"
+#include "tandem/pipeline/partition.h"
+#include "tandem/pipeline/pipe.h"
+
+namespace gpt {
+
+namespace dist = tandem::autograd;
+namespace optim = tandem::optim;
+namespace pipeline = tandem::pipeline;
+
+int64_t stage_count(const Config& cfg) {
+  return cfg.schedule == "interleaved" ? 2 * cfg.pp : cfg.pp;
+}
+
+namespace {
+
+// This replica's windows of each step: the job's global batch of step s is
+// the sampler's positions [s * b, (s + 1) * b) of every replica's share (b
+// = batch / dp), the epoch changing when a share runs out, so the union
+// over the replicas is the same whatever --dp is.
+class Batches {
+ public:
+  Batches(const Job& job)
+      : cfg_(job.cfg),
+        tokens_(job.corpus.tokens),
+        per_replica_(job.cfg.batch / job.cfg.dp),
+        sampler_(static_cast<size_t>(tokens_.size(0) - job.cfg.context), job.mesh.size("dp"),
+                 job.mesh.coordinate("dp"), /*shuffle=*/true, static_cast<uint64_t>(job.cfg.seed)) {
+    steps_per_epoch_ = static_cast<int64_t>(sampler_.num_samples()) / per_replica_;
+    if (steps_per_epoch_ < 1) {
+      throw UsageError("the text has too few windows for a batch of " + std::to_string(cfg_.batch) +
+                       "; pass a smaller --batch");
+    }
+  }
+
+  // x, y: [b, context] int64.
+  std::pair<at::Tensor, at::Tensor> at_step(int64_t step) {
+    const int64_t epoch = step / steps_per_epoch_;
+    if (epoch != epoch_) {
+      sampler_.set_epoch(epoch);
+      indices_ = sampler_.indices();
+      epoch_ = epoch;
+    }
+    const int64_t first = (step % steps_per_epoch_) * per_replica_;
+    std::vector<int64_t> starts(indices_.begin() + first, indices_.begin() + first + per_replica_);
+    at::Tensor s = at::tensor(starts).view({-1, 1});
+    at::Tensor rows = tokens_.index_select(0, (s + at::arange(cfg_.context + 1)).reshape(-1));
+    rows = rows.view({per_replica_, cfg_.context + 1});
+    return {rows.narrow(1, 0, cfg_.context), rows.narrow(1, 1, cfg_.context)};
+  }
+
+ private:
+  const Config& cfg_;
+  at::Tensor tokens_;
+  int64_t per_replica_;
+  tandem::ddp::DistributedSampler sampler_;
+  int64_t steps_per_epoch_ = 0;
+  int64_t epoch_ = -1;
+  std::vector<size_t> indices_;
+};
+
+// Layers per stage: measured on rank 0 (pipeline::balance_by_time, one
+// micro-batch) and sent to the other drivers, so that every replica cuts
+// the model alike; a resumed run keeps its checkpoint's.
+std::vector<int64_t> stage_counts(const Job& job, const std::vector<c10::IValue>& layers,
+                                  Batches& batches) {
+  if (job.resume) return job.resume->counts;
+  const int64_t stages = stage_count(job.cfg);
+  at::Tensor counts = at::zeros({stages}, at::kLong);
+  if (job.mesh.rank() == 0) {
+    const int64_t micro = std::max<int64_t>(1, job.cfg.batch / job.cfg.dp / job.cfg.chunks);
+    at::Tensor sample = batches.at_step(0).first.narrow(0, 0, micro);
+    const auto c = pipeline::balance_by_time(layers, static_cast<int>(stages), sample, 3);
+    for (int64_t s = 0; s < stages; ++s) counts[s] = c[static_cast<size_t>(s)];
+  }
+  if (job.mesh.size("dp") > 1) job.mesh.group("dp")->broadcast(counts, 0);
+  std::vector<int64_t> out(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + stages);
+  return out;
+}
+
+}  // namespace
+
+int drive(const Job& job) {
+  const Config& cfg = job.cfg;
+  tandem::Mesh& mesh = job.mesh;
+  const int64_t V = static_cast<int64_t>(job.corpus.vocab.size());
+  const auto layers = layer_specs(cfg, V);
+  Batches batches(job);
+  const std::vector<int64_t> counts = stage_counts(job, layers, batches);
+
+  // This replica's stages: stage s on the worker at pp = s % pp.
+  std::vector<std::string> devices;
+  std::vector<int> per_stage;
+  for (size_t s = 0; s < counts.size(); ++s) {
+    devices.push_back(mesh.worker_at({{"pp", static_cast<int>(s % static_cast<size_t>(cfg.pp))}}) +
+                      "/cpu");
+    per_stage.push_back(static_cast<int>(counts[s]));
+  }
+  auto stages = pipeline::partition(layers, devices, per_stage);
+  const Named whole = job.resume ? job.resume->model : initial_parameters(cfg, V);
+  for (size_t s = 0, first = 0; s < stages.size(); first += per_stage[s], ++s) {
+    stages[s].load_state_dict(stage_part(whole, static_cast<int64_t>(first), per_stage[s]));
+  }
+
+  pipeline::PipeOptions po;
+  po.chunks = static_cast<int>(cfg.chunks);
+  po.schedule = cfg.schedule;
+  po.loss = kLoss;
+  po.data_parallel_group = mesh.group_name("dp");
+  pipeline::Pipe pipe(stages, po);
+  optim::Options oo;
+  oo.lr = cfg.lr;
+  optim::DistributedOptimizer opt(optim::Kind::kAdam, pipe.parameters(), oo);
+  // Warm-up, then a cosine down to a tenth.
+  const double warmup = static_cast<double>(cfg.warmup), total = static_cast<double>(cfg.steps);
+  optim::LambdaLR sched(opt, [warmup, total](int64_t step) {
+    const double s = static_cast<double>(step);
+    if (s < warmup) return (s + 1) / warmup;
+    const double t = std::min(1.0, (s - warmup) / std::max(1.0, total - warmup));
+    return 0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * t));
+  });
+  int64_t start = 0;
+  if (job.resume) {
+    // Replica 0's state, its parts given to this replica's stage workers.
+    optim::OptimizerState state = job.resume->optim;
+    for (auto& part : state.parts) {
+      const int stage_worker = part.rank;
+      part.rank = mesh.rank_at({{"pp", stage_worker}});
+      part.worker = mesh.worker_at({{"pp", stage_worker}});
+    }
+    opt.load_state_dict(state);
+    start = job.resume->step;
+    sched.load_state({start, cfg.lr});
+  }
+
+  const bool speak = mesh.rank() == 0;
+  if (speak) {
+    std::printf(
+        "gpt: %s, %zu bytes, vocabulary %lld; %lld parameters (%lld blocks of %lld, %lld "
+        "heads, context %lld); %lld x %lld (pp x dp), %s, %lld micro-batches of %lld; layers "
+        "per stage",
+        job.corpus.name.c_str(), job.corpus.text.size(), static_cast<long long>(V),
+        static_cast<long long>(parameter_count(whole)), static_cast<long long>(cfg.layers),
+        static_cast<long long>(cfg.dim), static_cast<long long>(cfg.heads),
+        static_cast<long long>(cfg.context), static_cast<long long>(cfg.pp),
+        static_cast<long long>(cfg.dp), cfg.schedule.c_str(), static_cast<long long>(cfg.chunks),
+        static_cast<long long>(cfg.batch / cfg.dp / cfg.chunks));
+    for (int64_t c : counts) std::printf(" %lld", static_cast<long long>(c));
+    std::printf("; steps %lld..%lld\n", static_cast<long long>(start + 1),
+                static_cast<long long>(cfg.steps));
+    std::fflush(stdout);
+  }
+
+  examples::Progress progress{cfg.steps,  cfg.log_every, cfg.losses,
+                              cfg.resume, job.started,   cfg.batch * cfg.context};
+  const auto dp = mesh.size("dp") > 1 ? mesh.group("dp") : nullptr;
+  double loss = 0;
+  auto save = [&](int64_t done) {
+    Checkpoint ck;
+    ck.step = done;
+    ck.seed = cfg.seed;
+    ck.corpus_fnv = job.corpus.fingerprint;
+    ck.vocab = job.corpus.vocab;
+    ck.shape = {cfg.layers, cfg.dim, cfg.heads, cfg.context};
+    ck.counts = counts;
+    for (size_t s = 0, first = 0; s < stages.size(); first += per_stage[s], ++s) {
+      add_stage_part(ck.model, stages[s].state_dict(), static_cast<int64_t>(first));
+    }
+    ck.optim = opt.state_dict();
+    // Rank r is at pp = r / dp (the mesh is row-major, dp fastest).
+    for (auto& part : ck.optim.parts) part.rank /= static_cast<int>(cfg.dp);
+    save_checkpoint(ck, cfg.checkpoint);
+  };
+  const int64_t last = cfg.stop_at > 0 ? cfg.stop_at : cfg.steps;
+  for (int64_t step = start; step < last; ++step) {
+    auto [x, y] = batches.at_step(step);
+    {
+      dist::Context ctx;
+      loss = pipe.step(ctx.id(), x, y);
+      opt.clip_grad_norm(ctx.id(), cfg.clip);
+      opt.step(ctx.id());
+    }
+    sched.step();
+    if (dp) {  // the mean over the replicas: the global batch's loss
+      at::Tensor l = at::tensor({loss}, at::kDouble);
+      dp->all_reduce(l, tandem::ddp::ReduceOp::kAvg);
+      loss = l.item<double>();
+    }
+    if (speak) {
+      progress.add(step + 1, loss);
+      if ((step + 1) % cfg.checkpoint_every == 0 || step + 1 == last) save(step + 1);
+    }
+  }
+  if (speak) {
+    std::printf("final step %lld loss %.6f\n", static_cast<long long>(last), loss);
+    if (cfg.sample > 0 && last == cfg.steps) {
+      // Each new character: the last `context` ones through every stage.
+      std::vector<int64_t> seen;
+      auto next = [&](const at::Tensor& ids) {
+        for (int64_t i = 0; i < ids.numel(); ++i) seen.push_back(ids.view(-1)[i].item<int64_t>());
+        const size_t from =
+            seen.size() > static_cast<size_t>(cfg.context) ? seen.size() - cfg.context : 0;
+        std::vector<int64_t> window(seen.begin() + static_cast<std::ptrdiff_t>(from), seen.end());
+        return pipe.forward(at::tensor(window).view({1, -1}))[0][-1];
+      };
+      std::printf("sample: %s\n",
+                  examples::generate(next, job.corpus, "The ", static_cast<int>(cfg.sample), 0.8,
+                                     static_cast<uint64_t>(cfg.seed) + 1)
+                      .c_str());
+    }
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+}  // namespace gpt
