@@ -6,7 +6,8 @@ bench/anchors/) from the files given, or stdin ("-"); lines that are not JSON
 objects with a "bench" and an "impl" are ignored, and so are values that are
 not finite numbers.
 Lines are grouped by `bench` and their size key (`bytes`, `hops` or `world`,
-possibly absent; a pipeline line by its schedule, stages and chunks). For each
+possibly absent; a pipeline line by its schedule, stages and chunks, a pp_dp
+line by its layout). For each
 metric of the tandem lines it prints Tandem's value over TCP (column tandem;
 also a line that names no transport), over shared memory (tandem_shm: lines
 with "transport":"shm"), PyTorch's and raw_tcp's, and the ratios to PyTorch
@@ -30,10 +31,10 @@ import sys
 SIZE_KEYS = ("config", "bytes", "hops", "world")
 METRICS = ("p50_us", "p99_us", "gbps", "ms", "local_ms", "overhead_ms", "ms_per_local",
            "record_us_per_rpc", "overlap", "samples_per_s", "single_worker_samples_per_s",
-           "efficiency", "bubble",
+           "efficiency", "bubble", "speedup", "allreduce_ms", "allreduce_hidden",
            "init_ms", "all_to_all_ms", "shutdown_ms", "on_ns", "off_ns")
 HIGHER_IS_BETTER = {"gbps", "overlap", "samples_per_s", "single_worker_samples_per_s",
-                    "efficiency"}
+                    "efficiency", "speedup", "allreduce_hidden"}
 HEADER = ("bench", "size", "metric", "tandem", "tandem_shm", "pytorch", "path", "raw_tcp",
           "tandem/pytorch", "shm/pytorch", "tandem/raw_tcp")
 LEFT = {"bench", "size", "metric", "path"}  # text columns; the rest align right
@@ -88,6 +89,8 @@ def with_derived(rec):
     if rec.get("bench") == "pipeline" and "schedule" in rec:
         # One row group per schedule and shape.
         rec = dict(rec, config=f"{rec['schedule']} K={rec.get('stages')} M={rec.get('chunks')}")
+    if rec.get("bench") == "pp_dp" and "pp" in rec:
+        rec = dict(rec, config=f"{rec['pp']} x {rec.get('dp')} M={rec.get('chunks')}")
     ms, local = rec.get("ms"), rec.get("local_ms")
     if is_num(ms) and is_num(local) and local > 0:
         rec = dict(rec, overhead_ms=round(ms - local, 3), ms_per_local=round(ms / local, 3))

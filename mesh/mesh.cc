@@ -72,27 +72,68 @@ Mesh::Mesh(const Shape& shape, MeshOptions o) : state_(std::make_shared<State>()
     if (world < 0) world = agent->world_size();
   }
   std::tie(rank, world) = rpc::rank_and_size(rank, world, env, "MeshOptions");
+  const std::string what = "mesh '" + o.name + "'";
+
+  // The members, and the key space they meet in: the whole world's, or one
+  // named by a hash of the member list.
+  std::vector<int> members = o.ranks;
+  std::string space = "all";
+  if (members.empty()) {
+    for (int r = 0; r < world; ++r) members.push_back(r);
+  } else {
+    std::set<int> seen;
+    uint64_t h = 1469598103934665603ull;  // FNV-1a of the list
+    for (int r : members) {
+      if (r < 0 || r >= world) {
+        throw std::invalid_argument(what + ": rank " + std::to_string(r) +
+                                    " of MeshOptions::ranks is not in the world's 0 .. " +
+                                    std::to_string(world - 1));
+      }
+      if (!seen.insert(r).second) {
+        throw std::invalid_argument(what + ": rank " + std::to_string(r) +
+                                    " appears twice in MeshOptions::ranks");
+      }
+      for (char c : std::to_string(r) + ",")
+        h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+    }
+    space = std::to_string(h);
+  }
+  const auto where = std::find(members.begin(), members.end(), rank);
+  if (where == members.end()) {
+    throw std::invalid_argument(what + ": rank " + std::to_string(rank) +
+                                " is not one of MeshOptions::ranks, so it cannot make the mesh");
+  }
+  const int n = static_cast<int>(members.size());
 
   c10::intrusive_ptr<c10d::Store> store = o.store;
   if (!store) {
     auto [host, port] = rpc::master_from_init_method(o.init_method);
     store = rpc::make_store(host, port, env.rank >= 0 ? env.rank : rank, world, o.timeout);
   }
-  auto keys = c10::make_intrusive<c10d::PrefixStore>("tandem/mesh/" + o.name, store);
+  auto keys = c10::make_intrusive<c10d::PrefixStore>("tandem/mesh/" + o.name + "/" + space, store);
 
   // Every rank counts itself in before it waits for anyone: the k-th mesh
-  // of this name gets k on every rank, however the ranks interleave.
-  const int64_t incarnation = (keys->add("made", 1) - 1) / world;
-  state_->tag = o.name + "#" + std::to_string(incarnation);
+  // of this name (and these members) gets k on every rank, however the
+  // ranks interleave.
+  const int64_t incarnation = (keys->add("made", 1) - 1) / n;
+  state_->tag = o.name + "#" + std::to_string(incarnation) + (space == "all" ? "" : "@" + space);
   const std::string at = std::to_string(incarnation) + "/";
   const std::string mine = encode(shape);
   keys->set("shape/" + at + std::to_string(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
   std::map<std::string, std::vector<int>> holders;  // shape text -> ranks
-  for (int r = 0; r < world; ++r) {
-    const auto bytes = keys->get("shape/" + at + std::to_string(r));
-    holders[std::string(bytes.begin(), bytes.end())].push_back(r);
+  for (int r : members) {
+    try {
+      const auto bytes = keys->get("shape/" + at + std::to_string(r));
+      holders[std::string(bytes.begin(), bytes.end())].push_back(r);
+    } catch (const std::exception& e) {
+      throw ddp::CollectiveError(what + ": rank " + std::to_string(rank) + " waited for rank " +
+                                 std::to_string(r) +
+                                 " to make it and it did not come (do all its ranks make the "
+                                 "same meshes in the same order, with the same "
+                                 "MeshOptions::ranks?): " +
+                                 std::string(e.what()).substr(0, std::string(e.what()).find('\n')));
+    }
   }
-  const std::string what = "mesh '" + o.name + "'";
   if (holders.size() > 1) {
     std::string parts;
     for (const auto& [text, ranks] : holders) {
@@ -118,13 +159,14 @@ Mesh::Mesh(const Shape& shape, MeshOptions o) : state_(std::make_shared<State>()
     dims_.push_back(dim);
     sizes_.push_back(n);
   }
-  if (product != world) {
+  if (product != n) {
     throw std::invalid_argument(what + ": shape " + shape_text(shape) + " holds " +
-                                std::to_string(product) + " ranks, but the world has " +
-                                std::to_string(world));
+                                std::to_string(product) + " ranks, but " +
+                                (o.ranks.empty() ? "the world has " : "MeshOptions::ranks has ") +
+                                std::to_string(n));
   }
-  for (int r = 0; r < world; ++r) ranks_.push_back(r);
-  me_ = rank;
+  ranks_ = members;
+  me_ = static_cast<int>(where - members.begin());
 
   // One group per dimension: this rank's peers along it. Its name carries
   // the mesh's tag, the dimension and which of that dimension's groups it

@@ -17,19 +17,20 @@
 // ranks 2 and 3 stage 1 of each, and the data-parallel group of rank 2 is
 // {2, 3}, its pipeline group {0, 2}.
 //
-// Construction is collective: every rank of the world makes the same mesh,
-// in the same order as its other meshes. The ranks first compare their
-// shapes at the job's store (the one the RPC agent meets at: MASTER_ADDR /
-// MASTER_PORT, or MeshOptions::store), so that a shape whose sizes do not
-// multiply to the world size, or ranks that were given different shapes,
-// fail on every rank with std::invalid_argument naming the shapes (and the
-// ranks that disagree). Then each rank makes one process group per
-// dimension: the group of its peers along it (gloo for CPU tensors, nccl
-// for CUDA ones). Every group's keys carry the mesh's name and incarnation
-// and the dimension, so the groups of two meshes (or two dimensions) of one
-// job never mix. With an RPC agent, the groups are registered with it under
-// group_name(dim) (ddp::find_group), which is how a pipeline's stage
-// workers find their data-parallel group (PipeOptions::data_parallel_group).
+// Construction is collective: every rank of the mesh (the world, or
+// MeshOptions::ranks) makes the same mesh, in the same order as its other
+// meshes. The ranks first compare their shapes at the job's store (the one
+// the RPC agent meets at: MASTER_ADDR / MASTER_PORT, or MeshOptions::store),
+// so that a shape whose sizes do not multiply to the mesh's rank count, or
+// ranks that were given different shapes, fail on every rank with
+// std::invalid_argument naming the shapes (and the ranks that disagree).
+// Ranks given different MeshOptions::ranks meet under different keys: they
+// wait out the timeout, and the error says what to check. Then each rank makes one process group
+// per dimension: the group of its peers along it (gloo for CPU tensors, nccl for CUDA ones). Every
+// group's keys carry the mesh's name and incarnation and the dimension, so the groups of two meshes
+// (or two dimensions) of one job never mix. With an RPC agent, the groups are registered with it
+// under group_name(dim) (ddp::find_group), which is how a pipeline's stage workers find their
+// data-parallel group (PipeOptions::data_parallel_group).
 //
 // A dimension a mesh does not have is std::invalid_argument naming it and
 // the ones it has. Sub-meshes share their parent's groups.
@@ -66,6 +67,10 @@ struct MeshOptions {
   c10::intrusive_ptr<c10d::Store> store;
   // -1: the agent's (or the environment's without one).
   int rank = -1, world_size = -1;
+  // The world ranks the mesh lays out, row-major: a mesh over some of the
+  // world (the trainers, with a parameter server outside it). Only these
+  // ranks make it; each must be in it. Empty: the whole world, in order.
+  std::vector<int> ranks;
   // The agent whose workers the mesh names, and with which its groups are
   // registered. Null: rpc::init's, when there is one.
   std::shared_ptr<rpc::Agent> agent;

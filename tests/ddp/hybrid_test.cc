@@ -3,6 +3,8 @@
 // distributed engine and the DistributedOptimizer (PyTorch's "DDP + RPC").
 #include "ddp_support.h"
 
+#include <optional>
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/randint.h>
 #include <torch/nn/functional/loss.h>
@@ -11,11 +13,14 @@
 
 #include "tandem/autograd/autograd.h"
 #include "tandem/ddp/distributed_data_parallel.h"
+#include "tandem/mesh/mesh.h"
 #include "tandem/optim/distributed_optimizer.h"
 #include "tandem/remote_module/remote_module.h"
 
 using namespace tandem;
 using namespace std::chrono_literals;
+using tandem::Mesh;
+using tandem::MeshOptions;
 using test::Groups;
 using test::World;
 namespace dist = tandem::autograd;
@@ -41,9 +46,11 @@ std::map<std::string, at::Tensor> state_of(torch::nn::Linear& m) {
   return {{"weight", m->weight.detach().clone()}, {"bias", m->bias.detach().clone()}};
 }
 
-}  // namespace
-
-TEST_CASE("ddp hybrid: DDP's dense part and remote heads train as in one process") {
+// With `mesh`, the trainers' group is the dp group of a Mesh over the
+// trainers alone (MeshOptions::ranks), the parameter server outside it;
+// without, a process group of the trainers made directly.
+void expect_hybrid_trains_as_one_process(bool mesh) {
+  CAPTURE(mesh);
   const int trainers = 2, steps = 3;
   const double lr = 0.1;
   // The reference: the dense part's gradient averaged over the trainers,
@@ -71,13 +78,26 @@ TEST_CASE("ddp hybrid: DDP's dense part and remote heads train as in one process
   }
 
   World w(1 + trainers);  // worker0 holds the heads
-  Groups g(trainers);
+  std::optional<Groups> g;
+  if (!mesh) g.emplace(trainers);
   std::vector<std::vector<at::Tensor>> dense_after(trainers);
   std::vector<std::map<std::string, at::Tensor>> head_after(trainers);
   test::on_ranks(trainers, [&](int t) {
     rpc::Agent& agent = w[1 + t];
+    std::optional<Mesh> trainers_mesh;
+    if (mesh) {
+      MeshOptions mo;
+      mo.agent = w.agents[1 + t];
+      mo.store = support::store_client(w.port);
+      mo.timeout = 20s;
+      mo.ranks = {1, 2};  // worker0, the heads' server, is outside it
+      trainers_mesh.emplace(Mesh::Shape{{"dp", trainers}}, mo);
+      CHECK(trainers_mesh->rank() == 1 + t);
+      CHECK(trainers_mesh->coordinate("dp") == t);
+      CHECK(trainers_mesh->worker_at({1 - t}) == "worker" + std::to_string(2 - t));
+    }
     torch::nn::Linear mine = linear(5, 4, 0);
-    ddp::DistributedDataParallel model(mine, {}, g.groups[t]);
+    ddp::DistributedDataParallel model(mine, {}, mesh ? trainers_mesh->group("dp") : g->groups[t]);
     nn::RemoteModule head(agent, "worker0/cpu", "Linear", {4, 3});
     head.load_state_dict(head_start[t]);
     std::vector<rpc::RRef<at::Tensor>> params;
@@ -98,6 +118,7 @@ TEST_CASE("ddp hybrid: DDP's dense part and remote heads train as in one process
     }
     for (auto& p : mine->parameters()) dense_after[t].push_back(p.detach().clone());
     head_after[t] = head.state_dict();
+    // (The mesh's group closes here, with its peer's: closing waits for it.)
   });
   for (int t = 0; t < trainers; ++t) {
     INFO("trainer " << t);
@@ -108,4 +129,14 @@ TEST_CASE("ddp hybrid: DDP's dense part and remote heads train as in one process
     CHECK(at::allclose(head_after[t].at("bias"), heads[t]->bias, 1e-5, 1e-6));
   }
   w.shutdown();
+}
+
+}  // namespace
+
+TEST_CASE("ddp hybrid: DDP's dense part and remote heads train as in one process") {
+  expect_hybrid_trains_as_one_process(false);
+}
+
+TEST_CASE("ddp hybrid: the same with a mesh over the trainers, the parameter server outside it") {
+  expect_hybrid_trains_as_one_process(true);
 }

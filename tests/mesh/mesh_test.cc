@@ -166,6 +166,53 @@ TEST_CASE("mesh: a bad shape, disagreeing ranks and unknown dimensions fail on e
   w.shutdown();
 }
 
+TEST_CASE("mesh: a mesh over some of the world's ranks, and its bad rank lists") {
+  World w(4);
+  {
+    // Ranks 3 and 1 (in that order) make a mesh; 0 and 2 stay out of it.
+    std::vector<std::unique_ptr<Mesh>> m(4);
+    on_ranks(2, [&](int i) {
+      const int r = i == 0 ? 3 : 1;
+      MeshOptions o = options_for(w, r, "some");
+      o.ranks = {3, 1};
+      m[r] = std::make_unique<Mesh>(Mesh::Shape{{"dp", 2}}, o);
+    });
+    CHECK(m[3]->rank() == 3);
+    CHECK(m[3]->coordinate("dp") == 0);
+    CHECK(m[1]->coordinate("dp") == 1);
+    CHECK(m[1]->ranks() == std::vector<int>{3, 1});
+    CHECK(m[1]->rank_at({0}) == 3);
+    CHECK(m[1]->worker_at({0}) == "worker3");
+    std::vector<double> sums(4);
+    on_ranks(2, [&](int i) {
+      const int r = i == 0 ? 3 : 1;
+      sums[r] = sum_over(*m[r]->group("dp"), r);
+    });
+    CHECK(sums[1] == 4);
+    CHECK(sums[3] == 4);
+    on_ranks(2, [&](int i) { m[i == 0 ? 3 : 1].reset(); });
+
+    MeshOptions o = options_for(w, 0, "some");
+    o.ranks = {1, 2};
+    CHECK(error_of([&] {
+            Mesh({{"dp", 2}}, o);
+          }) == "mesh 'some': rank 0 is not one of MeshOptions::ranks, so it cannot make the mesh");
+    o.ranks = {0, 4};
+    CHECK(error_of([&] {
+            Mesh({{"dp", 2}}, o);
+          }) == "mesh 'some': rank 4 of MeshOptions::ranks is not in the world's 0 .. 3");
+    o.ranks = {0, 0};
+    CHECK(error_of([&] {
+            Mesh({{"dp", 2}}, o);
+          }) == "mesh 'some': rank 0 appears twice in MeshOptions::ranks");
+    o.ranks = {0};
+    CHECK(error_of([&] {
+            Mesh({{"dp", 2}}, o);
+          }) == "mesh 'some': shape (dp=2) holds 2 ranks, but MeshOptions::ranks has 1");
+  }
+  w.shutdown();
+}
+
 TEST_CASE("mesh: two meshes of one job keep their groups apart") {
   World w(4);
   {
