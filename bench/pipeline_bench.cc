@@ -25,12 +25,6 @@
 // Usage: pipeline_bench [--steps 10] [--warmup 3] [--batch 2048] [--chunks 8] [--width 1024]
 //        [--blocks 8] [--input 1536]
 //        [--trace PATH]   (writes the 1F1B line's last step as a Chrome trace)
-#include <ATen/ops/randint.h>
-#include <ATen/ops/randn.h>
-#include <ATen/ops/relu.h>
-#include <torch/nn/functional/loss.h>
-#include <torch/nn/modules/linear.h>
-#include <torch/optim/sgd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -38,6 +32,7 @@
 #include <numeric>
 
 #include "bench/bench_util.h"
+#include "bench/mlp.h"
 #include "tandem/autograd/autograd.h"
 #include "tandem/optim/distributed_optimizer.h"
 #include "tandem/pipeline/partition.h"
@@ -55,11 +50,9 @@ namespace optim = tandem::optim;
 using Clock = std::chrono::steady_clock;
 using tandem::bench::ms_since;
 
-constexpr int64_t kClasses = 10;
-
-struct Config {
+struct Config : tandem::bench::Mlp {
   int steps = 10, warmup = 3;
-  int batch = 2048, chunks = 8, width = 1024, blocks = 8, input = 1536;
+  int chunks = 8;
   std::string trace;
 };
 
@@ -71,61 +64,13 @@ rpc::AgentOptions options(int rank) {
   return o;
 }
 
-// The model's layers: blocks x (Linear + ReLU), the first from the input's width,
-// then the head.
-std::vector<c10::IValue> layers(const Config& c) {
-  std::vector<c10::IValue> out;
-  for (int i = 0; i < c.blocks; ++i) {
-    out.push_back(nn::spec("Linear", {int64_t{i == 0 ? c.input : c.width}, int64_t{c.width}}));
-    out.push_back(nn::spec("ReLU"));
-  }
-  out.push_back(nn::spec("Linear", {int64_t{c.width}, kClasses}));
-  return out;
-}
-
-struct Batch {
-  at::Tensor x, y;
-};
-Batch batch(const Config& c) {
-  at::manual_seed(1);
-  return {at::randn({int64_t{c.batch}, int64_t{c.input}}),
-          at::randint(0, kClasses, {int64_t{c.batch}}, at::kLong)};
-}
-
-// Samples per second of `step`: the batch over the median of c.steps step
-// times after c.warmup (a median, so that one stall of this shared VM does
-// not decide a line).
 template <class Step>
 double samples_per_s(const Config& c, Step step) {
-  std::vector<double> ms;
-  for (int i = 0; i < c.warmup + c.steps; ++i) {
-    const auto start = Clock::now();
-    step();
-    if (i >= c.warmup) ms.push_back(ms_since(start));
-  }
-  return c.batch / (tandem::bench::median(ms) / 1e3);
+  return tandem::bench::samples_per_s(c.batch, c.warmup, c.steps, step);
 }
 
 double single_worker(const Config& c) {
-  std::vector<torch::nn::Linear> layers;
-  std::vector<at::Tensor> params;
-  for (int i = 0; i < c.blocks; ++i) layers.emplace_back(i == 0 ? c.input : c.width, c.width);
-  layers.emplace_back(c.width, kClasses);
-  for (auto& l : layers) {
-    for (auto& p : l->parameters()) params.push_back(p);
-  }
-  torch::optim::SGD opt(params, torch::optim::SGDOptions(0.01));
-  Batch b = batch(c);
-  return samples_per_s(c, [&] {
-    opt.zero_grad();
-    at::Tensor h = b.x;
-    for (size_t i = 0; i < layers.size(); ++i) {
-      h = layers[i](h);
-      if (i + 1 < layers.size()) h = at::relu(h);
-    }
-    torch::nn::functional::cross_entropy(h, b.y).backward();
-    opt.step();
-  });
+  return tandem::bench::local_samples_per_s(c, c.warmup, c.steps);
 }
 
 struct Line {
@@ -145,7 +90,7 @@ Line run_pipe(const Config& c, const std::string& schedule, std::vector<nn::Remo
   optim::Options so;
   so.lr = 0.01;
   optim::DistributedOptimizer opt(optim::Kind::kSGD, pipe.parameters(), so);
-  Batch b = batch(c);
+  const tandem::bench::MlpBatch b = tandem::bench::mlp_batch(c);
   double phase[3] = {0, 0, 0};
   const double sps = samples_per_s(c, [&] {
     auto t0 = Clock::now();
@@ -218,8 +163,9 @@ int main(int argc, char** argv) {
     std::vector<Line> lines;
     {
       // Stages of even measured time, each layer timed here on one micro-batch.
-      const auto all = layers(c);
-      const at::Tensor sample = batch(c).x.narrow(0, 0, std::max(1, c.batch / c.chunks));
+      const auto all = tandem::bench::mlp_layers(c);
+      const at::Tensor sample =
+          tandem::bench::mlp_batch(c).x.narrow(0, 0, std::max(1, c.batch / c.chunks));
       const auto times = pipeline::layer_times(all, sample);
       auto counts = [&](int stages) {
         auto n = pipeline::balance(times, stages);

@@ -20,14 +20,8 @@
 //
 // Usage: pp_dp_bench [--steps 10] [--warmup 3] [--batch 1024] [--chunks 4] [--width 1024]
 //        [--blocks 8] [--input 1536] [--layouts 11,12,21,22]
-#include <ATen/ops/randint.h>
-#include <ATen/ops/randn.h>
-#include <ATen/ops/relu.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
-#include <torch/nn/functional/loss.h>
-#include <torch/nn/modules/linear.h>
-#include <torch/optim/sgd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -36,6 +30,7 @@
 #include <sstream>
 
 #include "bench/bench_util.h"
+#include "bench/mlp.h"
 #include "tandem/autograd/autograd.h"
 #include "tandem/mesh/mesh.h"
 #include "tandem/optim/distributed_optimizer.h"
@@ -55,58 +50,12 @@ namespace optim = tandem::optim;
 using Clock = std::chrono::steady_clock;
 using tandem::bench::ms_since;
 
-constexpr int64_t kClasses = 10;
-
-struct Config {
+struct Config : tandem::bench::Mlp {
+  Config() { batch = 1024; }
   int steps = 10, warmup = 3;
-  int batch = 1024, chunks = 4, width = 1024, blocks = 8, input = 1536;
+  int chunks = 4;
   std::string layouts = "11,12,21,22";
 };
-
-std::vector<c10::IValue> layers(const Config& c) {
-  std::vector<c10::IValue> out;
-  for (int i = 0; i < c.blocks; ++i) {
-    out.push_back(nn::spec("Linear", {int64_t{i == 0 ? c.input : c.width}, int64_t{c.width}}));
-    out.push_back(nn::spec("ReLU"));
-  }
-  out.push_back(nn::spec("Linear", {int64_t{c.width}, kClasses}));
-  return out;
-}
-
-struct Batch {
-  at::Tensor x, y;
-};
-Batch batch(const Config& c) {
-  at::manual_seed(1);
-  return {at::randn({int64_t{c.batch}, int64_t{c.input}}),
-          at::randint(0, kClasses, {int64_t{c.batch}}, at::kLong)};
-}
-
-double local_samples_per_s(const Config& c) {
-  std::vector<torch::nn::Linear> ls;
-  std::vector<at::Tensor> params;
-  for (int i = 0; i < c.blocks; ++i) ls.emplace_back(i == 0 ? c.input : c.width, c.width);
-  ls.emplace_back(c.width, kClasses);
-  for (auto& l : ls) {
-    for (auto& p : l->parameters()) params.push_back(p);
-  }
-  torch::optim::SGD opt(params, torch::optim::SGDOptions(0.01));
-  Batch b = batch(c);
-  std::vector<double> ms;
-  for (int i = 0; i < c.warmup + c.steps; ++i) {
-    const auto t0 = Clock::now();
-    opt.zero_grad();
-    at::Tensor h = b.x;
-    for (size_t k = 0; k < ls.size(); ++k) {
-      h = ls[k](h);
-      if (k + 1 < ls.size()) h = at::relu(h);
-    }
-    torch::nn::functional::cross_entropy(h, b.y).backward();
-    opt.step();
-    if (i >= c.warmup) ms.push_back(ms_since(t0));
-  }
-  return c.batch / (tandem::bench::median(ms) / 1e3);
-}
 
 struct Result {
   double samples_per_s = 0, allreduce_ms = 0, hidden = 0;
@@ -120,12 +69,13 @@ void worker(const Config& c, int pp, int dp, const std::string& out) {
   {
     tandem::Mesh mesh({{"pp", pp}, {"dp", dp}});
     if (mesh.coordinate("pp") == 0) {
-      const auto all = layers(c);
+      const auto all = tandem::bench::mlp_layers(c);
       const int per_replica = c.batch / dp;
       // Every replica cuts alike: rank 0 measures, the drivers take its counts.
       at::Tensor counts = at::zeros({pp}, at::kLong);
       if (mesh.rank() == 0) {
-        const at::Tensor sample = batch(c).x.narrow(0, 0, std::max(1, per_replica / c.chunks));
+        const at::Tensor sample =
+            tandem::bench::mlp_batch(c).x.narrow(0, 0, std::max(1, per_replica / c.chunks));
         const auto n = pipeline::balance(pipeline::layer_times(all, sample), pp);
         for (int s = 0; s < pp; ++s) counts[s] = n[static_cast<size_t>(s)];
       }
@@ -144,7 +94,7 @@ void worker(const Config& c, int pp, int dp, const std::string& out) {
       optim::Options so;
       so.lr = 0.01;
       optim::DistributedOptimizer opt(optim::Kind::kSGD, pipe.parameters(), so);
-      Batch b = batch(c);
+      const tandem::bench::MlpBatch b = tandem::bench::mlp_batch(c);
       const int d = mesh.coordinate("dp");
       const at::Tensor x = b.x.narrow(0, d * per_replica, per_replica);
       const at::Tensor y = b.y.narrow(0, d * per_replica, per_replica);
@@ -198,7 +148,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     rpc::set_num_threads(1);
-    const double local = local_samples_per_s(c);
+    const double local = tandem::bench::local_samples_per_s(c, c.warmup, c.steps);
     std::stringstream list(c.layouts);
     std::string item;
     double base = 0;

@@ -192,6 +192,18 @@ Mesh::Mesh(const Shape& shape, MeshOptions o) : state_(std::make_shared<State>()
       ddp::register_group(*agent, state_->tag + "/" + dim, group);
     }
   }
+  // Nobody leaves before every rank has registered its groups: a driver
+  // that stepped at once would otherwise reach a stage worker that has not.
+  const std::string ready = "ready/" + std::to_string(incarnation);
+  if (keys->add(ready, 1) == n) keys->set(ready + "/all", std::vector<uint8_t>{1});
+  try {
+    keys->wait({ready + "/all"});
+  } catch (const std::exception& e) {
+    throw ddp::CollectiveError(what + ": rank " + std::to_string(rank) +
+                               " made its groups, but not every rank did within the store's "
+                               "timeout: " +
+                               std::string(e.what()).substr(0, std::string(e.what()).find('\n')));
+  }
 }
 
 const std::string& Mesh::name() const { return state_->name; }

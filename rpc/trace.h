@@ -25,7 +25,8 @@
 //       of each owner.
 //     - ddp: each bucket's allreduce as an async span from its launch to its
 //       completion ("ddp.bucket").
-//     - pipeline: each pass (F, B, I, W of a micro-batch) on its worker.
+//     - pipeline: each pass (F, B, I, W of a micro-batch) on its worker, and
+//       each stage's data-parallel average ("allreduce@1").
 //  3. Clocks: each process's steady clock in microseconds, moved onto rank
 //     0's by an offset measured at start-up: 8 pings to rank 0, and the one
 //     with the shortest round trip gives offset = rank0_time - (t0 + t1) / 2,

@@ -6,6 +6,7 @@
 
 #include "tandem/autograd/autograd.h"
 #include "tandem/rpc/agent.h"
+#include "tandem/rpc/trace.h"
 
 namespace tandem::pipeline::step {
 
@@ -170,7 +171,20 @@ void GradSync::finish(StepState& st) {
       }
     }
   }
-  for (const auto& [stage, t] : span) times_.times.push_back({stage, t.first, t.second});
+  rpc::Tracer* const tracer = agent_.tracer().get();
+  for (const auto& [stage, t] : span) {
+    times_.times.push_back({stage, t.first, t.second});
+    if (tracer) {
+      // rpc/trace.h: "allreduce@1" (stage 1's average), beside the passes.
+      auto at = [&](double us) {
+        return t0_ + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                         std::chrono::duration<double, std::micro>(us));
+      };
+      tracer->slice("allreduce@" + std::to_string(stage), "pipeline", at(t.first), at(t.second), {},
+                    "{\"step\":" + std::to_string(request_.header.step) +
+                        ",\"stage\":" + std::to_string(stage) + "}");
+    }
+  }
   buckets_.clear();
 }
 

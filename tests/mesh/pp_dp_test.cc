@@ -18,6 +18,7 @@
 #include <torch/optim/sgd.h>
 
 #include "ddp/ddp_support.h"
+#include "pipeline/stages_support.h"
 #include "tandem/autograd/autograd.h"
 #include "tandem/optim/distributed_optimizer.h"
 #include "tandem/remote_module/remote_module.h"
@@ -33,31 +34,12 @@ namespace dist = tandem::autograd;
 
 namespace {
 
-constexpr int64_t kIn = 6, kHidden = 8, kClasses = 3;
+using test::dims;
+using test::kClasses;
+using test::kIn;
+using test::Weights;
 constexpr int kReplicas = 2;
 constexpr int64_t kRows = 7;  // per replica and step: uneven micro-batches
-
-struct Weights {
-  std::vector<at::Tensor> w, b;  // per stage
-};
-
-std::vector<int64_t> dims(int stages) {
-  std::vector<int64_t> d(stages + 1, kHidden);
-  d.front() = kIn;
-  d.back() = kClasses;
-  return d;
-}
-
-Weights initial(int stages) {
-  auto gen = at::detail::createCPUGenerator(7);
-  auto d = dims(stages);
-  Weights w;
-  for (int s = 0; s < stages; ++s) {
-    w.w.push_back(at::randn({d[s + 1], d[s]}, gen) * 0.5);
-    w.b.push_back(at::randn({d[s + 1]}, gen) * 0.1);
-  }
-  return w;
-}
 
 struct Batch {
   at::Tensor x, y;
@@ -188,7 +170,7 @@ void expect_trained_as_one_process(const Config& c) {
   CAPTURE(c.chunks);
   CAPTURE(c.accumulate);
   CAPTURE(c.clip);
-  const Weights init = initial(c.stages);
+  const Weights init = test::initial(c.stages, 7);
   const Weights want = local_training(init, c);
   const std::vector<Replica> got = pp_dp_training(init, c);
   for (int d = 0; d < kReplicas; ++d) {

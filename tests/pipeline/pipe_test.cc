@@ -19,6 +19,7 @@
 #include <map>
 #include <thread>
 
+#include "pipeline/stages_support.h"
 #include "tandem/autograd/autograd.h"
 #include "tandem/optim/distributed_optimizer.h"
 #include "test_util.h"
@@ -31,30 +32,12 @@ using nn::spec;
 
 namespace {
 
-constexpr int64_t kIn = 6, kHidden = 8, kClasses = 3;
-
-struct Weights {
-  std::vector<at::Tensor> w, b;  // per stage
-};
-
-// Stage s: Linear(dims[s], dims[s + 1]), then Tanh but on the last stage.
-std::vector<int64_t> dims(int stages) {
-  std::vector<int64_t> d(stages + 1, kHidden);
-  d.front() = kIn;
-  d.back() = kClasses;
-  return d;
-}
-
-Weights initial(int stages, uint64_t seed) {
-  at::manual_seed(seed);
-  auto d = dims(stages);
-  Weights w;
-  for (int s = 0; s < stages; ++s) {
-    w.w.push_back(at::randn({d[s + 1], d[s]}) * 0.5);
-    w.b.push_back(at::randn({d[s + 1]}) * 0.1);
-  }
-  return w;
-}
+using test::dims;
+using test::initial;
+using test::kClasses;
+using test::kHidden;
+using test::kIn;
+using test::Weights;
 
 // Stage s on `worker_of(s)`, with the given weights.
 std::vector<RemoteModule> make_stages(rpc::Agent& driver, const Weights& w,
