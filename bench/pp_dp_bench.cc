@@ -43,7 +43,6 @@
 namespace {
 
 namespace rpc = tandem::rpc;
-namespace nn = tandem::nn;
 namespace pipeline = tandem::pipeline;
 namespace dist = tandem::autograd;
 namespace optim = tandem::optim;

@@ -5,6 +5,7 @@
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 
@@ -181,8 +182,12 @@ int drive(const Job& job) {
       add_stage_part(ck.model, stages[s].state_dict(), static_cast<int64_t>(first));
     }
     ck.optim = opt.state_dict();
-    // Rank r is at pp = r / dp (the mesh is row-major, dp fastest).
-    for (auto& part : ck.optim.parts) part.rank /= static_cast<int>(cfg.dp);
+    // Each owner's rank becomes its index among this replica's stage workers.
+    const std::vector<int> stage_workers = mesh.ranks_along("pp");
+    for (auto& part : ck.optim.parts) {
+      part.rank = static_cast<int>(
+          std::find(stage_workers.begin(), stage_workers.end(), part.rank) - stage_workers.begin());
+    }
     save_checkpoint(ck, cfg.checkpoint);
   };
   const int64_t last = cfg.stop_at > 0 ? cfg.stop_at : cfg.steps;

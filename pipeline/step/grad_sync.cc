@@ -75,7 +75,8 @@ void GradSync::launch(StepState& st, int64_t stage) {
   auto& sums = st.sums[stage];
   sums.resize(params.size());
   // What earlier steps of this context left (under no_sync): part of the average.
-  const autograd::Gradients earlier = autograd::get_gradients(agent_, context_);
+  if (!earlier_) earlier_ = autograd::get_gradients(agent_, context_);
+  const autograd::Gradients& earlier = *earlier_;
   const double share = 1.0 / group_->size();
 
   std::vector<std::shared_ptr<Bucket>> mine;
@@ -141,7 +142,6 @@ void GradSync::launch(StepState& st, int64_t stage) {
 
 void GradSync::finish(StepState& st) {
   if (!active()) return;
-  const autograd::Gradients earlier = autograd::get_gradients(agent_, context_);
   std::map<int64_t, std::pair<double, double>> span;  // per stage: first launch, last done
   for (auto& b : buckets_) {
     // Until it ends or the step is aborted (the wake comes from its
@@ -164,8 +164,8 @@ void GradSync::finish(StepState& st) {
       if (!(used[j] > 0)) continue;  // no replica had a gradient
       const at::Tensor& p = params[b->params[j]];
       at::Tensor avg = b->flat.narrow(0, b->offsets[j], p.numel()).view(p.sizes());
-      if (earlier.contains(p)) {
-        earlier.at(p).copy_(avg);
+      if (earlier_->contains(p)) {
+        earlier_->at(p).copy_(avg);
       } else {
         autograd::accumulate_gradient(agent_, context_, p, avg);
       }

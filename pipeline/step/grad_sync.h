@@ -23,8 +23,10 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <vector>
 
+#include "tandem/autograd/autograd.h"
 #include "tandem/ddp/process_group.h"
 #include "tandem/pipeline/step/mailbox.h"
 #include "tandem/pipeline/step/messages.h"
@@ -37,9 +39,9 @@ class GradSync {
   // Inactive (nothing to do) unless the request trains and asks for
   // averaging; then the group must be registered with `agent` under the
   // note's name (std::invalid_argument naming the worker and the group
-  // otherwise). A group of one replica averages nothing: inactive too. Times are in µs since `t0`, when the step began here. The
-  // waits end early when the step is aborted (`box`): a replica whose step
-  // failed elsewhere would never join the average.
+  // otherwise). A group of one replica averages nothing: inactive too. Times are in µs since `t0`,
+  // when the step began here. The waits end early when the step is aborted (`box`): a replica whose
+  // step failed elsewhere would never join the average.
   GradSync(rpc::Agent& agent, const RunRequest& request, uint64_t context,
            std::shared_ptr<Mailbox> box, std::chrono::steady_clock::time_point t0);
   ~GradSync();
@@ -68,6 +70,9 @@ class GradSync {
   std::chrono::steady_clock::time_point t0_;
   std::shared_ptr<ddp::ProcessGroup> group_;
   std::map<int64_t, size_t> last_grad_pass_;  // per stage
+  // What earlier steps of the context left (under no_sync), read once at
+  // the first launch: nothing adds to the context until finish() is over.
+  std::optional<autograd::Gradients> earlier_;
   std::vector<std::shared_ptr<Bucket>> buckets_;
   AllReduceTimes times_;
 };
