@@ -38,7 +38,7 @@ Reducer::Stats Reducer::stats() const {
   Stats s;
   s.buckets = m.buckets.size();
   for (const auto& b : m.buckets) {
-    s.bucket_bytes.push_back(static_cast<size_t>(b.buffer.numel() * b.buffer.element_size()));
+    s.bucket_bytes.push_back(static_cast<size_t>(b.numel) * b.element_size);
     s.bucket_params.push_back(b.params);
   }
   s.rebuilt = m.rebuilt;

@@ -65,6 +65,10 @@ CommHook allreduce_hook();
 CommHook fp16_compress_hook();
 CommHook bf16_compress_hook();
 
+// Which rank steps a parameter, for sharded gradients (DDPOptions::gradient_owner):
+// optim::ZeroRedundancyOptimizer::gradient_owner() gives its partition's.
+using GradientOwner = std::function<int(const at::Tensor& param)>;
+
 struct DDPOptions {
   double bucket_cap_mb = 25;   // MiB per bucket
   double first_bucket_mb = 1;  // the first bucket is small so communication starts early
@@ -80,6 +84,16 @@ struct DDPOptions {
   std::vector<int> device_ids;
   std::chrono::milliseconds timeout = kGroupTimeout;  // each bucket's all_reduce
   CommHook comm_hook;                                 // empty: allreduce_hook()
+  // Sharded gradients (ZeRO stage 2). Each bucket is reduce-scattered
+  // instead of all-reduced: after a synced backward a parameter's averaged
+  // .grad is kept only by the rank gradient_owner names (a view of that
+  // rank's piece of the bucket), the others' .grad is undefined, and the
+  // bucket itself is freed until the next backward. A gradient the owner
+  // still holds from the last step (no zero_grad between) is added to the
+  // new average, as DDP's would be; it is set aside at forward, so .grad
+  // reads undefined between a forward and the end of its backward. No
+  // comm_hook, no join() and no distributed autograd context with it.
+  GradientOwner gradient_owner;
 };
 
 namespace detail {

@@ -508,6 +508,7 @@ void ProcessGroup::Pending::abandon() {
 void ProcessGroup::Pending::wait(std::chrono::milliseconds timeout) {
   if (!work_) throw std::logic_error("wait on an empty or finished ProcessGroup::Pending");
   auto work = std::move(work_);
+  auto then = std::move(then_);
   auto limit = timeout.count() < 0 ? timeout_ : timeout;
   const auto t0 = std::chrono::steady_clock::now();
   try {
@@ -530,6 +531,7 @@ void ProcessGroup::Pending::wait(std::chrono::milliseconds timeout) {
     }
     throw CollectiveError(why + ": " + msg);
   }
+  if (then) then();
 }
 
 // ---- the default group --------------------------------------------------------------

@@ -37,6 +37,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -148,6 +149,7 @@ class ProcessGroup {
     std::chrono::milliseconds timeout_{};
     std::shared_ptr<std::atomic<bool>> broken_;  // the group's: set when this fails
     std::shared_ptr<Peers> peers_;               // the group's: who is gone, on a failure
+    std::function<void()> then_;                 // after the collective, in wait()
   };
   // In place, finished by wait(). kAvg sums only: callers scale first (DDP
   // divides its buckets before they go).
@@ -155,6 +157,45 @@ class ProcessGroup {
                            std::chrono::milliseconds timeout = kGroupTimeout);
   Pending broadcast_async(at::Tensor& tensor, int src,
                           std::chrono::milliseconds timeout = kGroupTimeout);
+
+  // ---- the sharded layers' collectives (ddp/collectives.cc) ----
+  // Every rank's `tensor` into `out`: size() tensors of its shape and dtype
+  // (views of one buffer are fine), in rank order.
+  Pending all_gather_async(const at::Tensor& tensor, std::vector<at::Tensor> out,
+                           std::chrono::milliseconds timeout = kGroupTimeout);
+  // Reduce-scatter: `input` holds size() pieces end to end, piece r of
+  // counts[r] elements (all equal when `counts` is empty); `output`, of
+  // this rank's count, gets the sum (kSum) or the mean (kAvg) over the ranks
+  // of their piece rank(). Finished by wait(). NCCL does it with its own
+  // reduce-scatter where the pieces are equal. Gloo in LibTorch 1.x has no
+  // reduce-scatter: there it is an all-to-all of the pieces (each rank
+  // sends (N-1)/N of its input, as a ring reduce-scatter does) and a local
+  // sum in wait(), which needs room for size() pieces of this rank's count
+  // while it runs.
+  Pending reduce_scatter_async(const at::Tensor& input, at::Tensor output,
+                               ReduceOp op = ReduceOp::kSum, std::vector<int64_t> counts = {},
+                               std::chrono::milliseconds timeout = kGroupTimeout);
+  // Rank dst gets every rank's tensor (the same shape and dtype everywhere),
+  // in rank order; the others get an empty vector.
+  std::vector<at::Tensor> gather(const at::Tensor& tensor, int dst,
+                                 std::chrono::milliseconds timeout = kGroupTimeout);
+  // Bytes of any length, as PyTorch's all_gather_object / gather_object
+  // move pickles (the lengths first, then the bytes padded to the longest).
+  // `device`: where the bytes travel (default: the CPU for gloo, the
+  // current GPU for nccl).
+  std::vector<std::string> all_gather_bytes(const std::string& mine,
+                                            std::chrono::milliseconds timeout = kGroupTimeout,
+                                            std::optional<c10::Device> device = std::nullopt);
+  std::vector<std::string> gather_bytes(const std::string& mine, int dst,
+                                        std::chrono::milliseconds timeout = kGroupTimeout);
+  // Throws std::invalid_argument on every rank when the ranks' `lines`
+  // differ, naming the first that does: "<who>: the ranks' <what> differ at
+  // <item> #k: rank 0 has <line>, rank r has <line> (<hint>)".
+  void expect_same_lines(const std::vector<std::string>& lines, const std::string& who,
+                         const std::string& what, const std::string& item,
+                         const std::string& hint,
+                         std::chrono::milliseconds timeout = kGroupTimeout,
+                         std::optional<c10::Device> device = std::nullopt);
 
   // The c10d group itself, for what this front does not cover.
   C10dEngine& c10d() { return *pg_; }
@@ -176,6 +217,8 @@ class ProcessGroup {
   static std::shared_ptr<Peers> meet_peers(c10d::Store& store, int rank, int size,
                                            std::string name);
   void check_tensor(const at::Tensor& t, const char* what) const;
+  // Where collectives on bytes put them: the CPU for gloo, the current GPU for nccl.
+  c10::Device bytes_device() const;
   Pending pending(c10::intrusive_ptr<c10d::Work> work, const std::string& what,
                   std::chrono::milliseconds timeout) const;
   std::chrono::milliseconds resolve(std::chrono::milliseconds timeout) const {

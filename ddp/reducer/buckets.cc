@@ -24,7 +24,6 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
 
 void Reducer::Impl::build_buckets(const std::vector<size_t>& order) {
   std::vector<Bucket> fresh;
-  std::vector<int64_t> sizes;  // elements per bucket
   auto cap_bytes = [&](size_t k) {
     double mb = k == 0 ? opt.first_bucket_mb : opt.bucket_cap_mb;
     return static_cast<int64_t>(mb * 1024 * 1024);
@@ -36,35 +35,100 @@ void Reducer::Impl::build_buckets(const std::vector<size_t>& order) {
     if (fresh.empty() || full ||
         p.tensor.scalar_type() != params[fresh.back().params.front()].tensor.scalar_type()) {
       fresh.emplace_back();
-      sizes.push_back(0);
       bytes = 0;
     }
-    p.bucket = fresh.size() - 1;
-    p.offset = sizes.back();
-    sizes.back() += p.tensor.numel();
     bytes += p.tensor.numel() * static_cast<int64_t>(p.tensor.element_size());
     full = bytes >= cap_bytes(fresh.size() - 1);
     fresh.back().params.push_back(i);
   }
-  c10::AutoGradMode no_grad(false);
   for (size_t b = 0; b < fresh.size(); ++b) {
-    const at::Tensor& like = params[fresh[b].params.front()].tensor;
-    fresh[b].buffer = at::zeros({sizes[b]}, like.options());
-    fresh[b].pending = fresh[b].params.size();
-  }
-  for (auto& p : params) {
-    const at::Tensor& buffer = fresh[p.bucket].buffer;
-    at::Tensor slot = at::empty({0}, buffer.options());
-    slot.set_(buffer.storage(), buffer.storage_offset() + p.offset, p.tensor.sizes(),
-              c10::contiguous_strides(p.tensor.sizes()));
-    at::Tensor grad = p.tensor.grad();
-    if (grad.defined()) {
-      slot.copy_(grad);
-      p.tensor.mutable_grad() = slot;
+    Bucket& bucket = fresh[b];
+    // Sharded: each owner's parameters side by side, so that its piece is
+    // one run of the bucket.
+    if (sharded) {
+      std::stable_sort(bucket.params.begin(), bucket.params.end(),
+                       [&](size_t x, size_t y) { return params[x].owner < params[y].owner; });
+      bucket.counts.assign(static_cast<size_t>(group.size()), 0);
     }
-    p.slot = slot;
+    for (size_t i : bucket.params) {
+      Param& p = params[i];
+      p.bucket = b;
+      p.offset = bucket.numel;
+      bucket.numel += p.tensor.numel();
+      if (sharded) {
+        p.piece_offset = bucket.counts[static_cast<size_t>(p.owner)];
+        bucket.counts[static_cast<size_t>(p.owner)] += p.tensor.numel();
+      }
+    }
+    bucket.element_size = params[bucket.params.front()].tensor.element_size();
+    bucket.pending = bucket.params.size();
   }
   buckets = std::move(fresh);
+  if (sharded) {
+    for (auto& p : params) p.slot = at::Tensor();  // made with the buffer, at a gradient
+    return;
+  }
+  for (size_t b = 0; b < buckets.size(); ++b) ensure_buffer(b);
+  c10::AutoGradMode no_grad(false);
+  for (auto& p : params) {
+    at::Tensor grad = p.tensor.grad();
+    if (grad.defined()) {
+      p.slot.copy_(grad);
+      p.tensor.mutable_grad() = p.slot;
+    }
+  }
+}
+
+void Reducer::Impl::ensure_buffer(size_t b) {
+  Bucket& bucket = buckets[b];
+  if (bucket.buffer.defined()) return;
+  c10::AutoGradMode no_grad(false);
+  bucket.buffer = at::zeros({bucket.numel}, params[bucket.params.front()].tensor.options());
+  for (size_t i : bucket.params) {
+    Param& p = params[i];
+    at::Tensor slot = at::empty({0}, bucket.buffer.options());
+    slot.set_(bucket.buffer.storage(), bucket.buffer.storage_offset() + p.offset,
+              p.tensor.sizes(), c10::contiguous_strides(p.tensor.sizes()));
+    p.slot = slot;
+  }
+}
+
+void Reducer::Impl::keep_owned_grads() {
+  c10::AutoGradMode no_grad(false);
+  for (auto& p : params) {
+    if (p.owner != group.rank()) {
+      p.tensor.mutable_grad() = at::Tensor();
+      p.reduced = at::Tensor();
+      p.carry = at::Tensor();
+      p.slot = at::Tensor();
+      continue;
+    }
+    const at::Tensor& piece = buckets[p.bucket].piece;
+    at::Tensor g = at::empty({0}, piece.options());
+    g.set_(piece.storage(), piece.storage_offset() + p.piece_offset, p.tensor.sizes(),
+           c10::contiguous_strides(p.tensor.sizes()));
+    if (p.carry.defined()) g.add_(p.carry);
+    p.carry = at::Tensor();
+    p.tensor.mutable_grad() = g;
+    p.reduced = g;
+    p.slot = at::Tensor();
+  }
+  for (auto& b : buckets) {
+    b.buffer = at::Tensor();
+    b.piece = at::Tensor();
+  }
+}
+
+void Reducer::Impl::set_aside_reduced() {
+  for (auto& p : params) {
+    const at::Tensor& g = p.tensor.grad();
+    if (p.reduced.defined() && g.defined() &&
+        g.unsafeGetTensorImpl() == p.reduced.unsafeGetTensorImpl()) {
+      p.carry = g;
+      p.tensor.mutable_grad() = at::Tensor();
+    }
+    p.reduced = at::Tensor();
+  }
 }
 
 bool Reducer::Impl::holds_slot(const Param& p) const {
@@ -78,6 +142,7 @@ at::Tensor Reducer::Impl::local_grad(const Param& p) const {
 }
 
 void Reducer::Impl::gather_grad(Param& p) {
+  if (sharded) ensure_buffer(p.bucket);
   if (!hybrid && holds_slot(p)) return;
   c10::AutoGradMode no_grad(false);
   at::Tensor g = local_grad(p);
@@ -109,7 +174,14 @@ void Reducer::Impl::launch_ready() {
     Bucket& b = buckets[next_bucket++];
     c10::AutoGradMode no_grad(false);
     const auto launched = Clock::now();
-    b.work = opt.comm_hook(group, b.buffer);
+    if (sharded) {
+      b.piece = at::empty({b.counts[static_cast<size_t>(group.rank())]}, b.buffer.options());
+      b.work = BucketWork{
+          group.reduce_scatter_async(b.buffer, b.piece, ReduceOp::kAvg, b.counts, timeout()),
+          nullptr};
+    } else {
+      b.work = opt.comm_hook(group, b.buffer);
+    }
     if (!b.work.pending.valid()) {
       throw std::logic_error("DistributedDataParallel: the communication hook started nothing");
     }
@@ -118,8 +190,9 @@ void Reducer::Impl::launch_ready() {
       // say, to when wait_launched saw it).
       const uint64_t id = (static_cast<uint64_t>(group.rank()) << 48) | ++launches;
       auto emit = [tracer = tracer, launched, id, index = next_bucket - 1,
-                   bytes = b.buffer.nbytes(), params = b.params.size()] {
-        tracer->span("allreduce", "ddp.bucket", id, launched, Clock::now(),
+                   bytes = b.buffer.nbytes(), params = b.params.size(),
+                   name = sharded ? "reduce_scatter" : "allreduce"] {
+        tracer->span(name, "ddp.bucket", id, launched, Clock::now(),
                      "{\"bucket\":" + std::to_string(index) + ",\"bytes\":" +
                          std::to_string(bytes) + ",\"params\":" + std::to_string(params) + "}");
       };
@@ -132,6 +205,11 @@ void Reducer::Impl::launch_ready() {
 void Reducer::Impl::mark_ready(size_t i) {
   std::lock_guard<std::mutex> lock(mu);
   if (!in_backward) {
+    if (sharded && autograd::pass::active()) {
+      throw std::logic_error(
+          "DistributedDataParallel: sharded gradients (gradient_owner) are not supported in a "
+          "distributed autograd context");
+    }
     in_backward = true;
     first_hook = Clock::now();
     hybrid = autograd::pass::active();
@@ -245,6 +323,7 @@ void Reducer::Impl::finalize() {
     throw;
   }
   auto t1 = Clock::now();
+  if (sharded) keep_owned_grads();
   // A parameter no rank used keeps no gradient, as it had none.
   std::vector<char> unused_everywhere(params.size(), 0);
   for (size_t i : had_no_grad) {
@@ -273,6 +352,7 @@ void Reducer::Impl::begin_iteration() {
     build_buckets(agreed_order());
     rebuilt = true;
   }
+  if (sharded) set_aside_reduced();
   if (opt.broadcast_buffers && !buffers.empty() && group.size() > 1) {
     broadcast_coalesced(buffers, group, timeout());
   }

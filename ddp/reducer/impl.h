@@ -49,10 +49,22 @@ struct Reducer::Impl {
     size_t bucket = 0;
     int64_t offset = 0;  // elements into the bucket
     at::Tensor slot;     // the .grad it gets: an alias of its part of the bucket
+    // Sharded gradients: the rank that keeps its average, where that lies
+    // in the owner's piece of the bucket, the .grad it was given then, and
+    // that gradient set aside at the next forward.
+    int owner = -1;
+    int64_t piece_offset = 0;
+    at::Tensor reduced, carry;
   };
   struct Bucket {
-    at::Tensor buffer;
+    at::Tensor buffer;  // sharded: only from its first gradient to the end of the backward
     std::vector<size_t> params;
+    int64_t numel = 0;
+    size_t element_size = 0;
+    // Sharded: elements per owner (its params are grouped by owner), and
+    // this rank's averaged piece.
+    std::vector<int64_t> counts;
+    at::Tensor piece;
     size_t pending = 0;
     BucketWork work;
     std::function<void()> trace;  // with tracing on, when on_completion could not take it
@@ -91,6 +103,7 @@ struct Reducer::Impl {
   // This backward runs in the distributed engine (a context): gradients
   // come from and go back to the context, never .grad.
   bool hybrid = false;
+  bool sharded = false;  // DDPOptions::gradient_owner is set
   std::vector<char> ready;
   size_t next_bucket = 0;
   bool record_order = true;  // until the buckets are rebuilt once
@@ -121,6 +134,16 @@ struct Reducer::Impl {
   void build_buckets(const std::vector<size_t>& order);
 
   bool holds_slot(const Param& p) const;
+
+  // Sharded: bucket b's buffer (zeros) and its parameters' slots, made at
+  // its first gradient of a backward.
+  void ensure_buffer(size_t b);
+  // Sharded, after the buckets' reductions: each owned parameter's .grad
+  // becomes its averaged piece (plus what was carried), the others' none,
+  // and the buffers are freed.
+  void keep_owned_grads();
+  // Sharded, at forward: a gradient left from the last sync is set aside.
+  void set_aside_reduced();
 
   // This rank's gradient of `p`: .grad, or in a distributed backward the
   // context's (undefined when there is none).

@@ -53,6 +53,10 @@ void Reducer::begin_join() {
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (impl_->join_enabled)
     throw std::logic_error("DistributedDataParallel: join() scopes do not nest");
+  if (impl_->sharded) {
+    throw std::logic_error("DistributedDataParallel: join() is not supported with sharded "
+                           "gradients (gradient_owner)");
+  }
   impl_->join_enabled = true;
   impl_->join_round = 0;
   impl_->last_real_round = -1;

@@ -24,34 +24,6 @@ std::string shape_text(at::IntArrayRef sizes) {
   return s.str();
 }
 
-// Every rank's string, in rank order.
-// `device`: where the group's collectives take their tensors (CPU for gloo,
-// the model's GPU for nccl).
-std::vector<std::string> all_gather_strings(const std::string& mine, ProcessGroup& group,
-                                            std::chrono::milliseconds timeout, c10::Device device) {
-  at::Tensor len = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong).to(device);
-  auto lens = group.all_gather(len, timeout);
-  int64_t longest = 1;
-  for (const auto& l : lens) longest = std::max(longest, l.item<int64_t>());
-  at::Tensor bytes = at::zeros({longest}, at::kByte);
-  std::copy(mine.begin(), mine.end(), bytes.data_ptr<uint8_t>());
-  auto all = group.all_gather(bytes.to(device), timeout);
-  std::vector<std::string> out;
-  for (size_t r = 0; r < all.size(); ++r) {
-    all[r] = all[r].cpu();
-    const auto* p = reinterpret_cast<const char*>(all[r].data_ptr<uint8_t>());
-    out.emplace_back(p, static_cast<size_t>(lens[r].item<int64_t>()));
-  }
-  return out;
-}
-
-std::vector<std::string> lines_of(const std::string& text) {
-  std::vector<std::string> out;
-  std::istringstream s(text);
-  for (std::string line; std::getline(s, line);) out.push_back(line);
-  return out;
-}
-
 }  // namespace
 
 void broadcast_coalesced(const std::vector<at::Tensor>& tensors, ProcessGroup& group,
@@ -106,6 +78,10 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, DDPOptions options,
   if (!(options.bucket_cap_mb > 0) || !(options.first_bucket_mb > 0)) {
     throw std::invalid_argument(
         "DistributedDataParallel: bucket_cap_mb and first_bucket_mb must be > 0");
+  }
+  if (options.gradient_owner && options.comm_hook) {
+    throw std::invalid_argument(
+        "DistributedDataParallel: sharded gradients (gradient_owner) take no comm_hook");
   }
   impl_ = std::make_unique<Impl>(std::move(module), options, *group_);
   Impl& m = *impl_;
@@ -163,33 +139,31 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, DDPOptions options,
         "DistributedDataParallel: the module has no parameter that requires grad");
   }
   if (nccl) m.comm_device = *model_device;
-  std::string fingerprint;
+  m.sharded = static_cast<bool>(options.gradient_owner);
+  for (auto& p : m.params) {
+    if (!m.sharded) break;
+    p.owner = options.gradient_owner(p.tensor);
+    if (p.owner < 0 || p.owner >= group_->size()) {
+      throw std::invalid_argument(
+          "DistributedDataParallel: gradient_owner gives parameter '" + p.name + "' to rank " +
+          std::to_string(p.owner) + ", not one of the group's " + std::to_string(group_->size()) +
+          " (is it among the parameters the optimizer steps?)");
+    }
+  }
+  std::vector<std::string> fingerprint;
   for (const auto& p : m.params) {
-    fingerprint += "'" + p.name + "' " + shape_text(p.tensor.sizes()) + " " +
-                   c10::toString(p.tensor.scalar_type()) + "\n";
+    fingerprint.push_back("'" + p.name + "' " + shape_text(p.tensor.sizes()) + " " +
+                          c10::toString(p.tensor.scalar_type()) +
+                          (m.sharded ? " kept by rank " + std::to_string(p.owner) : ""));
   }
   for (const auto& item : m.module->named_buffers(true)) {
     check_device("buffer '" + item.key() + "'", item.value());
     m.buffers.push_back(item.value());
-    fingerprint += "buffer '" + item.key() + "' " + shape_text(item.value().sizes()) + " " +
-                   c10::toString(item.value().scalar_type()) + "\n";
+    fingerprint.push_back("buffer '" + item.key() + "' " + shape_text(item.value().sizes()) +
+                          " " + c10::toString(item.value().scalar_type()));
   }
-  auto all = all_gather_strings(fingerprint, *group_, m.timeout(), m.comm_device);
-  for (size_t r = 1; r < all.size(); ++r) {
-    if (all[r] == all[0]) continue;
-    auto a = lines_of(all[0]), b = lines_of(all[r]);
-    size_t k = 0;
-    while (k < a.size() && k < b.size() && a[k] == b[k]) ++k;
-    auto has = [&](const std::vector<std::string>& lines, size_t rank) {
-      return "rank " + std::to_string(rank) + " has " +
-             (k < lines.size() ? lines[k]
-                               : "no entry #" + std::to_string(k) + " (" +
-                                     std::to_string(lines.size()) + " in all)");
-    };
-    throw std::invalid_argument("DistributedDataParallel: the ranks' models differ at parameter #" +
-                                std::to_string(k) + ": " + has(a, 0) + ", " + has(b, r) +
-                                " (every rank must build the same model)");
-  }
+  group_->expect_same_lines(fingerprint, "DistributedDataParallel", "models", "parameter",
+                            "every rank must build the same model", m.timeout(), m.comm_device);
   if (group_->size() > 1) broadcast_coalesced(m.state(), *group_, m.timeout());
 
   std::vector<size_t> order;

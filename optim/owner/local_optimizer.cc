@@ -59,16 +59,33 @@ void set_lr(torch::optim::Optimizer& optimizer, double lr) {
   for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
 }
 
+namespace {
+
+// torch::optim keys its state by the parameter's TensorImpl: as text in
+// LibTorch 1.x, as the pointer itself from 2.0 on.
+auto state_key(const at::Tensor& param) {
+#if TORCH_VERSION_MAJOR < 2
+  return c10::guts::to_string(param.unsafeGetTensorImpl());
+#else
+  return static_cast<void*>(param.unsafeGetTensorImpl());
+#endif
+}
+
+}  // namespace
+
 const torch::optim::OptimizerParamState* find_state(const torch::optim::Optimizer& optimizer,
                                                     const at::Tensor& param) {
-  // torch::optim keys its state by the parameter's TensorImpl: as text in
-  // LibTorch 1.x, as the pointer itself from 2.0 on.
-#if TORCH_VERSION_MAJOR < 2
-  auto it = optimizer.state().find(c10::guts::to_string(param.unsafeGetTensorImpl()));
-#else
-  auto it = optimizer.state().find(static_cast<void*>(param.unsafeGetTensorImpl()));
-#endif
+  auto it = optimizer.state().find(state_key(param));
   return it == optimizer.state().end() ? nullptr : it->second.get();
+}
+
+void move_state(torch::optim::Optimizer& from, torch::optim::Optimizer& to,
+                const at::Tensor& param) {
+  auto key = state_key(param);
+  auto it = from.state().find(key);
+  if (it == from.state().end()) return;
+  to.state()[key] = std::move(it->second);
+  from.state().erase(it);
 }
 
 std::vector<at::Tensor> state_tensors(const torch::optim::OptimizerParamState& s) {

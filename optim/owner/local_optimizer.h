@@ -32,6 +32,11 @@ void set_lr(torch::optim::Optimizer& optimizer, double lr);
 const torch::optim::OptimizerParamState* find_state(const torch::optim::Optimizer& optimizer,
                                                     const at::Tensor& param);
 
+// Moves the state `from` keeps for `param` into `to` (both optimizers over
+// that very tensor), replacing what `to` had; nothing when `from` has none.
+void move_state(torch::optim::Optimizer& from, torch::optim::Optimizer& to,
+                const at::Tensor& param);
+
 // The tensors of one parameter's state (some may be undefined).
 std::vector<at::Tensor> state_tensors(const torch::optim::OptimizerParamState& state);
 
