@@ -7,7 +7,7 @@ objects with a "bench" and an "impl" are ignored, and so are values that are
 not finite numbers.
 Lines are grouped by `bench` and their size key (`bytes`, `hops` or `world`,
 possibly absent; a pipeline line by its schedule, stages and chunks, a pp_dp
-line by its layout). For each
+line by its layout, a zero line by its mode and world). For each
 metric of the tandem lines it prints Tandem's value over TCP (column tandem;
 also a line that names no transport), over shared memory (tandem_shm: lines
 with "transport":"shm"), PyTorch's and raw_tcp's, and the ratios to PyTorch
@@ -32,7 +32,8 @@ SIZE_KEYS = ("config", "bytes", "hops", "world")
 METRICS = ("p50_us", "p99_us", "gbps", "ms", "local_ms", "overhead_ms", "ms_per_local",
            "record_us_per_rpc", "overlap", "samples_per_s", "single_worker_samples_per_s",
            "efficiency", "bubble", "speedup", "allreduce_ms", "allreduce_hidden",
-           "init_ms", "all_to_all_ms", "shutdown_ms", "on_ns", "off_ns")
+           "init_ms", "all_to_all_ms", "shutdown_ms", "on_ns", "off_ns", "bytes_per_rank",
+           "bytes_per_param", "rss_mb", "ms_per_ddp")
 HIGHER_IS_BETTER = {"gbps", "overlap", "samples_per_s", "single_worker_samples_per_s",
                     "efficiency", "speedup", "allreduce_hidden"}
 HEADER = ("bench", "size", "metric", "tandem", "tandem_shm", "pytorch", "path", "raw_tcp",
@@ -91,6 +92,10 @@ def with_derived(rec):
         rec = dict(rec, config=f"{rec['schedule']} K={rec.get('stages')} M={rec.get('chunks')}")
     if rec.get("bench") == "pp_dp" and "pp" in rec:
         rec = dict(rec, config=f"{rec['pp']} x {rec.get('dp')} M={rec.get('chunks')}")
+    if rec.get("bench") == "zero" and "mode" in rec:
+        rec = dict(rec, config=f"{rec['mode']} N={rec.get('world')}")
+        if is_num(rec.get("bytes_per_rank")) and is_num(rec.get("params")) and rec["params"]:
+            rec["bytes_per_param"] = round(rec["bytes_per_rank"] / rec["params"], 2)
     ms, local = rec.get("ms"), rec.get("local_ms")
     if is_num(ms) and is_num(local) and local > 0:
         rec = dict(rec, overhead_ms=round(ms - local, 3), ms_per_local=round(ms / local, 3))

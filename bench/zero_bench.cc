@@ -1,6 +1,7 @@
 // zero_bench: what sharded data parallelism saves in bytes and costs in time.
-// An MLP of about 50 M parameters (--width 4096, --layers 3: three
-// 4096 x 4096 layers and their biases), Adam, fp32, trained by N processes on
+// An MLP of about 50 M parameters (--width 2048, --layers 12: twelve
+// 2048 x 2048 layers and their biases, so that whole parameters share out
+// evenly over 2 and 4 ranks, as ZeRO's partition shares them), Adam, fp32, trained by N processes on
 // this host (each a job of its own started by tandem::spawn, one intra-op
 // thread a process), each rank its own batch of --batch rows:
 //   ddp    DDP and LibTorch's Adam on every rank (the state whole everywhere);
@@ -9,16 +10,17 @@
 //
 // Prints per mode and world size:
 //   {"bench":"zero","mode":"ddp|zero1|zero2","world":N,"params":P,
-//    "bytes_per_rank":..,"largest_unit_bytes":0,"rss_mb":..,"ms":..}
+//    "bytes_per_rank":..,"largest_unit_bytes":0,"rss_mb":..,"ms":..,"ms_per_ddp":..}
 // params: the model's parameter count; bytes_per_rank: rank 0's parameters,
 // gradients and optimizer state after a step, counted from the tensors it
 // holds (a gradient view counts its own elements); largest_unit_bytes: the
 // largest unit gathered at once, 0 where nothing is gathered; rss_mb: rank
 // 0's peak resident memory (getrusage), which also holds LibTorch, the
 // buckets and what the collectives allocate; ms: the median step (forward,
-// backward, optimizer step) over --steps after --warmup.
+// backward, optimizer step) over --steps after --warmup; ms_per_ddp: ms
+// over the ddp line's of the same world size in this run (when measured).
 //
-// Usage: zero_bench [--steps 3] [--warmup 1] [--batch 16] [--width 4096] [--layers 3]
+// Usage: zero_bench [--steps 3] [--warmup 1] [--batch 16] [--width 2048] [--layers 12]
 //        [--worlds 2,4] [--modes ddp,zero1,zero2]
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/randn.h>
@@ -51,7 +53,7 @@ using Clock = std::chrono::steady_clock;
 using tandem::bench::ms_since;
 
 struct Config {
-  int steps = 3, warmup = 1, batch = 16, width = 4096, layers = 3;
+  int steps = 3, warmup = 1, batch = 16, width = 2048, layers = 12;
   std::string worlds = "2,4", modes = "ddp,zero1,zero2";
 };
 
@@ -176,6 +178,7 @@ int main(int argc, char** argv) {
                      world_text.c_str());
         return 2;
       }
+      double ddp_ms = 0;
       for (const auto& mode : split(c.modes)) {
         if (mode != "ddp" && mode != "zero1" && mode != "zero2") {
           std::fprintf(stderr, "zero_bench: --modes takes ddp, zero1 and zero2, not '%s'\n",
@@ -193,12 +196,14 @@ int main(int argc, char** argv) {
         Result r;
         std::ifstream(path) >> r.params >> r.bytes >> r.rss_mb >> r.ms;
         std::remove(path);
+        if (mode == "ddp") ddp_ms = r.ms;
         std::printf(
             "{\"bench\":\"zero\",\"impl\":\"tandem\",\"mode\":\"%s\",\"world\":%d,"
             "\"params\":%lld,\"bytes_per_rank\":%lld,\"largest_unit_bytes\":0,"
-            "\"rss_mb\":%.1f,\"ms\":%.1f}\n",
+            "\"rss_mb\":%.1f,\"ms\":%.1f%s}\n",
             mode.c_str(), world, static_cast<long long>(r.params),
-            static_cast<long long>(r.bytes), r.rss_mb, r.ms);
+            static_cast<long long>(r.bytes), r.rss_mb, r.ms,
+            ddp_ms > 0 ? (",\"ms_per_ddp\":" + std::to_string(r.ms / ddp_ms)).c_str() : "");
         std::fflush(stdout);
       }
     }
