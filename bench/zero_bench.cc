@@ -6,22 +6,27 @@
 // thread a process), each rank its own batch of --batch rows:
 //   ddp    DDP and LibTorch's Adam on every rank (the state whole everywhere);
 //   zero1  DDP and ZeroRedundancyOptimizer (the state sharded);
-//   zero2  that, DDP's gradients sharded too (DDPOptions::gradient_owner).
+//   zero2  that, DDP's gradients sharded too (DDPOptions::gradient_owner);
+//   zero3  FullyShardedDataParallel, each Linear a unit, LibTorch's Adam
+//          over the shards.
 //
 // Prints per mode and world size:
 //   {"bench":"zero","mode":"ddp|zero1|zero2","world":N,"params":P,
-//    "bytes_per_rank":..,"largest_unit_bytes":0,"rss_mb":..,"ms":..,"ms_per_ddp":..}
+//    "bytes_per_rank":..,"largest_unit_bytes":..,"rss_mb":..,"ms":..,"ms_per_ddp":..}
 // params: the model's parameter count; bytes_per_rank: rank 0's parameters,
 // gradients and optimizer state after a step, counted from the tensors it
-// holds (a gradient view counts its own elements); largest_unit_bytes: the
-// largest unit gathered at once, 0 where nothing is gathered; rss_mb: rank
+// holds (a gradient view counts its own elements; for zero3 the shards,
+// their gradients and Adam's state over them, and no whole parameter, all
+// freed after backward); largest_unit_bytes: zero3's largest unit gathered
+// whole (a rank holds at most two at once during a step), 0 for the
+// others; rss_mb: rank
 // 0's peak resident memory (getrusage), which also holds LibTorch, the
 // buckets and what the collectives allocate; ms: the median step (forward,
 // backward, optimizer step) over --steps after --warmup; ms_per_ddp: ms
 // over the ddp line's of the same world size in this run (when measured).
 //
 // Usage: zero_bench [--steps 3] [--warmup 1] [--batch 16] [--width 2048] [--layers 12]
-//        [--worlds 2,4] [--modes ddp,zero1,zero2]
+//        [--worlds 2,4] [--modes ddp,zero1,zero2,zero3]
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/randn.h>
 #include <torch/nn/functional/loss.h>
@@ -41,6 +46,7 @@
 
 #include "bench/bench_util.h"
 #include "tandem/ddp/distributed_data_parallel.h"
+#include "tandem/ddp/fully_sharded.h"
 #include "tandem/optim/zero_redundancy_optimizer.h"
 #include "tandem/rpc/common/host.h"
 #include "tandem/rpc/spawn.h"
@@ -54,11 +60,11 @@ using tandem::bench::ms_since;
 
 struct Config {
   int steps = 3, warmup = 1, batch = 16, width = 2048, layers = 12;
-  std::string worlds = "2,4", modes = "ddp,zero1,zero2";
+  std::string worlds = "2,4", modes = "ddp,zero1,zero2,zero3";
 };
 
 struct Result {
-  int64_t params = 0, bytes = 0;
+  int64_t params = 0, bytes = 0, largest_unit = 0;
   double rss_mb = 0, ms = 0;
 };
 
@@ -76,10 +82,59 @@ int64_t bytes_of(const at::Tensor& t) {
   return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
 }
 
+int64_t adam_state_bytes(const torch::optim::Adam& adam) {
+  int64_t bytes = 0;
+  for (const auto& entry : adam.state()) {
+    const auto& s = static_cast<const torch::optim::AdamParamState&>(*entry.second);
+    bytes += bytes_of(s.exp_avg()) + bytes_of(s.exp_avg_sq());
+  }
+  return bytes;
+}
+
+// zero3: the model sharded unit by unit.
+Result train_sharded(const Config& c, const at::Tensor& x, const at::Tensor& y,
+                     std::vector<double>& ms) {
+  auto model = make_model(c);
+  Result r;
+  for (const auto& p : model->parameters()) r.params += p.numel();
+  ddp::FullyShardedDataParallel fsdp(model);
+  torch::optim::Adam adam(fsdp.parameters(), torch::optim::AdamOptions(1e-4));
+  for (int i = 0; i < c.warmup + c.steps; ++i) {
+    const auto t0 = Clock::now();
+    torch::nn::functional::mse_loss(fsdp(x), y).backward();
+    adam.step();
+    if (i >= c.warmup) ms.push_back(ms_since(t0));
+    if (i + 1 == c.warmup + c.steps) {
+      for (const auto& p : model->parameters()) r.bytes += bytes_of(p) + bytes_of(p.grad());
+      r.bytes += fsdp.stats().shard_bytes + adam_state_bytes(adam);
+      r.largest_unit = fsdp.stats().largest_unit_bytes;
+    }
+    adam.zero_grad();
+  }
+  return r;
+}
+
 // One rank of a job: trains, and rank 0 writes what it measured to `out`.
 void worker(const Config& c, const std::string& mode, const std::string& out) {
   tandem::rpc::set_num_threads(1);
   ddp::init_process_group("gloo");
+  if (mode == "zero3") {
+    const int rank = ddp::get_rank();
+    auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(100 + rank));
+    const at::Tensor x = at::randn({c.batch, c.width}, gen);
+    const at::Tensor y = at::randn({c.batch, c.width}, gen);
+    std::vector<double> ms;
+    Result r = train_sharded(c, x, y, ms);
+    if (rank == 0) {
+      rusage u{};
+      ::getrusage(RUSAGE_SELF, &u);
+      std::ofstream f(out);
+      f << r.params << " " << r.bytes << " " << static_cast<double>(u.ru_maxrss) / 1024.0 << " "
+        << tandem::bench::median(ms) << " " << r.largest_unit << "\n";
+    }
+    ddp::destroy_process_group();
+    return;
+  }
   {
     auto model = make_model(c);
     const int rank = ddp::get_rank();
@@ -120,10 +175,7 @@ void worker(const Config& c, const std::string& mode, const std::string& out) {
         if (zero) {
           r.bytes += zero->state_bytes();
         } else {
-          for (const auto& entry : adam->state()) {
-            const auto& s = static_cast<const torch::optim::AdamParamState&>(*entry.second);
-            r.bytes += bytes_of(s.exp_avg()) + bytes_of(s.exp_avg_sq());
-          }
+          r.bytes += adam_state_bytes(*adam);
         }
       }
       if (zero) {
@@ -137,7 +189,7 @@ void worker(const Config& c, const std::string& mode, const std::string& out) {
       ::getrusage(RUSAGE_SELF, &u);
       std::ofstream f(out);
       f << r.params << " " << r.bytes << " " << static_cast<double>(u.ru_maxrss) / 1024.0 << " "
-        << tandem::bench::median(ms) << "\n";
+        << tandem::bench::median(ms) << " 0\n";
     }
   }
   ddp::destroy_process_group();
@@ -180,8 +232,8 @@ int main(int argc, char** argv) {
       }
       double ddp_ms = 0;
       for (const auto& mode : split(c.modes)) {
-        if (mode != "ddp" && mode != "zero1" && mode != "zero2") {
-          std::fprintf(stderr, "zero_bench: --modes takes ddp, zero1 and zero2, not '%s'\n",
+        if (mode != "ddp" && mode != "zero1" && mode != "zero2" && mode != "zero3") {
+          std::fprintf(stderr, "zero_bench: --modes takes ddp, zero1, zero2 and zero3, not '%s'\n",
                        mode.c_str());
           return 2;
         }
@@ -194,15 +246,15 @@ int main(int argc, char** argv) {
         tandem::spawn(world, [](int, int) {});  // (the caller: fn never runs here)
         ::unsetenv("TANDEM_ZERO");
         Result r;
-        std::ifstream(path) >> r.params >> r.bytes >> r.rss_mb >> r.ms;
+        std::ifstream(path) >> r.params >> r.bytes >> r.rss_mb >> r.ms >> r.largest_unit;
         std::remove(path);
         if (mode == "ddp") ddp_ms = r.ms;
         std::printf(
             "{\"bench\":\"zero\",\"impl\":\"tandem\",\"mode\":\"%s\",\"world\":%d,"
-            "\"params\":%lld,\"bytes_per_rank\":%lld,\"largest_unit_bytes\":0,"
+            "\"params\":%lld,\"bytes_per_rank\":%lld,\"largest_unit_bytes\":%lld,"
             "\"rss_mb\":%.1f,\"ms\":%.1f%s}\n",
             mode.c_str(), world, static_cast<long long>(r.params),
-            static_cast<long long>(r.bytes), r.rss_mb, r.ms,
+            static_cast<long long>(r.bytes), static_cast<long long>(r.largest_unit), r.rss_mb, r.ms,
             ddp_ms > 0 ? (",\"ms_per_ddp\":" + std::to_string(r.ms / ddp_ms)).c_str() : "");
         std::fflush(stdout);
       }
