@@ -87,19 +87,28 @@ ProcessGroup::Pending ProcessGroup::reduce_scatter_async(const at::Tensor& input
     if (scale != 1.0) p.then_ = [out, scale]() mutable { out.mul_(scale); };
     return p;
   }
-  // Every rank sends piece r to rank r and gets back everyone's piece of its own.
+  // Every rank sends piece r to rank r and gets back everyone's piece of its
+  // own. 16-bit floats are summed in float32; on Gloo, which has no
+  // bfloat16, their words travel as float16's (an all-to-all only moves them).
   const int64_t mine = counts[static_cast<size_t>(rank_)];
   at::Tensor received = at::empty({mine * size_}, output.options());
   std::vector<int64_t> in_splits(counts.begin(), counts.end());
   std::vector<int64_t> out_splits(static_cast<size_t>(size_), mine);
   c10d::AllToAllOptions opts;
   opts.timeout = resolve(timeout);
-  at::Tensor in = input;
-  Pending p =
-      pending(pg_->alltoall_base(received, in, out_splits, in_splits, opts), what, timeout);
+  const bool half_words = input.scalar_type() == at::kBFloat16 && backend_ == "gloo";
+  at::Tensor in = half_words ? input.view(at::kHalf) : input;
+  at::Tensor into = half_words ? received.view(at::kHalf) : received;
+  Pending p = pending(pg_->alltoall_base(into, in, out_splits, in_splits, opts), what, timeout);
   p.then_ = [received, output, mine, n = size_, scale]() mutable {
     if (mine == 0) return;
     at::Tensor parts = received.view({n, mine});
+    if (output.scalar_type() == at::kHalf || output.scalar_type() == at::kBFloat16) {
+      at::Tensor sum = parts.to(at::kFloat).sum(0);
+      if (scale != 1.0) sum.mul_(scale);
+      output.copy_(sum);
+      return;
+    }
     at::sum_out(output, parts, {0});
     if (scale != 1.0) output.mul_(scale);
   };

@@ -54,7 +54,19 @@
 //     the unwrapped model, to rank `to` (collective; buffers too);
 //     load_full_state_dict() takes such a dict on every rank. The sharded
 //     form (sharded_state_dict()) is this rank's shards and what they hold.
-//  7. Errors: a collective's failure is a CollectiveError naming the rank
+//  7. Mixed precision (param_dtype): the gathered parameters, forward,
+//     backward and the gradients' reduce-scatter are in that dtype; the
+//     shards (master weights) and the optimizer's state stay in the
+//     parameters' dtype. forward(x) casts a floating-point x to it (with
+//     forward(fn), the model's own code does). On the CPU, LibTorch 1.x
+//     has no float16 matmul: there bfloat16 it is. On Gloo (LibTorch 1.x's sums no bfloat16) the
+//     16-bit values travel as raw 2-byte words and each rank sums what it
+//     receives in float32.
+//  8. HSDP (replicate_group): shard within the sharding group, replicate
+//     across another (a mesh: shard over "dp_shard", replicate over
+//     "dp_replicate"). The replicas start from the replicate group's rank
+//     0 and average their shards' gradients after the reduce-scatter.
+//  9. Errors: a collective's failure is a CollectiveError naming the rank
 //     that is gone (ProcessGroup); bad arguments std::invalid_argument.
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
@@ -79,6 +91,15 @@ struct FSDPOptions {
   bool reshard_after_forward = true;
   // Start the next unit's all-gather while this one computes.
   bool prefetch = true;
+  // Mixed precision: gather, compute and reduce in this dtype (kHalf or
+  // kBFloat16); the shards, which the optimizer steps, keep the
+  // parameters' own dtype. Empty: the parameters' dtype throughout.
+  std::optional<at::ScalarType> param_dtype;
+  // HSDP: the shards are replicated over this group (a mesh's other
+  // dimension): each rank's shard gradients, reduce-scattered over the
+  // sharding group, are then averaged over it. Null: shard over the whole
+  // job (the sharding group is the world).
+  std::shared_ptr<ProcessGroup> replicate_group;
   std::chrono::milliseconds timeout = kGroupTimeout;
 };
 

@@ -171,7 +171,8 @@ class ProcessGroup {
   // reduce-scatter: there it is an all-to-all of the pieces (each rank
   // sends (N-1)/N of its input, as a ring reduce-scatter does) and a local
   // sum in wait(), which needs room for size() pieces of this rank's count
-  // while it runs.
+  // while it runs; float16 and bfloat16 pieces are summed in float32 there
+  // (bfloat16's words travel as float16's: Gloo 1.x has no bfloat16).
   Pending reduce_scatter_async(const at::Tensor& input, at::Tensor output,
                                ReduceOp op = ReduceOp::kSum, std::vector<int64_t> counts = {},
                                std::chrono::milliseconds timeout = kGroupTimeout);

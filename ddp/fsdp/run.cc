@@ -22,15 +22,21 @@ void FullyShardedDataParallel::Impl::start_gather(size_t k) {
   const size_t bytes = static_cast<size_t>(u.padded) * u.full.element_size();
   storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
   storage->set_nbytes(bytes);
-  u.gather_input = u.shard.detach();
+  u.gather_input = u.shard.detach().to(u.full.scalar_type());
   if (size() == 1) {
     u.full.copy_(u.gather_input);
     u.state = Unit::State::kGathering;
     return;
   }
+  // Gloo moves bfloat16's 2-byte words as float16's (it only copies them).
+  const bool as_half = u.full.scalar_type() == at::kBFloat16 && group->backend() == "gloo";
   std::vector<at::Tensor> outs;
-  for (int r = 0; r < size(); ++r) outs.push_back(u.full.narrow(0, r * u.shard_numel, u.shard_numel));
-  u.gathering = group->all_gather_async(u.gather_input, outs, timeout());
+  for (int r = 0; r < size(); ++r) {
+    at::Tensor out = u.full.narrow(0, r * u.shard_numel, u.shard_numel);
+    outs.push_back(as_half ? out.view(at::kHalf) : out);
+  }
+  u.gathering = group->all_gather_async(as_half ? u.gather_input.view(at::kHalf) : u.gather_input,
+                                        outs, timeout());
   u.state = Unit::State::kGathering;
   ++gathers;
 }
@@ -242,11 +248,16 @@ void FullyShardedDataParallel::Impl::finish_backward() {
     try {
       if (u.reducing.valid()) u.reducing.wait();
       if (u.reduce_output.defined() && !failed) {
+        at::Tensor reduced = u.reduce_output.to(u.shard.scalar_type());
+        // HSDP: averaged over the shard's replicas too (in the shard's dtype).
+        if (opt.replicate_group && opt.replicate_group->size() > 1) {
+          opt.replicate_group->all_reduce(reduced, ReduceOp::kAvg, timeout());
+        }
         at::Tensor& g = u.shard.mutable_grad();
         if (g.defined()) {
-          g.add_(u.reduce_output);
+          g.add_(reduced);
         } else {
-          g = u.reduce_output;
+          g = reduced;
         }
       }
     } catch (...) {
@@ -278,7 +289,8 @@ at::Tensor FullyShardedDataParallel::forward(const at::Tensor& x) {
         "forward(fn) with run(unit, fn) around each unit");
   }
   return forward([&] {
-    at::Tensor h = x;
+    // Mixed precision: a floating-point input in the compute dtype.
+    at::Tensor h = impl_->opt.param_dtype && x.is_floating_point() ? x.to(*impl_->opt.param_dtype) : x;
     size_t i = 0;
     for (auto& child : *impl_->sequential) {
       const std::string name = std::to_string(i++);

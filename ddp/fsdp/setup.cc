@@ -34,6 +34,11 @@ void FullyShardedDataParallel::Impl::setup(FSDPOptions options) {
   if (group->backend() != "gloo" && group->backend() != "nccl") {
     throw std::invalid_argument(who + "unknown backend " + group->backend());
   }
+  if (opt.param_dtype && *opt.param_dtype != at::kHalf && *opt.param_dtype != at::kBFloat16 &&
+      *opt.param_dtype != at::kFloat && *opt.param_dtype != at::kDouble) {
+    throw std::invalid_argument(who + "param_dtype " + c10::toString(*opt.param_dtype) +
+                                " is not a floating-point dtype to compute in");
+  }
   // The units: named submodules, none inside another.
   std::vector<std::string> names = opt.units;
   if (names.empty()) {
@@ -161,9 +166,15 @@ void FullyShardedDataParallel::Impl::setup(FSDPOptions options) {
       u.full.narrow(0, params[i].offset, params[i].numel).copy_(params[i].tensor.reshape({-1}));
     }
     if (size() > 1) group->broadcast(u.full, 0, timeout());
+    if (opt.replicate_group && opt.replicate_group->size() > 1) {
+      opt.replicate_group->broadcast(u.full, 0, timeout());
+    }
     u.shard = u.full.narrow(0, static_cast<int64_t>(rank()) * u.shard_numel, u.shard_numel)
                   .clone()
                   .requires_grad_(true);
+    // Mixed precision: the flat buffer (and so the parameters and their
+    // gradients) in the compute dtype, before the accumulators are made.
+    if (opt.param_dtype && *opt.param_dtype != dtype) u.full = u.full.to(*opt.param_dtype);
     // Each parameter a view of the flat buffer for good; its gradient
     // accumulator made now, while it has its shape, and kept.
     for (size_t i : u.params) {
@@ -176,8 +187,11 @@ void FullyShardedDataParallel::Impl::setup(FSDPOptions options) {
     free_unit(k);
   }
   // Buffers are not sharded: rank 0's, once.
-  if (size() > 1) {
-    for (auto& [name, b] : buffers) group->broadcast(b, 0, timeout());
+  for (auto& [name, b] : buffers) {
+    if (size() > 1) group->broadcast(b, 0, timeout());
+    if (opt.replicate_group && opt.replicate_group->size() > 1) {
+      opt.replicate_group->broadcast(b, 0, timeout());
+    }
   }
 }
 

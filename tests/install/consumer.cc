@@ -19,11 +19,18 @@
 // data-parallel replicas: each replica's driver steps its two-stage pipe on
 // its own rows, the stages average their gradients over the replicas, and
 // the replicas end with the same parameters.
+// `consumer shard` starts three, each with an RPC agent and the default
+// process group at the job's one MASTER_PORT: a DDP step with
+// ZeroRedundancyOptimizer and sharded gradients, its state consolidated and
+// loaded into plain LibTorch, then FullyShardedDataParallel steps of a
+// Sequential; every rank ends with the same model.
 #include <tandem/autograd/autograd.h>
 #include <tandem/ddp/distributed_data_parallel.h>
+#include <tandem/ddp/fully_sharded.h>
 #include <tandem/ddp/sampler.h>
 #include <tandem/mesh/mesh.h>
 #include <tandem/optim/distributed_optimizer.h>
+#include <tandem/optim/zero_redundancy_optimizer.h>
 #include <tandem/pipeline/pipe.h>
 #include <tandem/pipeline/schedule.h>
 #include <tandem/remote_module/remote_module.h>
@@ -36,7 +43,10 @@
 #include <ATen/ops/ones.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
+#include <torch/serialize/input-archive.h>
 #include <torch/optim/sgd.h>
 
 #include <ATen/ops/arange.h>
@@ -103,9 +113,66 @@ int mesh_job() {
   return 0;
 }
 
+// Whether every rank holds what this one does.
+bool same_everywhere(const at::Tensor& t) {
+  for (const auto& other : tandem::ddp::all_gather(t.detach().contiguous())) {
+    if (!at::equal(other, t)) return false;
+  }
+  return true;
+}
+
+int shard_job() {
+  tandem::spawn(3, [](int rank, int) {
+    tandem::rpc::init(std::make_shared<tandem::rpc::Registry>());
+    tandem::ddp::init_process_group("gloo");
+    {
+      // ZeRO stages 1 and 2 under DDP.
+      torch::nn::Linear fc(8, 5);
+      tandem::optim::Options o;
+      o.lr = 0.01;
+      tandem::optim::ZeroRedundancyOptimizer opt(fc->parameters(), tandem::optim::Kind::kAdam, o);
+      tandem::ddp::DDPOptions d;
+      d.gradient_owner = opt.gradient_owner();
+      tandem::ddp::DistributedDataParallel net(fc, d);
+      at::sum(net(at::ones({2, 8}) * (rank + 1))).backward();
+      opt.clip_grad_norm(1.0);
+      opt.step();
+      opt.consolidate_state_dict(0);
+      if (rank == 0) {
+        const std::string bytes = opt.state_dict();
+        torch::serialize::InputArchive in;
+        in.load_from(bytes.data(), bytes.size());
+        torch::optim::Adam plain(fc->parameters());
+        plain.load(in);
+      }
+      if (!same_everywhere(fc->weight)) throw std::runtime_error("ZeRO's replicas differ");
+      // Stage 3.
+      torch::nn::Sequential seq(torch::nn::Linear(8, 16), torch::nn::Linear(16, 4));
+      tandem::ddp::FullyShardedDataParallel fsdp(seq);
+      torch::optim::SGD sgd(fsdp.parameters(), 0.1);
+      for (int step = 0; step < 2; ++step) {
+        at::sum(fsdp(at::ones({2, 8}) * (rank + 1))).backward();
+        sgd.step();
+        sgd.zero_grad();
+      }
+      auto full = fsdp.full_state_dict(0);
+      if (rank == 0 && (full.size() != 4 || full[0].first != "0.weight" ||
+                        full[0].second.sizes() != at::IntArrayRef{16, 8})) {
+        throw std::runtime_error("FSDP's gathered state is not the model's");
+      }
+      std::printf("rank %d: ZeRO and FSDP stepped; %zu tensors gathered\n", rank, full.size());
+    }
+    tandem::ddp::destroy_process_group();
+    tandem::rpc::shutdown();
+  });
+  std::printf("the sharded job finished\n");
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "spawn") == 0) return spawn_job();
   if (argc > 1 && std::strcmp(argv[1], "mesh") == 0) return mesh_job();
+  if (argc > 1 && std::strcmp(argv[1], "shard") == 0) return shard_job();
   auto reg = std::make_shared<tandem::rpc::Registry>();
   reg->def("twice", [](int64_t x) { return 2 * x; });
   reg->def("scale", [](at::Tensor t, double s) { return at::mul(t, s); });
