@@ -31,8 +31,10 @@
 #     its loss falls, --losses writes the CSV, a sample is printed; stopped at
 #     10 and resumed to 20 it ends exactly as uninterrupted (2 x 2 -> 2 x 2),
 #     and within 1e-4 when resumed on another --dp (2 x 2 -> 2 x 1); started
-#     alone it spawns its workers; a layout that is not the world, heads
-#     that do not divide the width, another --pp on resume exit 2, named.
+#     alone it spawns its workers; with --zero 1 (each stage's Adam state
+#     sharded over its replicas), stopped at 10 and resumed without it, it
+#     ends as the unsharded run; a layout that is not the world, heads that
+#     do not divide the width, another --pp on resume, --zero 3 exit 2, named.
 set -uo pipefail
 bin="$(readlink -f "${1:?usage: check_examples.sh BIN_DIR}")"
 run="$bin/tandem-run"
@@ -289,6 +291,13 @@ if expect_rc "gpt 2 x 2 --resume" "$rc" 0 gr2.log; then
 fi
 rc=$(launch gr3.log 2 gpt --dp 1 "${gpt_args[@]}" --resume --checkpoint gr2.ckpt)
 expect_rc "gpt 2 x 2 resumed as 2 x 1" "$rc" 0 gr3.log && near "gpt resumed on --dp 1" "$(gpt_final g22.log)" "$(gpt_final gr3.log)"
+# ZeRO stage 1 inside the pipeline: the same losses, and its checkpoint
+# resumes unsharded.
+rc=$(launch gz.log 4 gpt "${gpt_args[@]}" --zero 1 --stop-at 10 --checkpoint gz.ckpt)
+expect_rc "gpt 2 x 2 --zero 1 --stop-at 10" "$rc" 0 gz.log
+rc=$(launch gz2.log 4 gpt "${gpt_args[@]}" --resume --checkpoint gz.ckpt)
+expect_rc "gpt 2 x 2 --zero 1 checkpoint resumed unsharded" "$rc" 0 gz2.log &&
+  near "gpt --zero 1, resumed without" "$(gpt_final g22.log)" "$(gpt_final gz2.log)"
 timeout 120 "$bin/gpt" --pp 1 --dp 2 --steps 10 --sample 0 --checkpoint g0.ckpt >g0.log 2>&1
 expect_rc "gpt alone (spawning its 2 workers)" "$?" 0 g0.log
 gpt_bad() {  # gpt_bad NPROC PATTERN ARGS...
@@ -301,6 +310,7 @@ gpt_bad() {  # gpt_bad NPROC PATTERN ARGS...
   fi
 }
 gpt_bad 4 "--pp 3 --dp 2 needs 6 processes, not 4" --pp 3
+gpt_bad 4 "--zero 3: gpt shards" --zero 3
 gpt_bad 4 "--heads 5 does not divide --dim 64" --heads 5
 gpt_bad 2 "was cut into 2 stages, this job into 1" --pp 1 --dp 2 --resume --checkpoint gr2.ckpt --steps 20
 gpt_bad 4 "no checkpoint at" --resume --checkpoint "$tmp/none.ckpt"

@@ -40,12 +40,14 @@ std::atomic<int64_t> g_next_id{1};
 
 DistributedOptimizer::DistributedOptimizer(Kind kind,
                                            const std::vector<rpc::RRef<at::Tensor>>& params,
-                                           const Options& options)
-    : DistributedOptimizer(*rpc::current_agent(), kind, params, options) {}
+                                           const Options& options,
+                                           const DistributedOptions& distributed)
+    : DistributedOptimizer(*rpc::current_agent(), kind, params, options, distributed) {}
 
 DistributedOptimizer::DistributedOptimizer(rpc::Agent& agent, Kind kind,
                                            const std::vector<rpc::RRef<at::Tensor>>& params,
-                                           const Options& options)
+                                           const Options& options,
+                                           const DistributedOptions& distributed)
     : agent_(agent.weak_from_this()), kind_(kind), lr_(options.lr) {
   if (params.empty()) throw std::invalid_argument("DistributedOptimizer: no parameters");
   std::map<int, std::vector<rpc::RRef<at::Tensor>>> by_owner;
@@ -64,11 +66,13 @@ DistributedOptimizer::DistributedOptimizer(rpc::Agent& agent, Kind kind,
       if (rank == agent.rank()) {  // the caller's own parameters need no RPC
         std::vector<at::Tensor> tensors;
         for (auto& p : mine) tensors.push_back(p.local_value());
-        service->create(id, kind, std::move(tensors), options);
+        service->create(id, kind, std::move(tensors), options, distributed.shard_group);
       } else {
         remote.push_back(agent
                              .call(agent.get_worker_info(rank).name, owner::kCreate,
-                                   owner::CreateRequest{id, kind, options, mine}.encode())
+                                   owner::CreateRequest{id, kind, options, mine,
+                                                        distributed.shard_group}
+                                       .encode())
                              .raw());
       }
     }

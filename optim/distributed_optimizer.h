@@ -63,14 +63,32 @@
 
 namespace tandem::optim {
 
+// How the owners keep their state, beside the optimizer's Options.
+struct DistributedOptions {
+  // ZeRO stage 1 on every owner, for data-parallel replicas of a model
+  // (pipeline x data parallelism): the name of a process group registered
+  // on the owners' agents (a Mesh registers its groups under
+  // Mesh::group_name(dim); or ddp::register_group) whose ranks own the same
+  // parameters in the other replicas. Each owner then keeps a
+  // ZeroRedundancyOptimizer over that group: it steps its share and
+  // all-gathers the rest, so the state is split over the replicas. Every
+  // replica's DistributedOptimizer is then made, stepped and checkpointed
+  // (state_dict, load_state_dict) together: those are collective over the
+  // groups. state_dict() holds the whole state on the replica whose owners
+  // are their groups' rank 0 (every part empty on the others), in the
+  // unsharded format, so it loads with or without sharding and on any
+  // number of replicas. Empty: each owner keeps all of its parameters' state.
+  std::string shard_group;
+};
+
 class DistributedOptimizer {
  public:
   // On the current agent (rpc::current_agent()).
   DistributedOptimizer(Kind kind, const std::vector<rpc::RRef<at::Tensor>>& params,
-                       const Options& options = {});
+                       const Options& options = {}, const DistributedOptions& distributed = {});
   DistributedOptimizer(rpc::Agent& agent, Kind kind,
                        const std::vector<rpc::RRef<at::Tensor>>& params,
-                       const Options& options = {});
+                       const Options& options = {}, const DistributedOptions& distributed = {});
   ~DistributedOptimizer();
   DistributedOptimizer(const DistributedOptimizer&) = delete;
   DistributedOptimizer& operator=(const DistributedOptimizer&) = delete;

@@ -36,6 +36,8 @@ struct Config {
   int64_t checkpoint_every = 100;
   bool resume = false;
   int64_t sample = 200;  // characters generated at the end
+  // ZeRO: 1 shards each stage's optimizer state over its replicas; 0 none.
+  int64_t zero = 0;
 };
 
 // Where this process is: its rank, and its coordinates in the mesh

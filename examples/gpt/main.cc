@@ -16,7 +16,8 @@
 // `--batch / --dp` sequences through its pipe in `--chunks` micro-batches by
 // `--schedule`; and steps them with one Adam DistributedOptimizer, clipped
 // to a global norm of `--clip`, under a cosine schedule with `--warmup`
-// steps of warm-up. The pipes average each stage's gradients over its
+// steps of warm-up (with --zero 1, each stage's Adam state is sharded over
+// its replicas: DistributedOptions::shard_group). The pipes average each stage's gradients over its
 // replicas (PipeOptions::data_parallel_group = the mesh's dp group), so
 // every replica's stage s holds the same parameters throughout. The other
 // ranks only serve their stages.
@@ -74,7 +75,9 @@ void add_flags(examples::Flags& flags, Config& cfg) {
       .add("--checkpoint", &cfg.checkpoint, "checkpoint file")
       .add("--checkpoint-every", &cfg.checkpoint_every, 1, "write the checkpoint every N steps")
       .add_switch("--resume", &cfg.resume, "continue from --checkpoint up to --steps")
-      .add("--sample", &cfg.sample, 0, "characters generated at the end");
+      .add("--sample", &cfg.sample, 0, "characters generated at the end")
+      .add("--zero", &cfg.zero, 0,
+           "ZeRO stage: 1 shards each stage's Adam state over its dp replicas; 0 none");
 }
 
 // What is wrong with the flags for a job of `world` processes, or "".
@@ -92,6 +95,11 @@ std::string check(const Config& cfg, int world) {
   if (cfg.batch / cfg.dp < cfg.chunks) {
     return "each replica's " + std::to_string(cfg.batch / cfg.dp) + " sequences cannot make " +
            std::to_string(cfg.chunks) + " micro-batches (--chunks)";
+  }
+  if (cfg.zero != 0 && cfg.zero != 1) {
+    return "--zero " + std::to_string(cfg.zero) +
+           ": gpt shards the optimizer state of its pipeline's stages (--zero 1) or nothing "
+           "(--zero 0)";
   }
   if (cfg.stop_at > cfg.steps) {
     return "--stop-at " + std::to_string(cfg.stop_at) + " is past --steps " +

@@ -125,7 +125,11 @@ int drive(const Job& job) {
   pipeline::Pipe pipe(stages, po);
   optim::Options oo;
   oo.lr = cfg.lr;
-  optim::DistributedOptimizer opt(optim::Kind::kAdam, pipe.parameters(), oo);
+  // --zero 1: each stage's state sharded over its replicas (the stage
+  // workers of one pipeline stage form its dp group).
+  optim::DistributedOptions sharding;
+  if (cfg.zero == 1) sharding.shard_group = mesh.group_name("dp");
+  optim::DistributedOptimizer opt(optim::Kind::kAdam, pipe.parameters(), oo, sharding);
   // Warm-up, then a cosine down to a tenth.
   const double warmup = static_cast<double>(cfg.warmup), total = static_cast<double>(cfg.steps);
   optim::LambdaLR sched(opt, [warmup, total](int64_t step) {
@@ -170,7 +174,7 @@ int drive(const Job& job) {
                               cfg.resume, job.started,   cfg.batch * cfg.context};
   const auto dp = mesh.size("dp") > 1 ? mesh.group("dp") : nullptr;
   double loss = 0;
-  auto save = [&](int64_t done) {
+  auto save = [&](int64_t done, optim::OptimizerState state) {
     Checkpoint ck;
     ck.step = done;
     ck.seed = cfg.seed;
@@ -181,7 +185,7 @@ int drive(const Job& job) {
     for (size_t s = 0, first = 0; s < stages.size(); first += per_stage[s], ++s) {
       add_stage_part(ck.model, stages[s].state_dict(), static_cast<int64_t>(first));
     }
-    ck.optim = opt.state_dict();
+    ck.optim = std::move(state);
     // Each owner's rank becomes its index among this replica's stage workers.
     const std::vector<int> stage_workers = mesh.ranks_along("pp");
     for (auto& part : ck.optim.parts) {
@@ -205,9 +209,14 @@ int drive(const Job& job) {
       dp->all_reduce(l, tandem::ddp::ReduceOp::kAvg);
       loss = l.item<double>();
     }
+    const bool saving = (step + 1) % cfg.checkpoint_every == 0 || step + 1 == last;
+    // Sharded, the state is gathered by every replica at once (it lands on
+    // replica 0's, which writes the file).
+    optim::OptimizerState state;
+    if (saving && (speak || cfg.zero == 1)) state = opt.state_dict();
     if (speak) {
       progress.add(step + 1, loss);
-      if ((step + 1) % cfg.checkpoint_every == 0 || step + 1 == last) save(step + 1);
+      if (saving) save(step + 1, std::move(state));
     }
   }
   if (speak) {

@@ -94,11 +94,11 @@ std::vector<c10::IValue> CreateRequest::encode() const {
   for (const auto& f : kOptionFields) {
     numbers.push_back(f.flag ? (options.*f.flag ? 1.0 : 0.0) : options.*f.number);
   }
-  return rpc::to_ivalues(id, static_cast<int64_t>(kind), numbers, params);
+  return rpc::to_ivalues(id, static_cast<int64_t>(kind), numbers, params, shard_group);
 }
 
 CreateRequest CreateRequest::decode(const std::vector<c10::IValue>& args) {
-  Fields in(args, kCreate, 4);
+  Fields in(args, kCreate, 5);
   CreateRequest m;
   m.id = in.get<int64_t>(0, "id");
   const auto kind = in.get<int64_t>(1, "kind");
@@ -127,6 +127,7 @@ CreateRequest CreateRequest::decode(const std::vector<c10::IValue>& args) {
     }
   }
   m.params = in.get<std::vector<rpc::RRef<at::Tensor>>>(3, "params");
+  m.shard_group = in.get<std::string>(4, "shard_group");
   if (m.params.empty()) in.bad("params", "none (an owner steps at least one)");
   return m;
 }

@@ -44,14 +44,17 @@ inline constexpr char kState[] = "tandem.optim.state";
 inline constexpr char kLoad[] = "tandem.optim.load";
 
 // tandem.optim.create: make optimizer `id`, of `kind` with `options`, over
-// `params` (owned by the receiver, at least one). On the wire: (int id,
-// int kind, 13 floats, RRef list); the floats are Options' fields in the
-// order protocol.cc lists them, a flag as 0 or 1.
+// `params` (owned by the receiver, at least one); with a `shard_group`
+// (non-empty), its state sharded over the process group of that name
+// registered on the receiver (ZeRO stage 1). On the wire: (int id, int
+// kind, 13 floats, RRef list, str shard_group); the floats are Options'
+// fields in the order protocol.cc lists them, a flag as 0 or 1.
 struct CreateRequest {
   int64_t id = 0;
   Kind kind = Kind::kSGD;
   Options options;
   std::vector<rpc::RRef<at::Tensor>> params;
+  std::string shard_group;
 
   std::vector<c10::IValue> encode() const;
   static CreateRequest decode(const std::vector<c10::IValue>& args);

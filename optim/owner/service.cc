@@ -14,7 +14,9 @@
 #include <utility>
 
 #include "tandem/autograd/autograd.h"
+#include "tandem/ddp/process_group.h"
 #include "tandem/optim/owner/local_optimizer.h"
+#include "tandem/optim/zero_redundancy_optimizer.h"
 #include "tandem/optim/owner/protocol.h"
 #include "tandem/rpc/errors.h"
 #include "tandem/rpc/layer.h"
@@ -42,7 +44,10 @@ struct OptimService::Local {
   Kind kind;
   Options options;  // as created: a load starts from a fresh optimizer made with them
   std::vector<at::Tensor> params;
-  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;  // null when sharded
+  // Sharded (a shard group): ZeRO stage 1 over the group's ranks, the
+  // owners of these parameters in the other replicas.
+  std::unique_ptr<ZeroRedundancyOptimizer> zero;
 };
 
 OptimService::OptimService(rpc::Agent& agent) : agent_(agent) {}
@@ -55,7 +60,7 @@ std::shared_ptr<OptimService> OptimService::of(rpc::Agent& agent) {
 }
 
 void OptimService::create(int64_t id, Kind kind, std::vector<at::Tensor> params,
-                          const Options& options) {
+                          const Options& options, const std::string& shard_group) {
   for (size_t i = 0; i < params.size(); ++i) {
     if (!params[i].is_leaf() || !params[i].requires_grad()) {
       throw std::invalid_argument("parameter " + std::to_string(i) + " on " + agent_.name() +
@@ -66,7 +71,19 @@ void OptimService::create(int64_t id, Kind kind, std::vector<at::Tensor> params,
   local->kind = kind;
   local->options = options;
   local->params = params;
-  local->optimizer = make_optimizer(kind, std::move(params), options);
+  if (shard_group.empty()) {
+    local->optimizer = make_optimizer(kind, std::move(params), options);
+  } else {
+    ZeroOptions z;
+    z.group = ddp::find_group(agent_, shard_group);
+    if (!z.group) {
+      throw std::invalid_argument("no process group '" + shard_group + "' on " + agent_.name() +
+                                  " to shard the optimizer's state over (make the mesh there, "
+                                  "or ddp::register_group it)");
+    }
+    // Collective: the owners in the other replicas make theirs now too.
+    local->zero = std::make_unique<ZeroRedundancyOptimizer>(std::move(params), kind, options, z);
+  }
   std::lock_guard<std::mutex> lock(mu_);
   if (closed_) throw rpc::ShutdownError("agent " + agent_.name() + " is shutting down");
   if (!optimizers_.emplace(id, std::move(local)).second) {
@@ -99,7 +116,11 @@ void OptimService::step(int64_t id, uint64_t context_id) {
     p.mutable_grad() = it == grads.end() ? at::Tensor() : it->value();
   }
   try {
-    local->optimizer->step();
+    if (local->zero) {
+      local->zero->step();  // collective over the shard group
+    } else {
+      local->optimizer->step();
+    }
   } catch (...) {
     restore(local->params, saved);
     throw;
@@ -110,7 +131,11 @@ void OptimService::step(int64_t id, uint64_t context_id) {
 void OptimService::set_lr(int64_t id, double lr) {
   auto local = find(id);
   std::lock_guard<std::mutex> lock(local->mu);
-  owner::set_lr(*local->optimizer, lr);
+  if (local->zero) {
+    local->zero->set_lr(lr);
+  } else {
+    owner::set_lr(*local->optimizer, lr);
+  }
 }
 
 std::vector<c10::optional<at::Tensor>> OptimService::grad_norms(int64_t id, uint64_t context_id,
@@ -144,6 +169,13 @@ void OptimService::scale_grads(int64_t id, uint64_t context_id, double coef) {
 
 std::string OptimService::state(int64_t id) {
   auto local = find(id);
+  if (local->zero) {
+    // Collective: the shares gathered to the group's rank 0, which answers
+    // the whole archive (as an unsharded owner's); the others answer none.
+    std::lock_guard<std::mutex> lock(local->mu);
+    local->zero->consolidate_state_dict(0);
+    return local->zero->rank() == 0 ? local->zero->state_dict() : std::string();
+  }
   std::ostringstream bytes;
   {
     std::lock_guard<std::mutex> lock(local->mu);
@@ -156,6 +188,13 @@ std::string OptimService::state(int64_t id) {
 
 void OptimService::load(int64_t id, const std::string& bytes, double lr) {
   auto local = find(id);
+  if (local->zero) {
+    // Each replica's owner takes its share of the whole archive.
+    std::lock_guard<std::mutex> lock(local->mu);
+    local->zero->load_state_dict(bytes);
+    local->zero->set_lr(lr);
+    return;
+  }
   // A fresh optimizer: LibTorch's load only adds the saved per-parameter
   // state to what is there, so a parameter with no saved state (SGD
   // before its first step) would keep this optimizer's. Swapped in only
@@ -217,7 +256,7 @@ void OptimService::register_handlers(rpc::Registry& internal) {
     std::vector<at::Tensor> tensors;
     tensors.reserve(m.params.size());
     for (auto& p : m.params) tensors.push_back(p.local_value());
-    self()->create(m.id, m.kind, std::move(tensors), m.options);
+    self()->create(m.id, m.kind, std::move(tensors), m.options, m.shard_group);
     return c10::IValue();
   });
   internal.def_ivalue(kStep, [self](std::vector<c10::IValue>& args) {

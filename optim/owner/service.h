@@ -44,8 +44,13 @@ class OptimService final : public rpc::AgentExtension,
   // Every method but destroy throws std::invalid_argument for an id this
   // worker holds no optimizer under.
   // `params` must be leaves that require grad (std::invalid_argument naming
-  // the first that is not); ids are unique per worker.
-  void create(int64_t id, Kind kind, std::vector<at::Tensor> params, const Options& options);
+  // the first that is not); ids are unique per worker. With a shard_group
+  // the optimizer is a ZeroRedundancyOptimizer over the process group of
+  // that name registered with this agent (ddp::find_group): making,
+  // stepping, state() and load() are then collective over the group, and
+  // state() answers the whole state on the group's rank 0, none elsewhere.
+  void create(int64_t id, Kind kind, std::vector<at::Tensor> params, const Options& options,
+              const std::string& shard_group = "");
   // Steps with the gradients of autograd context `context_id` here; a
   // parameter with none in the context is left alone.
   void step(int64_t id, uint64_t context_id);

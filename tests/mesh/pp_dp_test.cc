@@ -60,6 +60,8 @@ struct Config {
   double bucket_mb = 25;
   int steps = 3;
   double lr = 0.2;
+  double momentum = 0;
+  bool shard_state = false;  // ZeRO stage 1: each stage's state over its replicas
 };
 
 // The unsplit model in one process: per step the gradients of each of its
@@ -73,7 +75,7 @@ Weights local_training(const Weights& init, const Config& c) {
     params.push_back(w.w[s]);
     params.push_back(w.b[s]);
   }
-  torch::optim::SGD opt(params, torch::optim::SGDOptions(c.lr));
+  torch::optim::SGD opt(params, torch::optim::SGDOptions(c.lr).momentum(c.momentum));
   for (int step = 0; step < c.steps; ++step) {
     opt.zero_grad();
     for (int a = 0; a < c.accumulate; ++a) {
@@ -93,6 +95,7 @@ Weights local_training(const Weights& init, const Config& c) {
 
 struct Replica {
   Weights weights;
+  optim::OptimizerState state;  // after training (shard_state: collective)
   pipeline::StepStats last;
   std::vector<size_t> averaged;  // per pipe step: how many stage averages it ran
 };
@@ -134,7 +137,10 @@ std::vector<Replica> pp_dp_training(const Weights& init, const Config& c) {
       pipeline::Pipe pipe(driver, stages, o);
       optim::Options so;
       so.lr = c.lr;
-      optim::DistributedOptimizer opt(driver, optim::Kind::kSGD, pipe.parameters(), so);
+      so.momentum = c.momentum;
+      optim::DistributedOptions sharding;
+      if (c.shard_state) sharding.shard_group = m.group_name("dp");
+      optim::DistributedOptimizer opt(driver, optim::Kind::kSGD, pipe.parameters(), so, sharding);
       for (int step = 0; step < c.steps; ++step) {
         dist::Context ctx(driver);
         for (int a = 0; a < c.accumulate; ++a) {
@@ -153,6 +159,19 @@ std::vector<Replica> pp_dp_training(const Weights& init, const Config& c) {
         opt.step(ctx.id());
       }
       out[d].last = pipe.last_step();
+      if (c.shard_state) {
+        out[d].state = opt.state_dict();  // every replica at once
+        m.group("dp")->barrier();         // the drivers: both states are in
+        // Replica 0's (whole) state loads back on every replica, each owner
+        // taking its share; its owners' ranks become this replica's.
+        optim::OptimizerState whole = out[0].state;
+        for (auto& part : whole.parts) {
+          const int stage_worker = part.rank / 2;  // replica 0's ranks: pp * 2
+          part.rank = m.rank_at({{"pp", stage_worker}});
+          part.worker = m.worker_at({{"pp", stage_worker}});
+        }
+        opt.load_state_dict(whole);
+      }
       for (auto& s : stages) {
         auto state = s.state_dict();
         out[d].weights.w.push_back(state.at("0.weight"));
@@ -217,6 +236,25 @@ TEST_CASE("pp x dp: many small buckets, accumulation under no_sync, global clipp
   acc.accumulate = 2;
   acc.clip = 0.5;  // below the gradients' norm: the clip bites
   expect_trained_as_one_process(acc);
+}
+
+TEST_CASE("pp x dp: each stage's optimizer state sharded over its replicas trains as one process") {
+  // ZeRO stage 1 inside the pipeline: SGD with momentum, whose buffers each
+  // replica's stage worker keeps for its share only.
+  Config c;
+  c.momentum = 0.9;
+  c.shard_state = true;
+  expect_trained_as_one_process(c);
+  const Weights init = test::initial(c.stages, 7);
+  const std::vector<Replica> got = pp_dp_training(init, c);
+  // The whole state on replica 0 (its owners are their groups' rank 0),
+  // none on replica 1, in the unsharded format: one archive per owner.
+  REQUIRE(got[0].state.parts.size() == 2);
+  REQUIRE(got[1].state.parts.size() == 2);
+  for (int s = 0; s < 2; ++s) {
+    CHECK_FALSE(got[0].state.parts[s].bytes.empty());
+    CHECK(got[1].state.parts[s].bytes.empty());
+  }
 }
 
 TEST_CASE("pp x dp: a stage worker without the named group fails the step, naming it") {

@@ -129,6 +129,15 @@ TEST_CASE("optim: bad input is refused, naming what was wrong") {
     CHECK_THROWS_WITH_AS(opt.step(ctx.id()), doctest::Contains("worker1"), rpc::RemoteError);
   }
   CHECK(optim::live_optimizers(w[1]) == 0);
+  {
+    // A shard group the owner has no process group of.
+    optim::DistributedOptions sharded;
+    sharded.shard_group = "nope";
+    CHECK_THROWS_WITH_AS(optim::DistributedOptimizer(w[0], optim::Kind::kSGD, {good}, {}, sharded),
+                         doctest::Contains("no process group 'nope' on worker1"),
+                         rpc::RemoteError);
+  }
+  CHECK(optim::live_optimizers(w[1]) == 0);
   // The owner keeps serving.
   CHECK(w[0].rpc_sync<at::Tensor>("worker1", "layer", int64_t(0), at::ones({1, 2}, kF64)).numel() ==
         2);

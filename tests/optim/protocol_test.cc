@@ -49,7 +49,7 @@ optim::Options odd_options() {
 // of no RRefs (every check before params' comes first).
 std::vector<c10::IValue> create_args(int64_t kind, c10::IValue options) {
   return {c10::IValue(int64_t(7)), c10::IValue(kind), std::move(options),
-          rpc::to_ivalue(std::vector<int64_t>{})};
+          rpc::to_ivalue(std::vector<int64_t>{}), c10::IValue(std::string())};
 }
 
 std::vector<double> good_numbers() {
@@ -71,10 +71,13 @@ TEST_CASE("optim protocol: create carries every option by name, in the order it 
     CreateRequest m{(int64_t(3) << 40) | 5,
                     optim::Kind::kRMSprop,
                     odd_options(),
-                    {rpc::RRef<at::Tensor>::make_local(w[0], t)}};
+                    {rpc::RRef<at::Tensor>::make_local(w[0], t)},
+                    "mesh#1/dp"};
     const std::vector<c10::IValue> args = m.encode();
-    REQUIRE(args.size() == 4);
-    // The wire: (int id, int kind, 13 floats, RRef list), flags as 0 or 1.
+    REQUIRE(args.size() == 5);
+    // The wire: (int id, int kind, 13 floats, RRef list, str shard_group),
+    // flags as 0 or 1.
+    CHECK(args[4].toStringRef() == "mesh#1/dp");
     CHECK(args[0].toInt() == m.id);
     CHECK(args[1].toInt() == 4);
     CHECK((args[2].toDoubleVector() == std::vector<double>{0.25, 0.125, 0.5, 0.0625, 1, 0.8, 0.9,
@@ -98,9 +101,10 @@ TEST_CASE("optim protocol: create carries every option by name, in the order it 
     CHECK(o.centered);
     REQUIRE(back.params.size() == 1);
     CHECK(back.params[0].local_value().is_same(t));
+    CHECK(back.shard_group == "mesh#1/dp");
     // The kinds' defaults (negative eps and weight_decay) travel as they are.
     const CreateRequest d = CreateRequest::decode(
-        CreateRequest{1, optim::Kind::kSGD, optim::Options{}, m.params}.encode());
+        CreateRequest{1, optim::Kind::kSGD, optim::Options{}, m.params, ""}.encode());
     CHECK(d.options.eps == -1);
     CHECK(d.options.weight_decay == -1);
   }  // every handle to the RRef gone
@@ -114,10 +118,10 @@ TEST_CASE("optim protocol: a create with a wrong count, kind, options or params 
   };
   const c10::IValue good = rpc::to_ivalue(good_numbers());
   // Short and long messages.
-  refused({c10::IValue(int64_t(1))}, "'tandem.optim.create' takes 4 argument(s), got 1");
-  auto five = create_args(0, good);
-  five.emplace_back(int64_t(0));
-  refused(five, "'tandem.optim.create' takes 4 argument(s), got 5");
+  refused({c10::IValue(int64_t(1))}, "'tandem.optim.create' takes 5 argument(s), got 1");
+  auto six = create_args(0, good);
+  six.emplace_back(int64_t(0));
+  refused(six, "'tandem.optim.create' takes 5 argument(s), got 6");
   // Each field's type.
   auto args = create_args(0, good);
   args[0] = c10::IValue("seven");
@@ -127,6 +131,9 @@ TEST_CASE("optim protocol: a create with a wrong count, kind, options or params 
   args = create_args(0, good);
   args[3] = rpc::to_ivalue(std::vector<int64_t>{1});
   refused(args, "tandem.optim.create: params[0]: expected RRef, got Int");
+  args = create_args(0, good);
+  args[4] = c10::IValue(int64_t(3));
+  refused(args, "tandem.optim.create: shard_group: expected str");
   // Kinds.
   refused(create_args(5, good), "tandem.optim.create: kind: unknown optimizer kind 5");
   refused(create_args(-1, good), "tandem.optim.create: kind: unknown optimizer kind -1");
@@ -329,11 +336,13 @@ TEST_CASE("optim protocol: an owner refuses a lying create or step and keeps ser
   std::vector<rpc::RRef<at::Tensor>> params = {p};
   std::vector<double> numbers = good_numbers();
   numbers[8] = 3;  // amsgrad
-  CHECK_THROWS_WITH_AS(w[0].rpc_sync("worker1", kCreate, int64_t(1), int64_t(1), numbers, params),
+  CHECK_THROWS_WITH_AS(w[0].rpc_sync("worker1", kCreate, int64_t(1), int64_t(1), numbers, params,
+                                     std::string()),
                        doctest::Contains("tandem.optim.create: options.amsgrad: 3, not 0 or 1"),
                        rpc::RemoteError);
   CHECK_THROWS_WITH_AS(
-      w[0].rpc_sync("worker1", kCreate, int64_t(1), int64_t(9), good_numbers(), params),
+      w[0].rpc_sync("worker1", kCreate, int64_t(1), int64_t(9), good_numbers(), params,
+                    std::string()),
       doctest::Contains("tandem.optim.create: kind: unknown optimizer kind 9"), rpc::RemoteError);
   CHECK(optim::live_optimizers(w[1]) == 0);
   CHECK_THROWS_WITH_AS(w[0].rpc_sync("worker1", kStep, int64_t(1), int64_t(0)),
