@@ -33,8 +33,9 @@
 #     and within 1e-4 when resumed on another --dp (2 x 2 -> 2 x 1); started
 #     alone it spawns its workers; with --zero 1 (each stage's Adam state
 #     sharded over its replicas), stopped at 10 and resumed without it, it
-#     ends as the unsharded run; a layout that is not the world, heads that
-#     do not divide the width, another --pp on resume, --zero 3 exit 2, named.
+#     ends as the unsharded run; 1 x 2 with --zero 2 and --zero 3 end as 1 x 1;
+#     a layout that is not the world, heads that do not divide the width,
+#     another --pp on resume, --zero 3 with --pp 2 exit 2, named.
 set -uo pipefail
 bin="$(readlink -f "${1:?usage: check_examples.sh BIN_DIR}")"
 run="$bin/tandem-run"
@@ -298,6 +299,11 @@ expect_rc "gpt 2 x 2 --zero 1 --stop-at 10" "$rc" 0 gz.log
 rc=$(launch gz2.log 4 gpt "${gpt_args[@]}" --resume --checkpoint gz.ckpt)
 expect_rc "gpt 2 x 2 --zero 1 checkpoint resumed unsharded" "$rc" 0 gz2.log &&
   near "gpt --zero 1, resumed without" "$(gpt_final g22.log)" "$(gpt_final gz2.log)"
+# ZeRO stages 2 and 3 on the whole model: the same losses as 1 x 1.
+for z in 2 3; do
+  rc=$(launch "gz$z.log" 2 gpt --pp 1 --dp 2 "${gpt_args[@]}" --zero "$z" --checkpoint "gz$z.ckpt")
+  expect_rc "gpt 1 x 2 --zero $z" "$rc" 0 "gz$z.log" && near "gpt 1 x 2 --zero $z" "$base" "$(gpt_final "gz$z.log")"
+done
 timeout 120 "$bin/gpt" --pp 1 --dp 2 --steps 10 --sample 0 --checkpoint g0.ckpt >g0.log 2>&1
 expect_rc "gpt alone (spawning its 2 workers)" "$?" 0 g0.log
 gpt_bad() {  # gpt_bad NPROC PATTERN ARGS...
@@ -310,7 +316,7 @@ gpt_bad() {  # gpt_bad NPROC PATTERN ARGS...
   fi
 }
 gpt_bad 4 "--pp 3 --dp 2 needs 6 processes, not 4" --pp 3
-gpt_bad 4 "--zero 3: gpt shards" --zero 3
+gpt_bad 4 "--zero 3 trains the whole model on every rank: pass --pp 1" --zero 3
 gpt_bad 4 "--heads 5 does not divide --dim 64" --heads 5
 gpt_bad 2 "was cut into 2 stages, this job into 1" --pp 1 --dp 2 --resume --checkpoint gr2.ckpt --steps 20
 gpt_bad 4 "no checkpoint at" --resume --checkpoint "$tmp/none.ckpt"

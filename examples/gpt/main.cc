@@ -17,7 +17,9 @@
 // `--schedule`; and steps them with one Adam DistributedOptimizer, clipped
 // to a global norm of `--clip`, under a cosine schedule with `--warmup`
 // steps of warm-up (with --zero 1, each stage's Adam state is sharded over
-// its replicas: DistributedOptions::shard_group). The pipes average each stage's gradients over its
+// its replicas: DistributedOptions::shard_group; --zero 2 and 3 train the
+// whole model on every rank instead, data_parallel.cc). The pipes average
+// each stage's gradients over its
 // replicas (PipeOptions::data_parallel_group = the mesh's dp group), so
 // every replica's stage s holds the same parameters throughout. The other
 // ranks only serve their stages.
@@ -77,7 +79,8 @@ void add_flags(examples::Flags& flags, Config& cfg) {
       .add_switch("--resume", &cfg.resume, "continue from --checkpoint up to --steps")
       .add("--sample", &cfg.sample, 0, "characters generated at the end")
       .add("--zero", &cfg.zero, 0,
-           "ZeRO stage: 1 shards each stage's Adam state over its dp replicas; 0 none");
+           "ZeRO: 1 shards each stage's Adam state over its replicas; 2 (--pp 1) also the "
+           "gradients, under DDP; 3 (--pp 1) everything, by FSDP with a unit a block; 0 none");
 }
 
 // What is wrong with the flags for a job of `world` processes, or "".
@@ -96,10 +99,16 @@ std::string check(const Config& cfg, int world) {
     return "each replica's " + std::to_string(cfg.batch / cfg.dp) + " sequences cannot make " +
            std::to_string(cfg.chunks) + " micro-batches (--chunks)";
   }
-  if (cfg.zero != 0 && cfg.zero != 1) {
+  if (cfg.zero < 0 || cfg.zero > 3) {
+    return "--zero " + std::to_string(cfg.zero) + " is not a ZeRO stage (0, 1, 2 or 3)";
+  }
+  if (cfg.zero >= 2 && cfg.pp != 1) {
     return "--zero " + std::to_string(cfg.zero) +
-           ": gpt shards the optimizer state of its pipeline's stages (--zero 1) or nothing "
-           "(--zero 0)";
+           " trains the whole model on every rank: pass --pp 1 (--zero 1 shards a pipeline's)";
+  }
+  if (cfg.zero >= 2 && cfg.resume) {
+    return "--resume with --zero " + std::to_string(cfg.zero) +
+           ": its checkpoint holds the model, not the sharded optimizer state";
   }
   if (cfg.stop_at > cfg.steps) {
     return "--stop-at " + std::to_string(cfg.stop_at) + " is past --steps " +
@@ -179,7 +188,8 @@ int job_main(int argc, char** argv) {
           tandem::Mesh::Shape{{"pp", static_cast<int>(cfg.pp)}, {"dp", static_cast<int>(cfg.dp)}},
           mo);
       if (mesh->coordinate("pp") != 0) return 0;  // serves its stages until the drivers are done
-      return drive(Job{cfg, *corpus, resume, *mesh, started});
+      const Job job{cfg, *corpus, resume, *mesh, started};
+      return cfg.zero >= 2 ? drive_data_parallel(job) : drive(job);
     });
     // A failed worker leaves at once (the launcher ends the others): a
     // graceful shutdown would wait for replicas stuck on its averages.

@@ -95,6 +95,14 @@ struct HeadImpl : tnn::Module {
   tnn::Linear lm;
 };
 
+}  // namespace
+
+at::Tensor loss(const at::Tensor& logits, const at::Tensor& y) {
+  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.reshape(-1));
+}
+
+namespace {
+
 const bool kRegistered = [] {
   tandem::nn::register_module("gpt_embed", [](int64_t vocab, int64_t dim, int64_t context) {
     return std::make_shared<EmbedImpl>(vocab, dim, context);
@@ -105,9 +113,7 @@ const bool kRegistered = [] {
   tandem::nn::register_module("gpt_head", [](int64_t dim, int64_t vocab) {
     return std::make_shared<HeadImpl>(dim, vocab);
   });
-  tandem::pipeline::register_loss(kLoss, [](const at::Tensor& logits, const at::Tensor& y) {
-    return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.reshape(-1));
-  });
+  tandem::pipeline::register_loss(kLoss, loss);
   return true;
 }();
 
@@ -131,6 +137,32 @@ Named initial_parameters(const Config& cfg, int64_t vocab) {
   Named out;
   for (const auto& [name, t] : whole->parameters()) out[name] = t.detach().clone();
   return out;
+}
+
+at::Tensor StackImpl::forward_layer(size_t i, const at::Tensor& x) const {
+  std::vector<c10::IValue> in{x};
+  return layers.at(i)->forward(in).toTensor();
+}
+
+at::Tensor StackImpl::forward(const at::Tensor& x) const {
+  at::Tensor h = x;
+  for (size_t i = 0; i < layers.size(); ++i) h = forward_layer(i, h);
+  return h;
+}
+
+std::shared_ptr<StackImpl> whole_model(const Config& cfg, int64_t vocab, const Named& values) {
+  auto stack = std::make_shared<StackImpl>();
+  const auto specs = layer_specs(cfg, vocab);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const auto& e = specs[i].toTupleRef().elements();
+    auto list = e[1].toList();
+    std::vector<c10::IValue> args(list.begin(), list.end());
+    stack->layers.push_back(tandem::nn::make_module(e[0].toStringRef(), args));
+    stack->register_module(std::to_string(i), stack->layers.back()->module);
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& item : stack->named_parameters()) item.value().copy_(values.at(item.key()));
+  return stack;
 }
 
 Named stage_part(const Named& whole, int64_t first, int64_t count) {

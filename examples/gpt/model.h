@@ -9,6 +9,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
+#include <torch/nn/module.h>
 
 #include <cstdint>
 #include <map>
@@ -16,6 +17,10 @@
 #include <vector>
 
 #include "examples/gpt/config.h"
+
+namespace tandem::nn {
+struct Served;
+}
 
 namespace gpt {
 
@@ -41,5 +46,20 @@ void add_stage_part(Named& whole, const Named& stage, int64_t first);
 
 // Parameters of the whole model.
 int64_t parameter_count(const Named& whole);
+
+// The whole model in this process: its layers as children "0" ..
+// "layers + 1" (the names the checkpoint uses), each run by its factory's
+// forward.
+struct StackImpl : torch::nn::Module {
+  std::vector<std::shared_ptr<tandem::nn::Served>> layers;
+  at::Tensor forward_layer(size_t i, const at::Tensor& x) const;
+  at::Tensor forward(const at::Tensor& x) const;
+};
+// Holding `values`.
+std::shared_ptr<StackImpl> whole_model(const Config& cfg, int64_t vocab, const Named& values);
+
+// The loss over every character: cross-entropy of logits [B, T, V] against
+// targets [B, T] (what kLoss names to the pipeline).
+at::Tensor loss(const at::Tensor& logits, const at::Tensor& y);
 
 }  // namespace gpt

@@ -9,9 +9,9 @@
 #include <cmath>
 #include <cstdio>
 
+#include "examples/gpt/batches.h"
 #include "examples/progress.h"
 #include "tandem/autograd/autograd.h"
-#include "tandem/ddp/sampler.h"
 #include "tandem/optim/distributed_optimizer.h"
 #include "tandem/optim/lr_scheduler.h"
 #include "tandem/pipeline/partition.h"
@@ -28,51 +28,6 @@ int64_t stage_count(const Config& cfg) {
 }
 
 namespace {
-
-// This replica's windows of each step: the job's global batch of step s is
-// the sampler's positions [s * b, (s + 1) * b) of every replica's share (b
-// = batch / dp), the epoch changing when a share runs out, so the union
-// over the replicas is the same whatever --dp is.
-class Batches {
- public:
-  Batches(const Job& job)
-      : cfg_(job.cfg),
-        tokens_(job.corpus.tokens),
-        per_replica_(job.cfg.batch / job.cfg.dp),
-        sampler_(static_cast<size_t>(tokens_.size(0) - job.cfg.context), job.mesh.size("dp"),
-                 job.mesh.coordinate("dp"), /*shuffle=*/true, static_cast<uint64_t>(job.cfg.seed)) {
-    steps_per_epoch_ = static_cast<int64_t>(sampler_.num_samples()) / per_replica_;
-    if (steps_per_epoch_ < 1) {
-      throw UsageError("the text has too few windows for a batch of " + std::to_string(cfg_.batch) +
-                       "; pass a smaller --batch");
-    }
-  }
-
-  // x, y: [b, context] int64.
-  std::pair<at::Tensor, at::Tensor> at_step(int64_t step) {
-    const int64_t epoch = step / steps_per_epoch_;
-    if (epoch != epoch_) {
-      sampler_.set_epoch(epoch);
-      indices_ = sampler_.indices();
-      epoch_ = epoch;
-    }
-    const int64_t first = (step % steps_per_epoch_) * per_replica_;
-    std::vector<int64_t> starts(indices_.begin() + first, indices_.begin() + first + per_replica_);
-    at::Tensor s = at::tensor(starts).view({-1, 1});
-    at::Tensor rows = tokens_.index_select(0, (s + at::arange(cfg_.context + 1)).reshape(-1));
-    rows = rows.view({per_replica_, cfg_.context + 1});
-    return {rows.narrow(1, 0, cfg_.context), rows.narrow(1, 1, cfg_.context)};
-  }
-
- private:
-  const Config& cfg_;
-  at::Tensor tokens_;
-  int64_t per_replica_;
-  tandem::ddp::DistributedSampler sampler_;
-  int64_t steps_per_epoch_ = 0;
-  int64_t epoch_ = -1;
-  std::vector<size_t> indices_;
-};
 
 // Layers per stage: measured on rank 0 (pipeline::balance_by_time, one
 // micro-batch) and sent to the other drivers, so that every replica cuts
@@ -94,6 +49,14 @@ std::vector<int64_t> stage_counts(const Job& job, const std::vector<c10::IValue>
 }
 
 }  // namespace
+
+double lr_factor(const Config& cfg, int64_t step) {
+  const double warmup = static_cast<double>(cfg.warmup), total = static_cast<double>(cfg.steps);
+  const double s = static_cast<double>(step);
+  if (s < warmup) return (s + 1) / warmup;
+  const double t = std::min(1.0, (s - warmup) / std::max(1.0, total - warmup));
+  return 0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * t));
+}
 
 int drive(const Job& job) {
   const Config& cfg = job.cfg;
@@ -130,14 +93,7 @@ int drive(const Job& job) {
   optim::DistributedOptions sharding;
   if (cfg.zero == 1) sharding.shard_group = mesh.group_name("dp");
   optim::DistributedOptimizer opt(optim::Kind::kAdam, pipe.parameters(), oo, sharding);
-  // Warm-up, then a cosine down to a tenth.
-  const double warmup = static_cast<double>(cfg.warmup), total = static_cast<double>(cfg.steps);
-  optim::LambdaLR sched(opt, [warmup, total](int64_t step) {
-    const double s = static_cast<double>(step);
-    if (s < warmup) return (s + 1) / warmup;
-    const double t = std::min(1.0, (s - warmup) / std::max(1.0, total - warmup));
-    return 0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * t));
-  });
+  optim::LambdaLR sched(opt, [&cfg](int64_t step) { return lr_factor(cfg, step); });
   int64_t start = 0;
   if (job.resume) {
     // Replica 0's state, its parts given to this replica's stage workers.

@@ -24,6 +24,14 @@ struct Job {
 
 // Returns the exit code.
 int drive(const Job& job);
+// --zero 2 or 3 (with --pp 1): every rank trains the whole model, under DDP
+// with sharded gradients and a ZeroRedundancyOptimizer (2), or
+// FullyShardedDataParallel with each block a unit (3) (data_parallel.cc).
+int drive_data_parallel(const Job& job);
+
+// The learning rate's factor at `step`: linear warm-up, then a cosine down
+// to a tenth.
+double lr_factor(const Config& cfg, int64_t step);
 
 // The stages of the schedule: pp, or 2 x pp for interleaved (two a worker).
 int64_t stage_count(const Config& cfg);
