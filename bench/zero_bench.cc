@@ -1,9 +1,9 @@
 // zero_bench: what sharded data parallelism saves in bytes and costs in time.
 // An MLP of about 50 M parameters (--width 2048, --layers 12: twelve
 // 2048 x 2048 layers and their biases, so that whole parameters share out
-// evenly over 2 and 4 ranks, as ZeRO's partition shares them), Adam, fp32, trained by N processes on
-// this host (each a job of its own started by tandem::spawn, one intra-op
-// thread a process), each rank its own batch of --batch rows:
+// evenly over 2 and 4 ranks, as ZeRO's partition shares them), Adam, fp32, trained by N processes
+// on this host (each a job of its own started by tandem::spawn, one intra-op thread a process),
+// each rank its own batch of --batch rows:
 //   ddp    DDP and LibTorch's Adam on every rank (the state whole everywhere);
 //   zero1  DDP and ZeroRedundancyOptimizer (the state sharded);
 //   zero2  that, DDP's gradients sharded too (DDPOptions::gradient_owner);
@@ -253,8 +253,8 @@ int main(int argc, char** argv) {
             "{\"bench\":\"zero\",\"impl\":\"tandem\",\"mode\":\"%s\",\"world\":%d,"
             "\"params\":%lld,\"bytes_per_rank\":%lld,\"largest_unit_bytes\":%lld,"
             "\"rss_mb\":%.1f,\"ms\":%.1f%s}\n",
-            mode.c_str(), world, static_cast<long long>(r.params),
-            static_cast<long long>(r.bytes), static_cast<long long>(r.largest_unit), r.rss_mb, r.ms,
+            mode.c_str(), world, static_cast<long long>(r.params), static_cast<long long>(r.bytes),
+            static_cast<long long>(r.largest_unit), r.rss_mb, r.ms,
             ddp_ms > 0 ? (",\"ms_per_ddp\":" + std::to_string(r.ms / ddp_ms)).c_str() : "");
         std::fflush(stdout);
       }

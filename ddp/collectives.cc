@@ -36,7 +36,8 @@ ProcessGroup::Pending ProcessGroup::all_gather_async(const at::Tensor& tensor,
   for (const auto& o : out) {
     check_tensor(o, "all_gather");
     if (o.sizes() != tensor.sizes() || o.scalar_type() != tensor.scalar_type()) {
-      throw std::invalid_argument("all_gather: an output tensor's shape or dtype is not the input's");
+      throw std::invalid_argument(
+          "all_gather: an output tensor's shape or dtype is not the input's");
     }
   }
   std::vector<std::vector<at::Tensor>> outs{std::move(out)};
@@ -46,15 +47,18 @@ ProcessGroup::Pending ProcessGroup::all_gather_async(const at::Tensor& tensor,
   return pending(pg_->allgather(outs, in, opts), "all_gather", timeout);
 }
 
-ProcessGroup::Pending ProcessGroup::reduce_scatter_async(const at::Tensor& input,
-                                                         at::Tensor output, ReduceOp op,
-                                                         std::vector<int64_t> counts,
+ProcessGroup::Pending ProcessGroup::reduce_scatter_async(const at::Tensor& input, at::Tensor output,
+                                                         ReduceOp op, std::vector<int64_t> counts,
                                                          std::chrono::milliseconds timeout) {
   check_tensor(input, "reduce_scatter");
   check_tensor(output, "reduce_scatter");
   if (op != ReduceOp::kSum && op != ReduceOp::kAvg) {
     throw std::invalid_argument(std::string("reduce_scatter: sums or averages, not ") +
                                 to_string(op));
+  }
+  if (op == ReduceOp::kAvg && !at::isFloatingType(input.scalar_type())) {
+    throw std::invalid_argument("reduce_scatter: avg needs a floating-point tensor, not " +
+                                std::string(c10::toString(input.scalar_type())));
   }
   if (input.scalar_type() != output.scalar_type() || input.dim() != 1 || output.dim() != 1) {
     throw std::invalid_argument("reduce_scatter: input and output are flat tensors of one dtype");
@@ -72,8 +76,9 @@ ProcessGroup::Pending ProcessGroup::reduce_scatter_async(const at::Tensor& input
       std::any_of(counts.begin(), counts.end(), [](int64_t c) { return c < 0; }) ||
       std::accumulate(counts.begin(), counts.end(), int64_t{0}) != input.numel() ||
       counts[static_cast<size_t>(rank_)] != output.numel()) {
-    throw std::invalid_argument("reduce_scatter: the pieces' counts do not add up to the input "
-                                "or this rank's count is not the output's size");
+    throw std::invalid_argument(
+        "reduce_scatter: the pieces' counts do not add up to the input "
+        "or this rank's count is not the output's size");
   }
   const double scale = op == ReduceOp::kAvg ? 1.0 / size_ : 1.0;
   std::string what = std::string("reduce_scatter(") + to_string(op) + ")";
@@ -156,8 +161,8 @@ std::vector<std::string> ProcessGroup::all_gather_bytes(const std::string& mine,
                                                         std::chrono::milliseconds timeout,
                                                         std::optional<c10::Device> where) {
   const c10::Device device = where ? *where : bytes_device();
-  auto lens = all_gather(at::full({1}, static_cast<int64_t>(mine.size()), at::kLong).to(device),
-                         timeout);
+  auto lens =
+      all_gather(at::full({1}, static_cast<int64_t>(mine.size()), at::kLong).to(device), timeout);
   std::vector<int64_t> n;
   for (auto& l : lens) n.push_back(l.item<int64_t>());
   const int64_t longest = *std::max_element(n.begin(), n.end());
@@ -170,8 +175,8 @@ std::vector<std::string> ProcessGroup::all_gather_bytes(const std::string& mine,
 std::vector<std::string> ProcessGroup::gather_bytes(const std::string& mine, int dst,
                                                     std::chrono::milliseconds timeout) {
   const c10::Device device = bytes_device();
-  auto lens = all_gather(at::full({1}, static_cast<int64_t>(mine.size()), at::kLong).to(device),
-                         timeout);
+  auto lens =
+      all_gather(at::full({1}, static_cast<int64_t>(mine.size()), at::kLong).to(device), timeout);
   std::vector<int64_t> n;
   for (auto& l : lens) n.push_back(l.item<int64_t>());
   const int64_t longest = *std::max_element(n.begin(), n.end());
@@ -181,10 +186,9 @@ std::vector<std::string> ProcessGroup::gather_bytes(const std::string& mine, int
   return out;
 }
 
-void ProcessGroup::expect_same_lines(const std::vector<std::string>& lines,
-                                     const std::string& who, const std::string& what,
-                                     const std::string& item, const std::string& hint,
-                                     std::chrono::milliseconds timeout,
+void ProcessGroup::expect_same_lines(const std::vector<std::string>& lines, const std::string& who,
+                                     const std::string& what, const std::string& item,
+                                     const std::string& hint, std::chrono::milliseconds timeout,
                                      std::optional<c10::Device> device) {
   std::string mine;
   for (const auto& l : lines) mine += l + "\n";

@@ -90,9 +90,9 @@ struct DDPOptions {
   // rank's piece of the bucket), the others' .grad is undefined, and the
   // bucket itself is freed until the next backward. A gradient the owner
   // still holds from the last step (no zero_grad between) is added to the
-  // new average, as DDP's would be; it is set aside at forward, so .grad
-  // reads undefined between a forward and the end of its backward. No
-  // comm_hook, no join() and no distributed autograd context with it.
+  // new average, as DDP's would be (it is set aside when backward reaches
+  // the parameter, and added back at the end). No comm_hook, no join() and
+  // no distributed autograd context with it.
   GradientOwner gradient_owner;
 };
 

@@ -22,8 +22,8 @@
 //     unit form the root unit. Each unit's parameters are flattened into one
 //     buffer, padded to a multiple of the group's size, and each rank keeps
 //     its 1/N of it as one tensor that requires grad (parameters()):
-//     that is what the optimizer steps, any LibTorch optimizer, since every
-//     one of them is elementwise.
+//     that is what the optimizer steps: any of LibTorch's elementwise
+//     optimizers (SGD, Adam, AdamW, Adagrad, RMSprop; not LBFGS).
 //  2. Forward. Before a unit runs, its whole parameters are all-gathered
 //     into a buffer of its own and the module's parameters point into it;
 //     after it they are freed (reshard_after_forward), and the next unit's
@@ -40,6 +40,11 @@
 //     that got no gradient is reduced at the end of backward, with zeros
 //     for it. A shard's gradient adds up over backwards until zero_grad(),
 //     as LibTorch's gradients do (accumulation communicates every time).
+//     The ranks' backwards must reach the same parameters: a unit whose
+//     parameter gets a gradient on one rank and none on another would be
+//     reduced at different points of their backwards (DDP's
+//     find_unused_parameters has no counterpart here yet). One backward per
+//     forward, and the wrapper outlives the graphs it made.
 //  4. Running units. A torch::nn::Sequential model runs through forward(x):
 //     its children in order, each named unit around its child (units are
 //     then its children: "0", "1", ...). Any other model runs its own
@@ -49,7 +54,7 @@
 //     names, shapes, dtypes, units) and take rank 0's parameters and
 //     buffers. Bad units fail on every rank naming them: a name that is no
 //     submodule, two units of which one holds the other, a parameter two
-//     units share.
+//     units share, a parameter that does not require grad.
 //  6. Checkpoints. full_state_dict(to) gathers every parameter, named as in
 //     the unwrapped model, to rank `to` (collective; buffers too);
 //     load_full_state_dict() takes such a dict on every rank. The sharded
@@ -108,9 +113,9 @@ struct UnitShard {
   std::string unit;                // "" for the root unit
   std::vector<std::string> names;  // its parameters, as the model names them
   std::vector<std::vector<int64_t>> shapes;
-  int64_t numel = 0;               // the unit's elements, before padding
+  int64_t numel = 0;  // the unit's elements, before padding
   int rank = 0, world_size = 1;
-  at::Tensor shard;                // this rank's [numel padded / world_size] piece
+  at::Tensor shard;  // this rank's [numel padded / world_size] piece
 };
 
 class FullyShardedDataParallel {
@@ -149,9 +154,9 @@ class FullyShardedDataParallel {
   void load_sharded_state_dict(const std::vector<UnitShard>& shards);
 
   struct Stats {
-    std::vector<std::string> units;     // in forward order of the last forward
-    int64_t largest_unit_bytes = 0;     // the largest unit, gathered
-    int64_t shard_bytes = 0;            // this rank's shards and their gradients
+    std::vector<std::string> units;            // in forward order of the last forward
+    int64_t largest_unit_bytes = 0;            // the largest unit, gathered
+    int64_t shard_bytes = 0;                   // this rank's shards and their gradients
     int64_t gathers = 0, reduce_scatters = 0;  // over the last forward and backward
   };
   Stats stats() const;

@@ -173,6 +173,8 @@ class ProcessGroup {
   // sum in wait(), which needs room for size() pieces of this rank's count
   // while it runs; float16 and bfloat16 pieces are summed in float32 there
   // (bfloat16's words travel as float16's: Gloo 1.x has no bfloat16).
+  // `output` holds the result only after wait() (done() and on_completion()
+  // tell of the transfer, before that local sum).
   Pending reduce_scatter_async(const at::Tensor& input, at::Tensor output,
                                ReduceOp op = ReduceOp::kSum, std::vector<int64_t> counts = {},
                                std::chrono::milliseconds timeout = kGroupTimeout);
@@ -193,8 +195,7 @@ class ProcessGroup {
   // differ, naming the first that does: "<who>: the ranks' <what> differ at
   // <item> #k: rank 0 has <line>, rank r has <line> (<hint>)".
   void expect_same_lines(const std::vector<std::string>& lines, const std::string& who,
-                         const std::string& what, const std::string& item,
-                         const std::string& hint,
+                         const std::string& what, const std::string& item, const std::string& hint,
                          std::chrono::milliseconds timeout = kGroupTimeout,
                          std::optional<c10::Device> device = std::nullopt);
 

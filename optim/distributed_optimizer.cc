@@ -68,12 +68,12 @@ DistributedOptimizer::DistributedOptimizer(rpc::Agent& agent, Kind kind,
         for (auto& p : mine) tensors.push_back(p.local_value());
         service->create(id, kind, std::move(tensors), options, distributed.shard_group);
       } else {
-        remote.push_back(agent
-                             .call(agent.get_worker_info(rank).name, owner::kCreate,
-                                   owner::CreateRequest{id, kind, options, mine,
-                                                        distributed.shard_group}
-                                       .encode())
-                             .raw());
+        remote.push_back(
+            agent
+                .call(
+                    agent.get_worker_info(rank).name, owner::kCreate,
+                    owner::CreateRequest{id, kind, options, mine, distributed.shard_group}.encode())
+                .raw());
       }
     }
     rpc::wait_raw_or_throw(rpc::when_all_raw(remote), std::chrono::milliseconds(0),

@@ -77,7 +77,9 @@ struct DistributedOptions {
   // groups. state_dict() holds the whole state on the replica whose owners
   // are their groups' rank 0 (every part empty on the others), in the
   // unsharded format, so it loads with or without sharding and on any
-  // number of replicas. Empty: each owner keeps all of its parameters' state.
+  // number of replicas, each replica's parts given its own owners' ranks
+  // and names first (examples/gpt/train.cc does). Empty: each owner keeps
+  // all of its parameters' state.
   std::string shard_group;
 };
 

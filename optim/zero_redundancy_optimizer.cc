@@ -58,7 +58,8 @@ std::vector<int> zero_partition(const std::vector<int64_t>& numels, int world_si
   std::vector<int64_t> sizes(static_cast<size_t>(world_size), 0);
   std::vector<int> owner(numels.size(), 0);
   for (size_t i : order) {
-    const auto r = static_cast<size_t>(std::min_element(sizes.begin(), sizes.end()) - sizes.begin());
+    const auto r =
+        static_cast<size_t>(std::min_element(sizes.begin(), sizes.end()) - sizes.begin());
     owner[i] = static_cast<int>(r);
     sizes[r] += numels[i];
   }
@@ -112,30 +113,41 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> params,
   const bool nccl = m.group->backend() == "nccl";
   std::vector<std::string> lines;
   std::vector<int64_t> numels;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const at::Tensor& p = params[i];
-    const std::string name = "parameter #" + std::to_string(i);
-    if (!p.defined()) throw std::invalid_argument("ZeroRedundancyOptimizer: " + name + " is undefined");
-    if (!p.is_contiguous()) {
-      throw std::invalid_argument("ZeroRedundancyOptimizer: " + name + " is not contiguous");
-    }
-    if (nccl != p.device().is_cuda()) {
-      throw std::invalid_argument("ZeroRedundancyOptimizer: " + name + " is on " +
-                                  p.device().str() + "; a " + m.group->backend() +
-                                  " group takes " + (nccl ? "CUDA" : "CPU") + " tensors");
-    }
-    for (size_t j = 0; j < i; ++j) {
-      if (params[j].unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) {
-        throw std::invalid_argument("ZeroRedundancyOptimizer: " + name + " is #" +
-                                    std::to_string(j) + " again");
+  // A parameter refused here is refused on every rank: its error goes into
+  // the lines the ranks compare.
+  std::string refused;
+  try {
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor& p = params[i];
+      const std::string name = "parameter #" + std::to_string(i);
+      if (!p.defined())
+        throw std::invalid_argument("ZeroRedundancyOptimizer: " + name + " is undefined");
+      if (!p.is_contiguous()) {
+        throw std::invalid_argument("ZeroRedundancyOptimizer: " + name + " is not contiguous");
       }
+      if (nccl != p.device().is_cuda()) {
+        throw std::invalid_argument("ZeroRedundancyOptimizer: " + name + " is on " +
+                                    p.device().str() + "; a " + m.group->backend() +
+                                    " group takes " + (nccl ? "CUDA" : "CPU") + " tensors");
+      }
+      for (size_t j = 0; j < i; ++j) {
+        if (params[j].unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) {
+          throw std::invalid_argument("ZeroRedundancyOptimizer: " + name + " is #" +
+                                      std::to_string(j) + " again");
+        }
+      }
+      lines.push_back(shape_text(p.sizes()) + " " + c10::toString(p.scalar_type()));
+      numels.push_back(p.numel());
     }
-    lines.push_back(shape_text(p.sizes()) + " " + c10::toString(p.scalar_type()));
-    numels.push_back(p.numel());
+  } catch (const std::invalid_argument& e) {
+    refused = e.what();
+    lines = {"an error: " + refused};
   }
-  m.group->expect_same_lines(lines, "ZeroRedundancyOptimizer", "parameters", "parameter",
-                             "every rank must pass the same parameters in the same order",
-                             zero.timeout, params.front().device());
+  m.group->expect_same_lines(
+      lines, "ZeroRedundancyOptimizer", "parameters", "parameter",
+      "every rank must pass the same parameters in the same order", zero.timeout,
+      params.front().defined() ? params.front().device() : c10::Device(c10::kCPU));
+  if (!refused.empty()) throw std::invalid_argument(refused);
   m.params = std::move(params);
   m.owners = zero_partition(numels, m.size());
   // Each share in PyTorch's order: largest first, equal sizes as given.
@@ -186,8 +198,9 @@ void ZeroRedundancyOptimizer::Impl::gather_params() {
     }
     const int64_t longest = *std::max_element(total.begin(), total.end());
     if (longest == 0) continue;
-    const at::Tensor& like = params[of[static_cast<size_t>(
-        std::max_element(total.begin(), total.end()) - total.begin())].front()];
+    const at::Tensor& like =
+        params[of[static_cast<size_t>(std::max_element(total.begin(), total.end()) - total.begin())]
+                   .front()];
     at::Tensor mine = at::zeros({longest}, like.options());
     {
       int64_t pos = 0;
@@ -196,9 +209,9 @@ void ZeroRedundancyOptimizer::Impl::gather_params() {
         pos += params[i].numel();
       }
     }
-    const int64_t chunk = std::max<int64_t>(
-        1, static_cast<int64_t>(zero.bucket_cap_mb * 1024 * 1024) /
-               static_cast<int64_t>(like.element_size()));
+    const int64_t chunk =
+        std::max<int64_t>(1, static_cast<int64_t>(zero.bucket_cap_mb * 1024 * 1024) /
+                                 static_cast<int64_t>(like.element_size()));
     const int64_t chunks = (longest + chunk - 1) / chunk;
     struct InFlight {
       ddp::ProcessGroup::Pending pending;
@@ -210,9 +223,12 @@ void ZeroRedundancyOptimizer::Impl::gather_params() {
       f.start = k * chunk;
       f.len = std::min(chunk, longest - f.start);
       f.out = at::empty({n, f.len}, like.options());
+      // Gloo 1.x has no bfloat16: its 2-byte words travel as float16's.
+      const bool as_half = dtype == at::kBFloat16 && group->backend() == "gloo";
       std::vector<at::Tensor> outs;
-      for (int r = 0; r < n; ++r) outs.push_back(f.out[r]);
-      f.pending = group->all_gather_async(mine.narrow(0, f.start, f.len), outs, zero.timeout);
+      for (int r = 0; r < n; ++r) outs.push_back(as_half ? f.out[r].view(at::kHalf) : f.out[r]);
+      at::Tensor in = mine.narrow(0, f.start, f.len);
+      f.pending = group->all_gather_async(as_half ? in.view(at::kHalf) : in, outs, zero.timeout);
       return f;
     };
     // What arrived for elements [start, start + len) of each rank's flat share.
@@ -224,8 +240,10 @@ void ZeroRedundancyOptimizer::Impl::gather_params() {
           const int64_t numel = params[i].numel();
           const int64_t lo = std::max(pos, f.start), hi = std::min(pos + numel, f.start + f.len);
           if (lo < hi) {
-            params[i].view({-1}).narrow(0, lo - pos, hi - lo).copy_(
-                f.out[r].narrow(0, lo - f.start, hi - lo));
+            params[i]
+                .view({-1})
+                .narrow(0, lo - pos, hi - lo)
+                .copy_(f.out[r].narrow(0, lo - f.start, hi - lo));
           }
           pos += numel;
           if (pos >= f.start + f.len) break;
@@ -264,8 +282,10 @@ void ZeroRedundancyOptimizer::zero_grad(bool set_to_none) {
 double ZeroRedundancyOptimizer::clip_grad_norm(double max_norm) {
   Impl& m = *impl_;
   if (!(max_norm > 0) || !std::isfinite(max_norm)) {
-    throw std::invalid_argument("ZeroRedundancyOptimizer::clip_grad_norm: max_norm must be a "
-                                "finite number > 0, not " + std::to_string(max_norm));
+    throw std::invalid_argument(
+        "ZeroRedundancyOptimizer::clip_grad_norm: max_norm must be a "
+        "finite number > 0, not " +
+        std::to_string(max_norm));
   }
   c10::AutoGradMode no_grad(false);
   double squares = 0;
@@ -295,6 +315,8 @@ void ZeroRedundancyOptimizer::set_lr(double lr) {
   }
   impl_->options.lr = lr;
   if (impl_->local) owner::set_lr(*impl_->local, lr);
+  impl_->consolidated.clear();  // consolidate again to see the new rate
+  impl_->consolidated_on = -1;
 }
 
 Kind ZeroRedundancyOptimizer::kind() const { return impl_->kind; }
@@ -349,9 +371,8 @@ void ZeroRedundancyOptimizer::Impl::check_state_shapes(const torch::optim::Optim
     for (const auto& t : owner::state_tensors(*s)) {
       if (t.defined() && t.numel() > 1 && t.sizes() != params[i].sizes()) {
         throw std::invalid_argument("ZeroRedundancyOptimizer: " + what + " holds state of shape " +
-                                    shape_text(t.sizes()) + " for parameter #" +
-                                    std::to_string(i) + ", which has shape " +
-                                    shape_text(params[i].sizes()));
+                                    shape_text(t.sizes()) + " for parameter #" + std::to_string(i) +
+                                    ", which has shape " + shape_text(params[i].sizes()));
       }
     }
   }
@@ -361,8 +382,8 @@ void ZeroRedundancyOptimizer::consolidate_state_dict(int to) {
   Impl& m = *impl_;
   if (to < 0 || to >= m.size()) {
     throw std::invalid_argument("ZeroRedundancyOptimizer::consolidate_state_dict: rank " +
-                                std::to_string(to) + " is not in [0, " +
-                                std::to_string(m.size()) + ")");
+                                std::to_string(to) + " is not in [0, " + std::to_string(m.size()) +
+                                ")");
   }
   std::string mine;
   if (m.local) {
@@ -402,8 +423,7 @@ std::string ZeroRedundancyOptimizer::state_dict() const {
             ? "ZeroRedundancyOptimizer::state_dict: call consolidate_state_dict(to) on every "
               "rank first (again after each step)"
             : "ZeroRedundancyOptimizer::state_dict: the state was consolidated on rank " +
-                  std::to_string(m.consolidated_on) + ", this is rank " +
-                  std::to_string(m.rank()));
+                  std::to_string(m.consolidated_on) + ", this is rank " + std::to_string(m.rank()));
   }
   return m.consolidated;
 }
@@ -417,8 +437,8 @@ void ZeroRedundancyOptimizer::load_state_dict(const std::string& archive) {
     whole->load(a);
   } catch (const c10::Error& e) {
     throw std::invalid_argument(
-        "ZeroRedundancyOptimizer::load_state_dict: the state is not that of " +
-        kind_name(m.kind) + " over these " + std::to_string(m.params.size()) +
+        "ZeroRedundancyOptimizer::load_state_dict: the state is not that of " + kind_name(m.kind) +
+        " over these " + std::to_string(m.params.size()) +
         " parameters: " + e.what_without_backtrace());
   }
   std::vector<size_t> all(m.params.size());
@@ -436,6 +456,8 @@ void ZeroRedundancyOptimizer::load_state_dict(const std::string& archive) {
   }
   if (fresh) owner::set_lr(*fresh, m.options.lr);
   m.local = std::move(fresh);
+  m.consolidated.clear();
+  m.consolidated_on = -1;
 }
 
 std::string ZeroRedundancyOptimizer::local_state_dict() const {
@@ -515,8 +537,9 @@ void ZeroRedundancyOptimizer::load_local_state_dict(const std::string& archive) 
   if (!a.try_read("lr", lr) || !lr.isDouble() || !(lr.toDouble() >= 0)) {
     throw std::invalid_argument(who + "the state has no valid 'lr'");
   }
-  // LibTorch's load also takes the saved hyper-parameters: load into a
-  // scratch optimizer, keep only its per-parameter state.
+  // Loaded into a scratch optimizer, of which only the per-parameter state
+  // is kept: a fresh one has this optimizer's options, whatever LibTorch's
+  // load does with the saved ones.
   auto fresh = m.make_local(m.rank());
   torch::serialize::InputArchive opt;
   const bool has = a.try_read("optimizer", opt);
@@ -525,20 +548,23 @@ void ZeroRedundancyOptimizer::load_local_state_dict(const std::string& archive) 
     try {
       scratch->load(opt);
     } catch (const c10::Error& e) {
-      throw std::invalid_argument(who + "this rank's optimizer state does not load: " +
-                                  e.what_without_backtrace());
+      throw std::invalid_argument(
+          who + "this rank's optimizer state does not load: " + e.what_without_backtrace());
     }
     m.check_state_shapes(*scratch, m.shares[static_cast<size_t>(m.rank())], "the local state");
     for (size_t i : m.shares[static_cast<size_t>(m.rank())]) {
       owner::move_state(*scratch, *fresh, m.params[i]);
     }
   } else if (fresh || has) {
-    throw std::invalid_argument(who + "the state and this rank disagree on whether it owns any "
+    throw std::invalid_argument(who +
+                                "the state and this rank disagree on whether it owns any "
                                 "parameter");
   }
   m.options.lr = lr.toDouble();
   if (fresh) owner::set_lr(*fresh, m.options.lr);
   m.local = std::move(fresh);
+  m.consolidated.clear();
+  m.consolidated_on = -1;
 }
 
 }  // namespace tandem::optim

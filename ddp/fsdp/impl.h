@@ -38,7 +38,7 @@ struct FullyShardedDataParallel::Impl {
     at::Tensor tensor;  // the module's parameter
     std::vector<int64_t> shape;
     size_t unit = 0;
-    int64_t offset = 0, numel = 0;  // in the unit's flat buffer
+    int64_t offset = 0, numel = 0;                       // in the unit's flat buffer
     std::shared_ptr<torch::autograd::Node> accumulator;  // kept: it carries the hook
     uintptr_t hook_key = 0;
   };
@@ -52,9 +52,9 @@ struct FullyShardedDataParallel::Impl {
     ProcessGroup::Pending gathering;
     at::Tensor gather_input;
     // This step.
-    bool ran = false;           // its forward ran (so its backward will)
-    size_t grads_pending = 0;   // its parameters' gradients still to land
-    bool reduced = false;       // its reduce-scatter started
+    bool ran = false;          // its forward ran (so its backward will)
+    size_t grads_pending = 0;  // its parameters' gradients still to land
+    bool reduced = false;      // its reduce-scatter started
     ProcessGroup::Pending reducing;
     at::Tensor reduce_output;
   };

@@ -290,7 +290,8 @@ at::Tensor FullyShardedDataParallel::forward(const at::Tensor& x) {
   }
   return forward([&] {
     // Mixed precision: a floating-point input in the compute dtype.
-    at::Tensor h = impl_->opt.param_dtype && x.is_floating_point() ? x.to(*impl_->opt.param_dtype) : x;
+    at::Tensor h =
+        impl_->opt.param_dtype && x.is_floating_point() ? x.to(*impl_->opt.param_dtype) : x;
     size_t i = 0;
     for (auto& child : *impl_->sequential) {
       const std::string name = std::to_string(i++);

@@ -39,104 +39,117 @@ void FullyShardedDataParallel::Impl::setup(FSDPOptions options) {
     throw std::invalid_argument(who + "param_dtype " + c10::toString(*opt.param_dtype) +
                                 " is not a floating-point dtype to compute in");
   }
-  // The units: named submodules, none inside another.
-  std::vector<std::string> names = opt.units;
-  if (names.empty()) {
-    for (const auto& item : model->named_children()) {
-      if (!item.value()->parameters().empty()) names.push_back(item.key());
-    }
-  }
-  std::unordered_map<std::string, std::shared_ptr<torch::nn::Module>> modules;
-  for (const auto& item : model->named_modules("", /*include_self=*/false)) {
-    modules[item.key()] = item.value();
-  }
-  units.assign(1, Unit{});  // the root
-  for (size_t i = 0; i < names.size(); ++i) {
-    if (!modules.count(names[i])) {
-      throw std::invalid_argument(who + "unit '" + names[i] + "' is not a submodule of the model");
-    }
-    for (size_t j = 0; j < i; ++j) {
-      if (names[i] == names[j] || holds(names[j], names[i]) || holds(names[i], names[j])) {
-        throw std::invalid_argument(who + "units '" + names[j] + "' and '" + names[i] +
-                                    "' overlap (" +
-                                    (names[i] == names[j] ? "the same unit twice"
-                                                          : "one holds the other") +
-                                    ")");
-      }
-    }
-    if (sequential && names[i].find('.') != std::string::npos) {
-      throw std::invalid_argument(who + "unit '" + names[i] +
-                                  "' is not a child of the Sequential; its units are its "
-                                  "children (\"0\", \"1\", ...)");
-    }
-    Unit u;
-    u.name = names[i];
-    unit_of_name[names[i]] = units.size();
-    units.push_back(std::move(u));
-  }
-  // Every parameter, into the unit that holds it (the deepest named one).
-  std::unordered_map<c10::TensorImpl*, size_t> seen;
-  for (const auto& item : model->named_parameters(/*recurse=*/true)) {
-    const at::Tensor& t = item.value();
-    size_t unit = 0;
-    for (size_t k = 1; k < units.size(); ++k) {
-      if (holds(units[k].name, item.key())) unit = k;
-    }
-    if (auto it = seen.find(t.unsafeGetTensorImpl()); it != seen.end()) {
-      const Param& first = params[it->second];
-      if (first.unit != unit) {
-        throw std::invalid_argument(
-            who + "parameter '" + item.key() + "' is also '" + first.name + "', shared by " +
-            (unit ? "unit '" + units[unit].name + "'" : std::string("the root")) + " and " +
-            (first.unit ? "unit '" + units[first.unit].name + "'" : std::string("the root")) +
-            ": put both in one unit");
-      }
-      continue;
-    }
-    if (!t.is_floating_point()) {
-      throw std::invalid_argument(who + "parameter '" + item.key() + "' is " +
-                                  c10::toString(t.scalar_type()) + ", not floating point");
-    }
-    const bool nccl = group->backend() == "nccl";
-    if (nccl != t.device().is_cuda()) {
-      throw std::invalid_argument(who + "parameter '" + item.key() + "' is on " +
-                                  t.device().str() + "; a " + group->backend() + " group takes " +
-                                  (nccl ? "CUDA" : "CPU") + " tensors");
-    }
-    seen[t.unsafeGetTensorImpl()] = params.size();
-    Param p;
-    p.name = item.key();
-    p.tensor = t;
-    p.shape = t.sizes().vec();
-    p.unit = unit;
-    p.numel = t.numel();
-    params.push_back(std::move(p));
-  }
-  for (const auto& item : model->named_buffers(/*recurse=*/true)) {
-    buffers.emplace_back(item.key(), item.value());
-  }
-  for (size_t k = 1; k < units.size(); ++k) {
-    bool any = false;
-    for (const auto& p : params) any = any || p.unit == k;
-    if (!any) throw std::invalid_argument(who + "unit '" + units[k].name + "' has no parameters");
-  }
-  // The ranks build the same model, with the same units.
+  // What is wrong with the units or the parameters fails on every rank: the
+  // error goes into the lines the ranks compare.
+  std::string refused;
   std::vector<std::string> lines;
-  for (const auto& u : units) {
-    if (!u.name.empty()) lines.push_back("unit '" + u.name + "'");
-  }
-  for (const auto& p : params) {
-    lines.push_back("'" + p.name + "' " + shape_text(p.shape) + " " +
-                    c10::toString(p.tensor.scalar_type()));
-  }
-  for (const auto& [name, b] : buffers) {
-    lines.push_back("buffer '" + name + "' " + shape_text(b.sizes()) + " " +
-                    c10::toString(b.scalar_type()));
+  try {
+    // The units: named submodules, none inside another.
+    std::vector<std::string> names = opt.units;
+    if (names.empty()) {
+      for (const auto& item : model->named_children()) {
+        if (!item.value()->parameters().empty()) names.push_back(item.key());
+      }
+    }
+    std::unordered_map<std::string, std::shared_ptr<torch::nn::Module>> modules;
+    for (const auto& item : model->named_modules("", /*include_self=*/false)) {
+      modules[item.key()] = item.value();
+    }
+    units.assign(1, Unit{});  // the root
+    for (size_t i = 0; i < names.size(); ++i) {
+      if (!modules.count(names[i])) {
+        throw std::invalid_argument(who + "unit '" + names[i] +
+                                    "' is not a submodule of the model");
+      }
+      for (size_t j = 0; j < i; ++j) {
+        if (names[i] == names[j] || holds(names[j], names[i]) || holds(names[i], names[j])) {
+          throw std::invalid_argument(
+              who + "units '" + names[j] + "' and '" + names[i] + "' overlap (" +
+              (names[i] == names[j] ? "the same unit twice" : "one holds the other") + ")");
+        }
+      }
+      if (sequential && names[i].find('.') != std::string::npos) {
+        throw std::invalid_argument(who + "unit '" + names[i] +
+                                    "' is not a child of the Sequential; its units are its "
+                                    "children (\"0\", \"1\", ...)");
+      }
+      Unit u;
+      u.name = names[i];
+      unit_of_name[names[i]] = units.size();
+      units.push_back(std::move(u));
+    }
+    // Every parameter, into the unit that holds it (the deepest named one).
+    std::unordered_map<c10::TensorImpl*, size_t> seen;
+    for (const auto& item : model->named_parameters(/*recurse=*/true)) {
+      const at::Tensor& t = item.value();
+      size_t unit = 0;
+      for (size_t k = 1; k < units.size(); ++k) {
+        if (holds(units[k].name, item.key())) unit = k;
+      }
+      if (auto it = seen.find(t.unsafeGetTensorImpl()); it != seen.end()) {
+        const Param& first = params[it->second];
+        if (first.unit != unit) {
+          throw std::invalid_argument(
+              who + "parameter '" + item.key() + "' is also '" + first.name + "', shared by " +
+              (unit ? "unit '" + units[unit].name + "'" : std::string("the root")) + " and " +
+              (first.unit ? "unit '" + units[first.unit].name + "'" : std::string("the root")) +
+              ": put both in one unit");
+        }
+        continue;
+      }
+      if (!t.requires_grad()) {
+        throw std::invalid_argument(who + "parameter '" + item.key() +
+                                    "' does not require grad: FSDP shards trainable parameters "
+                                    "(keep frozen ones as buffers)");
+      }
+      if (!t.is_floating_point()) {
+        throw std::invalid_argument(who + "parameter '" + item.key() + "' is " +
+                                    c10::toString(t.scalar_type()) + ", not floating point");
+      }
+      const bool nccl = group->backend() == "nccl";
+      if (nccl != t.device().is_cuda()) {
+        throw std::invalid_argument(who + "parameter '" + item.key() + "' is on " +
+                                    t.device().str() + "; a " + group->backend() + " group takes " +
+                                    (nccl ? "CUDA" : "CPU") + " tensors");
+      }
+      seen[t.unsafeGetTensorImpl()] = params.size();
+      Param p;
+      p.name = item.key();
+      p.tensor = t;
+      p.shape = t.sizes().vec();
+      p.unit = unit;
+      p.numel = t.numel();
+      params.push_back(std::move(p));
+    }
+    for (const auto& item : model->named_buffers(/*recurse=*/true)) {
+      buffers.emplace_back(item.key(), item.value());
+    }
+    for (size_t k = 1; k < units.size(); ++k) {
+      bool any = false;
+      for (const auto& p : params) any = any || p.unit == k;
+      if (!any) throw std::invalid_argument(who + "unit '" + units[k].name + "' has no parameters");
+    }
+    // The ranks build the same model, with the same units.
+    for (const auto& u : units) {
+      if (!u.name.empty()) lines.push_back("unit '" + u.name + "'");
+    }
+    for (const auto& p : params) {
+      lines.push_back("'" + p.name + "' " + shape_text(p.shape) + " " +
+                      c10::toString(p.tensor.scalar_type()));
+    }
+    for (const auto& [name, b] : buffers) {
+      lines.push_back("buffer '" + name + "' " + shape_text(b.sizes()) + " " +
+                      c10::toString(b.scalar_type()));
+    }
+  } catch (const std::invalid_argument& e) {
+    refused = e.what();
+    lines = {"an error: " + refused};
   }
   const c10::Device device = params.empty() ? c10::Device(c10::kCPU) : params[0].tensor.device();
   group->expect_same_lines(lines, "FullyShardedDataParallel", "models", "entry",
                            "every rank must build the same model with the same units", timeout(),
                            device);
+  if (!refused.empty()) throw std::invalid_argument(refused);
   if (params.empty()) throw std::invalid_argument(who + "the model has no parameters");
 
   c10::AutoGradMode no_grad(false);
@@ -204,8 +217,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<torch::nn::Mo
   impl_->setup(std::move(options));
 }
 
-FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model,
-                                                   FSDPOptions options,
+FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model, FSDPOptions options,
                                                    std::shared_ptr<ProcessGroup> group)
     : impl_(std::make_unique<Impl>()) {
   impl_->model = model.ptr();
@@ -225,9 +237,7 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
   }
 }
 
-std::shared_ptr<torch::nn::Module> FullyShardedDataParallel::module() const {
-  return impl_->model;
-}
+std::shared_ptr<torch::nn::Module> FullyShardedDataParallel::module() const { return impl_->model; }
 ProcessGroup& FullyShardedDataParallel::group() { return *impl_->group; }
 
 std::vector<at::Tensor> FullyShardedDataParallel::parameters() const {

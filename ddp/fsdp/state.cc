@@ -16,8 +16,10 @@ namespace tandem::ddp {
 double FullyShardedDataParallel::clip_grad_norm(double max_norm) {
   Impl& m = *impl_;
   if (!(max_norm > 0) || !std::isfinite(max_norm)) {
-    throw std::invalid_argument("FullyShardedDataParallel::clip_grad_norm: max_norm must be a "
-                                "finite number > 0, not " + std::to_string(max_norm));
+    throw std::invalid_argument(
+        "FullyShardedDataParallel::clip_grad_norm: max_norm must be a "
+        "finite number > 0, not " +
+        std::to_string(max_norm));
   }
   c10::AutoGradMode no_grad(false);
   double squares = 0;
@@ -79,8 +81,7 @@ void FullyShardedDataParallel::load_full_state_dict(
     if (it == by_name.end()) throw std::invalid_argument(who + "no '" + name + "' in the state");
     if (it->second->sizes() != shape) {
       std::ostringstream s;
-      s << who << "'" << name << "' has shape " << it->second->sizes() << ", the model's "
-        << shape;
+      s << who << "'" << name << "' has shape " << it->second->sizes() << ", the model's " << shape;
       throw std::invalid_argument(s.str());
     }
     return it->second;
@@ -95,7 +96,8 @@ void FullyShardedDataParallel::load_full_state_dict(
     for (size_t i : u.params) {
       const auto& p = m.params[i];
       // The part of [p.offset, p.offset + numel) that is in [lo, lo + shard_numel).
-      const int64_t a = std::max(p.offset, lo), b = std::min(p.offset + p.numel, lo + u.shard_numel);
+      const int64_t a = std::max(p.offset, lo),
+                    b = std::min(p.offset + p.numel, lo + u.shard_numel);
       if (a >= b) continue;
       shard.narrow(0, a - lo, b - a)
           .copy_(find(p.name, p.shape)->reshape({-1}).narrow(0, a - p.offset, b - a));
@@ -137,11 +139,10 @@ void FullyShardedDataParallel::load_sharded_state_dict(const std::vector<UnitSha
     const UnitShard& want = mine[k];
     const std::string unit = want.unit.empty() ? "the root unit" : "unit '" + want.unit + "'";
     if (s.rank != want.rank || s.world_size != want.world_size) {
-      throw std::invalid_argument(who + "the shard of " + unit + " was saved by rank " +
-                                  std::to_string(s.rank) + " of " + std::to_string(s.world_size) +
-                                  ", this is rank " + std::to_string(want.rank) + " of " +
-                                  std::to_string(want.world_size) +
-                                  " (full_state_dict() loads into another layout)");
+      throw std::invalid_argument(
+          who + "the shard of " + unit + " was saved by rank " + std::to_string(s.rank) + " of " +
+          std::to_string(s.world_size) + ", this is rank " + std::to_string(want.rank) + " of " +
+          std::to_string(want.world_size) + " (full_state_dict() loads into another layout)");
     }
     if (s.unit != want.unit || s.names != want.names || s.shapes != want.shapes ||
         s.numel != want.numel) {
@@ -167,8 +168,8 @@ FullyShardedDataParallel::Stats FullyShardedDataParallel::stats() const {
   for (size_t k : m.order) s.units.push_back(m.units[k].name);
   for (const auto& u : m.units) {
     if (!u.shard.defined()) continue;
-    s.largest_unit_bytes =
-        std::max<int64_t>(s.largest_unit_bytes, u.padded * static_cast<int64_t>(u.full.element_size()));
+    s.largest_unit_bytes = std::max<int64_t>(
+        s.largest_unit_bytes, u.padded * static_cast<int64_t>(u.full.element_size()));
     s.shard_bytes += u.shard.numel() * static_cast<int64_t>(u.shard.element_size());
     if (u.shard.grad().defined()) {
       s.shard_bytes += u.shard.grad().numel() * static_cast<int64_t>(u.shard.element_size());

@@ -87,8 +87,8 @@ void Reducer::Impl::ensure_buffer(size_t b) {
   for (size_t i : bucket.params) {
     Param& p = params[i];
     at::Tensor slot = at::empty({0}, bucket.buffer.options());
-    slot.set_(bucket.buffer.storage(), bucket.buffer.storage_offset() + p.offset,
-              p.tensor.sizes(), c10::contiguous_strides(p.tensor.sizes()));
+    slot.set_(bucket.buffer.storage(), bucket.buffer.storage_offset() + p.offset, p.tensor.sizes(),
+              c10::contiguous_strides(p.tensor.sizes()));
     p.slot = slot;
   }
 }
@@ -107,7 +107,8 @@ void Reducer::Impl::keep_owned_grads() {
     at::Tensor g = at::empty({0}, piece.options());
     g.set_(piece.storage(), piece.storage_offset() + p.piece_offset, p.tensor.sizes(),
            c10::contiguous_strides(p.tensor.sizes()));
-    if (p.carry.defined()) g.add_(p.carry);
+    p.carried = p.carry.defined();
+    if (p.carried) g.add_(p.carry);
     p.carry = at::Tensor();
     p.tensor.mutable_grad() = g;
     p.reduced = g;
@@ -119,16 +120,15 @@ void Reducer::Impl::keep_owned_grads() {
   }
 }
 
-void Reducer::Impl::set_aside_reduced() {
-  for (auto& p : params) {
-    const at::Tensor& g = p.tensor.grad();
-    if (p.reduced.defined() && g.defined() &&
-        g.unsafeGetTensorImpl() == p.reduced.unsafeGetTensorImpl()) {
-      p.carry = g;
-      p.tensor.mutable_grad() = at::Tensor();
-    }
-    p.reduced = at::Tensor();
+void Reducer::Impl::set_aside(size_t i) {
+  Param& p = params[i];
+  const at::Tensor& g = p.tensor.grad();
+  if (p.reduced.defined() && g.defined() &&
+      g.unsafeGetTensorImpl() == p.reduced.unsafeGetTensorImpl()) {
+    p.carry = g;
+    p.tensor.mutable_grad() = at::Tensor();
   }
+  p.reduced = at::Tensor();
 }
 
 bool Reducer::Impl::holds_slot(const Param& p) const {
@@ -303,6 +303,9 @@ void Reducer::Impl::finalize() {
   if (opt.find_unused_parameters) {
     used = used_map(/*joined=*/false);
     for (size_t i : missing) {
+      // Sharded: an owner's average from the last sync is not this
+      // backward's gradient (the others have none to add to it).
+      if (sharded) set_aside(i);
       if (!local_grad(params[i]).defined()) had_no_grad.push_back(i);
       gather_grad(params[i]);  // this rank's accumulated gradient, or zeros
       ready[i] = 1;
@@ -329,7 +332,9 @@ void Reducer::Impl::finalize() {
   for (size_t i : had_no_grad) {
     if (used.data_ptr<int>()[i] == 0) {
       unused_everywhere[i] = 1;
-      if (!hybrid) params[i].tensor.mutable_grad() = at::Tensor();
+      // (Sharded: an owner that carried a gradient keeps it, as DDP does.)
+      if (!hybrid && !(sharded && params[i].carried))
+        params[i].tensor.mutable_grad() = at::Tensor();
     }
   }
   // In a context, the averages become the context's gradients (views of
@@ -352,7 +357,6 @@ void Reducer::Impl::begin_iteration() {
     build_buckets(agreed_order());
     rebuilt = true;
   }
-  if (sharded) set_aside_reduced();
   if (opt.broadcast_buffers && !buffers.empty() && group.size() > 1) {
     broadcast_coalesced(buffers, group, timeout());
   }

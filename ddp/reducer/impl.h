@@ -20,6 +20,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -55,6 +56,7 @@ struct Reducer::Impl {
     int owner = -1;
     int64_t piece_offset = 0;
     at::Tensor reduced, carry;
+    bool carried = false;  // the last synced backward added a carry to it
   };
   struct Bucket {
     at::Tensor buffer;  // sharded: only from its first gradient to the end of the backward
@@ -82,7 +84,27 @@ struct Reducer::Impl {
     size_t index;
   };
 
+  // Sharded: runs before a parameter's AccumulateGrad, so that the average
+  // its owner kept from the last sync is set aside before this backward's
+  // gradient lands on it (LibTorch cannot remove a pre-hook: it reaches the
+  // Impl through `alive`, cleared when the Reducer goes).
+  struct SetAsideHook final : torch::autograd::FunctionPreHook {
+    SetAsideHook(std::shared_ptr<std::atomic<Impl*>> alive, size_t index)
+        : alive(std::move(alive)), index(index) {}
+    torch::autograd::variable_list operator()(
+        const torch::autograd::variable_list& grads) override {
+      if (Impl* impl = alive->load()) {
+        std::lock_guard<std::mutex> lock(impl->mu);
+        impl->set_aside(index);
+      }
+      return grads;
+    }
+    std::shared_ptr<std::atomic<Impl*>> alive;
+    size_t index;
+  };
+
   Impl(std::shared_ptr<torch::nn::Module> m, DDPOptions o, ProcessGroup& g);
+  std::shared_ptr<std::atomic<Impl*>> alive = std::make_shared<std::atomic<Impl*>>(this);
 
   std::shared_ptr<torch::nn::Module> module;
   DDPOptions opt;
@@ -142,8 +164,9 @@ struct Reducer::Impl {
   // becomes its averaged piece (plus what was carried), the others' none,
   // and the buffers are freed.
   void keep_owned_grads();
-  // Sharded, at forward: a gradient left from the last sync is set aside.
-  void set_aside_reduced();
+  // Sharded: parameter i's gradient left from the last sync set aside (its
+  // carry), when .grad still holds it.
+  void set_aside(size_t i);
 
   // This rank's gradient of `p`: .grad, or in a distributed backward the
   // context's (undefined when there is none).

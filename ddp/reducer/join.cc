@@ -54,8 +54,9 @@ void Reducer::begin_join() {
   if (impl_->join_enabled)
     throw std::logic_error("DistributedDataParallel: join() scopes do not nest");
   if (impl_->sharded) {
-    throw std::logic_error("DistributedDataParallel: join() is not supported with sharded "
-                           "gradients (gradient_owner)");
+    throw std::logic_error(
+        "DistributedDataParallel: join() is not supported with sharded "
+        "gradients (gradient_owner)");
   }
   impl_->join_enabled = true;
   impl_->join_round = 0;

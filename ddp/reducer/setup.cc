@@ -140,14 +140,17 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, DDPOptions options,
   }
   if (nccl) m.comm_device = *model_device;
   m.sharded = static_cast<bool>(options.gradient_owner);
+  // A parameter without an owner is refused on every rank (below, after
+  // the ranks have compared their models).
+  std::string refused;
   for (auto& p : m.params) {
     if (!m.sharded) break;
     p.owner = options.gradient_owner(p.tensor);
-    if (p.owner < 0 || p.owner >= group_->size()) {
-      throw std::invalid_argument(
-          "DistributedDataParallel: gradient_owner gives parameter '" + p.name + "' to rank " +
-          std::to_string(p.owner) + ", not one of the group's " + std::to_string(group_->size()) +
-          " (is it among the parameters the optimizer steps?)");
+    if (refused.empty() && (p.owner < 0 || p.owner >= group_->size())) {
+      refused = "DistributedDataParallel: gradient_owner gives parameter '" + p.name +
+                "' to rank " + std::to_string(p.owner) + ", not one of the group's " +
+                std::to_string(group_->size()) +
+                " (is it among the parameters the optimizer steps?)";
     }
   }
   std::vector<std::string> fingerprint;
@@ -159,11 +162,13 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, DDPOptions options,
   for (const auto& item : m.module->named_buffers(true)) {
     check_device("buffer '" + item.key() + "'", item.value());
     m.buffers.push_back(item.value());
-    fingerprint.push_back("buffer '" + item.key() + "' " + shape_text(item.value().sizes()) +
-                          " " + c10::toString(item.value().scalar_type()));
+    fingerprint.push_back("buffer '" + item.key() + "' " + shape_text(item.value().sizes()) + " " +
+                          c10::toString(item.value().scalar_type()));
   }
+  if (!refused.empty()) fingerprint = {"an error: " + refused};
   group_->expect_same_lines(fingerprint, "DistributedDataParallel", "models", "parameter",
                             "every rank must build the same model", m.timeout(), m.comm_device);
+  if (!refused.empty()) throw std::invalid_argument(refused);
   if (group_->size() > 1) broadcast_coalesced(m.state(), *group_, m.timeout());
 
   std::vector<size_t> order;
@@ -174,10 +179,12 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, DDPOptions options,
     auto& p = m.params[i];
     p.accumulator = torch::autograd::impl::grad_accumulator(p.tensor);
     p.hook_key = p.accumulator->add_post_hook(std::make_unique<Impl::ReadyHook>(&m, i));
+    if (m.sharded) p.accumulator->add_pre_hook(std::make_unique<Impl::SetAsideHook>(m.alive, i));
   }
 }
 
 Reducer::~Reducer() {
+  impl_->alive->store(nullptr);
   for (auto& p : impl_->params) {
     if (p.accumulator) p.accumulator->del_post_hook(p.hook_key);
   }

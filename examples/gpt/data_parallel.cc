@@ -48,8 +48,8 @@ int drive_data_parallel(const Job& job) {
     oo.lr = cfg.lr;
     optim::ZeroOptions zo;
     zo.group = group;
-    zero = std::make_unique<optim::ZeroRedundancyOptimizer>(model->parameters(),
-                                                            optim::Kind::kAdam, oo, zo);
+    zero = std::make_unique<optim::ZeroRedundancyOptimizer>(model->parameters(), optim::Kind::kAdam,
+                                                            oo, zo);
     ddp::DDPOptions d;
     d.gradient_owner = zero->gradient_owner();
     ddp_model = std::make_unique<ddp::DistributedDataParallel<StackImpl>>(model, d, group);
@@ -57,8 +57,8 @@ int drive_data_parallel(const Job& job) {
     ddp::FSDPOptions fo;
     for (int64_t b = 1; b <= cfg.layers; ++b) fo.units.push_back(std::to_string(b));
     fsdp = std::make_unique<ddp::FullyShardedDataParallel>(model, fo, group);
-    adam = std::make_unique<torch::optim::Adam>(fsdp->parameters(),
-                                                torch::optim::AdamOptions(cfg.lr));
+    adam =
+        std::make_unique<torch::optim::Adam>(fsdp->parameters(), torch::optim::AdamOptions(cfg.lr));
   }
   auto set_lr = [&](double lr) {
     if (zero) {

@@ -16,8 +16,8 @@
 #include "tandem/autograd/autograd.h"
 #include "tandem/ddp/process_group.h"
 #include "tandem/optim/owner/local_optimizer.h"
-#include "tandem/optim/zero_redundancy_optimizer.h"
 #include "tandem/optim/owner/protocol.h"
+#include "tandem/optim/zero_redundancy_optimizer.h"
 #include "tandem/rpc/errors.h"
 #include "tandem/rpc/layer.h"
 #include "tandem/rpc/registry.h"
@@ -106,7 +106,10 @@ void OptimService::step(int64_t id, uint64_t context_id) {
   // So are steps of different optimizers here: they may share parameters
   // (two trainers' optimizers over one parameter server's table), and a
   // step lends each parameter's .grad to its optimizer for its duration.
-  std::lock_guard<std::mutex> steps(step_mu_);
+  // (A sharded optimizer's step waits for the other replicas: it does not
+  // hold the worker's other optimizers up meanwhile.)
+  std::unique_lock<std::mutex> steps(step_mu_, std::defer_lock);
+  if (!local->zero) steps.lock();
   std::vector<at::Tensor> saved;
   saved.reserve(local->params.size());
   for (auto& p : local->params) {

@@ -47,8 +47,9 @@ class OptimService final : public rpc::AgentExtension,
   // the first that is not); ids are unique per worker. With a shard_group
   // the optimizer is a ZeroRedundancyOptimizer over the process group of
   // that name registered with this agent (ddp::find_group): making,
-  // stepping, state() and load() are then collective over the group, and
-  // state() answers the whole state on the group's rank 0, none elsewhere.
+  // stepping and state() are then collective over the group (state()
+  // answers the whole state on the group's rank 0, none elsewhere), and
+  // load() takes this owner's share of a whole state.
   void create(int64_t id, Kind kind, std::vector<at::Tensor> params, const Options& options,
               const std::string& shard_group = "");
   // Steps with the gradients of autograd context `context_id` here; a

@@ -46,8 +46,8 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
-#include <torch/serialize/input-archive.h>
 #include <torch/optim/sgd.h>
+#include <torch/serialize/input-archive.h>
 
 #include <ATen/ops/arange.h>
 

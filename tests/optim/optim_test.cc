@@ -134,8 +134,7 @@ TEST_CASE("optim: bad input is refused, naming what was wrong") {
     optim::DistributedOptions sharded;
     sharded.shard_group = "nope";
     CHECK_THROWS_WITH_AS(optim::DistributedOptimizer(w[0], optim::Kind::kSGD, {good}, {}, sharded),
-                         doctest::Contains("no process group 'nope' on worker1"),
-                         rpc::RemoteError);
+                         doctest::Contains("no process group 'nope' on worker1"), rpc::RemoteError);
   }
   CHECK(optim::live_optimizers(w[1]) == 0);
   // The owner keeps serving.

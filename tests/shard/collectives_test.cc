@@ -29,8 +29,8 @@ TEST_CASE("collectives: reduce-scatter sums or averages each rank's piece, equal
       CHECK(at::allclose(avg, want / static_cast<float>(n)));
     });
     // Uneven pieces, one of them empty: rank r's piece has counts[r] elements.
-    std::vector<int64_t> counts = n == 2 ? std::vector<int64_t>{3, 0}
-                                         : std::vector<int64_t>{1, 5, 2};
+    std::vector<int64_t> counts =
+        n == 2 ? std::vector<int64_t>{3, 0} : std::vector<int64_t>{1, 5, 2};
     on_ranks(n, [&](int r) {
       int64_t total = 0, start = 0;
       for (int k = 0; k < n; ++k) {
@@ -52,15 +52,18 @@ TEST_CASE("collectives: reduce-scatter refuses pieces that do not add up, before
   Groups g(2);
   on_ranks(2, [&](int r) {
     at::Tensor out = at::zeros({2});
-    CHECK(error_of([&] { g[r].reduce_scatter_async(at::zeros({5}), out); })
-              .find("do not split into 2 equal pieces") != std::string::npos);
+    CHECK(error_of([&] {
+            g[r].reduce_scatter_async(at::zeros({5}), out);
+          }).find("do not split into 2 equal pieces") != std::string::npos);
     CHECK(error_of([&] {
             g[r].reduce_scatter_async(at::zeros({4}), out, ddp::ReduceOp::kSum, {1, 2});
           }).find("counts do not add up") != std::string::npos);
-    CHECK(error_of([&] { g[r].reduce_scatter_async(at::zeros({4}), out, ddp::ReduceOp::kMax); })
-              .find("sums or averages, not max") != std::string::npos);
-    CHECK(error_of([&] { g[r].reduce_scatter_async(at::zeros({4}, at::kDouble), out); })
-              .find("one dtype") != std::string::npos);
+    CHECK(error_of([&] {
+            g[r].reduce_scatter_async(at::zeros({4}), out, ddp::ReduceOp::kMax);
+          }).find("sums or averages, not max") != std::string::npos);
+    CHECK(error_of([&] {
+            g[r].reduce_scatter_async(at::zeros({4}, at::kDouble), out);
+          }).find("one dtype") != std::string::npos);
   });
 }
 
@@ -104,8 +107,9 @@ TEST_CASE("collectives: the same-lines check names the first line that differs o
     });
   });
   for (const auto& e : errors) {
-    CHECK(e == "Thing: the ranks' models differ at parameter #1: rank 0 has b [3] Float, rank 2 "
-               "has b [4] Float (build the same one)");
+    CHECK(e ==
+          "Thing: the ranks' models differ at parameter #1: rank 0 has b [3] Float, rank 2 "
+          "has b [4] Float (build the same one)");
   }
   on_ranks(3, [&](int r) {
     CHECK(error_of([&] {

@@ -136,7 +136,8 @@ TEST_CASE("fsdp: a Sequential trains as one process does (2 and 3 ranks; units a
       ddp::FullyShardedDataParallel fsdp(make_seq(3), o, g.groups[r]);
       // Outside a step the units' parameters hold nothing.
       for (const auto& p : fsdp.module()->parameters()) CHECK(p.numel() == 0);
-      train_rank(fsdp, [&](const at::Tensor& x) { return fsdp.forward(x); }, r, kSteps);
+      train_rank(
+          fsdp, [&](const at::Tensor& x) { return fsdp.forward(x); }, r, kSteps);
       for (const auto& p : fsdp.module()->parameters()) CHECK(p.numel() == 0);
       auto st = fsdp.stats();
       CHECK(st.units == std::vector<std::string>{"", "0", "2"});
@@ -224,7 +225,8 @@ TEST_CASE("fsdp: HSDP, sharded over pairs and replicated across them, trains as 
     o.replicate_group = replicate[r];
     // Rank 2 and 3 start from other values: the replicas take replica 0's.
     ddp::FullyShardedDataParallel fsdp(make_seq(r < 2 ? 8 : 80), o, shard[r]);
-    train_rank(fsdp, [&](const at::Tensor& x) { return fsdp.forward(x); }, r, kSteps);
+    train_rank(
+        fsdp, [&](const at::Tensor& x) { return fsdp.forward(x); }, r, kSteps);
     auto s = fsdp.full_state_dict(0);
     if (r == 2) state = s;  // the second replica's
   });
@@ -236,38 +238,42 @@ TEST_CASE("fsdp: HSDP, sharded over pairs and replicated across them, trains as 
 }
 
 TEST_CASE("fsdp: any model through run(), with an unused layer and no reshard after forward") {
-  for (bool reshard : {true, false}) {
-    CAPTURE(reshard);
-    const int n = 2;
-    Net ref = make_net(4);
-    train_local(ref, n, kSteps);
-    Groups g(n);
-    std::vector<std::pair<std::string, at::Tensor>> state;
-    on_ranks(n, [&](int r) {
-      Net net = make_net(4);
-      ddp::FSDPOptions o;
-      o.units = {"fc1", "fc2"};
-      o.reshard_after_forward = reshard;
-      ddp::FullyShardedDataParallel fsdp(net.ptr(), o, g.groups[r]);
-      auto forward = [&](const at::Tensor& x) {
-        return fsdp.forward([&] {
-          at::Tensor h = fsdp.run("fc1", [&] { return at::relu(net->fc1(x)); });
-          h = fsdp.run("fc2", [&] { return at::relu(net->fc2(h)); });
-          return net->fc3(h);
-        });
-      };
-      train_rank(fsdp, forward, r, kSteps);
-      auto s = fsdp.full_state_dict(0);
-      if (r == 0) state = s;
-      CHECK(error_of([&] { fsdp.run("fc1", [&] { return at::Tensor(); }); })
-                .find("outside forward()") != std::string::npos);
-      CHECK(error_of([&] { fsdp.run("fc9", [&] { return at::Tensor(); }); }).find("no such unit") !=
-            std::string::npos);
-      CHECK(error_of([&] { fsdp.forward(at::ones({1, 6})); }).find("runs a Sequential model") !=
-            std::string::npos);
-    });
-    check_state(state, *ref);
-  }
+  for (int n : {2, 3})
+    for (bool reshard : {true, false}) {
+      CAPTURE(n);
+      CAPTURE(reshard);
+      Net ref = make_net(4);
+      train_local(ref, n, kSteps);
+      Groups g(n);
+      std::vector<std::pair<std::string, at::Tensor>> state;
+      on_ranks(n, [&](int r) {
+        Net net = make_net(4);
+        ddp::FSDPOptions o;
+        o.units = {"fc1", "fc2"};
+        o.reshard_after_forward = reshard;
+        ddp::FullyShardedDataParallel fsdp(net.ptr(), o, g.groups[r]);
+        auto forward = [&](const at::Tensor& x) {
+          return fsdp.forward([&] {
+            at::Tensor h = fsdp.run("fc1", [&] { return at::relu(net->fc1(x)); });
+            h = fsdp.run("fc2", [&] { return at::relu(net->fc2(h)); });
+            return net->fc3(h);
+          });
+        };
+        train_rank(fsdp, forward, r, kSteps);
+        auto s = fsdp.full_state_dict(0);
+        if (r == 0) state = s;
+        CHECK(error_of([&] {
+                fsdp.run("fc1", [&] { return at::Tensor(); });
+              }).find("outside forward()") != std::string::npos);
+        CHECK(error_of([&] {
+                fsdp.run("fc9", [&] { return at::Tensor(); });
+              }).find("no such unit") != std::string::npos);
+        CHECK(error_of([&] {
+                fsdp.forward(at::ones({1, 6}));
+              }).find("runs a Sequential model") != std::string::npos);
+      });
+      check_state(state, *ref);
+    }
 }
 
 TEST_CASE("fsdp: full and sharded state dicts reload, into another rank count too") {
@@ -279,7 +285,8 @@ TEST_CASE("fsdp: full and sharded state dicts reload, into another rank count to
     Groups g(2);
     on_ranks(2, [&](int r) {
       ddp::FullyShardedDataParallel fsdp(make_seq(5), {}, g.groups[r]);
-      train_rank(fsdp, [&](const at::Tensor& x) { return fsdp.forward(x); }, r, 2);
+      train_rank(
+          fsdp, [&](const at::Tensor& x) { return fsdp.forward(x); }, r, 2);
       auto s = fsdp.full_state_dict(0);
       if (r == 0) full = s;
       shards[r] = fsdp.sharded_state_dict();
@@ -330,14 +337,30 @@ TEST_CASE("fsdp: bad units and ranks whose models differ fail on every rank, nam
     outer->register_module("0", make_seq(1));
     ddp::FSDPOptions o;
     o.units = {"0", "0.2"};
-    CHECK(error_of([&] { ddp::FullyShardedDataParallel f(outer, o, g.groups[r]); })
-              .find("units '0' and '0.2' overlap (one holds the other)") != std::string::npos);
+    CHECK(error_of([&] {
+            ddp::FullyShardedDataParallel f(outer, o, g.groups[r]);
+          }).find("units '0' and '0.2' overlap (one holds the other)") != std::string::npos);
     // A parameter two units share.
     Net tied = make_net(1);
     tied->fc2->register_parameter("tied", tied->fc1->weight);
     o.units = {"fc1", "fc2"};
-    CHECK(error_of([&] { ddp::FullyShardedDataParallel f(tied.ptr(), o, g.groups[r]); })
-              .find("put both in one unit") != std::string::npos);
+    CHECK(error_of([&] {
+            ddp::FullyShardedDataParallel f(tied.ptr(), o, g.groups[r]);
+          }).find("put both in one unit") != std::string::npos);
+    // A frozen parameter.
+    Net frozen = make_net(1);
+    frozen->fc2->bias.requires_grad_(false);
+    o.units = {"fc1"};
+    CHECK(error_of([&] {
+            ddp::FullyShardedDataParallel f(frozen.ptr(), o, g.groups[r]);
+          }).find("parameter 'fc2.bias' does not require grad") != std::string::npos);
+    // Only rank 1 names a unit the model lacks: both fail, and neither hangs.
+    o.units = {r == 1 ? "fc9" : "fc1"};
+    const std::string one_sided =
+        error_of([&] { ddp::FullyShardedDataParallel f(make_net(1).ptr(), o, g.groups[r]); });
+    CAPTURE(one_sided);
+    CHECK(one_sided.find(r == 1 ? "unit 'fc9' is not a submodule" : "rank 1 has an error: ") !=
+          std::string::npos);
     // Rank 1's model is another.
     std::shared_ptr<torch::nn::Module> model =
         r == 0 ? make_net(1).ptr() : std::shared_ptr<torch::nn::Module>(make_seq(1).ptr());

@@ -76,8 +76,7 @@ std::unique_ptr<torch::optim::Optimizer> local_optimizer(optim::Kind kind,
   if (kind == optim::Kind::kAdam) {
     return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01));
   }
-  return std::make_unique<torch::optim::SGD>(params,
-                                             torch::optim::SGDOptions(0.1).momentum(0.9));
+  return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9));
 }
 
 optim::Options options_of(optim::Kind kind) {
@@ -141,53 +140,54 @@ TEST_CASE("zero: the partition is PyTorch's, greedy by size, largest first") {
 
 TEST_CASE("zero: stages 1 and 2 under DDP train as one process does (2 and 3 ranks, Adam, SGD)") {
   for (int stage : {1, 2})
-  for (auto kind : {optim::Kind::kAdam, optim::Kind::kSGD}) {
-    for (int n : {2, 3}) {
-      CAPTURE(stage);
-      CAPTURE(n);
-      CAPTURE(optim::kind_name(kind));
-      Net ref = make_net(7);
-      auto ref_opt = local_optimizer(kind, ref->parameters());
-      train_local(ref, *ref_opt, n, 0, kSteps);
+    for (auto kind : {optim::Kind::kAdam, optim::Kind::kSGD}) {
+      for (int n : {2, 3}) {
+        CAPTURE(stage);
+        CAPTURE(n);
+        CAPTURE(optim::kind_name(kind));
+        Net ref = make_net(7);
+        auto ref_opt = local_optimizer(kind, ref->parameters());
+        train_local(ref, *ref_opt, n, 0, kSteps);
 
-      Groups g(n);
-      std::vector<std::vector<at::Tensor>> params(n);
-      std::vector<int64_t> state_bytes(n);
-      on_ranks(n, [&](int r) {
-        Net net = make_net(7);
-        optim::ZeroOptions z;
-        z.group = g.groups[r];
-        z.bucket_cap_mb = n == 3 ? 1e-5 : 25;  // 3 ranks: buckets of 2 floats, across parameters
-        optim::ZeroRedundancyOptimizer opt(net->parameters(), kind, options_of(kind), z);
-        ddp::DDPOptions d;
-        d.find_unused_parameters = true;
-        if (stage == 2) {
-          d.gradient_owner = opt.gradient_owner();
-          d.bucket_cap_mb = 0.0004;  // buckets of about 100 floats, several owners in each
+        Groups g(n);
+        std::vector<std::vector<at::Tensor>> params(n);
+        std::vector<int64_t> state_bytes(n);
+        on_ranks(n, [&](int r) {
+          Net net = make_net(7);
+          optim::ZeroOptions z;
+          z.group = g.groups[r];
+          z.bucket_cap_mb = n == 3 ? 1e-5 : 25;  // 3 ranks: buckets of 2 floats, across parameters
+          optim::ZeroRedundancyOptimizer opt(net->parameters(), kind, options_of(kind), z);
+          ddp::DDPOptions d;
+          d.find_unused_parameters = true;
+          if (stage == 2) {
+            d.gradient_owner = opt.gradient_owner();
+            d.bucket_cap_mb = 0.0004;  // buckets of about 100 floats, several owners in each
+          }
+          ddp::DistributedDataParallel<NetImpl> dnet(net, d, g.groups[r]);
+          train_ranks(dnet, opt, r, 0, kSteps, stage == 2);
+          params[r] = net->parameters();
+          state_bytes[r] = opt.state_bytes();
+        });
+        for (int r = 0; r < n; ++r) {
+          check_same(params[r], ref->parameters());
+          for (size_t i = 0; i < params[r].size(); ++i)
+            CHECK(at::equal(params[r][i], params[0][i]));
         }
-        ddp::DistributedDataParallel<NetImpl> dnet(net, d, g.groups[r]);
-        train_ranks(dnet, opt, r, 0, kSteps, stage == 2);
-        params[r] = net->parameters();
-        state_bytes[r] = opt.state_bytes();
-      });
-      for (int r = 0; r < n; ++r) {
-        check_same(params[r], ref->parameters());
-        for (size_t i = 0; i < params[r].size(); ++i) CHECK(at::equal(params[r][i], params[0][i]));
+        // The state is split, none of it twice: Adam keeps 2 floats per used
+        // element, SGD with momentum 1 (the unused layer has none).
+        int64_t used = 0;
+        for (auto& p : ref->parameters()) used += p.numel();
+        used -= 2 * 2 + 2;
+        int64_t total = 0;
+        for (int r = 0; r < n; ++r) {
+          CHECK(state_bytes[r] > 0);
+          CHECK(state_bytes[r] < used * 4 * (kind == optim::Kind::kAdam ? 2 : 1));
+          total += state_bytes[r];
+        }
+        CHECK(total == used * 4 * (kind == optim::Kind::kAdam ? 2 : 1));
       }
-      // The state is split, none of it twice: Adam keeps 2 floats per used
-      // element, SGD with momentum 1 (the unused layer has none).
-      int64_t used = 0;
-      for (auto& p : ref->parameters()) used += p.numel();
-      used -= 2 * 2 + 2;
-      int64_t total = 0;
-      for (int r = 0; r < n; ++r) {
-        CHECK(state_bytes[r] > 0);
-        CHECK(state_bytes[r] < used * 4 * (kind == optim::Kind::kAdam ? 2 : 1));
-        total += state_bytes[r];
-      }
-      CHECK(total == used * 4 * (kind == optim::Kind::kAdam ? 2 : 1));
     }
-  }
 }
 
 // Sets `net`'s parameters to `values`.
@@ -306,10 +306,11 @@ TEST_CASE("zero: a share loads only into its own partition; foreign states are r
     CHECK(error_of([&] { opt.load_local_state_dict(shares[1 - r]); })
               .find("saved by rank " + std::to_string(1 - r) + " of 2, this is rank " +
                     std::to_string(r) + " of 2") != std::string::npos);
-    CHECK(error_of([&] { opt.load_local_state_dict("not an archive"); })
-              .find("is not a LibTorch archive") != std::string::npos);
-    CHECK(error_of([&] { opt.load_local_state_dict(archive); })
-              .find("no 'tandem_zero_version'") != std::string::npos);
+    CHECK(error_of([&] {
+            opt.load_local_state_dict("not an archive");
+          }).find("is not a LibTorch archive") != std::string::npos);
+    CHECK(error_of([&] { opt.load_local_state_dict(archive); }).find("no 'tandem_zero_version'") !=
+          std::string::npos);
     opt.load_local_state_dict(shares[r]);
     // Another model's state: 4 parameters, not 8.
     auto other = std::make_shared<torch::nn::LinearImpl>(6, 13);
@@ -331,8 +332,9 @@ TEST_CASE("zero: a share loads only into its own partition; foreign states are r
     z.group = g3.groups[r];
     optim::ZeroRedundancyOptimizer opt(net->parameters(), optim::Kind::kAdam, {}, z);
     if (r < 2) {
-      CHECK(error_of([&] { opt.load_local_state_dict(shares[r]); })
-                .find("of 2, this is rank " + std::to_string(r) + " of 3") != std::string::npos);
+      CHECK(error_of([&] {
+              opt.load_local_state_dict(shares[r]);
+            }).find("of 2, this is rank " + std::to_string(r) + " of 3") != std::string::npos);
     }
   });
 }
@@ -342,24 +344,33 @@ TEST_CASE("zero: bad arguments, and ranks whose parameters differ, fail on every
   on_ranks(2, [&](int r) {
     optim::ZeroOptions z;
     z.group = g.groups[r];
-    CHECK(error_of([&] { optim::ZeroRedundancyOptimizer({}, optim::Kind::kSGD, {}, z); })
-              .find("no parameters") != std::string::npos);
+    CHECK(error_of([&] {
+            optim::ZeroRedundancyOptimizer({}, optim::Kind::kSGD, {}, z);
+          }).find("no parameters") != std::string::npos);
     at::Tensor w = at::zeros({3, 3}).requires_grad_();
-    CHECK(error_of([&] { optim::ZeroRedundancyOptimizer({w, w}, optim::Kind::kSGD, {}, z); })
-              .find("parameter #1 is #0 again") != std::string::npos);
+    CHECK(error_of([&] {
+            optim::ZeroRedundancyOptimizer({w, w}, optim::Kind::kSGD, {}, z);
+          }).find("parameter #1 is #0 again") != std::string::npos);
     CHECK(error_of([&] {
             optim::ZeroRedundancyOptimizer({w.t()}, optim::Kind::kSGD, {}, z);
           }).find("parameter #0 is not contiguous") != std::string::npos);
     optim::ZeroOptions bad = z;
     bad.bucket_cap_mb = 0;
-    CHECK(error_of([&] { optim::ZeroRedundancyOptimizer({w}, optim::Kind::kSGD, {}, bad); })
-              .find("bucket_cap_mb") != std::string::npos);
+    CHECK(error_of([&] {
+            optim::ZeroRedundancyOptimizer({w}, optim::Kind::kSGD, {}, bad);
+          }).find("bucket_cap_mb") != std::string::npos);
     // Rank 1 passes a parameter of another shape.
     std::vector<at::Tensor> params{at::zeros({4}), at::zeros({r == 0 ? 5 : 6})};
     CHECK(error_of([&] { optim::ZeroRedundancyOptimizer(params, optim::Kind::kSGD, {}, z); }) ==
           "ZeroRedundancyOptimizer: the ranks' parameters differ at parameter #1: rank 0 has [5] "
           "Float, rank 1 has [6] Float (every rank must pass the same parameters in the same "
           "order)");
+    // Only rank 1's parameter is refused: both fail, and neither hangs.
+    at::Tensor m = at::zeros({3, 3});
+    CHECK(error_of([&] {
+            optim::ZeroRedundancyOptimizer({r == 1 ? m.t() : m}, optim::Kind::kSGD, {}, z);
+          }).find(r == 1 ? "parameter #0 is not contiguous" : "rank 1 has an error: ") !=
+          std::string::npos);
     optim::ZeroRedundancyOptimizer ok({w}, optim::Kind::kSGD, {}, z);
     CHECK(error_of([&] { ok.clip_grad_norm(0); }).find("max_norm") != std::string::npos);
     CHECK(error_of([&] { ok.set_lr(-1); }).find("not a finite number >= 0") != std::string::npos);
@@ -404,6 +415,49 @@ TEST_CASE("zero: stage 2 adds a gradient left from the last step, as DDP does") 
   for (int r = 0; r < n; ++r) check_same(params[r], ref->parameters());
 }
 
+TEST_CASE("zero: stage 2 with zero_grad after forward, and a forward between backward and step") {
+  // Each step: forward, zero_grad, backward, an evaluation forward, step.
+  const int n = 2;
+  Net ref = make_net(6);
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.05));
+  for (int s = 0; s < 3; ++s) {
+    auto b = concat(n, s);
+    at::Tensor loss = loss_of(ref, b);
+    ref_opt.zero_grad();
+    loss.backward();
+    ref->forward(b.x);
+    ref_opt.step();
+  }
+  Groups g(n);
+  std::vector<std::vector<at::Tensor>> params(n);
+  on_ranks(n, [&](int r) {
+    Net net = make_net(6);
+    optim::ZeroOptions z;
+    z.group = g.groups[r];
+    optim::Options o;
+    o.lr = 0.05;
+    optim::ZeroRedundancyOptimizer opt(net->parameters(), optim::Kind::kSGD, o, z);
+    ddp::DDPOptions d;
+    d.find_unused_parameters = true;
+    d.gradient_owner = opt.gradient_owner();
+    ddp::DistributedDataParallel<NetImpl> dnet(net, d, g.groups[r]);
+    for (int s = 0; s < 3; ++s) {
+      auto b = batch(r, s);
+      at::Tensor loss = loss_of(dnet, b);
+      opt.zero_grad(/*set_to_none=*/s % 2 == 0);
+      loss.backward();
+      {
+        auto evaluating = dnet.no_sync();
+        torch::NoGradGuard no_grad;
+        dnet(b.x);
+      }
+      opt.step();
+    }
+    params[r] = net->parameters();
+  });
+  for (int r = 0; r < n; ++r) check_same(params[r], ref->parameters());
+}
+
 TEST_CASE("zero: stage 2 refuses what it cannot do, naming it") {
   Groups g(2);
   on_ranks(2, [&](int r) {
@@ -414,11 +468,13 @@ TEST_CASE("zero: stage 2 refuses what it cannot do, naming it") {
     optim::ZeroRedundancyOptimizer opt(net->fc1->parameters(), optim::Kind::kSGD, {}, z);
     ddp::DDPOptions d;
     d.gradient_owner = opt.gradient_owner();
-    CHECK(error_of([&] { ddp::DistributedDataParallel<NetImpl> x(net, d, g.groups[r]); })
-              .find("gives parameter 'fc2.weight' to rank -1") != std::string::npos);
+    CHECK(error_of([&] {
+            ddp::DistributedDataParallel<NetImpl> x(net, d, g.groups[r]);
+          }).find("gives parameter 'fc2.weight' to rank -1") != std::string::npos);
     d.comm_hook = ddp::allreduce_hook();
-    CHECK(error_of([&] { ddp::DistributedDataParallel<NetImpl> x(net, d, g.groups[r]); })
-              .find("take no comm_hook") != std::string::npos);
+    CHECK(error_of([&] {
+            ddp::DistributedDataParallel<NetImpl> x(net, d, g.groups[r]);
+          }).find("take no comm_hook") != std::string::npos);
     optim::ZeroRedundancyOptimizer all(net->parameters(), optim::Kind::kSGD, {}, z);
     ddp::DDPOptions ok;
     ok.find_unused_parameters = true;
