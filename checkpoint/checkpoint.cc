@@ -1,0 +1,366 @@
+// Checkpoints on disk (checkpoint/checkpoint.h): a part per rank, committed
+// by rank 0's manifest; latest(); the checked reader.
+#include "tandem/checkpoint/checkpoint.h"
+
+#include <ATen/ops/empty.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+
+#include "tandem/checkpoint/manifest.h"
+#include "tandem/ddp/process_group.h"
+
+namespace tandem::checkpoint {
+namespace fs = std::filesystem;
+using detail::EntryIndex;
+using detail::Manifest;
+using detail::PartIndex;
+
+namespace {
+
+void check_name(const std::string& name, const char* what) {
+  if (name.empty() || std::any_of(name.begin(), name.end(), [](char c) {
+        return std::isspace(static_cast<unsigned char>(c)) != 0;
+      })) {
+    throw std::invalid_argument(std::string("checkpoint: ") + what + " '" + name +
+                                "' is empty or holds whitespace");
+  }
+}
+
+std::string errno_text() { return std::strerror(errno); }
+
+// Writes `chunks` to `path` and flushes it to disk; throws naming the path.
+void write_durably(const std::string& path,
+                   const std::vector<std::pair<const char*, size_t>>& chunks) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw std::runtime_error("checkpoint: cannot create " + path + ": " + errno_text());
+  for (const auto& [data, size] : chunks) {
+    size_t done = 0;
+    while (done < size) {
+      const ssize_t n = ::write(fd, data + done, size - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        const std::string why = errno_text();
+        ::close(fd);
+        throw std::runtime_error("checkpoint: cannot write " + path + ": " + why);
+      }
+      done += static_cast<size_t>(n);
+    }
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    throw std::runtime_error("checkpoint: cannot flush " + path + ": " + errno_text());
+  }
+}
+
+void sync_dir(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+std::string read_file(const std::string& path, const std::string& what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::invalid_argument(what + " is missing");
+  std::ostringstream s;
+  s << in.rdbuf();
+  return std::move(s).str();
+}
+
+// Step directories under `dir`, newest first.
+std::vector<std::pair<int64_t, std::string>> step_dirs(const std::string& dir) {
+  std::vector<std::pair<int64_t, std::string>> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (!e.is_directory() || name.rfind("step-", 0) != 0) continue;
+    try {
+      size_t used = 0;
+      const long long step = std::stoll(name.substr(5), &used);
+      if (used == name.size() - 5) out.emplace_back(step, e.path().string());
+    } catch (const std::logic_error&) {
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  return out;
+}
+
+// Every rank's error text ("" for none); throws on every rank when any is not empty.
+void agree(ddp::ProcessGroup* group, const std::string& mine) {
+  std::vector<std::string> all =
+      group ? group->all_gather_bytes(mine) : std::vector<std::string>{mine};
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (!all[r].empty()) {
+      throw std::runtime_error(
+          all.size() > 1 ? "checkpoint: rank " + std::to_string(r) + ": " + all[r] : all[r]);
+    }
+  }
+}
+
+}  // namespace
+
+Part& Part::add(const std::string& name, const at::Tensor& tensor) {
+  check_name(name, "entry");
+  if (!tensor.defined())
+    throw std::invalid_argument("checkpoint: entry '" + name + "' is undefined");
+  Entry e;
+  e.name = name;
+  e.is_tensor = true;
+  e.tensor = tensor.detach().to(at::kCPU).contiguous().clone();
+  entries_.push_back(std::move(e));
+  return *this;
+}
+
+Part& Part::add_bytes(const std::string& name, std::string bytes) {
+  check_name(name, "entry");
+  Entry e;
+  e.name = name;
+  e.bytes = std::move(bytes);
+  entries_.push_back(std::move(e));
+  return *this;
+}
+
+std::string step_path(const std::string& dir, int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step-%010lld", static_cast<long long>(step));
+  return (fs::path(dir) / buf).string();
+}
+
+void save(const std::string& dir, int64_t step, const Part& mine, const SaveOptions& options) {
+  if (options.keep < 1) throw std::invalid_argument("checkpoint::save: keep must be >= 1");
+  if (step < 0) throw std::invalid_argument("checkpoint::save: a negative step");
+  for (const auto& [k, v] : options.meta) {
+    check_name(k, "meta key");
+    if (v.find('\n') != std::string::npos) {
+      throw std::invalid_argument("checkpoint::save: meta '" + k + "' holds a newline");
+    }
+  }
+  ddp::ProcessGroup* group = options.group.get();
+  const int rank = group ? group->rank() : 0;
+  const int world = group ? group->size() : 1;
+  const std::string path = step_path(dir, step);
+  // 1. This rank's part, durably, and its index.
+  std::string error, lines;
+  try {
+    std::error_code ec;
+    fs::create_directories(path, ec);
+    if (ec) throw std::runtime_error("checkpoint: cannot make " + path + ": " + ec.message());
+    PartIndex part;
+    part.rank = rank;
+    part.file = "part-" + std::to_string(rank) + ".bin";
+    std::vector<std::pair<const char*, size_t>> chunks{{detail::kPartMagic, detail::kPartHeader}};
+    std::vector<EntryIndex> entries;
+    uint64_t offset = detail::kPartHeader;
+    uint64_t fnv = detail::fnv1a(detail::kPartMagic, detail::kPartHeader);
+    for (const auto& e : mine.entries()) {
+      EntryIndex x;
+      x.rank = rank;
+      x.name = e.name;
+      x.is_tensor = e.is_tensor;
+      const char* data =
+          e.is_tensor ? static_cast<const char*>(e.tensor.data_ptr()) : e.bytes.data();
+      const size_t size = e.is_tensor ? e.tensor.nbytes() : e.bytes.size();
+      if (e.is_tensor) {
+        x.dtype = static_cast<int64_t>(e.tensor.scalar_type());
+        x.shape = e.tensor.sizes().vec();
+      }
+      x.offset = offset;
+      x.bytes = size;
+      offset += size;
+      fnv = detail::fnv1a(data, size, fnv);
+      chunks.emplace_back(data, size);
+      entries.push_back(std::move(x));
+    }
+    part.bytes = offset;
+    part.fnv = fnv;
+    const std::string final_path = (fs::path(path) / part.file).string();
+    write_durably(final_path + ".tmp", chunks);
+    if (::rename((final_path + ".tmp").c_str(), final_path.c_str()) != 0) {
+      throw std::runtime_error("checkpoint: cannot rename " + final_path + ".tmp: " + errno_text());
+    }
+    lines = detail::part_lines(part, entries);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  agree(group, error);
+  // 2. Rank 0 commits the step with its manifest, then prunes.
+  std::vector<std::string> all =
+      group ? group->gather_bytes(lines, 0) : std::vector<std::string>{lines};
+  error.clear();
+  if (rank == 0) {
+    try {
+      // Names are unique within a step.
+      std::map<std::string, size_t> owner;
+      for (size_t r = 0; r < all.size(); ++r) {
+        std::istringstream in(all[r]);
+        for (std::string l; std::getline(in, l);) {
+          std::istringstream f(l);
+          std::string kind, rk, name;
+          f >> kind >> rk >> name;
+          if (kind == "part") continue;
+          auto [it, fresh] = owner.emplace(name, r);
+          if (!fresh) {
+            throw std::invalid_argument("checkpoint::save: ranks " + std::to_string(it->second) +
+                                        " and " + std::to_string(r) + " both save '" + name + "'");
+          }
+        }
+      }
+      Manifest head;
+      head.step = step;
+      head.world = world;
+      head.meta = options.meta;
+      const std::string text = detail::encode(head, all);
+      const std::string manifest = (fs::path(path) / "MANIFEST").string();
+      write_durably(manifest + ".tmp", {{text.data(), text.size()}});
+      if (::rename((manifest + ".tmp").c_str(), manifest.c_str()) != 0) {
+        throw std::runtime_error("checkpoint: cannot rename " + manifest + ".tmp: " + errno_text());
+      }
+      sync_dir(path);
+      // Keep the newest `keep` complete ones; drop anything older.
+      int complete = 0;
+      for (const auto& [s, p] : step_dirs(dir)) {
+        bool valid = false;
+        try {
+          detail::decode(read_file((fs::path(p) / "MANIFEST").string(), p), p);
+          valid = true;
+        } catch (const std::exception&) {
+        }
+        if (valid && complete < options.keep) {
+          ++complete;
+          continue;
+        }
+        if (complete > 0 && s < step) {
+          std::error_code ec;
+          fs::remove_all(p, ec);
+        }
+      }
+      sync_dir(dir);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  agree(group, error);
+}
+
+std::optional<Found> latest(const std::string& dir) {
+  Found found;
+  for (const auto& [step, path] : step_dirs(dir)) {
+    try {
+      detail::decode(read_file((fs::path(path) / "MANIFEST").string(), path + "/MANIFEST"),
+                     path + "/MANIFEST");
+      found.step = step;
+      found.path = path;
+      return found;
+    } catch (const std::exception& e) {
+      found.skipped.push_back(path + ": " + e.what());
+    }
+  }
+  return std::nullopt;
+}
+
+struct Reader::Impl {
+  std::string path;
+  Manifest m;
+  std::map<std::string, const EntryIndex*> by_name;
+  std::map<int, const PartIndex*> parts;
+  mutable std::mutex mu;
+  mutable std::map<int, std::string> verified;  // rank -> its part's bytes, once checked
+
+  const std::string& part_bytes(int rank) const {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = verified.find(rank);
+    if (it != verified.end()) return it->second;
+    const PartIndex& p = *parts.at(rank);
+    const std::string file = (fs::path(path) / p.file).string();
+    std::string data = read_file(file, file);
+    if (data.size() != p.bytes) {
+      throw std::invalid_argument(file + " has " + std::to_string(data.size()) +
+                                  " bytes, the manifest says " + std::to_string(p.bytes) +
+                                  " (truncated, or another checkpoint's)");
+    }
+    if (data.compare(0, detail::kPartHeader, detail::kPartMagic) != 0 ||
+        detail::fnv1a(data.data(), data.size()) != p.fnv) {
+      throw std::invalid_argument(file +
+                                  ": its checksum does not match the manifest's (altered, "
+                                  "or another checkpoint's part)");
+    }
+    return verified.emplace(rank, std::move(data)).first->second;
+  }
+
+  const EntryIndex& entry(const std::string& name) const {
+    auto it = by_name.find(name);
+    if (it == by_name.end()) {
+      throw std::invalid_argument(path + " holds no '" + name + "'");
+    }
+    return *it->second;
+  }
+};
+
+Reader::Reader(const std::string& path) : impl_(std::make_unique<Impl>()) {
+  impl_->path = path;
+  const std::string manifest = (fs::path(path) / "MANIFEST").string();
+  impl_->m = detail::decode(read_file(manifest, manifest), manifest);
+  for (const auto& p : impl_->m.parts) impl_->parts[p.rank] = &p;
+  for (const auto& e : impl_->m.entries) impl_->by_name[e.name] = &e;
+}
+
+Reader::~Reader() = default;
+
+int64_t Reader::step() const { return impl_->m.step; }
+int Reader::world_size() const { return impl_->m.world; }
+
+std::vector<std::string> Reader::names() const {
+  std::vector<std::string> out;
+  for (const auto& [name, _] : impl_->by_name) out.push_back(name);
+  return out;
+}
+
+bool Reader::contains(const std::string& name) const { return impl_->by_name.count(name) > 0; }
+
+int Reader::rank_of(const std::string& name) const { return impl_->entry(name).rank; }
+
+at::Tensor Reader::tensor(const std::string& name) const {
+  const EntryIndex& e = impl_->entry(name);
+  if (!e.is_tensor)
+    throw std::invalid_argument(impl_->path + ": '" + name + "' is bytes, not a tensor");
+  const auto dtype = static_cast<at::ScalarType>(e.dtype);
+  at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(dtype));
+  if (t.nbytes() != e.bytes) {
+    throw std::invalid_argument(impl_->path + ": '" + name + "' has " + std::to_string(e.bytes) +
+                                " bytes, its shape and dtype " + std::to_string(t.nbytes()));
+  }
+  const std::string& data = impl_->part_bytes(e.rank);
+  std::memcpy(t.data_ptr(), data.data() + e.offset, e.bytes);
+  return t;
+}
+
+std::string Reader::bytes(const std::string& name) const {
+  const EntryIndex& e = impl_->entry(name);
+  if (e.is_tensor)
+    throw std::invalid_argument(impl_->path + ": '" + name + "' is a tensor, not bytes");
+  return impl_->part_bytes(e.rank).substr(e.offset, e.bytes);
+}
+
+const std::map<std::string, std::string>& Reader::meta() const { return impl_->m.meta; }
+
+void Reader::expect_meta(const std::string& key, const std::string& value) const {
+  auto it = impl_->m.meta.find(key);
+  if (it == impl_->m.meta.end() || it->second != value) {
+    throw std::invalid_argument(impl_->path + ": its " + key + " is '" +
+                                (it == impl_->m.meta.end() ? std::string("(none)") : it->second) +
+                                "', this job's '" + value + "'");
+  }
+}
+
+}  // namespace tandem::checkpoint

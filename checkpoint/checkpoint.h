@@ -1,0 +1,125 @@
+#pragma once
+// Whole-job checkpoints on disk: every rank writes its own part of a step,
+// in parallel, into one directory per step, and one coordinator commits
+// the step atomically with a manifest.
+//
+//   checkpoint::Part mine;
+//   mine.add("0.weight", stage_weight);           // named tensors (any CPU dtype)
+//   mine.add_bytes("sampler", sampler_state);     // and named bytes
+//   checkpoint::SaveOptions o;
+//   o.keep = 3;
+//   o.meta = {{"layout", "pp=2 dp=2"}};
+//   checkpoint::save("ckpt", step, mine, o);      // collective over o.group
+//   ...
+//   if (auto found = checkpoint::latest("ckpt")) {
+//     checkpoint::Reader r(found->path);
+//     at::Tensor w = r.tensor("0.weight");        // from whichever part holds it
+//   }
+//
+// What it promises:
+//  1. Layout: DIR/step-NNNNNNNNNN/ holds part-R.bin for every rank R that
+//     saved and MANIFEST. A part is written to part-R.bin.tmp, flushed to
+//     disk (fsync) and renamed; once every rank's part is in, rank 0 writes
+//     MANIFEST.tmp (each part's size and FNV-1a checksum; each entry's part,
+//     dtype, shape, offset and size; the world size; the caller's meta),
+//     fsyncs it, renames it to MANIFEST and fsyncs the directory. A step
+//     directory without a valid MANIFEST is not a checkpoint. Then the
+//     complete checkpoints beyond the newest `keep` are removed, and so are
+//     incomplete directories older than the newest complete one.
+//  2. save() is collective over the group (every rank calls it with the
+//     same dir and step); it returns on every rank once the step is
+//     committed, or throws on every rank when any rank's part or the
+//     manifest could not be written (naming the rank and the file).
+//  3. latest(dir) is the newest step with a valid manifest; each newer
+//     directory it passed over is named in Found::skipped with the reason.
+//  4. Reader checks the manifest when made and a part's size and checksum
+//     the first time it reads from it: a missing, truncated, altered or
+//     foreign part, or an altered manifest, is std::invalid_argument naming
+//     the file and what is wrong. expect_meta() compares a meta value (a
+//     model's fingerprint, say) and names both when they differ.
+//  5. Names are non-empty, without whitespace, unique within a step (two
+//     ranks saving one name is an error at save, naming both ranks).
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace tandem::ddp {
+class ProcessGroup;
+}
+
+namespace tandem::checkpoint {
+
+// One rank's part of a step.
+class Part {
+ public:
+  // The tensor's values (moved to the CPU, made contiguous) at the time of
+  // the call.
+  Part& add(const std::string& name, const at::Tensor& tensor);
+  Part& add_bytes(const std::string& name, std::string bytes);
+
+  struct Entry {
+    std::string name;
+    bool is_tensor = false;
+    at::Tensor tensor;  // CPU, contiguous
+    std::string bytes;
+  };
+  const std::vector<Entry>& entries() const { return entries_; }
+
+ private:
+  std::vector<Entry> entries_;
+};
+
+struct SaveOptions {
+  // The ranks that save together; null: this process alone (world 1).
+  std::shared_ptr<ddp::ProcessGroup> group;
+  int keep = 2;  // complete checkpoints kept (>= 1)
+  // Written into the manifest: the layout, a model's fingerprint, the step's
+  // metrics. Keys without whitespace; values without newlines.
+  std::map<std::string, std::string> meta;
+};
+
+void save(const std::string& dir, int64_t step, const Part& mine, const SaveOptions& options = {});
+
+struct Found {
+  int64_t step = 0;
+  std::string path;                  // DIR/step-NNNNNNNNNN
+  std::vector<std::string> skipped;  // newer directories passed over, and why
+};
+std::optional<Found> latest(const std::string& dir);
+
+// The directory of `step` under `dir`.
+std::string step_path(const std::string& dir, int64_t step);
+
+class Reader {
+ public:
+  // Reads and checks PATH/MANIFEST.
+  explicit Reader(const std::string& path);
+  ~Reader();
+  Reader(const Reader&) = delete;
+  Reader& operator=(const Reader&) = delete;
+
+  int64_t step() const;
+  int world_size() const;
+  std::vector<std::string> names() const;  // every entry, sorted
+  bool contains(const std::string& name) const;
+  at::Tensor tensor(const std::string& name) const;
+  std::string bytes(const std::string& name) const;
+  // The rank whose part holds `name`.
+  int rank_of(const std::string& name) const;
+  const std::map<std::string, std::string>& meta() const;
+  // std::invalid_argument naming the key and both values when the
+  // manifest's value differs from `value` (or is missing).
+  void expect_meta(const std::string& key, const std::string& value) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tandem::checkpoint

@@ -1,0 +1,208 @@
+// Checkpoints on disk: parts saved by every rank (threads of this process)
+// and committed by a manifest, latest(), pruning, and every bad input.
+#include <ATen/ops/arange.h>
+#include <ATen/ops/randn.h>
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "ddp/ddp_support.h"
+#include "tandem/checkpoint/checkpoint.h"
+
+using namespace tandem;
+using test::error_of;
+using test::Groups;
+using test::on_ranks;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct TempDir {
+  TempDir() {
+    char tmpl[] = "/tmp/tandem-ckpt-XXXXXX";
+    path = ::mkdtemp(tmpl);
+  }
+  ~TempDir() { fs::remove_all(path); }
+  std::string path;
+};
+
+// Rank r's bytes: text, a newline, a NUL and more.
+std::string note_of(int r) {
+  std::string b = "rank " + std::to_string(r) + "\n";
+  b.push_back('\0');
+  return b + "binary";
+}
+
+// Rank r's part: a float and an int tensor, and bytes.
+checkpoint::Part part_of(int r, int64_t step) {
+  checkpoint::Part p;
+  p.add("w" + std::to_string(r), at::arange(6, at::kFloat).view({2, 3}) * (r + 1) + step);
+  p.add("ids" + std::to_string(r), at::arange(4, at::kLong) + r);
+  p.add_bytes("note" + std::to_string(r), note_of(r));
+  return p;
+}
+
+void save_on(Groups& g, const std::string& dir, int64_t step, int keep = 2) {
+  on_ranks(g.size(), [&](int r) {
+    checkpoint::SaveOptions o;
+    o.group = g.groups[r];
+    o.keep = keep;
+    o.meta = {{"layout", "dp=" + std::to_string(g.size())}, {"model", "mlp 2x3"}};
+    checkpoint::save(dir, step, part_of(r, step), o);
+  });
+}
+
+// Replaces byte `at` of `file` (negative: from the end) or cuts it to `size`.
+void flip_byte(const std::string& file, long at) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(at, at < 0 ? std::ios::end : std::ios::beg);
+  char c;
+  f.get(c);
+  f.seekp(at, at < 0 ? std::ios::end : std::ios::beg);
+  f.put(static_cast<char>(c ^ 0x5a));
+}
+
+}  // namespace
+
+TEST_CASE("checkpoint: three ranks save their parts, one manifest commits them, any rank reads") {
+  TempDir tmp;
+  Groups g(3);
+  save_on(g, tmp.path, 10);
+  auto found = checkpoint::latest(tmp.path);
+  REQUIRE(found);
+  CHECK(found->step == 10);
+  CHECK(found->skipped.empty());
+  CHECK(found->path == checkpoint::step_path(tmp.path, 10));
+  for (int r = 0; r < 3; ++r)
+    CHECK(fs::exists(found->path + "/part-" + std::to_string(r) + ".bin"));
+  CHECK_FALSE(fs::exists(found->path + "/MANIFEST.tmp"));
+  checkpoint::Reader rd(found->path);
+  CHECK(rd.step() == 10);
+  CHECK(rd.world_size() == 3);
+  CHECK(rd.names().size() == 9);
+  for (int r = 0; r < 3; ++r) {
+    const std::string s = std::to_string(r);
+    CHECK(rd.rank_of("w" + s) == r);
+    CHECK(at::equal(rd.tensor("w" + s), at::arange(6, at::kFloat).view({2, 3}) * (r + 1) + 10));
+    CHECK(at::equal(rd.tensor("ids" + s), at::arange(4, at::kLong) + r));
+    CHECK(rd.bytes("note" + s) == note_of(r));
+  }
+  CHECK(rd.meta().at("layout") == "dp=3");
+  rd.expect_meta("model", "mlp 2x3");
+  CHECK(error_of([&] {
+          rd.expect_meta("model", "gpt");
+        }).find("its model is 'mlp 2x3', this job's 'gpt'") != std::string::npos);
+  CHECK(error_of([&] { rd.tensor("nope"); }).find("holds no 'nope'") != std::string::npos);
+  CHECK(error_of([&] { rd.bytes("w0"); }).find("is a tensor, not bytes") != std::string::npos);
+}
+
+TEST_CASE("checkpoint: the last K are kept, and latest() passes over an incomplete newer step") {
+  TempDir tmp;
+  Groups g(2);
+  for (int64_t step : {1, 2, 3, 4}) save_on(g, tmp.path, step, /*keep=*/2);
+  CHECK_FALSE(fs::exists(checkpoint::step_path(tmp.path, 1)));
+  CHECK_FALSE(fs::exists(checkpoint::step_path(tmp.path, 2)));
+  CHECK(fs::exists(checkpoint::step_path(tmp.path, 3)));
+  // A save that died before its manifest: parts, no MANIFEST.
+  const std::string dead = checkpoint::step_path(tmp.path, 5);
+  fs::create_directories(dead);
+  fs::copy_file(checkpoint::step_path(tmp.path, 4) + "/part-0.bin", dead + "/part-0.bin");
+  auto found = checkpoint::latest(tmp.path);
+  REQUIRE(found);
+  CHECK(found->step == 4);
+  REQUIRE(found->skipped.size() == 1);
+  CHECK(found->skipped[0].find("step-0000000005/MANIFEST is missing") != std::string::npos);
+  // The next complete save removes the dead one (older than it) with the rest.
+  save_on(g, tmp.path, 6, 2);
+  CHECK_FALSE(fs::exists(dead));
+  CHECK(checkpoint::latest(tmp.path)->step == 6);
+  CHECK_FALSE(checkpoint::latest(tmp.path + "/none"));
+}
+
+TEST_CASE("checkpoint: missing, truncated, altered and foreign parts, and an altered manifest") {
+  TempDir tmp;
+  Groups g(2);
+  save_on(g, tmp.path, 7);
+  save_on(g, tmp.path, 8);
+  const std::string seven = checkpoint::step_path(tmp.path, 7);
+  const std::string eight = checkpoint::step_path(tmp.path, 8);
+  {
+    // Altered: a byte of a tensor.
+    flip_byte(eight + "/part-1.bin", -3);
+    checkpoint::Reader rd(eight);
+    CHECK(
+        at::equal(rd.tensor("w0"), at::arange(6, at::kFloat).view({2, 3}) + 8));  // part 0 is fine
+    CHECK(error_of([&] { rd.tensor("w1"); }).find("part-1.bin: its checksum does not match") !=
+          std::string::npos);
+    flip_byte(eight + "/part-1.bin", -3);  // back
+    CHECK(at::equal(checkpoint::Reader(eight).tensor("w1"),
+                    at::arange(6, at::kFloat).view({2, 3}) * 2 + 8));
+  }
+  {
+    // Foreign: step 7's part in step 8 (same size, other values).
+    fs::copy_file(seven + "/part-0.bin", eight + "/part-0.bin",
+                  fs::copy_options::overwrite_existing);
+    CHECK(error_of([&] {
+            checkpoint::Reader(eight).tensor("w0");
+          }).find("part-0.bin: its checksum does not match the manifest's") != std::string::npos);
+  }
+  {
+    // Truncated, and missing.
+    fs::resize_file(seven + "/part-1.bin", 20);
+    CHECK(error_of([&] {
+            checkpoint::Reader(seven).bytes("note1");
+          }).find("part-1.bin has 20 bytes, the manifest says") != std::string::npos);
+    fs::remove(seven + "/part-1.bin");
+    CHECK(error_of([&] {
+            checkpoint::Reader(seven).tensor("ids1");
+          }).find("part-1.bin is missing") != std::string::npos);
+  }
+  {
+    // An altered manifest is refused whole, and latest() passes over it.
+    flip_byte(eight + "/MANIFEST", 30);
+    CHECK(error_of([&] {
+            checkpoint::Reader rd(eight);
+          }).find("MANIFEST: its checksum does not match") != std::string::npos);
+    auto found = checkpoint::latest(tmp.path);
+    REQUIRE(found);
+    CHECK(found->step == 7);
+    CHECK(found->skipped.size() == 1);
+  }
+}
+
+TEST_CASE("checkpoint: bad arguments, and two ranks saving one name, fail on every rank") {
+  TempDir tmp;
+  CHECK(error_of([] { checkpoint::Part().add("a b", at::ones({1})); }).find("holds whitespace") !=
+        std::string::npos);
+  CHECK(error_of([] { checkpoint::Part().add_bytes("", "x"); }).find("is empty") !=
+        std::string::npos);
+  checkpoint::SaveOptions bad;
+  bad.keep = 0;
+  CHECK(error_of([&] { checkpoint::save(tmp.path, 1, {}, bad); }).find("keep must be >= 1") !=
+        std::string::npos);
+  Groups g(2);
+  std::vector<std::string> errors(2);
+  on_ranks(2, [&](int r) {
+    checkpoint::Part p;
+    p.add("same", at::ones({2}) * r);
+    checkpoint::SaveOptions o;
+    o.group = g.groups[r];
+    errors[r] = error_of([&] { checkpoint::save(tmp.path, 3, p, o); });
+  });
+  for (const auto& e : errors) CHECK(e.find("ranks 0 and 1 both save 'same'") != std::string::npos);
+  CHECK_FALSE(checkpoint::latest(tmp.path));  // nothing was committed
+  // Alone (no group): world 1.
+  checkpoint::save(tmp.path, 4, part_of(0, 4));
+  CHECK(checkpoint::Reader(checkpoint::latest(tmp.path)->path).world_size() == 1);
+}
+
+namespace tandem::test {
+// This binary starts no worker processes.
+int worker_main(const std::string& mode) {
+  std::fprintf(stderr, "test_checkpoint has no worker mode '%s'\n", mode.c_str());
+  return 2;
+}
+}  // namespace tandem::test
