@@ -114,83 +114,68 @@ Result train_sharded(const Config& c, const at::Tensor& x, const at::Tensor& y,
   return r;
 }
 
+// ddp, zero1, zero2: the model whole on every rank under DDP.
+Result train_replicated(const Config& c, const std::string& mode, const at::Tensor& x,
+                        const at::Tensor& y, std::vector<double>& ms) {
+  auto model = make_model(c);
+  std::unique_ptr<optim::ZeroRedundancyOptimizer> zero;
+  std::unique_ptr<torch::optim::Adam> adam;
+  ddp::DDPOptions d;
+  if (mode == "ddp") {
+    adam =
+        std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-4));
+  } else {
+    optim::Options o;
+    o.lr = 1e-4;
+    zero = std::make_unique<optim::ZeroRedundancyOptimizer>(model->parameters(), optim::Kind::kAdam,
+                                                            o);
+    if (mode == "zero2") d.gradient_owner = zero->gradient_owner();
+  }
+  ddp::DistributedDataParallel net(model, d);
+  Result r;
+  for (int i = 0; i < c.warmup + c.steps; ++i) {
+    const auto t0 = Clock::now();
+    torch::nn::functional::mse_loss(net(x), y).backward();
+    if (zero) {
+      zero->step();
+    } else {
+      adam->step();
+    }
+    if (i >= c.warmup) ms.push_back(ms_since(t0));
+    if (i + 1 == c.warmup + c.steps) {
+      // What this rank holds after a step, before the gradients are dropped.
+      for (const auto& p : model->parameters()) {
+        r.params += p.numel();
+        r.bytes += bytes_of(p) + bytes_of(p.grad());
+      }
+      r.bytes += zero ? zero->state_bytes() : adam_state_bytes(*adam);
+    }
+    if (zero) {
+      zero->zero_grad();
+    } else {
+      adam->zero_grad();
+    }
+  }
+  return r;
+}
+
 // One rank of a job: trains, and rank 0 writes what it measured to `out`.
 void worker(const Config& c, const std::string& mode, const std::string& out) {
   tandem::rpc::set_num_threads(1);
   ddp::init_process_group("gloo");
-  if (mode == "zero3") {
-    const int rank = ddp::get_rank();
-    auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(100 + rank));
-    const at::Tensor x = at::randn({c.batch, c.width}, gen);
-    const at::Tensor y = at::randn({c.batch, c.width}, gen);
-    std::vector<double> ms;
-    Result r = train_sharded(c, x, y, ms);
-    if (rank == 0) {
-      rusage u{};
-      ::getrusage(RUSAGE_SELF, &u);
-      std::ofstream f(out);
-      f << r.params << " " << r.bytes << " " << static_cast<double>(u.ru_maxrss) / 1024.0 << " "
-        << tandem::bench::median(ms) << " " << r.largest_unit << "\n";
-    }
-    ddp::destroy_process_group();
-    return;
-  }
-  {
-    auto model = make_model(c);
-    const int rank = ddp::get_rank();
-    std::unique_ptr<optim::ZeroRedundancyOptimizer> zero;
-    std::unique_ptr<torch::optim::Adam> adam;
-    ddp::DDPOptions d;
-    if (mode == "ddp") {
-      adam = std::make_unique<torch::optim::Adam>(model->parameters(),
-                                                  torch::optim::AdamOptions(1e-4));
-    } else {
-      optim::Options o;
-      o.lr = 1e-4;
-      zero = std::make_unique<optim::ZeroRedundancyOptimizer>(model->parameters(),
-                                                              optim::Kind::kAdam, o);
-      if (mode == "zero2") d.gradient_owner = zero->gradient_owner();
-    }
-    ddp::DistributedDataParallel net(model, d);
-    auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(100 + rank));
-    const at::Tensor x = at::randn({c.batch, c.width}, gen);
-    const at::Tensor y = at::randn({c.batch, c.width}, gen);
-    std::vector<double> ms;
-    Result r;
-    for (int i = 0; i < c.warmup + c.steps; ++i) {
-      const auto t0 = Clock::now();
-      torch::nn::functional::mse_loss(net(x), y).backward();
-      if (zero) {
-        zero->step();
-      } else {
-        adam->step();
-      }
-      if (i >= c.warmup) ms.push_back(ms_since(t0));
-      if (i + 1 == c.warmup + c.steps) {
-        // What this rank holds after a step, before the gradients are dropped.
-        for (const auto& p : model->parameters()) {
-          r.params += p.numel();
-          r.bytes += bytes_of(p) + bytes_of(p.grad());
-        }
-        if (zero) {
-          r.bytes += zero->state_bytes();
-        } else {
-          r.bytes += adam_state_bytes(*adam);
-        }
-      }
-      if (zero) {
-        zero->zero_grad();
-      } else {
-        adam->zero_grad();
-      }
-    }
-    if (rank == 0) {
-      rusage u{};
-      ::getrusage(RUSAGE_SELF, &u);
-      std::ofstream f(out);
-      f << r.params << " " << r.bytes << " " << static_cast<double>(u.ru_maxrss) / 1024.0 << " "
-        << tandem::bench::median(ms) << " 0\n";
-    }
+  const int rank = ddp::get_rank();
+  auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(100 + rank));
+  const at::Tensor x = at::randn({c.batch, c.width}, gen);
+  const at::Tensor y = at::randn({c.batch, c.width}, gen);
+  std::vector<double> ms;
+  const Result r =
+      mode == "zero3" ? train_sharded(c, x, y, ms) : train_replicated(c, mode, x, y, ms);
+  if (rank == 0) {
+    rusage u{};
+    ::getrusage(RUSAGE_SELF, &u);
+    std::ofstream f(out);
+    f << r.params << " " << r.bytes << " " << static_cast<double>(u.ru_maxrss) / 1024.0 << " "
+      << tandem::bench::median(ms) << " " << r.largest_unit << "\n";
   }
   ddp::destroy_process_group();
 }

@@ -5,13 +5,16 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/sum.h>
+#include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
+#include <c10/core/GradMode.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #ifdef TANDEM_WITH_NCCL
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 
 #include "tandem/ddp/process_group.h"
@@ -184,6 +187,38 @@ std::vector<std::string> ProcessGroup::gather_bytes(const std::string& mine, int
   std::vector<std::string> out;
   for (size_t r = 0; r < all.size(); ++r) out.push_back(string_of(all[r], n[r]));
   return out;
+}
+
+double ProcessGroup::clip_grad_norm(const std::vector<at::Tensor>& mine,
+                                    const std::vector<at::Tensor>& scaled, double max_norm,
+                                    const std::string& who, std::chrono::milliseconds timeout) {
+  if (!(max_norm > 0) || !std::isfinite(max_norm)) {
+    throw std::invalid_argument(who + ": max_norm must be a finite number > 0, not " +
+                                std::to_string(max_norm));
+  }
+  c10::AutoGradMode no_grad(false);
+  double squares = 0;
+  for (const auto& g : mine) {
+    if (g.defined()) squares += g.to(at::kDouble).pow(2).sum().item<double>();
+  }
+  // Summed where the gradients are (the CPU for gloo, their GPU for nccl).
+  c10::Device device = bytes_device();
+  for (const auto& g : scaled) {
+    if (g.defined()) {
+      device = g.device();
+      break;
+    }
+  }
+  at::Tensor sum = at::tensor({squares}, at::kDouble).to(device);
+  if (size_ > 1) all_reduce(sum, ReduceOp::kSum, timeout);
+  const double total = std::sqrt(sum.cpu().item<double>());
+  const double coef = max_norm / (total + 1e-6);  // as LibTorch's clip_grad_norm_
+  if (coef < 1) {
+    for (auto g : scaled) {
+      if (g.defined()) g.mul_(coef);
+    }
+  }
+  return total;
 }
 
 void ProcessGroup::expect_same_lines(const std::vector<std::string>& lines, const std::string& who,

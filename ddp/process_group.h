@@ -199,6 +199,17 @@ class ProcessGroup {
                          std::chrono::milliseconds timeout = kGroupTimeout,
                          std::optional<c10::Device> device = std::nullopt);
 
+  // LibTorch's clip_grad_norm_ over a model whose gradients are shared out
+  // over the group: `mine` are the gradients this rank counts (each of the
+  // model's counted by exactly one rank; undefined ones skipped), their
+  // squares are summed over the group, and when max_norm / (total + 1e-6)
+  // is below 1 every defined gradient of `scaled` is multiplied by it.
+  // Returns the total norm. Collective. `who` begins the error for a
+  // max_norm that is not a finite number > 0.
+  double clip_grad_norm(const std::vector<at::Tensor>& mine, const std::vector<at::Tensor>& scaled,
+                        double max_norm, const std::string& who,
+                        std::chrono::milliseconds timeout = kGroupTimeout);
+
   // The c10d group itself, for what this front does not cover.
   C10dEngine& c10d() { return *pg_; }
 

@@ -281,29 +281,11 @@ void ZeroRedundancyOptimizer::zero_grad(bool set_to_none) {
 
 double ZeroRedundancyOptimizer::clip_grad_norm(double max_norm) {
   Impl& m = *impl_;
-  if (!(max_norm > 0) || !std::isfinite(max_norm)) {
-    throw std::invalid_argument(
-        "ZeroRedundancyOptimizer::clip_grad_norm: max_norm must be a "
-        "finite number > 0, not " +
-        std::to_string(max_norm));
-  }
-  c10::AutoGradMode no_grad(false);
-  double squares = 0;
-  for (size_t i : m.shares[static_cast<size_t>(m.rank())]) {
-    const at::Tensor& g = m.params[i].grad();
-    if (g.defined()) squares += g.to(at::kDouble).pow(2).sum().item<double>();
-  }
-  at::Tensor sum = at::tensor({squares}, at::kDouble).to(m.params.front().device());
-  if (m.size() > 1) m.group->all_reduce(sum, ddp::ReduceOp::kSum, m.zero.timeout);
-  const double total = std::sqrt(sum.cpu().item<double>());
-  // As LibTorch's clip_grad_norm_.
-  const double coef = max_norm / (total + 1e-6);
-  if (coef < 1) {
-    for (auto& p : m.params) {
-      if (p.grad().defined()) p.mutable_grad().mul_(coef);
-    }
-  }
-  return total;
+  std::vector<at::Tensor> mine, all;
+  for (size_t i : m.shares[static_cast<size_t>(m.rank())]) mine.push_back(m.params[i].grad());
+  for (const auto& p : m.params) all.push_back(p.grad());
+  return m.group->clip_grad_norm(mine, all, max_norm, "ZeroRedundancyOptimizer::clip_grad_norm",
+                                 m.zero.timeout);
 }
 
 double ZeroRedundancyOptimizer::lr() const { return impl_->options.lr; }

@@ -15,29 +15,12 @@ namespace tandem::ddp {
 
 double FullyShardedDataParallel::clip_grad_norm(double max_norm) {
   Impl& m = *impl_;
-  if (!(max_norm > 0) || !std::isfinite(max_norm)) {
-    throw std::invalid_argument(
-        "FullyShardedDataParallel::clip_grad_norm: max_norm must be a "
-        "finite number > 0, not " +
-        std::to_string(max_norm));
-  }
-  c10::AutoGradMode no_grad(false);
-  double squares = 0;
+  std::vector<at::Tensor> grads;  // each rank's shards: every element counted once
   for (const auto& u : m.units) {
-    if (u.shard.defined() && u.shard.grad().defined()) {
-      squares += u.shard.grad().to(at::kDouble).pow(2).sum().item<double>();
-    }
+    if (u.shard.defined()) grads.push_back(u.shard.grad());
   }
-  at::Tensor sum = at::tensor({squares}, at::kDouble).to(m.params[0].tensor.device());
-  if (m.size() > 1) m.group->all_reduce(sum, ReduceOp::kSum, m.timeout());
-  const double total = std::sqrt(sum.cpu().item<double>());
-  const double coef = max_norm / (total + 1e-6);  // as LibTorch's clip_grad_norm_
-  if (coef < 1) {
-    for (auto& u : m.units) {
-      if (u.shard.defined() && u.shard.grad().defined()) u.shard.mutable_grad().mul_(coef);
-    }
-  }
-  return total;
+  return m.group->clip_grad_norm(grads, grads, max_norm, "FullyShardedDataParallel::clip_grad_norm",
+                                 m.timeout());
 }
 
 std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallel::full_state_dict(int to) {

@@ -95,12 +95,7 @@ int drive_data_parallel(const Job& job) {
       }
     }
     if (!speak) return;
-    Checkpoint ck;
-    ck.step = done;
-    ck.seed = cfg.seed;
-    ck.corpus_fnv = job.corpus.fingerprint;
-    ck.vocab = job.corpus.vocab;
-    ck.shape = {cfg.layers, cfg.dim, cfg.heads, cfg.context};
+    Checkpoint ck = checkpoint_at(job, done);
     ck.counts = {cfg.layers + 2};
     for (auto& [name, t] : params) ck.model[name] = t;
     ck.optim.kind = optim::Kind::kAdam;

@@ -58,6 +58,17 @@ double lr_factor(const Config& cfg, int64_t step) {
   return 0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * t));
 }
 
+Checkpoint checkpoint_at(const Job& job, int64_t done) {
+  const Config& cfg = job.cfg;
+  Checkpoint ck;
+  ck.step = done;
+  ck.seed = cfg.seed;
+  ck.corpus_fnv = job.corpus.fingerprint;
+  ck.vocab = job.corpus.vocab;
+  ck.shape = {cfg.layers, cfg.dim, cfg.heads, cfg.context};
+  return ck;
+}
+
 int drive(const Job& job) {
   const Config& cfg = job.cfg;
   tandem::Mesh& mesh = job.mesh;
@@ -131,12 +142,7 @@ int drive(const Job& job) {
   const auto dp = mesh.size("dp") > 1 ? mesh.group("dp") : nullptr;
   double loss = 0;
   auto save = [&](int64_t done, optim::OptimizerState state) {
-    Checkpoint ck;
-    ck.step = done;
-    ck.seed = cfg.seed;
-    ck.corpus_fnv = job.corpus.fingerprint;
-    ck.vocab = job.corpus.vocab;
-    ck.shape = {cfg.layers, cfg.dim, cfg.heads, cfg.context};
+    Checkpoint ck = checkpoint_at(job, done);
     ck.counts = counts;
     for (size_t s = 0, first = 0; s < stages.size(); first += per_stage[s], ++s) {
       add_stage_part(ck.model, stages[s].state_dict(), static_cast<int64_t>(first));

@@ -29,6 +29,10 @@ int drive(const Job& job);
 // FullyShardedDataParallel with each block a unit (3) (data_parallel.cc).
 int drive_data_parallel(const Job& job);
 
+// A checkpoint after `done` steps, holding what says which run it is of
+// (seed, text, model shape); the caller adds the model and the optimizer.
+Checkpoint checkpoint_at(const Job& job, int64_t done);
+
 // The learning rate's factor at `step`: linear warm-up, then a cosine down
 // to a tenth.
 double lr_factor(const Config& cfg, int64_t step);

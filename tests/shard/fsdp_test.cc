@@ -16,60 +16,29 @@
 #include <mutex>
 
 #include "ddp/ddp_support.h"
+#include "shard/shard_support.h"
 #include "tandem/ddp/fully_sharded.h"
 
 using namespace tandem;
 using test::error_of;
 using test::Groups;
 using test::on_ranks;
+using namespace test::shard;
 
 namespace {
 
-std::mutex g_seed_mu;
-
 // A Sequential of uneven layers: 6 -> 13 -> 7 -> 3.
 torch::nn::Sequential make_seq(uint64_t seed) {
-  std::lock_guard<std::mutex> lock(g_seed_mu);
+  std::lock_guard<std::mutex> lock(seed_mutex());
   at::manual_seed(seed);
   return torch::nn::Sequential(torch::nn::Linear(6, 13), torch::nn::ReLU(),
                                torch::nn::Linear(13, 7), torch::nn::ReLU(),
                                torch::nn::Linear(7, 3));
 }
 
-// A model with its own forward, and a layer no forward uses.
-struct NetImpl : torch::nn::Module {
-  NetImpl() {
-    fc1 = register_module("fc1", torch::nn::Linear(6, 13));
-    fc2 = register_module("fc2", torch::nn::Linear(13, 7));
-    fc3 = register_module("fc3", torch::nn::Linear(7, 3));
-    unused = register_module("unused", torch::nn::Linear(2, 2));
-  }
-  at::Tensor forward(const at::Tensor& x) { return fc3(at::relu(fc2(at::relu(fc1(x))))); }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr}, unused{nullptr};
-};
-TORCH_MODULE(Net);
-Net make_net(uint64_t seed) {
-  std::lock_guard<std::mutex> lock(g_seed_mu);
-  at::manual_seed(seed);
-  return Net();
-}
-
-struct Batch {
-  at::Tensor x, y;
-};
-Batch batch(int r, int k) {
-  auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(900 + 31 * r + k));
-  return {at::randn({4, 6}, gen), at::randint(0, 3, {4}, gen, at::kLong)};
-}
-Batch concat(int n, int k) {
-  std::vector<at::Tensor> xs, ys;
-  for (int r = 0; r < n; ++r) {
-    auto b = batch(r, k);
-    xs.push_back(b.x);
-    ys.push_back(b.y);
-  }
-  return {at::cat(xs), at::cat(ys)};
-}
+// This file's batches (tests/shard/shard_support.h).
+Batch batch(int r, int k) { return batch_of(900, r, k); }
+Batch concat(int n, int k) { return concat_of(900, n, k); }
 
 at::Tensor loss_on(const at::Tensor& out, const Batch& b) {
   return torch::nn::functional::cross_entropy(out, b.y);
