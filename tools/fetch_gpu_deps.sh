@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Downloads into .device/ the Debian packages that a GPU machine without a
 # package registry lacks for building Tandem: Cap'n Proto (headers, CMake
-# config, library, and the capnp compiler), libuv (headers and library) and
-# doctest. tools/gpu_session.sh unpacks them into /opt/deps there.
+# config, library, and the capnp compiler), libuv (headers and library),
+# doctest, and Gloo's headers (PyTorch's wheels build Gloo into libtorch_cpu
+# but ship none of its headers; gpu_session.sh takes the headers alone).
+# tools/gpu_session.sh unpacks them into /opt/deps there.
 #
 # Run it on a machine that reaches Debian's package registry (Debian 12, as the
 # .debs must match what gpu_session.sh expects); it only downloads, installs
@@ -21,7 +23,7 @@ if [[ -z $capnp_lib ]]; then
   echo "fetch_gpu_deps: libcapnp-dev is not known to apt here (apt-get update?)" >&2
   exit 1
 fi
-packages=(libcapnp-dev "$capnp_lib" capnproto libuv1-dev libuv1 doctest-dev)
+packages=(libcapnp-dev "$capnp_lib" capnproto libuv1-dev libuv1 doctest-dev libgloo-dev)
 
 # Download to a folder of its own first, so a failed fetch leaves the old set
 # whole. apt-get download writes to the current folder as the _apt user when
