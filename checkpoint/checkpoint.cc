@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -129,6 +130,14 @@ Part& Part::add_bytes(const std::string& name, std::string bytes) {
   e.bytes = std::move(bytes);
   entries_.push_back(std::move(e));
   return *this;
+}
+
+int restart_count() {
+  for (const char* name : {"TANDEM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"}) {
+    const char* v = std::getenv(name);
+    if (v && *v) return std::atoi(v);
+  }
+  return 0;
 }
 
 std::string step_path(const std::string& dir, int64_t step) {

@@ -86,12 +86,57 @@ struct SaveOptions {
 
 void save(const std::string& dir, int64_t step, const Part& mine, const SaveOptions& options = {});
 
+// Saves in the background: the step waits only for its state to be copied
+// into host memory (Part::add does that) and, when the save before has not
+// finished, for that one.
+//
+//   checkpoint::AsyncSaver saver(dir, options);   // options.group: the saver's own
+//   ...
+//   checkpoint::Part part;                         // copies now
+//   part.add("w", w);
+//   saver.save(step, std::move(part));             // returns once the write has begun
+//   ...                                            // training goes on
+//   saver.wait();                                  // durable: committed
+//
+// 1. save() first waits for the save in flight to be committed and rethrows
+//    its error (that step was not committed: latest() still names the one
+//    before). Then a thread of the saver writes and commits the part as
+//    save() would.
+// 2. The saver's collectives run on that thread: options.group must be one
+//    that nothing else uses while a save is in flight (make one for it,
+//    ProcessGroupOptions::group_name "checkpoint", say). Every rank saves
+//    the same steps, in the same order.
+// 3. The destructor waits for the save in flight; an error nobody took is
+//    written to stderr.
+class AsyncSaver {
+ public:
+  AsyncSaver(std::string dir, SaveOptions options = {});
+  ~AsyncSaver();
+  AsyncSaver(const AsyncSaver&) = delete;
+  AsyncSaver& operator=(const AsyncSaver&) = delete;
+
+  void save(int64_t step, Part part);
+  // Blocks until the save in flight (if any) is committed; rethrows its error.
+  void wait();
+  bool in_flight() const;
+  // How long the last save() waited for the one before it (0: it was done).
+  double last_wait_ms() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 struct Found {
   int64_t step = 0;
   std::string path;                  // DIR/step-NNNNNNNNNN
   std::vector<std::string> skipped;  // newer directories passed over, and why
 };
 std::optional<Found> latest(const std::string& dir);
+
+// Which round of a restarted job this is: TANDEM_RESTART_COUNT (tandem-run
+// --max-restarts), else TORCHELASTIC_RESTART_COUNT (torchrun), else 0.
+int restart_count();
 
 // The directory of `step` under `dir`.
 std::string step_path(const std::string& dir, int64_t step);

@@ -49,6 +49,9 @@ class Launcher {
 
  private:
   void start_workers();
+  // After a failure with restarts left, once every worker of the round is
+  // gone: the next round, with a fresh store and token.
+  void next_round();
   void join_traces();
   bool spawn(int local_rank);
   std::vector<std::string> worker_environment(int local_rank) const;
@@ -78,6 +81,11 @@ class Launcher {
   int live_workers_ = 0;
   int exit_code_ = 0;  // the first failure's status; 0 while none
   bool shutting_down_ = false;
+  // A failed round is being stopped to start the next (--max-restarts).
+  bool restarting_ = false;
+  // SIGINT or SIGTERM came to the launcher: no more restarts.
+  bool stopped_by_user_ = false;
+  int restart_count_ = 0;  // rounds started again so far
   std::optional<Clock::time_point> kill_deadline_;
   std::optional<Clock::time_point> drain_deadline_;
 };

@@ -10,7 +10,7 @@ namespace tandem::launcher {
 namespace {
 
 constexpr const char* kValueFlags[] = {
-    "nproc-per-node", "nnodes", "node-rank", "master-addr", "master-port", "trace",
+    "nproc-per-node", "nnodes", "node-rank", "master-addr", "master-port", "trace", "max-restarts",
 };
 
 int parse_int(const std::string& flag, const std::string& text, long long min, long long max) {
@@ -54,6 +54,8 @@ void apply_option(Options& options, const std::string& name, const std::string& 
     options.master_addr = value;
   } else if (name == "master-port") {
     options.master_port = parse_int(flag, value, 0, 65535);
+  } else if (name == "max-restarts") {
+    options.max_restarts = parse_int(flag, value, 0, 1000000);
   } else if (name == "trace") {
     if (value.empty()) throw UsageError("--trace must name a directory");
     options.trace_dir = value;
@@ -72,6 +74,11 @@ void validate(const Options& options) {
   }
   if (options.nnodes > 1 && options.master_port == 0) {
     throw UsageError("--master-port (non-zero) is required when --nnodes is greater than 1");
+  }
+  if (options.max_restarts > 0 && options.nnodes > 1) {
+    throw UsageError(
+        "--max-restarts is for one node (--nnodes 1) in this version: the launchers of "
+        "several nodes do not yet agree on restarts");
   }
   if (options.program.empty()) throw UsageError("missing PROGRAM to run");
 }

@@ -25,6 +25,10 @@ constexpr char kHelp[] =
     "  --master-addr A      address of the rank-0 node (default 127.0.0.1)\n"
     "  --master-port P      port on the rank-0 node; 0 picks a free one when K is 1\n"
     "                       (default 0; required when K > 1)\n"
+    "  --max-restarts N     when a worker fails, stop the others and start every worker\n"
+    "                       again, up to N times (default 0); each sees its round in\n"
+    "                       TANDEM_RESTART_COUNT (and TORCHELASTIC_RESTART_COUNT), with a\n"
+    "                       fresh rendezvous store and, where tandem-run made it, a fresh token\n"
     "  --trace DIR          every worker writes its trace into DIR (TANDEM_TRACE); once they\n"
     "                       exited, this node's traces are joined into DIR/tandem-trace.json\n"
     "  --help               print this help and exit\n"
@@ -33,7 +37,8 @@ constexpr char kHelp[] =
     "Unless OMP_NUM_THREADS is set, each worker gets OMP_NUM_THREADS = cores / N.\n"
     "Worker output is prefixed with \"[RANK]: \". SIGINT and SIGTERM are forwarded to the\n"
     "workers. When a worker fails the others get SIGTERM (SIGKILL after 5 s) and tandem-run\n"
-    "exits with the failed worker's code (128 + signal when it was killed).\n";
+    "exits with the failed worker's code (128 + signal when it was killed), unless restarts\n"
+    "are left. SIGINT or SIGTERM to tandem-run stops the job for good.\n";
 
 class UsageError : public std::runtime_error {
  public:
@@ -47,6 +52,7 @@ struct Options {
   std::string master_addr = "127.0.0.1";
   int master_port = 0;    // 0: pick a free one (single node only)
   std::string trace_dir;  // --trace
+  int max_restarts = 0;   // --max-restarts
   std::vector<std::string> program;
   bool help = false;
 };

@@ -22,8 +22,17 @@ namespace tandem::launcher {
 namespace {
 
 constexpr const char* kWorkerVariables[] = {
-    "RANK",       "LOCAL_RANK",  "WORLD_SIZE",  "LOCAL_WORLD_SIZE",
-    "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    // set for each round (--max-restarts)
+    "TANDEM_RESTART_COUNT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
 };
 
 std::string variable_name(const char* entry) {
@@ -90,8 +99,23 @@ int Launcher::threads_per_worker() const {
   return static_cast<int>(std::max(1L, cores / options_.nproc_per_node));
 }
 
+void Launcher::next_round() {
+  restarting_ = false;
+  shutting_down_ = false;
+  kill_deadline_.reset();
+  drain_deadline_.reset();
+  workers_.clear();
+  live_workers_ = 0;
+  ++restart_count_;
+  report("restart " + std::to_string(restart_count_) + " of " +
+         std::to_string(options_.max_restarts) + ": starting " +
+         std::to_string(options_.nproc_per_node) + " worker(s)");
+  start_workers();
+}
+
 void Launcher::start_workers() {
-  if (const int threads = threads_per_worker()) {
+  const bool first_round = restart_count_ == 0;
+  if (const int threads = threads_per_worker(); threads && first_round) {
     report("OMP_NUM_THREADS=" + std::to_string(threads) + " for each of " +
            std::to_string(options_.nproc_per_node) +
            " workers (the node's cores shared out); set OMP_NUM_THREADS to choose");
@@ -99,11 +123,16 @@ void Launcher::start_workers() {
   // Workers prove the cluster token to each other (rpc/common/auth.h). A one-node
   // job without TANDEM_TOKEN gets a fresh random one, so that no other
   // process on the host can join it; nodes of a multi-node job must share
-  // one, which only the user can give them all.
+  // one, which only the user can give them all. Each round of a restarted
+  // job has a token of its own, so that nothing left of an earlier round
+  // can join it: a fresh random one where tandem-run makes it, else the
+  // user's with the round appended.
   const char* token = std::getenv("TANDEM_TOKEN");
   if ((!token || !*token) && options_.nnodes == 1) {
     job_token_ = tandem::rpc::random_hex(32);
-  } else if (!token || !*token) {
+  } else if (token && *token && !first_round) {
+    job_token_ = std::string(token) + ".round" + std::to_string(restart_count_);
+  } else if (first_round && (!token || !*token)) {
     report(
         "warning: TANDEM_TOKEN is not set: any process that can reach this job's workers "
         "can join it; set the same random TANDEM_TOKEN on every node");
@@ -115,6 +144,9 @@ void Launcher::start_workers() {
   // The workers join it as clients (TORCHELASTIC_USE_AGENT_STORE, as under
   // torchrun). TANDEM_STORE=c10d leaves it to rank 0.
   const char* store_choice = std::getenv("TANDEM_STORE");
+  // A round after a restart gets a fresh store (no stale keys) on the same port.
+  store_.reset();
+  hosts_store_ = false;
   if (options_.node_rank == 0 && !(store_choice && std::string(store_choice) == "c10d")) {
     const char* bind = std::getenv("TANDEM_STORE_BIND");
     const std::string host = bind                   ? bind
@@ -143,6 +175,7 @@ std::vector<std::string> Launcher::worker_environment(int local_rank) const {
     const std::string name = variable_name(*entry);
     if (is_worker_variable(name)) continue;
     if (hosts_store_ && name == "TORCHELASTIC_USE_AGENT_STORE") continue;  // set below
+    if (!job_token_.empty() && name == "TANDEM_TOKEN") continue;           // this round's, below
     env.emplace_back(*entry);
   }
   const int nproc = options_.nproc_per_node;
@@ -160,6 +193,9 @@ std::vector<std::string> Launcher::worker_environment(int local_rank) const {
   if (!options_.trace_dir.empty()) add("TANDEM_TRACE", options_.trace_dir);
   if (const int threads = threads_per_worker()) add("OMP_NUM_THREADS", std::to_string(threads));
   if (!job_token_.empty()) add("TANDEM_TOKEN", job_token_);
+  add("TANDEM_RESTART_COUNT", std::to_string(restart_count_));
+  add("TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count_));
+  add("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
   if (hosts_store_) add("TORCHELASTIC_USE_AGENT_STORE", "True");
   return env;
 }

@@ -24,10 +24,14 @@ constexpr int kMaxPollMs = 1000;
 
 int Launcher::run() {
   start_workers();
-  while (live_workers_ > 0 || has_open_pipes()) {
-    poll_once();
-    reap_workers();
-    check_deadlines();
+  for (;;) {
+    while (live_workers_ > 0 || has_open_pipes()) {
+      poll_once();
+      reap_workers();
+      check_deadlines();
+    }
+    if (!restarting_) break;
+    next_round();
   }
   if (!options_.trace_dir.empty()) join_traces();
   return exit_code_;
@@ -69,7 +73,14 @@ void Launcher::handle_signals() {
   while ((n = ::read(signal_fd_, buffer, sizeof(buffer))) > 0) {
     for (ssize_t i = 0; i < n; ++i) {
       const int signal_number = buffer[i];
-      if (signal_number == SIGINT || signal_number == SIGTERM) signal_live_workers(signal_number);
+      if (signal_number == SIGINT || signal_number == SIGTERM) {
+        stopped_by_user_ = true;
+        if (restarting_) {  // the round being stopped is the last
+          restarting_ = false;
+          exit_code_ = kSignalExitBase + signal_number;
+        }
+        signal_live_workers(signal_number);
+      }
       // SIGCHLD only wakes the loop; reap_workers() runs after every poll.
     }
   }
@@ -97,6 +108,15 @@ void Launcher::on_worker_exit(Worker& worker, int status) {
   } else if (WIFSIGNALED(status)) {
     code = kSignalExitBase + WTERMSIG(status);
     what = "killed by signal " + std::to_string(WTERMSIG(status));
+  }
+  if (!stopped_by_user_ && restart_count_ < options_.max_restarts) {
+    report("worker " + std::to_string(worker.rank) + " " + what +
+           "; stopping the others to start every worker again (restart " +
+           std::to_string(restart_count_ + 1) + " of " + std::to_string(options_.max_restarts) +
+           ")");
+    restarting_ = true;
+    begin_shutdown(0);
+    return;
   }
   report("worker " + std::to_string(worker.rank) + " " + what);
   begin_shutdown(code);

@@ -199,6 +199,79 @@ TEST_CASE("checkpoint: bad arguments, and two ranks saving one name, fail on eve
   CHECK(checkpoint::Reader(checkpoint::latest(tmp.path)->path).world_size() == 1);
 }
 
+TEST_CASE("checkpoint: an asynchronous save holds the values of its step while training goes on") {
+  TempDir tmp;
+  Groups train(2);
+  Groups saving(2);  // the savers' own: their collectives run beside training's
+  on_ranks(2, [&](int r) {
+    checkpoint::SaveOptions o;
+    o.group = saving.groups[r];
+    o.keep = 2;
+    checkpoint::AsyncSaver saver(tmp.path, o);
+    at::Tensor w = at::ones({64, 64}) * r;
+    for (int64_t step = 1; step <= 3; ++step) {
+      checkpoint::Part part;
+      part.add("w" + std::to_string(r), w);  // the copy is made here
+      saver.save(step, std::move(part));
+      CHECK(saver.in_flight() + 1 > 0);  // (either; it may be done already)
+      // Training goes on: the parameter changes, a collective runs.
+      w.add_(10);
+      at::Tensor g = at::ones({1024});
+      train[r].all_reduce(g);
+      CHECK(g[0].item<float>() == 2);
+    }
+    saver.wait();
+    CHECK_FALSE(saver.in_flight());
+    saver.wait();  // nothing in flight: returns
+  });
+  auto found = checkpoint::latest(tmp.path);
+  REQUIRE(found);
+  CHECK(found->step == 3);
+  checkpoint::Reader reader(found->path);
+  // Step 3 was saved after two changes of 10.
+  CHECK(at::equal(reader.tensor("w0"), at::full({64, 64}, 20.0f)));
+  CHECK(at::equal(reader.tensor("w1"), at::full({64, 64}, 21.0f)));
+  CHECK_FALSE(fs::exists(checkpoint::step_path(tmp.path, 1)));  // keep 2
+  CHECK(fs::exists(checkpoint::step_path(tmp.path, 2)));
+}
+
+TEST_CASE("checkpoint: a background save that fails says so at the next save or wait") {
+  TempDir tmp;
+  const std::string blocked = tmp.path + "/a-file";
+  std::ofstream(blocked) << "not a directory";
+  checkpoint::AsyncSaver saver(blocked + "/ckpt");
+  checkpoint::Part p;
+  p.add("x", at::ones({3}));
+  saver.save(1, p);  // returns: the write has begun
+  const std::string e = error_of([&] { saver.wait(); });
+  CHECK(e.find("cannot make " + blocked + "/ckpt/step-0000000001") != std::string::npos);
+  saver.wait();  // the error was taken once
+  saver.save(2, p);
+  CHECK(error_of([&] { saver.save(3, p); }).find("cannot make") != std::string::npos);
+  CHECK(error_of([] {
+          checkpoint::AsyncSaver("x", checkpoint::SaveOptions{nullptr, 0, {}});
+        }).find("keep must be >= 1") != std::string::npos);
+  // A good one after: its steps are committed.
+  checkpoint::AsyncSaver good(tmp.path + "/ok");
+  good.save(5, p);
+  good.save(6, p);
+  CHECK(good.last_wait_ms() >= 0);
+  good.wait();
+  CHECK(checkpoint::latest(tmp.path + "/ok")->step == 6);
+}
+
+TEST_CASE("checkpoint: restart_count() reads tandem-run's round, else torchrun's") {
+  ::unsetenv("TANDEM_RESTART_COUNT");
+  ::unsetenv("TORCHELASTIC_RESTART_COUNT");
+  CHECK(checkpoint::restart_count() == 0);
+  ::setenv("TORCHELASTIC_RESTART_COUNT", "2", 1);
+  CHECK(checkpoint::restart_count() == 2);
+  ::setenv("TANDEM_RESTART_COUNT", "3", 1);
+  CHECK(checkpoint::restart_count() == 3);
+  ::unsetenv("TANDEM_RESTART_COUNT");
+  ::unsetenv("TORCHELASTIC_RESTART_COUNT");
+}
+
 namespace tandem::test {
 // This binary starts no worker processes.
 int worker_main(const std::string& mode) {

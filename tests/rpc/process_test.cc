@@ -165,13 +165,26 @@ int worker_main(const std::string& mode) {
       return ok ? 0 : 1;
     }
     if (mode == "launch") {
+      // Under tandem-run --max-restarts: TANDEM_TEST_KILL_RANK dies by
+      // SIGKILL once the world is up, in the first TANDEM_TEST_KILL_ROUNDS
+      // rounds.
+      const char* restart = std::getenv("TANDEM_RESTART_COUNT");
+      const char* kill_rank = std::getenv("TANDEM_TEST_KILL_RANK");
+      const char* kill_rounds = std::getenv("TANDEM_TEST_KILL_ROUNDS");
+      if (kill_rank && std::atoi(kill_rank) == agent->rank() && restart &&
+          std::atoi(restart) < (kill_rounds ? std::atoi(kill_rounds) : 1)) {
+        std::printf("rank %d dies in round %s\n", agent->rank(), restart);
+        std::fflush(stdout);
+        ::raise(SIGKILL);
+      }
       // Every rank calls the next one; rank 0 reports.
       int next = (agent->rank() + 1) % agent->world_size();
       at::Tensor x = at::full_like(at::zeros({4}), agent->rank());
       at::Tensor y = rpc::rpc_sync<at::Tensor>("worker" + std::to_string(next), "add", x, x);
       bool ok = at::equal(y, x * 2);
-      std::printf("rank %d of %d (local %d) %s\n", agent->rank(), agent->world_size(),
-                  env.local_rank, ok ? "ok" : "WRONG");
+      std::printf("rank %d of %d (local %d) %s (restart %s, %s)\n", agent->rank(),
+                  agent->world_size(), env.local_rank, ok ? "ok" : "WRONG", restart ? restart : "-",
+                  std::getenv("TORCHELASTIC_RESTART_COUNT") ? "torchelastic too" : "alone");
       std::fflush(stdout);
       rpc::shutdown(true);
       return ok ? 0 : 1;
@@ -280,6 +293,59 @@ TEST_CASE("process: tandem-run stops everyone when one worker fails") {
   CHECK(r.output.find("[1]: rank 1 failing on purpose") != std::string::npos);
   // Rank 0 was waiting for rank 1 at the rendezvous; it was stopped, not left to time out.
   CHECK(std::chrono::steady_clock::now() - t0 < 20s);
+}
+
+TEST_CASE("process: tandem-run --max-restarts starts every worker again after one is killed") {
+  const std::string run =
+      std::string(TANDEM_RUN_PATH) + " --max-restarts 2 --nproc-per-node 3 " + support::self_exe();
+  SUBCASE("killed in two rounds, the third finishes") {
+    const auto t0 = std::chrono::steady_clock::now();
+    test::RunResult r = test::run_command(
+        "TANDEM_TEST_WORKER=launch TANDEM_TEST_KILL_RANK=1 TANDEM_TEST_KILL_ROUNDS=2 " + run);
+    INFO(r.output);
+    CHECK(r.status == 0);
+    CHECK(r.output.find("[1]: rank 1 dies in round 0") != std::string::npos);
+    CHECK(r.output.find("[1]: rank 1 dies in round 1") != std::string::npos);
+    CHECK(r.output.find("worker 1 killed by signal 9; stopping the others to start every "
+                        "worker again (restart 1 of 2)") != std::string::npos);
+    CHECK(r.output.find("restart 2 of 2: starting 3 worker(s)") != std::string::npos);
+    // The last round met in a fresh rendezvous and knew its round, under
+    // both names.
+    for (int rank = 0; rank < 3; ++rank) {
+      CHECK(r.output.find("[" + std::to_string(rank) + "]: rank " + std::to_string(rank) +
+                          " of 3 (local " + std::to_string(rank) +
+                          ") ok (restart 2, torchelastic too)") != std::string::npos);
+    }
+    // Rank 0 calls rank 1: no earlier round of it got through.
+    CHECK(r.output.find("[0]: rank 0 of 3 (local 0) ok (restart 0") == std::string::npos);
+    CHECK(r.output.find("[0]: rank 0 of 3 (local 0) ok (restart 1") == std::string::npos);
+    CHECK(std::chrono::steady_clock::now() - t0 < 30s);
+  }
+  SUBCASE("killed in more rounds than it may restart: the failure is the job's") {
+    test::RunResult r = test::run_command(
+        "TANDEM_TEST_WORKER=launch TANDEM_TEST_KILL_RANK=2 TANDEM_TEST_KILL_ROUNDS=3 " + run);
+    INFO(r.output);
+    CHECK(r.status == 128 + SIGKILL);
+    CHECK(r.output.find("[2]: rank 2 dies in round 2") != std::string::npos);
+    CHECK(r.output.find("tandem-run: worker 2 killed by signal 9\n") != std::string::npos);
+    CHECK(r.output.find("[1]: rank 1 of 3 (local 1) ok") == std::string::npos);
+  }
+  SUBCASE("with the user's token, each round's is derived from it") {
+    test::RunResult r = test::run_command(
+        "TANDEM_TOKEN=users-secret TANDEM_TEST_WORKER=launch TANDEM_TEST_KILL_RANK=0 " + run);
+    INFO(r.output);
+    CHECK(r.status == 0);
+    CHECK(r.output.find("[0]: rank 0 of 3 (local 0) ok (restart 1") != std::string::npos);
+  }
+}
+
+TEST_CASE("process: tandem-run refuses --max-restarts across several nodes, saying why") {
+  test::RunResult r = test::run_command(std::string(TANDEM_RUN_PATH) +
+                                        " --max-restarts 1 --nnodes 2 --node-rank 0 "
+                                        "--master-port 29999 --nproc-per-node 1 /bin/true");
+  INFO(r.output);
+  CHECK(r.status == 2);
+  CHECK(r.output.find("--max-restarts is for one node") != std::string::npos);
 }
 
 TEST_CASE("process: a worker that dies fails calls to it within a second") {
