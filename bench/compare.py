@@ -33,7 +33,9 @@ METRICS = ("p50_us", "p99_us", "gbps", "ms", "local_ms", "overhead_ms", "ms_per_
            "record_us_per_rpc", "overlap", "samples_per_s", "single_worker_samples_per_s",
            "efficiency", "bubble", "speedup", "allreduce_ms", "allreduce_hidden",
            "init_ms", "all_to_all_ms", "shutdown_ms", "on_ns", "off_ns", "bytes_per_rank",
-           "bytes_per_param", "rss_mb", "ms_per_ddp")
+           "bytes_per_param", "rss_mb", "ms_per_ddp", "restart_s", "steps_lost",
+           "checkpoint_every", "final_loss", "uninterrupted_loss", "async_stall_ms",
+           "sync_stall_ms", "copy_ms")
 HIGHER_IS_BETTER = {"gbps", "overlap", "samples_per_s", "single_worker_samples_per_s",
                     "efficiency", "speedup", "allreduce_hidden"}
 HEADER = ("bench", "size", "metric", "tandem", "tandem_shm", "pytorch", "path", "raw_tcp",

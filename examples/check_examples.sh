@@ -34,6 +34,10 @@
 #     alone it spawns its workers; with --zero 1 (each stage's Adam state
 #     sharded over its replicas), stopped at 10 and resumed without it, it
 #     ends as the unsharded run; 1 x 2 with --zero 2 and --zero 3 end as 1 x 1;
+#     under tandem-run --max-restarts 3, a random worker killed by SIGKILL
+#     after a random step, it restarts from its newest checkpoint and ends
+#     exactly as uninterrupted; a fresh run into an older run's checkpoint
+#     directory removes them first;
 #     a layout that is not the world, heads that do not divide the width,
 #     another --pp on resume, --zero 3 with --pp 2 exit 2, named.
 set -uo pipefail
@@ -281,7 +285,7 @@ if expect_rc "gpt 2 x 2 --steps 40" "$rc" 0 g.log; then
 fi
 rc=$(launch gr1.log 4 gpt "${gpt_args[@]}" --stop-at 10 --checkpoint gr.ckpt)
 expect_rc "gpt 2 x 2 --stop-at 10" "$rc" 0 gr1.log
-cp gr.ckpt gr2.ckpt
+cp -r gr.ckpt gr2.ckpt
 rc=$(launch gr2.log 4 gpt "${gpt_args[@]}" --resume --checkpoint gr.ckpt)
 if expect_rc "gpt 2 x 2 --resume" "$rc" 0 gr2.log; then
   if [[ -z $(final_line g22.log) || "$(final_line g22.log)" != "$(final_line gr2.log)" ]]; then
@@ -304,6 +308,50 @@ for z in 2 3; do
   rc=$(launch "gz$z.log" 2 gpt --pp 1 --dp 2 "${gpt_args[@]}" --zero "$z" --checkpoint "gz$z.ckpt")
   expect_rc "gpt 1 x 2 --zero $z" "$rc" 0 "gz$z.log" && near "gpt 1 x 2 --zero $z" "$base" "$(gpt_final "gz$z.log")"
 done
+# Restarts: under tandem-run --max-restarts 3, a random worker killed by
+# SIGKILL after a random step; the job starts again from its newest
+# checkpoint and ends exactly as the uninterrupted run.
+# killed_run LOG RANK STEP ARGS...: prints tandem-run's exit code.
+killed_run() {
+  local log="$1" victim="$2" after="$3" tag="gpt-check-$$-$RANDOM"
+  shift 3
+  GPT_CHECK_TAG="$tag" timeout 120 "$run" --max-restarts 3 --nproc-per-node 4 "$bin/gpt" "$@" \
+    >"$log" 2>&1 &
+  local launcher=$! i p
+  for ((i = 0; i < 1200; ++i)); do
+    grep -q "step $after/" "$log" && break
+    sleep 0.05
+  done
+  for p in /proc/[0-9]*; do
+    local env
+    env=$({ tr '\0' '\n' <"$p/environ"; } 2>/dev/null) || continue
+    if grep -qx "GPT_CHECK_TAG=$tag" <<<"$env" && grep -qx "RANK=$victim" <<<"$env" &&
+      grep -qx "TANDEM_RESTART_COUNT=0" <<<"$env"; then
+      kill -9 "${p#/proc/}" 2>/dev/null
+    fi
+  done
+  wait "$launcher"
+  echo $?
+}
+victim=$((RANDOM % 4))
+after=$((2 + RANDOM % 14))
+rc=$(killed_run gk.log "$victim" "$after" "${gpt_args[@]}" --log-every 1 --checkpoint-every 4 --checkpoint gk.ckpt)
+if expect_rc "gpt 2 x 2, rank $victim killed after step $after, --max-restarts 3" "$rc" 0 gk.log; then
+  from=$(sed -n 's/.*gpt: restart 1: from step \([0-9]*\).*/\1/p' gk.log)
+  if ! grep -q "worker $victim killed by signal 9; stopping the others" gk.log || [[ -z $from ]]; then
+    fail "gpt killed: no restart from a checkpoint"; sed 's/^/    /' gk.log
+  elif [[ "$(final_line g22.log)" != "$(final_line gk.log)" ]]; then
+    fail "gpt restarted: '$(final_line gk.log)', uninterrupted: '$(final_line g22.log)'"
+  else
+    # At most two intervals lost: the save in flight when it was killed, and the steps since.
+    ((from >= after - 8)) || fail "gpt restarted from step $from, killed after $after"
+    echo "ok: gpt (rank $victim killed after step $after) restarted from step $from and ends as uninterrupted"
+  fi
+fi
+# A fresh run into a directory of an older run's checkpoints starts afresh.
+rc=$(launch gf.log 4 gpt "${gpt_args[@]}" --steps 8 --checkpoint gk.ckpt)
+expect_rc "gpt fresh into an older run's checkpoints" "$rc" 0 gf.log &&
+  { grep -q "a fresh run: removed 2 older checkpoint(s)" gf.log || fail "gpt fresh run: no removal said"; }
 timeout 120 "$bin/gpt" --pp 1 --dp 2 --steps 10 --sample 0 --checkpoint g0.ckpt >g0.log 2>&1
 expect_rc "gpt alone (spawning its 2 workers)" "$?" 0 g0.log
 gpt_bad() {  # gpt_bad NPROC PATTERN ARGS...
@@ -319,7 +367,7 @@ gpt_bad 4 "--pp 3 --dp 2 needs 6 processes, not 4" --pp 3
 gpt_bad 4 "--zero 3 trains the whole model on every rank: pass --pp 1" --zero 3
 gpt_bad 4 "--heads 5 does not divide --dim 64" --heads 5
 gpt_bad 2 "was cut into 2 stages, this job into 1" --pp 1 --dp 2 --resume --checkpoint gr2.ckpt --steps 20
-gpt_bad 4 "no checkpoint at" --resume --checkpoint "$tmp/none.ckpt"
+gpt_bad 4 "--resume: no checkpoint in" --resume --checkpoint "$tmp/none.ckpt"
 
 if ((failures)); then
   echo "check_examples: $failures failure(s)"

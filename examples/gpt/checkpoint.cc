@@ -1,42 +1,139 @@
-// The checkpoint file (examples/gpt/checkpoint.h).
+// gpt's checkpoints (examples/gpt/checkpoint.h).
 #include "examples/gpt/checkpoint.h"
 
-#include <ATen/core/ivalue.h>
-
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <filesystem>
+#include <sstream>
 #include <stdexcept>
 
-#include "examples/archive.h"
+#include "examples/flags.h"
 
 namespace gpt {
 
-void save_checkpoint(const Checkpoint& ck, const std::string& path) {
-  torch::serialize::OutputArchive out;
-  examples::write_run(out, {ck.step, ck.seed, ck.corpus_fnv, ck.vocab});
-  out.write("shape", c10::IValue(ck.shape));
-  out.write("counts", c10::IValue(ck.counts));
-  examples::write_named(out, "model", ck.model);
-  examples::write_optimizer(out, "optim", ck.optim);
-  examples::save_replacing(out, path);
+namespace ck = tandem::checkpoint;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string join(const std::vector<int64_t>& v) {
+  std::string s;
+  for (int64_t x : v) s += (s.empty() ? "" : " ") + std::to_string(x);
+  return s;
 }
 
-Checkpoint load_checkpoint(const std::string& path) {
-  Checkpoint ck;
-  examples::read_checkpoint(path, "gpt", [&](torch::serialize::InputArchive& in) {
-    const examples::RunRecord run = examples::read_run(in);
-    ck.step = run.step;
-    ck.seed = run.seed;
-    ck.corpus_fnv = run.corpus_fnv;
-    ck.vocab = run.vocab;
-    c10::IValue v;
-    in.read("shape", v);
-    ck.shape = v.toIntVector();
-    in.read("counts", v);
-    ck.counts = v.toIntVector();
-    ck.model = examples::read_named(in, "model");
-    ck.optim = examples::read_optimizer(in, "optim", path);
-  });
-  return ck;
+std::vector<int64_t> split(const std::string& s) {
+  std::vector<int64_t> v;
+  std::istringstream in(s);
+  for (long long x; in >> x;) v.push_back(x);
+  return v;
+}
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+Saver::Saver(const std::string& dir, bool sync) : dir_(dir), sync_(sync) {
+  std::error_code ec;
+  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec)) {
+    throw examples::UsageError("--checkpoint '" + dir +
+                               "' is a file (an older gpt's checkpoint?): it names a directory");
+  }
+}
+
+Saver::~Saver() = default;  // (the AsyncSaver waits for the save in flight)
+
+void Saver::begin() { begun_ = std::chrono::steady_clock::now(); }
+
+void Saver::save(const Checkpoint& c) {
+  const auto t0 = begun_.value_or(std::chrono::steady_clock::now());
+  begun_.reset();
+  ck::Part part;  // copies now
+  for (const auto& [name, t] : c.model) part.add("model/" + name, t);
+  part.add_bytes("optim", tandem::optim::state_to_bytes(c.optim));
+  part.add_bytes("vocab", c.vocab);
+  ck::SaveOptions o;
+  o.meta = {{"seed", std::to_string(c.seed)},
+            {"corpus_fnv", std::to_string(c.corpus_fnv)},
+            {"shape", join(c.shape)},
+            {"counts", join(c.counts)}};
+  copy_ms_.push_back(ms_since(t0));
+  if (sync_) {
+    ck::save(dir_, c.step, part, o);
+  } else {
+    // (the meta is the job's, the same at every step: the first save's)
+    if (!async_) async_ = std::make_unique<ck::AsyncSaver>(dir_, o);
+    async_->save(c.step, std::move(part));
+  }
+  stall_ms_.push_back(ms_since(t0));
+}
+
+void Saver::finish() {
+  if (async_) async_->wait();
+}
+
+std::string Saver::summary() const {
+  char buf[256];
+  std::snprintf(buf, sizeof buf,
+                "%zu checkpoint(s) %s to %s; a save held its step %.2f ms (median; copying "
+                "the state to this process %.2f ms)",
+                stall_ms_.size(), sync_ ? "written in the step" : "written in the background",
+                dir_.c_str(), median(stall_ms_), median(copy_ms_));
+  return buf;
+}
+
+std::optional<Checkpoint> load_latest(const std::string& dir) {
+  const std::optional<ck::Found> found = ck::latest(dir);
+  if (!found) return std::nullopt;
+  for (const auto& s : found->skipped) {
+    std::fprintf(stderr, "gpt: passed over %s\n", s.c_str());
+  }
+  try {
+    ck::Reader r(found->path);
+    Checkpoint c;
+    c.step = r.step();
+    const auto& meta = r.meta();
+    for (const char* key : {"seed", "corpus_fnv", "shape", "counts"}) {
+      if (!meta.count(key)) {
+        throw std::invalid_argument(found->path + " is not a gpt checkpoint (no " + key + ")");
+      }
+    }
+    c.seed = std::stoll(meta.at("seed"));
+    c.corpus_fnv = std::stoull(meta.at("corpus_fnv"));
+    c.shape = split(meta.at("shape"));
+    c.counts = split(meta.at("counts"));
+    if (c.shape.size() != 4) throw std::invalid_argument(found->path + ": a bad shape");
+    c.vocab = r.bytes("vocab");
+    for (const std::string& name : r.names()) {
+      if (name.rfind("model/", 0) == 0) c.model[name.substr(6)] = r.tensor(name);
+    }
+    c.optim = tandem::optim::state_from_bytes(r.bytes("optim"), found->path + " (optim)");
+    return c;
+  } catch (const std::invalid_argument& e) {
+    throw examples::UsageError(e.what());
+  }
+}
+
+int clear_checkpoints(const std::string& dir) {
+  int removed = 0;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return 0;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0) {
+      fs::remove_all(e.path(), ec);
+      ++removed;
+    }
+  }
+  return removed;
 }
 
 }  // namespace gpt

@@ -32,8 +32,9 @@ struct Config {
   int64_t log_every = 25;
   std::string corpus;  // empty: /usr/share/common-licenses/*
   std::string losses;  // each progress line also as a CSV row
-  std::string checkpoint = "gpt.ckpt";
+  std::string checkpoint = "gpt.ckpt";  // a directory of steps (checkpoint.h)
   int64_t checkpoint_every = 100;
+  bool checkpoint_sync = false;  // write in the step, not in the background
   bool resume = false;
   int64_t sample = 200;  // characters generated at the end
   // ZeRO: 1 shards each stage's optimizer state over its replicas; 0 none.

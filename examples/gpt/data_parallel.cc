@@ -84,7 +84,10 @@ int drive_data_parallel(const Job& job) {
   }
   examples::Progress progress{cfg.steps,  cfg.log_every, cfg.losses,
                               cfg.resume, job.started,   cfg.batch * cfg.context};
+  std::optional<Saver> saver;
+  if (speak) saver.emplace(cfg.checkpoint, cfg.checkpoint_sync);
   auto save = [&](int64_t done) {
+    if (speak) saver->begin();
     // Collective for FSDP (the shards gathered to rank 0).
     std::vector<std::pair<std::string, at::Tensor>> params;
     if (fsdp) {
@@ -100,7 +103,7 @@ int drive_data_parallel(const Job& job) {
     for (auto& [name, t] : params) ck.model[name] = t;
     ck.optim.kind = optim::Kind::kAdam;
     ck.optim.lr = cfg.lr;
-    save_checkpoint(ck, cfg.checkpoint);
+    saver->save(ck);
   };
   double loss = 0;
   const int64_t last = cfg.stop_at > 0 ? cfg.stop_at : cfg.steps;
@@ -139,6 +142,8 @@ int drive_data_parallel(const Job& job) {
     if ((step + 1) % cfg.checkpoint_every == 0 || step + 1 == last) save(step + 1);
   }
   if (speak) {
+    saver->finish();
+    std::printf("%s\n", saver->summary().c_str());
     std::printf("final step %lld loss %.6f\n", static_cast<long long>(last), loss);
     std::fflush(stdout);
   }

@@ -74,9 +74,13 @@ void add_flags(examples::Flags& flags, Config& cfg) {
       .add("--log-every", &cfg.log_every, 1, "print the mean loss every N steps")
       .add("--corpus", &cfg.corpus, "text to train on (default: /usr/share/common-licenses/*)")
       .add("--losses", &cfg.losses, "also write each progress line to this CSV file")
-      .add("--checkpoint", &cfg.checkpoint, "checkpoint file")
-      .add("--checkpoint-every", &cfg.checkpoint_every, 1, "write the checkpoint every N steps")
-      .add_switch("--resume", &cfg.resume, "continue from --checkpoint up to --steps")
+      .add("--checkpoint", &cfg.checkpoint, "checkpoint directory (one folder a step, the last two kept)")
+      .add("--checkpoint-every", &cfg.checkpoint_every, 1, "save a checkpoint every N steps")
+      .add_switch("--checkpoint-sync", &cfg.checkpoint_sync,
+                  "write checkpoints in the step (default: in the background)")
+      .add_switch("--resume", &cfg.resume,
+                  "continue from --checkpoint's newest step up to --steps (a restarted job "
+                  "does: tandem-run --max-restarts, torchrun)")
       .add("--sample", &cfg.sample, 0, "characters generated at the end")
       .add("--zero", &cfg.zero, 0,
            "ZeRO: 1 shards each stage's Adam state over its replicas; 2 (--pp 1) also the "
@@ -106,8 +110,8 @@ std::string check(const Config& cfg, int world) {
     return "--zero " + std::to_string(cfg.zero) +
            " trains the whole model on every rank: pass --pp 1 (--zero 1 shards a pipeline's)";
   }
-  if (cfg.zero >= 2 && cfg.resume) {
-    return "--resume with --zero " + std::to_string(cfg.zero) +
+  if (cfg.zero >= 2 && (cfg.resume || tandem::checkpoint::restart_count() > 0)) {
+    return "--resume (or a restart) with --zero " + std::to_string(cfg.zero) +
            ": its checkpoint holds the model, not the sharded optimizer state";
   }
   if (cfg.stop_at > cfg.steps) {
@@ -125,10 +129,13 @@ std::string check(const Config& cfg, int world) {
   return "";
 }
 
-// The checkpoint --resume names, checked against the text and the flags.
-Checkpoint checked_resume(const Config& cfg, const examples::Corpus& corpus) {
-  Checkpoint ck = load_checkpoint(cfg.checkpoint);
-  const std::string what = "checkpoint '" + cfg.checkpoint + "'";
+// The newest checkpoint in --checkpoint, checked against the text and the
+// flags; nullopt when there is none.
+std::optional<Checkpoint> checked_resume(const Config& cfg, const examples::Corpus& corpus) {
+  std::optional<Checkpoint> found = load_latest(cfg.checkpoint);
+  if (!found) return std::nullopt;
+  Checkpoint& ck = *found;
+  const std::string what = "checkpoint '" + tandem::checkpoint::step_path(cfg.checkpoint, ck.step) + "'";
   if (ck.corpus_fnv != corpus.fingerprint || ck.vocab != corpus.vocab) {
     throw UsageError(what + " was trained on another text; pass the same --corpus");
   }
@@ -149,7 +156,7 @@ Checkpoint checked_resume(const Config& cfg, const examples::Corpus& corpus) {
   if (ck.step >= cfg.steps) {
     throw UsageError(what + " is at step " + std::to_string(ck.step) + "; pass a larger --steps");
   }
-  return ck;
+  return found;
 }
 
 int job_main(int argc, char** argv) {
@@ -166,7 +173,28 @@ int job_main(int argc, char** argv) {
     if (error.empty() && !flags.help()) {
       try {
         corpus = examples::load_corpus(cfg.corpus, cfg.context + 1 + cfg.batch);
-        if (cfg.resume) resume = checked_resume(cfg, *corpus);
+        // --resume, or a restart of the job (its checkpoints are where to go
+        // on from; none yet: it starts from the beginning again).
+        const int round = tandem::checkpoint::restart_count();
+        if (cfg.resume || round > 0) {
+          resume = checked_resume(cfg, *corpus);
+          if (!resume && cfg.resume) {
+            throw UsageError("--resume: no checkpoint in '" + cfg.checkpoint + "'");
+          }
+          if (env.rank == 0 && round > 0) {
+            std::printf("gpt: restart %d: %s\n", round,
+                        resume ? ("from step " + std::to_string(resume->step)).c_str()
+                               : "no checkpoint yet, from the beginning");
+            std::fflush(stdout);
+          }
+        } else if (env.rank == 0) {
+          // A fresh run: an older run's steps in the directory must not be
+          // taken for this one's after a restart.
+          if (const int n = clear_checkpoints(cfg.checkpoint)) {
+            std::printf("gpt: a fresh run: removed %d older checkpoint(s) from %s\n", n,
+                        cfg.checkpoint.c_str());
+          }
+        }
       } catch (const UsageError& e) {
         error = e.what();
       }

@@ -141,6 +141,8 @@ int drive(const Job& job) {
                               cfg.resume, job.started,   cfg.batch * cfg.context};
   const auto dp = mesh.size("dp") > 1 ? mesh.group("dp") : nullptr;
   double loss = 0;
+  std::optional<Saver> saver;
+  if (speak) saver.emplace(cfg.checkpoint, cfg.checkpoint_sync);
   auto save = [&](int64_t done, optim::OptimizerState state) {
     Checkpoint ck = checkpoint_at(job, done);
     ck.counts = counts;
@@ -154,7 +156,7 @@ int drive(const Job& job) {
       part.rank = static_cast<int>(
           std::find(stage_workers.begin(), stage_workers.end(), part.rank) - stage_workers.begin());
     }
-    save_checkpoint(ck, cfg.checkpoint);
+    saver->save(ck);
   };
   const int64_t last = cfg.stop_at > 0 ? cfg.stop_at : cfg.steps;
   for (int64_t step = start; step < last; ++step) {
@@ -175,6 +177,7 @@ int drive(const Job& job) {
     // Sharded, the state is gathered by every replica at once (it lands on
     // replica 0's, which writes the file).
     optim::OptimizerState state;
+    if (saving && speak) saver->begin();  // (gathering the state is part of the copy)
     if (saving && (speak || cfg.zero == 1)) state = opt.state_dict();
     if (speak) {
       progress.add(step + 1, loss);
@@ -182,6 +185,8 @@ int drive(const Job& job) {
     }
   }
   if (speak) {
+    saver->finish();
+    std::printf("%s\n", saver->summary().c_str());
     std::printf("final step %lld loss %.6f\n", static_cast<long long>(last), loss);
     if (cfg.sample > 0 && last == cfg.steps) {
       // Each new character: the last `context` ones through every stage.

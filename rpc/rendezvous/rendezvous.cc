@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <torch/version.h>
 #include <unistd.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <cerrno>
@@ -238,7 +239,19 @@ c10::intrusive_ptr<c10d::Store> make_store(const std::string& host, int port, in
   // One server per port in a process: an RPC agent and a process group of
   // the same job meet at the same MASTER_PORT (each under its own keys).
   opts.multiTenant = true;
-  return c10::make_intrusive<c10d::TCPStore>(host, opts);
+  auto store = c10::make_intrusive<c10d::TCPStore>(host, opts);
+  // A launcher's store can outlive a round of workers (torchrun keeps its
+  // own for the whole job, through every restart): each round meets under
+  // keys of its own, as PyTorch's workers do, so nothing of an earlier
+  // round is read again. (Round 0 keeps the bare keys: the workers of a
+  // node whose launcher does not host the store do not know it is hosted.)
+  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  if (!server && store_hosted_by_launcher() && attempt && *attempt &&
+      std::string(attempt) != "0") {
+    return c10::make_intrusive<c10d::PrefixStore>(std::string("/worker/attempt_") + attempt,
+                                                  std::move(store));
+  }
+  return store;
 }
 
 bool is_loopback_host(const std::string& host) {

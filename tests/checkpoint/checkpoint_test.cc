@@ -1,13 +1,20 @@
 // Checkpoints on disk: parts saved by every rank (threads of this process)
 // and committed by a manifest, latest(), pruning, and every bad input.
 #include <ATen/ops/arange.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/randn.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
 
 #include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
+#include <random>
+#include <thread>
 
 #include "ddp/ddp_support.h"
 #include "tandem/checkpoint/checkpoint.h"
@@ -272,9 +279,72 @@ TEST_CASE("checkpoint: restart_count() reads tandem-run's round, else torchrun's
   ::unsetenv("TORCHELASTIC_RESTART_COUNT");
 }
 
+TEST_CASE("checkpoint: a saver killed by SIGKILL mid-save leaves the step before as latest") {
+  TempDir tmp;
+  std::mt19937 random(std::random_device{}());
+  int mid_save = 0;
+  for (int round = 0; round < 6; ++round) {
+    const std::string dir = tmp.path + "/r" + std::to_string(round);
+    // The saver: this binary again (TANDEM_TEST_WORKER=save_loop), saving
+    // 32 MiB a step for ever.
+    // (posix_spawn, not fork: fork's handlers would stop OpenBLAS's threads here)
+    std::vector<std::string> env{"TANDEM_TEST_WORKER=save_loop", "TANDEM_TEST_DIR=" + dir};
+    for (char** e = environ; *e; ++e) env.emplace_back(*e);
+    std::vector<char*> envp;
+    for (auto& e : env) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    std::string exe = support::self_exe();
+    char* argv[] = {exe.data(), nullptr};
+    pid_t pid = -1;
+    REQUIRE(::posix_spawn(&pid, exe.c_str(), nullptr, nullptr, argv, envp.data()) == 0);
+    // Killed at a random moment once two steps are in.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    std::optional<checkpoint::Found> found;
+    while (std::chrono::steady_clock::now() < deadline) {
+      found = checkpoint::latest(dir);
+      if (found && found->step >= 2) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(random() % 40));
+    ::kill(pid, SIGKILL);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    REQUIRE(WIFSIGNALED(status));
+    found = checkpoint::latest(dir);
+    REQUIRE(found);
+    // What latest() names reads whole and checks out: the values of its step.
+    checkpoint::Reader r(found->path);
+    CHECK(r.step() == found->step);
+    CHECK(r.tensor("step").item<float>() == static_cast<float>(found->step));
+    CHECK(at::equal(r.tensor("big"), at::full({8 << 20}, 1.0f)));
+    // Anything newer was caught mid-save: passed over, and said why.
+    for (const auto& entry : fs::directory_iterator(dir)) {
+      const std::string name = entry.path().filename().string();
+      if (name > fs::path(found->path).filename().string()) {
+        ++mid_save;
+        bool said = false;
+        for (const auto& why : found->skipped) said = said || why.find(name) != std::string::npos;
+        CHECK_MESSAGE(said, name);
+      }
+    }
+  }
+  MESSAGE("killed mid-save in " << mid_save << " of 6 rounds");
+}
+
 namespace tandem::test {
-// This binary starts no worker processes.
+// save_loop: saves step 1, 2, ... into $TANDEM_TEST_DIR until killed, each
+// a 32 MiB tensor of ones and the step's number.
 int worker_main(const std::string& mode) {
+  if (mode == "save_loop") {
+    const std::string dir = std::getenv("TANDEM_TEST_DIR");
+    const at::Tensor big = at::full({8 << 20}, 1.0f);
+    for (int64_t step = 1;; ++step) {
+      checkpoint::Part p;  // (the big copy first, so that most of a round is the save)
+      p.add("big", big);
+      p.add("step", at::full({1}, static_cast<float>(step)));
+      checkpoint::save(dir, step, p);
+    }
+  }
   std::fprintf(stderr, "test_checkpoint has no worker mode '%s'\n", mode.c_str());
   return 2;
 }
