@@ -30,7 +30,8 @@
 #     gpipe, zero-bubble and interleaved, ends on the same loss (within 1e-4);
 #     its loss falls, --losses writes the CSV, a sample is printed; stopped at
 #     10 and resumed to 20 it ends exactly as uninterrupted (2 x 2 -> 2 x 2),
-#     and within 1e-4 when resumed on another --dp (2 x 2 -> 2 x 1); started
+#     and within 1e-4 when resumed on another --dp (2 x 2 -> 2 x 1), another
+#     --pp (2 x 2 -> 1 x 2) or interleaved (4 stages on 2 workers); started
 #     alone it spawns its workers; with --zero 1 (each stage's Adam state
 #     sharded over its replicas), stopped at 10 and resumed without it, it
 #     ends as the unsharded run; 1 x 2 with --zero 2 and --zero 3 end as 1 x 1;
@@ -39,7 +40,7 @@
 #     exactly as uninterrupted; a fresh run into an older run's checkpoint
 #     directory removes them first;
 #     a layout that is not the world, heads that do not divide the width,
-#     another --pp on resume, --zero 3 with --pp 2 exit 2, named.
+#     a resume past --steps, --zero 3 with --pp 2 exit 2, named.
 set -uo pipefail
 bin="$(readlink -f "${1:?usage: check_examples.sh BIN_DIR}")"
 run="$bin/tandem-run"
@@ -285,7 +286,7 @@ if expect_rc "gpt 2 x 2 --steps 40" "$rc" 0 g.log; then
 fi
 rc=$(launch gr1.log 4 gpt "${gpt_args[@]}" --stop-at 10 --checkpoint gr.ckpt)
 expect_rc "gpt 2 x 2 --stop-at 10" "$rc" 0 gr1.log
-cp -r gr.ckpt gr2.ckpt
+for c in gr2 gr4 gr5; do cp -r gr.ckpt "$c.ckpt"; done
 rc=$(launch gr2.log 4 gpt "${gpt_args[@]}" --resume --checkpoint gr.ckpt)
 if expect_rc "gpt 2 x 2 --resume" "$rc" 0 gr2.log; then
   if [[ -z $(final_line g22.log) || "$(final_line g22.log)" != "$(final_line gr2.log)" ]]; then
@@ -296,6 +297,16 @@ if expect_rc "gpt 2 x 2 --resume" "$rc" 0 gr2.log; then
 fi
 rc=$(launch gr3.log 2 gpt --dp 1 "${gpt_args[@]}" --resume --checkpoint gr2.ckpt)
 expect_rc "gpt 2 x 2 resumed as 2 x 1" "$rc" 0 gr3.log && near "gpt resumed on --dp 1" "$(gpt_final g22.log)" "$(gpt_final gr3.log)"
+# Another pipeline: the optimizer state cut again by parameter names.
+rc=$(launch gr4.log 2 gpt --pp 1 --dp 2 "${gpt_args[@]}" --resume --checkpoint gr4.ckpt)
+if expect_rc "gpt 2 x 2 resumed as 1 x 2" "$rc" 0 gr4.log; then
+  grep -q "optimizer state (2 stages on 2 workers) cut again for 1 stages on 1" gr4.log ||
+    fail "gpt resumed as 1 x 2: no resharding said"
+  near "gpt resumed on --pp 1" "$(gpt_final g22.log)" "$(gpt_final gr4.log)"
+fi
+rc=$(launch gr5.log 4 gpt --schedule interleaved "${gpt_args[@]}" --resume --checkpoint gr5.ckpt)
+expect_rc "gpt 2 x 2 resumed interleaved (4 stages on 2 workers)" "$rc" 0 gr5.log &&
+  near "gpt resumed interleaved" "$(gpt_final g22.log)" "$(gpt_final gr5.log)"
 # ZeRO stage 1 inside the pipeline: the same losses, and its checkpoint
 # resumes unsharded.
 rc=$(launch gz.log 4 gpt "${gpt_args[@]}" --zero 1 --stop-at 10 --checkpoint gz.ckpt)
@@ -338,6 +349,8 @@ after=$((2 + RANDOM % 14))
 rc=$(killed_run gk.log "$victim" "$after" "${gpt_args[@]}" --log-every 1 --checkpoint-every 4 --checkpoint gk.ckpt)
 if expect_rc "gpt 2 x 2, rank $victim killed after step $after, --max-restarts 3" "$rc" 0 gk.log; then
   from=$(sed -n 's/.*gpt: restart 1: from step \([0-9]*\).*/\1/p' gk.log)
+  # (killed before its first checkpoint was committed: from the beginning)
+  grep -q "gpt: restart 1: no checkpoint yet, from the beginning" gk.log && from=0
   if ! grep -q "worker $victim killed by signal 9; stopping the others" gk.log || [[ -z $from ]]; then
     fail "gpt killed: no restart from a checkpoint"; sed 's/^/    /' gk.log
   elif [[ "$(final_line g22.log)" != "$(final_line gk.log)" ]]; then
@@ -366,7 +379,7 @@ gpt_bad() {  # gpt_bad NPROC PATTERN ARGS...
 gpt_bad 4 "--pp 3 --dp 2 needs 6 processes, not 4" --pp 3
 gpt_bad 4 "--zero 3 trains the whole model on every rank: pass --pp 1" --zero 3
 gpt_bad 4 "--heads 5 does not divide --dim 64" --heads 5
-gpt_bad 2 "was cut into 2 stages, this job into 1" --pp 1 --dp 2 --resume --checkpoint gr2.ckpt --steps 20
+gpt_bad 2 "is at step 20; pass a larger --steps" --pp 1 --dp 2 --resume --checkpoint gr.ckpt --steps 20
 gpt_bad 4 "--resume: no checkpoint in" --resume --checkpoint "$tmp/none.ckpt"
 
 if ((failures)); then

@@ -18,8 +18,10 @@
 // their gradients), so one copy is the job's; the LR schedule is a function
 // of the step, and the batches of step s are a function of (seed, s), so a
 // resumed run goes on exactly as an uninterrupted one would, with any --dp
-// (the global batch stays --batch). A checkpoint of another --pp, schedule
-// layout or model is refused.
+// (the global batch stays --batch), and with any --pp or schedule: the
+// model is saved by its layers' names, and the optimizer state is cut again
+// by parameter names for the stages and workers this job places the layers
+// on (optim/reshard.h). A checkpoint of another model is refused.
 #pragma once
 
 #include <chrono>

@@ -148,10 +148,13 @@ std::optional<Checkpoint> checked_resume(const Config& cfg, const examples::Corp
                      std::to_string(ck.shape.at(0)) + " " + std::to_string(ck.shape.at(1)) + " " +
                      std::to_string(ck.shape.at(2)) + " " + std::to_string(ck.shape.at(3)) + ")");
   }
-  if (static_cast<int64_t>(ck.counts.size()) != stage_count(cfg)) {
-    throw UsageError(what + " was cut into " + std::to_string(ck.counts.size()) +
-                     " stages, this job into " + std::to_string(stage_count(cfg)) +
-                     " (pass the --pp and --schedule it was written with; --dp may change)");
+  int64_t layers = 0;
+  for (int64_t c : ck.counts) layers += c;
+  if (layers != cfg.layers + 2 || ck.optim.parts.empty()) {
+    throw UsageError(what + " holds " + std::to_string(layers) + " layers in " +
+                     std::to_string(ck.counts.size()) + " stages and " +
+                     std::to_string(ck.optim.parts.size()) +
+                     " optimizer parts: not a checkpoint of this model's pipeline");
   }
   if (ck.step >= cfg.steps) {
     throw UsageError(what + " is at step " + std::to_string(ck.step) + "; pass a larger --steps");

@@ -1,6 +1,7 @@
 // The transformer's layers and their factories (examples/gpt/model.h).
 #include "examples/gpt/model.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/gelu.h>
@@ -14,6 +15,7 @@
 
 #include <cmath>
 #include <limits>
+#include <mutex>
 
 #include "tandem/pipeline/pipe.h"
 #include "tandem/remote_module/remote_module.h"
@@ -128,6 +130,25 @@ std::vector<c10::IValue> layer_specs(const Config& cfg, int64_t vocab) {
   }
   layers.push_back(nn::spec("gpt_head", {cfg.dim, vocab}));
   return layers;
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_order(const Config& cfg,
+                                                                          int64_t vocab) {
+  // (built with the seed's generator state put back after: only the order
+  // and the shapes are wanted)
+  auto gen = at::detail::getDefaultCPUGenerator();
+  at::Tensor saved;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    saved = gen.get_state();
+  }
+  std::vector<c10::IValue> args = {tandem::nn::list(layer_specs(cfg, vocab))};
+  auto whole = tandem::nn::make_module("Sequential", args);
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+  for (const auto& [name, t] : whole->parameters()) out.emplace_back(name, t.sizes().vec());
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(saved);
+  return out;
 }
 
 Named initial_parameters(const Config& cfg, int64_t vocab) {

@@ -44,6 +44,11 @@ Named stage_part(const Named& whole, int64_t first, int64_t count);
 // And back: a stage's state_dict() into the whole model's names.
 void add_stage_part(Named& whole, const Named& stage, int64_t first);
 
+// The whole model's parameters in its modules' order (a stage's
+// optimizer steps its layers' parameters in this order): names and shapes.
+std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_order(const Config& cfg,
+                                                                          int64_t vocab);
+
 // Parameters of the whole model.
 int64_t parameter_count(const Named& whole);
 

@@ -14,6 +14,7 @@
 #include "tandem/autograd/autograd.h"
 #include "tandem/optim/distributed_optimizer.h"
 #include "tandem/optim/lr_scheduler.h"
+#include "tandem/optim/reshard.h"
 #include "tandem/pipeline/partition.h"
 #include "tandem/pipeline/pipe.h"
 
@@ -31,11 +32,13 @@ namespace {
 
 // Layers per stage: measured on rank 0 (pipeline::balance_by_time, one
 // micro-batch) and sent to the other drivers, so that every replica cuts
-// the model alike; a resumed run keeps its checkpoint's.
+// the model alike; a resumed run of as many stages keeps its checkpoint's.
 std::vector<int64_t> stage_counts(const Job& job, const std::vector<c10::IValue>& layers,
                                   Batches& batches) {
-  if (job.resume) return job.resume->counts;
   const int64_t stages = stage_count(job.cfg);
+  if (job.resume && static_cast<int64_t>(job.resume->counts.size()) == stages) {
+    return job.resume->counts;
+  }
   at::Tensor counts = at::zeros({stages}, at::kLong);
   if (job.mesh.rank() == 0) {
     const int64_t micro = std::max<int64_t>(1, job.cfg.batch / job.cfg.dp / job.cfg.chunks);
@@ -45,6 +48,29 @@ std::vector<int64_t> stage_counts(const Job& job, const std::vector<c10::IValue>
   }
   if (job.mesh.size("dp") > 1) job.mesh.group("dp")->broadcast(counts, 0);
   std::vector<int64_t> out(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + stages);
+  return out;
+}
+
+// Which parameters each stage worker's optimizer steps, in its order, when
+// the model is cut into `counts` stages over `workers` workers (stage s on
+// worker s % workers): the layout a checkpoint's optimizer state is cut by.
+std::vector<optim::OwnerLayout> owner_layouts(
+    const std::vector<std::pair<std::string, std::vector<int64_t>>>& order,
+    const std::vector<int64_t>& counts, int64_t workers) {
+  std::vector<optim::OwnerLayout> out(static_cast<size_t>(workers));
+  for (int64_t w = 0; w < workers; ++w) out[static_cast<size_t>(w)].rank = static_cast<int>(w);
+  int64_t first = 0;
+  for (size_t s = 0; s < counts.size(); ++s) {
+    optim::OwnerLayout& o = out[s % static_cast<size_t>(workers)];
+    for (const auto& [name, shape] : order) {
+      const int64_t layer = std::stoll(name.substr(0, name.find('.')));
+      if (layer >= first && layer < first + counts[s]) {
+        o.names.push_back(name);
+        o.shapes.push_back(shape);
+      }
+    }
+    first += counts[s];
+  }
   return out;
 }
 
@@ -107,8 +133,23 @@ int drive(const Job& job) {
   optim::LambdaLR sched(opt, [&cfg](int64_t step) { return lr_factor(cfg, step); });
   int64_t start = 0;
   if (job.resume) {
-    // Replica 0's state, its parts given to this replica's stage workers.
+    // Replica 0's state, its parts given to this replica's stage workers;
+    // cut again by parameter names where this job places the layers on
+    // other stages or workers than the checkpoint's.
     optim::OptimizerState state = job.resume->optim;
+    const int64_t saved_workers = static_cast<int64_t>(state.parts.size());
+    if (job.resume->counts != counts || saved_workers != cfg.pp) {
+      const auto order = parameter_order(cfg, V);
+      state = optim::reshard_state(state, owner_layouts(order, job.resume->counts, saved_workers),
+                                   owner_layouts(order, counts, cfg.pp), oo);
+      if (mesh.rank() == 0) {
+        std::printf("gpt: the checkpoint's optimizer state (%lld stages on %lld workers) cut "
+                    "again for %zu stages on %lld\n",
+                    static_cast<long long>(job.resume->counts.size()),
+                    static_cast<long long>(saved_workers), counts.size(),
+                    static_cast<long long>(cfg.pp));
+      }
+    }
     for (auto& part : state.parts) {
       const int stage_worker = part.rank;
       part.rank = mesh.rank_at({{"pp", stage_worker}});

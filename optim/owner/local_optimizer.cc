@@ -88,6 +88,14 @@ void move_state(torch::optim::Optimizer& from, torch::optim::Optimizer& to,
   from.state().erase(it);
 }
 
+void move_state(torch::optim::Optimizer& from, torch::optim::Optimizer& to,
+                const at::Tensor& from_param, const at::Tensor& to_param) {
+  auto it = from.state().find(state_key(from_param));
+  if (it == from.state().end()) return;
+  to.state()[state_key(to_param)] = std::move(it->second);
+  from.state().erase(it);
+}
+
 std::vector<at::Tensor> state_tensors(const torch::optim::OptimizerParamState& s) {
   using namespace torch::optim;
   if (auto* x = dynamic_cast<const SGDParamState*>(&s)) return {x->momentum_buffer()};

@@ -37,6 +37,11 @@ const torch::optim::OptimizerParamState* find_state(const torch::optim::Optimize
 void move_state(torch::optim::Optimizer& from, torch::optim::Optimizer& to,
                 const at::Tensor& param);
 
+// The same between two tensors: what `from` keeps for `from_param` becomes
+// what `to` keeps for `to_param` (a checkpoint resharded, optim/reshard.h).
+void move_state(torch::optim::Optimizer& from, torch::optim::Optimizer& to,
+                const at::Tensor& from_param, const at::Tensor& to_param);
+
 // The tensors of one parameter's state (some may be undefined).
 std::vector<at::Tensor> state_tensors(const torch::optim::OptimizerParamState& state);
 

@@ -169,6 +169,7 @@ int worker_main(const std::string& mode) {
       // SIGKILL once the world is up, in the first TANDEM_TEST_KILL_ROUNDS
       // rounds.
       const char* restart = std::getenv("TANDEM_RESTART_COUNT");
+      if (!restart) restart = std::getenv("TORCHELASTIC_RESTART_COUNT");  // torchrun's
       const char* kill_rank = std::getenv("TANDEM_TEST_KILL_RANK");
       const char* kill_rounds = std::getenv("TANDEM_TEST_KILL_ROUNDS");
       if (kill_rank && std::atoi(kill_rank) == agent->rank() && restart &&
@@ -439,6 +440,27 @@ TEST_CASE("process: the same workers start under torchrun, joining the store it 
   for (int rank = 0; rank < 3; ++rank) {
     CHECK(r.output.find("rank " + std::to_string(rank) + " of 3 (local " + std::to_string(rank) +
                         ") ok") != std::string::npos);
+  }
+}
+
+TEST_CASE("process: under torchrun --max_restarts, a round after a restart meets afresh") {
+  if (std::system("command -v torchrun >/dev/null 2>&1") != 0) {
+    std::printf("skipped: torchrun not installed (Debian's python3-torch has it)\n");
+    return;
+  }
+  // torchrun's store lives through every round: round 1's workers must not
+  // read round 0's keys (they meet under /worker/attempt_1).
+  const std::string cmd =
+      "TANDEM_TEST_WORKER=launch TANDEM_TEST_KILL_RANK=1 torchrun --no_python "
+      "--nproc_per_node 3 --max_restarts 2 --redirects 2 --tee 2 --master_port " +
+      std::to_string(support::free_port()) + " " + support::self_exe();
+  test::RunResult r = test::run_command(cmd);
+  INFO(cmd << "\n" << r.output);
+  CHECK(r.status == 0);
+  CHECK(r.output.find("rank 1 dies in round 0") != std::string::npos);
+  for (int rank = 0; rank < 3; ++rank) {
+    CHECK(r.output.find("rank " + std::to_string(rank) + " of 3 (local " + std::to_string(rank) +
+                        ") ok (restart 1") != std::string::npos);
   }
 }
 
