@@ -85,8 +85,8 @@ pid_t find_worker(const std::string& tag, int rank) {
 Run run_job(const std::string& args, int kill_after, const std::string& tag) {
   const std::string dir = self_dir();
   const std::string cmd = "RESTART_BENCH_TAG=" + tag + " " + dir + "/tandem-run" +
-                          (kill_after > 0 ? " --max-restarts 3" : "") +
-                          " --nproc-per-node 4 " + dir + "/gpt --pp 2 --dp 2 " + args + " 2>&1";
+                          (kill_after > 0 ? " --max-restarts 3" : "") + " --nproc-per-node 4 " +
+                          dir + "/gpt --pp 2 --dp 2 " + args + " 2>&1";
   Run r;
   FILE* out = ::popen(cmd.c_str(), "r");
   if (!out) return r;

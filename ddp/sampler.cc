@@ -82,6 +82,17 @@ c10::optional<std::vector<size_t>> DistributedSampler::next(size_t batch_size) {
   return out;
 }
 
+void DistributedSampler::resume(int64_t epoch, size_t position) {
+  if (position > num_samples_) {
+    throw std::invalid_argument("DistributedSampler::resume: position " + std::to_string(position) +
+                                " is past the epoch's " + std::to_string(num_samples_) +
+                                " indices of this rank");
+  }
+  set_epoch(epoch);
+  reset();
+  cursor_ = position;
+}
+
 void DistributedSampler::save(torch::serialize::OutputArchive& archive) const {
   archive.write("epoch", at::scalar_tensor(epoch_, at::kLong), /*is_buffer=*/true);
   archive.write("cursor", at::scalar_tensor(static_cast<int64_t>(cursor_), at::kLong), true);

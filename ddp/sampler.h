@@ -37,6 +37,13 @@ class DistributedSampler : public torch::data::samplers::Sampler<std::vector<siz
   // PyTorch's len(sampler).
   size_t num_samples() const { return num_samples_; }
   size_t total_size() const { return num_samples_ * static_cast<size_t>(replicas_); }
+  int num_replicas() const { return replicas_; }
+  // How many of this epoch's indices next() has handed out.
+  size_t position() const { return cursor_; }
+  // Goes on within `epoch` after `position` indices of this rank's
+  // (set_epoch, reset, then skips them). Throws std::invalid_argument past
+  // the epoch's end.
+  void resume(int64_t epoch, size_t position);
 
   // torch::data::samplers::Sampler: reset() starts the epoch's indices over
   // (a new size re-derives the shares); next(n) hands out up to n of them.

@@ -35,6 +35,8 @@
 #     alone it spawns its workers; with --zero 1 (each stage's Adam state
 #     sharded over its replicas), stopped at 10 and resumed without it, it
 #     ends as the unsharded run; 1 x 2 with --zero 2 and --zero 3 end as 1 x 1;
+#     --zero 2 stopped at 10 (each rank writes its part) resumes on 2 ranks
+#     and on 1 to the 1 x 1 loss, and is refused by the pipeline;
 #     under tandem-run --max-restarts 3, a random worker killed by SIGKILL
 #     after a random step, it restarts from its newest checkpoint and ends
 #     exactly as uninterrupted; a fresh run into an older run's checkpoint
@@ -365,6 +367,17 @@ fi
 rc=$(launch gf.log 4 gpt "${gpt_args[@]}" --steps 8 --checkpoint gk.ckpt)
 expect_rc "gpt fresh into an older run's checkpoints" "$rc" 0 gf.log &&
   { grep -q "a fresh run: removed 2 older checkpoint(s)" gf.log || fail "gpt fresh run: no removal said"; }
+# --zero 2's checkpoint, every rank its own part (checkpoint::JobState): it
+# resumes on 2 ranks and, by names, on 1.
+rc=$(launch gy1.log 2 gpt --pp 1 --dp 2 "${gpt_args[@]}" --zero 2 --stop-at 10 --checkpoint gy.ckpt)
+expect_rc "gpt 1 x 2 --zero 2 --stop-at 10" "$rc" 0 gy1.log
+[[ -f gy.ckpt/step-0000000010/part-1.bin ]] || fail "gpt --zero 2: rank 1 wrote no part"
+cp -r gy.ckpt gy2.ckpt
+rc=$(launch gy2.log 2 gpt --pp 1 --dp 2 "${gpt_args[@]}" --zero 2 --resume --checkpoint gy.ckpt)
+expect_rc "gpt 1 x 2 --zero 2 --resume" "$rc" 0 gy2.log && near "gpt --zero 2 resumed" "$base" "$(gpt_final gy2.log)"
+rc=$(launch gy3.log 1 gpt --pp 1 --dp 1 "${gpt_args[@]}" --zero 2 --resume --checkpoint gy2.ckpt)
+expect_rc "gpt --zero 2 on 2 ranks resumed on 1" "$rc" 0 gy3.log && near "gpt --zero 2 resumed on 1 rank" "$base" "$(gpt_final gy3.log)"
+gpt_bad 4 "was written by --zero 2; it resumes only so" --resume --checkpoint gy2.ckpt
 timeout 120 "$bin/gpt" --pp 1 --dp 2 --steps 10 --sample 0 --checkpoint g0.ckpt >g0.log 2>&1
 expect_rc "gpt alone (spawning its 2 workers)" "$?" 0 g0.log
 gpt_bad() {  # gpt_bad NPROC PATTERN ARGS...

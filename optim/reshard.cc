@@ -80,14 +80,15 @@ OptimizerState reshard_state(const OptimizerState& state, const std::vector<Owne
       } catch (const c10::Error& e) {
         throw std::invalid_argument("reshard_state: the checkpoint's part " + std::to_string(i) +
                                     " is not the state of " + kind_name(state.kind) +
-                                    " over the parameters " + what + " names: " +
-                                    e.what_without_backtrace());
+                                    " over the parameters " + what +
+                                    " names: " + e.what_without_backtrace());
       }
     }
     for (size_t j = 0; j < saved[i].names.size(); ++j) {
       const std::string& name = saved[i].names[j];
       if (!by_name.emplace(name, Source{opt.get(), keep.back()[j], what}).second) {
-        throw std::invalid_argument("reshard_state: '" + name + "' is named twice in the saved layout");
+        throw std::invalid_argument("reshard_state: '" + name +
+                                    "' is named twice in the saved layout");
       }
     }
     loaded.push_back(std::move(opt));
@@ -109,7 +110,8 @@ OptimizerState reshard_state(const OptimizerState& state, const std::vector<Owne
                                     "', which the checkpoint has no state for");
       }
       if (!placed.insert(name).second) {
-        throw std::invalid_argument("reshard_state: '" + name + "' is named twice in the new layout");
+        throw std::invalid_argument("reshard_state: '" + name +
+                                    "' is named twice in the new layout");
       }
       if (!it->second.param.sizes().equals(params[j].sizes())) {
         throw std::invalid_argument("reshard_state: '" + name + "' is " +

@@ -31,8 +31,8 @@
 namespace tandem::optim {
 
 struct OwnerLayout {
-  int rank = -1;       // the owner (a part's rank)
-  std::string worker;  // its name
+  int rank = -1;                             // the owner (a part's rank)
+  std::string worker;                        // its name
   std::vector<std::string> names;            // its parameters, in its optimizer's order
   std::vector<std::vector<int64_t>> shapes;  // theirs, in the same order
 };

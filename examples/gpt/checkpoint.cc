@@ -42,6 +42,14 @@ double median(std::vector<double> v) {
 
 }  // namespace
 
+std::map<std::string, std::string> checkpoint_meta(const Checkpoint& c) {
+  return {{"seed", std::to_string(c.seed)},
+          {"corpus_fnv", std::to_string(c.corpus_fnv)},
+          {"shape", join(c.shape)},
+          {"counts", join(c.counts)},
+          {"mode", c.mode}};
+}
+
 Saver::Saver(const std::string& dir, bool sync) : dir_(dir), sync_(sync) {
   std::error_code ec;
   if (fs::exists(dir, ec) && !fs::is_directory(dir, ec)) {
@@ -58,14 +66,11 @@ void Saver::save(const Checkpoint& c) {
   const auto t0 = begun_.value_or(std::chrono::steady_clock::now());
   begun_.reset();
   ck::Part part;  // copies now
-  for (const auto& [name, t] : c.model) part.add("model/" + name, t);
-  part.add_bytes("optim", tandem::optim::state_to_bytes(c.optim));
+  for (const auto& [name, t] : c.model) part.add("model." + name, t);
+  if (c.mode == "pipeline") part.add_bytes("optim", tandem::optim::state_to_bytes(c.optim));
   part.add_bytes("vocab", c.vocab);
   ck::SaveOptions o;
-  o.meta = {{"seed", std::to_string(c.seed)},
-            {"corpus_fnv", std::to_string(c.corpus_fnv)},
-            {"shape", join(c.shape)},
-            {"counts", join(c.counts)}};
+  o.meta = checkpoint_meta(c);
   copy_ms_.push_back(ms_since(t0));
   if (sync_) {
     ck::save(dir_, c.step, part, o);
@@ -102,7 +107,7 @@ std::optional<Checkpoint> load_latest(const std::string& dir) {
     Checkpoint c;
     c.step = r.step();
     const auto& meta = r.meta();
-    for (const char* key : {"seed", "corpus_fnv", "shape", "counts"}) {
+    for (const char* key : {"seed", "corpus_fnv", "shape", "counts", "mode"}) {
       if (!meta.count(key)) {
         throw std::invalid_argument(found->path + " is not a gpt checkpoint (no " + key + ")");
       }
@@ -111,12 +116,15 @@ std::optional<Checkpoint> load_latest(const std::string& dir) {
     c.corpus_fnv = std::stoull(meta.at("corpus_fnv"));
     c.shape = split(meta.at("shape"));
     c.counts = split(meta.at("counts"));
+    c.mode = meta.at("mode");
     if (c.shape.size() != 4) throw std::invalid_argument(found->path + ": a bad shape");
     c.vocab = r.bytes("vocab");
     for (const std::string& name : r.names()) {
-      if (name.rfind("model/", 0) == 0) c.model[name.substr(6)] = r.tensor(name);
+      if (name.rfind("model.", 0) == 0) c.model[name.substr(6)] = r.tensor(name);
     }
-    c.optim = tandem::optim::state_from_bytes(r.bytes("optim"), found->path + " (optim)");
+    if (c.mode == "pipeline") {
+      c.optim = tandem::optim::state_from_bytes(r.bytes("optim"), found->path + " (optim)");
+    }
     return c;
   } catch (const std::invalid_argument& e) {
     throw examples::UsageError(e.what());

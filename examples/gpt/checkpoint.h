@@ -5,15 +5,20 @@
 // manifest; the last two are kept. A restarted job (tandem-run
 // --max-restarts, torchrun) or --resume continues from checkpoint::latest.
 //
-// A step holds:
-//   entries  model/<name>   the whole model's tensors by their names ("3.attn.qkv.weight")
+// A step of the pipeline's path holds (rank 0 writes it all):
+//   entries  model.<name>   the whole model's tensors by their names ("3.attn.qkv.weight")
 //            optim          replica 0's DistributedOptimizer state, each part's
 //                           rank replaced by its owner's stage worker index
 //                           (its pp coordinate), so any replica can take it
 //                           (optim/optimizer_state.h's bytes, hash-checked)
 //            vocab          the text's vocabulary
 //   meta     seed, corpus_fnv, shape (layers dim heads context),
-//            counts (layers per pipeline stage, in stage order)
+//            counts (layers per pipeline stage, in stage order), mode
+//            ("pipeline", "zero2", "zero3")
+// --zero 2 saves its step with checkpoint::JobState (checkpoint/job.h),
+// every rank its own part: model.<name> (rank 0), adam/<name> (each rank
+// its share of Adam's state), vocab; the same meta. --zero 3 saves the
+// model alone (rank 0) and does not resume.
 // Every replica's parameters and optimizer state are the same (they average
 // their gradients), so one copy is the job's; the LR schedule is a function
 // of the step, and the batches of step s are a function of (seed, s), so a
@@ -26,6 +31,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -44,9 +50,13 @@ struct Checkpoint {
   std::string vocab;
   std::vector<int64_t> shape;   // layers, dim, heads, context
   std::vector<int64_t> counts;  // layers per stage
+  std::string mode = "pipeline";
   Named model;
-  tandem::optim::OptimizerState optim;
+  tandem::optim::OptimizerState optim;  // (the pipeline's; none for --zero 2)
 };
+
+// The meta every gpt step carries.
+std::map<std::string, std::string> checkpoint_meta(const Checkpoint& ck);
 
 // Rank 0's writer of a job's checkpoints, in the background (or, with
 // `sync`, in the step), and how long saving held the steps up.

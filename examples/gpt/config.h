@@ -30,8 +30,8 @@ struct Config {
   double clip = 1.0;    // global gradient norm
   int64_t seed = 0;
   int64_t log_every = 25;
-  std::string corpus;  // empty: /usr/share/common-licenses/*
-  std::string losses;  // each progress line also as a CSV row
+  std::string corpus;                   // empty: /usr/share/common-licenses/*
+  std::string losses;                   // each progress line also as a CSV row
   std::string checkpoint = "gpt.ckpt";  // a directory of steps (checkpoint.h)
   int64_t checkpoint_every = 100;
   bool checkpoint_sync = false;  // write in the step, not in the background

@@ -15,11 +15,14 @@
 #include <ATen/ops/tensor.h>
 #include <torch/optim/adam.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 
 #include "examples/gpt/batches.h"
 #include "examples/gpt/model.h"
 #include "examples/progress.h"
+#include "tandem/checkpoint/job.h"
 #include "tandem/ddp/distributed_data_parallel.h"
 #include "tandem/ddp/fully_sharded.h"
 #include "tandem/optim/zero_redundancy_optimizer.h"
@@ -84,9 +87,49 @@ int drive_data_parallel(const Job& job) {
   }
   examples::Progress progress{cfg.steps,  cfg.log_every, cfg.losses,
                               cfg.resume, job.started,   cfg.batch * cfg.context};
+  // --zero 2: every rank writes its own part of each step (the model once,
+  // its share of Adam's state), in the background, over a group of the
+  // saver's own (its collectives run beside training's); a resumed or
+  // restarted run loads it back by names, on any number of ranks.
+  std::string vocab = job.corpus.vocab;
+  std::unique_ptr<tandem::checkpoint::JobState> state;
+  std::unique_ptr<tandem::checkpoint::AsyncSaver> shared_saver;
+  int64_t start = 0;
+  std::vector<double> stall_ms;
+  if (zero) {
+    state = std::make_unique<tandem::checkpoint::JobState>(group->rank());
+    std::vector<std::string> names;
+    for (const auto& p : model->named_parameters()) names.push_back(p.key());
+    state->module("model", *model, /*write=*/group->rank() == 0)
+        .optimizer("adam", *zero, names)
+        .record("vocab", &vocab);
+    ddp::ProcessGroupOptions go;
+    go.group_name = "gpt-checkpoints";
+    tandem::checkpoint::SaveOptions so;
+    so.group = ddp::ProcessGroup::create(go);
+    Checkpoint meta = checkpoint_at(job, 0);
+    meta.counts = {cfg.layers + 2};
+    meta.mode = "zero2";
+    so.meta = checkpoint_meta(meta);
+    if (job.resume) {
+      start = tandem::checkpoint::load_latest_job(cfg.checkpoint, *state).value_or(0);
+      if (speak) {
+        std::printf("gpt: resumed from step %lld, each rank's share of Adam's state by name\n",
+                    static_cast<long long>(start));
+      }
+    }
+    shared_saver = std::make_unique<tandem::checkpoint::AsyncSaver>(cfg.checkpoint, so);
+  }
   std::optional<Saver> saver;
-  if (speak) saver.emplace(cfg.checkpoint, cfg.checkpoint_sync);
+  if (speak && !zero) saver.emplace(cfg.checkpoint, cfg.checkpoint_sync);
   auto save = [&](int64_t done) {
+    if (zero) {
+      const auto t0 = Clock::now();
+      shared_saver->save(done, state->part());
+      if (cfg.checkpoint_sync) shared_saver->wait();
+      stall_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+      return;
+    }
     if (speak) saver->begin();
     // Collective for FSDP (the shards gathered to rank 0).
     std::vector<std::pair<std::string, at::Tensor>> params;
@@ -100,6 +143,7 @@ int drive_data_parallel(const Job& job) {
     if (!speak) return;
     Checkpoint ck = checkpoint_at(job, done);
     ck.counts = {cfg.layers + 2};
+    ck.mode = "zero3";
     for (auto& [name, t] : params) ck.model[name] = t;
     ck.optim.kind = optim::Kind::kAdam;
     ck.optim.lr = cfg.lr;
@@ -107,7 +151,7 @@ int drive_data_parallel(const Job& job) {
   };
   double loss = 0;
   const int64_t last = cfg.stop_at > 0 ? cfg.stop_at : cfg.steps;
-  for (int64_t step = 0; step < last; ++step) {
+  for (int64_t step = start; step < last; ++step) {
     auto [x, y] = batches.at_step(step);
     set_lr(cfg.lr * lr_factor(cfg, step));
     at::Tensor logits;
@@ -141,9 +185,20 @@ int drive_data_parallel(const Job& job) {
     if (speak) progress.add(step + 1, loss);
     if ((step + 1) % cfg.checkpoint_every == 0 || step + 1 == last) save(step + 1);
   }
+  if (shared_saver) shared_saver->wait();
   if (speak) {
-    saver->finish();
-    std::printf("%s\n", saver->summary().c_str());
+    if (saver) {
+      saver->finish();
+      std::printf("%s\n", saver->summary().c_str());
+    } else {
+      std::sort(stall_ms.begin(), stall_ms.end());
+      std::printf(
+          "%zu checkpoint(s), each rank its part, %s to %s; a save held its step %.2f "
+          "ms (median)\n",
+          stall_ms.size(),
+          cfg.checkpoint_sync ? "written in the step" : "written in the background",
+          cfg.checkpoint.c_str(), stall_ms.empty() ? 0.0 : stall_ms[stall_ms.size() / 2]);
+    }
     std::printf("final step %lld loss %.6f\n", static_cast<long long>(last), loss);
     std::fflush(stdout);
   }

@@ -74,7 +74,8 @@ void add_flags(examples::Flags& flags, Config& cfg) {
       .add("--log-every", &cfg.log_every, 1, "print the mean loss every N steps")
       .add("--corpus", &cfg.corpus, "text to train on (default: /usr/share/common-licenses/*)")
       .add("--losses", &cfg.losses, "also write each progress line to this CSV file")
-      .add("--checkpoint", &cfg.checkpoint, "checkpoint directory (one folder a step, the last two kept)")
+      .add("--checkpoint", &cfg.checkpoint,
+           "checkpoint directory (one folder a step, the last two kept)")
       .add("--checkpoint-every", &cfg.checkpoint_every, 1, "save a checkpoint every N steps")
       .add_switch("--checkpoint-sync", &cfg.checkpoint_sync,
                   "write checkpoints in the step (default: in the background)")
@@ -110,9 +111,9 @@ std::string check(const Config& cfg, int world) {
     return "--zero " + std::to_string(cfg.zero) +
            " trains the whole model on every rank: pass --pp 1 (--zero 1 shards a pipeline's)";
   }
-  if (cfg.zero >= 2 && (cfg.resume || tandem::checkpoint::restart_count() > 0)) {
-    return "--resume (or a restart) with --zero " + std::to_string(cfg.zero) +
-           ": its checkpoint holds the model, not the sharded optimizer state";
+  if (cfg.zero == 3 && (cfg.resume || tandem::checkpoint::restart_count() > 0)) {
+    return "--resume (or a restart) with --zero 3: its checkpoint holds the model, not the "
+           "sharded optimizer state";
   }
   if (cfg.stop_at > cfg.steps) {
     return "--stop-at " + std::to_string(cfg.stop_at) + " is past --steps " +
@@ -135,7 +136,8 @@ std::optional<Checkpoint> checked_resume(const Config& cfg, const examples::Corp
   std::optional<Checkpoint> found = load_latest(cfg.checkpoint);
   if (!found) return std::nullopt;
   Checkpoint& ck = *found;
-  const std::string what = "checkpoint '" + tandem::checkpoint::step_path(cfg.checkpoint, ck.step) + "'";
+  const std::string what =
+      "checkpoint '" + tandem::checkpoint::step_path(cfg.checkpoint, ck.step) + "'";
   if (ck.corpus_fnv != corpus.fingerprint || ck.vocab != corpus.vocab) {
     throw UsageError(what + " was trained on another text; pass the same --corpus");
   }
@@ -148,13 +150,20 @@ std::optional<Checkpoint> checked_resume(const Config& cfg, const examples::Corp
                      std::to_string(ck.shape.at(0)) + " " + std::to_string(ck.shape.at(1)) + " " +
                      std::to_string(ck.shape.at(2)) + " " + std::to_string(ck.shape.at(3)) + ")");
   }
+  const std::string mode = cfg.zero == 2 ? "zero2" : "pipeline";
+  if (ck.mode != mode) {
+    throw UsageError(what + " was written by " +
+                     (ck.mode == "pipeline" ? std::string("the pipeline (no --zero 2 or 3)")
+                                            : "--zero " + ck.mode.substr(4)) +
+                     "; it resumes only so");
+  }
   int64_t layers = 0;
   for (int64_t c : ck.counts) layers += c;
-  if (layers != cfg.layers + 2 || ck.optim.parts.empty()) {
+  if (layers != cfg.layers + 2 || (mode == "pipeline" && ck.optim.parts.empty())) {
     throw UsageError(what + " holds " + std::to_string(layers) + " layers in " +
                      std::to_string(ck.counts.size()) + " stages and " +
                      std::to_string(ck.optim.parts.size()) +
-                     " optimizer parts: not a checkpoint of this model's pipeline");
+                     " optimizer parts: not a checkpoint of this model");
   }
   if (ck.step >= cfg.steps) {
     throw UsageError(what + " is at step " + std::to_string(ck.step) + "; pass a larger --steps");

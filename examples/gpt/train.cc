@@ -143,11 +143,11 @@ int drive(const Job& job) {
       state = optim::reshard_state(state, owner_layouts(order, job.resume->counts, saved_workers),
                                    owner_layouts(order, counts, cfg.pp), oo);
       if (mesh.rank() == 0) {
-        std::printf("gpt: the checkpoint's optimizer state (%lld stages on %lld workers) cut "
-                    "again for %zu stages on %lld\n",
-                    static_cast<long long>(job.resume->counts.size()),
-                    static_cast<long long>(saved_workers), counts.size(),
-                    static_cast<long long>(cfg.pp));
+        std::printf(
+            "gpt: the checkpoint's optimizer state (%lld stages on %lld workers) cut "
+            "again for %zu stages on %lld\n",
+            static_cast<long long>(job.resume->counts.size()),
+            static_cast<long long>(saved_workers), counts.size(), static_cast<long long>(cfg.pp));
       }
     }
     for (auto& part : state.parts) {

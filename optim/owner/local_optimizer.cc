@@ -88,6 +88,8 @@ void move_state(torch::optim::Optimizer& from, torch::optim::Optimizer& to,
   from.state().erase(it);
 }
 
+StateKey state_key_of(const at::Tensor& param) { return state_key(param); }
+
 void move_state(torch::optim::Optimizer& from, torch::optim::Optimizer& to,
                 const at::Tensor& from_param, const at::Tensor& to_param) {
   auto it = from.state().find(state_key(from_param));

@@ -12,7 +12,10 @@
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>
 
+#include <torch/version.h>
+
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "tandem/optim/options.h"
@@ -26,6 +29,14 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(Kind kind, std::vector<a
 
 // Sets the learning rate of all of its param groups.
 void set_lr(torch::optim::Optimizer& optimizer, double lr);
+
+// The key LibTorch's optimizers keep `param`'s state under.
+#if TORCH_VERSION_MAJOR < 2
+using StateKey = std::string;
+#else
+using StateKey = void*;
+#endif
+StateKey state_key_of(const at::Tensor& param);
 
 // The state LibTorch keeps for parameter `param`, or null when it keeps
 // none (SGD before its first step).

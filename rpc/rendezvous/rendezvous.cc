@@ -246,8 +246,7 @@ c10::intrusive_ptr<c10d::Store> make_store(const std::string& host, int port, in
   // round is read again. (Round 0 keeps the bare keys: the workers of a
   // node whose launcher does not host the store do not know it is hosted.)
   const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
-  if (!server && store_hosted_by_launcher() && attempt && *attempt &&
-      std::string(attempt) != "0") {
+  if (!server && store_hosted_by_launcher() && attempt && *attempt && std::string(attempt) != "0") {
     return c10::make_intrusive<c10d::PrefixStore>(std::string("/worker/attempt_") + attempt,
                                                   std::move(store));
   }

@@ -27,6 +27,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// A directory of the case's own, removed without a fork (a fork's handlers
+// would stop OpenBLAS's threads under the leak check).
 struct TempDir {
   TempDir() {
     char tmpl[] = "/tmp/tandem-ckpt-XXXXXX";

@@ -24,7 +24,13 @@
 // ZeroRedundancyOptimizer and sharded gradients, its state consolidated and
 // loaded into plain LibTorch, then FullyShardedDataParallel steps of a
 // Sequential; every rank ends with the same model.
+// `consumer checkpoint` starts two: ZeroRedundancyOptimizer steps, and a
+// JobState (the model once, each rank its share of Adam's state, the
+// sampler's place) is saved in the background over a group of the saver's
+// own, then loaded into plain LibTorch Adam on rank 0 alone: the model and
+// each parameter's Adam step count come back.
 #include <tandem/autograd/autograd.h>
+#include <tandem/checkpoint/job.h>
 #include <tandem/ddp/distributed_data_parallel.h>
 #include <tandem/ddp/fully_sharded.h>
 #include <tandem/ddp/sampler.h>
@@ -52,7 +58,9 @@
 #include <ATen/ops/arange.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <stdexcept>
 #include <string>
 
@@ -169,7 +177,66 @@ int shard_job() {
   return 0;
 }
 
+int checkpoint_job() {
+  tandem::spawn(2, [&](int rank, int) {
+    // (the workers run this program anew: they agree on the job's port)
+    const std::string dir = std::string("/tmp/tandem-consumer-ckpt-") + std::getenv("MASTER_PORT");
+    tandem::ddp::init_process_group("gloo");
+    {
+      torch::nn::Linear fc(8, 5);
+      tandem::optim::Options o;
+      o.lr = 0.01;
+      tandem::optim::ZeroRedundancyOptimizer opt(fc->parameters(), tandem::optim::Kind::kAdam, o);
+      tandem::ddp::DistributedSampler sampler(40, 2, rank);
+      sampler.next(4);
+      for (int step = 0; step < 2; ++step) {
+        at::sum(fc(at::ones({2, 8}))).backward();
+        opt.step();
+        opt.zero_grad();
+      }
+      std::vector<std::string> names;
+      for (const auto& p : fc->named_parameters()) names.push_back(p.key());
+      tandem::checkpoint::JobState state(rank);
+      state.module("fc", *fc, rank == 0).optimizer("adam", opt, names).sampler("data", sampler);
+      tandem::ddp::ProcessGroupOptions go;
+      go.group_name = "checkpoints";
+      tandem::checkpoint::SaveOptions so;
+      so.group = tandem::ddp::ProcessGroup::create(go);
+      tandem::checkpoint::AsyncSaver saver(dir, so);
+      saver.save(2, state.part());
+      saver.wait();
+      if (rank == 0) {
+        torch::nn::Linear again(8, 5);
+        torch::optim::Adam adam(again->parameters());
+        std::vector<std::pair<std::string, at::Tensor>> named;
+        for (const auto& p : again->named_parameters()) named.emplace_back(p.key(), p.value());
+        tandem::ddp::DistributedSampler one(40, 1, 0);
+        tandem::checkpoint::JobState load;
+        load.module("fc", *again).optimizer("adam", adam, named).sampler("data", one);
+        const auto step = tandem::checkpoint::load_latest_job(dir, load);
+        if (step != 2 || !at::equal(again->weight, fc->weight) || one.position() != 8 ||
+            tandem::checkpoint::restart_count() != 0) {
+          throw std::runtime_error("the job's state did not come back");
+        }
+        if (adam.state().size() != 2) throw std::runtime_error("Adam's state did not come back");
+        for (const auto& [key, st] : adam.state()) {
+          if (static_cast<torch::optim::AdamParamState&>(*st).step() != 2) {
+            throw std::runtime_error("a parameter's Adam state did not come back");
+          }
+        }
+        std::printf("rank 0: the job's state came back from step %lld into plain Adam\n",
+                    static_cast<long long>(*step));
+        std::filesystem::remove_all(dir);
+      }
+    }
+    tandem::ddp::destroy_process_group();
+  });
+  std::printf("the checkpointed job finished\n");
+  return 0;
+}
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "checkpoint") == 0) return checkpoint_job();
   if (argc > 1 && std::strcmp(argv[1], "spawn") == 0) return spawn_job();
   if (argc > 1 && std::strcmp(argv[1], "mesh") == 0) return mesh_job();
   if (argc > 1 && std::strcmp(argv[1], "shard") == 0) return shard_job();

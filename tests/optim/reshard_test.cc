@@ -72,8 +72,8 @@ optim::OptimizerState state_of(optim::Kind kind, double lr, std::vector<Owner*> 
     w->opt->save(a);
     std::ostringstream bytes;
     a.save_to(bytes);
-    s.parts.push_back({rank, "worker" + std::to_string(rank), static_cast<int64_t>(w->params.size()),
-                       bytes.str()});
+    s.parts.push_back({rank, "worker" + std::to_string(rank),
+                       static_cast<int64_t>(w->params.size()), bytes.str()});
     ++rank;
   }
   return s;
@@ -102,7 +102,8 @@ TEST_CASE("reshard: a checkpoint of two owners continues on another split, as on
     o.lr = 0.05;
     o.momentum = 0.9;
     at::manual_seed(7);
-    const Named init = {{"a.w", at::randn({3, 4})}, {"a.b", at::randn({4})}, {"c.w", at::randn({2, 2})}};
+    const Named init = {
+        {"a.w", at::randn({3, 4})}, {"a.b", at::randn({4})}, {"c.w", at::randn({2, 2})}};
     // The reference: one LibTorch optimizer over everything.
     Owner whole = make_owner(kind, o, init, {"a.w", "a.b", "c.w"});
     // Saved: two owners.
@@ -118,9 +119,8 @@ TEST_CASE("reshard: a checkpoint of two owners continues on another split, as on
     const Named values = current({&x, &y});
     Owner p = make_owner(kind, o, values, {"c.w", "a.w"});
     Owner q = make_owner(kind, o, values, {"a.b"});
-    const optim::OptimizerState now =
-        optim::reshard_state(saved, {layout_of(x, 0), layout_of(y, 1)},
-                             {layout_of(p, 5), layout_of(q, 6)}, o);
+    const optim::OptimizerState now = optim::reshard_state(
+        saved, {layout_of(x, 0), layout_of(y, 1)}, {layout_of(p, 5), layout_of(q, 6)}, o);
     REQUIRE(now.parts.size() == 2);
     CHECK(now.parts[0].rank == 5);
     CHECK(now.parts[0].worker == "worker5");
@@ -158,26 +158,33 @@ TEST_CASE("reshard: mismatched layouts are refused, naming the parameter or the 
     l.shapes = std::move(shapes);
     return l;
   };
-  CHECK(error_of([&] { optim::reshard_state(saved, {from}, {layout({"a", "c"}, {{2, 3}, {4}})}, o); })
-            .find("holds 'c', which the checkpoint has no state for") != std::string::npos);
-  CHECK(error_of([&] { optim::reshard_state(saved, {from}, {layout({"a"}, {{2, 3}})}, o); })
-            .find("'b' (the saved layout's part 0 (rank 0, worker0)) has no place") !=
+  CHECK(error_of([&] {
+          optim::reshard_state(saved, {from}, {layout({"a", "c"}, {{2, 3}, {4}})}, o);
+        }).find("holds 'c', which the checkpoint has no state for") != std::string::npos);
+  CHECK(error_of([&] {
+          optim::reshard_state(saved, {from}, {layout({"a"}, {{2, 3}})}, o);
+        }).find("'b' (the saved layout's part 0 (rank 0, worker0)) has no place") !=
         std::string::npos);
-  CHECK(error_of([&] { optim::reshard_state(saved, {from}, {layout({"a", "b"}, {{3, 2}, {4}})}, o); })
-            .find("'a' is [3, 2] in the new layout's part 0 (rank 1), [2, 3] in the checkpoint") !=
+  CHECK(error_of([&] {
+          optim::reshard_state(saved, {from}, {layout({"a", "b"}, {{3, 2}, {4}})}, o);
+        }).find("'a' is [3, 2] in the new layout's part 0 (rank 1), [2, 3] in the checkpoint") !=
         std::string::npos);
   CHECK(error_of([&] {
           optim::reshard_state(saved, {from},
                                {layout({"a", "b"}, {{2, 3}, {4}}), layout({"b"}, {{4}})}, o);
         }).find("'b' is named twice in the new layout") != std::string::npos);
-  CHECK(error_of([&] { optim::reshard_state(saved, {from, from}, {from}, o); })
-            .find("the checkpoint has 1 parts, the saved layout names 2") != std::string::npos);
-  CHECK(error_of([&] { optim::reshard_state(saved, {layout({"a"}, {{2, 3}})}, {from}, o); })
-            .find("names 1 parameters, the checkpoint's part 0 steps 2") != std::string::npos);
-  CHECK(error_of([&] { optim::reshard_state(saved, {layout({"a", "b"}, {{2, 3}})}, {from}, o); })
-            .find("gives 2 names but 1 shapes") != std::string::npos);
+  CHECK(error_of([&] {
+          optim::reshard_state(saved, {from, from}, {from}, o);
+        }).find("the checkpoint has 1 parts, the saved layout names 2") != std::string::npos);
+  CHECK(error_of([&] {
+          optim::reshard_state(saved, {layout({"a"}, {{2, 3}})}, {from}, o);
+        }).find("names 1 parameters, the checkpoint's part 0 steps 2") != std::string::npos);
+  CHECK(error_of([&] {
+          optim::reshard_state(saved, {layout({"a", "b"}, {{2, 3}})}, {from}, o);
+        }).find("gives 2 names but 1 shapes") != std::string::npos);
   auto garbage = saved;
   garbage.parts[0].bytes = "not an archive";
-  CHECK(error_of([&] { optim::reshard_state(garbage, {from}, {from}, o); })
-            .find("the checkpoint's part 0 is not the state of Adam") != std::string::npos);
+  CHECK(error_of([&] {
+          optim::reshard_state(garbage, {from}, {from}, o);
+        }).find("the checkpoint's part 0 is not the state of Adam") != std::string::npos);
 }

@@ -1,0 +1,104 @@
+#pragma once
+// A job's state in one call: what each rank holds, registered once by name,
+// saved as that rank's part of a step (checkpoint.h) and loaded back by the
+// same names, into the same layout or another.
+//
+//   checkpoint::JobState state(group->rank());
+//   state.module("model", *net, /*write=*/group->rank() == 0)  // one copy is the job's
+//        .optimizer("adam", zero, names)                       // each rank its share
+//        .sampler("data", sampler)
+//        .random()                                             // every rank's generator
+//        .record("step", &step_text);
+//   checkpoint::save_job(dir, step, state, options);           // collective
+//   ...
+//   if (auto step = checkpoint::load_latest_job(dir, state)) { ... }
+//
+// What it promises:
+//  1. Names are global: a module's tensors are "<prefix>.<name>", an
+//     optimizer's state is "<prefix>/<parameter name>" per parameter
+//     (optim/param_state.h), whoever held them. So a state saved with
+//     ZeroRedundancyOptimizer on 2 ranks loads into ZeroRedundancyOptimizer
+//     on 3, or into a plain LibTorch optimizer on 1, and goes on exactly.
+//  2. load() reads every registered piece and refuses, naming it, one the
+//     step does not hold or holds in another shape; nothing is half loaded
+//     on a refusal of a module's tensor (all are checked first).
+//  3. Pieces written by one rank (`write` false elsewhere, a sampler, a
+//     record, a schedule: rank 0) are read by every rank. A random
+//     generator is each rank's own ("<name>/<rank>"); a rank the step has
+//     none for (more ranks than were saved) keeps its own.
+//  4. A sampler is saved as its epoch and the share of the epoch the job
+//     has gone through (each rank's position times the replicas): it loads
+//     on another number of replicas when that share divides among them
+//     (else std::invalid_argument, naming both).
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tandem/checkpoint/checkpoint.h"
+
+namespace tandem::ddp {
+class DistributedSampler;
+}
+namespace tandem::optim {
+class ZeroRedundancyOptimizer;
+class LRScheduler;
+}  // namespace tandem::optim
+
+namespace tandem::checkpoint {
+
+class JobState {
+ public:
+  // `rank`: this process's rank in the group that saves (0 alone).
+  explicit JobState(int rank = 0);
+
+  // Every parameter and buffer of `m`; `write`: whether this rank's copy
+  // goes into the checkpoint (one copy is the job's: a DDP replica's).
+  JobState& module(const std::string& prefix, torch::nn::Module& m, bool write = true);
+  // A LibTorch optimizer's state, per parameter: `params` names the tensors
+  // it steps.
+  JobState& optimizer(const std::string& prefix, torch::optim::Optimizer& optimizer,
+                      std::vector<std::pair<std::string, at::Tensor>> params, bool write = true);
+  // ZeroRedundancyOptimizer: each rank writes the state of the parameters
+  // it owns and loads the state of those it owns now. `names`: its params()'
+  // names, in order. Its learning rate travels too (rank 0's).
+  JobState& optimizer(const std::string& prefix, optim::ZeroRedundancyOptimizer& optimizer,
+                      std::vector<std::string> names);
+  JobState& sampler(const std::string& name, ddp::DistributedSampler& sampler);
+  // A DistributedOptimizer's schedule (its last epoch and base rate).
+  JobState& scheduler(const std::string& name, optim::LRScheduler& scheduler);
+  // This rank's CPU random generator.
+  JobState& random(const std::string& name = "rng");
+  // Bytes of the caller's (a step count, metrics), written by rank 0.
+  JobState& record(const std::string& name, std::string* bytes);
+
+  int rank() const { return rank_; }
+  // What this rank writes, copied now.
+  Part part() const;
+  // Every registered piece from `reader`'s step.
+  void load(const Reader& reader);
+
+ private:
+  struct Item {
+    std::function<void(Part&)> write;
+    std::function<void(const Reader&)> verify;  // throws before anything is read
+    std::function<void(const Reader&)> read;
+  };
+  std::vector<Item> items_;
+  int rank_;
+};
+
+// checkpoint::save of state.part(), collective over options.group.
+void save_job(const std::string& dir, int64_t step, const JobState& state,
+              const SaveOptions& options = {});
+// Loads checkpoint::latest(dir) into `state` and returns its step; nullopt
+// when `dir` holds none.
+std::optional<int64_t> load_latest_job(const std::string& dir, JobState& state);
+
+}  // namespace tandem::checkpoint

@@ -1,0 +1,243 @@
+// A job's state in one call (checkpoint/job.h): saved by every rank (threads
+// of this process) with ZeroRedundancyOptimizer on 2 ranks, it goes on with
+// ZeroRedundancyOptimizer on 3 ranks and with LibTorch's own Adam in one
+// process, exactly as one process trained throughout; a sampler's place, the
+// random generator and a record come back; what does not fit is refused by
+// name.
+#include <ATen/ops/cross_entropy_loss.h>
+#include <ATen/ops/randn.h>
+#include <torch/optim/adam.h>
+
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <set>
+
+#include "ddp/ddp_support.h"
+#include "shard/shard_support.h"
+#include "tandem/checkpoint/job.h"
+#include "tandem/ddp/sampler.h"
+#include "tandem/optim/zero_redundancy_optimizer.h"
+
+using namespace tandem;
+using test::error_of;
+using test::Groups;
+using test::on_ranks;
+using test::shard::Net;
+namespace fs = std::filesystem;
+
+namespace {
+
+// A directory of the case's own, removed without a fork (a fork's handlers
+// would stop OpenBLAS's threads under the leak check).
+struct TempDir {
+  TempDir() {
+    char tmpl[] = "/tmp/tandem-job-XXXXXX";
+    path = ::mkdtemp(tmpl);
+  }
+  ~TempDir() { fs::remove_all(path); }
+  std::string path;
+};
+
+constexpr uint64_t kBase = 9100;  // this file's batches
+constexpr double kLr = 0.01;
+
+// Step k's loss on the batch of every rank of two (the same on every rank:
+// each computes the whole gradient, so ZeRO's step is the one-process step).
+void backward_at(Net& net, int k) {
+  auto b = test::shard::concat_of(kBase, 2, k);
+  at::cross_entropy_loss(net->forward(b.x), b.y).backward();
+}
+
+std::vector<std::string> names_of(Net& net) {
+  std::vector<std::string> out;
+  for (const auto& p : net->named_parameters()) out.push_back(p.key());
+  return out;
+}
+
+std::map<std::string, at::Tensor> values_of(Net& net) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& p : net->named_parameters()) out[p.key()] = p.value().detach().clone();
+  return out;
+}
+
+optim::Options adam_options() {
+  optim::Options o;
+  o.lr = kLr;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("job: saved with ZeRO on 2 ranks, it goes on with ZeRO on 3 and with Adam alone") {
+  TempDir tmp;
+  // One process throughout: the reference.
+  Net ref = test::shard::make_net(41);
+  torch::optim::Adam ref_adam(ref->parameters(), torch::optim::AdamOptions(kLr));
+  for (int k = 0; k < 6; ++k) {
+    ref_adam.zero_grad();
+    backward_at(ref, k);
+    ref_adam.step();
+  }
+  const auto want = values_of(ref);
+
+  // Saved after 3 steps on 2 ranks, each its share of Adam's state.
+  {
+    Groups g(2);
+    on_ranks(2, [&](int r) {
+      Net net = test::shard::make_net(41);
+      optim::ZeroOptions zo;
+      zo.group = g.groups[r];
+      optim::ZeroRedundancyOptimizer z(net->parameters(), optim::Kind::kAdam, adam_options(), zo);
+      for (int k = 0; k < 3; ++k) {
+        z.zero_grad();
+        backward_at(net, k);
+        z.step();
+      }
+      std::string step = "3";
+      checkpoint::JobState state(r);
+      state.module("net", *net, /*write=*/r == 0)
+          .optimizer("adam", z, names_of(net))
+          .record("step", &step);
+      checkpoint::SaveOptions so;
+      so.group = g.groups[r];
+      checkpoint::save_job(tmp.path, 3, state, so);
+    });
+  }
+  // Each rank wrote only its share's state; the model once.
+  {
+    checkpoint::Reader reader(checkpoint::latest(tmp.path)->path);
+    CHECK(reader.rank_of("net.fc1.weight") == 0);
+    std::set<int> writers;
+    for (const auto& n : reader.names()) {
+      if (n.rfind("adam/", 0) == 0) writers.insert(reader.rank_of(n));
+    }
+    CHECK(writers == std::set<int>{0, 1});
+  }
+
+  SUBCASE("on 3 ranks") {
+    Groups g(3);
+    std::vector<std::map<std::string, at::Tensor>> got(3);
+    on_ranks(3, [&](int r) {
+      Net net = test::shard::make_net(99);  // other values: the checkpoint's must replace them
+      optim::ZeroOptions zo;
+      zo.group = g.groups[r];
+      optim::ZeroRedundancyOptimizer z(net->parameters(), optim::Kind::kAdam, adam_options(), zo);
+      std::string step;
+      checkpoint::JobState state(r);
+      state.module("net", *net).optimizer("adam", z, names_of(net)).record("step", &step);
+      CHECK(checkpoint::load_latest_job(tmp.path, state) == 3);
+      CHECK(step == "3");
+      for (int k = 3; k < 6; ++k) {
+        z.zero_grad();
+        backward_at(net, k);
+        z.step();
+      }
+      got[r] = values_of(net);
+    });
+    for (int r = 0; r < 3; ++r) {
+      for (const auto& [name, t] : want) {
+        CAPTURE(r);
+        CAPTURE(name);
+        CHECK(at::allclose(got[r].at(name), t, 1e-5, 1e-7));
+      }
+    }
+  }
+  SUBCASE("in one process, with LibTorch's Adam") {
+    Net net = test::shard::make_net(99);
+    torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(kLr));
+    std::vector<std::pair<std::string, at::Tensor>> named;
+    for (const auto& p : net->named_parameters()) named.emplace_back(p.key(), p.value());
+    std::string step;
+    checkpoint::JobState state;
+    state.module("net", *net).optimizer("adam", adam, named).record("step", &step);
+    CHECK(checkpoint::load_latest_job(tmp.path, state) == 3);
+    for (int k = 3; k < 6; ++k) {
+      adam.zero_grad();
+      backward_at(net, k);
+      adam.step();
+    }
+    const auto got = values_of(net);
+    for (const auto& [name, t] : want) {
+      CAPTURE(name);
+      CHECK(at::allclose(got.at(name), t, 1e-5, 1e-7));
+    }
+  }
+  SUBCASE("what does not fit is refused by name, and nothing is loaded") {
+    torch::nn::Linear other(6, 4);  // net.fc1 is 13 x 6
+    const at::Tensor before = other->weight.detach().clone();
+    checkpoint::JobState wrong;
+    wrong.module("net.fc1", *other);
+    CHECK(error_of([&] {
+            checkpoint::load_latest_job(tmp.path, wrong);
+          }).find("'net.fc1.weight' is [13, 6] in the step, [4, 6] here") != std::string::npos);
+    CHECK(at::equal(other->weight, before));
+    Net net = test::shard::make_net(99);
+    torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(kLr));
+    std::vector<std::pair<std::string, at::Tensor>> named;
+    for (const auto& p : net->named_parameters()) named.emplace_back(p.key(), p.value());
+    checkpoint::JobState typo;
+    typo.optimizer("adamw", adam, named);
+    CHECK(error_of([&] {
+            checkpoint::load_latest_job(tmp.path, typo);
+          }).find("the step holds no 'adamw/fc1.weight' (optimizer 'adamw')") != std::string::npos);
+  }
+}
+
+TEST_CASE("job: a sampler's place goes on among other replicas, and the generator comes back") {
+  TempDir tmp;
+  constexpr size_t kSize = 84;
+  // Two replicas, 12 indices each into epoch 2.
+  std::vector<std::vector<size_t>> rest(2);
+  {
+    Groups g(2);
+    on_ranks(2, [&](int r) {
+      ddp::DistributedSampler s(kSize, 2, r, /*shuffle=*/true, /*seed=*/5);
+      s.set_epoch(2);
+      s.reset();  // (as a data loader does at an epoch's start)
+      s.next(7);
+      s.next(5);
+      checkpoint::JobState state(r);
+      state.sampler("data", s);
+      // (the ranks are threads sharing one generator: rank 0 alone seeds and saves it)
+      if (r == 0) {
+        at::manual_seed(1234);
+        state.random();
+      }
+      checkpoint::SaveOptions so;
+      so.group = g.groups[r];
+      checkpoint::save_job(tmp.path, 1, state, so);
+      rest[r] = *s.next(1000);
+    });
+  }
+  // One replica goes on where the two were: the epoch's order from 24 on.
+  ddp::DistributedSampler whole(kSize, 1, 0, true, 5);
+  whole.set_epoch(2);
+  const std::vector<size_t> order = whole.indices();
+  ddp::DistributedSampler one(kSize, 1, 0, true, 5);
+  checkpoint::JobState state;
+  state.sampler("data", one).random();
+  at::manual_seed(777);
+  CHECK(checkpoint::load_latest_job(tmp.path, state) == 1);
+  CHECK(one.epoch() == 2);
+  CHECK(*one.next(1000) == std::vector<size_t>(order.begin() + 24, order.end()));
+  // The two replicas' own continuations are that order, dealt out.
+  for (size_t i = 0; i < rest[0].size(); ++i) {
+    CHECK(rest[0][i] == order[24 + 2 * i]);
+    CHECK(rest[1][i] == order[25 + 2 * i]);
+  }
+  // The generator is rank 0's as saved.
+  at::manual_seed(1234);
+  const at::Tensor expected = at::randn({5});
+  at::manual_seed(777);
+  checkpoint::load_latest_job(tmp.path, state);
+  CHECK(at::equal(at::randn({5}), expected));
+  // Seven replicas cannot share 24 indices.
+  ddp::DistributedSampler seven(kSize, 7, 3, true, 5);
+  checkpoint::JobState bad(3);
+  bad.sampler("data", seven);
+  CHECK(error_of([&] {
+          checkpoint::load_latest_job(tmp.path, bad);
+        }).find("gone through 24 indices of epoch 2, which do not divide among 7 replicas") !=
+        std::string::npos);
+}
