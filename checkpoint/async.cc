@@ -63,6 +63,15 @@ void AsyncSaver::save(int64_t step, Part part) {
     impl_->running = true;
   }
   Impl* impl = impl_.get();
+  struct Unmark {  // a thread that could not start leaves nothing in flight
+    Impl* impl;
+    bool started = false;
+    ~Unmark() {
+      if (started) return;
+      std::lock_guard<std::mutex> lock(impl->mu);
+      impl->running = false;
+    }
+  } unmark{impl};
   impl_->writer = std::thread([impl, step, part = std::move(part)] {
     try {
       checkpoint::save(impl->dir, step, part, impl->options);
@@ -72,6 +81,7 @@ void AsyncSaver::save(int64_t step, Part part) {
     std::lock_guard<std::mutex> lock(impl->mu);
     impl->running = false;
   });
+  unmark.started = true;
 }
 
 void AsyncSaver::wait() {

@@ -43,12 +43,23 @@ std::string state_name(const std::string& prefix, const std::string& param) {
 
 // A sampler's epoch and this rank's place in it among `replicas`, from the
 // job's place (the indices every replica went through together).
-std::pair<int64_t, size_t> sampler_place(const Reader& r, const std::string& name, int replicas) {
+// (An epoch gone through whole is "end": its padding differs among replica
+// counts.)
+std::pair<int64_t, size_t> sampler_place(const Reader& r, const std::string& name,
+                                         const ddp::DistributedSampler& s) {
   need(r, name, "a sampler's epoch and position");
+  const int replicas = s.num_replicas();
   std::istringstream in(r.bytes(name));
   long long epoch = -1;
+  std::string token;
+  if (!(in >> epoch >> token) || epoch < 0) {
+    throw std::invalid_argument("checkpoint: '" + name + "' is not a sampler's position");
+  }
+  if (token == "end") return {epoch, s.num_samples()};
   unsigned long long done = 0;
-  if (!(in >> epoch >> done) || epoch < 0) {
+  try {
+    done = std::stoull(token);
+  } catch (const std::exception&) {
     throw std::invalid_argument("checkpoint: '" + name + "' is not a sampler's position");
   }
   if (done % static_cast<unsigned long long>(replicas) != 0) {
@@ -148,7 +159,6 @@ JobState& JobState::optimizer(const std::string& prefix, optim::ZeroRedundancyOp
     for (size_t i : zp->share(zp->rank())) {
       need(r, state_name(prefix, (*ns)[i]), "optimizer '" + prefix + "'");
     }
-    need(r, prefix + "#lr", "optimizer '" + prefix + "''s learning rate");
   };
   item.read = [prefix, zp, ns](const Reader& r) {
     torch::optim::Optimizer* local = zp->local_optimizer();
@@ -161,7 +171,8 @@ JobState& JobState::optimizer(const std::string& prefix, optim::ZeroRedundancyOp
                                     "': " + e.what());
       }
     }
-    zp->set_lr(std::stod(r.bytes(prefix + "#lr")));
+    // (a plain optimizer's state carries no rate: the current one stays)
+    if (r.contains(prefix + "#lr")) zp->set_lr(std::stod(r.bytes(prefix + "#lr")));
   };
   items_.push_back(std::move(item));
   return *this;
@@ -175,11 +186,12 @@ JobState& JobState::sampler(const std::string& name, ddp::DistributedSampler& s)
     if (rank != 0) return;
     const uint64_t done =
         static_cast<uint64_t>(sp->position()) * static_cast<uint64_t>(sp->num_replicas());
-    p.add_bytes(name, std::to_string(sp->epoch()) + " " + std::to_string(done));
+    const bool whole = sp->position() >= sp->num_samples();
+    p.add_bytes(name, std::to_string(sp->epoch()) + " " + (whole ? "end" : std::to_string(done)));
   };
-  item.verify = [name, sp](const Reader& r) { sampler_place(r, name, sp->num_replicas()); };
+  item.verify = [name, sp](const Reader& r) { sampler_place(r, name, *sp); };
   item.read = [name, sp](const Reader& r) {
-    const auto [epoch, position] = sampler_place(r, name, sp->num_replicas());
+    const auto [epoch, position] = sampler_place(r, name, *sp);
     sp->resume(epoch, position);
   };
   items_.push_back(std::move(item));

@@ -27,9 +27,11 @@
 //     generator is each rank's own ("<name>/<rank>"); a rank the step has
 //     none for (more ranks than were saved) keeps its own.
 //  4. A sampler is saved as its epoch and the share of the epoch the job
-//     has gone through (each rank's position times the replicas): it loads
-//     on another number of replicas when that share divides among them
-//     (else std::invalid_argument, naming both).
+//     has gone through (each rank's position times the replicas; "end" for
+//     the whole epoch): it loads on another number of replicas when that
+//     share divides among them (else std::invalid_argument, naming both).
+//     The position is what next() handed out: a loader that fetches ahead
+//     saves a place ahead of what was trained on.
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>

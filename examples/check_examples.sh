@@ -330,9 +330,10 @@ killed_run() {
   shift 3
   GPT_CHECK_TAG="$tag" timeout 120 "$run" --max-restarts 3 --nproc-per-node 4 "$bin/gpt" "$@" \
     >"$log" 2>&1 &
-  local launcher=$! i p
+  local launcher=$! i p pid=""
+  # The victim found first (once the job has started), killed the moment its step is printed.
   for ((i = 0; i < 1200; ++i)); do
-    grep -q "step $after/" "$log" && break
+    grep -q "steps 1\.\." "$log" && break
     sleep 0.05
   done
   for p in /proc/[0-9]*; do
@@ -340,9 +341,14 @@ killed_run() {
     env=$({ tr '\0' '\n' <"$p/environ"; } 2>/dev/null) || continue
     if grep -qx "GPT_CHECK_TAG=$tag" <<<"$env" && grep -qx "RANK=$victim" <<<"$env" &&
       grep -qx "TANDEM_RESTART_COUNT=0" <<<"$env"; then
-      kill -9 "${p#/proc/}" 2>/dev/null
+      pid="${p#/proc/}"
     fi
   done
+  for ((i = 0; i < 2400; ++i)); do
+    grep -q "step $after/" "$log" && break
+    sleep 0.02
+  done
+  [[ -n $pid ]] && kill -9 "$pid" 2>/dev/null
   wait "$launcher"
   echo $?
 }
@@ -377,7 +383,6 @@ rc=$(launch gy2.log 2 gpt --pp 1 --dp 2 "${gpt_args[@]}" --zero 2 --resume --che
 expect_rc "gpt 1 x 2 --zero 2 --resume" "$rc" 0 gy2.log && near "gpt --zero 2 resumed" "$base" "$(gpt_final gy2.log)"
 rc=$(launch gy3.log 1 gpt --pp 1 --dp 1 "${gpt_args[@]}" --zero 2 --resume --checkpoint gy2.ckpt)
 expect_rc "gpt --zero 2 on 2 ranks resumed on 1" "$rc" 0 gy3.log && near "gpt --zero 2 resumed on 1 rank" "$base" "$(gpt_final gy3.log)"
-gpt_bad 4 "was written by --zero 2; it resumes only so" --resume --checkpoint gy2.ckpt
 timeout 120 "$bin/gpt" --pp 1 --dp 2 --steps 10 --sample 0 --checkpoint g0.ckpt >g0.log 2>&1
 expect_rc "gpt alone (spawning its 2 workers)" "$?" 0 g0.log
 gpt_bad() {  # gpt_bad NPROC PATTERN ARGS...
@@ -394,6 +399,7 @@ gpt_bad 4 "--zero 3 trains the whole model on every rank: pass --pp 1" --zero 3
 gpt_bad 4 "--heads 5 does not divide --dim 64" --heads 5
 gpt_bad 2 "is at step 20; pass a larger --steps" --pp 1 --dp 2 --resume --checkpoint gr.ckpt --steps 20
 gpt_bad 4 "--resume: no checkpoint in" --resume --checkpoint "$tmp/none.ckpt"
+gpt_bad 4 "was written by --zero 2; it resumes only so" --resume --checkpoint gy2.ckpt
 
 if ((failures)); then
   echo "check_examples: $failures failure(s)"

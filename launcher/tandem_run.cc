@@ -29,6 +29,9 @@
 //     sends SIGTERM to the other workers, SIGKILLs those still alive 5 seconds later, and exits
 //     with the failed worker's exit code (128 + signal number for a signal). It exits 0 only
 //     when every worker exited 0. Bad arguments exit 2; a program that cannot be run exits 127.
+//     With --max-restarts N, a failure while restarts are left stops the others the same way
+//     and then starts every worker again (a fresh store and token, the round's number in
+//     TANDEM_RESTART_COUNT); the failure after the Nth restart is the job's.
 //
 // It uses only the C++ standard library and POSIX (no LibTorch), so it starts instantly, and it
 // is single-threaded: one poll() loop serves the worker pipes and a self-pipe fed by the signal

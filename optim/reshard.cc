@@ -64,6 +64,11 @@ OptimizerState reshard_state(const OptimizerState& state, const std::vector<Owne
   for (size_t i = 0; i < saved.size(); ++i) {
     const std::string what = "the saved layout's " + who(saved[i], i);
     const auto& part = state.parts[i];
+    if (part.rank != saved[i].rank) {
+      throw std::invalid_argument("reshard_state: the checkpoint's part " + std::to_string(i) +
+                                  " is rank " + std::to_string(part.rank) + "'s, " + what +
+                                  " is another's");
+    }
     if (static_cast<int64_t>(saved[i].names.size()) != part.num_params) {
       throw std::invalid_argument("reshard_state: " + what + " names " +
                                   std::to_string(saved[i].names.size()) +

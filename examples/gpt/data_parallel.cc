@@ -9,9 +9,10 @@
 // (The model is model.h's StackImpl: its layers run by their factories'
 // forwards, so FSDP runs it through forward(fn) and run().) The same Adam,
 // clipping, schedule and batches as the pipeline's path, so
-// the losses are that path's (to float rounding). The checkpoint holds the
-// model (gathered to rank 0) and no optimizer state: --resume is refused
-// with --zero 2 or 3 (main.cc).
+// the losses are that path's (to float rounding). --zero 2's checkpoint is
+// a checkpoint::JobState, every rank its part (the model once, its share of
+// Adam's state), and resumes on any number of ranks; --zero 3's holds the
+// model alone (gathered to rank 0), and --resume is refused with it (main.cc).
 #include <ATen/ops/tensor.h>
 #include <torch/optim/adam.h>
 
@@ -85,8 +86,9 @@ int drive_data_parallel(const Job& job) {
         static_cast<long long>(cfg.steps));
     std::fflush(stdout);
   }
-  examples::Progress progress{cfg.steps,  cfg.log_every, cfg.losses,
-                              cfg.resume, job.started,   cfg.batch * cfg.context};
+  examples::Progress progress{cfg.steps,   cfg.log_every,
+                              cfg.losses,  job.resume.has_value(),
+                              job.started, cfg.batch * cfg.context};
   // --zero 2: every rank writes its own part of each step (the model once,
   // its share of Adam's state), in the background, over a group of the
   // saver's own (its collectives run beside training's); a resumed or
@@ -105,6 +107,7 @@ int drive_data_parallel(const Job& job) {
         .record("vocab", &vocab);
     ddp::ProcessGroupOptions go;
     go.group_name = "gpt-checkpoints";
+    go.timeout = std::chrono::minutes(2);  // as the mesh's: a dead peer fails a save loudly
     tandem::checkpoint::SaveOptions so;
     so.group = ddp::ProcessGroup::create(go);
     Checkpoint meta = checkpoint_at(job, 0);

@@ -165,7 +165,7 @@ std::optional<Checkpoint> checked_resume(const Config& cfg, const examples::Corp
                      std::to_string(ck.optim.parts.size()) +
                      " optimizer parts: not a checkpoint of this model");
   }
-  if (ck.step >= cfg.steps) {
+  if (ck.step >= cfg.steps && tandem::checkpoint::restart_count() == 0) {
     throw UsageError(what + " is at step " + std::to_string(ck.step) + "; pass a larger --steps");
   }
   return found;
@@ -192,6 +192,15 @@ int job_main(int argc, char** argv) {
           resume = checked_resume(cfg, *corpus);
           if (!resume && cfg.resume) {
             throw UsageError("--resume: no checkpoint in '" + cfg.checkpoint + "'");
+          }
+          if (resume && resume->step >= cfg.steps) {
+            // A restart after the last step was saved (a worker failed at the
+            // end): the training is done.
+            if (env.rank == 0) {
+              std::printf("gpt: restart %d: the checkpoint is at step %lld, the last: done\n",
+                          round, static_cast<long long>(resume->step));
+            }
+            return 0;
           }
           if (env.rank == 0 && round > 0) {
             std::printf("gpt: restart %d: %s\n", round,

@@ -178,8 +178,9 @@ int drive(const Job& job) {
     std::fflush(stdout);
   }
 
-  examples::Progress progress{cfg.steps,  cfg.log_every, cfg.losses,
-                              cfg.resume, job.started,   cfg.batch * cfg.context};
+  examples::Progress progress{cfg.steps,   cfg.log_every,
+                              cfg.losses,  job.resume.has_value(),
+                              job.started, cfg.batch * cfg.context};
   const auto dp = mesh.size("dp") > 1 ? mesh.group("dp") : nullptr;
   double loss = 0;
   std::optional<Saver> saver;

@@ -2,6 +2,7 @@
 // cluster token, the rendezvous store hosted here, fork and exec; and, once
 // they exited, joining their traces.
 #include <sched.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -100,6 +101,9 @@ int Launcher::threads_per_worker() const {
 }
 
 void Launcher::next_round() {
+  // Whatever a failed round's workers left in their process groups (a child
+  // that ignored SIGTERM) must not live on beside the next round.
+  for (const Worker& worker : workers_) ::kill(-worker.pid, SIGKILL);
   restarting_ = false;
   shutting_down_ = false;
   kill_deadline_.reset();

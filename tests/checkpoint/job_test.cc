@@ -232,6 +232,27 @@ TEST_CASE("job: a sampler's place goes on among other replicas, and the generato
   at::manual_seed(777);
   checkpoint::load_latest_job(tmp.path, state);
   CHECK(at::equal(at::randn({5}), expected));
+  // An epoch gone through whole (its padding differs by replica count) loads
+  // anywhere as gone through.
+  {
+    TempDir whole_dir;
+    ddp::DistributedSampler three(10, 3, 0, true, 5);  // 4 each, 12 with padding
+    three.set_epoch(1);
+    three.reset();
+    three.next(100);
+    checkpoint::JobState saved;
+    saved.sampler("data", three);
+    checkpoint::save_job(whole_dir.path, 1, saved);
+    ddp::DistributedSampler two(10, 2, 1, true, 5);
+    checkpoint::JobState loaded(1);
+    loaded.sampler("data", two);
+    CHECK(checkpoint::load_latest_job(whole_dir.path, loaded) == 1);
+    CHECK(two.epoch() == 1);
+    CHECK_FALSE(two.next(1).has_value());
+  }
+  CHECK(error_of([] {
+          ddp::DistributedSampler(10, 2, 0).resume(0, 6);
+        }).find("position 6 is past the epoch's 5 indices") != std::string::npos);
   // Seven replicas cannot share 24 indices.
   ddp::DistributedSampler seven(kSize, 7, 3, true, 5);
   checkpoint::JobState bad(3);

@@ -153,7 +153,7 @@ TEST_CASE("reshard: mismatched layouts are refused, naming the parameter or the 
   const optim::OwnerLayout from = layout_of(x, 0);
   auto layout = [](std::vector<std::string> names, std::vector<std::vector<int64_t>> shapes) {
     optim::OwnerLayout l;
-    l.rank = 1;
+    l.rank = 0;
     l.names = std::move(names);
     l.shapes = std::move(shapes);
     return l;
@@ -167,7 +167,7 @@ TEST_CASE("reshard: mismatched layouts are refused, naming the parameter or the 
         std::string::npos);
   CHECK(error_of([&] {
           optim::reshard_state(saved, {from}, {layout({"a", "b"}, {{3, 2}, {4}})}, o);
-        }).find("'a' is [3, 2] in the new layout's part 0 (rank 1), [2, 3] in the checkpoint") !=
+        }).find("'a' is [3, 2] in the new layout's part 0 (rank 0), [2, 3] in the checkpoint") !=
         std::string::npos);
   CHECK(error_of([&] {
           optim::reshard_state(saved, {from},
@@ -182,6 +182,11 @@ TEST_CASE("reshard: mismatched layouts are refused, naming the parameter or the 
   CHECK(error_of([&] {
           optim::reshard_state(saved, {layout({"a", "b"}, {{2, 3}})}, {from}, o);
         }).find("gives 2 names but 1 shapes") != std::string::npos);
+  auto other_rank = from;
+  other_rank.rank = 4;
+  CHECK(error_of([&] { optim::reshard_state(saved, {other_rank}, {from}, o); })
+            .find("the checkpoint's part 0 is rank 0's, the saved layout's part 0 (rank 4, "
+                  "worker0) is another's") != std::string::npos);
   auto garbage = saved;
   garbage.parts[0].bytes = "not an archive";
   CHECK(error_of([&] {

@@ -317,9 +317,6 @@ TEST_CASE("process: tandem-run --max-restarts starts every worker again after on
                           " of 3 (local " + std::to_string(rank) +
                           ") ok (restart 2, torchelastic too)") != std::string::npos);
     }
-    // Rank 0 calls rank 1: no earlier round of it got through.
-    CHECK(r.output.find("[0]: rank 0 of 3 (local 0) ok (restart 0") == std::string::npos);
-    CHECK(r.output.find("[0]: rank 0 of 3 (local 0) ok (restart 1") == std::string::npos);
     CHECK(std::chrono::steady_clock::now() - t0 < 30s);
   }
   SUBCASE("killed in more rounds than it may restart: the failure is the job's") {
