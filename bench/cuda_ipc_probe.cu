@@ -86,7 +86,10 @@ void recv_all(int fd, void* p, size_t n) {
 struct Ref {
   cudaIpcMemHandle_t mem;
   cudaIpcEventHandle_t event;
-  int op;  // 0 stop, 1 sync echo, 2 no-wait echo, 3 ping, 4 open fresh handle
+  // 0 stop, 1 echo with a host wait, 2 echo ordered on the GPU, 3 ping, 4 open
+  // a fresh handle, 5 echo with no interprocess event, 6 the peer's event
+  // waited on the host
+  int op;
 };
 
 // The primitives, in one process.

@@ -3,6 +3,7 @@
 #include "tandem/checkpoint/job.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <mutex>
@@ -22,12 +23,6 @@ void need(const Reader& r, const std::string& name, const std::string& what) {
   if (!r.contains(name)) {
     throw std::invalid_argument("checkpoint: the step holds no '" + name + "' (" + what + ")");
   }
-}
-
-std::string shape_text(at::IntArrayRef s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
 }
 
 std::vector<std::pair<std::string, at::Tensor>> tensors_of(torch::nn::Module& m) {
@@ -90,8 +85,8 @@ JobState& JobState::module(const std::string& prefix, torch::nn::Module& m, bool
       need(r, entry, "a tensor of module '" + prefix + "'");
       const at::Tensor saved = r.tensor(entry);
       if (!saved.sizes().equals(t.sizes())) {
-        throw std::invalid_argument("checkpoint: '" + entry + "' is " + shape_text(saved.sizes()) +
-                                    " in the step, " + shape_text(t.sizes()) + " here");
+        throw std::invalid_argument("checkpoint: '" + entry + "' is " + c10::str(saved.sizes()) +
+                                    " in the step, " + c10::str(t.sizes()) + " here");
       }
     }
   };

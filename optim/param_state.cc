@@ -7,10 +7,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
-#include <torch/serialize/input-archive.h>
-#include <torch/serialize/output-archive.h>
 
-#include <sstream>
 #include <stdexcept>
 
 #include "tandem/optim/owner/local_optimizer.h"
@@ -33,14 +30,9 @@ std::string param_state_bytes(const torch::optim::Optimizer& optimizer, const at
   if (!state) return "";
   at::Tensor stand_in = at::zeros(param.sizes(), param.options().device(at::kCPU));
   auto alone = owner::make_optimizer(kind_of(optimizer), {stand_in}, Options{});
-  // The state's tensors, copied to the CPU.
-  auto copy = state->clone();
-  alone->state()[owner::state_key_of(stand_in)] = std::move(copy);
-  torch::serialize::OutputArchive a;
-  alone->save(a);
-  std::ostringstream out;
-  a.save_to(out);
-  return out.str();
+  // (the state shares its tensors, which are written into the bytes here)
+  alone->state()[owner::state_key_of(stand_in)] = state->clone();
+  return owner::state_bytes(*alone);
 }
 
 void load_param_state(torch::optim::Optimizer& optimizer, const at::Tensor& param,
@@ -53,9 +45,7 @@ void load_param_state(torch::optim::Optimizer& optimizer, const at::Tensor& para
   const Kind kind = kind_of(optimizer);
   auto alone = owner::make_optimizer(kind, {stand_in}, Options{});
   try {
-    torch::serialize::InputArchive a;
-    a.load_from(bytes.data(), bytes.size());
-    alone->load(a);
+    owner::load_state_bytes(*alone, bytes);
   } catch (const c10::Error& e) {
     throw std::invalid_argument("the saved state is not " + kind_name(kind) +
                                 "'s for one parameter: " + e.what_without_backtrace());

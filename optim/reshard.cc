@@ -4,13 +4,11 @@
 #include "tandem/optim/reshard.h"
 
 #include <ATen/ops/zeros.h>
-#include <torch/serialize/input-archive.h>
-#include <torch/serialize/output-archive.h>
+#include <c10/util/StringUtil.h>
 
 #include <map>
 #include <memory>
 #include <set>
-#include <sstream>
 #include <stdexcept>
 
 #include "tandem/optim/owner/local_optimizer.h"
@@ -18,12 +16,6 @@
 namespace tandem::optim {
 
 namespace {
-
-std::string shape_text(at::IntArrayRef s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
 
 std::string who(const OwnerLayout& o, size_t index) {
   return "part " + std::to_string(index) + " (rank " + std::to_string(o.rank) +
@@ -79,9 +71,7 @@ OptimizerState reshard_state(const OptimizerState& state, const std::vector<Owne
     auto opt = owner::make_optimizer(state.kind, keep.back(), o);
     if (!part.bytes.empty()) {
       try {
-        torch::serialize::InputArchive a;
-        a.load_from(part.bytes.data(), part.bytes.size());
-        opt->load(a);
+        owner::load_state_bytes(*opt, part.bytes);
       } catch (const c10::Error& e) {
         throw std::invalid_argument("reshard_state: the checkpoint's part " + std::to_string(i) +
                                     " is not the state of " + kind_name(state.kind) +
@@ -120,20 +110,16 @@ OptimizerState reshard_state(const OptimizerState& state, const std::vector<Owne
       }
       if (!it->second.param.sizes().equals(params[j].sizes())) {
         throw std::invalid_argument("reshard_state: '" + name + "' is " +
-                                    shape_text(params[j].sizes()) + " in " + what + ", " +
-                                    shape_text(it->second.param.sizes()) + " in the checkpoint");
+                                    c10::str(params[j].sizes()) + " in " + what + ", " +
+                                    c10::str(it->second.param.sizes()) + " in the checkpoint");
       }
       owner::move_state(*it->second.optimizer, *opt, it->second.param, params[j]);
     }
-    torch::serialize::OutputArchive a;
-    opt->save(a);
-    std::ostringstream bytes;
-    a.save_to(bytes);
     OptimizerState::Part p;
     p.rank = now[i].rank;
     p.worker = now[i].worker;
     p.num_params = static_cast<int64_t>(params.size());
-    p.bytes = bytes.str();
+    p.bytes = owner::state_bytes(*opt);
     out.parts.push_back(std::move(p));
   }
   for (const auto& [name, source] : by_name) {

@@ -7,6 +7,7 @@
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/StringUtil.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
@@ -14,7 +15,6 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
-#include <sstream>
 #include <stdexcept>
 #include <unordered_map>
 
@@ -24,18 +24,6 @@ namespace tandem::optim {
 namespace {
 
 constexpr int64_t kLocalStateVersion = 1;
-
-std::string shape_text(at::IntArrayRef sizes) {
-  std::ostringstream s;
-  s << sizes;
-  return s.str();
-}
-
-std::string to_bytes(torch::serialize::OutputArchive& archive) {
-  std::ostringstream out;
-  archive.save_to(out);
-  return out.str();
-}
 
 void from_bytes(torch::serialize::InputArchive& archive, const std::string& bytes,
                 const std::string& what) {
@@ -136,7 +124,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> params,
                                       std::to_string(j) + " again");
         }
       }
-      lines.push_back(shape_text(p.sizes()) + " " + c10::toString(p.scalar_type()));
+      lines.push_back(c10::str(p.sizes()) + " " + c10::toString(p.scalar_type()));
       numels.push_back(p.numel());
     }
   } catch (const std::invalid_argument& e) {
@@ -353,8 +341,8 @@ void ZeroRedundancyOptimizer::Impl::check_state_shapes(const torch::optim::Optim
     for (const auto& t : owner::state_tensors(*s)) {
       if (t.defined() && t.numel() > 1 && t.sizes() != params[i].sizes()) {
         throw std::invalid_argument("ZeroRedundancyOptimizer: " + what + " holds state of shape " +
-                                    shape_text(t.sizes()) + " for parameter #" + std::to_string(i) +
-                                    ", which has shape " + shape_text(params[i].sizes()));
+                                    c10::str(t.sizes()) + " for parameter #" + std::to_string(i) +
+                                    ", which has shape " + c10::str(params[i].sizes()));
       }
     }
   }
@@ -368,11 +356,7 @@ void ZeroRedundancyOptimizer::consolidate_state_dict(int to) {
                                 ")");
   }
   std::string mine;
-  if (m.local) {
-    torch::serialize::OutputArchive a;
-    m.local->save(a);
-    mine = to_bytes(a);
-  }
+  if (m.local) mine = owner::state_bytes(*m.local);
   auto parts = m.group->gather_bytes(mine, to, m.zero.timeout);
   m.consolidated.clear();
   m.consolidated_on = to;
@@ -394,7 +378,7 @@ void ZeroRedundancyOptimizer::consolidate_state_dict(int to) {
   // LibTorch 1.x's load keeps its own options: the rate travels beside them
   // (LibTorch's load passes over the extra key).
   out.write("tandem_lr", c10::IValue(m.options.lr));
-  m.consolidated = to_bytes(out);
+  m.consolidated = owner::archive_bytes(out);
 }
 
 std::string ZeroRedundancyOptimizer::state_dict() const {
@@ -459,7 +443,7 @@ std::string ZeroRedundancyOptimizer::local_state_dict() const {
     m.local->save(opt);
     a.write("optimizer", opt);
   }
-  return to_bytes(a);
+  return owner::archive_bytes(a);
 }
 
 void ZeroRedundancyOptimizer::load_local_state_dict(const std::string& archive) {

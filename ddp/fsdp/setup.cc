@@ -5,21 +5,15 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/variable.h>
 
-#include <sstream>
 #include <unordered_map>
 
 #include "tandem/ddp/fsdp/impl.h"
 
 namespace tandem::ddp {
 namespace {
-
-std::string shape_text(at::IntArrayRef sizes) {
-  std::ostringstream s;
-  s << sizes;
-  return s.str();
-}
 
 bool holds(const std::string& outer, const std::string& inner) {
   return outer.empty() || inner.rfind(outer + ".", 0) == 0;
@@ -134,11 +128,11 @@ void FullyShardedDataParallel::Impl::setup(FSDPOptions options) {
       if (!u.name.empty()) lines.push_back("unit '" + u.name + "'");
     }
     for (const auto& p : params) {
-      lines.push_back("'" + p.name + "' " + shape_text(p.shape) + " " +
+      lines.push_back("'" + p.name + "' " + c10::str(at::IntArrayRef(p.shape)) + " " +
                       c10::toString(p.tensor.scalar_type()));
     }
     for (const auto& [name, b] : buffers) {
-      lines.push_back("buffer '" + name + "' " + shape_text(b.sizes()) + " " +
+      lines.push_back("buffer '" + name + "' " + c10::str(b.sizes()) + " " +
                       c10::toString(b.scalar_type()));
     }
   } catch (const std::invalid_argument& e) {

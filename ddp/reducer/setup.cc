@@ -4,27 +4,18 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <limits>
 #include <optional>
-#include <sstream>
 #include <unordered_set>
 
 #include "tandem/ddp/reducer/impl.h"
 #include "tandem/rpc/api.h"
 
 namespace tandem::ddp::detail {
-namespace {
-
-std::string shape_text(at::IntArrayRef sizes) {
-  std::ostringstream s;
-  s << sizes;
-  return s.str();
-}
-
-}  // namespace
 
 void broadcast_coalesced(const std::vector<at::Tensor>& tensors, ProcessGroup& group,
                          std::chrono::milliseconds timeout, int src) {
@@ -155,14 +146,14 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, DDPOptions options,
   }
   std::vector<std::string> fingerprint;
   for (const auto& p : m.params) {
-    fingerprint.push_back("'" + p.name + "' " + shape_text(p.tensor.sizes()) + " " +
+    fingerprint.push_back("'" + p.name + "' " + c10::str(p.tensor.sizes()) + " " +
                           c10::toString(p.tensor.scalar_type()) +
                           (m.sharded ? " kept by rank " + std::to_string(p.owner) : ""));
   }
   for (const auto& item : m.module->named_buffers(true)) {
     check_device("buffer '" + item.key() + "'", item.value());
     m.buffers.push_back(item.value());
-    fingerprint.push_back("buffer '" + item.key() + "' " + shape_text(item.value().sizes()) + " " +
+    fingerprint.push_back("buffer '" + item.key() + "' " + c10::str(item.value().sizes()) + " " +
                           c10::toString(item.value().scalar_type()));
   }
   if (!refused.empty()) fingerprint = {"an error: " + refused};

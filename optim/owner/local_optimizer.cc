@@ -5,8 +5,10 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
+#include <torch/serialize/input-archive.h>
 #include <torch/version.h>
 
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -96,6 +98,24 @@ void move_state(torch::optim::Optimizer& from, torch::optim::Optimizer& to,
   if (it == from.state().end()) return;
   to.state()[state_key(to_param)] = std::move(it->second);
   from.state().erase(it);
+}
+
+std::string archive_bytes(torch::serialize::OutputArchive& archive) {
+  std::ostringstream out;
+  archive.save_to(out);
+  return std::move(out).str();
+}
+
+std::string state_bytes(const torch::optim::Optimizer& optimizer) {
+  torch::serialize::OutputArchive archive;
+  optimizer.save(archive);
+  return archive_bytes(archive);
+}
+
+void load_state_bytes(torch::optim::Optimizer& optimizer, const std::string& bytes) {
+  torch::serialize::InputArchive archive;
+  archive.load_from(bytes.data(), bytes.size());
+  optimizer.load(archive);
 }
 
 std::vector<at::Tensor> state_tensors(const torch::optim::OptimizerParamState& s) {

@@ -11,6 +11,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>
+#include <torch/serialize/output-archive.h>
 
 #include <torch/version.h>
 
@@ -52,6 +53,13 @@ void move_state(torch::optim::Optimizer& from, torch::optim::Optimizer& to,
 // what `to` keeps for `to_param` (a checkpoint resharded, optim/reshard.h).
 void move_state(torch::optim::Optimizer& from, torch::optim::Optimizer& to,
                 const at::Tensor& from_param, const at::Tensor& to_param);
+
+// An archive's bytes, and an optimizer's state (its save()) as such bytes.
+std::string archive_bytes(torch::serialize::OutputArchive& archive);
+std::string state_bytes(const torch::optim::Optimizer& optimizer);
+// Loads state_bytes() into `optimizer` (its load(), matching parameters by
+// position); c10::Error for bytes that are not such an archive.
+void load_state_bytes(torch::optim::Optimizer& optimizer, const std::string& bytes);
 
 // The tensors of one parameter's state (some may be undefined).
 std::vector<at::Tensor> state_tensors(const torch::optim::OptimizerParamState& state);

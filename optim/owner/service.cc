@@ -179,14 +179,8 @@ std::string OptimService::state(int64_t id) {
     local->zero->consolidate_state_dict(0);
     return local->zero->rank() == 0 ? local->zero->state_dict() : std::string();
   }
-  std::ostringstream bytes;
-  {
-    std::lock_guard<std::mutex> lock(local->mu);
-    torch::serialize::OutputArchive archive;
-    local->optimizer->save(archive);
-    archive.save_to(bytes);
-  }
-  return std::move(bytes).str();
+  std::lock_guard<std::mutex> lock(local->mu);
+  return state_bytes(*local->optimizer);
 }
 
 void OptimService::load(int64_t id, const std::string& bytes, double lr) {
@@ -204,9 +198,7 @@ void OptimService::load(int64_t id, const std::string& bytes, double lr) {
   // once all of it was read.
   auto fresh = make_optimizer(local->kind, local->params, local->options);
   try {
-    torch::serialize::InputArchive archive;
-    archive.load_from(bytes.data(), bytes.size());
-    fresh->load(archive);
+    load_state_bytes(*fresh, bytes);
   } catch (const c10::Error& e) {
     throw std::invalid_argument("the optimizer state for " + agent_.name() +
                                 " cannot be read: " + e.what_without_backtrace());

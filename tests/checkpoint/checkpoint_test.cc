@@ -23,20 +23,10 @@ using namespace tandem;
 using test::error_of;
 using test::Groups;
 using test::on_ranks;
+using test::TempDir;
 namespace fs = std::filesystem;
 
 namespace {
-
-// A directory of the case's own, removed without a fork (a fork's handlers
-// would stop OpenBLAS's threads under the leak check).
-struct TempDir {
-  TempDir() {
-    char tmpl[] = "/tmp/tandem-ckpt-XXXXXX";
-    path = ::mkdtemp(tmpl);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string path;
-};
 
 // Rank r's bytes: text, a newline, a NUL and more.
 std::string note_of(int r) {

@@ -23,21 +23,11 @@ using namespace tandem;
 using test::error_of;
 using test::Groups;
 using test::on_ranks;
+using test::TempDir;
 using test::shard::Net;
 namespace fs = std::filesystem;
 
 namespace {
-
-// A directory of the case's own, removed without a fork (a fork's handlers
-// would stop OpenBLAS's threads under the leak check).
-struct TempDir {
-  TempDir() {
-    char tmpl[] = "/tmp/tandem-job-XXXXXX";
-    path = ::mkdtemp(tmpl);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string path;
-};
 
 constexpr uint64_t kBase = 9100;  // this file's batches
 constexpr double kLr = 0.01;

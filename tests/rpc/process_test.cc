@@ -17,6 +17,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "tandem/rpc/api.h"
@@ -419,45 +420,51 @@ TEST_CASE("process: when the store's host dies, a graceful shutdown names the lo
   agent = nullptr;
 }
 
-TEST_CASE("process: the same workers start under torchrun, joining the store it hosts") {
+namespace {
+
+// Three workers of this binary under Debian's torchrun with `env` and
+// torchrun's `flags`; nullopt (saying so) where torchrun is not installed.
+// Debian's torchrun 1.13 spells its flags with underscores, and under
+// Python 3.11 needs --redirects and --tee given (its defaults parse to None).
+// It hosts the store on MASTER_PORT itself (TORCHELASTIC_USE_AGENT_STORE).
+std::optional<test::RunResult> under_torchrun(const std::string& env, const std::string& flags) {
   if (std::system("command -v torchrun >/dev/null 2>&1") != 0) {
     std::printf("skipped: torchrun not installed (Debian's python3-torch has it)\n");
-    return;
+    return std::nullopt;
   }
-  // Debian's torchrun 1.13 spells its flags with underscores, and under
-  // Python 3.11 needs --redirects and --tee given (its defaults parse to None).
-  // It hosts the store on MASTER_PORT itself (TORCHELASTIC_USE_AGENT_STORE).
-  const std::string cmd =
-      "TANDEM_TEST_WORKER=launch torchrun --no_python --nproc_per_node 3 "
-      "--redirects 2 --tee 2 --master_port " +
-      std::to_string(support::free_port()) + " " + support::self_exe();
+  const std::string cmd = env + " torchrun --no_python --nproc_per_node 3 " + flags +
+                          " --redirects 2 --tee 2 --master_port " +
+                          std::to_string(support::free_port()) + " " + support::self_exe();
   test::RunResult r = test::run_command(cmd);
-  INFO(cmd << "\n" << r.output);
-  CHECK(r.status == 0);
+  r.output = cmd + "\n" + r.output;
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("process: the same workers start under torchrun, joining the store it hosts") {
+  const auto r = under_torchrun("TANDEM_TEST_WORKER=launch", "");
+  if (!r) return;
+  INFO(r->output);
+  CHECK(r->status == 0);
   for (int rank = 0; rank < 3; ++rank) {
-    CHECK(r.output.find("rank " + std::to_string(rank) + " of 3 (local " + std::to_string(rank) +
-                        ") ok") != std::string::npos);
+    CHECK(r->output.find("rank " + std::to_string(rank) + " of 3 (local " + std::to_string(rank) +
+                         ") ok") != std::string::npos);
   }
 }
 
 TEST_CASE("process: under torchrun --max_restarts, a round after a restart meets afresh") {
-  if (std::system("command -v torchrun >/dev/null 2>&1") != 0) {
-    std::printf("skipped: torchrun not installed (Debian's python3-torch has it)\n");
-    return;
-  }
   // torchrun's store lives through every round: round 1's workers must not
   // read round 0's keys (they meet under /worker/attempt_1).
-  const std::string cmd =
-      "TANDEM_TEST_WORKER=launch TANDEM_TEST_KILL_RANK=1 torchrun --no_python "
-      "--nproc_per_node 3 --max_restarts 2 --redirects 2 --tee 2 --master_port " +
-      std::to_string(support::free_port()) + " " + support::self_exe();
-  test::RunResult r = test::run_command(cmd);
-  INFO(cmd << "\n" << r.output);
-  CHECK(r.status == 0);
-  CHECK(r.output.find("rank 1 dies in round 0") != std::string::npos);
+  const auto r =
+      under_torchrun("TANDEM_TEST_WORKER=launch TANDEM_TEST_KILL_RANK=1", "--max_restarts 2");
+  if (!r) return;
+  INFO(r->output);
+  CHECK(r->status == 0);
+  CHECK(r->output.find("rank 1 dies in round 0") != std::string::npos);
   for (int rank = 0; rank < 3; ++rank) {
-    CHECK(r.output.find("rank " + std::to_string(rank) + " of 3 (local " + std::to_string(rank) +
-                        ") ok (restart 1") != std::string::npos);
+    CHECK(r->output.find("rank " + std::to_string(rank) + " of 3 (local " + std::to_string(rank) +
+                         ") ok (restart 1") != std::string::npos);
   }
 }
 

@@ -96,6 +96,32 @@ void check_same(const std::vector<at::Tensor>& got, const std::vector<at::Tensor
   }
 }
 
+// ZeRO stage 2 on one rank: SGD at lr 0.05 over `net`'s parameters, under
+// DDP with unused parameters allowed and the gradients sharded by owner.
+struct Stage2 {
+  Stage2(Net& net, const std::shared_ptr<ddp::ProcessGroup>& group)
+      : opt(net->parameters(), optim::Kind::kSGD, sgd_at(0.05), zero_over(group)),
+        dnet(net, sharded(opt), group) {}
+  static optim::Options sgd_at(double lr) {
+    optim::Options o;
+    o.lr = lr;
+    return o;
+  }
+  static optim::ZeroOptions zero_over(const std::shared_ptr<ddp::ProcessGroup>& group) {
+    optim::ZeroOptions z;
+    z.group = group;
+    return z;
+  }
+  static ddp::DDPOptions sharded(const optim::ZeroRedundancyOptimizer& opt) {
+    ddp::DDPOptions d;
+    d.find_unused_parameters = true;
+    d.gradient_owner = opt.gradient_owner();
+    return d;
+  }
+  optim::ZeroRedundancyOptimizer opt;
+  ddp::DistributedDataParallel<NetImpl> dnet;
+};
+
 }  // namespace
 
 TEST_CASE("zero: the partition is PyTorch's, greedy by size, largest first") {
@@ -360,15 +386,9 @@ TEST_CASE("zero: stage 2 adds a gradient left from the last step, as DDP does") 
   std::vector<std::vector<at::Tensor>> params(n);
   on_ranks(n, [&](int r) {
     Net net = make_net(5);
-    optim::ZeroOptions z;
-    z.group = g.groups[r];
-    optim::Options o;
-    o.lr = 0.05;
-    optim::ZeroRedundancyOptimizer opt(net->parameters(), optim::Kind::kSGD, o, z);
-    ddp::DDPOptions d;
-    d.find_unused_parameters = true;
-    d.gradient_owner = opt.gradient_owner();
-    ddp::DistributedDataParallel<NetImpl> dnet(net, d, g.groups[r]);
+    Stage2 z2(net, g.groups[r]);
+    auto& opt = z2.opt;
+    auto& dnet = z2.dnet;
     for (int s = 0; s < 3; ++s) {
       loss_of(dnet, batch(r, s)).backward();
       opt.step();
@@ -399,15 +419,9 @@ TEST_CASE("zero: stage 2 with zero_grad after forward, and a forward between bac
   std::vector<std::vector<at::Tensor>> params(n);
   on_ranks(n, [&](int r) {
     Net net = make_net(6);
-    optim::ZeroOptions z;
-    z.group = g.groups[r];
-    optim::Options o;
-    o.lr = 0.05;
-    optim::ZeroRedundancyOptimizer opt(net->parameters(), optim::Kind::kSGD, o, z);
-    ddp::DDPOptions d;
-    d.find_unused_parameters = true;
-    d.gradient_owner = opt.gradient_owner();
-    ddp::DistributedDataParallel<NetImpl> dnet(net, d, g.groups[r]);
+    Stage2 z2(net, g.groups[r]);
+    auto& opt = z2.opt;
+    auto& dnet = z2.dnet;
     for (int s = 0; s < 3; ++s) {
       auto b = batch(r, s);
       at::Tensor loss = loss_of(dnet, b);
