@@ -39,8 +39,10 @@
 #     and on 1 to the 1 x 1 loss, and is refused by the pipeline;
 #     under tandem-run --max-restarts 3, a random worker killed by SIGKILL
 #     after a random step, it restarts from its newest checkpoint and ends
-#     exactly as uninterrupted; a fresh run into an older run's checkpoint
-#     directory removes them first;
+#     exactly as uninterrupted; on two elastic nodes (--nnodes 1:2) whose
+#     second is lost for good, it goes on as one node, resharded (2 x 2 ->
+#     2 x 1), and ends within 1e-4 of the uninterrupted loss; a fresh run
+#     into an older run's checkpoint directory removes them first;
 #     a layout that is not the world, heads that do not divide the width,
 #     a resume past --steps, --zero 3 with --pp 2 exit 2, named.
 set -uo pipefail
@@ -367,6 +369,38 @@ if expect_rc "gpt 2 x 2, rank $victim killed after step $after, --max-restarts 3
     # At most two intervals lost: the save in flight when it was killed, and the steps since.
     ((from >= after - 8)) || fail "gpt restarted from step $from, killed after $after"
     echo "ok: gpt (rank $victim killed after step $after) restarted from step $from and ends as uninterrupted"
+  fi
+fi
+# A node lost for good: two launchers as two nodes (--nnodes 1:2), gpt 2 x 2
+# with --dp 0 (its replicas follow the world's size); node 1's launcher
+# SIGKILLed (its workers die with it) after a random step. Node 0's launcher
+# notices, waits --last-call for it, and goes on alone: gpt resumes 2 x 1
+# from its newest checkpoint with the same global batch, and ends on the
+# uninterrupted 2 x 2 loss (the same windows each step; only the sums'
+# order differs).
+port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+after=$((2 + RANDOM % 14))
+elastic=(--nnodes 1:2 --master-addr 127.0.0.1 --master-port "$port" --max-restarts 3 --last-call 2 --nproc-per-node 2)
+gpt_elastic=("$bin/gpt" --pp 2 --dp 0 "${gpt_args[@]}" --log-every 1 --checkpoint-every 4 --checkpoint "$tmp/ge.ckpt")
+timeout 120 "$run" "${elastic[@]}" --node-rank 0 "${gpt_elastic[@]}" >ge0.log 2>&1 &
+node0=$!
+timeout 120 "$run" "${elastic[@]}" --node-rank 1 "${gpt_elastic[@]}" >ge1.log 2>&1 &
+node1=$!
+for ((i = 0; i < 2400; ++i)); do
+  grep -q "step $after/" ge0.log && break
+  sleep 0.02
+done
+kill -9 "$(pgrep -P "$node1" -x tandem-run || echo "$node1")" 2>/dev/null
+wait "$node0"; rc=$?
+wait "$node1" 2>/dev/null
+if expect_rc "gpt on two elastic nodes, node 1 lost after step $after" "$rc" 0 ge0.log; then
+  if ! grep -q "node 1's launcher is gone" ge0.log ||
+    ! grep -q "round 1: 1 of 2 node(s) (0), WORLD_SIZE 2" ge0.log ||
+    ! grep -q "2 x 1 (pp x dp)" ge0.log; then
+    fail "gpt elastic: no resharded restart on one node"; sed 's/^/    /' ge0.log
+  else
+    near "gpt on two nodes, then one" "$(gpt_final g22.log)" "$(gpt_final ge0.log)"
+    echo "ok: gpt 2 x 2 on two nodes, node 1 lost after step $after, ends on one node as 2 x 1 at $(gpt_final ge0.log) (uninterrupted $(gpt_final g22.log))"
   fi
 fi
 # A fresh run into a directory of an older run's checkpoints starts afresh.

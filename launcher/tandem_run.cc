@@ -32,6 +32,11 @@
 //     With --max-restarts N, a failure while restarts are left stops the others the same way
 //     and then starts every worker again (a fresh store and token, the round's number in
 //     TANDEM_RESTART_COUNT); the failure after the Nth restart is the job's.
+//   * Several nodes, together. With --max-restarts on several nodes, or --nnodes MIN:MAX, node
+//     0's launcher coordinates (launcher/run/nodes.cc): every node's workers start and stop
+//     together, a node's launcher that is gone (closed, or 5 s silent) fails the round, and an
+//     elastic round goes on with the nodes that are there (MIN or more) after --last-call.
+//     Workers die with their launcher.
 //
 // It uses only the C++ standard library and POSIX (no LibTorch), so it starts instantly, and it
 // is single-threaded: one poll() loop serves the worker pipes and a self-pipe fed by the signal

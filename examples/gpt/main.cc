@@ -55,7 +55,9 @@ namespace rpc = tandem::rpc;
 
 void add_flags(examples::Flags& flags, Config& cfg) {
   flags.add("--pp", &cfg.pp, 1, "pipeline stages (workers per replica)")
-      .add("--dp", &cfg.dp, 1, "data-parallel replicas")
+      .add("--dp", &cfg.dp, 0,
+           "data-parallel replicas; 0: the world's size over --pp, so that an elastic job "
+           "(tandem-run --nnodes MIN:MAX) keeps the global --batch on fewer workers")
       .add_choice("--schedule", &cfg.schedule, {"gpipe", "1f1b", "zero-bubble", "interleaved"},
                   "the pipeline schedule (interleaved: two stages a worker)")
       .add("--chunks", &cfg.chunks, 1, "micro-batches per replica and step")
@@ -89,7 +91,17 @@ void add_flags(examples::Flags& flags, Config& cfg) {
 }
 
 // What is wrong with the flags for a job of `world` processes, or "".
-std::string check(const Config& cfg, int world) {
+std::string check(Config& cfg, int world) {
+  if (cfg.dp == 0) {
+    if (world < 1) {
+      cfg.dp = 1;  // started alone: spawns pp workers
+    } else if (world % cfg.pp != 0) {
+      return "--dp 0: a world of " + std::to_string(world) + " processes does not divide into " +
+             std::to_string(cfg.pp) + "-stage pipelines (--pp)";
+    } else {
+      cfg.dp = world / cfg.pp;
+    }
+  }
   const std::string layout = std::to_string(cfg.pp) + " x " + std::to_string(cfg.dp);
   if (world >= 1 && cfg.pp * cfg.dp != world) {
     return "--pp " + std::to_string(cfg.pp) + " --dp " + std::to_string(cfg.dp) + " needs " +
@@ -260,6 +272,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--pp") == 0) pp = std::strtol(argv[i + 1], nullptr, 10);
     if (std::strcmp(argv[i], "--dp") == 0) dp = std::strtol(argv[i + 1], nullptr, 10);
   }
+  if (dp == 0) dp = 1;  // --dp 0: the world's size, which alone is pp
   const int nprocs = pp >= 1 && dp >= 1 && pp * dp <= 256 ? static_cast<int>(pp * dp) : 1;
   return examples::launch("gpt", nprocs, argc, argv, gpt::job_main);
 }

@@ -2,20 +2,25 @@
 // the environment, the cluster token, the rendezvous store it hosts, fork
 // and exec) and watches over them until all exited and their output is
 // drained (launcher/run/supervise.cc: the poll loop, signals forwarded,
-// fail fast). main() (launcher/tandem_run.cc) parses Options, installs the
-// signal pipe (launcher/run/signals.h) and runs it; its answer is the
-// launcher's exit code.
+// fail fast). A job of several nodes that restarts, or an elastic one, is
+// coordinated by node 0's launcher (launcher/run/nodes.cc): it admits the
+// nodes of each round, and every node's workers start and stop together.
+// main() (launcher/tandem_run.cc) parses Options, installs the signal pipe
+// (launcher/run/signals.h) and runs it; its answer is the launcher's exit
+// code.
 #pragma once
 
 #include <sys/types.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "launcher/run/channel.h"
 #include "launcher/run/line_forwarder.h"
 #include "launcher/run/options.h"
 #ifdef TANDEM_RUN_HOSTS_STORE
@@ -39,6 +44,30 @@ struct Worker {
   LineForwarder err;
 };
 
+// What this node's workers of a round are told (their environment).
+struct Round {
+  int number = 0;      // rounds started before this one: TANDEM_RESTART_COUNT
+  int restarts = 0;    // of them, after a failure: TORCHELASTIC_RESTART_COUNT
+  int nnodes = 1;      // nodes in the round: WORLD_SIZE = nnodes * nproc-per-node
+  int group_rank = 0;  // this node's place among them: GROUP_RANK
+  int store_port = 0;  // the round's rendezvous store on the master: MASTER_PORT
+};
+
+// A node of a coordinated job, as node 0's launcher sees it.
+struct Node {
+  int node_rank = 0;  // its --node-rank: the order of the group ranks
+  Channel channel;
+  bool in_round = false;  // a member of the round being run or stopped
+  bool done = false;      // its workers of the round all exited 0
+  bool stopped = false;   // its workers of the round are gone
+};
+
+// A connection to node 0's launcher that has not joined yet.
+struct Pending {
+  Channel channel;
+  std::string nonce;  // what its token proof covers
+};
+
 class Launcher {
  public:
   Launcher(Options options, int signal_fd) : options_(std::move(options)), signal_fd_(signal_fd) {}
@@ -48,6 +77,10 @@ class Launcher {
   int run();
 
  private:
+  // Plain: this node alone restarts (or the job is one node). Coordinated:
+  // launcher/run/nodes.cc.
+  int run_plain();
+  int run_coordinated();
   void start_workers();
   // After a failure with restarts left, once every worker of the round is
   // gone: the next round, with a fresh store and token.
@@ -57,7 +90,9 @@ class Launcher {
   std::vector<std::string> worker_environment(int local_rank) const;
   // OMP_NUM_THREADS for each worker when the user did not set it; 0: leave it unset.
   int threads_per_worker() const;
-  void poll_once();
+  // Waits for output, signals and (coordinated) the launchers' messages; `extra`
+  // adds descriptors with what to do when they are ready.
+  void poll_once(std::vector<std::pair<int, std::function<void()>>> extra = {});
   int poll_timeout_ms() const;
   void handle_signals();
   void reap_workers();
@@ -68,8 +103,51 @@ class Launcher {
   bool has_open_pipes() const;
   Worker* find_worker(pid_t pid);
 
+  // Coordinated jobs (launcher/run/nodes.cc).
+  std::vector<std::pair<int, std::function<void()>>> node_descriptors();
+  void node_tick();
+  void accept_nodes();
+  void on_pending_line(size_t index, const std::string& line);
+  void on_node_line(Node& node, const std::string& line);
+  void on_node_lost(int node_rank, const std::string& why);
+  void on_coordinator_line(const std::string& line);
+  void connect_to_coordinator();
+  void maybe_start_round();
+  void start_round();
+  void begin_local_round();
+  void round_failed(const std::string& what, int code, bool restart);
+  void stop_round();
+  void check_round_over();
+  void finish(int code);
+  void local_worker_failed(const Worker& worker, int code, const std::string& what);
+  void local_round_over();
+  void open_round_store();
+
   Options options_;
   int signal_fd_;
+  Round round_;
+  // Coordinated: whether this node's workers of the round are running or
+  // being stopped (not yet all gone).
+  bool round_active_ = false;
+  bool local_done_ = false;
+  bool local_stopped_ = false;
+  bool finished_ = false;
+  // Node 0: the launchers' listening socket, connections not yet joined, the
+  // other nodes, and the phase of the round.
+  int listen_fd_ = -1;
+  std::vector<Pending> pending_;
+  std::vector<Node> nodes_;
+  enum class Phase { kJoining, kRunning, kStopping } phase_ = Phase::kJoining;
+  Clock::time_point joining_since_{};
+  std::optional<Clock::time_point> enough_since_;  // when the round first had MIN nodes
+  int last_round_nodes_ = 0;                       // nodes the last round started with
+  std::optional<int> final_code_;                  // the job ends with this once the round stopped
+  bool count_restart_ = false;  // the round being stopped restarts after a failure
+  // Another node: its channel to node 0's launcher.
+  Channel coordinator_;
+  bool joined_ = false;
+  Clock::time_point connect_deadline_{};
+  Clock::time_point next_connect_{};
   // A one-node job's cluster token when the user set none (see start_workers).
   std::string job_token_;
 #ifdef TANDEM_RUN_HOSTS_STORE
@@ -85,7 +163,6 @@ class Launcher {
   bool restarting_ = false;
   // SIGINT or SIGTERM came to the launcher: no more restarts.
   bool stopped_by_user_ = false;
-  int restart_count_ = 0;  // rounds started again so far
   std::optional<Clock::time_point> kill_deadline_;
   std::optional<Clock::time_point> drain_deadline_;
 };

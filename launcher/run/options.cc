@@ -10,7 +10,8 @@ namespace tandem::launcher {
 namespace {
 
 constexpr const char* kValueFlags[] = {
-    "nproc-per-node", "nnodes", "node-rank", "master-addr", "master-port", "trace", "max-restarts",
+    "nproc-per-node", "nnodes",       "node-rank", "master-addr",  "master-port",
+    "trace",          "max-restarts", "last-call", "join-timeout",
 };
 
 int parse_int(const std::string& flag, const std::string& text, long long min, long long max) {
@@ -46,7 +47,16 @@ void apply_option(Options& options, const std::string& name, const std::string& 
   if (name == "nproc-per-node") {
     options.nproc_per_node = parse_int(flag, value, 1, INT_MAX);
   } else if (name == "nnodes") {
-    options.nnodes = parse_int(flag, value, 1, INT_MAX);
+    const size_t colon = value.find(':');
+    if (colon == std::string::npos) {
+      options.nnodes = options.min_nodes = parse_int(flag, value, 1, INT_MAX);
+    } else {
+      options.min_nodes = parse_int(flag + " (MIN of MIN:MAX)", value.substr(0, colon), 1, INT_MAX);
+      options.nnodes = parse_int(flag + " (MAX of MIN:MAX)", value.substr(colon + 1), 1, INT_MAX);
+      if (options.min_nodes > options.nnodes) {
+        throw UsageError("--nnodes " + value + ": MIN is greater than MAX");
+      }
+    }
   } else if (name == "node-rank") {
     options.node_rank = parse_int(flag, value, 0, INT_MAX - 1);
   } else if (name == "master-addr") {
@@ -56,6 +66,10 @@ void apply_option(Options& options, const std::string& name, const std::string& 
     options.master_port = parse_int(flag, value, 0, 65535);
   } else if (name == "max-restarts") {
     options.max_restarts = parse_int(flag, value, 0, 1000000);
+  } else if (name == "last-call") {
+    options.last_call_s = parse_int(flag, value, 0, 86400);
+  } else if (name == "join-timeout") {
+    options.join_timeout_s = parse_int(flag, value, 1, 86400 * 7);
   } else if (name == "trace") {
     if (value.empty()) throw UsageError("--trace must name a directory");
     options.trace_dir = value;
@@ -74,11 +88,6 @@ void validate(const Options& options) {
   }
   if (options.nnodes > 1 && options.master_port == 0) {
     throw UsageError("--master-port (non-zero) is required when --nnodes is greater than 1");
-  }
-  if (options.max_restarts > 0 && options.nnodes > 1) {
-    throw UsageError(
-        "--max-restarts is for one node (--nnodes 1) in this version: the launchers of "
-        "several nodes do not yet agree on restarts");
   }
   if (options.program.empty()) throw UsageError("missing PROGRAM to run");
 }

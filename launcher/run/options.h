@@ -10,8 +10,8 @@
 namespace tandem::launcher {
 
 constexpr char kUsage[] =
-    "usage: tandem-run --nproc-per-node N [--nnodes K --node-rank R --master-addr A "
-    "--master-port P] PROGRAM ARGS...\n";
+    "usage: tandem-run --nproc-per-node N [--nnodes K|MIN:MAX --node-rank R --master-addr A "
+    "--master-port P] [--max-restarts N] PROGRAM ARGS...\n";
 
 constexpr char kHelp[] =
     "\n"
@@ -20,7 +20,9 @@ constexpr char kHelp[] =
     "\n"
     "options (also accepted as --opt=value):\n"
     "  --nproc-per-node N   workers to start on this node (required, N >= 1)\n"
-    "  --nnodes K           nodes in the job (default 1)\n"
+    "  --nnodes K           nodes in the job (default 1); MIN:MAX makes it elastic: a round\n"
+    "                       starts with MAX nodes, or with MIN or more once --last-call has\n"
+    "                       passed, so a restart goes on without a node that is gone\n"
     "  --node-rank R        this node's index, 0 <= R < K (default 0)\n"
     "  --master-addr A      address of the rank-0 node (default 127.0.0.1)\n"
     "  --master-port P      port on the rank-0 node; 0 picks a free one when K is 1\n"
@@ -28,7 +30,15 @@ constexpr char kHelp[] =
     "  --max-restarts N     when a worker fails, stop the others and start every worker\n"
     "                       again, up to N times (default 0); each sees its round in\n"
     "                       TANDEM_RESTART_COUNT (and TORCHELASTIC_RESTART_COUNT), with a\n"
-    "                       fresh rendezvous store and, where tandem-run made it, a fresh token\n"
+    "                       fresh rendezvous store and, where tandem-run made it, a fresh token.\n"
+    "                       On several nodes, node 0's launcher coordinates: every node's\n"
+    "                       workers stop and start again together, and a node whose launcher\n"
+    "                       is gone (closed, or silent for 5 s) fails the round\n"
+    "  --last-call S        an elastic round waits S seconds (default 10) for more than MIN\n"
+    "                       nodes, or for a node of the last round that is gone, before it\n"
+    "                       starts without them\n"
+    "  --join-timeout S     how long a round waits for its minimum of nodes, and a node for\n"
+    "                       node 0's launcher (default 600)\n"
     "  --trace DIR          every worker writes its trace into DIR (TANDEM_TRACE); once they\n"
     "                       exited, this node's traces are joined into DIR/tandem-trace.json\n"
     "  --help               print this help and exit\n"
@@ -47,16 +57,25 @@ class UsageError : public std::runtime_error {
 
 struct Options {
   int nproc_per_node = 0;  // 0: not given
-  int nnodes = 1;
+  int nnodes = 1;          // the most nodes (K, or MAX of MIN:MAX)
+  int min_nodes = 1;       // MIN of MIN:MAX; nnodes when not elastic
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
-  int master_port = 0;    // 0: pick a free one (single node only)
-  std::string trace_dir;  // --trace
-  int max_restarts = 0;   // --max-restarts
+  int master_port = 0;       // 0: pick a free one (single node only)
+  std::string trace_dir;     // --trace
+  int max_restarts = 0;      // --max-restarts
+  int last_call_s = 10;      // --last-call
+  int join_timeout_s = 600;  // --join-timeout
   std::vector<std::string> program;
   bool help = false;
 };
 
 Options parse_args(int argc, char** argv);
+
+// Whether node 0's launcher coordinates the job's rounds over its nodes
+// (launcher/run/nodes.cc): several nodes that restart, or an elastic size.
+inline bool coordinated(const Options& options) {
+  return options.nnodes > 1 && (options.max_restarts > 0 || options.min_nodes != options.nnodes);
+}
 
 }  // namespace tandem::launcher

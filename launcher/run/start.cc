@@ -3,6 +3,7 @@
 // they exited, joining their traces.
 #include <sched.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -34,6 +35,7 @@ constexpr const char* kWorkerVariables[] = {
     "TANDEM_RESTART_COUNT",
     "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_MAX_RESTARTS",
+    "GROUP_WORLD_SIZE",
 };
 
 std::string variable_name(const char* entry) {
@@ -56,7 +58,12 @@ std::vector<char*> to_pointers(std::vector<std::string>& strings) {
   return pointers;
 }
 
-[[noreturn]] void run_child(int out_fd, int err_fd, char** argv, char** envp) {
+[[noreturn]] void run_child(int out_fd, int err_fd, char** argv, char** envp, pid_t launcher) {
+  // A worker does not outlive its launcher: with no one left to stop it or
+  // to report its end (the launcher SIGKILLed, its node lost), it would hold
+  // its peers and its GPU until they time out.
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != launcher) ::_exit(kExitFailure);  // the launcher died before prctl
   reset_child_signals();
   ::setsid();  // own session and process group, like torchrun's start_new_session
   ::dup2(out_fd, STDOUT_FILENO);  // dup2 clears close-on-exec on the copies
@@ -74,7 +81,7 @@ std::vector<char*> to_pointers(std::vector<std::string>& strings) {
 // This node's workers' traces into <dir>/tandem-trace.json (launcher/trace_join.h).
 void Launcher::join_traces() {
   std::vector<std::string> files;
-  const int first = options_.node_rank * options_.nproc_per_node;
+  const int first = round_.group_rank * options_.nproc_per_node;
   for (int rank = first; rank < first + options_.nproc_per_node; ++rank) {
     files.push_back(options_.trace_dir + "/tandem-trace-rank" + std::to_string(rank) + ".json");
   }
@@ -110,15 +117,16 @@ void Launcher::next_round() {
   drain_deadline_.reset();
   workers_.clear();
   live_workers_ = 0;
-  ++restart_count_;
-  report("restart " + std::to_string(restart_count_) + " of " +
+  ++round_.number;
+  ++round_.restarts;
+  report("restart " + std::to_string(round_.restarts) + " of " +
          std::to_string(options_.max_restarts) + ": starting " +
          std::to_string(options_.nproc_per_node) + " worker(s)");
   start_workers();
 }
 
 void Launcher::start_workers() {
-  const bool first_round = restart_count_ == 0;
+  const bool first_round = round_.number == 0;
   if (const int threads = threads_per_worker(); threads && first_round) {
     report("OMP_NUM_THREADS=" + std::to_string(threads) + " for each of " +
            std::to_string(options_.nproc_per_node) +
@@ -135,7 +143,7 @@ void Launcher::start_workers() {
   if ((!token || !*token) && options_.nnodes == 1) {
     job_token_ = tandem::rpc::random_hex(32);
   } else if (token && *token && !first_round) {
-    job_token_ = std::string(token) + ".round" + std::to_string(restart_count_);
+    job_token_ = std::string(token) + ".round" + std::to_string(round_.number);
   } else if (first_round && (!token || !*token)) {
     report(
         "warning: TANDEM_TOKEN is not set: any process that can reach this job's workers "
@@ -149,9 +157,13 @@ void Launcher::start_workers() {
   // torchrun). TANDEM_STORE=c10d leaves it to rank 0.
   const char* store_choice = std::getenv("TANDEM_STORE");
   // A round after a restart gets a fresh store (no stale keys) on the same port.
-  store_.reset();
-  hosts_store_ = false;
-  if (options_.node_rank == 0 && !(store_choice && std::string(store_choice) == "c10d")) {
+  // (A coordinated job's store is opened by the coordinator, launcher/run/nodes.cc.)
+  if (!coordinated(options_)) {
+    store_.reset();
+    hosts_store_ = false;
+  }
+  if (!coordinated(options_) && options_.node_rank == 0 &&
+      !(store_choice && std::string(store_choice) == "c10d")) {
     const char* bind = std::getenv("TANDEM_STORE_BIND");
     const std::string host = bind                   ? bind
                              : options_.nnodes == 1 ? "127.0.0.1"
@@ -186,26 +198,27 @@ std::vector<std::string> Launcher::worker_environment(int local_rank) const {
   const auto add = [&env](const char* name, const std::string& value) {
     env.push_back(std::string(name) + "=" + value);
   };
-  add("RANK", std::to_string(options_.node_rank * nproc + local_rank));
+  add("RANK", std::to_string(round_.group_rank * nproc + local_rank));
   add("LOCAL_RANK", std::to_string(local_rank));
-  add("WORLD_SIZE", std::to_string(nproc * options_.nnodes));
+  add("WORLD_SIZE", std::to_string(nproc * round_.nnodes));
   add("LOCAL_WORLD_SIZE", std::to_string(nproc));
-  add("GROUP_RANK", std::to_string(options_.node_rank));
+  add("GROUP_RANK", std::to_string(round_.group_rank));
+  add("GROUP_WORLD_SIZE", std::to_string(round_.nnodes));
   add("MASTER_ADDR", options_.master_addr);
-  add("MASTER_PORT", std::to_string(options_.master_port));
+  add("MASTER_PORT", std::to_string(round_.store_port));
   add("TANDEM_LAUNCHER", "tandem-run");  // rpc::init then prints debug info on SIGUSR1
   if (!options_.trace_dir.empty()) add("TANDEM_TRACE", options_.trace_dir);
   if (const int threads = threads_per_worker()) add("OMP_NUM_THREADS", std::to_string(threads));
   if (!job_token_.empty()) add("TANDEM_TOKEN", job_token_);
-  add("TANDEM_RESTART_COUNT", std::to_string(restart_count_));
-  add("TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count_));
+  add("TANDEM_RESTART_COUNT", std::to_string(round_.number));
+  add("TORCHELASTIC_RESTART_COUNT", std::to_string(round_.restarts));
   add("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
   if (hosts_store_) add("TORCHELASTIC_USE_AGENT_STORE", "True");
   return env;
 }
 
 bool Launcher::spawn(int local_rank) {
-  const int rank = options_.node_rank * options_.nproc_per_node + local_rank;
+  const int rank = round_.group_rank * options_.nproc_per_node + local_rank;
   int out_pipe[2];
   int err_pipe[2];
   if (!make_pipe(out_pipe, false)) {
@@ -227,8 +240,9 @@ bool Launcher::spawn(int local_rank) {
   const sigset_t blocked = handled_signal_set();
   sigset_t saved;
   ::sigprocmask(SIG_BLOCK, &blocked, &saved);
+  const pid_t launcher = ::getpid();
   const pid_t pid = ::fork();
-  if (pid == 0) run_child(out_pipe[1], err_pipe[1], argv.data(), envp.data());
+  if (pid == 0) run_child(out_pipe[1], err_pipe[1], argv.data(), envp.data(), launcher);
   const int fork_error = errno;
   ::sigprocmask(SIG_SETMASK, &saved, nullptr);
   ::close(out_pipe[1]);

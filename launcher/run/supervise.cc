@@ -19,10 +19,18 @@ constexpr auto kKillGrace = std::chrono::seconds(5);
 // them); everything the workers themselves wrote is readable at once.
 constexpr auto kDrainGrace = std::chrono::seconds(2);
 constexpr int kMaxPollMs = 1000;
+constexpr int kNodeTickMs = 100;
 
 }  // namespace
 
 int Launcher::run() {
+  round_.nnodes = options_.nnodes;
+  round_.group_rank = options_.node_rank;
+  round_.store_port = options_.master_port;
+  return coordinated(options_) ? run_coordinated() : run_plain();
+}
+
+int Launcher::run_plain() {
   start_workers();
   for (;;) {
     while (live_workers_ > 0 || has_open_pipes()) {
@@ -37,11 +45,15 @@ int Launcher::run() {
   return exit_code_;
 }
 
-void Launcher::poll_once() {
+void Launcher::poll_once(std::vector<std::pair<int, std::function<void()>>> extra) {
   std::vector<pollfd> fds;
   std::vector<LineForwarder*> forwarders;
   fds.push_back({signal_fd_, POLLIN, 0});
   forwarders.push_back(nullptr);
+  for (const auto& e : extra) {
+    fds.push_back({e.first, POLLIN, 0});
+    forwarders.push_back(nullptr);
+  }
   for (Worker& worker : workers_) {
     for (LineForwarder* forwarder : {&worker.out, &worker.err}) {
       if (!forwarder->is_open()) continue;
@@ -51,14 +63,19 @@ void Launcher::poll_once() {
   }
   if (::poll(fds.data(), fds.size(), poll_timeout_ms()) <= 0) return;  // timeout or EINTR
   if (fds[0].revents != 0) handle_signals();
-  for (size_t i = 1; i < fds.size(); ++i) {
+  for (size_t i = 0; i < extra.size(); ++i) {
+    if (fds[1 + i].revents != 0) extra[i].second();
+  }
+  for (size_t i = 1 + extra.size(); i < fds.size(); ++i) {
     if (fds[i].revents != 0) forwarders[i]->read_some();
   }
 }
 
 int Launcher::poll_timeout_ms() const {
   const Clock::time_point now = Clock::now();
-  long long timeout = kMaxPollMs;
+  // A coordinated job's timers (heartbeats, the last call, reconnecting) are
+  // looked at between polls.
+  long long timeout = coordinated(options_) ? kNodeTickMs : kMaxPollMs;
   for (const auto& deadline : {kill_deadline_, drain_deadline_}) {
     if (!deadline) continue;
     const auto left = std::chrono::ceil<std::chrono::milliseconds>(*deadline - now).count();
@@ -73,6 +90,29 @@ void Launcher::handle_signals() {
   while ((n = ::read(signal_fd_, buffer, sizeof(buffer))) > 0) {
     for (ssize_t i = 0; i < n; ++i) {
       const int signal_number = buffer[i];
+      if ((signal_number == SIGINT || signal_number == SIGTERM) && coordinated(options_)) {
+        // The job ends for good, on every node.
+        const int code = kSignalExitBase + signal_number;
+        stopped_by_user_ = true;
+        signal_live_workers(signal_number);
+        if (options_.node_rank != 0) {
+          coordinator_.send("quit " + std::to_string(code));
+          if (!final_code_) final_code_ = code;
+          if (round_active_) {
+            begin_shutdown(code);
+          } else {
+            finish(code);
+          }
+        } else if (phase_ == Phase::kRunning) {
+          round_failed("tandem-run was stopped by signal " + std::to_string(signal_number), code,
+                       false);
+        } else if (phase_ == Phase::kStopping) {
+          final_code_ = code;
+        } else {
+          finish(code);
+        }
+        continue;
+      }
       if (signal_number == SIGINT || signal_number == SIGTERM) {
         stopped_by_user_ = true;
         if (restarting_) {  // the round being stopped is the last
@@ -109,10 +149,14 @@ void Launcher::on_worker_exit(Worker& worker, int status) {
     code = kSignalExitBase + WTERMSIG(status);
     what = "killed by signal " + std::to_string(WTERMSIG(status));
   }
-  if (!stopped_by_user_ && restart_count_ < options_.max_restarts) {
+  if (coordinated(options_)) {
+    local_worker_failed(worker, code, what);
+    return;
+  }
+  if (!stopped_by_user_ && round_.restarts < options_.max_restarts) {
     report("worker " + std::to_string(worker.rank) + " " + what +
            "; stopping the others to start every worker again (restart " +
-           std::to_string(restart_count_ + 1) + " of " + std::to_string(options_.max_restarts) +
+           std::to_string(round_.restarts + 1) + " of " + std::to_string(options_.max_restarts) +
            ")");
     restarting_ = true;
     begin_shutdown(0);

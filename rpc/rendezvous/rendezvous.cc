@@ -245,8 +245,13 @@ c10::intrusive_ptr<c10d::Store> make_store(const std::string& host, int port, in
   // keys of its own, as PyTorch's workers do, so nothing of an earlier
   // round is read again. (Round 0 keeps the bare keys: the workers of a
   // node whose launcher does not host the store do not know it is hosted.)
+  // tandem-run opens a fresh store for every round, so its workers keep the
+  // bare keys on every node.
   const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
-  if (!server && store_hosted_by_launcher() && attempt && *attempt && std::string(attempt) != "0") {
+  const char* launcher = std::getenv("TANDEM_LAUNCHER");
+  const bool fresh_each_round = launcher && std::string(launcher) == "tandem-run";
+  if (!server && !fresh_each_round && store_hosted_by_launcher() && attempt && *attempt &&
+      std::string(attempt) != "0") {
     return c10::make_intrusive<c10d::PrefixStore>(std::string("/worker/attempt_") + attempt,
                                                   std::move(store));
   }

@@ -179,6 +179,15 @@ int worker_main(const std::string& mode) {
         std::fflush(stdout);
         ::raise(SIGKILL);
       }
+      // TANDEM_TEST_HOLD_ROUNDS: in the first rounds, every rank waits, once
+      // the world is up, until it is stopped (or its node is lost).
+      const char* hold = std::getenv("TANDEM_TEST_HOLD_ROUNDS");
+      if (hold && restart && std::atoi(restart) < std::atoi(hold)) {
+        std::printf("rank %d holding pid %d\n", agent->rank(), static_cast<int>(::getpid()));
+        std::fflush(stdout);
+        std::this_thread::sleep_for(60s);
+        return 1;
+      }
       // Every rank calls the next one; rank 0 reports.
       int next = (agent->rank() + 1) % agent->world_size();
       at::Tensor x = at::full_like(at::zeros({4}), agent->rank());
@@ -338,13 +347,215 @@ TEST_CASE("process: tandem-run --max-restarts starts every worker again after on
   }
 }
 
-TEST_CASE("process: tandem-run refuses --max-restarts across several nodes, saying why") {
-  test::RunResult r = test::run_command(std::string(TANDEM_RUN_PATH) +
-                                        " --max-restarts 1 --nnodes 2 --node-rank 0 "
-                                        "--master-port 29999 --nproc-per-node 1 /bin/true");
+namespace {
+
+// Runs a bash script with R (tandem-run), W (this binary), P (a free port)
+// and D (a fresh directory) set; returns what it printed and its status.
+test::RunResult run_script(const std::string& script) {
+  test::TempDir dir;
+  const std::string path = dir.file("script.sh");
+  std::ofstream(path) << "R=" << TANDEM_RUN_PATH << "\nW=" << support::self_exe()
+                      << "\nP=" << support::free_port() << "\nD=" << dir.path << "\n"
+                      << script;
+  test::RunResult r = test::run_command("bash " + path);
+  return r;
+}
+
+// The value of `key=` in a script's output, or -1.
+long value_of(const std::string& output, const std::string& key) {
+  const size_t at = output.find(key + "=");
+  return at == std::string::npos ? -1 : std::atol(output.c_str() + at + key.size() + 1);
+}
+
+// Waits (in bash) until FILE holds N lines matching PATTERN.
+constexpr char kAwait[] = R"sh(
+await() { for i in $(seq 400); do [ "$(grep -c "$2" "$1")" -ge "$3" ] && return; sleep 0.05; done; }
+)sh";
+
+}  // namespace
+
+TEST_CASE("process: two nodes' launchers restart every worker together when one fails") {
+  test::RunResult r = run_script(std::string(kAwait) + R"sh(
+export TANDEM_TEST_WORKER=launch TANDEM_TEST_KILL_RANK=3 TANDEM_TOKEN=two-nodes-secret
+flags="--nnodes 2 --master-port $P --max-restarts 1 --nproc-per-node 2"
+$R $flags --node-rank 0 $W > $D/n0.log 2>&1 &
+n0=$!
+$R $flags --node-rank 1 $W > $D/n1.log 2>&1
+echo "rc1=$?"
+wait $n0
+echo "rc0=$?"
+cat $D/n0.log $D/n1.log
+)sh");
   INFO(r.output);
-  CHECK(r.status == 2);
-  CHECK(r.output.find("--max-restarts is for one node") != std::string::npos);
+  CHECK(value_of(r.output, "rc0") == 0);
+  CHECK(value_of(r.output, "rc1") == 0);
+  CHECK(r.output.find("[3]: rank 3 dies in round 0") != std::string::npos);
+  CHECK(r.output.find("tandem-run: worker 3 killed by signal 9 (node 1); stopping every node to "
+                      "start again (restart 1 of 1)") != std::string::npos);
+  // The second round met afresh (its store, its token derived from the user's).
+  for (int rank = 0; rank < 4; ++rank) {
+    CHECK(r.output.find("[" + std::to_string(rank) + "]: rank " + std::to_string(rank) +
+                        " of 4 (local " + std::to_string(rank % 2) +
+                        ") ok (restart 1, torchelastic too)") != std::string::npos);
+  }
+}
+
+TEST_CASE("process: elastic --nnodes 1:2 goes on as one node when the other is lost for good") {
+  test::RunResult r = run_script(std::string(kAwait) + R"sh(
+export TANDEM_TEST_WORKER=launch TANDEM_TEST_HOLD_ROUNDS=1
+flags="--nnodes 1:2 --master-port $P --max-restarts 1 --last-call 1 --nproc-per-node 2"
+$R $flags --node-rank 0 $W > $D/n0.log 2>&1 &
+n0=$!
+$R $flags --node-rank 1 $W > $D/n1.log 2>&1 &
+n1=$!
+await $D/n1.log holding 2
+pids=$(sed -n 's/.*holding pid \([0-9]*\).*/\1/p' $D/n1.log)
+t0=$(date +%s%N)
+kill -9 $n1
+wait $n0
+echo "rc0=$?"
+echo "took_ms=$((($(date +%s%N) - t0) / 1000000))"
+for p in $pids; do
+  grep -qs '^State:.*Z' /proc/$p/status || [ ! -d /proc/$p ] || echo "alive pid $p"
+done
+cat $D/n0.log
+)sh");
+  INFO(r.output);
+  CHECK(value_of(r.output, "rc0") == 0);
+  CHECK(r.output.find("tandem-run: round 0: 2 of 2 node(s) (0, 1), WORLD_SIZE 4") !=
+        std::string::npos);
+  CHECK(r.output.find("tandem-run: node 1's launcher is gone (connection closed); stopping every "
+                      "node to start again (restart 1 of 1)") != std::string::npos);
+  CHECK(r.output.find("tandem-run: round 1: 1 of 2 node(s) (0), WORLD_SIZE 2, 1 fewer than the "
+                      "last round") != std::string::npos);
+  CHECK(r.output.find("[0]: rank 0 of 2 (local 0) ok (restart 1") != std::string::npos);
+  CHECK(r.output.find("[1]: rank 1 of 2 (local 1) ok (restart 1") != std::string::npos);
+  // The lost node's workers died with their launcher.
+  CHECK(r.output.find("alive pid") == std::string::npos);
+  // Noticed at once, one --last-call for it to come back, then the new round.
+  CHECK(value_of(r.output, "took_ms") >= 0);
+  CHECK(value_of(r.output, "took_ms") < 10000);
+}
+
+TEST_CASE("process: node 0's launcher refuses a bad join and notices a silent node") {
+  SUBCASE("tokens that differ, or one side without") {
+    test::RunResult r = run_script(std::string(kAwait) + R"sh(
+flags="--nnodes 2 --master-port $P --max-restarts 1 --nproc-per-node 1"
+TANDEM_TOKEN=ours $R $flags --node-rank 0 /bin/sleep 30 > $D/n0.log 2>&1 &
+n0=$!
+TANDEM_TOKEN=theirs $R $flags --node-rank 1 /bin/true
+echo "rc_other=$?"
+TANDEM_TOKEN= $R $flags --node-rank 1 /bin/true
+echo "rc_none=$?"
+kill -TERM $n0
+wait $n0
+echo "rc0=$?"
+cat $D/n0.log
+)sh");
+    INFO(r.output);
+    CHECK(value_of(r.output, "rc_other") == 1);
+    CHECK(value_of(r.output, "rc_none") == 1);
+    CHECK(value_of(r.output, "rc0") == 128 + SIGTERM);
+    CHECK(r.output.find("node 0's launcher refused this node: its TANDEM_TOKEN differs from node "
+                        "0's") != std::string::npos);
+    CHECK(r.output.find("node 0's launcher refused this node: one of the two launchers has "
+                        "TANDEM_TOKEN set and the other not") != std::string::npos);
+    // No round began: no node was ever admitted.
+    CHECK(r.output.find("round 0") == std::string::npos);
+  }
+  SUBCASE("bad joins, then a node that joins and falls silent") {
+    test::RunResult r = run_script(std::string(kAwait) + R"sh(
+$R --nnodes 2 --node-rank 0 --master-port $P --max-restarts 1 --join-timeout 3 \
+  --nproc-per-node 1 /bin/sleep 30 > $D/n0.log 2>&1 &
+n0=$!
+join() {  # join LINE: node 0's answer to it; the connection stays open (fd 3)
+  for i in $(seq 200); do (exec 3<>/dev/tcp/127.0.0.1/$P) 2>/dev/null && break; sleep 0.05; done
+  exec 3<>/dev/tcp/127.0.0.1/$P
+  read -r hello <&3
+  echo "hello: $hello"
+  echo "$1" >&3
+  read -r answer <&3
+  echo "answer: $answer"
+}
+join "join 1 2 -"
+join "join 5 1 -"
+join "hello there"
+join "join 1 1 -"
+t0=$(date +%s%N)
+wait $n0  # it never hears from the node again
+echo "rc0=$?"
+echo "took_ms=$((($(date +%s%N) - t0) / 1000000))"
+cat $D/n0.log
+)sh");
+    INFO(r.output);
+    CHECK(r.output.find("hello: tandem-run 1 ") != std::string::npos);
+    CHECK(r.output.find("answer: refused --nproc-per-node 2 differs from node 0's 1") !=
+          std::string::npos);
+    CHECK(r.output.find("answer: refused --node-rank 5 is out of range for --nnodes 2") !=
+          std::string::npos);
+    CHECK(r.output.find("answer: refused not a tandem-run join ('hello there')") !=
+          std::string::npos);
+    // Admitted: its round. Then silence is a lost node, the restart waits
+    // --join-timeout for it, and the job ends.
+    CHECK(r.output.find("answer: round 0 0 2 1 ") != std::string::npos);
+    CHECK(r.output.find("node 1's launcher is gone (silent for 5 s); stopping every node to start "
+                        "again (restart 1 of 1)") != std::string::npos);
+    CHECK(r.output.find("only 1 of the 2 node(s) needed joined within --join-timeout 3 s") !=
+          std::string::npos);
+    CHECK(value_of(r.output, "rc0") == 1);
+    CHECK(value_of(r.output, "took_ms") < 15000);
+  }
+}
+
+TEST_CASE("process: a node that loses node 0's launcher stops; a signal to any node ends the job") {
+  const std::string start = std::string(kAwait) + R"sh(
+flags="--nnodes 2 --master-port $P --max-restarts 1 --nproc-per-node 1"
+$R $flags --node-rank 0 /bin/sleep 30 > $D/n0.log 2>&1 &
+n0=$!
+$R $flags --node-rank 1 /bin/sleep 30 > $D/n1.log 2>&1 &
+n1=$!
+await $D/n1.log "round 0: node 1" 1
+t0=$(date +%s%N)
+)sh";
+  const std::string report = R"sh(
+echo "took_ms=$((($(date +%s%N) - t0) / 1000000))"
+cat $D/n0.log $D/n1.log
+)sh";
+  SUBCASE("node 0's launcher killed") {
+    test::RunResult r = run_script(start + "kill -9 $n0\nwait $n1\necho \"rc1=$?\"\n" + report);
+    INFO(r.output);
+    CHECK(value_of(r.output, "rc1") == 1);
+    CHECK(r.output.find("tandem-run: lost node 0's launcher at 127.0.0.1:") != std::string::npos);
+    CHECK(r.output.find("(connection closed); stopping this node's workers") != std::string::npos);
+    CHECK(value_of(r.output, "took_ms") < 5000);
+  }
+  SUBCASE("SIGTERM to node 1's launcher: no restart, on either node") {
+    test::RunResult r = run_script(
+        start + "kill -TERM $n1\nwait $n1\necho \"rc1=$?\"\nwait $n0\necho \"rc0=$?\"\n" + report);
+    INFO(r.output);
+    CHECK(value_of(r.output, "rc1") == 128 + SIGTERM);
+    CHECK(value_of(r.output, "rc0") == 128 + SIGTERM);
+    CHECK(r.output.find("node 1's launcher was stopped by a signal") != std::string::npos);
+    CHECK(r.output.find("restart 1 of 1") == std::string::npos);
+    CHECK(value_of(r.output, "took_ms") < 5000);
+  }
+}
+
+TEST_CASE("process: tandem-run's --nnodes MIN:MAX and its timeouts are checked") {
+  for (const auto& [flags, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--nnodes 3:2", "--nnodes 3:2: MIN is greater than MAX"},
+           {"--nnodes x:2", "invalid value 'x' for --nnodes (MIN of MIN:MAX)"},
+           {"--nnodes 1:", "invalid value '' for --nnodes (MAX of MIN:MAX)"},
+           {"--nnodes 1:2 --node-rank 2", "--node-rank 2 is out of range for --nnodes 2"},
+           {"--join-timeout 0", "invalid value '0' for --join-timeout"},
+           {"--last-call -1", "invalid value '-1' for --last-call"},
+       }) {
+    test::RunResult r = test::run_command(std::string(TANDEM_RUN_PATH) + " " + flags +
+                                          " --master-port 29999 --nproc-per-node 1 /bin/true");
+    INFO(flags << "\n" << r.output);
+    CHECK(r.status == 2);
+    CHECK(r.output.find(message) != std::string::npos);
+  }
 }
 
 TEST_CASE("process: a worker that dies fails calls to it within a second") {

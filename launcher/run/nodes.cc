@@ -1,0 +1,594 @@
+// Coordinated jobs (launcher/run/launcher.h): several nodes that restart
+// together, or an elastic number of them (--nnodes MIN:MAX).
+//
+// Node 0's launcher is the coordinator. It listens on MASTER_ADDR:MASTER_PORT
+// for the other nodes' launchers, which connect and join ("join RANK NPROC
+// PROOF", the proof an HMAC of the cluster token over the coordinator's
+// nonce). Each round it admits the nodes that are there, gives them their
+// group ranks in --node-rank order, hosts a fresh rendezvous store on a
+// free port, and tells every node to start its workers ("round NUMBER
+// RESTARTS NNODES GROUP_RANK STORE_PORT"). A node reports a failed worker
+// ("failed ..."), that all its workers exited 0 ("done N") or that they
+// are gone after a stop ("stopped N"). When a worker fails anywhere, or a
+// node's launcher is gone (its connection closed, or 5 s without a word;
+// both sides send "ping" every second), the coordinator stops every node's
+// workers ("stop N"), waits until they are gone, and starts the next round,
+// up to --max-restarts times after failures; then the job ends ("exit
+// CODE"). A round waits for --nnodes MAX nodes, or goes on with MIN or more
+// once --last-call has passed (a node of the last round that is gone is
+// given that long to come back); a node that joins while a round runs with
+// fewer than MAX starts a new round with it, as torchrun's agent does, and
+// that does not count as a restart. A node that loses the coordinator stops
+// its workers and exits 1: the job cannot go on without its store.
+#include <signal.h>
+
+#include <algorithm>
+#include <sstream>
+
+#include "launcher/run/io.h"
+#include "launcher/run/launcher.h"
+#include "tandem/rpc/common/auth.h"
+
+namespace tandem::launcher {
+
+namespace {
+
+constexpr int kProtocol = 1;
+constexpr auto kHeartbeat = std::chrono::seconds(1);
+constexpr auto kSilenceLimit = std::chrono::seconds(5);
+constexpr auto kHandshakeLimit = std::chrono::seconds(10);
+constexpr auto kConnectRetry = std::chrono::milliseconds(250);
+
+std::string user_token() {
+  const char* token = std::getenv("TANDEM_TOKEN");
+  return token ? token : "";
+}
+
+// A node's proof that it holds the cluster token: HMAC-SHA256 over the
+// coordinator's nonce, in hex ("-" where the job has no token).
+std::string join_proof(const std::string& token, const std::string& nonce) {
+  if (token.empty()) return "-";
+  const rpc::Sha256Digest digest = rpc::hmac_sha256(token, "tandem-run join " + nonce);
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string text;
+  for (uint8_t byte : digest) {
+    text += kHex[byte >> 4];
+    text += kHex[byte & 15];
+  }
+  return text;
+}
+
+std::vector<std::string> words_of(const std::string& line, size_t at_most = 0) {
+  std::vector<std::string> words;
+  std::istringstream in(line);
+  std::string word;
+  while (in >> word) {
+    if (at_most && words.size() + 1 == at_most) {  // the rest of the line, whole
+      std::string rest;
+      std::getline(in, rest);
+      words.push_back(word + rest);
+      break;
+    }
+    words.push_back(word);
+  }
+  return words;
+}
+
+// A whole decimal integer, or nullopt.
+std::optional<int> integer(const std::string& text) {
+  if (text.empty() || text.size() > 9) return std::nullopt;
+  size_t i = text[0] == '-' ? 1 : 0;
+  if (i == text.size()) return std::nullopt;
+  int value = 0;
+  for (; i < text.size(); ++i) {
+    if (text[i] < '0' || text[i] > '9') return std::nullopt;
+    value = value * 10 + (text[i] - '0');
+  }
+  return text[0] == '-' ? -value : value;
+}
+
+std::string seconds_text(std::chrono::seconds s) { return std::to_string(s.count()) + " s"; }
+
+}  // namespace
+
+int Launcher::run_coordinated() {
+  const Clock::time_point now = Clock::now();
+  if (options_.node_rank == 0) {
+    listen_fd_ = listen_on(options_.master_addr, options_.master_port);
+    report("node 0 coordinates the job on " + options_.master_addr + ":" +
+           std::to_string(options_.master_port) + "; waiting for " +
+           (options_.min_nodes == options_.nnodes
+                ? std::to_string(options_.nnodes)
+                : std::to_string(options_.min_nodes) + " to " + std::to_string(options_.nnodes)) +
+           " node(s)");
+    phase_ = Phase::kJoining;
+    joining_since_ = now;
+    maybe_start_round();
+  } else {
+    connect_deadline_ = now + std::chrono::seconds(options_.join_timeout_s);
+    next_connect_ = now;
+  }
+  node_tick();
+  while (!finished_) {
+    poll_once(node_descriptors());
+    reap_workers();
+    check_deadlines();
+    if (round_active_ && live_workers_ == 0 && !has_open_pipes()) local_round_over();
+    if (!finished_) node_tick();
+  }
+  if (listen_fd_ >= 0) ::close(listen_fd_);
+  listen_fd_ = -1;
+  if (!options_.trace_dir.empty()) join_traces();
+  return exit_code_;
+}
+
+std::vector<std::pair<int, std::function<void()>>> Launcher::node_descriptors() {
+  std::vector<std::pair<int, std::function<void()>>> out;
+  if (listen_fd_ >= 0) out.emplace_back(listen_fd_, [this] { accept_nodes(); });
+  // Reads only: what was read is acted on in node_tick(), which may drop
+  // connections.
+  for (Pending& pending : pending_) {
+    const int fd = pending.channel.fd();
+    out.emplace_back(fd, [this, fd] {
+      for (Pending& p : pending_) {
+        if (p.channel.fd() == fd) p.channel.read_some();
+      }
+    });
+  }
+  for (Node& node : nodes_) {
+    const int fd = node.channel.fd();
+    out.emplace_back(fd, [this, fd] {
+      for (Node& n : nodes_) {
+        if (n.channel.fd() == fd) n.channel.read_some();
+      }
+    });
+  }
+  if (coordinator_.is_open())
+    out.emplace_back(coordinator_.fd(), [this] { coordinator_.read_some(); });
+  return out;
+}
+
+void Launcher::accept_nodes() {
+  while (std::optional<Channel> channel = accept_channel(listen_fd_)) {
+    Pending pending{std::move(*channel), rpc::random_hex(16)};
+    if (pending.channel.send("tandem-run " + std::to_string(kProtocol) + " " + pending.nonce)) {
+      pending_.push_back(std::move(pending));
+    }
+  }
+}
+
+void Launcher::node_tick() {
+  const Clock::time_point now = Clock::now();
+  if (options_.node_rank != 0) {
+    // Another node: keep to node 0's launcher, or find it.
+    // What arrived before the connection closed is read first (a refusal,
+    // the job's end).
+    while (std::optional<std::string> line = coordinator_.next_line()) {
+      on_coordinator_line(*line);
+      if (finished_) return;
+    }
+    if (!coordinator_.is_open()) {
+      if (joined_) {
+        if (!final_code_) {
+          report("lost node 0's launcher at " + options_.master_addr + ":" +
+                 std::to_string(options_.master_port) + " (" + coordinator_.why() +
+                 "); stopping this node's workers");
+          final_code_ = kExitFailure;
+          if (round_active_) {
+            begin_shutdown(kExitFailure);
+          } else {
+            finish(kExitFailure);
+          }
+        }
+      } else if (now >= next_connect_) {
+        connect_to_coordinator();
+      }
+      return;
+    }
+    if (now - coordinator_.heard() > kSilenceLimit) {
+      report("node 0's launcher has been silent for " +
+             seconds_text(std::chrono::duration_cast<std::chrono::seconds>(kSilenceLimit)));
+      coordinator_.close();
+      joined_ = true;  // handled as a loss on the next tick
+      return;
+    }
+    if (now - coordinator_.sent() >= kHeartbeat) coordinator_.send("ping");
+    return;
+  }
+
+  // Node 0: the connections that have not joined yet.
+  for (size_t i = 0; i < pending_.size();) {
+    Pending& p = pending_[i];
+    if (std::optional<std::string> line = p.channel.next_line()) {
+      on_pending_line(i, *line);  // admits (moves its channel out) or refuses (closes it)
+      pending_.erase(pending_.begin() + static_cast<long>(i));
+      continue;
+    }
+    if (!p.channel.is_open() || now - p.channel.sent() > kHandshakeLimit) {
+      if (p.channel.is_open()) report("a connection from " + p.channel.peer() + " never joined");
+      pending_.erase(pending_.begin() + static_cast<long>(i));
+      continue;
+    }
+    ++i;
+  }
+  // The nodes: their messages, their silence, our heartbeat.
+  for (size_t i = 0; i < nodes_.size();) {
+    // (what arrived before a connection closed is read first)
+    while (std::optional<std::string> line = nodes_[i].channel.next_line()) {
+      on_node_line(nodes_[i], *line);
+      if (finished_) return;
+    }
+    Node& node = nodes_[i];
+    std::string why;
+    if (!node.channel.is_open()) {
+      why = node.channel.why().empty() ? "connection closed" : node.channel.why();
+    } else if (now - node.channel.heard() > kSilenceLimit) {
+      why = "silent for " +
+            seconds_text(std::chrono::duration_cast<std::chrono::seconds>(kSilenceLimit));
+    }
+    if (!why.empty()) {
+      const int rank = node.node_rank;
+      nodes_.erase(nodes_.begin() + static_cast<long>(i));
+      on_node_lost(rank, why);
+      if (finished_) return;
+      continue;
+    }
+    if (now - node.channel.sent() >= kHeartbeat) node.channel.send("ping");
+    ++i;
+  }
+  if (phase_ == Phase::kJoining) maybe_start_round();
+  if (!finished_ && phase_ != Phase::kJoining) check_round_over();
+}
+
+void Launcher::on_pending_line(size_t index, const std::string& line) {
+  Pending& p = pending_[index];
+  const std::vector<std::string> w = words_of(line);
+  const std::string from = p.channel.peer();
+  auto refuse = [&](const std::string& why) {
+    report("refused the node at " + from + ": " + why);
+    p.channel.send("refused " + why);
+    p.channel.close();
+  };
+  if (w.size() != 4 || w[0] != "join" || !integer(w[1]) || !integer(w[2])) {
+    refuse("not a tandem-run join ('" + line.substr(0, 80) + "')");
+    return;
+  }
+  const int node_rank = *integer(w[1]);
+  const int nproc = *integer(w[2]);
+  if (!rpc::constant_time_equal(w[3], join_proof(user_token(), p.nonce))) {
+    refuse(user_token().empty() || w[3] == "-"
+               ? "one of the two launchers has TANDEM_TOKEN set and the other not"
+               : "its TANDEM_TOKEN differs from node 0's");
+    return;
+  }
+  if (nproc != options_.nproc_per_node) {
+    refuse("--nproc-per-node " + std::to_string(nproc) + " differs from node 0's " +
+           std::to_string(options_.nproc_per_node));
+    return;
+  }
+  if (node_rank < 1 || node_rank >= options_.nnodes) {
+    refuse("--node-rank " + std::to_string(node_rank) + " is out of range for --nnodes " +
+           std::to_string(options_.nnodes) + " (1 to " + std::to_string(options_.nnodes - 1) +
+           " for the nodes that join node 0)");
+    return;
+  }
+  for (const Node& node : nodes_) {
+    if (node.node_rank == node_rank) {
+      refuse("node " + std::to_string(node_rank) + " has joined already, from " +
+             node.channel.peer());
+      return;
+    }
+  }
+  Node node;
+  node.node_rank = node_rank;
+  node.channel = std::move(p.channel);
+  report("node " + std::to_string(node_rank) + " joined from " + from);
+  nodes_.push_back(std::move(node));
+  if (phase_ == Phase::kRunning && !final_code_) {
+    int in_round = 1;
+    for (const Node& n : nodes_) in_round += n.in_round ? 1 : 0;
+    if (in_round < options_.nnodes) {
+      report("round " + std::to_string(round_.number) + " runs with " + std::to_string(in_round) +
+             " of " + std::to_string(options_.nnodes) +
+             " nodes: stopping it to start again with node " + std::to_string(node_rank) +
+             " (not counted as a restart)");
+      count_restart_ = false;
+      stop_round();
+    }
+  }
+}
+
+void Launcher::on_node_line(Node& node, const std::string& line) {
+  const std::vector<std::string> w = words_of(line, 4);
+  if (w.empty() || w[0] == "ping") return;
+  const std::string name = "node " + std::to_string(node.node_rank);
+  // (-1: not a number; every number of the protocol is 0 or more)
+  const int number = w.size() >= 2 ? integer(w[1]).value_or(-1) : -1;
+  if (w[0] == "failed" && w.size() == 4 && number >= 0 && integer(w[2])) {
+    if (number == round_.number && phase_ == Phase::kRunning) {
+      round_failed(w[3] + " (" + name + ")", integer(w[2]).value_or(kExitFailure), true);
+    }
+  } else if (w[0] == "done" && number >= 0) {
+    if (number == round_.number && node.in_round) node.done = true;
+  } else if (w[0] == "stopped" && number >= 0) {
+    if (number == round_.number && node.in_round) node.stopped = true;
+  } else if (w[0] == "quit" && number >= 0) {
+    stopped_by_user_ = true;
+    if (phase_ == Phase::kRunning) {
+      round_failed(name + "'s launcher was stopped by a signal", number, false);
+    } else {
+      final_code_ = number;
+    }
+  } else {
+    report("unexpected message from " + name + ": '" + line.substr(0, 80) + "'");
+  }
+}
+
+void Launcher::on_node_lost(int node_rank, const std::string& why) {
+  const std::string what =
+      "node " + std::to_string(node_rank) + "'s launcher is gone (" + why + ")";
+  bool was_in_round = false;
+  // (erased already; whether it was in the round is told by the count)
+  int in_round = 1;
+  for (const Node& n : nodes_) in_round += n.in_round ? 1 : 0;
+  was_in_round = phase_ != Phase::kJoining && in_round < round_.nnodes;
+  if (phase_ == Phase::kRunning && was_in_round) {
+    round_failed(what, kExitFailure, true);
+  } else {
+    report(what);
+  }
+}
+
+void Launcher::on_coordinator_line(const std::string& line) {
+  const std::vector<std::string> w = words_of(line, 2);
+  if (w.empty() || w[0] == "ping") return;
+  const int number = w.size() >= 2 ? integer(w[1]).value_or(-1) : -1;
+  if (w[0] == "tandem-run" && w.size() == 2) {
+    const std::vector<std::string> hello = words_of(line);
+    if (hello.size() != 3 || hello[1] != std::to_string(kProtocol)) {
+      report("node 0's launcher speaks another protocol ('" + line.substr(0, 80) +
+             "'): run the same tandem-run on every node");
+      finish(kExitFailure);
+      return;
+    }
+    coordinator_.send("join " + std::to_string(options_.node_rank) + " " +
+                      std::to_string(options_.nproc_per_node) + " " +
+                      join_proof(user_token(), hello[2]));
+    joined_ = true;
+    report("joined node 0's launcher at " + coordinator_.peer() + " as node " +
+           std::to_string(options_.node_rank));
+  } else if (w[0] == "round") {
+    const std::vector<std::string> r = words_of(line);
+    std::vector<int> v;
+    for (size_t i = 1; i < r.size(); ++i) {
+      if (const std::optional<int> x = integer(r[i])) v.push_back(*x);
+    }
+    if (r.size() != 6 || v.size() != 5) {
+      report("a bad round from node 0's launcher: '" + line.substr(0, 80) + "'");
+      return;
+    }
+    round_.number = v[0];
+    round_.restarts = v[1];
+    round_.nnodes = v[2];
+    round_.group_rank = v[3];
+    round_.store_port = v[4];
+    report("round " + std::to_string(round_.number) + ": node " +
+           std::to_string(options_.node_rank) + " is group rank " +
+           std::to_string(round_.group_rank) + " of " + std::to_string(round_.nnodes) +
+           "; starting " + std::to_string(options_.nproc_per_node) + " worker(s)");
+    begin_local_round();
+  } else if (w[0] == "stop" && number >= 0) {
+    if (number != round_.number) return;
+    if (round_active_) {
+      begin_shutdown(0);
+    } else {
+      coordinator_.send("stopped " + std::to_string(round_.number));
+    }
+  } else if (w[0] == "exit" && number >= 0) {
+    if (round_active_) {
+      final_code_ = number;
+      begin_shutdown(number);
+    } else {
+      finish(number);
+    }
+  } else if (w[0] == "refused") {
+    report("node 0's launcher refused this node: " + (w.size() > 1 ? w[1] : std::string("?")));
+    finish(kExitFailure);
+  } else {
+    report("unexpected message from node 0's launcher: '" + line.substr(0, 80) + "'");
+  }
+}
+
+void Launcher::connect_to_coordinator() {
+  std::string error;
+  std::optional<Channel> channel = connect_channel(options_.master_addr, options_.master_port,
+                                                   std::chrono::milliseconds(1000), error);
+  const Clock::time_point now = Clock::now();
+  if (!channel) {
+    if (now >= connect_deadline_) {
+      report("cannot reach node 0's launcher at " + options_.master_addr + ":" +
+             std::to_string(options_.master_port) + " within --join-timeout " +
+             std::to_string(options_.join_timeout_s) + " s: " + error);
+      finish(kExitFailure);
+    }
+    next_connect_ = now + kConnectRetry;
+    return;
+  }
+  coordinator_ = std::move(*channel);
+}
+
+void Launcher::maybe_start_round() {
+  if (finished_ || final_code_) return;
+  const Clock::time_point now = Clock::now();
+  const int count = 1 + static_cast<int>(nodes_.size());
+  if (count < options_.min_nodes) {
+    enough_since_.reset();
+    if (now - joining_since_ >= std::chrono::seconds(options_.join_timeout_s)) {
+      report("only " + std::to_string(count) + " of the " + std::to_string(options_.min_nodes) +
+             " node(s) needed joined within --join-timeout " +
+             std::to_string(options_.join_timeout_s) + " s");
+      finish(exit_code_ != 0 ? exit_code_ : kExitFailure);
+    }
+    return;
+  }
+  if (!enough_since_) enough_since_ = now;
+  const bool everyone = count >= options_.nnodes;
+  // After a restart, every node of the last round back: no reason to wait.
+  const bool all_back = round_.number > 0 && count >= last_round_nodes_;
+  const bool last_call_over = now - *enough_since_ >= std::chrono::seconds(options_.last_call_s);
+  if (everyone || all_back || last_call_over) start_round();
+}
+
+void Launcher::open_round_store() {
+#ifdef TANDEM_RUN_HOSTS_STORE
+  store_.reset();
+  hosts_store_ = false;
+  const char* store_choice = std::getenv("TANDEM_STORE");
+  if (!(store_choice && std::string(store_choice) == "c10d")) {
+    const char* bind = std::getenv("TANDEM_STORE_BIND");
+    try {
+      store_ = std::make_unique<tandem::rpc::StoreServer>(bind ? bind : options_.master_addr, 0);
+      hosts_store_ = true;
+      round_.store_port = store_->port();
+      return;
+    } catch (const std::exception& e) {
+      report(std::string(e.what()) + "; rank 0 hosts the store instead");
+    }
+  }
+#endif
+  // Rank 0 hosts it, on a port free now.
+  const int fd = listen_on(options_.master_addr, 0);
+  round_.store_port = bound_port(fd);
+  ::close(fd);
+}
+
+void Launcher::start_round() {
+  std::sort(nodes_.begin(), nodes_.end(),
+            [](const Node& a, const Node& b) { return a.node_rank < b.node_rank; });
+  const int count = 1 + static_cast<int>(nodes_.size());
+  round_.nnodes = count;
+  round_.group_rank = 0;
+  open_round_store();
+  std::string ranks = "0";
+  int group_rank = 1;
+  for (Node& node : nodes_) {
+    node.in_round = true;
+    node.done = node.stopped = false;
+    node.channel.send("round " + std::to_string(round_.number) + " " +
+                      std::to_string(round_.restarts) + " " + std::to_string(count) + " " +
+                      std::to_string(group_rank++) + " " + std::to_string(round_.store_port));
+    ranks += ", " + std::to_string(node.node_rank);
+  }
+  std::string message = "round " + std::to_string(round_.number) + ": " + std::to_string(count) +
+                        " of " + std::to_string(options_.nnodes) + " node(s) (" + ranks +
+                        "), WORLD_SIZE " + std::to_string(count * options_.nproc_per_node);
+  if (round_.number > 0 && count < last_round_nodes_) {
+    message += ", " + std::to_string(last_round_nodes_ - count) +
+               " fewer than the last round: the program reshards";
+  }
+  report(message);
+  last_round_nodes_ = count;
+  phase_ = Phase::kRunning;
+  begin_local_round();
+}
+
+void Launcher::begin_local_round() {
+  // Whatever a stopped round's workers left in their process groups must
+  // not live on beside the next round.
+  for (const Worker& worker : workers_) ::kill(-worker.pid, SIGKILL);
+  shutting_down_ = false;
+  kill_deadline_.reset();
+  drain_deadline_.reset();
+  workers_.clear();
+  live_workers_ = 0;
+  round_active_ = true;
+  local_done_ = local_stopped_ = false;
+  start_workers();
+}
+
+void Launcher::round_failed(const std::string& what, int code, bool restart) {
+  if (phase_ != Phase::kRunning) return;  // stopping already: a consequence
+  if (restart && !stopped_by_user_ && round_.restarts < options_.max_restarts) {
+    report(what + "; stopping every node to start again (restart " +
+           std::to_string(round_.restarts + 1) + " of " + std::to_string(options_.max_restarts) +
+           ")");
+    count_restart_ = true;
+  } else {
+    report(what);
+    final_code_ = code;
+  }
+  stop_round();
+}
+
+void Launcher::stop_round() {
+  phase_ = Phase::kStopping;
+  for (Node& node : nodes_) {
+    if (node.in_round) node.channel.send("stop " + std::to_string(round_.number));
+  }
+  if (round_active_) begin_shutdown(final_code_.value_or(0));
+  check_round_over();
+}
+
+void Launcher::check_round_over() {
+  if (phase_ == Phase::kRunning) {
+    if (!local_done_) return;
+    for (const Node& node : nodes_) {
+      if (node.in_round && !node.done) return;
+    }
+    int in_round = 1;
+    for (const Node& n : nodes_) in_round += n.in_round ? 1 : 0;
+    if (in_round < round_.nnodes) return;  // a node's loss is being handled
+    report("every node's workers exited 0");
+    finish(0);
+    return;
+  }
+  if (phase_ != Phase::kStopping || round_active_) return;
+  for (const Node& node : nodes_) {
+    if (node.in_round && !node.stopped) return;
+  }
+  if (final_code_) {
+    finish(*final_code_);
+    return;
+  }
+  ++round_.number;
+  if (count_restart_) ++round_.restarts;
+  count_restart_ = false;
+  for (Node& node : nodes_) node.in_round = false;
+  phase_ = Phase::kJoining;
+  joining_since_ = Clock::now();
+  enough_since_.reset();
+  maybe_start_round();
+}
+
+void Launcher::finish(int code) {
+  for (Node& node : nodes_) node.channel.send("exit " + std::to_string(code));
+  for (Pending& p : pending_) p.channel.send("refused the job has ended");
+  exit_code_ = code;
+  finished_ = true;
+}
+
+void Launcher::local_worker_failed(const Worker& worker, int code, const std::string& what) {
+  const std::string text = "worker " + std::to_string(worker.rank) + " " + what;
+  if (options_.node_rank == 0) {
+    round_failed(text, code, true);
+    return;
+  }
+  report(text);
+  coordinator_.send("failed " + std::to_string(round_.number) + " " + std::to_string(code) + " " +
+                    text);
+  begin_shutdown(code);
+}
+
+void Launcher::local_round_over() {
+  round_active_ = false;
+  const bool stopped = shutting_down_;
+  if (options_.node_rank == 0) {
+    (stopped ? local_stopped_ : local_done_) = true;
+    check_round_over();
+    return;
+  }
+  coordinator_.send((stopped ? "stopped " : "done ") + std::to_string(round_.number));
+  if (final_code_) finish(*final_code_);
+}
+
+}  // namespace tandem::launcher
