@@ -117,7 +117,7 @@ Run run_job(const std::string& args, int kill_after, const std::string& tag) {
     }
     if (const size_t f = l.find("a save held its step "); f != std::string::npos) {
       r.stall_ms = std::atof(l.c_str() + f + 21);
-      const std::string copying = "copying the state to this process ";
+      const std::string copying = "copying the state to host memory ";
       const size_t c = l.find(copying, f);
       if (c != std::string::npos) r.copy_ms = std::atof(l.c_str() + c + copying.size());
     }

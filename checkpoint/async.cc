@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "tandem/checkpoint/checkpoint.h"
+#include "tandem/checkpoint/manifest.h"
 
 namespace tandem::checkpoint {
 
@@ -49,7 +50,9 @@ AsyncSaver::~AsyncSaver() {
   }
 }
 
-void AsyncSaver::save(int64_t step, Part part) {
+void AsyncSaver::save(int64_t step, Part part) { save(step, std::move(part), {}); }
+
+void AsyncSaver::save(int64_t step, Part part, const std::vector<RemotePartWriter>& remote) {
   const auto t0 = std::chrono::steady_clock::now();
   const bool waited = impl_->writer.joinable();
   wait();  // rethrows the save before's error
@@ -58,6 +61,9 @@ void AsyncSaver::save(int64_t step, Part part) {
           ? std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()
           : 0.0;
   impl_->step = step;
+  // The group is idle now (the save before is done): the parts are numbered
+  // here, and the remote ones copied by their workers, in the caller's step.
+  detail::RemoteStart started = detail::start_remote(impl_->dir, step, remote, impl_->options);
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     impl_->running = true;
@@ -72,15 +78,16 @@ void AsyncSaver::save(int64_t step, Part part) {
       impl->running = false;
     }
   } unmark{impl};
-  impl_->writer = std::thread([impl, step, part = std::move(part)] {
-    try {
-      checkpoint::save(impl->dir, step, part, impl->options);
-    } catch (...) {
-      impl->error = std::current_exception();
-    }
-    std::lock_guard<std::mutex> lock(impl->mu);
-    impl->running = false;
-  });
+  impl_->writer =
+      std::thread([impl, step, part = std::move(part), started = std::move(started)]() mutable {
+        try {
+          detail::finish_save(impl->dir, step, part, std::move(started), impl->options);
+        } catch (...) {
+          impl->error = std::current_exception();
+        }
+        std::lock_guard<std::mutex> lock(impl->mu);
+        impl->running = false;
+      });
   unmark.started = true;
 }
 

@@ -140,13 +140,25 @@ int restart_count() {
   return 0;
 }
 
+int remove_steps(const std::string& dir) {
+  int removed = 0;
+  for (const auto& [step, path] : step_dirs(dir)) {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+    if (!ec) ++removed;
+  }
+  return removed;
+}
+
 std::string step_path(const std::string& dir, int64_t step) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "step-%010lld", static_cast<long long>(step));
   return (fs::path(dir) / buf).string();
 }
 
-void save(const std::string& dir, int64_t step, const Part& mine, const SaveOptions& options) {
+namespace {
+
+void check_save(int64_t step, const SaveOptions& options) {
   if (options.keep < 1) throw std::invalid_argument("checkpoint::save: keep must be >= 1");
   if (step < 0) throw std::invalid_argument("checkpoint::save: a negative step");
   for (const auto& [k, v] : options.meta) {
@@ -155,52 +167,166 @@ void save(const std::string& dir, int64_t step, const Part& mine, const SaveOpti
       throw std::invalid_argument("checkpoint::save: meta '" + k + "' holds a newline");
     }
   }
+}
+
+}  // namespace
+
+std::string write_part(const std::string& dir, int64_t step, int part, const Part& state) {
+  if (step < 0) throw std::invalid_argument("checkpoint::write_part: a negative step");
+  if (part < 0) throw std::invalid_argument("checkpoint::write_part: a negative part");
+  const std::string path = step_path(dir, step);
+  std::error_code ec;
+  fs::create_directories(path, ec);
+  if (ec) throw std::runtime_error("checkpoint: cannot make " + path + ": " + ec.message());
+  PartIndex index;
+  index.rank = part;
+  index.file = "part-" + std::to_string(part) + ".bin";
+  std::vector<std::pair<const char*, size_t>> chunks{{detail::kPartMagic, detail::kPartHeader}};
+  std::vector<EntryIndex> entries;
+  uint64_t offset = detail::kPartHeader;
+  uint64_t fnv = detail::fnv1a(detail::kPartMagic, detail::kPartHeader);
+  for (const auto& e : state.entries()) {
+    EntryIndex x;
+    x.rank = part;
+    x.name = e.name;
+    x.is_tensor = e.is_tensor;
+    const char* data = e.is_tensor ? static_cast<const char*>(e.tensor.data_ptr()) : e.bytes.data();
+    const size_t size = e.is_tensor ? e.tensor.nbytes() : e.bytes.size();
+    if (e.is_tensor) {
+      x.dtype = static_cast<int64_t>(e.tensor.scalar_type());
+      x.shape = e.tensor.sizes().vec();
+    }
+    x.offset = offset;
+    x.bytes = size;
+    offset += size;
+    fnv = detail::fnv1a(data, size, fnv);
+    chunks.emplace_back(data, size);
+    entries.push_back(std::move(x));
+  }
+  index.bytes = offset;
+  index.fnv = fnv;
+  const std::string final_path = (fs::path(path) / index.file).string();
+  write_durably(final_path + ".tmp", chunks);
+  if (::rename((final_path + ".tmp").c_str(), final_path.c_str()) != 0) {
+    throw std::runtime_error("checkpoint: cannot rename " + final_path + ".tmp: " + errno_text());
+  }
+  return detail::part_lines(index, entries);
+}
+
+void commit(const std::string& dir, int64_t step, int parts,
+            const std::vector<std::string>& indexes, const SaveOptions& options) {
+  check_save(step, options);
+  const std::string path = step_path(dir, step);
+  // Every part once, each name once.
+  std::map<std::string, size_t> owner;
+  std::set<int> seen;
+  for (size_t r = 0; r < indexes.size(); ++r) {
+    std::istringstream in(indexes[r]);
+    for (std::string l; std::getline(in, l);) {
+      std::istringstream f(l);
+      std::string kind, rk, name;
+      f >> kind >> rk >> name;
+      if (kind == "part") {
+        const int part = std::atoi(rk.c_str());
+        if (part < 0 || part >= parts || !seen.insert(part).second) {
+          throw std::invalid_argument("checkpoint::commit: part " + rk + " is outside 0.." +
+                                      std::to_string(parts - 1) + " or given twice");
+        }
+        continue;
+      }
+      auto [it, fresh] = owner.emplace(name, r);
+      if (!fresh) {
+        throw std::invalid_argument(
+            indexes.size() > 1 ? "checkpoint::save: ranks " + std::to_string(it->second) + " and " +
+                                     std::to_string(r) + " both save '" + name + "'"
+                               : "checkpoint::save: two parts save '" + name + "'");
+      }
+    }
+  }
+  if (static_cast<int>(seen.size()) != parts) {
+    throw std::invalid_argument("checkpoint::commit: " + std::to_string(seen.size()) + " of " +
+                                std::to_string(parts) + " parts written");
+  }
+  Manifest head;
+  head.step = step;
+  head.world = parts;
+  head.meta = options.meta;
+  const std::string text = detail::encode(head, indexes);
+  const std::string manifest = (fs::path(path) / "MANIFEST").string();
+  write_durably(manifest + ".tmp", {{text.data(), text.size()}});
+  if (::rename((manifest + ".tmp").c_str(), manifest.c_str()) != 0) {
+    throw std::runtime_error("checkpoint: cannot rename " + manifest + ".tmp: " + errno_text());
+  }
+  sync_dir(path);
+  // Keep the newest `keep` complete ones; drop anything older.
+  int complete = 0;
+  for (const auto& [s, p] : step_dirs(dir)) {
+    bool valid = false;
+    try {
+      detail::decode(read_file((fs::path(p) / "MANIFEST").string(), p), p);
+      valid = true;
+    } catch (const std::exception&) {
+    }
+    if (valid && complete < options.keep) {
+      ++complete;
+      continue;
+    }
+    if (complete > 0 && s < step) {
+      std::error_code ec;
+      fs::remove_all(p, ec);
+    }
+  }
+  sync_dir(dir);
+}
+
+namespace detail {
+
+RemoteStart start_remote(const std::string& dir, int64_t step,
+                         const std::vector<RemotePartWriter>& remote, const SaveOptions& options) {
+  check_save(step, options);
   ddp::ProcessGroup* group = options.group.get();
   const int rank = group ? group->rank() : 0;
   const int world = group ? group->size() : 1;
-  const std::string path = step_path(dir, step);
-  // 1. This rank's part, durably, and its index.
-  std::string error, lines;
+  // Parts: one per rank, then every rank's remote ones, in rank order.
+  RemoteStart out;
+  int first_remote = world;
+  out.parts = world + static_cast<int>(remote.size());
+  if (group) {
+    const std::vector<std::string> counts = group->all_gather_bytes(std::to_string(remote.size()));
+    out.parts = world;
+    for (int r = 0; r < world; ++r) {
+      const int n = std::atoi(counts[static_cast<size_t>(r)].c_str());
+      if (r < rank) first_remote += n;
+      out.parts += n;
+    }
+  }
+  for (size_t k = 0; k < remote.size(); ++k) {
+    try {
+      out.started.push_back(remote[k](dir, step, first_remote + static_cast<int>(k)));
+    } catch (const std::exception& e) {
+      if (out.error.empty()) out.error = e.what();
+    }
+  }
+  return out;
+}
+
+void finish_save(const std::string& dir, int64_t step, const Part& mine, RemoteStart remote,
+                 const SaveOptions& options) {
+  ddp::ProcessGroup* group = options.group.get();
+  const int rank = group ? group->rank() : 0;
+  // 1. This rank's part durably, and the remote ones it asked for; their indexes.
+  std::string error = remote.error, lines;
   try {
-    std::error_code ec;
-    fs::create_directories(path, ec);
-    if (ec) throw std::runtime_error("checkpoint: cannot make " + path + ": " + ec.message());
-    PartIndex part;
-    part.rank = rank;
-    part.file = "part-" + std::to_string(rank) + ".bin";
-    std::vector<std::pair<const char*, size_t>> chunks{{detail::kPartMagic, detail::kPartHeader}};
-    std::vector<EntryIndex> entries;
-    uint64_t offset = detail::kPartHeader;
-    uint64_t fnv = detail::fnv1a(detail::kPartMagic, detail::kPartHeader);
-    for (const auto& e : mine.entries()) {
-      EntryIndex x;
-      x.rank = rank;
-      x.name = e.name;
-      x.is_tensor = e.is_tensor;
-      const char* data =
-          e.is_tensor ? static_cast<const char*>(e.tensor.data_ptr()) : e.bytes.data();
-      const size_t size = e.is_tensor ? e.tensor.nbytes() : e.bytes.size();
-      if (e.is_tensor) {
-        x.dtype = static_cast<int64_t>(e.tensor.scalar_type());
-        x.shape = e.tensor.sizes().vec();
-      }
-      x.offset = offset;
-      x.bytes = size;
-      offset += size;
-      fnv = detail::fnv1a(data, size, fnv);
-      chunks.emplace_back(data, size);
-      entries.push_back(std::move(x));
-    }
-    part.bytes = offset;
-    part.fnv = fnv;
-    const std::string final_path = (fs::path(path) / part.file).string();
-    write_durably(final_path + ".tmp", chunks);
-    if (::rename((final_path + ".tmp").c_str(), final_path.c_str()) != 0) {
-      throw std::runtime_error("checkpoint: cannot rename " + final_path + ".tmp: " + errno_text());
-    }
-    lines = detail::part_lines(part, entries);
+    lines = write_part(dir, step, rank, mine);
   } catch (const std::exception& e) {
-    error = e.what();
+    if (error.empty()) error = e.what();
+  }
+  for (auto& wait : remote.started) {  // every one waited for, even after an error
+    try {
+      lines += wait();
+    } catch (const std::exception& e) {
+      if (error.empty()) error = e.what();
+    }
   }
   agree(group, error);
   // 2. Rank 0 commits the step with its manifest, then prunes.
@@ -209,57 +335,23 @@ void save(const std::string& dir, int64_t step, const Part& mine, const SaveOpti
   error.clear();
   if (rank == 0) {
     try {
-      // Names are unique within a step.
-      std::map<std::string, size_t> owner;
-      for (size_t r = 0; r < all.size(); ++r) {
-        std::istringstream in(all[r]);
-        for (std::string l; std::getline(in, l);) {
-          std::istringstream f(l);
-          std::string kind, rk, name;
-          f >> kind >> rk >> name;
-          if (kind == "part") continue;
-          auto [it, fresh] = owner.emplace(name, r);
-          if (!fresh) {
-            throw std::invalid_argument("checkpoint::save: ranks " + std::to_string(it->second) +
-                                        " and " + std::to_string(r) + " both save '" + name + "'");
-          }
-        }
-      }
-      Manifest head;
-      head.step = step;
-      head.world = world;
-      head.meta = options.meta;
-      const std::string text = detail::encode(head, all);
-      const std::string manifest = (fs::path(path) / "MANIFEST").string();
-      write_durably(manifest + ".tmp", {{text.data(), text.size()}});
-      if (::rename((manifest + ".tmp").c_str(), manifest.c_str()) != 0) {
-        throw std::runtime_error("checkpoint: cannot rename " + manifest + ".tmp: " + errno_text());
-      }
-      sync_dir(path);
-      // Keep the newest `keep` complete ones; drop anything older.
-      int complete = 0;
-      for (const auto& [s, p] : step_dirs(dir)) {
-        bool valid = false;
-        try {
-          detail::decode(read_file((fs::path(p) / "MANIFEST").string(), p), p);
-          valid = true;
-        } catch (const std::exception&) {
-        }
-        if (valid && complete < options.keep) {
-          ++complete;
-          continue;
-        }
-        if (complete > 0 && s < step) {
-          std::error_code ec;
-          fs::remove_all(p, ec);
-        }
-      }
-      sync_dir(dir);
+      commit(dir, step, remote.parts, all, options);
     } catch (const std::exception& e) {
       error = e.what();
     }
   }
   agree(group, error);
+}
+
+}  // namespace detail
+
+void save(const std::string& dir, int64_t step, const Part& mine, const SaveOptions& options) {
+  save_parts(dir, step, mine, {}, options);
+}
+
+void save_parts(const std::string& dir, int64_t step, const Part& mine,
+                const std::vector<RemotePartWriter>& remote, const SaveOptions& options) {
+  detail::finish_save(dir, step, mine, detail::start_remote(dir, step, remote, options), options);
 }
 
 std::optional<Found> latest(const std::string& dir) {
@@ -328,6 +420,7 @@ Reader::~Reader() = default;
 
 int64_t Reader::step() const { return impl_->m.step; }
 int Reader::world_size() const { return impl_->m.world; }
+const std::string& Reader::path() const { return impl_->path; }
 
 std::vector<std::string> Reader::names() const {
   std::vector<std::string> out;

@@ -42,12 +42,15 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "tandem/rpc/future.h"
 
 namespace tandem::ddp {
 class ProcessGroup;
@@ -86,6 +89,33 @@ struct SaveOptions {
 
 void save(const std::string& dir, int64_t step, const Part& mine, const SaveOptions& options = {});
 
+// A part written by another worker, where its state lives (a RemoteModule's
+// owner: checkpoint/remote.h). The writer asks that worker to copy the
+// state into its host memory and write it as part `part` of `dir`'s step
+// in the background, and returns once the copy is made; the RemotePart it
+// returns blocks until the part is durable and answers its index (or
+// throws the worker's error).
+using RemotePart = std::function<std::string()>;
+using RemotePartWriter = std::function<RemotePart(const std::string& dir, int64_t step, int part)>;
+
+// save() with parts written elsewhere too: each rank writes its own part
+// (numbered by its rank) and asks for its remote ones (numbered after every
+// rank's, in rank order), all at once; once every part is durable, rank 0
+// commits the step. Collective over options.group, as save() is; a remote
+// writer's error fails the save on every rank, naming it.
+void save_parts(const std::string& dir, int64_t step, const Part& mine,
+                const std::vector<RemotePartWriter>& remote, const SaveOptions& options = {});
+
+// The two halves of a save, for parts written by processes no process group
+// joins. write_part writes `state` as part `part` of `dir`'s step (to a
+// temporary name, fsynced, renamed) and returns its index, a text; commit
+// checks that `indexes` (every part's, in any grouping) hold parts 0 to
+// parts - 1 once each and no name twice, then writes the manifest and
+// prunes as save() does.
+std::string write_part(const std::string& dir, int64_t step, int part, const Part& state);
+void commit(const std::string& dir, int64_t step, int parts,
+            const std::vector<std::string>& indexes, const SaveOptions& options = {});
+
 // Saves in the background: the step waits only for its state to be copied
 // into host memory (Part::add does that) and, when the save before has not
 // finished, for that one.
@@ -116,6 +146,11 @@ class AsyncSaver {
   AsyncSaver& operator=(const AsyncSaver&) = delete;
 
   void save(int64_t step, Part part);
+  // With parts written elsewhere (save_parts): their copies are made before
+  // this returns (their workers write them in the background, as the
+  // saver's thread writes `part`), and the saver's thread commits the step
+  // once every part is durable.
+  void save(int64_t step, Part part, const std::vector<RemotePartWriter>& remote);
   // Blocks until the save in flight (if any) is committed; rethrows its error.
   void wait();
   bool in_flight() const;
@@ -138,6 +173,11 @@ std::optional<Found> latest(const std::string& dir);
 // --max-restarts), else TORCHELASTIC_RESTART_COUNT (torchrun), else 0.
 int restart_count();
 
+// Removes every step directory in `dir` (a fresh run must not be taken for
+// the continuation of an older one's steps after a restart); returns how
+// many.
+int remove_steps(const std::string& dir);
+
 // The directory of `step` under `dir`.
 std::string step_path(const std::string& dir, int64_t step);
 
@@ -150,7 +190,11 @@ class Reader {
   Reader& operator=(const Reader&) = delete;
 
   int64_t step() const;
+  // How many parts the step has (the ranks that saved, and parts written
+  // for them elsewhere).
   int world_size() const;
+  // The step's directory, as given.
+  const std::string& path() const;
   std::vector<std::string> names() const;  // every entry, sorted
   bool contains(const std::string& name) const;
   at::Tensor tensor(const std::string& name) const;

@@ -2,7 +2,11 @@
 // and a reader of named entries.
 #include "tandem/checkpoint/job.h"
 
+#include "tandem/checkpoint/remote.h"
+
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -30,6 +34,11 @@ std::vector<std::pair<std::string, at::Tensor>> tensors_of(torch::nn::Module& m)
   for (const auto& p : m.named_parameters(true)) out.emplace_back(p.key(), p.value());
   for (const auto& b : m.named_buffers(true)) out.emplace_back(b.key(), b.value());
   return out;
+}
+
+// The GPUs this process sees (0 without CUDA).
+int cuda_devices() {
+  return at::hasCUDA() ? static_cast<int>(at::detail::getCUDAHooks().getNumGPUs()) : 0;
 }
 
 std::string state_name(const std::string& prefix, const std::string& param) {
@@ -221,16 +230,33 @@ JobState& JobState::random(const std::string& name) {
   const std::string mine = name + "/" + std::to_string(rank_);
   Item item;
   item.write = [mine](Part& p) {
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    p.add(mine, gen.get_state());
+    {
+      auto gen = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      p.add(mine, gen.get_state());
+    }
+    // Each visible GPU's generator too: "<name>/<rank>/cuda<i>".
+    for (int i = 0; i < cuda_devices(); ++i) {
+      at::Generator gen = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, i));
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      p.add(mine + "/cuda" + std::to_string(i), gen.get_state());
+    }
   };
   item.verify = [](const Reader&) {};
   item.read = [mine](const Reader& r) {
-    if (!r.contains(mine)) return;  // (a rank the step had none for keeps its own)
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(r.tensor(mine));
+    // (a rank, or a GPU, the step had none for keeps its own)
+    if (r.contains(mine)) {
+      auto gen = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(r.tensor(mine));
+    }
+    for (int i = 0; i < cuda_devices(); ++i) {
+      const std::string cuda = mine + "/cuda" + std::to_string(i);
+      if (!r.contains(cuda)) continue;
+      at::Generator gen = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, i));
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(r.tensor(cuda));
+    }
   };
   items_.push_back(std::move(item));
   return *this;
@@ -248,10 +274,53 @@ JobState& JobState::record(const std::string& name, std::string* bytes) {
   return *this;
 }
 
+JobState& JobState::remote_module(const std::string& prefix, const nn::RemoteModule& m,
+                                  int64_t first_layer, bool write) {
+  Item item;
+  item.write = [](Part&) {};
+  item.verify = [&m, prefix, first_layer](const Reader& r) {
+    load_module_part(m, r.path(), prefix, first_layer, true);
+  };
+  item.read = [&m, prefix, first_layer](const Reader& r) {
+    load_module_part(m, r.path(), prefix, first_layer, false);
+  };
+  if (write) item.remote.push_back(module_writer(m, prefix, first_layer));
+  items_.push_back(std::move(item));
+  return *this;
+}
+
+JobState& JobState::distributed_optimizer(const std::string& prefix,
+                                          optim::DistributedOptimizer& opt,
+                                          std::vector<std::string> names, bool write) {
+  Item item;
+  item.write = [](Part&) {};
+  // (the writers check the names' count)
+  std::vector<RemotePartWriter> writers = optimizer_writers(opt, names, prefix);
+  auto ns = std::make_shared<std::vector<std::string>>(std::move(names));
+  optim::DistributedOptimizer* op = &opt;
+  item.verify = [op, ns, prefix](const Reader& r) {
+    load_optimizer_parts(*op, *ns, r.path(), prefix, true);
+  };
+  item.read = [op, ns, prefix](const Reader& r) {
+    load_optimizer_parts(*op, *ns, r.path(), prefix, false);
+  };
+  if (write) item.remote = std::move(writers);
+  items_.push_back(std::move(item));
+  return *this;
+}
+
 Part JobState::part() const {
   Part p;
   for (const auto& item : items_) item.write(p);
   return p;
+}
+
+std::vector<RemotePartWriter> JobState::remote_writers() const {
+  std::vector<RemotePartWriter> out;
+  for (const auto& item : items_) {
+    out.insert(out.end(), item.remote.begin(), item.remote.end());
+  }
+  return out;
 }
 
 void JobState::load(const Reader& reader) {
@@ -261,7 +330,7 @@ void JobState::load(const Reader& reader) {
 
 void save_job(const std::string& dir, int64_t step, const JobState& state,
               const SaveOptions& options) {
-  save(dir, step, state.part(), options);
+  save_parts(dir, step, state.part(), state.remote_writers(), options);
 }
 
 std::optional<int64_t> load_latest_job(const std::string& dir, JobState& state) {

@@ -48,9 +48,13 @@
 namespace tandem::ddp {
 class DistributedSampler;
 }
+namespace tandem::nn {
+class RemoteModule;
+}
 namespace tandem::optim {
 class ZeroRedundancyOptimizer;
 class LRScheduler;
+class DistributedOptimizer;
 }  // namespace tandem::optim
 
 namespace tandem::checkpoint {
@@ -75,14 +79,30 @@ class JobState {
   JobState& sampler(const std::string& name, ddp::DistributedSampler& sampler);
   // A DistributedOptimizer's schedule (its last epoch and base rate).
   JobState& scheduler(const std::string& name, optim::LRScheduler& scheduler);
-  // This rank's CPU random generator.
+  // This rank's CPU random generator, and each visible GPU's
+  // ("<name>/<rank>/cuda<i>").
   JobState& random(const std::string& name = "rng");
+  // A RemoteModule's parameters and buffers as "<prefix>.<name>", written
+  // into a part of its own and read back by its owner (checkpoint/remote.h),
+  // so a model spread over workers is saved by them in parallel. The module
+  // must outlive the JobState.
+  // `first_layer` >= 0: a pipeline stage, saved by the model's layer
+  // indices (checkpoint/remote.h), so it loads into another cut.
+  JobState& remote_module(const std::string& prefix, const nn::RemoteModule& m,
+                          int64_t first_layer = -1, bool write = true);
+  // A DistributedOptimizer's state, per parameter "<prefix>/<name>",
+  // written and loaded by its owners (`names`: its parameters' names in the
+  // constructor's order), so it loads into another placement.
+  JobState& distributed_optimizer(const std::string& prefix, optim::DistributedOptimizer& opt,
+                                  std::vector<std::string> names, bool write = true);
   // Bytes of the caller's (a step count, metrics), written by rank 0.
   JobState& record(const std::string& name, std::string* bytes);
 
   int rank() const { return rank_; }
   // What this rank writes, copied now.
   Part part() const;
+  // The parts written for this rank elsewhere (its remote modules').
+  std::vector<RemotePartWriter> remote_writers() const;
   // Every registered piece from `reader`'s step.
   void load(const Reader& reader);
 
@@ -91,12 +111,14 @@ class JobState {
     std::function<void(Part&)> write;
     std::function<void(const Reader&)> verify;  // throws before anything is read
     std::function<void(const Reader&)> read;
+    std::vector<RemotePartWriter> remote;  // the parts other workers write of it
   };
   std::vector<Item> items_;
   int rank_;
 };
 
-// checkpoint::save of state.part(), collective over options.group.
+// checkpoint::save_parts of state.part() and state.remote_writers(),
+// collective over options.group.
 void save_job(const std::string& dir, int64_t step, const JobState& state,
               const SaveOptions& options = {});
 // Loads checkpoint::latest(dir) into `state` and returns its step; nullopt

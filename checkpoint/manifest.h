@@ -21,6 +21,8 @@
 #include <string>
 #include <vector>
 
+#include "tandem/checkpoint/checkpoint.h"
+
 namespace tandem::checkpoint::detail {
 
 constexpr char kPartMagic[] = "TANDEM-CKPT-PART\n";
@@ -55,5 +57,19 @@ std::string part_lines(const PartIndex& part, const std::vector<EntryIndex>& ent
 std::string encode(const Manifest& head, const std::vector<std::string>& rank_lines);
 // std::invalid_argument naming `source` and the line that is wrong.
 Manifest decode(const std::string& text, const std::string& source);
+
+// A save's two halves (checkpoint.cc), so that AsyncSaver starts the
+// remote parts in the caller's step and finishes on its thread. The start
+// numbers the parts (a collective over options.group) and asks for this
+// rank's remote ones; an error there is kept for finish_save to agree on.
+struct RemoteStart {
+  int parts = 1;
+  std::vector<RemotePart> started;
+  std::string error;
+};
+RemoteStart start_remote(const std::string& dir, int64_t step,
+                         const std::vector<RemotePartWriter>& remote, const SaveOptions& options);
+void finish_save(const std::string& dir, int64_t step, const Part& mine, RemoteStart remote,
+                 const SaveOptions& options);
 
 }  // namespace tandem::checkpoint::detail

@@ -11,7 +11,10 @@
 #     started alone (it spawns its workers, examples/launch.h) it ends on a's
 #     final loss, and an unknown flag exits 2 naming it;
 #  b. char_lm --steps 30 then --steps 60 --resume prints the same final loss
-#     (%.6f) and the same sample as the uninterrupted run of a;
+#     (%.6f) and the same sample as the uninterrupted run of a; under
+#     --max-restarts 1 with its parameter server SIGKILLed after step 20, it
+#     restarts from its newest checkpoint and ends as a does; an old
+#     checkpoint file where the directory goes is refused;
 #  c. model_parallel_mlp --steps 20 exits 0 and reports agreement with the
 #     local run, under tandem-run and started alone (it spawns its workers);
 #  d. parameter_server on 3 processes and on 2 exits 0, every trainer reports;
@@ -36,7 +39,9 @@
 #     sharded over its replicas), stopped at 10 and resumed without it, it
 #     ends as the unsharded run; 1 x 2 with --zero 2 and --zero 3 end as 1 x 1;
 #     --zero 2 stopped at 10 (each rank writes its part) resumes on 2 ranks
-#     and on 1 to the 1 x 1 loss, and is refused by the pipeline;
+#     and on 1 to the 1 x 1 loss, and by the pipeline (2 x 2), whose own
+#     step (5 parts: each stage worker's layers, each optimizer owner's
+#     Adam state, rank 0's) resumes under --zero 2;
 #     under tandem-run --max-restarts 3, a random worker killed by SIGKILL
 #     after a random step, it restarts from its newest checkpoint and ends
 #     exactly as uninterrupted; on two elastic nodes (--nnodes 1:2) whose
@@ -99,7 +104,7 @@ if expect_rc "char_lm --steps 60" "$rc" 0 a.log; then
      $(tail -n1 a.csv | cut -d, -f1) == 60 ]] || { fail "char_lm --losses wrote no CSV curve"; cat a.csv; }
   [[ -n $(final_line a.log) ]] || fail "char_lm printed no final loss line"
   [[ $(sample_line a.log) == "sample: "?* ]] || fail "char_lm printed no sample"
-  [[ -s a.ckpt ]] || fail "char_lm wrote no checkpoint"
+  [[ -f a.ckpt/step-0000000060/MANIFEST ]] || fail "char_lm wrote no checkpoint"
 fi
 
 # a''. started alone (no tandem-run), it spawns its two workers itself
@@ -128,6 +133,35 @@ if expect_rc "char_lm --steps 60 --resume" "$rc" 0 b2.log; then
   fi
   [[ "$(sample_line a.log)" == "$(sample_line b2.log)" ]] ||
     fail "resumed run sampled another text than the uninterrupted one"
+fi
+
+# b'. under tandem-run --max-restarts 1, the parameter server (rank 1)
+# killed by SIGKILL after step 20: the job starts again from its newest
+# checkpoint (each piece loaded where it lives) and ends as a does.
+tag="char-check-$$"
+CHAR_CHECK_TAG="$tag" timeout 180 "$run" --max-restarts 1 --nproc-per-node 2 "$bin/char_lm" --steps 60 \
+  --log-every 10 --checkpoint-every 10 --checkpoint "$tmp/ak.ckpt" >ak.log 2>&1 &
+launcher=$!
+for ((i = 0; i < 6000; ++i)); do
+  grep -q "step 20/" ak.log && break
+  sleep 0.02
+done
+for p in /proc/[0-9]*; do
+  env=$({ tr '\0' '\n' <"$p/environ"; } 2>/dev/null) || continue
+  if grep -qx "CHAR_CHECK_TAG=$tag" <<<"$env" && grep -qx "RANK=1" <<<"$env" &&
+    grep -qx "TANDEM_RESTART_COUNT=0" <<<"$env"; then
+    kill -9 "${p#/proc/}" 2>/dev/null
+  fi
+done
+wait "$launcher"
+if expect_rc "char_lm, its parameter server killed after step 20, --max-restarts 1" "$?" 0 ak.log; then
+  if ! grep -q "worker 1 killed by signal 9" ak.log || ! grep -q "resuming, steps" ak.log; then
+    fail "char_lm killed: no restart from a checkpoint"; sed 's/^/    /' ak.log
+  elif [[ "$(final_line a.log)" != "$(final_line ak.log)" ]]; then
+    fail "char_lm restarted: '$(final_line ak.log)', uninterrupted: '$(final_line a.log)'"
+  else
+    echo "ok: char_lm (its parameter server killed) restarted and ends as uninterrupted: $(final_line ak.log)"
+  fi
 fi
 
 # a'. --mode hybrid: two DDP trainers sharing the parameter server
@@ -205,11 +239,13 @@ check_bad() {  # check_bad NAME PATTERN ARGS...
   local rc
   rc=$(launch e.log 2 char_lm "$@")
   if expect_rc "char_lm $*" "$rc" 2 e.log; then
-    grep -q "$pattern" e.log || { fail "char_lm $*: no message matching '$pattern'"; cat e.log; }
+    grep -q -- "$pattern" e.log || { fail "char_lm $*: no message matching '$pattern'"; cat e.log; }
   fi
 }
 check_bad missing "corpus file '$tmp/missing.txt' does not exist" --corpus "$tmp/missing.txt"
-check_bad resume "no checkpoint at" --resume --checkpoint "$tmp/none.ckpt"
+check_bad resume "--resume: no checkpoint in" --resume --checkpoint "$tmp/none.ckpt"
+touch "$tmp/old.ckpt"
+check_bad old-file "is a file (an older char_lm's checkpoint?)" --checkpoint "$tmp/old.ckpt"
 check_bad flag "unknown flag '--bogus'" --bogus
 check_bad mode "bad value 'bogus' for --mode" --mode bogus
 check_bad hybrid2 "needs 3 or more processes" --mode hybrid
@@ -290,7 +326,11 @@ if expect_rc "gpt 2 x 2 --steps 40" "$rc" 0 g.log; then
 fi
 rc=$(launch gr1.log 4 gpt "${gpt_args[@]}" --stop-at 10 --checkpoint gr.ckpt)
 expect_rc "gpt 2 x 2 --stop-at 10" "$rc" 0 gr1.log
-for c in gr2 gr4 gr5; do cp -r gr.ckpt "$c.ckpt"; done
+for c in gr2 gr4 gr5 gr6; do cp -r gr.ckpt "$c.ckpt"; done
+# Each piece written where it lives: rank 0's part, each stage worker's
+# layers, each optimizer owner's Adam state.
+[[ $(ls gr.ckpt/step-0000000010/part-*.bin | wc -l) == 5 ]] ||
+  fail "gpt 2 x 2: not 5 parts in its step ($(ls gr.ckpt/step-0000000010))"
 rc=$(launch gr2.log 4 gpt "${gpt_args[@]}" --resume --checkpoint gr.ckpt)
 if expect_rc "gpt 2 x 2 --resume" "$rc" 0 gr2.log; then
   if [[ -z $(final_line g22.log) || "$(final_line g22.log)" != "$(final_line gr2.log)" ]]; then
@@ -301,11 +341,11 @@ if expect_rc "gpt 2 x 2 --resume" "$rc" 0 gr2.log; then
 fi
 rc=$(launch gr3.log 2 gpt --dp 1 "${gpt_args[@]}" --resume --checkpoint gr2.ckpt)
 expect_rc "gpt 2 x 2 resumed as 2 x 1" "$rc" 0 gr3.log && near "gpt resumed on --dp 1" "$(gpt_final g22.log)" "$(gpt_final gr3.log)"
-# Another pipeline: the optimizer state cut again by parameter names.
+# Another pipeline: the layers and their Adam state loaded by name where they are now.
 rc=$(launch gr4.log 2 gpt --pp 1 --dp 2 "${gpt_args[@]}" --resume --checkpoint gr4.ckpt)
 if expect_rc "gpt 2 x 2 resumed as 1 x 2" "$rc" 0 gr4.log; then
-  grep -q "optimizer state (2 stages on 2 workers) cut again for 1 stages on 1" gr4.log ||
-    fail "gpt resumed as 1 x 2: no resharding said"
+  grep -q "step 10 restored where it lives: 1 stages' layers and their Adam state loaded by name (saved in 5 parts, 2 stages)" gr4.log ||
+    fail "gpt resumed as 1 x 2: no loading by name said"
   near "gpt resumed on --pp 1" "$(gpt_final g22.log)" "$(gpt_final gr4.log)"
 fi
 rc=$(launch gr5.log 4 gpt --schedule interleaved "${gpt_args[@]}" --resume --checkpoint gr5.ckpt)
@@ -413,6 +453,7 @@ rc=$(launch gy1.log 2 gpt --pp 1 --dp 2 "${gpt_args[@]}" --zero 2 --stop-at 10 -
 expect_rc "gpt 1 x 2 --zero 2 --stop-at 10" "$rc" 0 gy1.log
 [[ -f gy.ckpt/step-0000000010/part-1.bin ]] || fail "gpt --zero 2: rank 1 wrote no part"
 cp -r gy.ckpt gy2.ckpt
+cp -r gy.ckpt gy4.ckpt
 rc=$(launch gy2.log 2 gpt --pp 1 --dp 2 "${gpt_args[@]}" --zero 2 --resume --checkpoint gy.ckpt)
 expect_rc "gpt 1 x 2 --zero 2 --resume" "$rc" 0 gy2.log && near "gpt --zero 2 resumed" "$base" "$(gpt_final gy2.log)"
 rc=$(launch gy3.log 1 gpt --pp 1 --dp 1 "${gpt_args[@]}" --zero 2 --resume --checkpoint gy2.ckpt)
@@ -433,7 +474,13 @@ gpt_bad 4 "--zero 3 trains the whole model on every rank: pass --pp 1" --zero 3
 gpt_bad 4 "--heads 5 does not divide --dim 64" --heads 5
 gpt_bad 2 "is at step 20; pass a larger --steps" --pp 1 --dp 2 --resume --checkpoint gr.ckpt --steps 20
 gpt_bad 4 "--resume: no checkpoint in" --resume --checkpoint "$tmp/none.ckpt"
-gpt_bad 4 "was written by --zero 2; it resumes only so" --resume --checkpoint gy2.ckpt
+# The pipeline's steps and --zero 2's hold the same names: each resumes the other's.
+rc=$(launch gx1.log 4 gpt "${gpt_args[@]}" --resume --checkpoint gy4.ckpt)
+expect_rc "gpt --zero 2's checkpoint resumed by the pipeline (2 x 2)" "$rc" 0 gx1.log &&
+  near "gpt --zero 2, resumed 2 x 2" "$base" "$(gpt_final gx1.log)"
+rc=$(launch gx2.log 2 gpt --pp 1 --dp 2 "${gpt_args[@]}" --zero 2 --resume --checkpoint gr6.ckpt)
+expect_rc "gpt 2 x 2's checkpoint resumed by --zero 2 (1 x 2)" "$rc" 0 gx2.log &&
+  near "gpt 2 x 2, resumed --zero 2" "$base" "$(gpt_final gx2.log)"
 
 if ((failures)); then
   echo "check_examples: $failures failure(s)"

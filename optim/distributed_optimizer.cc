@@ -339,6 +339,12 @@ std::vector<int> DistributedOptimizer::owners() const {
   return out;
 }
 
+std::vector<DistributedOptimizer::OwnerPart> DistributedOptimizer::owner_parts() const {
+  std::vector<OwnerPart> out;
+  for (const Part& p : parts_) out.push_back({p.owner, p.id, p.index});
+  return out;
+}
+
 size_t live_optimizers(rpc::Agent& agent) { return OptimService::of(agent)->live(); }
 
 }  // namespace tandem::optim

@@ -140,14 +140,26 @@ class DistributedOptimizer {
   // The workers that own parameters, by rank.
   std::vector<int> owners() const;
 
+  // Each owner's optimizer: the owner's rank, the optimizer's id there
+  // (optim/owner/service.h), and its parameters' positions in the
+  // constructor's list, in its order. For checkpoints written by the
+  // owners (checkpoint/remote.h).
+  struct OwnerPart {
+    int owner;
+    int64_t id;
+    std::vector<size_t> index;
+  };
+  std::vector<OwnerPart> owner_parts() const;
+  // The agent it was made on (throws rpc::ShutdownError once it is gone).
+  std::shared_ptr<rpc::Agent> agent() const;
+
  private:
   struct Part {
     int owner;
     int64_t id;                 // the optimizer's id on its owner
     std::vector<size_t> index;  // its parameters' positions in the constructor's list
   };
-  std::shared_ptr<rpc::Agent> agent() const;  // throws ShutdownError once it is gone
-  void drop() noexcept;                       // every owner's optimizer, best effort
+  void drop() noexcept;  // every owner's optimizer, best effort
   // Runs `fn` on every owner at once: an RPC with args(part) to each other
   // owner, local(part) for the caller's own part on this thread. Returns
   // each part's result in parts_ order; throws the first remote failure,

@@ -49,7 +49,7 @@
 // run resumed from a checkpoint prints exactly the losses of an uninterrupted
 // one (the last line's loss is printed with %.6f to compare).
 //
-// The checkpoint's format is in examples/char_lm/checkpoint.h.
+// The checkpoints' format is in examples/char_lm/checkpoint.h.
 //
 // training; the trainer still joins the world and shuts down so that the
 // parameter server exits too, then exits with code 2.
@@ -66,6 +66,7 @@
 #include "examples/char_lm/train.h"
 #include "examples/flags.h"
 #include "examples/launch.h"
+#include "tandem/checkpoint/checkpoint.h"
 #include "tandem/rpc/api.h"
 #include "tandem/rpc/rendezvous.h"
 
@@ -91,7 +92,7 @@ int job_main(int argc, char** argv) {
     flags.add("--steps", &cfg.steps, 1, "total training steps")
         .add("--corpus", &cfg.corpus,
              "text file to train on (default: /usr/share/common-licenses/*)")
-        .add("--checkpoint", &cfg.checkpoint, "checkpoint file")
+        .add("--checkpoint", &cfg.checkpoint, "directory of checkpoint steps")
         .add("--checkpoint-every", &cfg.checkpoint_every, 1, "write the checkpoint every N steps")
         .add_switch("--resume", &cfg.resume, "continue from --checkpoint up to --steps")
         .add("--seed", &cfg.seed, 0, "seed of the initial parameters, batches and sample")
@@ -128,19 +129,30 @@ int job_main(int argc, char** argv) {
     if (error.empty() && !flags.help()) {
       try {
         corpus = load_corpus(cfg.corpus);
-        if (cfg.resume) {
-          resume = load_checkpoint(cfg.checkpoint);
-          if (resume->corpus_fnv != corpus->fingerprint || resume->vocab != corpus->vocab) {
-            throw UsageError("checkpoint '" + cfg.checkpoint +
-                             "' was trained on another corpus; pass the same --corpus");
+        // --resume, or a restart of the job: the newest complete step (none
+        // yet after a restart: from the beginning again).
+        const bool single = !cfg.hybrid() && !cfg.pipeline();
+        if (single && (cfg.resume || tandem::checkpoint::restart_count() > 0)) {
+          resume = load_latest(cfg.checkpoint);
+          if (!resume && cfg.resume) {
+            throw UsageError("--resume: no checkpoint in '" + cfg.checkpoint + "'");
+          }
+        } else if (single && env.rank == 0) {
+          // A fresh run: an older run's steps must not be taken for this one's.
+          load_latest(cfg.checkpoint);  // (refuses a file there)
+          tandem::checkpoint::remove_steps(cfg.checkpoint);
+        }
+        if (resume) {
+          const std::string what = "checkpoint '" + resume->path + "'";
+          if (resume->corpus_fnv != corpus->fingerprint) {
+            throw UsageError(what + " was trained on another corpus; pass the same --corpus");
           }
           if (resume->seed != cfg.seed) {
-            throw UsageError("checkpoint '" + cfg.checkpoint + "' was trained with --seed " +
-                             std::to_string(resume->seed));
+            throw UsageError(what + " was trained with --seed " + std::to_string(resume->seed));
           }
-          if (resume->step >= cfg.steps) {
-            throw UsageError("checkpoint '" + cfg.checkpoint + "' is at step " +
-                             std::to_string(resume->step) + "; pass a larger --steps");
+          if (resume->step >= cfg.steps && tandem::checkpoint::restart_count() == 0) {
+            throw UsageError(what + " is at step " + std::to_string(resume->step) +
+                             "; pass a larger --steps");
           }
         }
       } catch (const UsageError& e) {

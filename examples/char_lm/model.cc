@@ -22,4 +22,10 @@ Initial initial_parameters(const Config& cfg, int64_t vocab) {
   return {embedding, lstm, decoder};
 }
 
+Named named_parameters(const torch::nn::Module& m) {
+  Named out;
+  for (const auto& p : m.named_parameters()) out[p.key()] = p.value();
+  return out;
+}
+
 }  // namespace char_lm

@@ -7,9 +7,12 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/rnn.h>
+#include <map>
+#include <string>
 
 #include <functional>
 #include <string>
@@ -56,5 +59,8 @@ struct Initial {
   torch::nn::Linear decoder;
 };
 Initial initial_parameters(const Config& cfg, int64_t vocab);
+
+using Named = std::map<std::string, at::Tensor>;  // as examples::Named
+Named named_parameters(const torch::nn::Module& m);
 
 }  // namespace char_lm

@@ -10,6 +10,7 @@
 #include "examples/progress.h"
 #include "examples/replicas.h"
 #include "tandem/autograd/autograd.h"
+#include "tandem/checkpoint/job.h"
 #include "tandem/optim/distributed_optimizer.h"
 
 namespace char_lm {
@@ -71,19 +72,6 @@ int train(const Config& cfg, const Corpus& corpus, const std::optional<Checkpoin
     std::lock_guard<std::mutex> lock(shared.mu);
     shared.embedding.reset();
     shared.decoder.reset();
-  } else if (resume) {
-    m.embedding.load_state_dict(resume->embedding);
-    m.decoder.load_state_dict(resume->decoder);
-    c10::NoGradGuard no_grad;
-    for (auto& p : lstm->named_parameters()) {
-      auto it = resume->lstm.find(p.key());
-      if (it == resume->lstm.end() || !it->second.sizes().equals(p.value().sizes())) {
-        throw UsageError("checkpoint '" + cfg.checkpoint + "': LSTM parameter '" + p.key() +
-                         "' is missing or has another shape");
-      }
-      p.value().copy_(it->second);
-    }
-    start = resume->step;
   } else {
     m.embedding.load_state_dict(named_parameters(*init.embedding));
     m.decoder.load_state_dict(named_parameters(*init.decoder));
@@ -97,20 +85,40 @@ int train(const Config& cfg, const Corpus& corpus, const std::optional<Checkpoin
   optim::Options o;
   o.lr = cfg.lr;
   optim::DistributedOptimizer opt(optim::Kind::kAdam, params, o);
-  if (resume) opt.load_state_dict(resume->optim);
 
+  // The job's state (checkpoint.h), each piece saved and loaded where it
+  // lives: the LSTM here, the remote modules and their Adam state on the
+  // parameter server.
+  std::vector<std::string> names;
+  for (const auto& [prefix, module] : std::vector<std::pair<std::string, const torch::nn::Module*>>{
+           {"embedding", init.embedding.get()},
+           {"lstm", lstm.get()},
+           {"decoder", init.decoder.get()}}) {
+    for (const auto& p : module->named_parameters()) names.push_back(prefix + "." + p.key());
+  }
+  std::string vocab = corpus.vocab;
+  tandem::checkpoint::JobState state;
+  state.module("lstm", *lstm)
+      .remote_module("embedding", m.embedding)
+      .remote_module("decoder", m.decoder)
+      .distributed_optimizer("adam", opt, names)
+      .record("vocab", &vocab);
+  if (resume && !cfg.hybrid()) {
+    if (resume->step >= cfg.steps) {
+      // A restart after the last step was saved (a worker failed at the end).
+      std::printf("char_lm: the checkpoint is at step %lld, the last: done\n",
+                  static_cast<long long>(resume->step));
+      return 0;
+    }
+    state.load(tandem::checkpoint::Reader(resume->path));
+    start = resume->step;
+  }
+  tandem::checkpoint::SaveOptions save_options;
+  save_options.meta = {{"seed", std::to_string(cfg.seed)},
+                       {"corpus_fnv", std::to_string(corpus.fingerprint)}};
   auto checkpoint = [&](int64_t step) {
     if (cfg.hybrid()) return;
-    Checkpoint ck;
-    ck.step = step;
-    ck.seed = cfg.seed;
-    ck.corpus_fnv = corpus.fingerprint;
-    ck.vocab = corpus.vocab;
-    ck.lstm = named_parameters(*lstm);
-    ck.embedding = m.embedding.state_dict();
-    ck.decoder = m.decoder.state_dict();
-    ck.optim = opt.state_dict();
-    save_checkpoint(ck, cfg.checkpoint);
+    tandem::checkpoint::save_job(cfg.checkpoint, step, state, save_options);
   };
 
   const bool speak = at.rank == 0;
@@ -122,15 +130,15 @@ int train(const Config& cfg, const Corpus& corpus, const std::optional<Checkpoin
         static_cast<long long>(kEmbed), static_cast<long long>(kHidden),
         cfg.hybrid() ? ("on each of " + std::to_string(at.trainers) + " DDP trainers").c_str()
                      : "here",
-        resume ? "resuming," : "training", static_cast<long long>(start + 1),
+        start > 0 ? "resuming," : "training", static_cast<long long>(start + 1),
         static_cast<long long>(cfg.steps));
     std::fflush(stdout);
   }
 
   double loss_value = 0;
   // Tokens of all trainers (they step together); worker0's loss.
-  examples::Progress progress{cfg.steps,  cfg.log_every, cfg.losses,
-                              cfg.resume, started,       kBatch * kWindow * at.trainers};
+  examples::Progress progress{cfg.steps,          cfg.log_every, cfg.losses,
+                              resume.has_value(), started,       kBatch * kWindow * at.trainers};
   for (int64_t step = start; step < cfg.steps; ++step) {
     Batch b = batch_at(corpus, cfg.seed, step * at.trainers + at.rank);
     {

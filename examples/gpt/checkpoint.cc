@@ -67,7 +67,6 @@ void Saver::save(const Checkpoint& c) {
   begun_.reset();
   ck::Part part;  // copies now
   for (const auto& [name, t] : c.model) part.add("model." + name, t);
-  if (c.mode == "pipeline") part.add_bytes("optim", tandem::optim::state_to_bytes(c.optim));
   part.add_bytes("vocab", c.vocab);
   ck::SaveOptions o;
   o.meta = checkpoint_meta(c);
@@ -82,6 +81,22 @@ void Saver::save(const Checkpoint& c) {
   stall_ms_.push_back(ms_since(t0));
 }
 
+void Saver::save(int64_t step, const ck::JobState& state, const ck::SaveOptions& options) {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (sync_) {
+    ck::Part part = state.part();
+    copy_ms_.push_back(ms_since(t0));
+    ck::save_parts(dir_, step, part, state.remote_writers(), options);
+  } else {
+    if (!async_) async_ = std::make_unique<ck::AsyncSaver>(dir_, options);
+    // The step waits for the copies (here and on the stage workers) and,
+    // when it is not done, for the save before.
+    async_->save(step, state.part(), state.remote_writers());
+    copy_ms_.push_back(ms_since(t0) - async_->last_wait_ms());
+  }
+  stall_ms_.push_back(ms_since(t0));
+}
+
 void Saver::finish() {
   if (async_) async_->wait();
 }
@@ -90,7 +105,7 @@ std::string Saver::summary() const {
   char buf[256];
   std::snprintf(buf, sizeof buf,
                 "%zu checkpoint(s) %s to %s; a save held its step %.2f ms (median; copying "
-                "the state to this process %.2f ms)",
+                "the state to host memory %.2f ms)",
                 stall_ms_.size(), sync_ ? "written in the step" : "written in the background",
                 dir_.c_str(), median(stall_ms_), median(copy_ms_));
   return buf;
@@ -119,29 +134,17 @@ std::optional<Checkpoint> load_latest(const std::string& dir) {
     c.mode = meta.at("mode");
     if (c.shape.size() != 4) throw std::invalid_argument(found->path + ": a bad shape");
     c.vocab = r.bytes("vocab");
-    for (const std::string& name : r.names()) {
-      if (name.rfind("model.", 0) == 0) c.model[name.substr(6)] = r.tensor(name);
-    }
-    if (c.mode == "pipeline") {
-      c.optim = tandem::optim::state_from_bytes(r.bytes("optim"), found->path + " (optim)");
+    c.path = found->path;
+    // (the model and Adam's state are loaded by name where they live)
+    const auto names = r.names();
+    if (std::none_of(names.begin(), names.end(),
+                     [](const std::string& n) { return n.rfind("model.", 0) == 0; })) {
+      throw std::invalid_argument(found->path + " holds no model (no model.<name>)");
     }
     return c;
   } catch (const std::invalid_argument& e) {
     throw examples::UsageError(e.what());
   }
-}
-
-int clear_checkpoints(const std::string& dir) {
-  int removed = 0;
-  std::error_code ec;
-  if (!fs::is_directory(dir, ec)) return 0;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0) {
-      fs::remove_all(e.path(), ec);
-      ++removed;
-    }
-  }
-  return removed;
 }
 
 }  // namespace gpt

@@ -5,28 +5,29 @@
 // manifest; the last two are kept. A restarted job (tandem-run
 // --max-restarts, torchrun) or --resume continues from checkpoint::latest.
 //
-// A step of the pipeline's path holds (rank 0 writes it all):
-//   entries  model.<name>   the whole model's tensors by their names ("3.attn.qkv.weight")
-//            optim          replica 0's DistributedOptimizer state, each part's
-//                           rank replaced by its owner's stage worker index
-//                           (its pp coordinate), so any replica can take it
-//                           (optim/optimizer_state.h's bytes, hash-checked)
-//            vocab          the text's vocabulary
+// A step of the pipeline's path holds, each piece written where it lives
+// (checkpoint::JobState, checkpoint/remote.h), all by the whole model's names:
+//   entries  model.<name>   each stage's tensors, written by its stage worker
+//                           by the model's layer indices ("3.attn.qkv.weight")
+//            adam/<name>    Adam's state of each parameter, written by the
+//                           worker whose optimizer steps it (with --zero 1,
+//                           each replica's owner its share)
+//            vocab          the text's vocabulary (rank 0)
 //   meta     seed, corpus_fnv, shape (layers dim heads context),
 //            counts (layers per pipeline stage, in stage order), mode
 //            ("pipeline", "zero2", "zero3")
-// --zero 2 saves its step with checkpoint::JobState (checkpoint/job.h),
-// every rank its own part: model.<name> (rank 0), adam/<name> (each rank
-// its share of Adam's state), vocab; the same meta. --zero 3 saves the
-// model alone (rank 0) and does not resume.
+// --zero 2 saves the same names with checkpoint::JobState from every rank
+// (model.<name> from rank 0, adam/<name> each rank its share), so either
+// path resumes the other's steps. --zero 3 saves the model alone (rank 0)
+// and does not resume.
 // Every replica's parameters and optimizer state are the same (they average
 // their gradients), so one copy is the job's; the LR schedule is a function
 // of the step, and the batches of step s are a function of (seed, s), so a
 // resumed run goes on exactly as an uninterrupted one would, with any --dp
 // (the global batch stays --batch), and with any --pp or schedule: the
-// model is saved by its layers' names, and the optimizer state is cut again
-// by parameter names for the stages and workers this job places the layers
-// on (optim/reshard.h). A checkpoint of another model is refused.
+// stage workers of the new cut load their layers, and the owners of the
+// new placement their parameters' state, by name. A checkpoint of another
+// model is refused.
 #pragma once
 
 #include <chrono>
@@ -39,7 +40,7 @@
 
 #include "examples/gpt/model.h"
 #include "tandem/checkpoint/checkpoint.h"
-#include "tandem/optim/optimizer_state.h"
+#include "tandem/checkpoint/job.h"
 
 namespace gpt {
 
@@ -51,8 +52,8 @@ struct Checkpoint {
   std::vector<int64_t> shape;   // layers, dim, heads, context
   std::vector<int64_t> counts;  // layers per stage
   std::string mode = "pipeline";
-  Named model;
-  tandem::optim::OptimizerState optim;  // (the pipeline's; none for --zero 2)
+  std::string path;  // the step's directory (load_latest)
+  Named model;       // --zero 3's, which rank 0 writes whole
 };
 
 // The meta every gpt step carries.
@@ -67,8 +68,13 @@ class Saver {
   // Marks the start of a save: gathering the state from its workers counts
   // as copying it (optional; else save() starts the clock).
   void begin();
-  // `ck`'s state is copied here; the write goes on after return.
+  // `ck`'s state is copied here; the write goes on after return (--zero 3).
   void save(const Checkpoint& ck);
+  // The pipeline's: `state`'s part here and its remote parts by the stage
+  // workers, each copied before this returns, written meanwhile; options:
+  // the meta and, where several drivers save together, their group.
+  void save(int64_t step, const tandem::checkpoint::JobState& state,
+            const tandem::checkpoint::SaveOptions& options);
   // Waits for the last save to be committed (throws its error).
   void finish();
   // "N checkpoints ..., a save held its step X ms (median) ...": for the end.
@@ -87,8 +93,5 @@ class Saver {
 // part that fails its checksum) throws UsageError naming the file.
 std::optional<Checkpoint> load_latest(const std::string& dir);
 
-// Removes the step directories in `dir` (a fresh run must not continue an
-// older one's steps); returns how many.
-int clear_checkpoints(const std::string& dir);
 
 }  // namespace gpt

@@ -148,8 +148,6 @@ int drive_data_parallel(const Job& job) {
     ck.counts = {cfg.layers + 2};
     ck.mode = "zero3";
     for (auto& [name, t] : params) ck.model[name] = t;
-    ck.optim.kind = optim::Kind::kAdam;
-    ck.optim.lr = cfg.lr;
     saver->save(ck);
   };
   double loss = 0;

@@ -162,20 +162,17 @@ std::optional<Checkpoint> checked_resume(const Config& cfg, const examples::Corp
                      std::to_string(ck.shape.at(0)) + " " + std::to_string(ck.shape.at(1)) + " " +
                      std::to_string(ck.shape.at(2)) + " " + std::to_string(ck.shape.at(3)) + ")");
   }
-  const std::string mode = cfg.zero == 2 ? "zero2" : "pipeline";
-  if (ck.mode != mode) {
-    throw UsageError(what + " was written by " +
-                     (ck.mode == "pipeline" ? std::string("the pipeline (no --zero 2 or 3)")
-                                            : "--zero " + ck.mode.substr(4)) +
-                     "; it resumes only so");
+  // The pipeline's steps and --zero 2's hold the same names (checkpoint.h):
+  // either resumes the other's. --zero 3's holds the model alone.
+  if (ck.mode != "pipeline" && ck.mode != "zero2") {
+    throw UsageError(what + " was written by --zero " + ck.mode.substr(4) +
+                     ", which saves the model alone; it does not resume");
   }
   int64_t layers = 0;
   for (int64_t c : ck.counts) layers += c;
-  if (layers != cfg.layers + 2 || (mode == "pipeline" && ck.optim.parts.empty())) {
+  if (layers != cfg.layers + 2) {
     throw UsageError(what + " holds " + std::to_string(layers) + " layers in " +
-                     std::to_string(ck.counts.size()) + " stages and " +
-                     std::to_string(ck.optim.parts.size()) +
-                     " optimizer parts: not a checkpoint of this model");
+                     std::to_string(ck.counts.size()) + " stages: not a checkpoint of this model");
   }
   if (ck.step >= cfg.steps && tandem::checkpoint::restart_count() == 0) {
     throw UsageError(what + " is at step " + std::to_string(ck.step) + "; pass a larger --steps");
@@ -223,7 +220,7 @@ int job_main(int argc, char** argv) {
         } else if (env.rank == 0) {
           // A fresh run: an older run's steps in the directory must not be
           // taken for this one's after a restart.
-          if (const int n = clear_checkpoints(cfg.checkpoint)) {
+          if (const int n = tandem::checkpoint::remove_steps(cfg.checkpoint)) {
             std::printf("gpt: a fresh run: removed %d older checkpoint(s) from %s\n", n,
                         cfg.checkpoint.c_str());
           }

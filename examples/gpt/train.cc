@@ -12,9 +12,10 @@
 #include "examples/gpt/batches.h"
 #include "examples/progress.h"
 #include "tandem/autograd/autograd.h"
+#include "tandem/checkpoint/job.h"
+#include "tandem/mesh/mesh.h"
 #include "tandem/optim/distributed_optimizer.h"
 #include "tandem/optim/lr_scheduler.h"
-#include "tandem/optim/reshard.h"
 #include "tandem/pipeline/partition.h"
 #include "tandem/pipeline/pipe.h"
 
@@ -48,29 +49,6 @@ std::vector<int64_t> stage_counts(const Job& job, const std::vector<c10::IValue>
   }
   if (job.mesh.size("dp") > 1) job.mesh.group("dp")->broadcast(counts, 0);
   std::vector<int64_t> out(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + stages);
-  return out;
-}
-
-// Which parameters each stage worker's optimizer steps, in its order, when
-// the model is cut into `counts` stages over `workers` workers (stage s on
-// worker s % workers): the layout a checkpoint's optimizer state is cut by.
-std::vector<optim::OwnerLayout> owner_layouts(
-    const std::vector<std::pair<std::string, std::vector<int64_t>>>& order,
-    const std::vector<int64_t>& counts, int64_t workers) {
-  std::vector<optim::OwnerLayout> out(static_cast<size_t>(workers));
-  for (int64_t w = 0; w < workers; ++w) out[static_cast<size_t>(w)].rank = static_cast<int>(w);
-  int64_t first = 0;
-  for (size_t s = 0; s < counts.size(); ++s) {
-    optim::OwnerLayout& o = out[s % static_cast<size_t>(workers)];
-    for (const auto& [name, shape] : order) {
-      const int64_t layer = std::stoll(name.substr(0, name.find('.')));
-      if (layer >= first && layer < first + counts[s]) {
-        o.names.push_back(name);
-        o.shapes.push_back(shape);
-      }
-    }
-    first += counts[s];
-  }
   return out;
 }
 
@@ -112,9 +90,11 @@ int drive(const Job& job) {
     per_stage.push_back(static_cast<int>(counts[s]));
   }
   auto stages = pipeline::partition(layers, devices, per_stage);
-  const Named whole = job.resume ? job.resume->model : initial_parameters(cfg, V);
+  const Named whole = initial_parameters(cfg, V);
+  std::vector<int64_t> first_layer;  // of each stage
   for (size_t s = 0, first = 0; s < stages.size(); first += per_stage[s], ++s) {
     stages[s].load_state_dict(stage_part(whole, static_cast<int64_t>(first), per_stage[s]));
+    first_layer.push_back(static_cast<int64_t>(first));
   }
 
   pipeline::PipeOptions po;
@@ -131,33 +111,39 @@ int drive(const Job& job) {
   if (cfg.zero == 1) sharding.shard_group = mesh.group_name("dp");
   optim::DistributedOptimizer opt(optim::Kind::kAdam, pipe.parameters(), oo, sharding);
   optim::LambdaLR sched(opt, [&cfg](int64_t step) { return lr_factor(cfg, step); });
+
+  // The job's state, each piece saved and loaded where it lives and by the
+  // whole model's names (checkpoint.h): the stages' layers by their stage
+  // workers, Adam's state by the owners of its parameters (pipe.parameters()
+  // is the model's parameters in order). One replica's copy is the job's;
+  // sharded (--zero 1), every replica's owners write their share.
+  std::vector<std::string> names;
+  for (const auto& [name, shape] : parameter_order(cfg, V)) names.push_back(name);
+  if (names.size() != pipe.parameters().size()) {
+    throw std::logic_error("gpt: " + std::to_string(names.size()) + " parameter names for " +
+                           std::to_string(pipe.parameters().size()) + " parameters");
+  }
+  const int replica = mesh.coordinate("dp");
+  const bool writes = replica == 0 || cfg.zero == 1;
+  std::string vocab = job.corpus.vocab;
+  tandem::checkpoint::JobState state(replica);
+  for (size_t s = 0; s < stages.size(); ++s) {
+    state.remote_module("model", stages[s], first_layer[s], /*write=*/replica == 0);
+  }
+  state.distributed_optimizer("adam", opt, names, writes).record("vocab", &vocab);
   int64_t start = 0;
   if (job.resume) {
-    // Replica 0's state, its parts given to this replica's stage workers;
-    // cut again by parameter names where this job places the layers on
-    // other stages or workers than the checkpoint's.
-    optim::OptimizerState state = job.resume->optim;
-    const int64_t saved_workers = static_cast<int64_t>(state.parts.size());
-    if (job.resume->counts != counts || saved_workers != cfg.pp) {
-      const auto order = parameter_order(cfg, V);
-      state = optim::reshard_state(state, owner_layouts(order, job.resume->counts, saved_workers),
-                                   owner_layouts(order, counts, cfg.pp), oo);
-      if (mesh.rank() == 0) {
-        std::printf(
-            "gpt: the checkpoint's optimizer state (%lld stages on %lld workers) cut "
-            "again for %zu stages on %lld\n",
-            static_cast<long long>(job.resume->counts.size()),
-            static_cast<long long>(saved_workers), counts.size(), static_cast<long long>(cfg.pp));
-      }
-    }
-    for (auto& part : state.parts) {
-      const int stage_worker = part.rank;
-      part.rank = mesh.rank_at({{"pp", stage_worker}});
-      part.worker = mesh.worker_at({{"pp", stage_worker}});
-    }
-    opt.load_state_dict(state);
+    tandem::checkpoint::Reader reader(job.resume->path);
+    state.load(reader);
     start = job.resume->step;
     sched.load_state({start, cfg.lr});
+    if (mesh.rank() == 0) {
+      std::printf(
+          "gpt: step %lld restored where it lives: %zu stages' layers and their Adam state "
+          "loaded by name (saved in %d parts, %lld stages)\n",
+          static_cast<long long>(start), stages.size(), reader.world_size(),
+          static_cast<long long>(job.resume->counts.size()));
+    }
   }
 
   const bool speak = mesh.rank() == 0;
@@ -183,23 +169,26 @@ int drive(const Job& job) {
                               job.started, cfg.batch * cfg.context};
   const auto dp = mesh.size("dp") > 1 ? mesh.group("dp") : nullptr;
   double loss = 0;
+  // The drivers that save: replica 0's, or (--zero 1) every replica's,
+  // together over a group of their own (its collectives run on the saver's
+  // thread, beside training's).
   std::optional<Saver> saver;
-  if (speak) saver.emplace(cfg.checkpoint, cfg.checkpoint_sync);
-  auto save = [&](int64_t done, optim::OptimizerState state) {
-    Checkpoint ck = checkpoint_at(job, done);
-    ck.counts = counts;
-    for (size_t s = 0, first = 0; s < stages.size(); first += per_stage[s], ++s) {
-      add_stage_part(ck.model, stages[s].state_dict(), static_cast<int64_t>(first));
+  std::optional<tandem::Mesh> savers;
+  tandem::checkpoint::SaveOptions save_options;
+  if (writes) {
+    Checkpoint meta = checkpoint_at(job, 0);
+    meta.counts = counts;
+    save_options.meta = checkpoint_meta(meta);
+    if (cfg.zero == 1 && cfg.dp > 1) {
+      tandem::MeshOptions mo;
+      mo.name = "gpt-checkpoints";
+      mo.ranks = mesh.ranks_along("dp");
+      mo.timeout = std::chrono::minutes(2);
+      savers.emplace(tandem::Mesh::Shape{{"dp", static_cast<int>(cfg.dp)}}, mo);
+      save_options.group = savers->group("dp");
     }
-    ck.optim = std::move(state);
-    // Each owner's rank becomes its index among this replica's stage workers.
-    const std::vector<int> stage_workers = mesh.ranks_along("pp");
-    for (auto& part : ck.optim.parts) {
-      part.rank = static_cast<int>(
-          std::find(stage_workers.begin(), stage_workers.end(), part.rank) - stage_workers.begin());
-    }
-    saver->save(ck);
-  };
+    saver.emplace(cfg.checkpoint, cfg.checkpoint_sync);
+  }
   const int64_t last = cfg.stop_at > 0 ? cfg.stop_at : cfg.steps;
   for (int64_t step = start; step < last; ++step) {
     auto [x, y] = batches.at_step(step);
@@ -216,18 +205,11 @@ int drive(const Job& job) {
       loss = l.item<double>();
     }
     const bool saving = (step + 1) % cfg.checkpoint_every == 0 || step + 1 == last;
-    // Sharded, the state is gathered by every replica at once (it lands on
-    // replica 0's, which writes the file).
-    optim::OptimizerState state;
-    if (saving && speak) saver->begin();  // (gathering the state is part of the copy)
-    if (saving && (speak || cfg.zero == 1)) state = opt.state_dict();
-    if (speak) {
-      progress.add(step + 1, loss);
-      if (saving) save(step + 1, std::move(state));
-    }
+    if (saving && saver) saver->save(step + 1, state, save_options);
+    if (speak) progress.add(step + 1, loss);
   }
+  if (saver) saver->finish();
   if (speak) {
-    saver->finish();
     std::printf("%s\n", saver->summary().c_str());
     std::printf("final step %lld loss %.6f\n", static_cast<long long>(last), loss);
     if (cfg.sample > 0 && last == cfg.steps) {

@@ -110,7 +110,8 @@ bool Channel::read_some() {
     }
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) return true;
-    why_ = errno_text(errno);
+    // (reset: the peer closed with our bytes unread, as a killed process does)
+    why_ = errno == ECONNRESET ? "connection closed" : errno_text(errno);
     close();
     return false;
   }

@@ -139,9 +139,10 @@ class Launcher {
   std::vector<Node> nodes_;
   enum class Phase { kJoining, kRunning, kStopping } phase_ = Phase::kJoining;
   Clock::time_point joining_since_{};
-  std::optional<Clock::time_point> enough_since_;  // when the round first had MIN nodes
-  int last_round_nodes_ = 0;                       // nodes the last round started with
-  std::optional<int> final_code_;                  // the job ends with this once the round stopped
+  std::optional<Clock::time_point> enough_since_;   // when the round first had MIN nodes
+  int last_round_nodes_ = 0;                        // nodes the last round started with
+  std::optional<Clock::time_point> stop_deadline_;  // for the nodes to report a stop
+  std::optional<int> final_code_;                   // the job ends with this once the round stopped
   bool count_restart_ = false;  // the round being stopped restarts after a failure
   // Another node: its channel to node 0's launcher.
   Channel coordinator_;

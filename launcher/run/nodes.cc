@@ -20,7 +20,9 @@
 // fewer than MAX starts a new round with it, as torchrun's agent does, and
 // that does not count as a restart. A node that loses the coordinator stops
 // its workers and exits 1: the job cannot go on without its store.
+#include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <sstream>
@@ -38,6 +40,9 @@ constexpr auto kHeartbeat = std::chrono::seconds(1);
 constexpr auto kSilenceLimit = std::chrono::seconds(5);
 constexpr auto kHandshakeLimit = std::chrono::seconds(10);
 constexpr auto kConnectRetry = std::chrono::milliseconds(250);
+// How long a node has to report its workers gone after a stop: the
+// launcher's SIGKILL after 5 s and its 2 s drain, and a margin.
+constexpr auto kStopLimit = std::chrono::seconds(15);
 
 std::string user_token() {
   const char* token = std::getenv("TANDEM_TOKEN");
@@ -118,6 +123,25 @@ int Launcher::run_coordinated() {
   }
   if (listen_fd_ >= 0) ::close(listen_fd_);
   listen_fd_ = -1;
+  // The last lines reach the peers whole: half-close, and read until they
+  // close (briefly), so that nothing unread turns the close into a reset.
+  const Clock::time_point until = Clock::now() + std::chrono::milliseconds(500);
+  std::vector<Channel*> open;
+  for (Node& node : nodes_) open.push_back(&node.channel);
+  open.push_back(&coordinator_);
+  for (Channel* c : open) {
+    if (c->is_open()) ::shutdown(c->fd(), SHUT_WR);
+  }
+  while (Clock::now() < until) {
+    std::vector<pollfd> fds;
+    for (Channel* c : open) {
+      if (c->is_open()) fds.push_back({c->fd(), POLLIN, 0});
+    }
+    if (fds.empty() || ::poll(fds.data(), fds.size(), 50) < 0) break;
+    for (Channel* c : open) {
+      if (c->is_open()) c->read_some();  // closes it at the peer's end
+    }
+  }
   if (!options_.trace_dir.empty()) join_traces();
   return exit_code_;
 }
@@ -185,21 +209,24 @@ void Launcher::node_tick() {
       }
       return;
     }
-    if (now - coordinator_.heard() > kSilenceLimit) {
+    if (now - coordinator_.heard() > kSilenceLimit && coordinator_.read_some() &&
+        now - coordinator_.heard() > kSilenceLimit) {
       report("node 0's launcher has been silent for " +
              seconds_text(std::chrono::duration_cast<std::chrono::seconds>(kSilenceLimit)));
       coordinator_.close();
       joined_ = true;  // handled as a loss on the next tick
       return;
     }
-    if (now - coordinator_.sent() >= kHeartbeat) coordinator_.send("ping");
+    if (joined_ && now - coordinator_.sent() >= kHeartbeat) coordinator_.send("ping");
     return;
   }
 
   // Node 0: the connections that have not joined yet.
   for (size_t i = 0; i < pending_.size();) {
     Pending& p = pending_[i];
-    if (std::optional<std::string> line = p.channel.next_line()) {
+    std::optional<std::string> line = p.channel.next_line();
+    while (line && *line == "ping") line = p.channel.next_line();  // (before its join)
+    if (line) {
       on_pending_line(i, *line);  // admits (moves its channel out) or refuses (closes it)
       pending_.erase(pending_.begin() + static_cast<long>(i));
       continue;
@@ -219,6 +246,10 @@ void Launcher::node_tick() {
       if (finished_) return;
     }
     Node& node = nodes_[i];
+    // (what is waiting in the socket counts: this loop may have been held up)
+    if (node.channel.is_open() && now - node.channel.heard() > kSilenceLimit) {
+      node.channel.read_some();
+    }
     std::string why;
     if (!node.channel.is_open()) {
       why = node.channel.why().empty() ? "connection closed" : node.channel.why();
@@ -236,8 +267,22 @@ void Launcher::node_tick() {
     if (now - node.channel.sent() >= kHeartbeat) node.channel.send("ping");
     ++i;
   }
-  if (phase_ == Phase::kJoining) maybe_start_round();
+  // A node that does not report its workers gone within the stop's grace
+  // (a worker stuck in the kernel) is dropped, as a lost one.
+  if (phase_ == Phase::kStopping && stop_deadline_ && now >= *stop_deadline_) {
+    for (size_t i = 0; i < nodes_.size();) {
+      if (nodes_[i].in_round && !nodes_[i].stopped) {
+        report("node " + std::to_string(nodes_[i].node_rank) +
+               "'s workers did not stop in time; it is dropped from the job");
+        nodes_[i].channel.send("exit " + std::to_string(kExitFailure));
+        nodes_.erase(nodes_.begin() + static_cast<long>(i));
+        continue;
+      }
+      ++i;
+    }
+  }
   if (!finished_ && phase_ != Phase::kJoining) check_round_over();
+  if (!finished_ && phase_ == Phase::kJoining) maybe_start_round();
 }
 
 void Launcher::on_pending_line(size_t index, const std::string& line) {
@@ -307,17 +352,26 @@ void Launcher::on_node_line(Node& node, const std::string& line) {
   if (w[0] == "failed" && w.size() == 4 && number >= 0 && integer(w[2])) {
     if (number == round_.number && phase_ == Phase::kRunning) {
       round_failed(w[3] + " (" + name + ")", integer(w[2]).value_or(kExitFailure), true);
+    } else if (number == round_.number) {
+      report(w[3] + " (" + name + "), while the round was being stopped");
     }
   } else if (w[0] == "done" && number >= 0) {
     if (number == round_.number && node.in_round) node.done = true;
   } else if (w[0] == "stopped" && number >= 0) {
-    if (number == round_.number && node.in_round) node.stopped = true;
+    if (number == round_.number && node.in_round) {
+      node.stopped = true;
+      // (unasked: its workers were stopped without a failure reported)
+      if (phase_ == Phase::kRunning) round_failed(name + "'s workers stopped", kExitFailure, true);
+    }
   } else if (w[0] == "quit" && number >= 0) {
     stopped_by_user_ = true;
     if (phase_ == Phase::kRunning) {
       round_failed(name + "'s launcher was stopped by a signal", number, false);
-    } else {
+    } else if (phase_ == Phase::kStopping) {
       final_code_ = number;
+    } else {
+      report(name + "'s launcher was stopped by a signal");
+      finish(number);
     }
   } else {
     report("unexpected message from " + name + ": '" + line.substr(0, 80) + "'");
@@ -392,7 +446,15 @@ void Launcher::on_coordinator_line(const std::string& line) {
       finish(number);
     }
   } else if (w[0] == "refused") {
-    report("node 0's launcher refused this node: " + (w.size() > 1 ? w[1] : std::string("?")));
+    const std::string why = w.size() > 1 ? w[1] : std::string("?");
+    if (why.find("has joined already") != std::string::npos && Clock::now() < connect_deadline_) {
+      // Its own earlier connection, not yet noticed gone: try again.
+      coordinator_.close();
+      joined_ = false;
+      next_connect_ = Clock::now() + std::chrono::seconds(1);
+      return;
+    }
+    report("node 0's launcher refused this node: " + why);
     finish(kExitFailure);
   } else {
     report("unexpected message from node 0's launcher: '" + line.substr(0, 80) + "'");
@@ -522,6 +584,7 @@ void Launcher::round_failed(const std::string& what, int code, bool restart) {
 
 void Launcher::stop_round() {
   phase_ = Phase::kStopping;
+  stop_deadline_ = Clock::now() + kStopLimit;
   for (Node& node : nodes_) {
     if (node.in_round) node.channel.send("stop " + std::to_string(round_.number));
   }
@@ -557,7 +620,8 @@ void Launcher::check_round_over() {
   phase_ = Phase::kJoining;
   joining_since_ = Clock::now();
   enough_since_.reset();
-  maybe_start_round();
+  stop_deadline_.reset();
+  // (the next round starts from node_tick, once this pass over the nodes is done)
 }
 
 void Launcher::finish(int code) {
@@ -584,6 +648,10 @@ void Launcher::local_round_over() {
   const bool stopped = shutting_down_;
   if (options_.node_rank == 0) {
     (stopped ? local_stopped_ : local_done_) = true;
+    // (stopped without a failure reported: its workers could not all start)
+    if (stopped && phase_ == Phase::kRunning) {
+      round_failed("node 0's workers stopped", kExitFailure, true);
+    }
     check_round_over();
     return;
   }

@@ -179,6 +179,12 @@ void Launcher::start_workers() {
   workers_.reserve(options_.nproc_per_node);
   for (int local_rank = 0; local_rank < options_.nproc_per_node; ++local_rank) {
     if (!spawn(local_rank)) {
+      if (coordinated(options_)) {  // the round's failure, on every node
+        Worker failed;
+        failed.rank = round_.group_rank * options_.nproc_per_node + local_rank;
+        local_worker_failed(failed, kExitFailure, "could not be started");
+        return;
+      }
       begin_shutdown(kExitFailure);
       return;
     }

@@ -77,7 +77,7 @@ int Launcher::poll_timeout_ms() const {
   // looked at between polls.
   long long timeout = coordinated(options_) ? kNodeTickMs : kMaxPollMs;
   for (const auto& deadline : {kill_deadline_, drain_deadline_}) {
-    if (!deadline) continue;
+    if (!deadline || (deadline == drain_deadline_ && !has_open_pipes())) continue;
     const auto left = std::chrono::ceil<std::chrono::milliseconds>(*deadline - now).count();
     timeout = std::min(timeout, std::max(0LL, static_cast<long long>(left)));
   }
@@ -106,9 +106,11 @@ void Launcher::handle_signals() {
         } else if (phase_ == Phase::kRunning) {
           round_failed("tandem-run was stopped by signal " + std::to_string(signal_number), code,
                        false);
-        } else if (phase_ == Phase::kStopping) {
-          final_code_ = code;
+        } else if (phase_ == Phase::kStopping && !final_code_) {
+          final_code_ = code;  // the round being stopped is the last
         } else {
+          // Waiting for nodes, or a second signal while stopping: now.
+          signal_live_workers(SIGKILL);
           finish(code);
         }
         continue;
@@ -189,7 +191,11 @@ void Launcher::check_deadlines() {
     kill_deadline_.reset();
     signal_live_workers(SIGKILL);
   }
-  if (live_workers_ == 0 && !drain_deadline_) drain_deadline_ = now + kDrainGrace;
+  // (only while a pipe is open: a launcher waiting between rounds with no
+  // workers must not find a past deadline and spin)
+  if (live_workers_ == 0 && !drain_deadline_ && has_open_pipes()) {
+    drain_deadline_ = now + kDrainGrace;
+  }
   if (drain_deadline_ && now >= *drain_deadline_) {
     for (Worker& worker : workers_) {
       worker.out.finish();

@@ -17,6 +17,7 @@
 #include "tandem/ddp/process_group.h"
 #include "tandem/optim/owner/local_optimizer.h"
 #include "tandem/optim/owner/protocol.h"
+#include "tandem/optim/param_state.h"
 #include "tandem/optim/zero_redundancy_optimizer.h"
 #include "tandem/rpc/errors.h"
 #include "tandem/rpc/layer.h"
@@ -181,6 +182,44 @@ std::string OptimService::state(int64_t id) {
   }
   std::lock_guard<std::mutex> lock(local->mu);
   return state_bytes(*local->optimizer);
+}
+
+std::vector<std::pair<size_t, std::string>> OptimService::param_states(int64_t id) {
+  auto local = find(id);
+  std::lock_guard<std::mutex> lock(local->mu);
+  std::vector<std::pair<size_t, std::string>> out;
+  if (local->zero) {
+    torch::optim::Optimizer* mine = local->zero->local_optimizer();
+    for (size_t i : local->zero->share(local->zero->rank())) {
+      out.emplace_back(i, mine ? param_state_bytes(*mine, local->params[i]) : std::string());
+    }
+    return out;
+  }
+  for (size_t i = 0; i < local->params.size(); ++i) {
+    out.emplace_back(i, param_state_bytes(*local->optimizer, local->params[i]));
+  }
+  return out;
+}
+
+void OptimService::load_param_states(int64_t id, const std::function<std::string(size_t)>& bytes_of,
+                                     double lr) {
+  auto local = find(id);
+  if (local->zero) {
+    std::lock_guard<std::mutex> lock(local->mu);
+    torch::optim::Optimizer* mine = local->zero->local_optimizer();
+    for (size_t i : local->zero->share(local->zero->rank())) {
+      if (mine) load_param_state(*mine, local->params[i], bytes_of(i));
+    }
+    local->zero->set_lr(lr);
+    return;
+  }
+  auto fresh = make_optimizer(local->kind, local->params, local->options);
+  for (size_t i = 0; i < local->params.size(); ++i) {
+    load_param_state(*fresh, local->params[i], bytes_of(i));
+  }
+  owner::set_lr(*fresh, lr);
+  std::lock_guard<std::mutex> lock(local->mu);
+  local->optimizer = std::move(fresh);
 }
 
 void OptimService::load(int64_t id, const std::string& bytes, double lr) {

@@ -19,10 +19,12 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tandem/optim/options.h"
@@ -67,6 +69,14 @@ class OptimService final : public rpc::AgentExtension,
   // The optimizer's LibTorch archive, and back (with its learning rate).
   std::string state(int64_t id);
   void load(int64_t id, const std::string& bytes, double lr);
+  // Per parameter of this owner's (its params' positions, in order) the
+  // state as optim/param_state.h's bytes, for a checkpoint written here:
+  // all of them, or for a sharded optimizer this replica's share.
+  std::vector<std::pair<size_t, std::string>> param_states(int64_t id);
+  // Loads `bytes_of(i)` into parameter i's state, for each i param_states
+  // would answer (a fresh optimizer swapped in once all were read, as
+  // load() does), and sets the rate.
+  void load_param_states(int64_t id, const std::function<std::string(size_t)>& bytes_of, double lr);
   void destroy(int64_t id);  // idempotent
   size_t live() const;
 

@@ -252,3 +252,18 @@ TEST_CASE("job: a sampler's place goes on among other replicas, and the generato
         }).find("gone through 24 indices of epoch 2, which do not divide among 7 replicas") !=
         std::string::npos);
 }
+
+TEST_CASE("job: each GPU's generator comes back too") {
+  if (!test::cuda_or_skip()) return;
+  TempDir tmp;
+  at::manual_seed(77);  // every device's
+  checkpoint::JobState state;
+  state.random();
+  checkpoint::save_job(tmp.path, 1, state);
+  const at::Tensor want = at::randn({4}, at::TensorOptions().device(at::kCUDA)).cpu();
+  checkpoint::Reader r(checkpoint::latest(tmp.path)->path);
+  CHECK(r.contains("rng/0/cuda0"));
+  at::manual_seed(5);  // elsewhere
+  checkpoint::load_latest_job(tmp.path, state);
+  CHECK(at::equal(at::randn({4}, at::TensorOptions().device(at::kCUDA)).cpu(), want));
+}

@@ -29,6 +29,8 @@
 // sampler's place) is saved in the background over a group of the saver's
 // own, then loaded into plain LibTorch Adam on rank 0 alone: the model and
 // each parameter's Adam step count come back.
+#include <optional>
+
 #include <tandem/autograd/autograd.h>
 #include <tandem/checkpoint/job.h>
 #include <tandem/ddp/distributed_data_parallel.h>
@@ -182,8 +184,12 @@ int checkpoint_job() {
     // (the workers run this program anew: they agree on the job's port)
     const std::string dir = std::string("/tmp/tandem-consumer-ckpt-") + std::getenv("MASTER_PORT");
     tandem::ddp::init_process_group("gloo");
+    tandem::rpc::init(std::make_shared<tandem::rpc::Registry>());
     {
       torch::nn::Linear fc(8, 5);
+      // A piece on another worker, written there: rank 0's RemoteModule on worker1.
+      std::optional<tandem::nn::RemoteModule> far;
+      if (rank == 0) far.emplace("worker1/cpu", "Linear", std::vector<c10::IValue>{4, 3});
       tandem::optim::Options o;
       o.lr = 0.01;
       tandem::optim::ZeroRedundancyOptimizer opt(fc->parameters(), tandem::optim::Kind::kAdam, o);
@@ -198,12 +204,13 @@ int checkpoint_job() {
       for (const auto& p : fc->named_parameters()) names.push_back(p.key());
       tandem::checkpoint::JobState state(rank);
       state.module("fc", *fc, rank == 0).optimizer("adam", opt, names).sampler("data", sampler);
+      if (far) state.remote_module("far", *far);
       tandem::ddp::ProcessGroupOptions go;
       go.group_name = "checkpoints";
       tandem::checkpoint::SaveOptions so;
       so.group = tandem::ddp::ProcessGroup::create(go);
       tandem::checkpoint::AsyncSaver saver(dir, so);
-      saver.save(2, state.part());
+      saver.save(2, state.part(), state.remote_writers());
       saver.wait();
       if (rank == 0) {
         torch::nn::Linear again(8, 5);
@@ -211,10 +218,13 @@ int checkpoint_job() {
         std::vector<std::pair<std::string, at::Tensor>> named;
         for (const auto& p : again->named_parameters()) named.emplace_back(p.key(), p.value());
         tandem::ddp::DistributedSampler one(40, 1, 0);
+        tandem::nn::RemoteModule far_again("worker1/cpu", "Linear", {4, 3});
         tandem::checkpoint::JobState load;
         load.module("fc", *again).optimizer("adam", adam, named).sampler("data", one);
+        load.remote_module("far", far_again);
         const auto step = tandem::checkpoint::load_latest_job(dir, load);
         if (step != 2 || !at::equal(again->weight, fc->weight) || one.position() != 8 ||
+            !at::equal(far_again.state_dict().at("weight"), far->state_dict().at("weight")) ||
             tandem::checkpoint::restart_count() != 0) {
           throw std::runtime_error("the job's state did not come back");
         }
@@ -230,6 +240,7 @@ int checkpoint_job() {
       }
     }
     tandem::ddp::destroy_process_group();
+    tandem::rpc::shutdown();
   });
   std::printf("the checkpointed job finished\n");
   return 0;

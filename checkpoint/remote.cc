@@ -1,0 +1,301 @@
+// Parts written and read where the state lives (checkpoint/remote.h): the
+// handlers every agent serves, on a RemoteModule's module (by its RRef) or
+// on a DistributedOptimizer's optimizer (by its id on the owner), and the
+// callers' side.
+#include "tandem/checkpoint/remote.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/util/StringUtil.h>
+
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+#include "tandem/optim/owner/service.h"
+#include "tandem/remote_module/served.h"
+#include "tandem/rpc/agent.h"
+#include "tandem/rpc/extension.h"
+#include "tandem/rpc/registry.h"
+
+namespace tandem::checkpoint {
+namespace {
+
+std::shared_ptr<nn::Served> served(const c10::IValue& m, const std::string& what) {
+  auto s = nn::served_of(m);
+  if (!s) throw std::invalid_argument(what + ": not a RemoteModule's module");
+  return s;
+}
+
+// The module's tensors under the names they are saved by: "<prefix>.<name>",
+// the leading index shifted by `first_layer` when it is not negative (a
+// stage of a Sequential cut into stages: "0.weight" of a stage whose first
+// layer is the model's 3rd is "<prefix>.3.weight").
+std::vector<std::pair<std::string, at::Tensor>> saved_names(const nn::Served& s,
+                                                            const std::string& prefix,
+                                                            int64_t first_layer) {
+  nn::NamedTensors all = s.parameters();
+  for (auto& b : s.buffers()) all.push_back(std::move(b));
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (auto& [name, t] : all) {
+    std::string saved = name;
+    if (first_layer >= 0) {
+      const size_t dot = name.find('.');
+      int64_t index = 0;
+      try {
+        index = std::stoll(name.substr(0, dot));
+      } catch (const std::exception&) {
+        throw std::invalid_argument("checkpoint: '" + name + "' of " + s.what +
+                                    " has no leading layer index to shift by first_layer");
+      }
+      saved =
+          std::to_string(index + first_layer) + (dot == std::string::npos ? "" : name.substr(dot));
+    }
+    out.emplace_back(prefix + "." + saved, t);
+  }
+  return out;
+}
+
+class PartService final : public rpc::AgentExtension {
+ public:
+  explicit PartService(rpc::Agent& agent) : agent_(agent) {}
+  ~PartService() override { close(); }
+
+  void register_handlers(rpc::Registry& internal) override {
+    // The copies are made in the call (the caller's step); the writes go
+    // on on threads of their own, collected by "written".
+    internal.def("tandem.checkpoint.copy_module",
+                 [this](c10::IValue m, std::string dir, int64_t step, int64_t part,
+                        std::string prefix, int64_t first_layer) {
+                   auto s = served(m, "checkpoint: saving '" + prefix + "'");
+                   auto mine = std::make_shared<Part>();
+                   for (const auto& [name, t] : saved_names(*s, prefix, first_layer)) {
+                     mine->add(name, t);
+                   }
+                   return start_write(dir, step, part, std::move(mine));
+                 });
+    internal.def(
+        "tandem.checkpoint.copy_optimizer",
+        [this](int64_t id, std::string dir, int64_t step, int64_t part, std::string prefix,
+               std::vector<std::string> names) {
+          auto mine = std::make_shared<Part>();
+          for (auto& [i, bytes] : optim::owner::OptimService::of(agent_)->param_states(id)) {
+            mine->add_bytes(prefix + "/" + names.at(i), std::move(bytes));
+          }
+          return start_write(dir, step, part, std::move(mine));
+        });
+    // The part's index once durable (else its error): by a module's RRef,
+    // or by the owner's name.
+    internal.def("tandem.checkpoint.written",
+                 [this](c10::IValue, std::string key) { return written(key); });
+    internal.def("tandem.checkpoint.written_at", [this](std::string key) { return written(key); });
+
+    internal.def("tandem.checkpoint.load_module", [](c10::IValue m, std::string path,
+                                                     std::string prefix, int64_t first_layer,
+                                                     bool check_only) {
+      auto s = served(m, "checkpoint: loading '" + prefix + "'");
+      Reader reader(path);
+      const auto mine = saved_names(*s, prefix, first_layer);
+      std::string problems;
+      auto problem = [&](const std::string& p) { problems += (problems.empty() ? "" : "; ") + p; };
+      for (const auto& [name, t] : mine) {
+        if (!reader.contains(name)) problem(name + " is missing");
+      }
+      std::vector<at::Tensor> values;
+      if (problems.empty()) {
+        for (const auto& [name, t] : mine) {
+          at::Tensor v = reader.tensor(name);
+          if (v.sizes() != t.sizes()) {
+            problem(name + " has shape " + c10::str(v.sizes()) + ", the module's " +
+                    c10::str(t.sizes()));
+          }
+          values.push_back(std::move(v));
+        }
+      }
+      if (!problems.empty()) {
+        throw std::invalid_argument("checkpoint " + path + " cannot load into " + s->what + " '" +
+                                    prefix + "': " + problems);
+      }
+      if (check_only) return;
+      at::NoGradGuard no_grad;
+      for (size_t i = 0; i < mine.size(); ++i) mine[i].second.copy_(values[i]);
+    });
+    internal.def("tandem.checkpoint.load_optimizer",
+                 [this](int64_t id, std::string path, std::string prefix,
+                        std::vector<std::string> names, bool check_only, double lr) {
+                   Reader reader(path);
+                   auto service = optim::owner::OptimService::of(agent_);
+                   std::string missing;
+                   for (const auto& [i, _] : service->param_states(id)) {
+                     const std::string name = prefix + "/" + names.at(i);
+                     if (!reader.contains(name)) missing += (missing.empty() ? "" : ", ") + name;
+                   }
+                   if (!missing.empty()) {
+                     throw std::invalid_argument("checkpoint " + path + " holds no " + missing +
+                                                 " (the optimizer state of " + agent_.name() + ")");
+                   }
+                   if (check_only) return;
+                   service->load_param_states(
+                       id,
+                       [&](size_t i) {
+                         const std::string name = prefix + "/" + names.at(i);
+                         return reader.bytes(name);
+                       },
+                       lr);
+                 });
+  }
+
+  void before_send(rpc::Message&, int) override {}
+  void after_encode(const rpc::Message&, rpc::OutFrame&, int) override {}
+  void after_receive(rpc::Message&, int) override {}
+  std::vector<std::string> live_objects() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (writes_.empty()) return {};
+    return {std::to_string(writes_.size()) + " checkpoint part(s) written for no one yet"};
+  }
+  // A part nobody asked for again (its caller gone) is finished, not cut.
+  void close() override {
+    std::map<std::string, std::shared_future<std::string>> left;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closed_ = true;
+      left.swap(writes_);
+    }
+    for (auto& [key, write] : left) write.wait();
+  }
+
+ private:
+  // Writes `mine` as `part` of `dir`'s step on a thread of its own; answers
+  // the key that written() finds it by.
+  std::string start_write(const std::string& dir, int64_t step, int64_t part,
+                          std::shared_ptr<Part> mine) {
+    const std::string key = dir + "\n" + std::to_string(step) + "\n" + std::to_string(part);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) throw std::runtime_error("checkpoint: " + agent_.name() + " is shutting down");
+    if (writes_.count(key)) {
+      throw std::invalid_argument("checkpoint: part " + std::to_string(part) + " of step " +
+                                  std::to_string(step) + " is being written already");
+    }
+    writes_[key] = std::async(std::launch::async, [dir, step, part, mine] {
+                     return write_part(dir, step, static_cast<int>(part), *mine);
+                   }).share();
+    return key;
+  }
+
+  std::string written(const std::string& key) {
+    std::shared_future<std::string> write;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = writes_.find(key);
+      if (it == writes_.end()) {
+        throw std::invalid_argument("checkpoint: no part being written for this key");
+      }
+      write = it->second;
+      writes_.erase(it);
+    }
+    return write.get();
+  }
+
+  rpc::Agent& agent_;
+  mutable std::mutex mu_;
+  bool closed_ = false;
+  std::map<std::string, std::shared_future<std::string>> writes_;
+};
+
+const bool kRegistered = [] {
+  rpc::register_agent_extension(
+      [](rpc::Agent& agent) { return std::make_shared<PartService>(agent); });
+  return true;
+}();
+
+// The names of an owner's parameters, in its order.
+std::vector<std::string> names_of(const optim::DistributedOptimizer::OwnerPart& part,
+                                  const std::vector<std::string>& names) {
+  std::vector<std::string> out;
+  for (size_t i : part.index) out.push_back(names.at(i));
+  return out;
+}
+
+}  // namespace
+
+RemotePart save_module_part(const nn::RemoteModule& m, const std::string& dir, int64_t step,
+                            int part, const std::string& prefix, int64_t first_layer) {
+  (void)kRegistered;
+  const rpc::RRef<c10::IValue> module = m.get_module_rref();
+  const std::string key = module.rpc_sync<std::string>(
+      "tandem.checkpoint.copy_module", dir, step, static_cast<int64_t>(part), prefix, first_layer);
+  return [module, key] { return module.rpc_sync<std::string>("tandem.checkpoint.written", key); };
+}
+
+RemotePartWriter module_writer(const nn::RemoteModule& m, const std::string& prefix,
+                               int64_t first_layer) {
+  return [&m, prefix, first_layer](const std::string& dir, int64_t step, int part) {
+    return save_module_part(m, dir, step, part, prefix, first_layer);
+  };
+}
+
+void load_module_part(const nn::RemoteModule& m, const std::string& path, const std::string& prefix,
+                      int64_t first_layer, bool check_only) {
+  m.get_module_rref().rpc_sync<void>("tandem.checkpoint.load_module", path, prefix, first_layer,
+                                     check_only);
+}
+
+std::vector<RemotePartWriter> optimizer_writers(const optim::DistributedOptimizer& opt,
+                                                const std::vector<std::string>& names,
+                                                const std::string& prefix) {
+  (void)kRegistered;
+  if (names.size() != [&] {
+        size_t n = 0;
+        for (const auto& p : opt.owner_parts()) n += p.index.size();
+        return n;
+      }()) {
+    throw std::invalid_argument("checkpoint: " + std::to_string(names.size()) +
+                                " names for the optimizer '" + prefix + "''s parameters");
+  }
+  std::vector<RemotePartWriter> out;
+  std::weak_ptr<rpc::Agent> weak = opt.agent();
+  for (const auto& part : opt.owner_parts()) {
+    const std::string owner = opt.agent()->get_worker_info(part.owner).name;
+    const std::vector<std::string> mine = names_of(part, names);
+    const int64_t id = part.id;
+    out.push_back([weak, owner, id, mine, prefix](const std::string& dir, int64_t step, int n) {
+      auto a = weak.lock();
+      if (!a) throw std::runtime_error("checkpoint: the optimizer's agent is gone");
+      const std::string key =
+          a->rpc_sync<std::string>(owner, "tandem.checkpoint.copy_optimizer", id, dir, step,
+                                   static_cast<int64_t>(n), prefix, mine);
+      return RemotePart([weak, owner, key] {
+        auto b = weak.lock();
+        if (!b) throw std::runtime_error("checkpoint: the optimizer's agent is gone");
+        return b->rpc_sync<std::string>(owner, "tandem.checkpoint.written_at", key);
+      });
+    });
+  }
+  return out;
+}
+
+void load_optimizer_parts(const optim::DistributedOptimizer& opt,
+                          const std::vector<std::string>& names, const std::string& path,
+                          const std::string& prefix, bool check_only) {
+  auto agent = opt.agent();
+  std::vector<rpc::Future<void>> calls;
+  for (const auto& part : opt.owner_parts()) {
+    calls.push_back(agent->rpc_async<void>(agent->get_worker_info(part.owner).name,
+                                           "tandem.checkpoint.load_optimizer", part.id, path,
+                                           prefix, names_of(part, names), check_only, opt.lr()));
+  }
+  std::string first_error;
+  for (auto& c : calls) {  // every owner's answer, even after an error
+    try {
+      c.wait();
+    } catch (const std::exception& e) {
+      if (first_error.empty()) first_error = e.what();
+    }
+  }
+  if (!first_error.empty()) throw std::invalid_argument(first_error);
+}
+
+}  // namespace tandem::checkpoint
