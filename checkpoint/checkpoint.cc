@@ -300,9 +300,17 @@ RemoteStart start_remote(const std::string& dir, int64_t step,
       out.parts += n;
     }
   }
+  // All asked at once; the step goes on once every copy is made.
   for (size_t k = 0; k < remote.size(); ++k) {
     try {
       out.started.push_back(remote[k](dir, step, first_remote + static_cast<int>(k)));
+    } catch (const std::exception& e) {
+      if (out.error.empty()) out.error = e.what();
+    }
+  }
+  for (auto& part : out.started) {
+    try {
+      part.copied();
     } catch (const std::exception& e) {
       if (out.error.empty()) out.error = e.what();
     }
@@ -321,9 +329,9 @@ void finish_save(const std::string& dir, int64_t step, const Part& mine, RemoteS
   } catch (const std::exception& e) {
     if (error.empty()) error = e.what();
   }
-  for (auto& wait : remote.started) {  // every one waited for, even after an error
+  for (auto& part : remote.started) {  // every one waited for, even after an error
     try {
-      lines += wait();
+      lines += part.written();
     } catch (const std::exception& e) {
       if (error.empty()) error = e.what();
     }

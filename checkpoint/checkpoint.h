@@ -90,12 +90,15 @@ struct SaveOptions {
 void save(const std::string& dir, int64_t step, const Part& mine, const SaveOptions& options = {});
 
 // A part written by another worker, where its state lives (a RemoteModule's
-// owner: checkpoint/remote.h). The writer asks that worker to copy the
-// state into its host memory and write it as part `part` of `dir`'s step
-// in the background, and returns once the copy is made; the RemotePart it
-// returns blocks until the part is durable and answers its index (or
-// throws the worker's error).
-using RemotePart = std::function<std::string()>;
+// owner: checkpoint/remote.h). The writer asks that worker, without waiting,
+// to copy the state into its host memory and write it as part `part` of
+// `dir`'s step in the background. copied() blocks until the copy is made
+// (so the state may change after it), written() until the part is durable,
+// and answers its index; both throw the worker's error.
+struct RemotePart {
+  std::function<void()> copied;
+  std::function<std::string()> written;
+};
 using RemotePartWriter = std::function<RemotePart(const std::string& dir, int64_t step, int part)>;
 
 // save() with parts written elsewhere too: each rank writes its own part

@@ -71,22 +71,28 @@ class PartService final : public rpc::AgentExtension {
                  [this](c10::IValue m, std::string dir, int64_t step, int64_t part,
                         std::string prefix, int64_t first_layer) {
                    auto s = served(m, "checkpoint: saving '" + prefix + "'");
-                   auto mine = std::make_shared<Part>();
+                   auto mine = std::make_shared<Part>();  // copies now
                    for (const auto& [name, t] : saved_names(*s, prefix, first_layer)) {
                      mine->add(name, t);
                    }
-                   return start_write(dir, step, part, std::move(mine));
+                   return start_write(dir, step, part, [mine] { return std::move(*mine); });
                  });
-    internal.def(
-        "tandem.checkpoint.copy_optimizer",
-        [this](int64_t id, std::string dir, int64_t step, int64_t part, std::string prefix,
-               std::vector<std::string> names) {
-          auto mine = std::make_shared<Part>();
-          for (auto& [i, bytes] : optim::owner::OptimService::of(agent_)->param_states(id)) {
-            mine->add_bytes(prefix + "/" + names.at(i), std::move(bytes));
-          }
-          return start_write(dir, step, part, std::move(mine));
-        });
+    internal.def("tandem.checkpoint.copy_optimizer",
+                 [this](int64_t id, std::string dir, int64_t step, int64_t part, std::string prefix,
+                        std::vector<std::string> names) {
+                   // The state copied now; made into bytes on the writer's thread.
+                   using Copies = std::vector<std::pair<size_t, std::function<std::string()>>>;
+                   auto copies = std::make_shared<Copies>(
+                       optim::owner::OptimService::of(agent_)->param_state_snapshots(id));
+                   for (const auto& copy : *copies)
+                     names.at(copy.first);  // (a bad name fails here)
+                   return start_write(dir, step, part, [copies, names, prefix] {
+                     Part mine;
+                     for (auto& [i, bytes] : *copies)
+                       mine.add_bytes(prefix + "/" + names.at(i), bytes());
+                     return mine;
+                   });
+                 });
     // The part's index once durable (else its error): by a module's RRef,
     // or by the owner's name.
     internal.def("tandem.checkpoint.written",
@@ -171,7 +177,7 @@ class PartService final : public rpc::AgentExtension {
   // Writes `mine` as `part` of `dir`'s step on a thread of its own; answers
   // the key that written() finds it by.
   std::string start_write(const std::string& dir, int64_t step, int64_t part,
-                          std::shared_ptr<Part> mine) {
+                          std::function<Part()> make) {
     const std::string key = dir + "\n" + std::to_string(step) + "\n" + std::to_string(part);
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) throw std::runtime_error("checkpoint: " + agent_.name() + " is shutting down");
@@ -179,8 +185,8 @@ class PartService final : public rpc::AgentExtension {
       throw std::invalid_argument("checkpoint: part " + std::to_string(part) + " of step " +
                                   std::to_string(step) + " is being written already");
     }
-    writes_[key] = std::async(std::launch::async, [dir, step, part, mine] {
-                     return write_part(dir, step, static_cast<int>(part), *mine);
+    writes_[key] = std::async(std::launch::async, [dir, step, part, make = std::move(make)] {
+                     return write_part(dir, step, static_cast<int>(part), make());
                    }).share();
     return key;
   }
@@ -225,9 +231,12 @@ RemotePart save_module_part(const nn::RemoteModule& m, const std::string& dir, i
                             int part, const std::string& prefix, int64_t first_layer) {
   (void)kRegistered;
   const rpc::RRef<c10::IValue> module = m.get_module_rref();
-  const std::string key = module.rpc_sync<std::string>(
-      "tandem.checkpoint.copy_module", dir, step, static_cast<int64_t>(part), prefix, first_layer);
-  return [module, key] { return module.rpc_sync<std::string>("tandem.checkpoint.written", key); };
+  auto key = std::make_shared<rpc::Future<std::string>>(module.rpc_async<std::string>(
+      "tandem.checkpoint.copy_module", dir, step, static_cast<int64_t>(part), prefix, first_layer));
+  return {[key] { key->wait(); },
+          [module, key] {
+            return module.rpc_sync<std::string>("tandem.checkpoint.written", key->wait());
+          }};
 }
 
 RemotePartWriter module_writer(const nn::RemoteModule& m, const std::string& prefix,
@@ -264,14 +273,17 @@ std::vector<RemotePartWriter> optimizer_writers(const optim::DistributedOptimize
     out.push_back([weak, owner, id, mine, prefix](const std::string& dir, int64_t step, int n) {
       auto a = weak.lock();
       if (!a) throw std::runtime_error("checkpoint: the optimizer's agent is gone");
-      const std::string key =
-          a->rpc_sync<std::string>(owner, "tandem.checkpoint.copy_optimizer", id, dir, step,
-                                   static_cast<int64_t>(n), prefix, mine);
-      return RemotePart([weak, owner, key] {
-        auto b = weak.lock();
-        if (!b) throw std::runtime_error("checkpoint: the optimizer's agent is gone");
-        return b->rpc_sync<std::string>(owner, "tandem.checkpoint.written_at", key);
-      });
+      auto key = std::make_shared<rpc::Future<std::string>>(
+          a->rpc_async<std::string>(owner, "tandem.checkpoint.copy_optimizer", id, dir, step,
+                                    static_cast<int64_t>(n), prefix, mine));
+      return RemotePart{[key] { key->wait(); },
+                        [weak, owner, key] {
+                          auto b = weak.lock();
+                          if (!b)
+                            throw std::runtime_error("checkpoint: the optimizer's agent is gone");
+                          return b->rpc_sync<std::string>(owner, "tandem.checkpoint.written_at",
+                                                          key->wait());
+                        }};
     });
   }
   return out;

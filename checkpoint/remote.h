@@ -35,10 +35,10 @@
 
 namespace tandem::checkpoint {
 
-// Asks `m`'s owner to copy the module's state into its host memory (done
-// when this returns) and to write it as part `part` of `dir`'s step on a
-// thread of its own; the RemotePart waits until it is durable and answers
-// its index for commit(). `first_layer` >= 0: the module is a stage of a
+// Asks `m`'s owner to copy the module's state into its host memory and to
+// write it as part `part` of `dir`'s step on a thread of its own; the
+// RemotePart waits for the copy, and for the part to be durable (its index,
+// for commit()). `first_layer` >= 0: the module is a stage of a
 // Sequential cut into stages (pipeline::partition), its tensors saved by
 // the model's layer indices ("0.weight" of a stage that starts at the
 // model's layer 3 as "<prefix>.3.weight"), so that the checkpoint loads

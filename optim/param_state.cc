@@ -35,6 +35,17 @@ std::string param_state_bytes(const torch::optim::Optimizer& optimizer, const at
   return owner::state_bytes(*alone);
 }
 
+std::function<std::string()> param_state_snapshot(const torch::optim::Optimizer& optimizer,
+                                                  const at::Tensor& param) {
+  const torch::optim::OptimizerParamState* state = owner::find_state(optimizer, param);
+  if (!state) return [] { return std::string(); };
+  at::Tensor stand_in = at::zeros(param.sizes(), param.options().device(at::kCPU));
+  std::shared_ptr<torch::optim::Optimizer> alone =
+      owner::make_optimizer(kind_of(optimizer), {stand_in}, Options{});
+  alone->state()[owner::state_key_of(stand_in)] = owner::deep_copy(*state);
+  return [alone] { return owner::state_bytes(*alone); };
+}
+
 void load_param_state(torch::optim::Optimizer& optimizer, const at::Tensor& param,
                       const std::string& bytes) {
   if (bytes.empty()) {

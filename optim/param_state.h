@@ -16,6 +16,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>
 
+#include <functional>
 #include <string>
 
 #include "tandem/optim/options.h"
@@ -27,6 +28,10 @@ namespace tandem::optim {
 Kind kind_of(const torch::optim::Optimizer& optimizer);
 
 std::string param_state_bytes(const torch::optim::Optimizer& optimizer, const at::Tensor& param);
+// The same bytes later: the state is copied now (a memory copy), and made
+// into bytes when the function is called (on a saver's thread, say).
+std::function<std::string()> param_state_snapshot(const torch::optim::Optimizer& optimizer,
+                                                  const at::Tensor& param);
 void load_param_state(torch::optim::Optimizer& optimizer, const at::Tensor& param,
                       const std::string& bytes);
 

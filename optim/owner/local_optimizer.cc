@@ -134,4 +134,29 @@ std::vector<at::Tensor> state_tensors(const torch::optim::OptimizerParamState& s
   return {};
 }
 
+std::unique_ptr<torch::optim::OptimizerParamState> deep_copy(
+    const torch::optim::OptimizerParamState& s) {
+  using namespace torch::optim;
+  auto copy = [](const at::Tensor& t) { return t.defined() ? t.clone() : t; };
+  std::unique_ptr<OptimizerParamState> out = s.clone();
+  if (auto* x = dynamic_cast<SGDParamState*>(out.get())) {
+    x->momentum_buffer(copy(x->momentum_buffer()));
+  } else if (auto* x = dynamic_cast<AdamParamState*>(out.get())) {
+    x->exp_avg(copy(x->exp_avg()));
+    x->exp_avg_sq(copy(x->exp_avg_sq()));
+    x->max_exp_avg_sq(copy(x->max_exp_avg_sq()));
+  } else if (auto* x = dynamic_cast<AdamWParamState*>(out.get())) {
+    x->exp_avg(copy(x->exp_avg()));
+    x->exp_avg_sq(copy(x->exp_avg_sq()));
+    x->max_exp_avg_sq(copy(x->max_exp_avg_sq()));
+  } else if (auto* x = dynamic_cast<AdagradParamState*>(out.get())) {
+    x->sum(copy(x->sum()));
+  } else if (auto* x = dynamic_cast<RMSpropParamState*>(out.get())) {
+    x->square_avg(copy(x->square_avg()));
+    x->momentum_buffer(copy(x->momentum_buffer()));
+    x->grad_avg(copy(x->grad_avg()));
+  }
+  return out;
+}
+
 }  // namespace tandem::optim::owner

@@ -201,6 +201,25 @@ std::vector<std::pair<size_t, std::string>> OptimService::param_states(int64_t i
   return out;
 }
 
+std::vector<std::pair<size_t, std::function<std::string()>>> OptimService::param_state_snapshots(
+    int64_t id) {
+  auto local = find(id);
+  std::lock_guard<std::mutex> lock(local->mu);
+  std::vector<std::pair<size_t, std::function<std::string()>>> out;
+  if (local->zero) {
+    torch::optim::Optimizer* mine = local->zero->local_optimizer();
+    for (size_t i : local->zero->share(local->zero->rank())) {
+      out.emplace_back(i, mine ? param_state_snapshot(*mine, local->params[i])
+                               : std::function<std::string()>([] { return std::string(); }));
+    }
+    return out;
+  }
+  for (size_t i = 0; i < local->params.size(); ++i) {
+    out.emplace_back(i, param_state_snapshot(*local->optimizer, local->params[i]));
+  }
+  return out;
+}
+
 void OptimService::load_param_states(int64_t id, const std::function<std::string(size_t)>& bytes_of,
                                      double lr) {
   auto local = find(id);

@@ -73,6 +73,8 @@ class OptimService final : public rpc::AgentExtension,
   // state as optim/param_state.h's bytes, for a checkpoint written here:
   // all of them, or for a sharded optimizer this replica's share.
   std::vector<std::pair<size_t, std::string>> param_states(int64_t id);
+  // The same, copied now and made into bytes when each function is called.
+  std::vector<std::pair<size_t, std::function<std::string()>>> param_state_snapshots(int64_t id);
   // Loads `bytes_of(i)` into parameter i's state, for each i param_states
   // would answer (a fresh optimizer swapped in once all were read, as
   // load() does), and sets the rate.

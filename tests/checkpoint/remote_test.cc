@@ -267,3 +267,48 @@ TEST_CASE("checkpoint: pipeline stages saved by the model's layer indices load i
           checkpoint::save_job(dir.path, 2, wrong);
         }).find("'weight' of Linear has no leading layer index") != std::string::npos);
 }
+
+TEST_CASE(
+    "checkpoint: an owner's optimizer state is copied in the step; steps after it do not leak in") {
+  World w(2);
+  TempDir dir;
+  at::manual_seed(9);
+  optim::Options o;
+  o.lr = 0.05;
+  const std::vector<std::string> names = {"a.weight", "a.bias", "b.weight", "b.bias"};
+  // The run that saves, and a twin that trains the same steps and never saves.
+  nn::RemoteModule a(w[0], "rank:1/cpu", "Linear", {4, 3}), b(w[0], "rank:1/cpu", "Linear", {3, 2});
+  nn::RemoteModule ta(w[0], "rank:1/cpu", "Linear", {4, 3}),
+      tb(w[0], "rank:1/cpu", "Linear", {3, 2});
+  ta.load_state_dict(a.state_dict());
+  tb.load_state_dict(b.state_dict());
+  optim::DistributedOptimizer opt(w[0], optim::Kind::kAdam, params_of(a, b), o);
+  optim::DistributedOptimizer twin(w[0], optim::Kind::kAdam, params_of(ta, tb), o);
+  for (int k = 0; k < 2; ++k) {
+    train_step(w, a, b, opt, k);
+    train_step(w, ta, tb, twin, k);
+  }
+  checkpoint::AsyncSaver saver(dir.path);
+  checkpoint::JobState state;
+  state.remote_module("a", a).remote_module("b", b).distributed_optimizer("adam", opt, names);
+  saver.save(2, state.part(), state.remote_writers());
+  train_step(w, a, b, opt, 7);  // moves the state on while the parts may still be written
+  saver.wait();
+
+  nn::RemoteModule a2(w[0], "rank:1/cpu", "Linear", {4, 3}),
+      b2(w[0], "rank:1/cpu", "Linear", {3, 2});
+  optim::DistributedOptimizer opt2(w[0], optim::Kind::kAdam, params_of(a2, b2), o);
+  checkpoint::JobState again;
+  again.remote_module("a", a2).remote_module("b", b2).distributed_optimizer("adam", opt2, names);
+  checkpoint::load_latest_job(dir.path, again);
+  train_step(w, a2, b2, opt2, 2);
+  train_step(w, ta, tb, twin, 2);
+  for (const auto& [x, y] : {std::pair{&ta, &a2}, std::pair{&tb, &b2}}) {
+    const auto want = x->state_dict();
+    const auto got = y->state_dict();
+    for (const auto& [name, t] : want) {
+      CAPTURE(name);
+      CHECK(at::allclose(got.at(name), t, 1e-6, 1e-7));
+    }
+  }
+}
