@@ -213,11 +213,11 @@ std::string write_part(const std::string& dir, int64_t step, int part, const Par
   return detail::part_lines(index, entries);
 }
 
-void commit(const std::string& dir, int64_t step, int parts,
+void commit(const std::string& dir, int64_t step, int ranks,
             const std::vector<std::string>& indexes, const SaveOptions& options) {
   check_save(step, options);
   const std::string path = step_path(dir, step);
-  // Every part once, each name once.
+  // Every rank's part, no part twice, each name once.
   std::map<std::string, size_t> owner;
   std::set<int> seen;
   for (size_t r = 0; r < indexes.size(); ++r) {
@@ -228,9 +228,9 @@ void commit(const std::string& dir, int64_t step, int parts,
       f >> kind >> rk >> name;
       if (kind == "part") {
         const int part = std::atoi(rk.c_str());
-        if (part < 0 || part >= parts || !seen.insert(part).second) {
-          throw std::invalid_argument("checkpoint::commit: part " + rk + " is outside 0.." +
-                                      std::to_string(parts - 1) + " or given twice");
+        if (part < 0 || !seen.insert(part).second) {
+          throw std::invalid_argument("checkpoint::commit: part " + rk +
+                                      " is negative or given twice");
         }
         continue;
       }
@@ -243,13 +243,16 @@ void commit(const std::string& dir, int64_t step, int parts,
       }
     }
   }
-  if (static_cast<int>(seen.size()) != parts) {
-    throw std::invalid_argument("checkpoint::commit: " + std::to_string(seen.size()) + " of " +
-                                std::to_string(parts) + " parts written");
+  for (int r = 0; r < ranks; ++r) {
+    if (!seen.count(r)) {
+      throw std::invalid_argument("checkpoint::commit: no part of rank " + std::to_string(r) +
+                                  " (of " + std::to_string(ranks) + ")");
+    }
   }
+  if (seen.empty()) throw std::invalid_argument("checkpoint::commit: no part");
   Manifest head;
   head.step = step;
-  head.world = parts;
+  head.world = *seen.rbegin() + 1;
   head.meta = options.meta;
   const std::string text = detail::encode(head, indexes);
   const std::string manifest = (fs::path(path) / "MANIFEST").string();
@@ -287,23 +290,14 @@ RemoteStart start_remote(const std::string& dir, int64_t step,
   ddp::ProcessGroup* group = options.group.get();
   const int rank = group ? group->rank() : 0;
   const int world = group ? group->size() : 1;
-  // Parts: one per rank, then every rank's remote ones, in rank order.
+  // Parts: one per rank (its rank), then rank r's k-th remote one is
+  // world * (k + 1) + r: numbers no rank needs to ask the others about.
   RemoteStart out;
-  int first_remote = world;
-  out.parts = world + static_cast<int>(remote.size());
-  if (group) {
-    const std::vector<std::string> counts = group->all_gather_bytes(std::to_string(remote.size()));
-    out.parts = world;
-    for (int r = 0; r < world; ++r) {
-      const int n = std::atoi(counts[static_cast<size_t>(r)].c_str());
-      if (r < rank) first_remote += n;
-      out.parts += n;
-    }
-  }
+  out.ranks = world;
   // All asked at once; the step goes on once every copy is made.
   for (size_t k = 0; k < remote.size(); ++k) {
     try {
-      out.started.push_back(remote[k](dir, step, first_remote + static_cast<int>(k)));
+      out.started.push_back(remote[k](dir, step, world * (static_cast<int>(k) + 1) + rank));
     } catch (const std::exception& e) {
       if (out.error.empty()) out.error = e.what();
     }
@@ -343,7 +337,7 @@ void finish_save(const std::string& dir, int64_t step, const Part& mine, RemoteS
   error.clear();
   if (rank == 0) {
     try {
-      commit(dir, step, remote.parts, all, options);
+      commit(dir, step, remote.ranks, all, options);
     } catch (const std::exception& e) {
       error = e.what();
     }

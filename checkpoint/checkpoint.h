@@ -102,9 +102,9 @@ struct RemotePart {
 using RemotePartWriter = std::function<RemotePart(const std::string& dir, int64_t step, int part)>;
 
 // save() with parts written elsewhere too: each rank writes its own part
-// (numbered by its rank) and asks for its remote ones (numbered after every
-// rank's, in rank order), all at once; once every part is durable, rank 0
-// commits the step. Collective over options.group, as save() is; a remote
+// (numbered by its rank, of W) and asks for its remote ones (rank r's k-th
+// numbered W * (k + 1) + r), all at once; once every part is durable, rank
+// 0 commits the step. Collective over options.group, as save() is; a remote
 // writer's error fails the save on every rank, naming it.
 void save_parts(const std::string& dir, int64_t step, const Part& mine,
                 const std::vector<RemotePartWriter>& remote, const SaveOptions& options = {});
@@ -112,11 +112,11 @@ void save_parts(const std::string& dir, int64_t step, const Part& mine,
 // The two halves of a save, for parts written by processes no process group
 // joins. write_part writes `state` as part `part` of `dir`'s step (to a
 // temporary name, fsynced, renamed) and returns its index, a text; commit
-// checks that `indexes` (every part's, in any grouping) hold parts 0 to
-// parts - 1 once each and no name twice, then writes the manifest and
-// prunes as save() does.
+// checks that `indexes` (every part's, in any grouping) hold the ranks'
+// parts 0 to ranks - 1, no part twice and no name twice, then writes the
+// manifest and prunes as save() does.
 std::string write_part(const std::string& dir, int64_t step, int part, const Part& state);
-void commit(const std::string& dir, int64_t step, int parts,
+void commit(const std::string& dir, int64_t step, int ranks,
             const std::vector<std::string>& indexes, const SaveOptions& options = {});
 
 // Saves in the background: the step waits only for its state to be copied
@@ -193,8 +193,8 @@ class Reader {
   Reader& operator=(const Reader&) = delete;
 
   int64_t step() const;
-  // How many parts the step has (the ranks that saved, and parts written
-  // for them elsewhere).
+  // One more than the step's highest part number (the ranks that saved are
+  // 0 to W - 1; parts written for them elsewhere come after).
   int world_size() const;
   // The step's directory, as given.
   const std::string& path() const;

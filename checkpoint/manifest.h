@@ -59,11 +59,11 @@ std::string encode(const Manifest& head, const std::vector<std::string>& rank_li
 Manifest decode(const std::string& text, const std::string& source);
 
 // A save's two halves (checkpoint.cc), so that AsyncSaver starts the
-// remote parts in the caller's step and finishes on its thread. The start
-// numbers the parts (a collective over options.group) and asks for this
-// rank's remote ones; an error there is kept for finish_save to agree on.
+// remote parts in the caller's step (no collective) and finishes on its
+// thread. The start asks for this rank's remote parts; an error there is
+// kept for finish_save to agree on.
 struct RemoteStart {
-  int parts = 1;
+  int ranks = 1;
   std::vector<RemotePart> started;
   std::string error;
 };

@@ -7,6 +7,7 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/StringUtil.h>
 
+#include <algorithm>
 #include <future>
 #include <map>
 #include <memory>
@@ -129,86 +130,114 @@ class PartService final : public rpc::AgentExtension {
       at::NoGradGuard no_grad;
       for (size_t i = 0; i < mine.size(); ++i) mine[i].second.copy_(values[i]);
     });
-    internal.def("tandem.checkpoint.load_optimizer",
-                 [this](int64_t id, std::string path, std::string prefix,
-                        std::vector<std::string> names, bool check_only, double lr) {
-                   Reader reader(path);
-                   auto service = optim::owner::OptimService::of(agent_);
-                   std::string missing;
-                   for (const auto& [i, _] : service->param_states(id)) {
-                     const std::string name = prefix + "/" + names.at(i);
-                     if (!reader.contains(name)) missing += (missing.empty() ? "" : ", ") + name;
-                   }
-                   if (!missing.empty()) {
-                     throw std::invalid_argument("checkpoint " + path + " holds no " + missing +
-                                                 " (the optimizer state of " + agent_.name() + ")");
-                   }
-                   if (check_only) return;
-                   service->load_param_states(
-                       id,
-                       [&](size_t i) {
-                         const std::string name = prefix + "/" + names.at(i);
-                         return reader.bytes(name);
-                       },
-                       lr);
-                 });
+    internal.def(
+        "tandem.checkpoint.load_optimizer",
+        [this](int64_t id, std::string path, std::string prefix, std::vector<std::string> names,
+               bool check_only, double lr) {
+          Reader reader(path);
+          auto service = optim::owner::OptimService::of(agent_);
+          std::string missing;
+          for (size_t i : service->held_params(id)) {
+            const std::string name = prefix + "/" + names.at(i);
+            if (!reader.contains(name)) missing += (missing.empty() ? "" : ", ") + name;
+          }
+          if (!missing.empty()) {
+            throw std::invalid_argument("checkpoint " + path + " holds no " + missing +
+                                        " (the optimizer state of " + agent_.name() + ")");
+          }
+          const auto bytes_of = [&](size_t i) { return reader.bytes(prefix + "/" + names.at(i)); };
+          try {
+            if (check_only) {
+              service->check_param_states(id, bytes_of);
+            } else {
+              service->load_param_states(id, bytes_of, lr);
+            }
+          } catch (const std::invalid_argument& e) {
+            throw std::invalid_argument("checkpoint " + path + ", the optimizer state of " +
+                                        agent_.name() + ": " + e.what());
+          }
+        });
   }
 
   void before_send(rpc::Message&, int) override {}
   void after_encode(const rpc::Message&, rpc::OutFrame&, int) override {}
   void after_receive(rpc::Message&, int) override {}
+  // Parts still being written (one written but not collected, its caller
+  // gone, is let go at close).
   std::vector<std::string> live_objects() const override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (writes_.empty()) return {};
-    return {std::to_string(writes_.size()) + " checkpoint part(s) written for no one yet"};
+    size_t writing = 0;
+    for (const auto& [key, w] : writes_) writing += w.promise.done() ? 0 : 1;
+    if (writing == 0) return {};
+    return {std::to_string(writing) + " checkpoint part(s) still being written"};
   }
-  // A part nobody asked for again (its caller gone) is finished, not cut.
+  // A part being written is finished, not cut.
   void close() override {
-    std::map<std::string, std::shared_future<std::string>> left;
+    std::vector<std::shared_future<void>> threads;
     {
       std::lock_guard<std::mutex> lock(mu_);
       closed_ = true;
-      left.swap(writes_);
+      writes_.clear();
+      threads.swap(threads_);
     }
-    for (auto& [key, write] : left) write.wait();
+    for (auto& t : threads) t.wait();
   }
 
  private:
-  // Writes `mine` as `part` of `dir`'s step on a thread of its own; answers
-  // the key that written() finds it by.
+  struct Write {
+    rpc::Promise<std::string> promise;  // the part's index, or its error
+  };
+
+  // Writes `make()` as `part` of `dir`'s step on a thread of its own;
+  // answers the key that written() finds it by.
   std::string start_write(const std::string& dir, int64_t step, int64_t part,
                           std::function<Part()> make) {
     const std::string key = dir + "\n" + std::to_string(step) + "\n" + std::to_string(part);
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) throw std::runtime_error("checkpoint: " + agent_.name() + " is shutting down");
-    if (writes_.count(key)) {
+    auto it = writes_.find(key);
+    if (it != writes_.end() && !it->second.promise.done()) {
       throw std::invalid_argument("checkpoint: part " + std::to_string(part) + " of step " +
                                   std::to_string(step) + " is being written already");
     }
-    writes_[key] = std::async(std::launch::async, [dir, step, part, make = std::move(make)] {
-                     return write_part(dir, step, static_cast<int>(part), make());
-                   }).share();
+    // (one done but never collected, its caller gone, is replaced)
+    Write& w = writes_[key];
+    w = Write{};
+    rpc::Promise<std::string> promise = w.promise;
+    threads_.erase(std::remove_if(threads_.begin(), threads_.end(),
+                                  [](const std::shared_future<void>& t) {
+                                    return t.wait_for(std::chrono::seconds(0)) ==
+                                           std::future_status::ready;
+                                  }),
+                   threads_.end());
+    threads_.push_back(std::async(std::launch::async, [dir, step, part, make = std::move(make),
+                                                       promise]() mutable {
+                         try {
+                           promise.set_value(write_part(dir, step, static_cast<int>(part), make()));
+                         } catch (...) {
+                           promise.set_error(std::current_exception());
+                         }
+                       }).share());
     return key;
   }
 
-  std::string written(const std::string& key) {
-    std::shared_future<std::string> write;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = writes_.find(key);
-      if (it == writes_.end()) {
-        throw std::invalid_argument("checkpoint: no part being written for this key");
-      }
-      write = it->second;
-      writes_.erase(it);
+  // Answers once the part is durable, without holding a worker thread.
+  rpc::Future<std::string> written(const std::string& key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = writes_.find(key);
+    if (it == writes_.end()) {
+      throw std::invalid_argument("checkpoint: no part being written for this key");
     }
-    return write.get();
+    rpc::Future<std::string> out = it->second.promise.future();
+    writes_.erase(it);
+    return out;
   }
 
   rpc::Agent& agent_;
   mutable std::mutex mu_;
   bool closed_ = false;
-  std::map<std::string, std::shared_future<std::string>> writes_;
+  std::map<std::string, Write> writes_;
+  std::vector<std::shared_future<void>> threads_;  // the writers, joined at close
 };
 
 const bool kRegistered = [] {
@@ -233,22 +262,26 @@ RemotePart save_module_part(const nn::RemoteModule& m, const std::string& dir, i
   const rpc::RRef<c10::IValue> module = m.get_module_rref();
   auto key = std::make_shared<rpc::Future<std::string>>(module.rpc_async<std::string>(
       "tandem.checkpoint.copy_module", dir, step, static_cast<int64_t>(part), prefix, first_layer));
+  // (a large part on slow storage may take longer than any call's timeout)
   return {[key] { key->wait(); },
           [module, key] {
-            return module.rpc_sync<std::string>("tandem.checkpoint.written", key->wait());
+            return module.rpc_sync<std::string>(rpc::CallOptions{rpc::kNoTimeout},
+                                                "tandem.checkpoint.written", key->wait());
           }};
 }
 
 RemotePartWriter module_writer(const nn::RemoteModule& m, const std::string& prefix,
                                int64_t first_layer) {
-  return [&m, prefix, first_layer](const std::string& dir, int64_t step, int part) {
-    return save_module_part(m, dir, step, part, prefix, first_layer);
+  const nn::RemoteModule module(m.get_module_rref());  // (by value: it may outlive `m`)
+  return [module, prefix, first_layer](const std::string& dir, int64_t step, int part) {
+    return save_module_part(module, dir, step, part, prefix, first_layer);
   };
 }
 
 void load_module_part(const nn::RemoteModule& m, const std::string& path, const std::string& prefix,
                       int64_t first_layer, bool check_only) {
-  m.get_module_rref().rpc_sync<void>("tandem.checkpoint.load_module", path, prefix, first_layer,
+  m.get_module_rref().rpc_sync<void>(rpc::CallOptions{rpc::kNoTimeout},
+                                     "tandem.checkpoint.load_module", path, prefix, first_layer,
                                      check_only);
 }
 
@@ -281,7 +314,8 @@ std::vector<RemotePartWriter> optimizer_writers(const optim::DistributedOptimize
                           auto b = weak.lock();
                           if (!b)
                             throw std::runtime_error("checkpoint: the optimizer's agent is gone");
-                          return b->rpc_sync<std::string>(owner, "tandem.checkpoint.written_at",
+                          return b->rpc_sync<std::string>(rpc::CallOptions{rpc::kNoTimeout}, owner,
+                                                          "tandem.checkpoint.written_at",
                                                           key->wait());
                         }};
     });
@@ -293,21 +327,25 @@ void load_optimizer_parts(const optim::DistributedOptimizer& opt,
                           const std::vector<std::string>& names, const std::string& path,
                           const std::string& prefix, bool check_only) {
   auto agent = opt.agent();
-  std::vector<rpc::Future<void>> calls;
-  for (const auto& part : opt.owner_parts()) {
-    calls.push_back(agent->rpc_async<void>(agent->get_worker_info(part.owner).name,
-                                           "tandem.checkpoint.load_optimizer", part.id, path,
-                                           prefix, names_of(part, names), check_only, opt.lr()));
-  }
-  std::string first_error;
-  for (auto& c : calls) {  // every owner's answer, even after an error
-    try {
-      c.wait();
-    } catch (const std::exception& e) {
-      if (first_error.empty()) first_error = e.what();
+  // Every owner checks (reads and decodes) its state before any loads.
+  for (const bool check : check_only ? std::vector<bool>{true} : std::vector<bool>{true, false}) {
+    std::vector<rpc::Future<void>> calls;
+    for (const auto& part : opt.owner_parts()) {
+      calls.push_back(agent->rpc_async<void>(rpc::CallOptions{rpc::kNoTimeout},
+                                             agent->get_worker_info(part.owner).name,
+                                             "tandem.checkpoint.load_optimizer", part.id, path,
+                                             prefix, names_of(part, names), check, opt.lr()));
     }
+    std::string first_error;
+    for (auto& c : calls) {  // every owner's answer, even after an error
+      try {
+        c.wait();
+      } catch (const std::exception& e) {
+        if (first_error.empty()) first_error = e.what();
+      }
+    }
+    if (!first_error.empty()) throw std::invalid_argument(first_error);
   }
-  if (!first_error.empty()) throw std::invalid_argument(first_error);
 }
 
 }  // namespace tandem::checkpoint

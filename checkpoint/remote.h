@@ -24,7 +24,11 @@
 //  3. A DistributedOptimizer's owners write and read the state of the
 //     parameters they step, by the parameters' names (as JobState's
 //     optimizers do), so it loads into another placement of them.
-//  4. The owner reads the step's files itself: the checkpoint directory must
+//  4. The owner copies a module's tensors without a lock of its own: no
+//     step may run on the module while its copy is made (a save between
+//     steps, as a training loop makes it, is; a module several trainers
+//     step at once is not).
+//  5. The owner reads the step's files itself: the checkpoint directory must
 //     be on a file system every owner sees (as a job's shared storage is).
 #include <cstdint>
 #include <string>

@@ -49,7 +49,8 @@
 #     2 x 1), and ends within 1e-4 of the uninterrupted loss; a fresh run
 #     into an older run's checkpoint directory removes them first;
 #     a layout that is not the world, heads that do not divide the width,
-#     a resume past --steps, --zero 3 with --pp 2 exit 2, named.
+#     a resume past --steps, --zero 3 with --pp 2, and gpt and char_lm
+#     each into the other's checkpoints exit 2, named.
 set -uo pipefail
 bin="$(readlink -f "${1:?usage: check_examples.sh BIN_DIR}")"
 run="$bin/tandem-run"
@@ -474,6 +475,11 @@ gpt_bad 4 "--zero 3 trains the whole model on every rank: pass --pp 1" --zero 3
 gpt_bad 4 "--heads 5 does not divide --dim 64" --heads 5
 gpt_bad 2 "is at step 20; pass a larger --steps" --pp 1 --dp 2 --resume --checkpoint gr.ckpt --steps 20
 gpt_bad 4 "--resume: no checkpoint in" --resume --checkpoint "$tmp/none.ckpt"
+# A fresh run does not clear another program's steps.
+gpt_bad 4 "holds char_lm's checkpoints, not gpt's" --steps 4 --checkpoint a.ckpt
+rc=$(launch e.log 2 char_lm --steps 4 --checkpoint gy4.ckpt)
+expect_rc "char_lm into gpt's checkpoints" "$rc" 2 e.log &&
+  { grep -q "holds gpt's checkpoints, not char_lm's" e.log || fail "char_lm into gpt's: no message"; }
 # The pipeline's steps and --zero 2's hold the same names: each resumes the other's.
 rc=$(launch gx1.log 4 gpt "${gpt_args[@]}" --resume --checkpoint gy4.ckpt)
 expect_rc "gpt --zero 2's checkpoint resumed by the pipeline (2 x 2)" "$rc" 0 gx1.log &&

@@ -1,6 +1,7 @@
 // One parameter's optimizer state as bytes (optim/param_state.h).
 #include "tandem/optim/param_state.h"
 
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
@@ -39,7 +40,8 @@ std::function<std::string()> param_state_snapshot(const torch::optim::Optimizer&
                                                   const at::Tensor& param) {
   const torch::optim::OptimizerParamState* state = owner::find_state(optimizer, param);
   if (!state) return [] { return std::string(); };
-  at::Tensor stand_in = at::zeros(param.sizes(), param.options().device(at::kCPU));
+  // (its values are never read: only its shape and dtype)
+  at::Tensor stand_in = at::empty(param.sizes(), param.options().device(at::kCPU));
   std::shared_ptr<torch::optim::Optimizer> alone =
       owner::make_optimizer(kind_of(optimizer), {stand_in}, Options{});
   alone->state()[owner::state_key_of(stand_in)] = owner::deep_copy(*state);

@@ -73,8 +73,19 @@ class RRef {
   }
   template <class R = c10::IValue, class... A>
   Future<R> rpc_async(const std::string& fn, A&&... args) const {
+    return rpc_async<R>(CallOptions{}, fn, std::forward<A>(args)...);
+  }
+  // With a timeout of the call's own (kNoTimeout: none).
+  template <class R = c10::IValue, class... A>
+  R rpc_sync(const CallOptions& opts, const std::string& fn, A&&... args) const {
+    auto f = rpc_async<R>(opts, fn, std::forward<A>(args)...);
+    ctx()->spin_until_done(f.raw());
+    return f.wait();
+  }
+  template <class R = c10::IValue, class... A>
+  Future<R> rpc_async(const CallOptions& opts, const std::string& fn, A&&... args) const {
     auto c = ctx();
-    return Future<R>(c->call(impl_, fn, to_ivalues(std::forward<A>(args)...), kDefaultTimeout),
+    return Future<R>(c->call(impl_, fn, to_ivalues(std::forward<A>(args)...), opts.timeout),
                      c->pool());
   }
   // Creates fn(value, args...) on the owner and returns a reference to it.

@@ -21,6 +21,13 @@ std::optional<Checkpoint> load_latest(const std::string& dir) {
   for (const auto& s : found->skipped) std::fprintf(stderr, "char_lm: passed over %s\n", s.c_str());
   try {
     tandem::checkpoint::Reader r(found->path);
+    const auto program = r.meta().find("program");
+    if (program == r.meta().end() || program->second != "char_lm") {
+      throw std::invalid_argument(
+          "--checkpoint '" + dir + "' holds " +
+          (program == r.meta().end() ? std::string("another program") : program->second) +
+          "'s checkpoints, not char_lm's: pass another directory");
+    }
     for (const char* key : {"seed", "corpus_fnv"}) {
       if (!r.meta().count(key)) {
         throw std::invalid_argument(found->path + " is not a char_lm checkpoint (no " + key + ")");

@@ -13,6 +13,7 @@
 //            vocab              the text's vocabulary
 //   meta     seed, corpus_fnv   the seed the steps were drawn with, and the
 //                               FNV-1a hash of the text
+//            program            "char_lm": a fresh run clears only its own steps
 #pragma once
 
 #include <cstdint>
@@ -29,8 +30,8 @@ struct Checkpoint {
 };
 
 // The newest complete checkpoint in `dir` (nullopt: none); a step that is
-// not char_lm's, or a `dir` that is a file (an older char_lm's checkpoint),
-// is a UsageError.
+// another program's, or a `dir` that is a file (an older char_lm's
+// checkpoint), is a UsageError.
 std::optional<Checkpoint> load_latest(const std::string& dir);
 
 }  // namespace char_lm

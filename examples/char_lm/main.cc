@@ -139,8 +139,11 @@ int job_main(int argc, char** argv) {
           }
         } else if (single && env.rank == 0) {
           // A fresh run: an older run's steps must not be taken for this one's.
-          load_latest(cfg.checkpoint);  // (refuses a file there)
-          tandem::checkpoint::remove_steps(cfg.checkpoint);
+          load_latest(cfg.checkpoint);  // (refuses a file there, or another program's steps)
+          if (const int n = tandem::checkpoint::remove_steps(cfg.checkpoint)) {
+            std::printf("char_lm: a fresh run: removed %d older checkpoint(s) from %s\n", n,
+                        cfg.checkpoint.c_str());
+          }
         }
         if (resume) {
           const std::string what = "checkpoint '" + resume->path + "'";

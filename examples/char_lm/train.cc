@@ -115,7 +115,8 @@ int train(const Config& cfg, const Corpus& corpus, const std::optional<Checkpoin
   }
   tandem::checkpoint::SaveOptions save_options;
   save_options.meta = {{"seed", std::to_string(cfg.seed)},
-                       {"corpus_fnv", std::to_string(corpus.fingerprint)}};
+                       {"corpus_fnv", std::to_string(corpus.fingerprint)},
+                       {"program", "char_lm"}};
   auto checkpoint = [&](int64_t step) {
     if (cfg.hybrid()) return;
     tandem::checkpoint::save_job(cfg.checkpoint, step, state, save_options);

@@ -47,7 +47,8 @@ std::map<std::string, std::string> checkpoint_meta(const Checkpoint& c) {
           {"corpus_fnv", std::to_string(c.corpus_fnv)},
           {"shape", join(c.shape)},
           {"counts", join(c.counts)},
-          {"mode", c.mode}};
+          {"mode", c.mode},
+          {"program", "gpt"}};
 }
 
 Saver::Saver(const std::string& dir, bool sync) : dir_(dir), sync_(sync) {
@@ -111,6 +112,21 @@ std::string Saver::summary() const {
   return buf;
 }
 
+void refuse_foreign(const std::string& dir) {
+  const std::optional<ck::Found> found = ck::latest(dir);
+  if (!found) return;
+  try {
+    const ck::Reader r(found->path);
+    const auto it = r.meta().find("program");
+    if (it != r.meta().end() && it->second != "gpt") {
+      throw examples::UsageError("--checkpoint '" + dir + "' holds " + it->second +
+                                 "'s checkpoints, not gpt's: pass another directory");
+    }
+  } catch (const std::invalid_argument&) {
+    // (a damaged newest step is gpt's to clear)
+  }
+}
+
 std::optional<Checkpoint> load_latest(const std::string& dir) {
   const std::optional<ck::Found> found = ck::latest(dir);
   if (!found) return std::nullopt;
@@ -132,6 +148,10 @@ std::optional<Checkpoint> load_latest(const std::string& dir) {
     c.shape = split(meta.at("shape"));
     c.counts = split(meta.at("counts"));
     c.mode = meta.at("mode");
+    if (meta.count("program") && meta.at("program") != "gpt") {
+      throw std::invalid_argument(found->path + " is " + meta.at("program") +
+                                  "'s checkpoint, not gpt's: pass another --checkpoint");
+    }
     if (c.shape.size() != 4) throw std::invalid_argument(found->path + ": a bad shape");
     c.vocab = r.bytes("vocab");
     c.path = found->path;
@@ -140,6 +160,14 @@ std::optional<Checkpoint> load_latest(const std::string& dir) {
     if (std::none_of(names.begin(), names.end(),
                      [](const std::string& n) { return n.rfind("model.", 0) == 0; })) {
       throw std::invalid_argument(found->path + " holds no model (no model.<name>)");
+    }
+    if (c.mode != "zero3" && std::none_of(names.begin(), names.end(), [](const std::string& n) {
+          return n.rfind("adam/", 0) == 0;
+        })) {
+      throw std::invalid_argument(
+          found->path +
+          " is an older gpt's checkpoint (its optimizer state in one piece): it does not "
+          "resume; start afresh");
     }
     return c;
   } catch (const std::invalid_argument& e) {

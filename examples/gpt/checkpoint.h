@@ -15,7 +15,7 @@
 //            vocab          the text's vocabulary (rank 0)
 //   meta     seed, corpus_fnv, shape (layers dim heads context),
 //            counts (layers per pipeline stage, in stage order), mode
-//            ("pipeline", "zero2", "zero3")
+//            ("pipeline", "zero2", "zero3"), program ("gpt")
 // --zero 2 saves the same names with checkpoint::JobState from every rank
 // (model.<name> from rank 0, adam/<name> each rank its share), so either
 // path resumes the other's steps. --zero 3 saves the model alone (rank 0)
@@ -92,6 +92,8 @@ class Saver {
 // incomplete one it passed over is printed to stderr. A damaged step (a
 // part that fails its checksum) throws UsageError naming the file.
 std::optional<Checkpoint> load_latest(const std::string& dir);
-
+// A UsageError when `dir`'s newest step is another program's (its meta's
+// "program"): a fresh run must not clear what is not gpt's.
+void refuse_foreign(const std::string& dir);
 
 }  // namespace gpt

@@ -220,6 +220,7 @@ int job_main(int argc, char** argv) {
         } else if (env.rank == 0) {
           // A fresh run: an older run's steps in the directory must not be
           // taken for this one's after a restart.
+          refuse_foreign(cfg.checkpoint);
           if (const int n = tandem::checkpoint::remove_steps(cfg.checkpoint)) {
             std::printf("gpt: a fresh run: removed %d older checkpoint(s) from %s\n", n,
                         cfg.checkpoint.c_str());

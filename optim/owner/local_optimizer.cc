@@ -137,7 +137,10 @@ std::vector<at::Tensor> state_tensors(const torch::optim::OptimizerParamState& s
 std::unique_ptr<torch::optim::OptimizerParamState> deep_copy(
     const torch::optim::OptimizerParamState& s) {
   using namespace torch::optim;
-  auto copy = [](const at::Tensor& t) { return t.defined() ? t.clone() : t; };
+  // (into host memory: a copy on the GPU would double the state there)
+  auto copy = [](const at::Tensor& t) {
+    return t.defined() ? t.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true) : t;
+  };
   std::unique_ptr<OptimizerParamState> out = s.clone();
   if (auto* x = dynamic_cast<SGDParamState*>(out.get())) {
     x->momentum_buffer(copy(x->momentum_buffer()));

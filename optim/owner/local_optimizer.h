@@ -63,8 +63,9 @@ void load_state_bytes(torch::optim::Optimizer& optimizer, const std::string& byt
 
 // The tensors of one parameter's state (some may be undefined).
 std::vector<at::Tensor> state_tensors(const torch::optim::OptimizerParamState& state);
-// A copy of one parameter's state whose tensors are copies too (LibTorch's
-// clone() shares them): what stays as it is while the optimizer steps on.
+// A copy of one parameter's state whose tensors are copies too, in host
+// memory (LibTorch's clone() shares them): what stays as it is while the
+// optimizer steps on.
 std::unique_ptr<torch::optim::OptimizerParamState> deep_copy(
     const torch::optim::OptimizerParamState& state);
 

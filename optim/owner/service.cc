@@ -1,5 +1,7 @@
 #include "tandem/optim/owner/service.h"
 
+#include <ATen/ops/empty.h>
+
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
@@ -220,10 +222,38 @@ std::vector<std::pair<size_t, std::function<std::string()>>> OptimService::param
   return out;
 }
 
+std::vector<size_t> OptimService::held_params(int64_t id) {
+  auto local = find(id);
+  std::lock_guard<std::mutex> lock(local->mu);
+  if (local->zero) return local->zero->share(local->zero->rank());
+  std::vector<size_t> out(local->params.size());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = i;
+  return out;
+}
+
+void OptimService::check_param_states(int64_t id,
+                                      const std::function<std::string(size_t)>& bytes_of) {
+  auto local = find(id);
+  const Kind kind = local->kind;
+  for (size_t i : held_params(id)) {
+    // A one-parameter optimizer of the kind over a stand-in of the shape.
+    at::Tensor stand_in =
+        at::empty(local->params[i].sizes(), local->params[i].options().device(at::kCPU));
+    auto scratch = make_optimizer(kind, {stand_in}, local->options);
+    try {
+      load_param_state(*scratch, stand_in, bytes_of(i));
+    } catch (const std::exception& e) {
+      throw std::invalid_argument("parameter " + std::to_string(i) + ": " + e.what());
+    }
+  }
+}
+
 void OptimService::load_param_states(int64_t id, const std::function<std::string(size_t)>& bytes_of,
                                      double lr) {
   auto local = find(id);
   if (local->zero) {
+    // (checked whole first: the live optimizer is loaded into in place)
+    check_param_states(id, bytes_of);
     std::lock_guard<std::mutex> lock(local->mu);
     torch::optim::Optimizer* mine = local->zero->local_optimizer();
     for (size_t i : local->zero->share(local->zero->rank())) {

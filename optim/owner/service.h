@@ -75,6 +75,11 @@ class OptimService final : public rpc::AgentExtension,
   std::vector<std::pair<size_t, std::string>> param_states(int64_t id);
   // The same, copied now and made into bytes when each function is called.
   std::vector<std::pair<size_t, std::function<std::string()>>> param_state_snapshots(int64_t id);
+  // The positions param_states answers for, without making any bytes.
+  std::vector<size_t> held_params(int64_t id);
+  // Reads and checks `bytes_of(i)` for each of those, as load_param_states
+  // would, loading nothing (std::invalid_argument naming the parameter).
+  void check_param_states(int64_t id, const std::function<std::string(size_t)>& bytes_of);
   // Loads `bytes_of(i)` into parameter i's state, for each i param_states
   // would answer (a fresh optimizer swapped in once all were read, as
   // load() does), and sets the rate.

@@ -5,6 +5,7 @@
 // nothing loaded, and a failed remote write commits nothing.
 #include <ATen/ops/randn.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
 
 #include <filesystem>
 
@@ -13,6 +14,7 @@
 #include "tandem/checkpoint/job.h"
 #include "tandem/checkpoint/remote.h"
 #include "tandem/optim/distributed_optimizer.h"
+#include "tandem/optim/param_state.h"
 #include "tandem/remote_module/remote_module.h"
 
 using namespace tandem;
@@ -129,10 +131,10 @@ TEST_CASE("checkpoint: a remote part that cannot be written fails the save, comm
   const std::string index = checkpoint::write_part(dir.path, 4, 0, mine);
   CHECK(error_of([&] {
           checkpoint::commit(dir.path, 4, 2, {index});
-        }).find("1 of 2 parts written") != std::string::npos);
+        }).find("no part of rank 1 (of 2)") != std::string::npos);
   CHECK(error_of([&] {
           checkpoint::commit(dir.path, 4, 1, {index, index});
-        }).find("given twice") != std::string::npos);
+        }).find("is negative or given twice") != std::string::npos);
   CHECK(!checkpoint::latest(dir.path));
   checkpoint::commit(dir.path, 4, 1, {index});
   CHECK(checkpoint::latest(dir.path)->step == 4);
@@ -311,4 +313,30 @@ TEST_CASE(
       CHECK(at::allclose(got.at(name), t, 1e-6, 1e-7));
     }
   }
+}
+
+TEST_CASE("checkpoint: a parameter's state snapshot holds its moment's state, not a later one's") {
+  at::manual_seed(4);
+  at::Tensor w = at::randn({3, 2}).requires_grad_();
+  torch::optim::Adam adam({w}, torch::optim::AdamOptions(0.1));
+  auto step = [&] {
+    adam.zero_grad();
+    (w * w).sum().backward();
+    adam.step();
+  };
+  step();
+  REQUIRE(adam.state().size() == 1);
+  auto& live = static_cast<torch::optim::AdamParamState&>(*adam.state().begin()->second);
+  const at::Tensor avg = live.exp_avg().clone();
+  auto snapshot = optim::param_state_snapshot(adam, w);
+  step();  // in place: the live state moves on
+  step();
+  REQUIRE_FALSE(at::equal(live.exp_avg(), avg));
+  at::Tensor w2 = at::zeros({3, 2}).requires_grad_();
+  torch::optim::Adam other({w2}, torch::optim::AdamOptions(0.1));
+  optim::load_param_state(other, w2, snapshot());
+  REQUIRE(other.state().size() == 1);
+  const auto& loaded = static_cast<torch::optim::AdamParamState&>(*other.state().begin()->second);
+  CHECK(at::equal(loaded.exp_avg(), avg));
+  CHECK(loaded.step() == 1);
 }

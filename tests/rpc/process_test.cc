@@ -742,8 +742,10 @@ TEST_CASE("process: a 16-worker world starts, calls all-to-all and shuts down qu
   MESSAGE("16 workers: " << rpc_seconds << " s from rank 0's init to its shutdown's end, "
                          << seconds << " s with starting the processes");
   // (About 0.1 s on an idle 2-core machine; the processes' start, 16 loads
-  // of LibTorch on 2 cores, takes the rest. Tests run beside other work.)
-  CHECK(rpc_seconds < 1.0);
+  // of LibTorch on 2 cores, takes the rest. Tests run beside other work:
+  // beside the examples' check it took 1.03 s once. A guard against a
+  // wait of seconds, not the benchmark: rpc_init in ./dev bench is that.)
+  CHECK(rpc_seconds < 2.5);
 }
 
 TEST_CASE(
