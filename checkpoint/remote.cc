@@ -289,11 +289,9 @@ std::vector<RemotePartWriter> optimizer_writers(const optim::DistributedOptimize
                                                 const std::vector<std::string>& names,
                                                 const std::string& prefix) {
   (void)kRegistered;
-  if (names.size() != [&] {
-        size_t n = 0;
-        for (const auto& p : opt.owner_parts()) n += p.index.size();
-        return n;
-      }()) {
+  size_t params = 0;
+  for (const auto& part : opt.owner_parts()) params += part.index.size();
+  if (names.size() != params) {
     throw std::invalid_argument("checkpoint: " + std::to_string(names.size()) +
                                 " names for the optimizer '" + prefix + "''s parameters");
   }

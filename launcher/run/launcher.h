@@ -110,6 +110,8 @@ class Launcher {
   void on_pending_line(size_t index, const std::string& line);
   void on_node_line(Node& node, const std::string& line);
   void on_node_lost(int node_rank, const std::string& why);
+  // Node 0 and the nodes in the round being run or stopped.
+  int nodes_in_round() const;
   void on_coordinator_line(const std::string& line);
   void connect_to_coordinator();
   void maybe_start_round();

@@ -330,8 +330,7 @@ void Launcher::on_pending_line(size_t index, const std::string& line) {
   report("node " + std::to_string(node_rank) + " joined from " + from);
   nodes_.push_back(std::move(node));
   if (phase_ == Phase::kRunning && !final_code_) {
-    int in_round = 1;
-    for (const Node& n : nodes_) in_round += n.in_round ? 1 : 0;
+    const int in_round = nodes_in_round();
     if (in_round < options_.nnodes) {
       report("round " + std::to_string(round_.number) + " runs with " + std::to_string(in_round) +
              " of " + std::to_string(options_.nnodes) +
@@ -378,15 +377,17 @@ void Launcher::on_node_line(Node& node, const std::string& line) {
   }
 }
 
+int Launcher::nodes_in_round() const {
+  int count = 1;  // node 0
+  for (const Node& node : nodes_) count += node.in_round ? 1 : 0;
+  return count;
+}
+
 void Launcher::on_node_lost(int node_rank, const std::string& why) {
   const std::string what =
       "node " + std::to_string(node_rank) + "'s launcher is gone (" + why + ")";
-  bool was_in_round = false;
-  // (erased already; whether it was in the round is told by the count)
-  int in_round = 1;
-  for (const Node& n : nodes_) in_round += n.in_round ? 1 : 0;
-  was_in_round = phase_ != Phase::kJoining && in_round < round_.nnodes;
-  if (phase_ == Phase::kRunning && was_in_round) {
+  // (erased already: the count tells whether it was in the round)
+  if (phase_ == Phase::kRunning && nodes_in_round() < round_.nnodes) {
     round_failed(what, kExitFailure, true);
   } else {
     report(what);
@@ -598,9 +599,7 @@ void Launcher::check_round_over() {
     for (const Node& node : nodes_) {
       if (node.in_round && !node.done) return;
     }
-    int in_round = 1;
-    for (const Node& n : nodes_) in_round += n.in_round ? 1 : 0;
-    if (in_round < round_.nnodes) return;  // a node's loss is being handled
+    if (nodes_in_round() < round_.nnodes) return;  // a node's loss is being handled
     report("every node's workers exited 0");
     finish(0);
     return;

@@ -186,48 +186,33 @@ std::string OptimService::state(int64_t id) {
   return state_bytes(*local->optimizer);
 }
 
-std::vector<std::pair<size_t, std::string>> OptimService::param_states(int64_t id) {
+std::vector<size_t> OptimService::held(const Local& local) {
+  if (local.zero) return local.zero->share(local.zero->rank());
+  std::vector<size_t> out(local.params.size());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = i;
+  return out;
+}
+
+torch::optim::Optimizer* OptimService::keeper(const Local& local) {
+  return local.zero ? local.zero->local_optimizer() : local.optimizer.get();
+}
+
+std::vector<size_t> OptimService::held_params(int64_t id) {
   auto local = find(id);
   std::lock_guard<std::mutex> lock(local->mu);
-  std::vector<std::pair<size_t, std::string>> out;
-  if (local->zero) {
-    torch::optim::Optimizer* mine = local->zero->local_optimizer();
-    for (size_t i : local->zero->share(local->zero->rank())) {
-      out.emplace_back(i, mine ? param_state_bytes(*mine, local->params[i]) : std::string());
-    }
-    return out;
-  }
-  for (size_t i = 0; i < local->params.size(); ++i) {
-    out.emplace_back(i, param_state_bytes(*local->optimizer, local->params[i]));
-  }
-  return out;
+  return held(*local);
 }
 
 std::vector<std::pair<size_t, std::function<std::string()>>> OptimService::param_state_snapshots(
     int64_t id) {
   auto local = find(id);
   std::lock_guard<std::mutex> lock(local->mu);
+  torch::optim::Optimizer* optimizer = keeper(*local);
   std::vector<std::pair<size_t, std::function<std::string()>>> out;
-  if (local->zero) {
-    torch::optim::Optimizer* mine = local->zero->local_optimizer();
-    for (size_t i : local->zero->share(local->zero->rank())) {
-      out.emplace_back(i, mine ? param_state_snapshot(*mine, local->params[i])
-                               : std::function<std::string()>([] { return std::string(); }));
-    }
-    return out;
+  for (size_t i : held(*local)) {
+    out.emplace_back(i, optimizer ? param_state_snapshot(*optimizer, local->params[i])
+                                  : std::function<std::string()>([] { return std::string(); }));
   }
-  for (size_t i = 0; i < local->params.size(); ++i) {
-    out.emplace_back(i, param_state_snapshot(*local->optimizer, local->params[i]));
-  }
-  return out;
-}
-
-std::vector<size_t> OptimService::held_params(int64_t id) {
-  auto local = find(id);
-  std::lock_guard<std::mutex> lock(local->mu);
-  if (local->zero) return local->zero->share(local->zero->rank());
-  std::vector<size_t> out(local->params.size());
-  for (size_t i = 0; i < out.size(); ++i) out[i] = i;
   return out;
 }
 
@@ -255,9 +240,8 @@ void OptimService::load_param_states(int64_t id, const std::function<std::string
     // (checked whole first: the live optimizer is loaded into in place)
     check_param_states(id, bytes_of);
     std::lock_guard<std::mutex> lock(local->mu);
-    torch::optim::Optimizer* mine = local->zero->local_optimizer();
-    for (size_t i : local->zero->share(local->zero->rank())) {
-      if (mine) load_param_state(*mine, local->params[i], bytes_of(i));
+    if (torch::optim::Optimizer* mine = keeper(*local)) {
+      for (size_t i : held(*local)) load_param_state(*mine, local->params[i], bytes_of(i));
     }
     local->zero->set_lr(lr);
     return;

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <torch/optim/optimizer.h>
 
 #include <cstdint>
 #include <functional>
@@ -69,20 +70,20 @@ class OptimService final : public rpc::AgentExtension,
   // The optimizer's LibTorch archive, and back (with its learning rate).
   std::string state(int64_t id);
   void load(int64_t id, const std::string& bytes, double lr);
-  // Per parameter of this owner's (its params' positions, in order) the
-  // state as optim/param_state.h's bytes, for a checkpoint written here:
-  // all of them, or for a sharded optimizer this replica's share.
-  std::vector<std::pair<size_t, std::string>> param_states(int64_t id);
-  // The same, copied now and made into bytes when each function is called.
-  std::vector<std::pair<size_t, std::function<std::string()>>> param_state_snapshots(int64_t id);
-  // The positions param_states answers for, without making any bytes.
+  // The positions (in its params' order) of the parameters whose state this
+  // owner keeps, for a checkpoint written here: all of them, or for a
+  // sharded optimizer this replica's share.
   std::vector<size_t> held_params(int64_t id);
-  // Reads and checks `bytes_of(i)` for each of those, as load_param_states
-  // would, loading nothing (std::invalid_argument naming the parameter).
+  // Each of those with its state (optim/param_state.h's bytes), copied now
+  // and made into bytes when its function is called.
+  std::vector<std::pair<size_t, std::function<std::string()>>> param_state_snapshots(int64_t id);
+  // Reads and checks `bytes_of(i)` for each held parameter, as
+  // load_param_states would, loading nothing (std::invalid_argument naming
+  // the parameter).
   void check_param_states(int64_t id, const std::function<std::string(size_t)>& bytes_of);
-  // Loads `bytes_of(i)` into parameter i's state, for each i param_states
-  // would answer (a fresh optimizer swapped in once all were read, as
-  // load() does), and sets the rate.
+  // Loads `bytes_of(i)` into each held parameter's state (a fresh optimizer
+  // swapped in once all were read, as load() does; a sharded one checked
+  // whole first), and sets the rate.
   void load_param_states(int64_t id, const std::function<std::string(size_t)>& bytes_of, double lr);
   void destroy(int64_t id);  // idempotent
   size_t live() const;
@@ -98,6 +99,10 @@ class OptimService final : public rpc::AgentExtension,
  private:
   struct Local;
   std::shared_ptr<Local> find(int64_t id) const;
+  // held_params of `local`, whose mu the caller holds; and the optimizer
+  // that keeps their state (null: a sharded one with an empty share).
+  static std::vector<size_t> held(const Local& local);
+  static torch::optim::Optimizer* keeper(const Local& local);
 
   rpc::Agent& agent_;
   mutable std::mutex mu_;

@@ -173,6 +173,18 @@ void train_step(World& w, const nn::RemoteModule& a, const nn::RemoteModule& b,
   opt.step(ctx.id());
 }
 
+// Each pair's modules hold the same values (to float rounding).
+void check_same(std::vector<std::pair<const nn::RemoteModule*, const nn::RemoteModule*>> pairs) {
+  for (const auto& [want_of, got_of] : pairs) {
+    const auto want = want_of->state_dict();
+    const auto got = got_of->state_dict();
+    for (const auto& [name, t] : want) {
+      CAPTURE(name);
+      CHECK(at::allclose(got.at(name), t, 1e-6, 1e-7));
+    }
+  }
+}
+
 std::vector<rpc::RRef<at::Tensor>> params_of(const nn::RemoteModule& a, const nn::RemoteModule& b) {
   auto out = a.remote_parameters();
   for (auto& p : b.remote_parameters()) out.push_back(p);
@@ -216,14 +228,7 @@ TEST_CASE(
     train_step(w, a, b, opt, k);
     train_step(w, a2, b2, opt2, k);
   }
-  for (const auto& [x, y] : {std::pair{&a, &a2}, std::pair{&b, &b2}}) {
-    const auto want = x->state_dict();
-    const auto got = y->state_dict();
-    for (const auto& [name, t] : want) {
-      CAPTURE(name);
-      CHECK(at::allclose(got.at(name), t, 1e-6, 1e-7));
-    }
-  }
+  check_same({{&a, &a2}, {&b, &b2}});
   // The names must cover the parameters; a step without the state is refused by name.
   checkpoint::JobState short_names;
   CHECK(error_of([&] {
@@ -305,14 +310,7 @@ TEST_CASE(
   checkpoint::load_latest_job(dir.path, again);
   train_step(w, a2, b2, opt2, 2);
   train_step(w, ta, tb, twin, 2);
-  for (const auto& [x, y] : {std::pair{&ta, &a2}, std::pair{&tb, &b2}}) {
-    const auto want = x->state_dict();
-    const auto got = y->state_dict();
-    for (const auto& [name, t] : want) {
-      CAPTURE(name);
-      CHECK(at::allclose(got.at(name), t, 1e-6, 1e-7));
-    }
-  }
+  check_same({{&ta, &a2}, {&tb, &b2}});
 }
 
 TEST_CASE("checkpoint: a parameter's state snapshot holds its moment's state, not a later one's") {
