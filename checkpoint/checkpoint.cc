@@ -449,6 +449,13 @@ at::Tensor Reader::tensor(const std::string& name) const {
   return t;
 }
 
+std::vector<int64_t> Reader::shape(const std::string& name) const {
+  const EntryIndex& e = impl_->entry(name);
+  if (!e.is_tensor)
+    throw std::invalid_argument(impl_->path + ": '" + name + "' is bytes, not a tensor");
+  return e.shape;
+}
+
 std::string Reader::bytes(const std::string& name) const {
   const EntryIndex& e = impl_->entry(name);
   if (e.is_tensor)

@@ -201,6 +201,8 @@ class Reader {
   std::vector<std::string> names() const;  // every entry, sorted
   bool contains(const std::string& name) const;
   at::Tensor tensor(const std::string& name) const;
+  // A tensor entry's shape, from the manifest (nothing read).
+  std::vector<int64_t> shape(const std::string& name) const;
   std::string bytes(const std::string& name) const;
   // The rank whose part holds `name`.
   int rank_of(const std::string& name) const;

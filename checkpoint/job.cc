@@ -3,6 +3,7 @@
 #include "tandem/checkpoint/job.h"
 
 #include "tandem/checkpoint/remote.h"
+#include "tandem/checkpoint/slices.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
@@ -14,6 +15,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "tandem/ddp/fully_sharded.h"
 #include "tandem/ddp/sampler.h"
 #include "tandem/optim/lr_scheduler.h"
 #include "tandem/optim/param_state.h"
@@ -43,6 +45,46 @@ int cuda_devices() {
 
 std::string state_name(const std::string& prefix, const std::string& param) {
   return prefix + "/" + param;
+}
+
+// A tensor the step must hold (whole or in slices) in `shape`.
+void check_tensor(const Slices& r, const std::string& name, at::IntArrayRef shape,
+                  const std::string& what) {
+  if (!r.contains(name)) need(r.reader(), name, what);
+  if (const std::string p = r.tensor_problem(name, shape); !p.empty()) {
+    throw std::invalid_argument("checkpoint: " + p);
+  }
+}
+
+// A parameter's optimizer state the step must hold (whole or in slices).
+void check_state(const Slices& r, const std::string& name, int64_t numel,
+                 const std::string& optimizer) {
+  if (!r.contains(name)) need(r.reader(), name, "optimizer '" + optimizer + "'");
+  if (const std::string p = r.state_problem(name, numel); !p.empty()) {
+    throw std::invalid_argument("checkpoint: " + p);
+  }
+}
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+// Each piece of a parameter a rank's FSDP shard holds: fn(k, its name's
+// index in the unit; its offset in the unit's flat buffer; [a, b) of the
+// parameter's flattened elements; where they start in the shard).
+void for_each_piece(const ddp::UnitShard& u,
+                    const std::function<void(size_t, int64_t, int64_t, int64_t)>& fn) {
+  const int64_t size = u.shard.numel();
+  const int64_t lo = static_cast<int64_t>(u.rank) * size;
+  int64_t offset = 0;
+  for (size_t k = 0; k < u.names.size(); ++k) {
+    const int64_t n = numel_of(u.shapes[k]);
+    const int64_t a = std::max(offset, lo), b = std::min(offset + n, lo + size);
+    if (a < b) fn(k, a - offset, b - offset, a - lo);
+    offset += n;
+  }
 }
 
 // A sampler's epoch and this rank's place in it among `replicas`, from the
@@ -88,20 +130,14 @@ JobState& JobState::module(const std::string& prefix, torch::nn::Module& m, bool
     if (!write) return;
     for (const auto& [name, t] : tensors_of(*mod)) p.add(prefix + "." + name, t);
   };
-  item.verify = [prefix, mod](const Reader& r) {
+  item.verify = [prefix, mod](const Slices& r) {
     for (const auto& [name, t] : tensors_of(*mod)) {
-      const std::string entry = prefix + "." + name;
-      need(r, entry, "a tensor of module '" + prefix + "'");
-      const at::Tensor saved = r.tensor(entry);
-      if (!saved.sizes().equals(t.sizes())) {
-        throw std::invalid_argument("checkpoint: '" + entry + "' is " + c10::str(saved.sizes()) +
-                                    " in the step, " + c10::str(t.sizes()) + " here");
-      }
+      check_tensor(r, prefix + "." + name, t.sizes(), "a tensor of module '" + prefix + "'");
     }
   };
-  item.read = [prefix, mod](const Reader& r) {
+  item.read = [prefix, mod](const Slices& r) {
     torch::NoGradGuard no_grad;
-    for (auto& [name, t] : tensors_of(*mod)) t.copy_(r.tensor(prefix + "." + name));
+    for (auto& [name, t] : tensors_of(*mod)) t.copy_(r.tensor(prefix + "." + name, t.sizes()));
   };
   items_.push_back(std::move(item));
   return *this;
@@ -118,14 +154,14 @@ JobState& JobState::optimizer(const std::string& prefix, torch::optim::Optimizer
     for (const auto& [name, t] : *ps)
       p.add_bytes(state_name(prefix, name), optim::param_state_bytes(*o, t));
   };
-  item.verify = [prefix, ps](const Reader& r) {
-    for (const auto& [name, t] : *ps)
-      need(r, state_name(prefix, name), "optimizer '" + prefix + "'");
+  item.verify = [prefix, ps](const Slices& r) {
+    for (const auto& [name, t] : *ps) check_state(r, state_name(prefix, name), t.numel(), prefix);
   };
-  item.read = [prefix, o, ps](const Reader& r) {
+  item.read = [prefix, o, ps](const Slices& r) {
+    const optim::Kind kind = optim::kind_of(*o);
     for (const auto& [name, t] : *ps) {
       try {
-        optim::load_param_state(*o, t, r.bytes(state_name(prefix, name)));
+        optim::load_param_state(*o, t, r.state(kind, state_name(prefix, name), t.sizes()));
       } catch (const std::invalid_argument& e) {
         throw std::invalid_argument("checkpoint: '" + state_name(prefix, name) + "': " + e.what());
       }
@@ -159,17 +195,21 @@ JobState& JobState::optimizer(const std::string& prefix, optim::ZeroRedundancyOp
       p.add_bytes(prefix + "#lr", lr.str());
     }
   };
-  item.verify = [prefix, zp, ns](const Reader& r) {
+  item.verify = [prefix, zp, ns](const Slices& r) {
     for (size_t i : zp->share(zp->rank())) {
-      need(r, state_name(prefix, (*ns)[i]), "optimizer '" + prefix + "'");
+      check_state(r, state_name(prefix, (*ns)[i]), zp->params()[i].numel(), prefix);
     }
   };
-  item.read = [prefix, zp, ns](const Reader& r) {
+  item.read = [prefix, zp, ns](const Slices& slices) {
+    const Reader& r = slices.reader();
     torch::optim::Optimizer* local = zp->local_optimizer();
     for (size_t i : zp->share(zp->rank())) {
       if (!local) break;
+      const at::Tensor& t = zp->params()[i];
       try {
-        optim::load_param_state(*local, zp->params()[i], r.bytes(state_name(prefix, (*ns)[i])));
+        optim::load_param_state(
+            *local, t,
+            slices.state(optim::kind_of(*local), state_name(prefix, (*ns)[i]), t.sizes()));
       } catch (const std::invalid_argument& e) {
         throw std::invalid_argument("checkpoint: '" + state_name(prefix, (*ns)[i]) +
                                     "': " + e.what());
@@ -177,6 +217,102 @@ JobState& JobState::optimizer(const std::string& prefix, optim::ZeroRedundancyOp
     }
     // (a plain optimizer's state carries no rate: the current one stays)
     if (r.contains(prefix + "#lr")) zp->set_lr(std::stod(r.bytes(prefix + "#lr")));
+  };
+  items_.push_back(std::move(item));
+  return *this;
+}
+
+JobState& JobState::module(const std::string& prefix, ddp::FullyShardedDataParallel& f) {
+  ddp::FullyShardedDataParallel* fp = &f;
+  // (with HSDP the replicas hold the same shards: one writes them)
+  const bool write = !f.replicate_group() || f.replicate_group()->rank() == 0;
+  const int rank = rank_;
+  auto buffers = [fp] {
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    for (const auto& b : fp->module()->named_buffers(true)) out.emplace_back(b.key(), b.value());
+    return out;
+  };
+  Item item;
+  item.write = [prefix, fp, write, rank, buffers](Part& p) {
+    if (write) {
+      for (const ddp::UnitShard& u : fp->shards()) {
+        for_each_piece(u, [&](size_t k, int64_t a, int64_t b, int64_t at) {
+          p.add(slice_name(prefix + "." + u.names[k], a, b), u.shard.narrow(0, at, b - a));
+        });
+      }
+    }
+    if (rank == 0) {
+      for (const auto& [name, t] : buffers()) p.add(prefix + "." + name, t);
+    }
+  };
+  item.verify = [prefix, fp, buffers](const Slices& r) {
+    const std::string what = "a tensor of module '" + prefix + "'";
+    for (const ddp::UnitShard& u : fp->shards()) {
+      for (size_t k = 0; k < u.names.size(); ++k) {
+        check_tensor(r, prefix + "." + u.names[k], u.shapes[k], what);
+      }
+    }
+    for (const auto& [name, t] : buffers()) check_tensor(r, prefix + "." + name, t.sizes(), what);
+  };
+  item.read = [prefix, fp, buffers](const Slices& r) {
+    torch::NoGradGuard no_grad;
+    for (const ddp::UnitShard& u : fp->shards()) {
+      at::Tensor shard = u.shard;  // (the live one: shards() copies nothing)
+      shard.zero_();               // (the padding)
+      for_each_piece(u, [&](size_t k, int64_t a, int64_t b, int64_t at) {
+        shard.narrow(0, at, b - a).copy_(r.tensor(prefix + "." + u.names[k], u.shapes[k], a, b));
+      });
+    }
+    for (auto& [name, t] : buffers()) t.copy_(r.tensor(prefix + "." + name, t.sizes()));
+  };
+  items_.push_back(std::move(item));
+  return *this;
+}
+
+JobState& JobState::optimizer(const std::string& prefix, torch::optim::Optimizer& opt,
+                              ddp::FullyShardedDataParallel& f) {
+  const optim::Kind kind = optim::kind_of(opt);
+  torch::optim::Optimizer* o = &opt;
+  ddp::FullyShardedDataParallel* fp = &f;
+  const bool write = !f.replicate_group() || f.replicate_group()->rank() == 0;
+  Item item;
+  item.write = [prefix, o, fp, write](Part& p) {
+    if (!write) return;
+    const std::vector<at::Tensor> params = fp->parameters();
+    const std::vector<ddp::UnitShard> shards = fp->shards();
+    for (size_t s = 0; s < shards.size(); ++s) {
+      const ddp::UnitShard& u = shards[s];
+      for_each_piece(u, [&](size_t k, int64_t a, int64_t b, int64_t at) {
+        p.add_bytes(slice_name(state_name(prefix, u.names[k]), a, b),
+                    optim::param_state_slice_bytes(*o, params[s], at, b - a));
+      });
+    }
+  };
+  item.verify = [prefix, fp](const Slices& r) {
+    for (const ddp::UnitShard& u : fp->shards()) {
+      for (size_t k = 0; k < u.names.size(); ++k) {
+        check_state(r, state_name(prefix, u.names[k]), numel_of(u.shapes[k]), prefix);
+      }
+    }
+  };
+  item.read = [prefix, o, fp, kind](const Slices& r) {
+    const std::vector<at::Tensor> params = fp->parameters();
+    const std::vector<ddp::UnitShard> shards = fp->shards();
+    for (size_t s = 0; s < shards.size(); ++s) {
+      const ddp::UnitShard& u = shards[s];
+      std::vector<optim::StatePiece> pieces;
+      for_each_piece(u, [&](size_t k, int64_t a, int64_t b, int64_t at) {
+        r.state_pieces(state_name(prefix, u.names[k]), numel_of(u.shapes[k]), a, b, at, pieces);
+      });
+      const std::string unit = u.unit.empty() ? "the root unit" : "unit '" + u.unit + "'";
+      try {
+        optim::load_param_state(*o, params[s],
+                                optim::join_param_states(kind, {u.shard.numel()}, pieces));
+      } catch (const std::invalid_argument& e) {
+        throw std::invalid_argument("checkpoint: optimizer '" + prefix + "', the shard of " + unit +
+                                    ": " + e.what());
+      }
+    }
   };
   items_.push_back(std::move(item));
   return *this;
@@ -193,9 +329,9 @@ JobState& JobState::sampler(const std::string& name, ddp::DistributedSampler& s)
     const bool whole = sp->position() >= sp->num_samples();
     p.add_bytes(name, std::to_string(sp->epoch()) + " " + (whole ? "end" : std::to_string(done)));
   };
-  item.verify = [name, sp](const Reader& r) { sampler_place(r, name, *sp); };
-  item.read = [name, sp](const Reader& r) {
-    const auto [epoch, position] = sampler_place(r, name, *sp);
+  item.verify = [name, sp](const Slices& r) { sampler_place(r.reader(), name, *sp); };
+  item.read = [name, sp](const Slices& r) {
+    const auto [epoch, position] = sampler_place(r.reader(), name, *sp);
     sp->resume(epoch, position);
   };
   items_.push_back(std::move(item));
@@ -213,9 +349,9 @@ JobState& JobState::scheduler(const std::string& name, optim::LRScheduler& s) {
     out << sp->last_epoch() << " " << sp->base_lr();
     p.add_bytes(name, out.str());
   };
-  item.verify = [name](const Reader& r) { need(r, name, "a learning-rate schedule"); };
-  item.read = [name, sp](const Reader& r) {
-    std::istringstream in(r.bytes(name));
+  item.verify = [name](const Slices& r) { need(r.reader(), name, "a learning-rate schedule"); };
+  item.read = [name, sp](const Slices& r) {
+    std::istringstream in(r.reader().bytes(name));
     optim::LRScheduler::State st;
     if (!(in >> st.last_epoch >> st.base_lr)) {
       throw std::invalid_argument("checkpoint: '" + name + "' is not a schedule's state");
@@ -242,8 +378,9 @@ JobState& JobState::random(const std::string& name) {
       p.add(mine + "/cuda" + std::to_string(i), gen.get_state());
     }
   };
-  item.verify = [](const Reader&) {};
-  item.read = [mine](const Reader& r) {
+  item.verify = [](const Slices&) {};
+  item.read = [mine](const Slices& slices) {
+    const Reader& r = slices.reader();
     // (a rank, or a GPU, the step had none for keeps its own)
     if (r.contains(mine)) {
       auto gen = at::detail::getDefaultCPUGenerator();
@@ -268,8 +405,8 @@ JobState& JobState::record(const std::string& name, std::string* bytes) {
   item.write = [name, bytes, rank](Part& p) {
     if (rank == 0) p.add_bytes(name, *bytes);
   };
-  item.verify = [name](const Reader& r) { need(r, name, "a record"); };
-  item.read = [name, bytes](const Reader& r) { *bytes = r.bytes(name); };
+  item.verify = [name](const Slices& r) { need(r.reader(), name, "a record"); };
+  item.read = [name, bytes](const Slices& r) { *bytes = r.reader().bytes(name); };
   items_.push_back(std::move(item));
   return *this;
 }
@@ -278,11 +415,11 @@ JobState& JobState::remote_module(const std::string& prefix, const nn::RemoteMod
                                   int64_t first_layer, bool write) {
   Item item;
   item.write = [](Part&) {};
-  item.verify = [&m, prefix, first_layer](const Reader& r) {
-    load_module_part(m, r.path(), prefix, first_layer, true);
+  item.verify = [&m, prefix, first_layer](const Slices& r) {
+    load_module_part(m, r.reader().path(), prefix, first_layer, true);
   };
-  item.read = [&m, prefix, first_layer](const Reader& r) {
-    load_module_part(m, r.path(), prefix, first_layer, false);
+  item.read = [&m, prefix, first_layer](const Slices& r) {
+    load_module_part(m, r.reader().path(), prefix, first_layer, false);
   };
   if (write) item.remote.push_back(module_writer(m, prefix, first_layer));
   items_.push_back(std::move(item));
@@ -298,11 +435,11 @@ JobState& JobState::distributed_optimizer(const std::string& prefix,
   std::vector<RemotePartWriter> writers = optimizer_writers(opt, names, prefix);
   auto ns = std::make_shared<std::vector<std::string>>(std::move(names));
   optim::DistributedOptimizer* op = &opt;
-  item.verify = [op, ns, prefix](const Reader& r) {
-    load_optimizer_parts(*op, *ns, r.path(), prefix, true);
+  item.verify = [op, ns, prefix](const Slices& r) {
+    load_optimizer_parts(*op, *ns, r.reader().path(), prefix, true);
   };
-  item.read = [op, ns, prefix](const Reader& r) {
-    load_optimizer_parts(*op, *ns, r.path(), prefix, false);
+  item.read = [op, ns, prefix](const Slices& r) {
+    load_optimizer_parts(*op, *ns, r.reader().path(), prefix, false);
   };
   if (write) item.remote = std::move(writers);
   items_.push_back(std::move(item));
@@ -324,8 +461,9 @@ std::vector<RemotePartWriter> JobState::remote_writers() const {
 }
 
 void JobState::load(const Reader& reader) {
-  for (const auto& item : items_) item.verify(reader);
-  for (const auto& item : items_) item.read(reader);
+  const Slices slices(reader);
+  for (const auto& item : items_) item.verify(slices);
+  for (const auto& item : items_) item.read(slices);
 }
 
 void save_job(const std::string& dir, int64_t step, const JobState& state,

@@ -19,6 +19,10 @@
 //     (optim/param_state.h), whoever held them. So a state saved with
 //     ZeroRedundancyOptimizer on 2 ranks loads into ZeroRedundancyOptimizer
 //     on 3, or into a plain LibTorch optimizer on 1, and goes on exactly.
+//     FullyShardedDataParallel's ranks write each parameter's pieces as
+//     flat slices of those names ("<prefix>.<name>#<start>:<end>"); every
+//     loader takes a tensor or a state whole or from its slices, so FSDP on
+//     2 ranks goes on with FSDP on 3, ZeRO, or one process, and back.
 //  2. load() reads every registered piece and refuses, naming it, one the
 //     step does not hold or holds in another shape; nothing is half loaded
 //     on a refusal of a module's tensor (all are checked first).
@@ -47,7 +51,8 @@
 
 namespace tandem::ddp {
 class DistributedSampler;
-}
+class FullyShardedDataParallel;
+}  // namespace tandem::ddp
 namespace tandem::nn {
 class RemoteModule;
 }
@@ -58,6 +63,8 @@ class DistributedOptimizer;
 }  // namespace tandem::optim
 
 namespace tandem::checkpoint {
+
+class Slices;  // checkpoint/slices.h
 
 class JobState {
  public:
@@ -76,6 +83,23 @@ class JobState {
   // names, in order. Its learning rate travels too (rank 0's).
   JobState& optimizer(const std::string& prefix, optim::ZeroRedundancyOptimizer& optimizer,
                       std::vector<std::string> names);
+  // A FullyShardedDataParallel model: each rank writes, of every parameter
+  // its shard holds a piece of, that piece as "<prefix>.<name>#<start>:<end>"
+  // (its flattened elements [start, end); with HSDP the replicate group's
+  // rank 0 alone), and this rank's buffers if it is rank 0. It loads on any
+  // number of ranks, each taking the pieces its shard overlaps, from such
+  // slices or from a whole "<prefix>.<name>" (module(), ZeRO, a pipeline's
+  // stages); module() loads the slices too. `f` must outlive the JobState.
+  JobState& module(const std::string& prefix, ddp::FullyShardedDataParallel& f);
+  // The optimizer over f.parameters() (LibTorch's SGD, Adam, AdamW, Adagrad,
+  // RMSprop): each shard's state cut by parameter as module(f) cuts the
+  // shard ("<prefix>/<name>#<start>:<end>", each the state of a parameter of
+  // [end - start]), so that it loads into FSDP on another number of ranks,
+  // and into ZeRO or a plain optimizer, and back. Elements of a shard no
+  // saved state covers (a parameter that had none) start from zeros, with
+  // the other pieces' step count.
+  JobState& optimizer(const std::string& prefix, torch::optim::Optimizer& optimizer,
+                      ddp::FullyShardedDataParallel& f);
   JobState& sampler(const std::string& name, ddp::DistributedSampler& sampler);
   // A DistributedOptimizer's schedule (its last epoch and base rate).
   JobState& scheduler(const std::string& name, optim::LRScheduler& scheduler);
@@ -109,8 +133,8 @@ class JobState {
  private:
   struct Item {
     std::function<void(Part&)> write;
-    std::function<void(const Reader&)> verify;  // throws before anything is read
-    std::function<void(const Reader&)> read;
+    std::function<void(const Slices&)> verify;  // throws before anything is read
+    std::function<void(const Slices&)> read;
     std::vector<RemotePartWriter> remote;  // the parts other workers write of it
   };
   std::vector<Item> items_;

@@ -3,6 +3,7 @@
 // on a DistributedOptimizer's optimizer (by its id on the owner), and the
 // callers' side.
 #include "tandem/checkpoint/remote.h"
+#include "tandem/checkpoint/slices.h"
 
 #include <ATen/core/grad_mode.h>
 #include <c10/util/StringUtil.h>
@@ -105,22 +106,20 @@ class PartService final : public rpc::AgentExtension {
                                                      bool check_only) {
       auto s = served(m, "checkpoint: loading '" + prefix + "'");
       Reader reader(path);
+      const Slices slices(reader);  // (whole, or in an FSDP job's slices)
       const auto mine = saved_names(*s, prefix, first_layer);
       std::string problems;
       auto problem = [&](const std::string& p) { problems += (problems.empty() ? "" : "; ") + p; };
       for (const auto& [name, t] : mine) {
-        if (!reader.contains(name)) problem(name + " is missing");
+        if (!slices.contains(name)) {
+          problem(name + " is missing");
+        } else if (const std::string p = slices.tensor_problem(name, t.sizes()); !p.empty()) {
+          problem(p);
+        }
       }
       std::vector<at::Tensor> values;
       if (problems.empty()) {
-        for (const auto& [name, t] : mine) {
-          at::Tensor v = reader.tensor(name);
-          if (v.sizes() != t.sizes()) {
-            problem(name + " has shape " + c10::str(v.sizes()) + ", the module's " +
-                    c10::str(t.sizes()));
-          }
-          values.push_back(std::move(v));
-        }
+        for (const auto& [name, t] : mine) values.push_back(slices.tensor(name, t.sizes()));
       }
       if (!problems.empty()) {
         throw std::invalid_argument("checkpoint " + path + " cannot load into " + s->what + " '" +
@@ -130,33 +129,37 @@ class PartService final : public rpc::AgentExtension {
       at::NoGradGuard no_grad;
       for (size_t i = 0; i < mine.size(); ++i) mine[i].second.copy_(values[i]);
     });
-    internal.def(
-        "tandem.checkpoint.load_optimizer",
-        [this](int64_t id, std::string path, std::string prefix, std::vector<std::string> names,
-               bool check_only, double lr) {
-          Reader reader(path);
-          auto service = optim::owner::OptimService::of(agent_);
-          std::string missing;
-          for (size_t i : service->held_params(id)) {
-            const std::string name = prefix + "/" + names.at(i);
-            if (!reader.contains(name)) missing += (missing.empty() ? "" : ", ") + name;
-          }
-          if (!missing.empty()) {
-            throw std::invalid_argument("checkpoint " + path + " holds no " + missing +
-                                        " (the optimizer state of " + agent_.name() + ")");
-          }
-          const auto bytes_of = [&](size_t i) { return reader.bytes(prefix + "/" + names.at(i)); };
-          try {
-            if (check_only) {
-              service->check_param_states(id, bytes_of);
-            } else {
-              service->load_param_states(id, bytes_of, lr);
-            }
-          } catch (const std::invalid_argument& e) {
-            throw std::invalid_argument("checkpoint " + path + ", the optimizer state of " +
-                                        agent_.name() + ": " + e.what());
-          }
-        });
+    internal.def("tandem.checkpoint.load_optimizer",
+                 [this](int64_t id, std::string path, std::string prefix,
+                        std::vector<std::string> names, bool check_only, double lr) {
+                   Reader reader(path);
+                   const Slices slices(reader);  // (whole, or in an FSDP job's slices)
+                   auto service = optim::owner::OptimService::of(agent_);
+                   const auto [kind, shapes] = service->layout(id);
+                   std::string missing;
+                   for (size_t i : service->held_params(id)) {
+                     const std::string name = prefix + "/" + names.at(i);
+                     if (!slices.contains(name)) missing += (missing.empty() ? "" : ", ") + name;
+                   }
+                   if (!missing.empty()) {
+                     throw std::invalid_argument("checkpoint " + path + " holds no " + missing +
+                                                 " (the optimizer state of " + agent_.name() + ")");
+                   }
+                   const auto bytes_of = [&, kind = kind, shapes = shapes](size_t i) {
+                     return slices.state(kind, prefix + "/" + names.at(i), shapes.at(i));
+                   };
+                   try {
+                     if (check_only) {
+                       service->check_param_states(id, bytes_of);
+                     } else {
+                       service->load_param_states(id, bytes_of, lr);
+                     }
+                   } catch (const std::invalid_argument& e) {
+                     throw std::invalid_argument("checkpoint " + path +
+                                                 ", the optimizer state of " + agent_.name() +
+                                                 ": " + e.what());
+                   }
+                 });
   }
 
   void before_send(rpc::Message&, int) override {}

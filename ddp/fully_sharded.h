@@ -149,6 +149,13 @@ class FullyShardedDataParallel {
   // must be there, with its shape), and its buffers.
   void load_full_state_dict(const std::vector<std::pair<std::string, at::Tensor>>& state);
   std::vector<UnitShard> sharded_state_dict() const;
+  // The same without the copies: each `shard` is the live shard, detached
+  // (what parameters() holds), in parameters()' order. checkpoint::JobState
+  // writes a job's checkpoint from it, each parameter's slices by name, so
+  // that another world size loads them (checkpoint/job.h).
+  std::vector<UnitShard> shards() const;
+  // FSDPOptions::replicate_group (null without HSDP).
+  std::shared_ptr<ProcessGroup> replicate_group() const;
   // Takes shards saved by this rank of a group of this size over this
   // model; anything else is an error naming what differs.
   void load_sharded_state_dict(const std::vector<UnitShard>& shards);

@@ -74,4 +74,80 @@ void load_param_state(torch::optim::Optimizer& optimizer, const at::Tensor& para
   owner::move_state(*alone, optimizer, stand_in, param);
 }
 
+std::string param_state_slice_bytes(const torch::optim::Optimizer& optimizer,
+                                    const at::Tensor& param, int64_t start, int64_t numel) {
+  const torch::optim::OptimizerParamState* state = owner::find_state(optimizer, param);
+  if (!state) return "";
+  if (start < 0 || numel < 0 || start + numel > param.numel()) {
+    throw std::invalid_argument("param_state_slice_bytes: elements [" + std::to_string(start) +
+                                ", " + std::to_string(start + numel) + ") of a parameter of " +
+                                std::to_string(param.numel()));
+  }
+  at::Tensor stand_in = at::zeros({numel}, param.options().device(at::kCPU));
+  auto alone = owner::make_optimizer(kind_of(optimizer), {stand_in}, Options{});
+  std::unique_ptr<torch::optim::OptimizerParamState> slice = state->clone();
+  owner::map_tensors(*slice, [&](const at::Tensor& t) {
+    return t.reshape({-1}).narrow(0, start, numel).to(at::kCPU, false, /*copy=*/true);
+  });
+  alone->state()[owner::state_key_of(stand_in)] = std::move(slice);
+  return owner::state_bytes(*alone);
+}
+
+std::string join_param_states(Kind kind, at::IntArrayRef shape,
+                              const std::vector<StatePiece>& pieces) {
+  int64_t total = 1;
+  for (int64_t d : shape) total *= d;
+  std::unique_ptr<torch::optim::OptimizerParamState> joined;
+  std::vector<bool> defined;
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    const StatePiece& piece = pieces[k];
+    const std::string which = "piece " + std::to_string(k) + " of the state: ";
+    if (piece.from < 0 || piece.to < 0 || piece.count < 0 ||
+        piece.from + piece.count > piece.numel || piece.to + piece.count > total) {
+      throw std::invalid_argument(which + "elements out of range");
+    }
+    if (piece.bytes.empty()) continue;
+    at::Tensor stand_in = at::zeros({piece.numel});
+    auto alone = owner::make_optimizer(kind, {stand_in}, Options{});
+    try {
+      owner::load_state_bytes(*alone, piece.bytes);
+    } catch (const c10::Error& e) {
+      throw std::invalid_argument(which + "not " + kind_name(kind) +
+                                  "'s for one parameter: " + e.what_without_backtrace());
+    }
+    const torch::optim::OptimizerParamState* state = owner::find_state(*alone, stand_in);
+    if (!state) continue;
+    const std::vector<at::Tensor> tensors = owner::state_tensors(*state);
+    for (const at::Tensor& t : tensors) {
+      if (t.defined() && t.numel() != piece.numel) {
+        throw std::invalid_argument(which + "a state of " + std::to_string(t.numel()) +
+                                    " elements, not " + std::to_string(piece.numel));
+      }
+    }
+    if (!joined) {
+      joined = state->clone();
+      owner::map_tensors(*joined, [&](const at::Tensor& t) {
+        return at::zeros({total}, t.options().device(at::kCPU));
+      });
+      for (const at::Tensor& t : tensors) defined.push_back(t.defined());
+    }
+    const std::vector<at::Tensor> into = owner::state_tensors(*joined);
+    for (size_t j = 0; j < tensors.size(); ++j) {
+      if (tensors[j].defined() != defined[j]) {
+        throw std::invalid_argument(which + "its state holds other tensors than the first's");
+      }
+      if (!defined[j] || piece.count == 0) continue;
+      into[j]
+          .narrow(0, piece.to, piece.count)
+          .copy_(tensors[j].reshape({-1}).narrow(0, piece.from, piece.count));
+    }
+  }
+  if (!joined) return "";
+  owner::map_tensors(*joined, [&](const at::Tensor& t) { return t.view(shape); });
+  at::Tensor stand_in = at::zeros(shape);
+  auto alone = owner::make_optimizer(kind, {stand_in}, Options{});
+  alone->state()[owner::state_key_of(stand_in)] = std::move(joined);
+  return owner::state_bytes(*alone);
+}
+
 }  // namespace tandem::optim

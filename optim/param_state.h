@@ -18,6 +18,7 @@
 
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "tandem/optim/options.h"
 
@@ -34,5 +35,29 @@ std::function<std::string()> param_state_snapshot(const torch::optim::Optimizer&
                                                   const at::Tensor& param);
 void load_param_state(torch::optim::Optimizer& optimizer, const at::Tensor& param,
                       const std::string& bytes);
+
+// A flat slice of a parameter's state: elements [start, start + numel) of
+// its flattened state tensors, as the bytes of a parameter of shape [numel]
+// (what each FullyShardedDataParallel rank saves of the parameters its
+// shard holds a piece of). "" when the optimizer keeps no state for it.
+std::string param_state_slice_bytes(const torch::optim::Optimizer& optimizer,
+                                    const at::Tensor& param, int64_t start, int64_t numel);
+
+// One piece of a state being joined: `bytes` hold a parameter's state (of
+// any shape, `numel` elements; "" for none); its flattened elements [from,
+// from + count) go to [to, to + count) of the joined parameter's.
+struct StatePiece {
+  std::string bytes;
+  int64_t numel = 0;
+  int64_t from = 0, to = 0, count = 0;
+};
+// The state of a parameter of `shape`, made of `pieces` of saved states of
+// `kind` (elements no piece covers, and those of a piece without state, are
+// zeros; the step counts are the first piece's): the bytes load_param_state
+// takes. "" when no piece holds state. std::invalid_argument naming the
+// piece (its index) that is of another kind or size, or whose tensors
+// differ from the first's.
+std::string join_param_states(Kind kind, at::IntArrayRef shape,
+                              const std::vector<StatePiece>& pieces);
 
 }  // namespace tandem::optim

@@ -90,6 +90,16 @@ void FullyShardedDataParallel::load_full_state_dict(
 }
 
 std::vector<UnitShard> FullyShardedDataParallel::sharded_state_dict() const {
+  std::vector<UnitShard> out = shards();
+  for (UnitShard& s : out) s.shard = s.shard.clone();
+  return out;
+}
+
+std::shared_ptr<ProcessGroup> FullyShardedDataParallel::replicate_group() const {
+  return impl_->opt.replicate_group;
+}
+
+std::vector<UnitShard> FullyShardedDataParallel::shards() const {
   const Impl& m = *impl_;
   std::vector<UnitShard> out;
   for (const auto& u : m.units) {
@@ -103,7 +113,7 @@ std::vector<UnitShard> FullyShardedDataParallel::sharded_state_dict() const {
     s.numel = u.numel;
     s.rank = m.rank();
     s.world_size = m.size();
-    s.shard = u.shard.detach().clone();
+    s.shard = u.shard.detach();
     out.push_back(std::move(s));
   }
   return out;
@@ -112,7 +122,7 @@ std::vector<UnitShard> FullyShardedDataParallel::sharded_state_dict() const {
 void FullyShardedDataParallel::load_sharded_state_dict(const std::vector<UnitShard>& shards) {
   Impl& m = *impl_;
   const std::string who = "FullyShardedDataParallel::load_sharded_state_dict: ";
-  auto mine = sharded_state_dict();
+  auto mine = this->shards();
   if (shards.size() != mine.size()) {
     throw std::invalid_argument(who + std::to_string(shards.size()) + " shards, this model has " +
                                 std::to_string(mine.size()) + " units with parameters");

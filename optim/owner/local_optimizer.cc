@@ -134,31 +134,36 @@ std::vector<at::Tensor> state_tensors(const torch::optim::OptimizerParamState& s
   return {};
 }
 
+void map_tensors(torch::optim::OptimizerParamState& s,
+                 const std::function<at::Tensor(const at::Tensor&)>& fn) {
+  using namespace torch::optim;
+  auto f = [&](const at::Tensor& t) { return t.defined() ? fn(t) : t; };
+  if (auto* x = dynamic_cast<SGDParamState*>(&s)) {
+    x->momentum_buffer(f(x->momentum_buffer()));
+  } else if (auto* x = dynamic_cast<AdamParamState*>(&s)) {
+    x->exp_avg(f(x->exp_avg()));
+    x->exp_avg_sq(f(x->exp_avg_sq()));
+    x->max_exp_avg_sq(f(x->max_exp_avg_sq()));
+  } else if (auto* x = dynamic_cast<AdamWParamState*>(&s)) {
+    x->exp_avg(f(x->exp_avg()));
+    x->exp_avg_sq(f(x->exp_avg_sq()));
+    x->max_exp_avg_sq(f(x->max_exp_avg_sq()));
+  } else if (auto* x = dynamic_cast<AdagradParamState*>(&s)) {
+    x->sum(f(x->sum()));
+  } else if (auto* x = dynamic_cast<RMSpropParamState*>(&s)) {
+    x->square_avg(f(x->square_avg()));
+    x->momentum_buffer(f(x->momentum_buffer()));
+    x->grad_avg(f(x->grad_avg()));
+  }
+}
+
 std::unique_ptr<torch::optim::OptimizerParamState> deep_copy(
     const torch::optim::OptimizerParamState& s) {
-  using namespace torch::optim;
+  std::unique_ptr<torch::optim::OptimizerParamState> out = s.clone();
   // (into host memory: a copy on the GPU would double the state there)
-  auto copy = [](const at::Tensor& t) {
-    return t.defined() ? t.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true) : t;
-  };
-  std::unique_ptr<OptimizerParamState> out = s.clone();
-  if (auto* x = dynamic_cast<SGDParamState*>(out.get())) {
-    x->momentum_buffer(copy(x->momentum_buffer()));
-  } else if (auto* x = dynamic_cast<AdamParamState*>(out.get())) {
-    x->exp_avg(copy(x->exp_avg()));
-    x->exp_avg_sq(copy(x->exp_avg_sq()));
-    x->max_exp_avg_sq(copy(x->max_exp_avg_sq()));
-  } else if (auto* x = dynamic_cast<AdamWParamState*>(out.get())) {
-    x->exp_avg(copy(x->exp_avg()));
-    x->exp_avg_sq(copy(x->exp_avg_sq()));
-    x->max_exp_avg_sq(copy(x->max_exp_avg_sq()));
-  } else if (auto* x = dynamic_cast<AdagradParamState*>(out.get())) {
-    x->sum(copy(x->sum()));
-  } else if (auto* x = dynamic_cast<RMSpropParamState*>(out.get())) {
-    x->square_avg(copy(x->square_avg()));
-    x->momentum_buffer(copy(x->momentum_buffer()));
-    x->grad_avg(copy(x->grad_avg()));
-  }
+  map_tensors(*out, [](const at::Tensor& t) {
+    return t.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
+  });
   return out;
 }
 

@@ -15,6 +15,7 @@
 
 #include <torch/version.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -63,6 +64,10 @@ void load_state_bytes(torch::optim::Optimizer& optimizer, const std::string& byt
 
 // The tensors of one parameter's state (some may be undefined).
 std::vector<at::Tensor> state_tensors(const torch::optim::OptimizerParamState& state);
+// Replaces each defined tensor t of one parameter's state by fn(t) (in
+// state_tensors' order).
+void map_tensors(torch::optim::OptimizerParamState& state,
+                 const std::function<at::Tensor(const at::Tensor&)>& fn);
 // A copy of one parameter's state whose tensors are copies too, in host
 // memory (LibTorch's clone() shares them): what stays as it is while the
 // optimizer steps on.

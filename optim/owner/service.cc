@@ -203,6 +203,13 @@ std::vector<size_t> OptimService::held_params(int64_t id) {
   return held(*local);
 }
 
+std::pair<Kind, std::vector<std::vector<int64_t>>> OptimService::layout(int64_t id) {
+  auto local = find(id);
+  std::vector<std::vector<int64_t>> shapes;
+  for (const at::Tensor& p : local->params) shapes.push_back(p.sizes().vec());
+  return {local->kind, std::move(shapes)};
+}
+
 std::vector<std::pair<size_t, std::function<std::string()>>> OptimService::param_state_snapshots(
     int64_t id) {
   auto local = find(id);

@@ -74,6 +74,8 @@ class OptimService final : public rpc::AgentExtension,
   // owner keeps, for a checkpoint written here: all of them, or for a
   // sharded optimizer this replica's share.
   std::vector<size_t> held_params(int64_t id);
+  // Its kind, and its parameters' shapes (in its params' order).
+  std::pair<Kind, std::vector<std::vector<int64_t>>> layout(int64_t id);
   // Each of those with its state (optim/param_state.h's bytes), copied now
   // and made into bytes when its function is called.
   std::vector<std::pair<size_t, std::function<std::string()>>> param_state_snapshots(int64_t id);

@@ -5,8 +5,12 @@
 // random generator and a record come back; what does not fit is refused by
 // name.
 #include <ATen/ops/cross_entropy_loss.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/randn.h>
+#include <ATen/ops/relu.h>
+#include <ATen/ops/zeros.h>
 #include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
 
 #include <filesystem>
 #include <map>
@@ -16,7 +20,10 @@
 #include "ddp/ddp_support.h"
 #include "shard/shard_support.h"
 #include "tandem/checkpoint/job.h"
+#include "tandem/ddp/fully_sharded.h"
 #include "tandem/ddp/sampler.h"
+#include "tandem/optim/owner/local_optimizer.h"
+#include "tandem/optim/param_state.h"
 #include "tandem/optim/zero_redundancy_optimizer.h"
 
 using namespace tandem;
@@ -171,6 +178,304 @@ TEST_CASE("job: saved with ZeRO on 2 ranks, it goes on with ZeRO on 3 and with A
     CHECK(error_of([&] {
             checkpoint::load_latest_job(tmp.path, typo);
           }).find("the step holds no 'adamw/fc1.weight' (optimizer 'adamw')") != std::string::npos);
+  }
+}
+
+namespace {
+
+// Net under FullyShardedDataParallel (fc1 and fc2 units of their own; fc3
+// and the unused layer the root) with Adam over its shards, on a rank of
+// `group` (and, for HSDP, `replicate`). Every rank steps on the whole batch:
+// the averaged gradient is the one process's.
+struct Sharded {
+  Sharded(uint64_t seed, std::shared_ptr<ddp::ProcessGroup> group,
+          std::shared_ptr<ddp::ProcessGroup> replicate = nullptr)
+      : net(test::shard::make_net(seed)) {
+    ddp::FSDPOptions o;
+    o.units = {"fc1", "fc2"};
+    o.replicate_group = std::move(replicate);
+    fsdp = std::make_unique<ddp::FullyShardedDataParallel>(net.ptr(), o, std::move(group));
+    adam = std::make_unique<torch::optim::Adam>(fsdp->parameters(), torch::optim::AdamOptions(kLr));
+  }
+  void step(int k) {
+    adam->zero_grad();
+    auto b = test::shard::concat_of(kBase, 2, k);
+    at::Tensor out = fsdp->forward([&] {
+      at::Tensor h = fsdp->run("fc1", [&] { return at::relu(net->fc1(b.x)); });
+      h = fsdp->run("fc2", [&] { return at::relu(net->fc2(h)); });
+      return net->fc3(h);
+    });
+    at::cross_entropy_loss(out, b.y).backward();
+    adam->step();
+  }
+  // Collective: every parameter, on rank 0.
+  std::map<std::string, at::Tensor> values() {
+    std::map<std::string, at::Tensor> out;
+    for (auto& [name, t] : fsdp->full_state_dict(0)) out[name] = t;
+    return out;
+  }
+  Net net;
+  std::unique_ptr<ddp::FullyShardedDataParallel> fsdp;
+  std::unique_ptr<torch::optim::Adam> adam;
+};
+
+void check_values(const std::map<std::string, at::Tensor>& got,
+                  const std::map<std::string, at::Tensor>& want) {
+  REQUIRE(got.size() == want.size());
+  for (const auto& [name, t] : want) {
+    CAPTURE(name);
+    CHECK(at::allclose(got.at(name), t, 1e-5, 1e-7));
+  }
+}
+
+// The one-process run: 6 steps.
+std::map<std::string, at::Tensor> reference_run() {
+  Net ref = test::shard::make_net(41);
+  torch::optim::Adam ref_adam(ref->parameters(), torch::optim::AdamOptions(kLr));
+  for (int k = 0; k < 6; ++k) {
+    ref_adam.zero_grad();
+    backward_at(ref, k);
+    ref_adam.step();
+  }
+  return values_of(ref);
+}
+
+}  // namespace
+
+TEST_CASE("job: FSDP's shards saved on 2 ranks go on with FSDP on 3, in one process, and back") {
+  TempDir tmp;
+  const auto want = reference_run();
+  {
+    Groups g(2);
+    on_ranks(2, [&](int r) {
+      Sharded job(41, g.groups[r]);
+      for (int k = 0; k < 3; ++k) job.step(k);
+      std::string step = "3";
+      checkpoint::JobState state(r);
+      state.module("net", *job.fsdp).optimizer("adam", *job.adam, *job.fsdp).record("step", &step);
+      checkpoint::SaveOptions so;
+      so.group = g.groups[r];
+      checkpoint::save_job(tmp.path, 3, state, so);
+    });
+  }
+  // Each parameter in slices by the ranks whose shards hold a piece of it:
+  // fc1 (13 x 6 + 13 = 91 elements, padded to 92) is cut at 46.
+  {
+    checkpoint::Reader reader(checkpoint::latest(tmp.path)->path);
+    CHECK_FALSE(reader.contains("net.fc1.weight"));
+    CHECK(reader.shape("net.fc1.weight#0:46") == std::vector<int64_t>{46});
+    CHECK(reader.rank_of("net.fc1.weight#0:46") == 0);
+    CHECK(reader.rank_of("net.fc1.weight#46:78") == 1);
+    CHECK(reader.rank_of("net.fc1.bias#0:13") == 1);
+    CHECK(reader.rank_of("adam/fc1.weight#46:78") == 1);
+  }
+
+  SUBCASE("FSDP on 3 ranks") {
+    Groups g(3);
+    std::map<std::string, at::Tensor> got;
+    on_ranks(3, [&](int r) {
+      Sharded job(99, g.groups[r]);  // other values: the checkpoint's replace them
+      std::string step;
+      checkpoint::JobState state(r);
+      state.module("net", *job.fsdp).optimizer("adam", *job.adam, *job.fsdp).record("step", &step);
+      CHECK(checkpoint::load_latest_job(tmp.path, state) == 3);
+      CHECK(step == "3");
+      for (int k = 3; k < 6; ++k) job.step(k);
+      auto v = job.values();
+      if (r == 0) got = v;
+    });
+    check_values(got, want);
+  }
+  SUBCASE("in one process, with LibTorch's Adam") {
+    Net net = test::shard::make_net(99);
+    torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(kLr));
+    std::vector<std::pair<std::string, at::Tensor>> named;
+    for (const auto& p : net->named_parameters()) named.emplace_back(p.key(), p.value());
+    checkpoint::JobState state;
+    state.module("net", *net).optimizer("adam", adam, named);
+    CHECK(checkpoint::load_latest_job(tmp.path, state) == 3);
+    for (int k = 3; k < 6; ++k) {
+      adam.zero_grad();
+      backward_at(net, k);
+      adam.step();
+    }
+    check_values(values_of(net), want);
+  }
+  SUBCASE("a ZeRO checkpoint (whole names) goes on with FSDP on 3 ranks") {
+    TempDir zero_dir;
+    {
+      Groups g(2);
+      on_ranks(2, [&](int r) {
+        Net net = test::shard::make_net(41);
+        optim::ZeroOptions zo;
+        zo.group = g.groups[r];
+        optim::ZeroRedundancyOptimizer z(net->parameters(), optim::Kind::kAdam, adam_options(), zo);
+        for (int k = 0; k < 3; ++k) {
+          z.zero_grad();
+          backward_at(net, k);
+          z.step();
+        }
+        checkpoint::JobState state(r);
+        state.module("net", *net, r == 0).optimizer("adam", z, names_of(net));
+        checkpoint::SaveOptions so;
+        so.group = g.groups[r];
+        checkpoint::save_job(zero_dir.path, 3, state, so);
+      });
+    }
+    Groups g(3);
+    std::map<std::string, at::Tensor> got;
+    on_ranks(3, [&](int r) {
+      Sharded job(99, g.groups[r]);
+      checkpoint::JobState state(r);
+      state.module("net", *job.fsdp).optimizer("adam", *job.adam, *job.fsdp);
+      CHECK(checkpoint::load_latest_job(zero_dir.path, state) == 3);
+      for (int k = 3; k < 6; ++k) job.step(k);
+      auto v = job.values();
+      if (r == 0) got = v;
+    });
+    check_values(got, want);
+  }
+}
+
+TEST_CASE("job: HSDP writes each shard once (the first replica), and it loads in one process") {
+  TempDir tmp;
+  const auto want = reference_run();
+  // Ranks 0..3: shard groups {0, 1} and {2, 3}, replicate groups {0, 2} and {1, 3}.
+  const int n = 4;
+  Groups world(n);
+  auto store = support::store_server();
+  std::vector<std::shared_ptr<ddp::ProcessGroup>> shard(n), replicate(n);
+  auto make = [&](int rank, int size, const std::string& name) {
+    ddp::ProcessGroupOptions o;
+    o.rank = rank;
+    o.world_size = size;
+    o.timeout = std::chrono::seconds(20);
+    o.store = support::store_client(store->getPort());
+    o.group_name = name;
+    return ddp::ProcessGroup::create(o);
+  };
+  on_ranks(n, [&](int r) {
+    shard[r] = make(r % 2, 2, "shard" + std::to_string(r / 2));
+    replicate[r] = make(r / 2, 2, "replicate" + std::to_string(r % 2));
+  });
+  on_ranks(n, [&](int r) {
+    Sharded job(41, shard[r], replicate[r]);
+    for (int k = 0; k < 3; ++k) job.step(k);
+    checkpoint::JobState state(r);
+    state.module("net", *job.fsdp).optimizer("adam", *job.adam, *job.fsdp);
+    checkpoint::SaveOptions so;
+    so.group = world.groups[r];
+    checkpoint::save_job(tmp.path, 3, state, so);
+  });
+  {
+    checkpoint::Reader reader(checkpoint::latest(tmp.path)->path);
+    std::set<int> writers;
+    for (const auto& name : reader.names()) writers.insert(reader.rank_of(name));
+    CHECK(writers == std::set<int>{0, 1});  // the first replica's two shards
+  }
+  Net net = test::shard::make_net(99);
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(kLr));
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (const auto& p : net->named_parameters()) named.emplace_back(p.key(), p.value());
+  checkpoint::JobState state;
+  state.module("net", *net).optimizer("adam", adam, named);
+  CHECK(checkpoint::load_latest_job(tmp.path, state) == 3);
+  for (int k = 3; k < 6; ++k) {
+    adam.zero_grad();
+    backward_at(net, k);
+    adam.step();
+  }
+  check_values(values_of(net), want);
+  on_ranks(n, [&](int r) {
+    shard[r].reset();
+    replicate[r].reset();
+  });
+}
+
+TEST_CASE("job: slices that leave elements out, overlap or do not fit are refused by name") {
+  // A Linear(6, 4)'s weight (24 elements) in hand-made slices.
+  auto step_with = [](const std::string& dir,
+                      const std::vector<std::pair<std::string, int64_t>>& cuts) {
+    checkpoint::Part p;
+    for (const auto& [name, n] : cuts) p.add(name, at::ones({n}));
+    p.add("m.bias", at::zeros({4}));
+    checkpoint::save(dir, 1, p);
+  };
+  auto error_loading = [](const std::string& dir, torch::nn::Module& m) {
+    checkpoint::JobState state;
+    state.module("m", m);
+    return error_of([&] { checkpoint::load_latest_job(dir, state); });
+  };
+  torch::nn::Linear m(6, 4);
+  const at::Tensor before = m->weight.detach().clone();
+  {
+    TempDir d;
+    step_with(d.path, {{"m.weight#0:10", 10}, {"m.weight#12:24", 12}});
+    CHECK(error_loading(d.path, *m).find("'m.weight': its elements [10, 12) are in no slice") !=
+          std::string::npos);
+  }
+  {
+    TempDir d;
+    step_with(d.path, {{"m.weight#0:12", 12}, {"m.weight#10:24", 14}});
+    CHECK(error_loading(d.path, *m).find("'m.weight#10:24' overlaps the slice before it") !=
+          std::string::npos);
+  }
+  {
+    TempDir d;
+    step_with(d.path, {{"m.weight#0:12", 12}, {"m.weight#12:24", 11}});
+    CHECK(error_loading(d.path, *m).find("'m.weight#12:24' is [11], not [12]") !=
+          std::string::npos);
+  }
+  {
+    TempDir d;
+    step_with(d.path, {{"m.weight#0:12", 12}, {"m.weight#12:30", 18}});
+    CHECK(error_loading(d.path, *m).find("'m.weight' has 30 elements in its slices, 24 here") !=
+          std::string::npos);
+  }
+  CHECK(at::equal(m->weight, before));  // nothing loaded
+  {
+    TempDir d;
+    step_with(d.path, {{"m.weight#0:12", 12}, {"m.weight#12:24", 12}});
+    checkpoint::JobState state;
+    state.module("m", *m);
+    CHECK(checkpoint::load_latest_job(d.path, state) == 1);
+    CHECK(at::equal(m->weight, at::ones({4, 6})));
+  }
+  // An optimizer state in slices of another kind (SGD's) is refused naming the piece.
+  {
+    TempDir d;
+    torch::nn::Linear src(6, 4);
+    torch::optim::SGD sgd(src->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    src->weight.mutable_grad() = at::ones({4, 6});
+    src->bias.mutable_grad() = at::ones({4});
+    sgd.step();
+    checkpoint::Part p;
+    p.add_bytes("opt/weight#0:24", optim::param_state_slice_bytes(sgd, src->weight, 0, 24));
+    p.add_bytes("opt/bias", optim::param_state_bytes(sgd, src->bias));
+    checkpoint::save(d.path, 1, p);
+    torch::nn::Linear dst(6, 4);
+    torch::optim::Adam adam(dst->parameters(), torch::optim::AdamOptions(0.1));
+    checkpoint::JobState state;
+    state.optimizer("adam", adam, {{"weight", dst->weight}, {"bias", dst->bias}});
+    CHECK(error_of([&] {
+            checkpoint::load_latest_job(d.path, state);
+          }).find("the step holds no 'adam/weight'") != std::string::npos);
+    checkpoint::JobState wrong;
+    wrong.optimizer("opt", adam, {{"weight", dst->weight}, {"bias", dst->bias}});
+    CHECK(error_of([&] {
+            checkpoint::load_latest_job(d.path, wrong);
+          }).find("'opt/weight': piece 0 of the state: not Adam's for one parameter") !=
+          std::string::npos);
+    // And SGD's own goes back together, exactly.
+    torch::optim::SGD back(dst->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    checkpoint::JobState right;
+    right.optimizer("opt", back, {{"weight", dst->weight}, {"bias", dst->bias}});
+    CHECK(checkpoint::load_latest_job(d.path, right) == 1);
+    auto momentum = [](torch::optim::Optimizer& o, const at::Tensor& p) {
+      return optim::owner::state_tensors(*optim::owner::find_state(o, p)).at(0);
+    };
+    CHECK(at::equal(momentum(back, dst->weight), momentum(sgd, src->weight)));
+    CHECK(momentum(back, dst->weight).sizes() == src->weight.sizes());
   }
 }
 

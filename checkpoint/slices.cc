@@ -1,0 +1,157 @@
+// Tensors and optimizer states whole or in flat slices (checkpoint/slices.h).
+#include "tandem/checkpoint/slices.h"
+
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/StringUtil.h>
+
+#include <algorithm>
+#include <cctype>
+#include <stdexcept>
+
+namespace tandem::checkpoint {
+
+namespace {
+
+int64_t numel_of(at::IntArrayRef shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+// "123" -> 123; -1 for anything else.
+int64_t number(const std::string& s) {
+  if (s.empty() || s.size() > 18) return -1;
+  for (char c : s) {
+    if (!std::isdigit(static_cast<unsigned char>(c))) return -1;
+  }
+  return std::stoll(s);
+}
+
+}  // namespace
+
+std::string slice_name(const std::string& name, int64_t start, int64_t end) {
+  return name + "#" + std::to_string(start) + ":" + std::to_string(end);
+}
+
+Slices::Slices(const Reader& reader) : reader_(reader) {
+  for (const std::string& entry : reader.names()) {
+    const size_t hash = entry.rfind('#');
+    if (hash == std::string::npos) continue;
+    const size_t colon = entry.find(':', hash);
+    if (colon == std::string::npos) continue;
+    const int64_t start = number(entry.substr(hash + 1, colon - hash - 1));
+    const int64_t end = number(entry.substr(colon + 1));
+    if (start < 0 || end < start) continue;  // not a slice's name
+    slices_[entry.substr(0, hash)].push_back({start, end, entry});
+  }
+  for (auto& [name, list] : slices_) {
+    std::sort(list.begin(), list.end(),
+              [](const Slice& x, const Slice& y) { return x.start < y.start; });
+  }
+}
+
+const std::vector<Slices::Slice>* Slices::slices_of(const std::string& name) const {
+  auto it = slices_.find(name);
+  return it == slices_.end() ? nullptr : &it->second;
+}
+
+bool Slices::contains(const std::string& name) const {
+  return reader_.contains(name) || slices_of(name) != nullptr;
+}
+
+std::string Slices::coverage_problem(const std::string& name, int64_t numel, bool tensors) const {
+  const std::vector<Slice>* list = slices_of(name);
+  if (!list) return "the step holds no '" + name + "'";
+  int64_t at = 0;
+  for (const Slice& s : *list) {
+    if (s.start > at) {
+      return "'" + name + "': its elements [" + std::to_string(at) + ", " +
+             std::to_string(s.start) + ") are in no slice";
+    }
+    if (s.start < at) return "'" + s.entry + "' overlaps the slice before it";
+    if (tensors) {
+      const std::vector<int64_t> shape = reader_.shape(s.entry);
+      if (shape != std::vector<int64_t>{s.end - s.start}) {
+        return "'" + s.entry + "' is " + c10::str(at::IntArrayRef(shape)) + ", not [" +
+               std::to_string(s.end - s.start) + "]";
+      }
+    }
+    at = s.end;
+  }
+  if (at != numel) {
+    return "'" + name + "' has " + std::to_string(at) + " elements in its slices, " +
+           std::to_string(numel) + " here";
+  }
+  return "";
+}
+
+std::string Slices::tensor_problem(const std::string& name, at::IntArrayRef shape) const {
+  if (!reader_.contains(name) && !slices_of(name) && numel_of(shape) == 0) return "";
+  if (reader_.contains(name)) {
+    const std::vector<int64_t> saved = reader_.shape(name);
+    if (!shape.equals(saved)) {
+      return "'" + name + "' is " + c10::str(at::IntArrayRef(saved)) + " in the step, " +
+             c10::str(shape) + " here";
+    }
+    return "";
+  }
+  return coverage_problem(name, numel_of(shape), true);
+}
+
+std::string Slices::state_problem(const std::string& name, int64_t numel) const {
+  if (reader_.contains(name) || (!slices_of(name) && numel == 0)) return "";
+  return coverage_problem(name, numel, false);
+}
+
+at::Tensor Slices::tensor(const std::string& name, at::IntArrayRef shape, int64_t a,
+                          int64_t b) const {
+  if (const std::string p = tensor_problem(name, shape); !p.empty()) {
+    throw std::invalid_argument("checkpoint: " + p);
+  }
+  if (reader_.contains(name)) return reader_.tensor(name).reshape({-1}).narrow(0, a, b - a);
+  if (!slices_of(name)) return at::empty({0});  // (nothing to hold)
+  std::vector<at::Tensor> parts;
+  for (const Slice& s : *slices_of(name)) {
+    const int64_t lo = std::max(a, s.start), hi = std::min(b, s.end);
+    if (lo >= hi) continue;
+    parts.push_back(reader_.tensor(s.entry).narrow(0, lo - s.start, hi - lo));
+  }
+  if (parts.empty()) return reader_.tensor(slices_of(name)->front().entry).narrow(0, 0, 0);
+  return parts.size() == 1 ? parts[0] : at::cat(parts);
+}
+
+at::Tensor Slices::tensor(const std::string& name, at::IntArrayRef shape) const {
+  return tensor(name, shape, 0, numel_of(shape)).view(shape);
+}
+
+void Slices::state_pieces(const std::string& name, int64_t numel, int64_t a, int64_t b, int64_t to,
+                          std::vector<optim::StatePiece>& out) const {
+  if (const std::string p = state_problem(name, numel); !p.empty()) {
+    throw std::invalid_argument("checkpoint: " + p);
+  }
+  if (reader_.contains(name)) {
+    out.push_back({reader_.bytes(name), numel, a, to, b - a});
+    return;
+  }
+  if (!slices_of(name)) return;  // (no elements)
+  for (const Slice& s : *slices_of(name)) {
+    const int64_t lo = std::max(a, s.start), hi = std::min(b, s.end);
+    if (lo >= hi) continue;
+    out.push_back({reader_.bytes(s.entry), s.end - s.start, lo - s.start, to + (lo - a), hi - lo});
+  }
+}
+
+std::string Slices::state(optim::Kind kind, const std::string& name, at::IntArrayRef shape) const {
+  if (reader_.contains(name)) return reader_.bytes(name);
+  std::vector<optim::StatePiece> pieces;
+  const int64_t n = numel_of(shape);
+  state_pieces(name, n, 0, n, 0, pieces);
+  try {
+    return optim::join_param_states(kind, shape, pieces);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument("checkpoint: '" + name + "': " + e.what());
+  }
+}
+
+}  // namespace tandem::checkpoint
