@@ -41,10 +41,14 @@
 #     --zero 2 stopped at 10 (each rank writes its part) resumes on 2 ranks
 #     and on 1 to the 1 x 1 loss, and by the pipeline (2 x 2), whose own
 #     step (5 parts: each stage worker's layers, each optimizer owner's
-#     Adam state, rank 0's) resumes under --zero 2;
+#     Adam state, rank 0's) resumes under --zero 2; --zero 3 stopped at 10
+#     (each rank its shards' slices of every parameter and its Adam state)
+#     resumes on 2 ranks exactly, and on 1, as the pipeline and under
+#     --zero 2 to the 1 x 1 loss, and the pipeline's step under --zero 3;
 #     under tandem-run --max-restarts 3, a random worker killed by SIGKILL
 #     after a random step, it restarts from its newest checkpoint and ends
-#     exactly as uninterrupted; on two elastic nodes (--nnodes 1:2) whose
+#     exactly as uninterrupted (2 x 2), and as 1 x 1 does under --zero 3
+#     (1 x 4); on two elastic nodes (--nnodes 1:2) whose
 #     second is lost for good, it goes on as one node, resharded (2 x 2 ->
 #     2 x 1), and ends within 1e-4 of the uninterrupted loss; a fresh run
 #     into an older run's checkpoint directory removes them first;
@@ -327,7 +331,7 @@ if expect_rc "gpt 2 x 2 --steps 40" "$rc" 0 g.log; then
 fi
 rc=$(launch gr1.log 4 gpt "${gpt_args[@]}" --stop-at 10 --checkpoint gr.ckpt)
 expect_rc "gpt 2 x 2 --stop-at 10" "$rc" 0 gr1.log
-for c in gr2 gr4 gr5 gr6; do cp -r gr.ckpt "$c.ckpt"; done
+for c in gr2 gr4 gr5 gr6 gr7; do cp -r gr.ckpt "$c.ckpt"; done
 # Each piece written where it lives: rank 0's part, each stage worker's
 # layers, each optimizer owner's Adam state.
 [[ $(ls gr.ckpt/step-0000000010/part-*.bin | wc -l) == 5 ]] ||
@@ -412,6 +416,19 @@ if expect_rc "gpt 2 x 2, rank $victim killed after step $after, --max-restarts 3
     echo "ok: gpt (rank $victim killed after step $after) restarted from step $from and ends as uninterrupted"
   fi
 fi
+# The same under --zero 3 on 4 ranks: each restarted rank loads the slices
+# its shards overlap.
+victim=$((RANDOM % 4))
+after=$((2 + RANDOM % 14))
+rc=$(killed_run gk3.log "$victim" "$after" --pp 1 --dp 4 --zero 3 "${gpt_args[@]}" --log-every 1 --checkpoint-every 4 --checkpoint gk3.ckpt)
+if expect_rc "gpt --zero 3 (1 x 4), rank $victim killed after step $after, --max-restarts 3" "$rc" 0 gk3.log; then
+  if ! grep -q "worker $victim killed by signal 9; stopping the others" gk3.log ||
+    ! grep -q "gpt: restart 1: " gk3.log; then
+    fail "gpt --zero 3 killed: no restart"; sed 's/^/    /' gk3.log
+  else
+    near "gpt --zero 3 (1 x 4), rank $victim killed after step $after and restarted" "$base" "$(gpt_final gk3.log)"
+  fi
+fi
 # A node lost for good: two launchers as two nodes (--nnodes 1:2), gpt 2 x 2
 # with --dp 0 (its replicas follow the world's size); node 1's launcher
 # SIGKILLed (its workers die with it) after a random step. Node 0's launcher
@@ -487,6 +504,32 @@ expect_rc "gpt --zero 2's checkpoint resumed by the pipeline (2 x 2)" "$rc" 0 gx
 rc=$(launch gx2.log 2 gpt --pp 1 --dp 2 "${gpt_args[@]}" --zero 2 --resume --checkpoint gr6.ckpt)
 expect_rc "gpt 2 x 2's checkpoint resumed by --zero 2 (1 x 2)" "$rc" 0 gx2.log &&
   near "gpt 2 x 2, resumed --zero 2" "$base" "$(gpt_final gx2.log)"
+# --zero 3's checkpoint: each rank the slices of the parameters its FSDP
+# shards hold, and of their Adam state. It resumes on 2 ranks (exactly), on
+# 1, as the pipeline and under --zero 2; the pipeline's resumes under --zero 3.
+rc=$(launch gw1.log 2 gpt --pp 1 --dp 2 "${gpt_args[@]}" --zero 3 --stop-at 10 --checkpoint gw.ckpt)
+expect_rc "gpt 1 x 2 --zero 3 --stop-at 10" "$rc" 0 gw1.log
+[[ -f gw.ckpt/step-0000000010/part-1.bin ]] || fail "gpt --zero 3: rank 1 wrote no part"
+for c in gw2 gw3 gw4; do cp -r gw.ckpt "$c.ckpt"; done
+rc=$(launch gw2.log 2 gpt --pp 1 --dp 2 "${gpt_args[@]}" --zero 3 --resume --checkpoint gw.ckpt)
+if expect_rc "gpt 1 x 2 --zero 3 --resume" "$rc" 0 gw2.log; then
+  if [[ -z $(final_line gz3.log) || "$(final_line gz3.log)" != "$(final_line gw2.log)" ]]; then
+    fail "gpt --zero 3 resumed: '$(final_line gw2.log)', uninterrupted: '$(final_line gz3.log)'"
+  else
+    echo "ok: gpt --zero 3 resumed ends as the uninterrupted run: $(final_line gw2.log)"
+  fi
+fi
+rc=$(launch gw3.log 1 gpt --pp 1 --dp 1 "${gpt_args[@]}" --zero 3 --resume --checkpoint gw2.ckpt)
+expect_rc "gpt --zero 3 on 2 ranks resumed on 1" "$rc" 0 gw3.log && near "gpt --zero 3 resumed on 1 rank" "$base" "$(gpt_final gw3.log)"
+rc=$(launch gw4.log 4 gpt "${gpt_args[@]}" --resume --checkpoint gw3.ckpt)
+expect_rc "gpt --zero 3's checkpoint resumed by the pipeline (2 x 2)" "$rc" 0 gw4.log &&
+  near "gpt --zero 3, resumed 2 x 2" "$base" "$(gpt_final gw4.log)"
+rc=$(launch gw5.log 2 gpt --pp 1 --dp 2 "${gpt_args[@]}" --zero 2 --resume --checkpoint gw4.ckpt)
+expect_rc "gpt --zero 3's checkpoint resumed by --zero 2" "$rc" 0 gw5.log &&
+  near "gpt --zero 3, resumed --zero 2" "$base" "$(gpt_final gw5.log)"
+rc=$(launch gw6.log 2 gpt --pp 1 --dp 2 "${gpt_args[@]}" --zero 3 --resume --checkpoint gr7.ckpt)
+expect_rc "gpt 2 x 2's checkpoint resumed by --zero 3 (1 x 2)" "$rc" 0 gw6.log &&
+  near "gpt 2 x 2, resumed --zero 3" "$base" "$(gpt_final gw6.log)"
 
 if ((failures)); then
   echo "check_examples: $failures failure(s)"

@@ -51,7 +51,7 @@ std::map<std::string, std::string> checkpoint_meta(const Checkpoint& c) {
           {"program", "gpt"}};
 }
 
-Saver::Saver(const std::string& dir, bool sync) : dir_(dir), sync_(sync) {
+void check_directory(const std::string& dir) {
   std::error_code ec;
   if (fs::exists(dir, ec) && !fs::is_directory(dir, ec)) {
     throw examples::UsageError("--checkpoint '" + dir +
@@ -59,28 +59,9 @@ Saver::Saver(const std::string& dir, bool sync) : dir_(dir), sync_(sync) {
   }
 }
 
+Saver::Saver(const std::string& dir, bool sync) : dir_(dir), sync_(sync) { check_directory(dir); }
+
 Saver::~Saver() = default;  // (the AsyncSaver waits for the save in flight)
-
-void Saver::begin() { begun_ = std::chrono::steady_clock::now(); }
-
-void Saver::save(const Checkpoint& c) {
-  const auto t0 = begun_.value_or(std::chrono::steady_clock::now());
-  begun_.reset();
-  ck::Part part;  // copies now
-  for (const auto& [name, t] : c.model) part.add("model." + name, t);
-  part.add_bytes("vocab", c.vocab);
-  ck::SaveOptions o;
-  o.meta = checkpoint_meta(c);
-  copy_ms_.push_back(ms_since(t0));
-  if (sync_) {
-    ck::save(dir_, c.step, part, o);
-  } else {
-    // (the meta is the job's, the same at every step: the first save's)
-    if (!async_) async_ = std::make_unique<ck::AsyncSaver>(dir_, o);
-    async_->save(c.step, std::move(part));
-  }
-  stall_ms_.push_back(ms_since(t0));
-}
 
 void Saver::save(int64_t step, const ck::JobState& state, const ck::SaveOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -161,13 +142,11 @@ std::optional<Checkpoint> load_latest(const std::string& dir) {
                      [](const std::string& n) { return n.rfind("model.", 0) == 0; })) {
       throw std::invalid_argument(found->path + " holds no model (no model.<name>)");
     }
-    if (c.mode != "zero3" && std::none_of(names.begin(), names.end(), [](const std::string& n) {
-          return n.rfind("adam/", 0) == 0;
-        })) {
-      throw std::invalid_argument(
-          found->path +
-          " is an older gpt's checkpoint (its optimizer state in one piece): it does not "
-          "resume; start afresh");
+    if (std::none_of(names.begin(), names.end(),
+                     [](const std::string& n) { return n.rfind("adam/", 0) == 0; })) {
+      throw std::invalid_argument(found->path +
+                                  " is an older gpt's checkpoint (no optimizer state by "
+                                  "parameter): it does not resume; start afresh");
     }
     return c;
   } catch (const std::invalid_argument& e) {

@@ -17,9 +17,10 @@
 //            counts (layers per pipeline stage, in stage order), mode
 //            ("pipeline", "zero2", "zero3"), program ("gpt")
 // --zero 2 saves the same names with checkpoint::JobState from every rank
-// (model.<name> from rank 0, adam/<name> each rank its share), so either
-// path resumes the other's steps. --zero 3 saves the model alone (rank 0)
-// and does not resume.
+// (model.<name> from rank 0, adam/<name> each rank its share), and --zero 3
+// the same names in slices (model.<name>#<start>:<end>, adam/<name>#..:
+// each rank the pieces of the parameters its FSDP shards hold), so each
+// path resumes the others' steps.
 // Every replica's parameters and optimizer state are the same (they average
 // their gradients), so one copy is the job's; the LR schedule is a function
 // of the step, and the batches of step s are a function of (seed, s), so a
@@ -53,7 +54,6 @@ struct Checkpoint {
   std::vector<int64_t> counts;  // layers per stage
   std::string mode = "pipeline";
   std::string path;  // the step's directory (load_latest)
-  Named model;       // --zero 3's, which rank 0 writes whole
 };
 
 // The meta every gpt step carries.
@@ -65,11 +65,6 @@ class Saver {
  public:
   Saver(const std::string& dir, bool sync);
   ~Saver();
-  // Marks the start of a save: gathering the state from its workers counts
-  // as copying it (optional; else save() starts the clock).
-  void begin();
-  // `ck`'s state is copied here; the write goes on after return (--zero 3).
-  void save(const Checkpoint& ck);
   // The pipeline's: `state`'s part here and its remote parts by the stage
   // workers, each copied before this returns, written meanwhile; options:
   // the meta and, where several drivers save together, their group.
@@ -85,8 +80,10 @@ class Saver {
   bool sync_;
   std::unique_ptr<tandem::checkpoint::AsyncSaver> async_;
   std::vector<double> copy_ms_, stall_ms_;
-  std::optional<std::chrono::steady_clock::time_point> begun_;
 };
+
+// A UsageError when --checkpoint names a file (an older gpt's checkpoint?).
+void check_directory(const std::string& dir);
 
 // The newest complete checkpoint in `dir` (nullopt: none); each newer,
 // incomplete one it passed over is printed to stderr. A damaged step (a

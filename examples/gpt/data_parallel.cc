@@ -9,10 +9,12 @@
 // (The model is model.h's StackImpl: its layers run by their factories'
 // forwards, so FSDP runs it through forward(fn) and run().) The same Adam,
 // clipping, schedule and batches as the pipeline's path, so
-// the losses are that path's (to float rounding). --zero 2's checkpoint is
-// a checkpoint::JobState, every rank its part (the model once, its share of
-// Adam's state), and resumes on any number of ranks; --zero 3's holds the
-// model alone (gathered to rank 0), and --resume is refused with it (main.cc).
+// the losses are that path's (to float rounding). Checkpoints are a
+// checkpoint::JobState, every rank its part: with --zero 2 the model once
+// (rank 0) and each rank its share of Adam's state; with --zero 3 each rank
+// the slices of every parameter its shards hold, and their Adam state. Both
+// hold the pipeline's names, so each resumes on any number of ranks, in
+// either stage, or as a pipeline (checkpoint.h).
 #include <ATen/ops/tensor.h>
 #include <torch/optim/adam.h>
 
@@ -21,6 +23,7 @@
 #include <cstdio>
 
 #include "examples/gpt/batches.h"
+#include "examples/gpt/checkpoint.h"
 #include "examples/gpt/model.h"
 #include "examples/progress.h"
 #include "tandem/checkpoint/job.h"
@@ -89,66 +92,47 @@ int drive_data_parallel(const Job& job) {
   examples::Progress progress{cfg.steps,   cfg.log_every,
                               cfg.losses,  job.resume.has_value(),
                               job.started, cfg.batch * cfg.context};
-  // --zero 2: every rank writes its own part of each step (the model once,
-  // its share of Adam's state), in the background, over a group of the
-  // saver's own (its collectives run beside training's); a resumed or
+  // Every rank writes its own part of each step, in the background, over a
+  // group of the saver's own (its collectives run beside training's): with
+  // --zero 2 the model once and its share of Adam's state, with --zero 3 its
+  // shards' slices of each parameter and of its state. A resumed or
   // restarted run loads it back by names, on any number of ranks.
   std::string vocab = job.corpus.vocab;
-  std::unique_ptr<tandem::checkpoint::JobState> state;
-  std::unique_ptr<tandem::checkpoint::AsyncSaver> shared_saver;
-  int64_t start = 0;
-  std::vector<double> stall_ms;
+  tandem::checkpoint::JobState state(group->rank());
   if (zero) {
-    state = std::make_unique<tandem::checkpoint::JobState>(group->rank());
     std::vector<std::string> names;
     for (const auto& p : model->named_parameters()) names.push_back(p.key());
-    state->module("model", *model, /*write=*/group->rank() == 0)
-        .optimizer("adam", *zero, names)
-        .record("vocab", &vocab);
-    ddp::ProcessGroupOptions go;
-    go.group_name = "gpt-checkpoints";
-    go.timeout = std::chrono::minutes(2);  // as the mesh's: a dead peer fails a save loudly
-    tandem::checkpoint::SaveOptions so;
-    so.group = ddp::ProcessGroup::create(go);
-    Checkpoint meta = checkpoint_at(job, 0);
-    meta.counts = {cfg.layers + 2};
-    meta.mode = "zero2";
-    so.meta = checkpoint_meta(meta);
-    if (job.resume) {
-      start = tandem::checkpoint::load_latest_job(cfg.checkpoint, *state).value_or(0);
-      if (speak) {
-        std::printf("gpt: resumed from step %lld, each rank's share of Adam's state by name\n",
-                    static_cast<long long>(start));
-      }
-    }
-    shared_saver = std::make_unique<tandem::checkpoint::AsyncSaver>(cfg.checkpoint, so);
+    state.module("model", *model, /*write=*/group->rank() == 0).optimizer("adam", *zero, names);
+  } else {
+    state.module("model", *fsdp).optimizer("adam", *adam, *fsdp);
   }
-  std::optional<Saver> saver;
-  if (speak && !zero) saver.emplace(cfg.checkpoint, cfg.checkpoint_sync);
+  state.record("vocab", &vocab);
+  ddp::ProcessGroupOptions go;
+  go.group_name = "gpt-checkpoints";
+  go.timeout = std::chrono::minutes(2);  // as the mesh's: a dead peer fails a save loudly
+  tandem::checkpoint::SaveOptions so;
+  so.group = ddp::ProcessGroup::create(go);
+  Checkpoint meta = checkpoint_at(job, 0);
+  meta.counts = {cfg.layers + 2};
+  meta.mode = zero ? "zero2" : "zero3";
+  so.meta = checkpoint_meta(meta);
+  int64_t start = 0;
+  if (job.resume) {
+    start = tandem::checkpoint::load_latest_job(cfg.checkpoint, state).value_or(0);
+    if (speak) {
+      std::printf("gpt: resumed from step %lld, %s\n", static_cast<long long>(start),
+                  zero ? "each rank's share of Adam's state by name"
+                       : "each rank's shards from the parameters' slices by name");
+    }
+  }
+  check_directory(cfg.checkpoint);
+  tandem::checkpoint::AsyncSaver saver(cfg.checkpoint, so);
+  std::vector<double> stall_ms;
   auto save = [&](int64_t done) {
-    if (zero) {
-      const auto t0 = Clock::now();
-      shared_saver->save(done, state->part());
-      if (cfg.checkpoint_sync) shared_saver->wait();
-      stall_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
-      return;
-    }
-    if (speak) saver->begin();
-    // Collective for FSDP (the shards gathered to rank 0).
-    std::vector<std::pair<std::string, at::Tensor>> params;
-    if (fsdp) {
-      params = fsdp->full_state_dict(0);
-    } else if (speak) {
-      for (const auto& item : model->named_parameters()) {
-        params.emplace_back(item.key(), item.value().detach().clone());
-      }
-    }
-    if (!speak) return;
-    Checkpoint ck = checkpoint_at(job, done);
-    ck.counts = {cfg.layers + 2};
-    ck.mode = "zero3";
-    for (auto& [name, t] : params) ck.model[name] = t;
-    saver->save(ck);
+    const auto t0 = Clock::now();
+    saver.save(done, state.part());
+    if (cfg.checkpoint_sync) saver.wait();
+    stall_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
   };
   double loss = 0;
   const int64_t last = cfg.stop_at > 0 ? cfg.stop_at : cfg.steps;
@@ -186,20 +170,14 @@ int drive_data_parallel(const Job& job) {
     if (speak) progress.add(step + 1, loss);
     if ((step + 1) % cfg.checkpoint_every == 0 || step + 1 == last) save(step + 1);
   }
-  if (shared_saver) shared_saver->wait();
+  saver.wait();
   if (speak) {
-    if (saver) {
-      saver->finish();
-      std::printf("%s\n", saver->summary().c_str());
-    } else {
-      std::sort(stall_ms.begin(), stall_ms.end());
-      std::printf(
-          "%zu checkpoint(s), each rank its part, %s to %s; a save held its step %.2f "
-          "ms (median)\n",
-          stall_ms.size(),
-          cfg.checkpoint_sync ? "written in the step" : "written in the background",
-          cfg.checkpoint.c_str(), stall_ms.empty() ? 0.0 : stall_ms[stall_ms.size() / 2]);
-    }
+    std::sort(stall_ms.begin(), stall_ms.end());
+    std::printf(
+        "%zu checkpoint(s), each rank its part, %s to %s; a save held its step %.2f "
+        "ms (median)\n",
+        stall_ms.size(), cfg.checkpoint_sync ? "written in the step" : "written in the background",
+        cfg.checkpoint.c_str(), stall_ms.empty() ? 0.0 : stall_ms[stall_ms.size() / 2]);
     std::printf("final step %lld loss %.6f\n", static_cast<long long>(last), loss);
     std::fflush(stdout);
   }

@@ -123,10 +123,6 @@ std::string check(Config& cfg, int world) {
     return "--zero " + std::to_string(cfg.zero) +
            " trains the whole model on every rank: pass --pp 1 (--zero 1 shards a pipeline's)";
   }
-  if (cfg.zero == 3 && (cfg.resume || tandem::checkpoint::restart_count() > 0)) {
-    return "--resume (or a restart) with --zero 3: its checkpoint holds the model, not the "
-           "sharded optimizer state";
-  }
   if (cfg.stop_at > cfg.steps) {
     return "--stop-at " + std::to_string(cfg.stop_at) + " is past --steps " +
            std::to_string(cfg.steps);
@@ -162,11 +158,10 @@ std::optional<Checkpoint> checked_resume(const Config& cfg, const examples::Corp
                      std::to_string(ck.shape.at(0)) + " " + std::to_string(ck.shape.at(1)) + " " +
                      std::to_string(ck.shape.at(2)) + " " + std::to_string(ck.shape.at(3)) + ")");
   }
-  // The pipeline's steps and --zero 2's hold the same names (checkpoint.h):
-  // either resumes the other's. --zero 3's holds the model alone.
-  if (ck.mode != "pipeline" && ck.mode != "zero2") {
-    throw UsageError(what + " was written by --zero " + ck.mode.substr(4) +
-                     ", which saves the model alone; it does not resume");
+  // The pipeline's steps, --zero 2's and --zero 3's hold the same names
+  // (checkpoint.h): each resumes the others'.
+  if (ck.mode != "pipeline" && ck.mode != "zero2" && ck.mode != "zero3") {
+    throw UsageError(what + " was written in a mode this gpt does not know ('" + ck.mode + "')");
   }
   int64_t layers = 0;
   for (int64_t c : ck.counts) layers += c;

@@ -26,9 +26,10 @@
 // Sequential; every rank ends with the same model.
 // `consumer checkpoint` starts two: ZeroRedundancyOptimizer steps, and a
 // JobState (the model once, each rank its share of Adam's state, the
-// sampler's place) is saved in the background over a group of the saver's
-// own, then loaded into plain LibTorch Adam on rank 0 alone: the model and
-// each parameter's Adam step count come back.
+// sampler's place, a RemoteModule's part, an FSDP model's slices and their
+// Adam state) is saved in the background over a group of the saver's own,
+// then loaded into plain LibTorch on rank 0 alone: the models and each
+// parameter's Adam state come back.
 #include <optional>
 
 #include <tandem/autograd/autograd.h>
@@ -202,8 +203,16 @@ int checkpoint_job() {
       }
       std::vector<std::string> names;
       for (const auto& p : fc->named_parameters()) names.push_back(p.key());
+      // FSDP's shards, each rank its slices of every parameter and of Adam's state.
+      tandem::ddp::FullyShardedDataParallel fsdp(
+          torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Linear(16, 4)));
+      torch::optim::Adam fsdp_adam(fsdp.parameters());
+      at::sum(fsdp(at::ones({2, 8}))).backward();
+      fsdp_adam.step();
+      const auto fsdp_full = fsdp.full_state_dict(0);
       tandem::checkpoint::JobState state(rank);
       state.module("fc", *fc, rank == 0).optimizer("adam", opt, names).sampler("data", sampler);
+      state.module("seq", fsdp).optimizer("seq_adam", fsdp_adam, fsdp);
       if (far) state.remote_module("far", *far);
       tandem::ddp::ProcessGroupOptions go;
       go.group_name = "checkpoints";
@@ -234,8 +243,26 @@ int checkpoint_job() {
             throw std::runtime_error("a parameter's Adam state did not come back");
           }
         }
-        std::printf("rank 0: the job's state came back from step %lld into plain Adam\n",
-                    static_cast<long long>(*step));
+        // The FSDP model's slices, whole again in one process.
+        torch::nn::Sequential seq(torch::nn::Linear(8, 16), torch::nn::Linear(16, 4));
+        torch::optim::Adam seq_adam(seq->parameters());
+        std::vector<std::pair<std::string, at::Tensor>> seq_named;
+        for (const auto& p : seq->named_parameters()) seq_named.emplace_back(p.key(), p.value());
+        tandem::checkpoint::JobState plain;
+        plain.module("seq", *seq).optimizer("seq_adam", seq_adam, seq_named);
+        tandem::checkpoint::load_latest_job(dir, plain);
+        for (const auto& [name, t] : fsdp_full) {
+          if (!at::equal(seq->named_parameters()[name], t)) {
+            throw std::runtime_error("FSDP's '" + name + "' did not come back whole");
+          }
+        }
+        if (seq_adam.state().size() != 4) {
+          throw std::runtime_error("FSDP's Adam state did not come back whole");
+        }
+        std::printf(
+            "rank 0: the job's state came back from step %lld into plain Adam, FSDP's shards "
+            "into one model\n",
+            static_cast<long long>(*step));
         std::filesystem::remove_all(dir);
       }
     }
