@@ -449,6 +449,8 @@ at::Tensor Reader::tensor(const std::string& name) const {
   return t;
 }
 
+void Reader::check(const std::string& name) const { impl_->part_bytes(impl_->entry(name).rank); }
+
 std::vector<int64_t> Reader::shape(const std::string& name) const {
   const EntryIndex& e = impl_->entry(name);
   if (!e.is_tensor)

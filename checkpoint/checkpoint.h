@@ -203,6 +203,10 @@ class Reader {
   at::Tensor tensor(const std::string& name) const;
   // A tensor entry's shape, from the manifest (nothing read).
   std::vector<int64_t> shape(const std::string& name) const;
+  // Reads and checks (size, checksum) the part that holds `name`, as the
+  // first read from it would: a loader checks every part it will read
+  // before it changes anything.
+  void check(const std::string& name) const;
   std::string bytes(const std::string& name) const;
   // The rank whose part holds `name`.
   int rank_of(const std::string& name) const;

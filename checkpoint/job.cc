@@ -11,7 +11,9 @@
 #include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 
@@ -47,28 +49,59 @@ std::string state_name(const std::string& prefix, const std::string& param) {
   return prefix + "/" + param;
 }
 
-// A tensor the step must hold (whole or in slices) in `shape`.
+int64_t numel_of(at::IntArrayRef shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+// A tensor the step must hold (whole or in slices) in `shape` (one of no
+// elements needs nothing); every part it is read from checked.
 void check_tensor(const Slices& r, const std::string& name, at::IntArrayRef shape,
                   const std::string& what) {
-  if (!r.contains(name)) need(r.reader(), name, what);
+  if (!r.contains(name) && numel_of(shape) > 0) need(r.reader(), name, what);
   if (const std::string p = r.tensor_problem(name, shape); !p.empty()) {
     throw std::invalid_argument("checkpoint: " + p);
   }
 }
 
-// A parameter's optimizer state the step must hold (whole or in slices).
-void check_state(const Slices& r, const std::string& name, int64_t numel,
-                 const std::string& optimizer) {
-  if (!r.contains(name)) need(r.reader(), name, "optimizer '" + optimizer + "'");
-  if (const std::string p = r.state_problem(name, numel); !p.empty()) {
+// The optimizer state of parameter `name` (of `shape`) from the step, whole
+// or joined from slices, decoded once to check it fits (so that a load
+// refuses before it changes anything). None for a parameter of no
+// elements the step has nothing of (its optimizer keeps what it has:
+// Adagrad's state must never be missing).
+std::optional<std::string> checked_state(const Slices& r, optim::Kind kind, const std::string& name,
+                                         at::IntArrayRef shape, const std::string& optimizer) {
+  if (!r.contains(name)) {
+    if (numel_of(shape) == 0) return std::nullopt;
+    need(r.reader(), name, "optimizer '" + optimizer + "'");
+  }
+  if (const std::string p = r.state_problem(name, shape); !p.empty()) {
     throw std::invalid_argument("checkpoint: " + p);
+  }
+  try {
+    std::string bytes = r.state(kind, name, shape);
+    optim::check_param_state(kind, shape, bytes);
+    return bytes;
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument("checkpoint: '" + name + "': " + e.what());
   }
 }
 
-int64_t numel_of(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
+// What a verify decoded, for its read.
+using Decoded = std::shared_ptr<std::vector<std::optional<std::string>>>;
+
+// Every parameter `m` holds under two names or more (LibTorch names a
+// shared parameter once per module holding it; FSDP holds it once, under
+// the first): (another name, the first).
+std::vector<std::pair<std::string, std::string>> aliases_of(torch::nn::Module& m) {
+  std::vector<std::pair<std::string, std::string>> out;
+  std::map<const c10::TensorImpl*, std::string> first;
+  for (const auto& p : m.named_parameters(true)) {
+    auto [it, fresh] = first.emplace(p.value().unsafeGetTensorImpl(), p.key());
+    if (!fresh) out.emplace_back(p.key(), it->second);
+  }
+  return out;
 }
 
 // Each piece of a parameter a rank's FSDP shard holds: fn(k, its name's
@@ -154,18 +187,19 @@ JobState& JobState::optimizer(const std::string& prefix, torch::optim::Optimizer
     for (const auto& [name, t] : *ps)
       p.add_bytes(state_name(prefix, name), optim::param_state_bytes(*o, t));
   };
-  item.verify = [prefix, ps](const Slices& r) {
-    for (const auto& [name, t] : *ps) check_state(r, state_name(prefix, name), t.numel(), prefix);
-  };
-  item.read = [prefix, o, ps](const Slices& r) {
+  auto decoded = std::make_shared<std::vector<std::optional<std::string>>>();
+  item.verify = [prefix, o, ps, decoded](const Slices& r) {
     const optim::Kind kind = optim::kind_of(*o);
+    decoded->clear();
     for (const auto& [name, t] : *ps) {
-      try {
-        optim::load_param_state(*o, t, r.state(kind, state_name(prefix, name), t.sizes()));
-      } catch (const std::invalid_argument& e) {
-        throw std::invalid_argument("checkpoint: '" + state_name(prefix, name) + "': " + e.what());
-      }
+      decoded->push_back(checked_state(r, kind, state_name(prefix, name), t.sizes(), prefix));
     }
+  };
+  item.read = [o, ps, decoded](const Slices&) {
+    for (size_t i = 0; i < ps->size(); ++i) {
+      if (decoded->at(i)) optim::load_param_state(*o, (*ps)[i].second, *decoded->at(i));
+    }
+    decoded->clear();
   };
   items_.push_back(std::move(item));
   return *this;
@@ -195,26 +229,25 @@ JobState& JobState::optimizer(const std::string& prefix, optim::ZeroRedundancyOp
       p.add_bytes(prefix + "#lr", lr.str());
     }
   };
-  item.verify = [prefix, zp, ns](const Slices& r) {
+  auto decoded = std::make_shared<std::vector<std::optional<std::string>>>();
+  item.verify = [prefix, zp, ns, decoded](const Slices& r) {
+    const optim::Kind kind = zp->kind();
+    decoded->clear();
     for (size_t i : zp->share(zp->rank())) {
-      check_state(r, state_name(prefix, (*ns)[i]), zp->params()[i].numel(), prefix);
+      decoded->push_back(
+          checked_state(r, kind, state_name(prefix, (*ns)[i]), zp->params()[i].sizes(), prefix));
     }
   };
-  item.read = [prefix, zp, ns](const Slices& slices) {
+  item.read = [prefix, zp, decoded](const Slices& slices) {
     const Reader& r = slices.reader();
     torch::optim::Optimizer* local = zp->local_optimizer();
+    size_t k = 0;
     for (size_t i : zp->share(zp->rank())) {
       if (!local) break;
-      const at::Tensor& t = zp->params()[i];
-      try {
-        optim::load_param_state(
-            *local, t,
-            slices.state(optim::kind_of(*local), state_name(prefix, (*ns)[i]), t.sizes()));
-      } catch (const std::invalid_argument& e) {
-        throw std::invalid_argument("checkpoint: '" + state_name(prefix, (*ns)[i]) +
-                                    "': " + e.what());
-      }
+      const std::optional<std::string>& bytes = decoded->at(k++);
+      if (bytes) optim::load_param_state(*local, zp->params()[i], *bytes);
     }
+    decoded->clear();
     // (a plain optimizer's state carries no rate: the current one stays)
     if (r.contains(prefix + "#lr")) zp->set_lr(std::stod(r.bytes(prefix + "#lr")));
   };
@@ -237,12 +270,17 @@ JobState& JobState::module(const std::string& prefix, ddp::FullyShardedDataParal
     if (write) {
       for (const ddp::UnitShard& u : fp->shards()) {
         for_each_piece(u, [&](size_t k, int64_t a, int64_t b, int64_t at) {
-          p.add(slice_name(prefix + "." + u.names[k], a, b), u.shard.narrow(0, at, b - a));
+          const std::string name = prefix + "." + u.names[k];
+          p.add(slice_name(name, a, b), u.shard.narrow(0, at, b - a));
+          if (a == 0) p.add_bytes(shape_name(name), shape_text(u.shapes[k]));
         });
       }
     }
     if (rank == 0) {
       for (const auto& [name, t] : buffers()) p.add(prefix + "." + name, t);
+      for (const auto& [alias, first] : aliases_of(*fp->module())) {
+        p.add_bytes(alias_name(prefix + "." + alias), prefix + "." + first);
+      }
     }
   };
   item.verify = [prefix, fp, buffers](const Slices& r) {
@@ -275,44 +313,68 @@ JobState& JobState::optimizer(const std::string& prefix, torch::optim::Optimizer
   torch::optim::Optimizer* o = &opt;
   ddp::FullyShardedDataParallel* fp = &f;
   const bool write = !f.replicate_group() || f.replicate_group()->rank() == 0;
+  const int rank = rank_;
   Item item;
-  item.write = [prefix, o, fp, write](Part& p) {
-    if (!write) return;
-    const std::vector<at::Tensor> params = fp->parameters();
-    const std::vector<ddp::UnitShard> shards = fp->shards();
-    for (size_t s = 0; s < shards.size(); ++s) {
-      const ddp::UnitShard& u = shards[s];
-      for_each_piece(u, [&](size_t k, int64_t a, int64_t b, int64_t at) {
-        p.add_bytes(slice_name(state_name(prefix, u.names[k]), a, b),
-                    optim::param_state_slice_bytes(*o, params[s], at, b - a));
-      });
+  item.write = [prefix, o, fp, write, rank](Part& p) {
+    if (write) {
+      const std::vector<at::Tensor> params = fp->parameters();
+      const std::vector<ddp::UnitShard> shards = fp->shards();
+      for (size_t s = 0; s < shards.size(); ++s) {
+        const ddp::UnitShard& u = shards[s];
+        for_each_piece(u, [&](size_t k, int64_t a, int64_t b, int64_t at) {
+          const std::string name = state_name(prefix, u.names[k]);
+          p.add_bytes(slice_name(name, a, b),
+                      optim::param_state_slice_bytes(*o, params[s], at, b - a));
+          if (a == 0) p.add_bytes(shape_name(name), shape_text(u.shapes[k]));
+        });
+      }
     }
-  };
-  item.verify = [prefix, fp](const Slices& r) {
-    for (const ddp::UnitShard& u : fp->shards()) {
-      for (size_t k = 0; k < u.names.size(); ++k) {
-        check_state(r, state_name(prefix, u.names[k]), numel_of(u.shapes[k]), prefix);
+    if (rank == 0) {
+      for (const auto& [alias, first] : aliases_of(*fp->module())) {
+        p.add_bytes(alias_name(state_name(prefix, alias)), state_name(prefix, first));
       }
     }
   };
-  item.read = [prefix, o, fp, kind](const Slices& r) {
-    const std::vector<at::Tensor> params = fp->parameters();
-    const std::vector<ddp::UnitShard> shards = fp->shards();
-    for (size_t s = 0; s < shards.size(); ++s) {
-      const ddp::UnitShard& u = shards[s];
+  // Each shard's state joined from the pieces it overlaps, in verify (every
+  // piece decoded and checked before any shard is loaded); none for a shard
+  // that is all padding (its optimizer keeps what it has: Adagrad's state
+  // must never be missing).
+  auto decoded = std::make_shared<std::vector<std::optional<std::string>>>();
+  item.verify = [prefix, fp, kind, decoded](const Slices& r) {
+    decoded->clear();
+    for (const ddp::UnitShard& u : fp->shards()) {
+      for (size_t k = 0; k < u.names.size(); ++k) {
+        const std::string name = state_name(prefix, u.names[k]);
+        if (!r.contains(name) && numel_of(u.shapes[k]) > 0) {
+          need(r.reader(), name, "optimizer '" + prefix + "'");
+        }
+        if (const std::string p = r.state_problem(name, u.shapes[k]); !p.empty()) {
+          throw std::invalid_argument("checkpoint: " + p);
+        }
+      }
       std::vector<optim::StatePiece> pieces;
       for_each_piece(u, [&](size_t k, int64_t a, int64_t b, int64_t at) {
-        r.state_pieces(state_name(prefix, u.names[k]), numel_of(u.shapes[k]), a, b, at, pieces);
+        r.state_pieces(state_name(prefix, u.names[k]), u.shapes[k], a, b, at, pieces);
       });
-      const std::string unit = u.unit.empty() ? "the root unit" : "unit '" + u.unit + "'";
+      if (pieces.empty()) {
+        decoded->emplace_back();
+        continue;
+      }
       try {
-        optim::load_param_state(*o, params[s],
-                                optim::join_param_states(kind, {u.shard.numel()}, pieces));
+        decoded->push_back(optim::join_param_states(kind, {u.shard.numel()}, pieces));
       } catch (const std::invalid_argument& e) {
+        const std::string unit = u.unit.empty() ? "the root unit" : "unit '" + u.unit + "'";
         throw std::invalid_argument("checkpoint: optimizer '" + prefix + "', the shard of " + unit +
                                     ": " + e.what());
       }
     }
+  };
+  item.read = [o, fp, decoded](const Slices&) {
+    const std::vector<at::Tensor> params = fp->parameters();
+    for (size_t s = 0; s < params.size(); ++s) {
+      if (decoded->at(s)) optim::load_param_state(*o, params[s], *decoded->at(s));
+    }
+    decoded->clear();
   };
   items_.push_back(std::move(item));
   return *this;

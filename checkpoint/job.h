@@ -20,12 +20,18 @@
 //     ZeroRedundancyOptimizer on 2 ranks loads into ZeroRedundancyOptimizer
 //     on 3, or into a plain LibTorch optimizer on 1, and goes on exactly.
 //     FullyShardedDataParallel's ranks write each parameter's pieces as
-//     flat slices of those names ("<prefix>.<name>#<start>:<end>"); every
-//     loader takes a tensor or a state whole or from its slices, so FSDP on
-//     2 ranks goes on with FSDP on 3, ZeRO, or one process, and back.
-//  2. load() reads every registered piece and refuses, naming it, one the
-//     step does not hold or holds in another shape; nothing is half loaded
-//     on a refusal of a module's tensor (all are checked first).
+//     flat slices of those names ("<prefix>.<name>#<start>:<end>", with
+//     the parameter's shape and the other names of a shared parameter
+//     beside them: checkpoint/slices.h); every loader takes a tensor or a
+//     state whole or from its slices, so FSDP on 2 ranks goes on with FSDP
+//     on 3, ZeRO, or one process, and back.
+//  2. load() checks every registered piece before it changes anything: one
+//     the step does not hold, holds in another shape, or holds in a part
+//     that fails its checks (size, checksum), and an optimizer state that
+//     does not decode for the optimizer's kind, is refused by name with
+//     nothing loaded. (A RemoteModule's or a DistributedOptimizer's owner
+//     checks its own piece; a failure there leaves the local pieces as
+//     they were.) A parameter of no elements needs nothing in the step.
 //  3. Pieces written by one rank (`write` false elsewhere, a sampler, a
 //     record, a schedule: rank 0) are read by every rank. A random
 //     generator is each rank's own ("<name>/<rank>"); a rank the step has

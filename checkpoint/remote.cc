@@ -111,7 +111,7 @@ class PartService final : public rpc::AgentExtension {
       std::string problems;
       auto problem = [&](const std::string& p) { problems += (problems.empty() ? "" : "; ") + p; };
       for (const auto& [name, t] : mine) {
-        if (!slices.contains(name)) {
+        if (!slices.contains(name) && t.numel() > 0) {
           problem(name + " is missing");
         } else if (const std::string p = slices.tensor_problem(name, t.sizes()); !p.empty()) {
           problem(p);
@@ -139,7 +139,11 @@ class PartService final : public rpc::AgentExtension {
                    std::string missing;
                    for (size_t i : service->held_params(id)) {
                      const std::string name = prefix + "/" + names.at(i);
-                     if (!slices.contains(name)) missing += (missing.empty() ? "" : ", ") + name;
+                     int64_t numel = 1;
+                     for (int64_t d : shapes.at(i)) numel *= d;
+                     if (!slices.contains(name) && numel > 0) {
+                       missing += (missing.empty() ? "" : ", ") + name;
+                     }
                    }
                    if (!missing.empty()) {
                      throw std::invalid_argument("checkpoint " + path + " holds no " + missing +

@@ -33,6 +33,14 @@ int64_t number(const std::string& s) {
 std::string slice_name(const std::string& name, int64_t start, int64_t end) {
   return name + "#" + std::to_string(start) + ":" + std::to_string(end);
 }
+std::string shape_name(const std::string& name) { return name + "#shape"; }
+std::string alias_name(const std::string& name) { return name + "#alias"; }
+
+std::string shape_text(at::IntArrayRef shape) {
+  std::string s;
+  for (int64_t d : shape) s += (s.empty() ? "" : " ") + std::to_string(d);
+  return s;
+}
 
 Slices::Slices(const Reader& reader) : reader_(reader) {
   for (const std::string& entry : reader.names()) {
@@ -51,18 +59,39 @@ Slices::Slices(const Reader& reader) : reader_(reader) {
   }
 }
 
+std::string Slices::resolve(const std::string& name) const {
+  if (reader_.contains(name) || slices_.count(name) || !reader_.contains(alias_name(name))) {
+    return name;
+  }
+  return reader_.bytes(alias_name(name));
+}
+
 const std::vector<Slices::Slice>* Slices::slices_of(const std::string& name) const {
   auto it = slices_.find(name);
   return it == slices_.end() ? nullptr : &it->second;
 }
 
 bool Slices::contains(const std::string& name) const {
-  return reader_.contains(name) || slices_of(name) != nullptr;
+  const std::string n = resolve(name);
+  return reader_.contains(n) || slices_of(n) != nullptr;
 }
 
-std::string Slices::coverage_problem(const std::string& name, int64_t numel, bool tensors) const {
+std::string Slices::coverage_problem(const std::string& name, at::IntArrayRef shape,
+                                     bool tensors) const {
   const std::vector<Slice>* list = slices_of(name);
   if (!list) return "the step holds no '" + name + "'";
+  if (reader_.contains(shape_name(name))) {
+    reader_.check(shape_name(name));
+    const std::string saved = reader_.bytes(shape_name(name));
+    if (saved != shape_text(shape)) {
+      std::string dims = saved;
+      for (size_t i = dims.find(' '); i != std::string::npos; i = dims.find(' ', i + 2)) {
+        dims.replace(i, 1, ", ");
+      }
+      return "'" + name + "' is [" + dims + "] in the step, " + c10::str(shape) + " here";
+    }
+  }
+  const int64_t numel = numel_of(shape);
   int64_t at = 0;
   for (const Slice& s : *list) {
     if (s.start > at) {
@@ -71,9 +100,9 @@ std::string Slices::coverage_problem(const std::string& name, int64_t numel, boo
     }
     if (s.start < at) return "'" + s.entry + "' overlaps the slice before it";
     if (tensors) {
-      const std::vector<int64_t> shape = reader_.shape(s.entry);
-      if (shape != std::vector<int64_t>{s.end - s.start}) {
-        return "'" + s.entry + "' is " + c10::str(at::IntArrayRef(shape)) + ", not [" +
+      const std::vector<int64_t> got = reader_.shape(s.entry);
+      if (got != std::vector<int64_t>{s.end - s.start}) {
+        return "'" + s.entry + "' is " + c10::str(at::IntArrayRef(got)) + ", not [" +
                std::to_string(s.end - s.start) + "]";
       }
     }
@@ -83,25 +112,41 @@ std::string Slices::coverage_problem(const std::string& name, int64_t numel, boo
     return "'" + name + "' has " + std::to_string(at) + " elements in its slices, " +
            std::to_string(numel) + " here";
   }
+  for (const Slice& s : *list) reader_.check(s.entry);
   return "";
 }
 
 std::string Slices::tensor_problem(const std::string& name, at::IntArrayRef shape) const {
-  if (!reader_.contains(name) && !slices_of(name) && numel_of(shape) == 0) return "";
-  if (reader_.contains(name)) {
-    const std::vector<int64_t> saved = reader_.shape(name);
-    if (!shape.equals(saved)) {
-      return "'" + name + "' is " + c10::str(at::IntArrayRef(saved)) + " in the step, " +
-             c10::str(shape) + " here";
+  const std::string n = resolve(name);
+  if (!reader_.contains(n) && !slices_of(n) && numel_of(shape) == 0) return "";
+  try {
+    if (reader_.contains(n)) {
+      const std::vector<int64_t> saved = reader_.shape(n);
+      if (!shape.equals(saved)) {
+        return "'" + n + "' is " + c10::str(at::IntArrayRef(saved)) + " in the step, " +
+               c10::str(shape) + " here";
+      }
+      reader_.check(n);
+      return "";
     }
-    return "";
+    return coverage_problem(n, shape, true);
+  } catch (const std::invalid_argument& e) {
+    return e.what();  // (a part that fails its checks)
   }
-  return coverage_problem(name, numel_of(shape), true);
 }
 
-std::string Slices::state_problem(const std::string& name, int64_t numel) const {
-  if (reader_.contains(name) || (!slices_of(name) && numel == 0)) return "";
-  return coverage_problem(name, numel, false);
+std::string Slices::state_problem(const std::string& name, at::IntArrayRef shape) const {
+  const std::string n = resolve(name);
+  if (!reader_.contains(n) && !slices_of(n) && numel_of(shape) == 0) return "";
+  try {
+    if (reader_.contains(n)) {
+      reader_.check(n);
+      return "";
+    }
+    return coverage_problem(n, shape, false);
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
 }
 
 at::Tensor Slices::tensor(const std::string& name, at::IntArrayRef shape, int64_t a,
@@ -109,15 +154,16 @@ at::Tensor Slices::tensor(const std::string& name, at::IntArrayRef shape, int64_
   if (const std::string p = tensor_problem(name, shape); !p.empty()) {
     throw std::invalid_argument("checkpoint: " + p);
   }
-  if (reader_.contains(name)) return reader_.tensor(name).reshape({-1}).narrow(0, a, b - a);
-  if (!slices_of(name)) return at::empty({0});  // (nothing to hold)
+  const std::string n = resolve(name);
+  if (reader_.contains(n)) return reader_.tensor(n).reshape({-1}).narrow(0, a, b - a);
+  if (!slices_of(n)) return at::empty({0});  // (no elements to hold)
   std::vector<at::Tensor> parts;
-  for (const Slice& s : *slices_of(name)) {
+  for (const Slice& s : *slices_of(n)) {
     const int64_t lo = std::max(a, s.start), hi = std::min(b, s.end);
     if (lo >= hi) continue;
     parts.push_back(reader_.tensor(s.entry).narrow(0, lo - s.start, hi - lo));
   }
-  if (parts.empty()) return reader_.tensor(slices_of(name)->front().entry).narrow(0, 0, 0);
+  if (parts.empty()) return reader_.tensor(slices_of(n)->front().entry).narrow(0, 0, 0);
   return parts.size() == 1 ? parts[0] : at::cat(parts);
 }
 
@@ -125,33 +171,32 @@ at::Tensor Slices::tensor(const std::string& name, at::IntArrayRef shape) const 
   return tensor(name, shape, 0, numel_of(shape)).view(shape);
 }
 
-void Slices::state_pieces(const std::string& name, int64_t numel, int64_t a, int64_t b, int64_t to,
-                          std::vector<optim::StatePiece>& out) const {
-  if (const std::string p = state_problem(name, numel); !p.empty()) {
+void Slices::state_pieces(const std::string& name, at::IntArrayRef shape, int64_t a, int64_t b,
+                          int64_t to, std::vector<optim::StatePiece>& out) const {
+  if (const std::string p = state_problem(name, shape); !p.empty()) {
     throw std::invalid_argument("checkpoint: " + p);
   }
-  if (reader_.contains(name)) {
-    out.push_back({reader_.bytes(name), numel, a, to, b - a});
+  const std::string n = resolve(name);
+  if (reader_.contains(n)) {
+    out.push_back({reader_.bytes(n), numel_of(shape), a, to, b - a, n});
     return;
   }
-  if (!slices_of(name)) return;  // (no elements)
-  for (const Slice& s : *slices_of(name)) {
+  if (!slices_of(n)) return;  // (no elements)
+  for (const Slice& s : *slices_of(n)) {
     const int64_t lo = std::max(a, s.start), hi = std::min(b, s.end);
     if (lo >= hi) continue;
-    out.push_back({reader_.bytes(s.entry), s.end - s.start, lo - s.start, to + (lo - a), hi - lo});
+    out.push_back(
+        {reader_.bytes(s.entry), s.end - s.start, lo - s.start, to + (lo - a), hi - lo, s.entry});
   }
 }
 
 std::string Slices::state(optim::Kind kind, const std::string& name, at::IntArrayRef shape) const {
-  if (reader_.contains(name)) return reader_.bytes(name);
+  const std::string n = resolve(name);
+  if (reader_.contains(n)) return reader_.bytes(n);
   std::vector<optim::StatePiece> pieces;
-  const int64_t n = numel_of(shape);
-  state_pieces(name, n, 0, n, 0, pieces);
-  try {
-    return optim::join_param_states(kind, shape, pieces);
-  } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument("checkpoint: '" + name + "': " + e.what());
-  }
+  const int64_t count = numel_of(shape);
+  state_pieces(n, shape, 0, count, 0, pieces);
+  return optim::join_param_states(kind, shape, pieces);
 }
 
 }  // namespace tandem::checkpoint

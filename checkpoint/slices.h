@@ -2,9 +2,13 @@
 // whole under its name, or in flat slices "<name>#<start>:<end>" (elements
 // [start, end) of the flattened tensor, a 1-D tensor or the state of a
 // parameter of [end - start]: what FullyShardedDataParallel's ranks write,
-// each the pieces of the parameters its shard holds). Every loader of the
-// library reads through here, so whatever layout wrote a step, any layout
-// loads it. Internal to the library (not installed).
+// each the pieces of the parameters its shard holds). Beside the slices,
+// "<name>#shape" (bytes: the dimensions, space-separated) records the
+// whole tensor's shape, and "<name>#alias" (bytes: another name) says that
+// `name` is the same tensor as that one (a parameter two modules share,
+// which FSDP holds once). Every loader of the library reads through here,
+// so whatever layout wrote a step, any layout loads it. Internal to the
+// library (not installed).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -19,35 +23,41 @@
 
 namespace tandem::checkpoint {
 
-// "<name>#<start>:<end>".
+// "<name>#<start>:<end>", "<name>#shape", "<name>#alias"; the shape record's bytes.
 std::string slice_name(const std::string& name, int64_t start, int64_t end);
+std::string shape_name(const std::string& name);
+std::string alias_name(const std::string& name);
+std::string shape_text(at::IntArrayRef shape);
 
 class Slices {
  public:
   // Indexes `reader`'s names (which must outlive this).
   explicit Slices(const Reader& reader);
-
   const Reader& reader() const { return reader_; }
-  // Whether the step holds `name` whole or in slices.
+
+  // Whether the step holds `name` whole, in slices, or as an alias of one
+  // that it holds.
   bool contains(const std::string& name) const;
   // What keeps the tensor `name` from loading into one of `shape` ("" when
-  // nothing): missing, another shape, slices that leave elements out or
-  // overlap.
+  // nothing): missing (a tensor of no elements needs nothing), another
+  // shape, slices that leave elements out or overlap, a part that fails its
+  // checks (every part it would read is read and checked here).
   std::string tensor_problem(const std::string& name, at::IntArrayRef shape) const;
-  // The same for a parameter's state of `numel` elements (its slices must
-  // cover it; a whole state's shape is checked when it is decoded).
-  std::string state_problem(const std::string& name, int64_t numel) const;
+  // The same for the optimizer state of a parameter of `shape` (the state's
+  // bytes are checked when decoded: check_state).
+  std::string state_problem(const std::string& name, at::IntArrayRef shape) const;
 
   // Elements [a, b) of the flattened tensor `name` of `shape` (1-D).
   at::Tensor tensor(const std::string& name, at::IntArrayRef shape, int64_t a, int64_t b) const;
   // All of it, in `shape`.
   at::Tensor tensor(const std::string& name, at::IntArrayRef shape) const;
-  // The pieces of the state of parameter `name` (`numel` elements) holding
-  // its elements [a, b), placed from `to` on.
-  void state_pieces(const std::string& name, int64_t numel, int64_t a, int64_t b, int64_t to,
-                    std::vector<optim::StatePiece>& out) const;
+  // The pieces of the state of parameter `name` (of `shape`) holding its
+  // flattened elements [a, b), placed from `to` on.
+  void state_pieces(const std::string& name, at::IntArrayRef shape, int64_t a, int64_t b,
+                    int64_t to, std::vector<optim::StatePiece>& out) const;
   // The whole state of parameter `name` of `shape`, as load_param_state
-  // takes it (the saved bytes themselves when it is whole).
+  // takes it (the saved bytes themselves when it is whole);
+  // std::invalid_argument naming the piece that does not fit.
   std::string state(optim::Kind kind, const std::string& name, at::IntArrayRef shape) const;
 
  private:
@@ -55,9 +65,10 @@ class Slices {
     int64_t start = 0, end = 0;
     std::string entry;
   };
-  // The slices of `name` from `a` to `b`: (slice, first, last element in it).
+  // The name the step holds `name` under (itself, or the one it aliases).
+  std::string resolve(const std::string& name) const;
   const std::vector<Slice>* slices_of(const std::string& name) const;
-  std::string coverage_problem(const std::string& name, int64_t numel, bool tensors) const;
+  std::string coverage_problem(const std::string& name, at::IntArrayRef shape, bool tensors) const;
 
   const Reader& reader_;
   std::map<std::string, std::vector<Slice>> slices_;  // by name, in order of start

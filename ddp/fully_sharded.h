@@ -20,7 +20,8 @@
 //  1. Units. Each submodule named in FSDPOptions::units (its name as the
 //     model's named_modules() gives it) is a unit; the parameters of no named
 //     unit form the root unit. Each unit's parameters are flattened into one
-//     buffer, padded to a multiple of the group's size, and each rank keeps
+//     buffer, padded to a multiple of the group's size (at least one element
+//     a rank, for a unit of empty parameters), and each rank keeps
 //     its 1/N of it as one tensor that requires grad (parameters()):
 //     that is what the optimizer steps: any of LibTorch's elementwise
 //     optimizers (SGD, Adam, AdamW, Adagrad, RMSprop; not LBFGS).

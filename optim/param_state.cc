@@ -74,6 +74,13 @@ void load_param_state(torch::optim::Optimizer& optimizer, const at::Tensor& para
   owner::move_state(*alone, optimizer, stand_in, param);
 }
 
+void check_param_state(Kind kind, at::IntArrayRef shape, const std::string& bytes) {
+  if (bytes.empty()) return;
+  at::Tensor stand_in = at::zeros(shape);
+  auto scratch = owner::make_optimizer(kind, {stand_in}, Options{});
+  load_param_state(*scratch, stand_in, bytes);
+}
+
 std::string param_state_slice_bytes(const torch::optim::Optimizer& optimizer,
                                     const at::Tensor& param, int64_t start, int64_t numel) {
   const torch::optim::OptimizerParamState* state = owner::find_state(optimizer, param);
@@ -101,7 +108,9 @@ std::string join_param_states(Kind kind, at::IntArrayRef shape,
   std::vector<bool> defined;
   for (size_t k = 0; k < pieces.size(); ++k) {
     const StatePiece& piece = pieces[k];
-    const std::string which = "piece " + std::to_string(k) + " of the state: ";
+    const std::string which = (piece.what.empty() ? "piece " + std::to_string(k) + " of the state"
+                                                  : "'" + piece.what + "'") +
+                              ": ";
     if (piece.from < 0 || piece.to < 0 || piece.count < 0 ||
         piece.from + piece.count > piece.numel || piece.to + piece.count > total) {
       throw std::invalid_argument(which + "elements out of range");

@@ -35,6 +35,9 @@ std::function<std::string()> param_state_snapshot(const torch::optim::Optimizer&
                                                   const at::Tensor& param);
 void load_param_state(torch::optim::Optimizer& optimizer, const at::Tensor& param,
                       const std::string& bytes);
+// What load_param_state would refuse in `bytes` for a parameter of `shape`
+// under an optimizer of `kind` (std::invalid_argument), loading nothing.
+void check_param_state(Kind kind, at::IntArrayRef shape, const std::string& bytes);
 
 // A flat slice of a parameter's state: elements [start, start + numel) of
 // its flattened state tensors, as the bytes of a parameter of shape [numel]
@@ -50,13 +53,14 @@ struct StatePiece {
   std::string bytes;
   int64_t numel = 0;
   int64_t from = 0, to = 0, count = 0;
+  std::string what;  // the piece in errors (a checkpoint's entry); "": "piece K"
 };
 // The state of a parameter of `shape`, made of `pieces` of saved states of
 // `kind` (elements no piece covers, and those of a piece without state, are
-// zeros; the step counts are the first piece's): the bytes load_param_state
-// takes. "" when no piece holds state. std::invalid_argument naming the
-// piece (its index) that is of another kind or size, or whose tensors
-// differ from the first's.
+// zeros; the step counts are those of the first piece that has state: the
+// others' are not compared): the bytes load_param_state takes. "" when no
+// piece holds state. std::invalid_argument naming the piece that is of
+// another kind or size, or whose tensors differ from the first's.
 std::string join_param_states(Kind kind, at::IntArrayRef shape,
                               const std::vector<StatePiece>& pieces);
 

@@ -8,6 +8,7 @@
 #include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <unordered_map>
 
 #include "tandem/ddp/fsdp/impl.h"
@@ -164,7 +165,9 @@ void FullyShardedDataParallel::Impl::setup(FSDPOptions options) {
       u.params.push_back(i);
     }
     if (u.params.empty()) continue;  // a root without parameters
-    u.shard_numel = (u.numel + size() - 1) / size();
+    // (at least one element a rank: Gloo's collectives fail on none, and a
+    // unit of empty parameters still runs them)
+    u.shard_numel = std::max<int64_t>(1, (u.numel + size() - 1) / size());
     u.padded = u.shard_numel * size();
     const at::Tensor& like = params[u.params.front()].tensor;
     // Rank 0's values: its flat buffer, broadcast.
