@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -132,6 +133,16 @@ Part& Part::add_bytes(const std::string& name, std::string bytes) {
   return *this;
 }
 
+Part& Part::add_bytes_later(const std::string& name, std::function<std::string()> make) {
+  check_name(name, "entry");
+  if (!make) throw std::invalid_argument("checkpoint: entry '" + name + "' has no maker");
+  Entry e;
+  e.name = name;
+  e.later = std::move(make);
+  entries_.push_back(std::move(e));
+  return *this;
+}
+
 int restart_count() {
   for (const char* name : {"TANDEM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"}) {
     const char* v = std::getenv(name);
@@ -185,13 +196,15 @@ std::string write_part(const std::string& dir, int64_t step, int part, const Par
   std::vector<EntryIndex> entries;
   uint64_t offset = detail::kPartHeader;
   uint64_t fnv = detail::fnv1a(detail::kPartMagic, detail::kPartHeader);
+  std::deque<std::string> made;  // bytes made now (add_bytes_later), kept until written
   for (const auto& e : state.entries()) {
     EntryIndex x;
     x.rank = part;
     x.name = e.name;
     x.is_tensor = e.is_tensor;
-    const char* data = e.is_tensor ? static_cast<const char*>(e.tensor.data_ptr()) : e.bytes.data();
-    const size_t size = e.is_tensor ? e.tensor.nbytes() : e.bytes.size();
+    const std::string& bytes = e.later ? made.emplace_back(e.later()) : e.bytes;
+    const char* data = e.is_tensor ? static_cast<const char*>(e.tensor.data_ptr()) : bytes.data();
+    const size_t size = e.is_tensor ? e.tensor.nbytes() : bytes.size();
     if (e.is_tensor) {
       x.dtype = static_cast<int64_t>(e.tensor.scalar_type());
       x.shape = e.tensor.sizes().vec();

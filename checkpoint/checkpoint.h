@@ -65,12 +65,17 @@ class Part {
   // the call.
   Part& add(const std::string& name, const at::Tensor& tensor);
   Part& add_bytes(const std::string& name, std::string bytes);
+  // Bytes made when the part is written (by an AsyncSaver, on its thread):
+  // `make` must own whatever it reads (a copy taken now, such as
+  // optim::param_state_snapshot's), since the state may change meanwhile.
+  Part& add_bytes_later(const std::string& name, std::function<std::string()> make);
 
   struct Entry {
     std::string name;
     bool is_tensor = false;
     at::Tensor tensor;  // CPU, contiguous
     std::string bytes;
+    std::function<std::string()> later;  // when set, makes `bytes` at write time
   };
   const std::vector<Entry>& entries() const { return entries_; }
 

@@ -184,8 +184,9 @@ JobState& JobState::optimizer(const std::string& prefix, torch::optim::Optimizer
   Item item;
   item.write = [prefix, o, ps, write](Part& p) {
     if (!write) return;
+    // (each state copied now, made into bytes where the part is written)
     for (const auto& [name, t] : *ps)
-      p.add_bytes(state_name(prefix, name), optim::param_state_bytes(*o, t));
+      p.add_bytes_later(state_name(prefix, name), optim::param_state_snapshot(*o, t));
   };
   auto decoded = std::make_shared<std::vector<std::optional<std::string>>>();
   item.verify = [prefix, o, ps, decoded](const Slices& r) {
@@ -219,8 +220,12 @@ JobState& JobState::optimizer(const std::string& prefix, optim::ZeroRedundancyOp
   item.write = [prefix, zp, ns, rank](Part& p) {
     torch::optim::Optimizer* local = zp->local_optimizer();
     for (size_t i : zp->share(zp->rank())) {
-      p.add_bytes(state_name(prefix, (*ns)[i]),
-                  local ? optim::param_state_bytes(*local, zp->params()[i]) : std::string());
+      if (local) {
+        p.add_bytes_later(state_name(prefix, (*ns)[i]),
+                          optim::param_state_snapshot(*local, zp->params()[i]));
+      } else {
+        p.add_bytes(state_name(prefix, (*ns)[i]), "");
+      }
     }
     if (rank == 0) {
       std::ostringstream lr;
@@ -323,8 +328,8 @@ JobState& JobState::optimizer(const std::string& prefix, torch::optim::Optimizer
         const ddp::UnitShard& u = shards[s];
         for_each_piece(u, [&](size_t k, int64_t a, int64_t b, int64_t at) {
           const std::string name = state_name(prefix, u.names[k]);
-          p.add_bytes(slice_name(name, a, b),
-                      optim::param_state_slice_bytes(*o, params[s], at, b - a));
+          p.add_bytes_later(slice_name(name, a, b),
+                            optim::param_state_slice_snapshot(*o, params[s], at, b - a));
           if (a == 0) p.add_bytes(shape_name(name), shape_text(u.shapes[k]));
         });
       }

@@ -83,21 +83,29 @@ void check_param_state(Kind kind, at::IntArrayRef shape, const std::string& byte
 
 std::string param_state_slice_bytes(const torch::optim::Optimizer& optimizer,
                                     const at::Tensor& param, int64_t start, int64_t numel) {
-  const torch::optim::OptimizerParamState* state = owner::find_state(optimizer, param);
-  if (!state) return "";
+  return param_state_slice_snapshot(optimizer, param, start, numel)();
+}
+
+std::function<std::string()> param_state_slice_snapshot(const torch::optim::Optimizer& optimizer,
+                                                        const at::Tensor& param, int64_t start,
+                                                        int64_t numel) {
   if (start < 0 || numel < 0 || start + numel > param.numel()) {
     throw std::invalid_argument("param_state_slice_bytes: elements [" + std::to_string(start) +
                                 ", " + std::to_string(start + numel) + ") of a parameter of " +
                                 std::to_string(param.numel()));
   }
-  at::Tensor stand_in = at::zeros({numel}, param.options().device(at::kCPU));
-  auto alone = owner::make_optimizer(kind_of(optimizer), {stand_in}, Options{});
+  const torch::optim::OptimizerParamState* state = owner::find_state(optimizer, param);
+  if (!state) return [] { return std::string(); };
+  // (its values are never read: only its shape and dtype)
+  at::Tensor stand_in = at::empty({numel}, param.options().device(at::kCPU));
+  std::shared_ptr<torch::optim::Optimizer> alone =
+      owner::make_optimizer(kind_of(optimizer), {stand_in}, Options{});
   std::unique_ptr<torch::optim::OptimizerParamState> slice = state->clone();
   owner::map_tensors(*slice, [&](const at::Tensor& t) {
     return t.reshape({-1}).narrow(0, start, numel).to(at::kCPU, false, /*copy=*/true);
   });
   alone->state()[owner::state_key_of(stand_in)] = std::move(slice);
-  return owner::state_bytes(*alone);
+  return [alone] { return owner::state_bytes(*alone); };
 }
 
 std::string join_param_states(Kind kind, at::IntArrayRef shape,

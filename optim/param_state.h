@@ -45,6 +45,10 @@ void check_param_state(Kind kind, at::IntArrayRef shape, const std::string& byte
 // shard holds a piece of). "" when the optimizer keeps no state for it.
 std::string param_state_slice_bytes(const torch::optim::Optimizer& optimizer,
                                     const at::Tensor& param, int64_t start, int64_t numel);
+// The same, the slice copied now and made into bytes when called.
+std::function<std::string()> param_state_slice_snapshot(const torch::optim::Optimizer& optimizer,
+                                                        const at::Tensor& param, int64_t start,
+                                                        int64_t numel);
 
 // One piece of a state being joined: `bytes` hold a parameter's state (of
 // any shape, `numel` elements; "" for none); its flattened elements [from,

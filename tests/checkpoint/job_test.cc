@@ -9,6 +9,7 @@
 #include <ATen/ops/ones.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/relu.h>
+#include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
@@ -726,4 +727,35 @@ TEST_CASE("job: each GPU's generator comes back too") {
   at::manual_seed(5);  // elsewhere
   checkpoint::load_latest_job(tmp.path, state);
   CHECK(at::equal(at::randn({4}, at::TensorOptions().device(at::kCUDA)).cpu(), want));
+}
+
+TEST_CASE(
+    "job: an optimizer's state is copied when the part is made, its bytes made at the write") {
+  TempDir tmp;
+  torch::nn::Linear m(3, 2);
+  torch::optim::Adam adam(m->parameters(), torch::optim::AdamOptions(0.1));
+  auto step = [&] {
+    adam.zero_grad();
+    at::sum(m(at::ones({4, 3}))).backward();
+    adam.step();
+  };
+  step();
+  checkpoint::JobState state;
+  state.optimizer("adam", adam, {{"weight", m->weight}, {"bias", m->bias}});
+  checkpoint::Part part = state.part();
+  auto moments = [](torch::optim::Adam& o, const at::Tensor& p) {
+    return optim::owner::state_tensors(*optim::owner::find_state(o, p)).at(0).clone();
+  };
+  const at::Tensor then = moments(adam, m->weight);
+  step();  // (Adam's moments change in place)
+  CHECK_FALSE(at::equal(moments(adam, m->weight), then));
+  checkpoint::save(tmp.path, 1, part);
+  torch::nn::Linear back(3, 2);
+  torch::optim::Adam loaded(back->parameters(), torch::optim::AdamOptions(0.1));
+  checkpoint::JobState load;
+  load.optimizer("adam", loaded, {{"weight", back->weight}, {"bias", back->bias}});
+  CHECK(checkpoint::load_latest_job(tmp.path, load) == 1);
+  CHECK(at::equal(moments(loaded, back->weight), then));
+  const auto* st = optim::owner::find_state(loaded, back->weight);
+  CHECK(static_cast<const torch::optim::AdamParamState&>(*st).step() == 1);
 }
