@@ -39,6 +39,22 @@ def launch(body, world, *args):
     mp.spawn(_enter, args=(body, world, args), nprocs=world, join=True)
 
 
+def one_thread():
+    """One intra-op thread in this process, as Tandem's benches run
+    (rpc::set_num_threads(1)): torch's pool, and OpenBLAS's own, which
+    torch.set_num_threads leaves at a thread a core (the GEMMs of a
+    "one-thread" process then ran on every core)."""
+    import ctypes
+
+    import torch
+    torch.set_num_threads(1)
+    try:
+        # (the library torch already loaded: dlopen hands back the same one)
+        ctypes.CDLL("libopenblas.so.0").openblas_set_num_threads(1)
+    except (OSError, AttributeError):
+        pass  # LibTorch's BLAS is not OpenBLAS here
+
+
 def start_rpc(rank, world, threads=RPC_THREADS):
     """init_rpc as worker<rank> with the TensorPipe backend."""
     import torch.distributed.rpc as rpc

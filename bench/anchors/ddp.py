@@ -4,9 +4,10 @@ step in PyTorch, over Gloo, two processes on this host.
 The model: MLP 512-2048-2048-512-10 with ReLUs, made with seed 0 on every rank
 (so all start from the same weights); a batch of 64 per rank, rank r's drawn
 from a generator seeded 100 + r; cross-entropy loss, SGD lr=0.01; one intra-op
-thread per process. After the DDP run, rank 0 steps the same model without
-DDP in its own process (local_ms). Both are the mean over 30 steps (--steps)
-after 5 untimed ones (--warmup).
+thread per process (torch's pool and OpenBLAS's: anchorlib.one_thread). After
+the DDP run, rank 0 steps the same model without DDP in its own process
+(local_ms). Both are the mean over 30 steps (--steps) after 5 untimed ones
+(--warmup).
 
 Usage: python3 ddp.py [--world 2] [--steps 30] [--warmup 5]
 Prints: {"bench":"ddp_step","impl":"pytorch","world":W,"ms":..,"local_ms":..,"loss":..}
@@ -20,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from anchorlib import launch, ms, report
+from anchorlib import launch, ms, one_thread, report
 
 
 def mlp():
@@ -48,7 +49,7 @@ def train(model, x, y, steps, warmup):
 
 
 def worker(rank, world, steps, warmup):
-    torch.set_num_threads(1)
+    one_thread()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     x, y = data_of(rank)
     seconds, loss = train(DistributedDataParallel(mlp()), x, y, steps, warmup)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from anchorlib import launch, report
+from anchorlib import launch, one_thread, report
 
 
 def model():
@@ -47,7 +47,7 @@ def nbytes(t):
 
 
 def worker(rank, world, mode, steps, warmup, out):
-    torch.set_num_threads(1)
+    one_thread()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     m = model()
     net = DistributedDataParallel(m)
