@@ -497,13 +497,17 @@ gpt_bad 4 "holds char_lm's checkpoints, not gpt's" --steps 4 --checkpoint a.ckpt
 rc=$(launch e.log 2 char_lm --steps 4 --checkpoint gy4.ckpt)
 expect_rc "char_lm into gpt's checkpoints" "$rc" 2 e.log &&
   { grep -q "holds gpt's checkpoints, not char_lm's" e.log || fail "char_lm into gpt's: no message"; }
+# resumes LOG NPROC WHAT CKPT ARGS...: gpt ARGS --resume from CKPT on NPROC
+# ranks exits 0 and ends at the 1 x 1 loss.
+resumes() {
+  local log="$1" n="$2" what="$3" ckpt="$4" rc
+  shift 4
+  rc=$(launch "$log" "$n" gpt "$@" "${gpt_args[@]}" --resume --checkpoint "$ckpt")
+  expect_rc "$what" "$rc" 0 "$log" && near "$what" "$base" "$(gpt_final "$log")"
+}
 # The pipeline's steps and --zero 2's hold the same names: each resumes the other's.
-rc=$(launch gx1.log 4 gpt "${gpt_args[@]}" --resume --checkpoint gy4.ckpt)
-expect_rc "gpt --zero 2's checkpoint resumed by the pipeline (2 x 2)" "$rc" 0 gx1.log &&
-  near "gpt --zero 2, resumed 2 x 2" "$base" "$(gpt_final gx1.log)"
-rc=$(launch gx2.log 2 gpt --pp 1 --dp 2 "${gpt_args[@]}" --zero 2 --resume --checkpoint gr6.ckpt)
-expect_rc "gpt 2 x 2's checkpoint resumed by --zero 2 (1 x 2)" "$rc" 0 gx2.log &&
-  near "gpt 2 x 2, resumed --zero 2" "$base" "$(gpt_final gx2.log)"
+resumes gx1.log 4 "gpt --zero 2's checkpoint resumed by the pipeline (2 x 2)" gy4.ckpt
+resumes gx2.log 2 "gpt 2 x 2's checkpoint resumed by --zero 2 (1 x 2)" gr6.ckpt --pp 1 --dp 2 --zero 2
 # --zero 3's checkpoint: each rank the slices of the parameters its FSDP
 # shards hold, and of their Adam state. It resumes on 2 ranks (exactly), on
 # 1, as the pipeline and under --zero 2; the pipeline's resumes under --zero 3.
@@ -519,17 +523,10 @@ if expect_rc "gpt 1 x 2 --zero 3 --resume" "$rc" 0 gw2.log; then
     echo "ok: gpt --zero 3 resumed ends as the uninterrupted run: $(final_line gw2.log)"
   fi
 fi
-rc=$(launch gw3.log 1 gpt --pp 1 --dp 1 "${gpt_args[@]}" --zero 3 --resume --checkpoint gw2.ckpt)
-expect_rc "gpt --zero 3 on 2 ranks resumed on 1" "$rc" 0 gw3.log && near "gpt --zero 3 resumed on 1 rank" "$base" "$(gpt_final gw3.log)"
-rc=$(launch gw4.log 4 gpt "${gpt_args[@]}" --resume --checkpoint gw3.ckpt)
-expect_rc "gpt --zero 3's checkpoint resumed by the pipeline (2 x 2)" "$rc" 0 gw4.log &&
-  near "gpt --zero 3, resumed 2 x 2" "$base" "$(gpt_final gw4.log)"
-rc=$(launch gw5.log 2 gpt --pp 1 --dp 2 "${gpt_args[@]}" --zero 2 --resume --checkpoint gw4.ckpt)
-expect_rc "gpt --zero 3's checkpoint resumed by --zero 2" "$rc" 0 gw5.log &&
-  near "gpt --zero 3, resumed --zero 2" "$base" "$(gpt_final gw5.log)"
-rc=$(launch gw6.log 2 gpt --pp 1 --dp 2 "${gpt_args[@]}" --zero 3 --resume --checkpoint gr7.ckpt)
-expect_rc "gpt 2 x 2's checkpoint resumed by --zero 3 (1 x 2)" "$rc" 0 gw6.log &&
-  near "gpt 2 x 2, resumed --zero 3" "$base" "$(gpt_final gw6.log)"
+resumes gw3.log 1 "gpt --zero 3 on 2 ranks resumed on 1" gw2.ckpt --pp 1 --dp 1 --zero 3
+resumes gw4.log 4 "gpt --zero 3's checkpoint resumed by the pipeline (2 x 2)" gw3.ckpt
+resumes gw5.log 2 "gpt --zero 3's checkpoint resumed by --zero 2" gw4.ckpt --pp 1 --dp 2 --zero 2
+resumes gw6.log 2 "gpt 2 x 2's checkpoint resumed by --zero 3 (1 x 2)" gr7.ckpt --pp 1 --dp 2 --zero 3
 
 if ((failures)); then
   echo "check_examples: $failures failure(s)"

@@ -70,11 +70,8 @@ optim::Options adam_options() {
   return o;
 }
 
-}  // namespace
-
-TEST_CASE("job: saved with ZeRO on 2 ranks, it goes on with ZeRO on 3 and with Adam alone") {
-  TempDir tmp;
-  // One process throughout: the reference.
+// The one-process run: 6 steps.
+std::map<std::string, at::Tensor> reference_run() {
   Net ref = test::shard::make_net(41);
   torch::optim::Adam ref_adam(ref->parameters(), torch::optim::AdamOptions(kLr));
   for (int k = 0; k < 6; ++k) {
@@ -82,31 +79,61 @@ TEST_CASE("job: saved with ZeRO on 2 ranks, it goes on with ZeRO on 3 and with A
     backward_at(ref, k);
     ref_adam.step();
   }
-  const auto want = values_of(ref);
+  return values_of(ref);
+}
+
+// Net trained 3 steps by ZeroRedundancyOptimizer on 2 ranks (threads), saved
+// to `dir` as step 3: the model once (rank 0), each rank its share of Adam's
+// state, and the record "step".
+void save_zero_run(const std::string& dir) {
+  test::Groups g(2);
+  test::on_ranks(2, [&](int r) {
+    Net net = test::shard::make_net(41);
+    optim::ZeroOptions zo;
+    zo.group = g.groups[r];
+    optim::ZeroRedundancyOptimizer z(net->parameters(), optim::Kind::kAdam, adam_options(), zo);
+    for (int k = 0; k < 3; ++k) {
+      z.zero_grad();
+      backward_at(net, k);
+      z.step();
+    }
+    std::string step = "3";
+    checkpoint::JobState state(r);
+    state.module("net", *net, /*write=*/r == 0)
+        .optimizer("adam", z, names_of(net))
+        .record("step", &step);
+    checkpoint::SaveOptions so;
+    so.group = g.groups[r];
+    checkpoint::save_job(dir, 3, state, so);
+  });
+}
+
+// Net and LibTorch's Adam in one process (other values first), loaded from
+// `dir`'s step 3 and trained on to step 6: its parameters then.
+std::map<std::string, at::Tensor> go_on_in_one_process(const std::string& dir) {
+  Net net = test::shard::make_net(99);
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(kLr));
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (const auto& p : net->named_parameters()) named.emplace_back(p.key(), p.value());
+  checkpoint::JobState state;
+  state.module("net", *net).optimizer("adam", adam, named);
+  CHECK(checkpoint::load_latest_job(dir, state) == 3);
+  for (int k = 3; k < 6; ++k) {
+    adam.zero_grad();
+    backward_at(net, k);
+    adam.step();
+  }
+  return values_of(net);
+}
+
+}  // namespace
+
+TEST_CASE("job: saved with ZeRO on 2 ranks, it goes on with ZeRO on 3 and with Adam alone") {
+  TempDir tmp;
+  const auto want = reference_run();  // one process throughout
 
   // Saved after 3 steps on 2 ranks, each its share of Adam's state.
-  {
-    Groups g(2);
-    on_ranks(2, [&](int r) {
-      Net net = test::shard::make_net(41);
-      optim::ZeroOptions zo;
-      zo.group = g.groups[r];
-      optim::ZeroRedundancyOptimizer z(net->parameters(), optim::Kind::kAdam, adam_options(), zo);
-      for (int k = 0; k < 3; ++k) {
-        z.zero_grad();
-        backward_at(net, k);
-        z.step();
-      }
-      std::string step = "3";
-      checkpoint::JobState state(r);
-      state.module("net", *net, /*write=*/r == 0)
-          .optimizer("adam", z, names_of(net))
-          .record("step", &step);
-      checkpoint::SaveOptions so;
-      so.group = g.groups[r];
-      checkpoint::save_job(tmp.path, 3, state, so);
-    });
-  }
+  save_zero_run(tmp.path);
   // Each rank wrote only its share's state; the model once.
   {
     checkpoint::Reader reader(checkpoint::latest(tmp.path)->path);
@@ -147,20 +174,7 @@ TEST_CASE("job: saved with ZeRO on 2 ranks, it goes on with ZeRO on 3 and with A
     }
   }
   SUBCASE("in one process, with LibTorch's Adam") {
-    Net net = test::shard::make_net(99);
-    torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(kLr));
-    std::vector<std::pair<std::string, at::Tensor>> named;
-    for (const auto& p : net->named_parameters()) named.emplace_back(p.key(), p.value());
-    std::string step;
-    checkpoint::JobState state;
-    state.module("net", *net).optimizer("adam", adam, named).record("step", &step);
-    CHECK(checkpoint::load_latest_job(tmp.path, state) == 3);
-    for (int k = 3; k < 6; ++k) {
-      adam.zero_grad();
-      backward_at(net, k);
-      adam.step();
-    }
-    const auto got = values_of(net);
+    const auto got = go_on_in_one_process(tmp.path);
     for (const auto& [name, t] : want) {
       CAPTURE(name);
       CHECK(at::allclose(got.at(name), t, 1e-5, 1e-7));
@@ -189,6 +203,13 @@ TEST_CASE("job: saved with ZeRO on 2 ranks, it goes on with ZeRO on 3 and with A
 
 namespace {
 
+// Collective: every parameter of an FSDP model, on rank 0 (elsewhere none).
+std::map<std::string, at::Tensor> gathered(ddp::FullyShardedDataParallel& f) {
+  std::map<std::string, at::Tensor> out;
+  for (auto& [name, t] : f.full_state_dict(0)) out[name] = t;
+  return out;
+}
+
 // Net under FullyShardedDataParallel (fc1 and fc2 units of their own; fc3
 // and the unused layer the root) with Adam over its shards, on a rank of
 // `group` (and, for HSDP, `replicate`). Every rank steps on the whole batch:
@@ -214,12 +235,7 @@ struct Sharded {
     at::cross_entropy_loss(out, b.y).backward();
     adam->step();
   }
-  // Collective: every parameter, on rank 0.
-  std::map<std::string, at::Tensor> values() {
-    std::map<std::string, at::Tensor> out;
-    for (auto& [name, t] : fsdp->full_state_dict(0)) out[name] = t;
-    return out;
-  }
+  std::map<std::string, at::Tensor> values() { return gathered(*fsdp); }
   Net net;
   std::unique_ptr<ddp::FullyShardedDataParallel> fsdp;
   std::unique_ptr<torch::optim::Adam> adam;
@@ -232,18 +248,6 @@ void check_values(const std::map<std::string, at::Tensor>& got,
     CAPTURE(name);
     CHECK(at::allclose(got.at(name), t, 1e-5, 1e-7));
   }
-}
-
-// The one-process run: 6 steps.
-std::map<std::string, at::Tensor> reference_run() {
-  Net ref = test::shard::make_net(41);
-  torch::optim::Adam ref_adam(ref->parameters(), torch::optim::AdamOptions(kLr));
-  for (int k = 0; k < 6; ++k) {
-    ref_adam.zero_grad();
-    backward_at(ref, k);
-    ref_adam.step();
-  }
-  return values_of(ref);
 }
 
 }  // namespace
@@ -293,41 +297,11 @@ TEST_CASE("job: FSDP's shards saved on 2 ranks go on with FSDP on 3, in one proc
     check_values(got, want);
   }
   SUBCASE("in one process, with LibTorch's Adam") {
-    Net net = test::shard::make_net(99);
-    torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(kLr));
-    std::vector<std::pair<std::string, at::Tensor>> named;
-    for (const auto& p : net->named_parameters()) named.emplace_back(p.key(), p.value());
-    checkpoint::JobState state;
-    state.module("net", *net).optimizer("adam", adam, named);
-    CHECK(checkpoint::load_latest_job(tmp.path, state) == 3);
-    for (int k = 3; k < 6; ++k) {
-      adam.zero_grad();
-      backward_at(net, k);
-      adam.step();
-    }
-    check_values(values_of(net), want);
+    check_values(go_on_in_one_process(tmp.path), want);
   }
   SUBCASE("a ZeRO checkpoint (whole names) goes on with FSDP on 3 ranks") {
     TempDir zero_dir;
-    {
-      Groups g(2);
-      on_ranks(2, [&](int r) {
-        Net net = test::shard::make_net(41);
-        optim::ZeroOptions zo;
-        zo.group = g.groups[r];
-        optim::ZeroRedundancyOptimizer z(net->parameters(), optim::Kind::kAdam, adam_options(), zo);
-        for (int k = 0; k < 3; ++k) {
-          z.zero_grad();
-          backward_at(net, k);
-          z.step();
-        }
-        checkpoint::JobState state(r);
-        state.module("net", *net, r == 0).optimizer("adam", z, names_of(net));
-        checkpoint::SaveOptions so;
-        so.group = g.groups[r];
-        checkpoint::save_job(zero_dir.path, 3, state, so);
-      });
-    }
+    save_zero_run(zero_dir.path);
     Groups g(3);
     std::map<std::string, at::Tensor> got;
     on_ranks(3, [&](int r) {
@@ -403,11 +377,7 @@ struct OddSharded {
     fsdp->forward([&] { return odd_loss(net, run, k); }).backward();
     opt->step();
   }
-  std::map<std::string, at::Tensor> values() {
-    std::map<std::string, at::Tensor> out;
-    for (auto& [name, t] : fsdp->full_state_dict(0)) out[name] = t;
-    return out;
-  }
+  std::map<std::string, at::Tensor> values() { return gathered(*fsdp); }
   Odd net;
   std::unique_ptr<ddp::FullyShardedDataParallel> fsdp;
   std::unique_ptr<torch::optim::Adagrad> opt;
@@ -496,26 +466,11 @@ TEST_CASE("job: FSDP with a shared Linear, an all-padding shard and an empty par
 TEST_CASE("job: HSDP writes each shard once (the first replica), and it loads in one process") {
   TempDir tmp;
   const auto want = reference_run();
-  // Ranks 0..3: shard groups {0, 1} and {2, 3}, replicate groups {0, 2} and {1, 3}.
   const int n = 4;
   Groups world(n);
-  auto store = support::store_server();
-  std::vector<std::shared_ptr<ddp::ProcessGroup>> shard(n), replicate(n);
-  auto make = [&](int rank, int size, const std::string& name) {
-    ddp::ProcessGroupOptions o;
-    o.rank = rank;
-    o.world_size = size;
-    o.timeout = std::chrono::seconds(20);
-    o.store = support::store_client(store->getPort());
-    o.group_name = name;
-    return ddp::ProcessGroup::create(o);
-  };
+  test::HsdpGroups hsdp;
   on_ranks(n, [&](int r) {
-    shard[r] = make(r % 2, 2, "shard" + std::to_string(r / 2));
-    replicate[r] = make(r / 2, 2, "replicate" + std::to_string(r % 2));
-  });
-  on_ranks(n, [&](int r) {
-    Sharded job(41, shard[r], replicate[r]);
+    Sharded job(41, hsdp.shard[r], hsdp.replicate[r]);
     for (int k = 0; k < 3; ++k) job.step(k);
     checkpoint::JobState state(r);
     state.module("net", *job.fsdp).optimizer("adam", *job.adam, *job.fsdp);
@@ -529,23 +484,7 @@ TEST_CASE("job: HSDP writes each shard once (the first replica), and it loads in
     for (const auto& name : reader.names()) writers.insert(reader.rank_of(name));
     CHECK(writers == std::set<int>{0, 1});  // the first replica's two shards
   }
-  Net net = test::shard::make_net(99);
-  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(kLr));
-  std::vector<std::pair<std::string, at::Tensor>> named;
-  for (const auto& p : net->named_parameters()) named.emplace_back(p.key(), p.value());
-  checkpoint::JobState state;
-  state.module("net", *net).optimizer("adam", adam, named);
-  CHECK(checkpoint::load_latest_job(tmp.path, state) == 3);
-  for (int k = 3; k < 6; ++k) {
-    adam.zero_grad();
-    backward_at(net, k);
-    adam.step();
-  }
-  check_values(values_of(net), want);
-  on_ranks(n, [&](int r) {
-    shard[r].reset();
-    replicate[r].reset();
-  });
+  check_values(go_on_in_one_process(tmp.path), want);
 }
 
 TEST_CASE("job: slices that leave elements out, overlap or do not fit are refused by name") {
@@ -564,29 +503,24 @@ TEST_CASE("job: slices that leave elements out, overlap or do not fit are refuse
   };
   torch::nn::Linear m(6, 4);
   const at::Tensor before = m->weight.detach().clone();
-  {
+  struct Bad {
+    std::vector<std::pair<std::string, int64_t>> cuts;  // name, elements
+    std::string error;
+  };
+  const std::vector<Bad> bad = {
+      {{{"m.weight#0:10", 10}, {"m.weight#12:24", 12}},
+       "'m.weight': its elements [10, 12) are in no slice"},
+      {{{"m.weight#0:12", 12}, {"m.weight#10:24", 14}},
+       "'m.weight#10:24' overlaps the slice before it"},
+      {{{"m.weight#0:12", 12}, {"m.weight#12:24", 11}}, "'m.weight#12:24' is [11], not [12]"},
+      {{{"m.weight#0:12", 12}, {"m.weight#12:30", 18}},
+       "'m.weight' has 30 elements in its slices, 24 here"},
+  };
+  for (const Bad& b : bad) {
+    CAPTURE(b.error);
     TempDir d;
-    step_with(d.path, {{"m.weight#0:10", 10}, {"m.weight#12:24", 12}});
-    CHECK(error_loading(d.path, *m).find("'m.weight': its elements [10, 12) are in no slice") !=
-          std::string::npos);
-  }
-  {
-    TempDir d;
-    step_with(d.path, {{"m.weight#0:12", 12}, {"m.weight#10:24", 14}});
-    CHECK(error_loading(d.path, *m).find("'m.weight#10:24' overlaps the slice before it") !=
-          std::string::npos);
-  }
-  {
-    TempDir d;
-    step_with(d.path, {{"m.weight#0:12", 12}, {"m.weight#12:24", 11}});
-    CHECK(error_loading(d.path, *m).find("'m.weight#12:24' is [11], not [12]") !=
-          std::string::npos);
-  }
-  {
-    TempDir d;
-    step_with(d.path, {{"m.weight#0:12", 12}, {"m.weight#12:30", 18}});
-    CHECK(error_loading(d.path, *m).find("'m.weight' has 30 elements in its slices, 24 here") !=
-          std::string::npos);
+    step_with(d.path, b.cuts);
+    CHECK(error_loading(d.path, *m).find(b.error) != std::string::npos);
   }
   CHECK(at::equal(m->weight, before));  // nothing loaded
   {

@@ -60,4 +60,36 @@ struct Groups {
   std::vector<std::shared_ptr<ddp::ProcessGroup>> groups;
 };
 
+// HSDP's groups over 4 ranks (threads): shard groups {0, 1} and {2, 3},
+// replicate groups {0, 2} and {1, 3}; rank r is r % 2 in its shard group
+// and r / 2 in its replicate group.
+struct HsdpGroups {
+  HsdpGroups() : store(support::store_server()), shard(4), replicate(4) {
+    auto make = [&](int rank, int size, const std::string& name) {
+      ddp::ProcessGroupOptions o;
+      o.rank = rank;
+      o.world_size = size;
+      o.timeout = std::chrono::seconds(20);
+      o.store = support::store_client(store->getPort());
+      o.group_name = name;
+      return ddp::ProcessGroup::create(o);
+    };
+    on_ranks(4, [&](int r) {
+      shard[r] = make(r % 2, 2, "shard" + std::to_string(r / 2));
+      replicate[r] = make(r / 2, 2, "replicate" + std::to_string(r % 2));
+    });
+  }
+  ~HsdpGroups() {
+    on_ranks(4, [&](int r) {
+      shard[r].reset();
+      replicate[r].reset();
+    });
+  }
+  HsdpGroups(const HsdpGroups&) = delete;
+  HsdpGroups& operator=(const HsdpGroups&) = delete;
+
+  c10::intrusive_ptr<c10d::TCPStore> store;
+  std::vector<std::shared_ptr<ddp::ProcessGroup>> shard, replicate;
+};
+
 }  // namespace tandem::test

@@ -173,37 +173,19 @@ TEST_CASE("fsdp: HSDP, sharded over pairs and replicated across them, trains as 
   const int n = 4;
   auto ref = make_seq(8);
   train_local(ref, n, kSteps);
-  auto store = support::store_server();
-  std::vector<std::shared_ptr<ddp::ProcessGroup>> shard(n), replicate(n);
-  auto make = [&](int rank, int size, const std::string& name) {
-    ddp::ProcessGroupOptions o;
-    o.rank = rank;
-    o.world_size = size;
-    o.timeout = std::chrono::seconds(20);
-    o.store = support::store_client(store->getPort());
-    o.group_name = name;
-    return ddp::ProcessGroup::create(o);
-  };
-  on_ranks(n, [&](int r) {
-    shard[r] = make(r % 2, 2, "shard" + std::to_string(r / 2));
-    replicate[r] = make(r / 2, 2, "replicate" + std::to_string(r % 2));
-  });
+  test::HsdpGroups groups;
   std::vector<std::pair<std::string, at::Tensor>> state;
   on_ranks(n, [&](int r) {
     ddp::FSDPOptions o;
-    o.replicate_group = replicate[r];
+    o.replicate_group = groups.replicate[r];
     // Rank 2 and 3 start from other values: the replicas take replica 0's.
-    ddp::FullyShardedDataParallel fsdp(make_seq(r < 2 ? 8 : 80), o, shard[r]);
+    ddp::FullyShardedDataParallel fsdp(make_seq(r < 2 ? 8 : 80), o, groups.shard[r]);
     train_rank(
         fsdp, [&](const at::Tensor& x) { return fsdp.forward(x); }, r, kSteps);
     auto s = fsdp.full_state_dict(0);
     if (r == 2) state = s;  // the second replica's
   });
   check_state(state, *ref);
-  on_ranks(n, [&](int r) {
-    shard[r].reset();
-    replicate[r].reset();
-  });
 }
 
 TEST_CASE("fsdp: any model through run(), with an unused layer and no reshard after forward") {
