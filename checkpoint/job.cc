@@ -9,6 +9,7 @@
 #include <ATen/Context.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/util/StringUtil.h>
+#include <c10/util/accumulate.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <map>
@@ -49,18 +50,25 @@ std::string state_name(const std::string& prefix, const std::string& param) {
   return prefix + "/" + param;
 }
 
-int64_t numel_of(at::IntArrayRef shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
-
 // A tensor the step must hold (whole or in slices) in `shape` (one of no
 // elements needs nothing); every part it is read from checked.
 void check_tensor(const Slices& r, const std::string& name, at::IntArrayRef shape,
                   const std::string& what) {
-  if (!r.contains(name) && numel_of(shape) > 0) need(r.reader(), name, what);
+  if (!r.contains(name) && c10::multiply_integers(shape) > 0) need(r.reader(), name, what);
   if (const std::string p = r.tensor_problem(name, shape); !p.empty()) {
+    throw std::invalid_argument("checkpoint: " + p);
+  }
+}
+
+// The optimizer state of a parameter of `shape` the step must hold (whole or
+// in slices; one of no elements needs nothing); every part it is read from
+// checked.
+void check_state(const Slices& r, const std::string& name, at::IntArrayRef shape,
+                 const std::string& optimizer) {
+  if (!r.contains(name) && c10::multiply_integers(shape) > 0) {
+    need(r.reader(), name, "optimizer '" + optimizer + "'");
+  }
+  if (const std::string p = r.state_problem(name, shape); !p.empty()) {
     throw std::invalid_argument("checkpoint: " + p);
   }
 }
@@ -72,13 +80,8 @@ void check_tensor(const Slices& r, const std::string& name, at::IntArrayRef shap
 // Adagrad's state must never be missing).
 std::optional<std::string> checked_state(const Slices& r, optim::Kind kind, const std::string& name,
                                          at::IntArrayRef shape, const std::string& optimizer) {
-  if (!r.contains(name)) {
-    if (numel_of(shape) == 0) return std::nullopt;
-    need(r.reader(), name, "optimizer '" + optimizer + "'");
-  }
-  if (const std::string p = r.state_problem(name, shape); !p.empty()) {
-    throw std::invalid_argument("checkpoint: " + p);
-  }
+  check_state(r, name, shape, optimizer);
+  if (!r.contains(name)) return std::nullopt;
   try {
     std::string bytes = r.state(kind, name, shape);
     optim::check_param_state(kind, shape, bytes);
@@ -87,9 +90,6 @@ std::optional<std::string> checked_state(const Slices& r, optim::Kind kind, cons
     throw std::invalid_argument("checkpoint: '" + name + "': " + e.what());
   }
 }
-
-// What a verify decoded, for its read.
-using Decoded = std::shared_ptr<std::vector<std::optional<std::string>>>;
 
 // Every parameter `m` holds under two names or more (LibTorch names a
 // shared parameter once per module holding it; FSDP holds it once, under
@@ -113,10 +113,38 @@ void for_each_piece(const ddp::UnitShard& u,
   const int64_t lo = static_cast<int64_t>(u.rank) * size;
   int64_t offset = 0;
   for (size_t k = 0; k < u.names.size(); ++k) {
-    const int64_t n = numel_of(u.shapes[k]);
+    const int64_t n = c10::multiply_integers(u.shapes[k]);
     const int64_t a = std::max(offset, lo), b = std::min(offset + n, lo + size);
     if (a < b) fn(k, a - offset, b - offset, a - lo);
     offset += n;
+  }
+}
+
+// What a rank writes of an FSDP model (`name_of` makes a parameter's entry
+// name): each piece its shards hold, by `piece(entry, shard index, its
+// unit, [a, b) of the parameter, where it starts in the shard)`, and beside
+// them each parameter's shape (by the writer of its first elements); on
+// rank 0 the other names of shared parameters. With HSDP only the first
+// replica's ranks write pieces: the replicas hold the same shards.
+void write_fsdp(Part& p, ddp::FullyShardedDataParallel& f, int rank,
+                const std::function<std::string(const std::string&)>& name_of,
+                const std::function<void(const std::string&, size_t, const ddp::UnitShard&, int64_t,
+                                         int64_t, int64_t)>& piece) {
+  if (!f.replicate_group() || f.replicate_group()->rank() == 0) {
+    const std::vector<ddp::UnitShard> shards = f.shards();
+    for (size_t s = 0; s < shards.size(); ++s) {
+      const ddp::UnitShard& u = shards[s];
+      for_each_piece(u, [&](size_t k, int64_t a, int64_t b, int64_t at) {
+        const std::string name = name_of(u.names[k]);
+        piece(slice_name(name, a, b), s, u, a, b, at);
+        if (a == 0) p.add_bytes(shape_name(name), shape_text(u.shapes[k]));
+      });
+    }
+  }
+  if (rank == 0) {
+    for (const auto& [alias, first] : aliases_of(*f.module())) {
+      p.add_bytes(alias_name(name_of(alias)), name_of(first));
+    }
   }
 }
 
@@ -262,8 +290,6 @@ JobState& JobState::optimizer(const std::string& prefix, optim::ZeroRedundancyOp
 
 JobState& JobState::module(const std::string& prefix, ddp::FullyShardedDataParallel& f) {
   ddp::FullyShardedDataParallel* fp = &f;
-  // (with HSDP the replicas hold the same shards: one writes them)
-  const bool write = !f.replicate_group() || f.replicate_group()->rank() == 0;
   const int rank = rank_;
   auto buffers = [fp] {
     std::vector<std::pair<std::string, at::Tensor>> out;
@@ -271,21 +297,13 @@ JobState& JobState::module(const std::string& prefix, ddp::FullyShardedDataParal
     return out;
   };
   Item item;
-  item.write = [prefix, fp, write, rank, buffers](Part& p) {
-    if (write) {
-      for (const ddp::UnitShard& u : fp->shards()) {
-        for_each_piece(u, [&](size_t k, int64_t a, int64_t b, int64_t at) {
-          const std::string name = prefix + "." + u.names[k];
-          p.add(slice_name(name, a, b), u.shard.narrow(0, at, b - a));
-          if (a == 0) p.add_bytes(shape_name(name), shape_text(u.shapes[k]));
-        });
-      }
-    }
+  item.write = [prefix, fp, rank, buffers](Part& p) {
+    write_fsdp(
+        p, *fp, rank, [&](const std::string& name) { return prefix + "." + name; },
+        [&](const std::string& entry, size_t, const ddp::UnitShard& u, int64_t a, int64_t b,
+            int64_t at) { p.add(entry, u.shard.narrow(0, at, b - a)); });
     if (rank == 0) {
       for (const auto& [name, t] : buffers()) p.add(prefix + "." + name, t);
-      for (const auto& [alias, first] : aliases_of(*fp->module())) {
-        p.add_bytes(alias_name(prefix + "." + alias), prefix + "." + first);
-      }
     }
   };
   item.verify = [prefix, fp, buffers](const Slices& r) {
@@ -317,28 +335,16 @@ JobState& JobState::optimizer(const std::string& prefix, torch::optim::Optimizer
   const optim::Kind kind = optim::kind_of(opt);
   torch::optim::Optimizer* o = &opt;
   ddp::FullyShardedDataParallel* fp = &f;
-  const bool write = !f.replicate_group() || f.replicate_group()->rank() == 0;
   const int rank = rank_;
   Item item;
-  item.write = [prefix, o, fp, write, rank](Part& p) {
-    if (write) {
-      const std::vector<at::Tensor> params = fp->parameters();
-      const std::vector<ddp::UnitShard> shards = fp->shards();
-      for (size_t s = 0; s < shards.size(); ++s) {
-        const ddp::UnitShard& u = shards[s];
-        for_each_piece(u, [&](size_t k, int64_t a, int64_t b, int64_t at) {
-          const std::string name = state_name(prefix, u.names[k]);
-          p.add_bytes_later(slice_name(name, a, b),
-                            optim::param_state_slice_snapshot(*o, params[s], at, b - a));
-          if (a == 0) p.add_bytes(shape_name(name), shape_text(u.shapes[k]));
+  item.write = [prefix, o, fp, rank](Part& p) {
+    const std::vector<at::Tensor> params = fp->parameters();
+    write_fsdp(
+        p, *fp, rank, [&](const std::string& name) { return state_name(prefix, name); },
+        [&](const std::string& entry, size_t s, const ddp::UnitShard&, int64_t a, int64_t b,
+            int64_t at) {
+          p.add_bytes_later(entry, optim::param_state_slice_snapshot(*o, params[s], at, b - a));
         });
-      }
-    }
-    if (rank == 0) {
-      for (const auto& [alias, first] : aliases_of(*fp->module())) {
-        p.add_bytes(alias_name(state_name(prefix, alias)), state_name(prefix, first));
-      }
-    }
   };
   // Each shard's state joined from the pieces it overlaps, in verify (every
   // piece decoded and checked before any shard is loaded); none for a shard
@@ -349,13 +355,7 @@ JobState& JobState::optimizer(const std::string& prefix, torch::optim::Optimizer
     decoded->clear();
     for (const ddp::UnitShard& u : fp->shards()) {
       for (size_t k = 0; k < u.names.size(); ++k) {
-        const std::string name = state_name(prefix, u.names[k]);
-        if (!r.contains(name) && numel_of(u.shapes[k]) > 0) {
-          need(r.reader(), name, "optimizer '" + prefix + "'");
-        }
-        if (const std::string p = r.state_problem(name, u.shapes[k]); !p.empty()) {
-          throw std::invalid_argument("checkpoint: " + p);
-        }
+        check_state(r, state_name(prefix, u.names[k]), u.shapes[k], prefix);
       }
       std::vector<optim::StatePiece> pieces;
       for_each_piece(u, [&](size_t k, int64_t a, int64_t b, int64_t at) {

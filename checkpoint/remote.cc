@@ -7,6 +7,7 @@
 
 #include <ATen/core/grad_mode.h>
 #include <c10/util/StringUtil.h>
+#include <c10/util/accumulate.h>
 
 #include <algorithm>
 #include <future>
@@ -139,9 +140,7 @@ class PartService final : public rpc::AgentExtension {
                    std::string missing;
                    for (size_t i : service->held_params(id)) {
                      const std::string name = prefix + "/" + names.at(i);
-                     int64_t numel = 1;
-                     for (int64_t d : shapes.at(i)) numel *= d;
-                     if (!slices.contains(name) && numel > 0) {
+                     if (!slices.contains(name) && c10::multiply_integers(shapes.at(i)) > 0) {
                        missing += (missing.empty() ? "" : ", ") + name;
                      }
                    }

@@ -4,6 +4,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/StringUtil.h>
+#include <c10/util/accumulate.h>
 
 #include <algorithm>
 #include <cctype>
@@ -12,12 +13,6 @@
 namespace tandem::checkpoint {
 
 namespace {
-
-int64_t numel_of(at::IntArrayRef shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
 
 // "123" -> 123; -1 for anything else.
 int64_t number(const std::string& s) {
@@ -91,7 +86,7 @@ std::string Slices::coverage_problem(const std::string& name, at::IntArrayRef sh
       return "'" + name + "' is [" + dims + "] in the step, " + c10::str(shape) + " here";
     }
   }
-  const int64_t numel = numel_of(shape);
+  const int64_t numel = c10::multiply_integers(shape);
   int64_t at = 0;
   for (const Slice& s : *list) {
     if (s.start > at) {
@@ -118,7 +113,7 @@ std::string Slices::coverage_problem(const std::string& name, at::IntArrayRef sh
 
 std::string Slices::tensor_problem(const std::string& name, at::IntArrayRef shape) const {
   const std::string n = resolve(name);
-  if (!reader_.contains(n) && !slices_of(n) && numel_of(shape) == 0) return "";
+  if (!reader_.contains(n) && !slices_of(n) && c10::multiply_integers(shape) == 0) return "";
   try {
     if (reader_.contains(n)) {
       const std::vector<int64_t> saved = reader_.shape(n);
@@ -137,7 +132,7 @@ std::string Slices::tensor_problem(const std::string& name, at::IntArrayRef shap
 
 std::string Slices::state_problem(const std::string& name, at::IntArrayRef shape) const {
   const std::string n = resolve(name);
-  if (!reader_.contains(n) && !slices_of(n) && numel_of(shape) == 0) return "";
+  if (!reader_.contains(n) && !slices_of(n) && c10::multiply_integers(shape) == 0) return "";
   try {
     if (reader_.contains(n)) {
       reader_.check(n);
@@ -168,7 +163,7 @@ at::Tensor Slices::tensor(const std::string& name, at::IntArrayRef shape, int64_
 }
 
 at::Tensor Slices::tensor(const std::string& name, at::IntArrayRef shape) const {
-  return tensor(name, shape, 0, numel_of(shape)).view(shape);
+  return tensor(name, shape, 0, c10::multiply_integers(shape)).view(shape);
 }
 
 void Slices::state_pieces(const std::string& name, at::IntArrayRef shape, int64_t a, int64_t b,
@@ -178,7 +173,7 @@ void Slices::state_pieces(const std::string& name, at::IntArrayRef shape, int64_
   }
   const std::string n = resolve(name);
   if (reader_.contains(n)) {
-    out.push_back({reader_.bytes(n), numel_of(shape), a, to, b - a, n});
+    out.push_back({reader_.bytes(n), c10::multiply_integers(shape), a, to, b - a, n});
     return;
   }
   if (!slices_of(n)) return;  // (no elements)
@@ -194,7 +189,7 @@ std::string Slices::state(optim::Kind kind, const std::string& name, at::IntArra
   const std::string n = resolve(name);
   if (reader_.contains(n)) return reader_.bytes(n);
   std::vector<optim::StatePiece> pieces;
-  const int64_t count = numel_of(shape);
+  const int64_t count = c10::multiply_integers(shape);
   state_pieces(n, shape, 0, count, 0, pieces);
   return optim::join_param_states(kind, shape, pieces);
 }

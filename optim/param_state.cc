@@ -3,6 +3,7 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/accumulate.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -110,8 +111,7 @@ std::function<std::string()> param_state_slice_snapshot(const torch::optim::Opti
 
 std::string join_param_states(Kind kind, at::IntArrayRef shape,
                               const std::vector<StatePiece>& pieces) {
-  int64_t total = 1;
-  for (int64_t d : shape) total *= d;
+  const int64_t total = c10::multiply_integers(shape);
   std::unique_ptr<torch::optim::OptimizerParamState> joined;
   std::vector<bool> defined;
   for (size_t k = 0; k < pieces.size(); ++k) {
