@@ -5,13 +5,13 @@ Reads JSON lines (as printed by build/bin/*_bench and the PyTorch programs in
 bench/anchors/) from the files given, or stdin ("-"); lines that are not JSON
 objects with a "bench" and an "impl" are ignored, and so are values that are
 not finite numbers.
-Lines are grouped by `bench` and their size key (`bytes`, `hops` or `world`,
-possibly absent; a pipeline line by its schedule, stages and chunks, a pp_dp
+Lines are grouped by `bench` and their size key (`bytes`, `hops`, `world` or
+`idle_us`, possibly absent; a pipeline line by its schedule, stages and chunks, a pp_dp
 line by its layout, a zero line by its mode and world). For each
 metric of the tandem lines it prints Tandem's value over TCP (column tandem;
 also a line that names no transport), over shared memory (tandem_shm: lines
-with "transport":"shm"), PyTorch's and raw_tcp's, and the ratios to PyTorch
-and raw TCP.
+with "transport":"shm"), PyTorch's and the machine's floor (raw: a raw_tcp or
+raw_pipe line), and the ratios to PyTorch and to the floor.
 Where PyTorch reports several paths (rpc_echo: python, builtin) the better one
 is used: lowest time, highest gbps; its path is shown.
 
@@ -28,18 +28,18 @@ import json
 import math
 import sys
 
-SIZE_KEYS = ("config", "bytes", "hops", "world")
+SIZE_KEYS = ("config", "bytes", "hops", "world", "idle_us")
 METRICS = ("p50_us", "p99_us", "gbps", "ms", "local_ms", "overhead_ms", "ms_per_local",
            "record_us_per_rpc", "overlap", "samples_per_s", "single_worker_samples_per_s",
-           "efficiency", "bubble", "speedup", "allreduce_ms", "allreduce_hidden",
+           "chunked_single_worker_samples_per_s", "efficiency", "efficiency_vs_chunked", "bubble", "speedup", "allreduce_ms", "allreduce_hidden",
            "init_ms", "all_to_all_ms", "shutdown_ms", "on_ns", "off_ns", "bytes_per_rank",
            "bytes_per_param", "rss_mb", "ms_per_ddp", "restart_s", "steps_lost",
            "checkpoint_every", "final_loss", "uninterrupted_loss", "async_stall_ms",
            "sync_stall_ms", "copy_ms")
 HIGHER_IS_BETTER = {"gbps", "overlap", "samples_per_s", "single_worker_samples_per_s",
-                    "efficiency", "speedup", "allreduce_hidden"}
-HEADER = ("bench", "size", "metric", "tandem", "tandem_shm", "pytorch", "path", "raw_tcp",
-          "tandem/pytorch", "shm/pytorch", "tandem/raw_tcp")
+                    "chunked_single_worker_samples_per_s", "efficiency", "efficiency_vs_chunked", "speedup", "allreduce_hidden"}
+HEADER = ("bench", "size", "metric", "tandem", "tandem_shm", "pytorch", "path", "raw",
+          "tandem/pytorch", "shm/pytorch", "tandem/raw")
 LEFT = {"bench", "size", "metric", "path"}  # text columns; the rest align right
 
 # --summary: the headline figures, in this order. Each row is
@@ -83,6 +83,8 @@ def read_records(streams):
                     and isinstance(rec.get("impl"), str)):
                 if rec["impl"] == "tandem" and rec.get("transport") == "shm":
                     rec = dict(rec, impl="tandem_shm")
+                if rec["impl"].startswith("raw_"):  # a floor: raw_tcp, raw_pipe
+                    rec = dict(rec, impl="raw")
                 yield with_derived(rec)
 
 
@@ -184,7 +186,7 @@ def build_rows(records):
         first = True
         for m in metrics:
             t, s, p, raw = (best(median_per_path(by_impl.get(i, [])), m)
-                            for i in ("tandem", "tandem_shm", "pytorch", "raw_tcp"))
+                            for i in ("tandem", "tandem_shm", "pytorch", "raw"))
             tv, sv, pv, rv = (r[m] if r else None for r in (t, s, p, raw))
             # Name the PyTorch path only when it alone gave the best value.
             ties = [r for r in median_per_path(by_impl.get("pytorch", [])) if p and r.get(m) == pv]

@@ -58,8 +58,10 @@ double samples_per_s(int batch, int warmup, int steps, Step step) {
   return batch / (median(ms) / 1e3);
 }
 
-// The same model trained whole in plain LibTorch, in this process.
-inline double local_samples_per_s(const Mlp& m, int warmup, int steps) {
+// The same model trained whole in plain LibTorch, in this process; with
+// `chunks` > 1 the batch is cut into that many micro-batches whose gradients
+// accumulate before the one optimizer step, as a pipeline's stages compute.
+inline double local_samples_per_s(const Mlp& m, int warmup, int steps, int chunks = 1) {
   std::vector<torch::nn::Linear> layers;
   std::vector<at::Tensor> params;
   for (int i = 0; i < m.blocks; ++i) layers.emplace_back(i == 0 ? m.input : m.width, m.width);
@@ -69,14 +71,18 @@ inline double local_samples_per_s(const Mlp& m, int warmup, int steps) {
   }
   torch::optim::SGD opt(params, torch::optim::SGDOptions(0.01));
   MlpBatch b = mlp_batch(m);
+  const auto xs = b.x.chunk(chunks), ys = b.y.chunk(chunks);
   return samples_per_s(m.batch, warmup, steps, [&] {
     opt.zero_grad();
-    at::Tensor h = b.x;
-    for (size_t i = 0; i < layers.size(); ++i) {
-      h = layers[i](h);
-      if (i + 1 < layers.size()) h = at::relu(h);
+    for (size_t c = 0; c < xs.size(); ++c) {
+      at::Tensor h = xs[c];
+      for (size_t i = 0; i < layers.size(); ++i) {
+        h = layers[i](h);
+        if (i + 1 < layers.size()) h = at::relu(h);
+      }
+      // The mean over each micro-batch, scaled as the pipeline's loss is.
+      (torch::nn::functional::cross_entropy(h, ys[c]) / static_cast<double>(xs.size())).backward();
     }
-    torch::nn::functional::cross_entropy(h, b.y).backward();
     opt.step();
   });
 }

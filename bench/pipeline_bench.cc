@@ -15,10 +15,15 @@
 //   gpipe, 1 stage             the whole model on worker1, one micro-batch:
 //                              the framework's own cost.
 // Prints per line: {"bench":"pipeline","impl":"tandem","schedule":S,"stages":K,"chunks":M,
-//   "samples_per_s":..,"single_worker_samples_per_s":..,"efficiency":..,"bubble":..,
-//   "bubble_per_worker":[..]}
+//   "samples_per_s":..,"single_worker_samples_per_s":..,"chunked_single_worker_samples_per_s":..,
+//   "efficiency":..,"efficiency_vs_chunked":..,"bubble":..,"bubble_per_worker":[..]}
 // efficiency: the speedup over one worker divided by GPipe's ideal
 // K*M/(M+K-1), K counting workers (the one-stage line: the speedup itself).
+// chunked_single_worker_samples_per_s: one worker running the same M
+// micro-batches (gradients accumulated, one optimizer step), measured beside
+// the whole batch; efficiency_vs_chunked divides by it instead, so it leaves
+// out what smaller GEMMs cost this CPU and shows what the schedule and the
+// framework lose.
 // bubble: the last step's measured idle share, averaged over the workers;
 // bubble_per_worker: each worker's.
 //
@@ -69,9 +74,21 @@ double samples_per_s(const Config& c, Step step) {
   return tandem::bench::samples_per_s(c.batch, c.warmup, c.steps, step);
 }
 
-double single_worker(const Config& c) {
-  return tandem::bench::local_samples_per_s(c, c.warmup, c.steps);
+// One worker's samples per second, the whole batch at once (chunks 1) or in
+// `chunks` micro-batches.
+double single_worker(const Config& c, int chunks) {
+  return tandem::bench::local_samples_per_s(c, c.warmup, c.steps, chunks);
 }
+
+struct Single {
+  double whole = 0, chunked = 0;
+  // The faster of two measurements of each, taken alternately.
+  void measure(const Config& c) {
+    whole = std::max(whole, single_worker(c, 1));
+    chunked = std::max(chunked, single_worker(c, c.chunks));
+  }
+  double of(int chunks) const { return chunks == 1 ? whole : chunked; }
+};
 
 struct Line {
   std::string schedule;
@@ -122,7 +139,7 @@ Line run_pipe(const Config& c, const std::string& schedule, std::vector<nn::Remo
           bubble};
 }
 
-void print(const Line& l, double single) {
+void print(const Line& l, const Single& single) {
   std::string per_worker;
   for (double b : l.bubbles) {
     char buf[16];
@@ -130,12 +147,14 @@ void print(const Line& l, double single) {
     per_worker += (per_worker.empty() ? "" : ",") + std::string(buf);
   }
   const double ideal = static_cast<double>(l.workers * l.chunks) / (l.chunks + l.workers - 1);
+  const double chunked = single.of(l.chunks);
   std::printf(
       "{\"bench\":\"pipeline\",\"impl\":\"tandem\",\"schedule\":\"%s\",\"stages\":%d,"
       "\"chunks\":%lld,\"samples_per_s\":%.1f,\"single_worker_samples_per_s\":%.1f,"
-      "\"efficiency\":%.3f,\"bubble\":%.3f,\"bubble_per_worker\":[%s]}\n",
-      l.schedule.c_str(), l.stages, static_cast<long long>(l.chunks), l.sps, single,
-      l.sps / single / ideal, l.bubble, per_worker.c_str());
+      "\"chunked_single_worker_samples_per_s\":%.1f,\"efficiency\":%.3f,"
+      "\"efficiency_vs_chunked\":%.3f,\"bubble\":%.3f,\"bubble_per_worker\":[%s]}\n",
+      l.schedule.c_str(), l.stages, static_cast<long long>(l.chunks), l.sps, single.whole, chunked,
+      l.sps / single.whole / ideal, l.sps / chunked / ideal, l.bubble, per_worker.c_str());
   std::fflush(stdout);
 }
 
@@ -155,9 +174,10 @@ int main(int argc, char** argv) {
     flags.add("--trace", &c.trace);
     if (!flags.parse(argc, argv)) return 2;
 
-    // The single-worker baseline is measured before the pipelines and after
+    // The single-worker baselines are measured before the pipelines and after
     // (with worker1 gone), and the faster of the two is used.
-    double single = single_worker(c);
+    Single single;
+    single.measure(c);
     pid_t child = tandem::bench::spawn_peer("worker1");
     rpc::init(std::make_shared<rpc::Registry>(), options(0));
     std::vector<Line> lines;
@@ -194,7 +214,7 @@ int main(int argc, char** argv) {
     }
     rpc::shutdown(true);
     tandem::support::wait_exit(child);
-    single = std::max(single, single_worker(c));
+    single.measure(c);
     for (const auto& l : lines) print(l, single);
     return 0;
   } catch (const std::exception& e) {

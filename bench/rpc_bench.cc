@@ -18,6 +18,13 @@
 //   {"bench":"rref_to_here","impl":"tandem","transport":..,"bytes":N,"p50_us":..}   N = 0 and 1 MiB
 // And what one trace event costs, tracing on and off (rpc/trace.h):
 //   {"bench":"trace_event","impl":"tandem","on_ns":..,"off_ns":..}
+// And what a call costs when both sides have slept (a model-parallel step's
+// calls come between milliseconds of compute, not back to back): the 0-byte
+// echo after the caller idled for idle_us, next to the machine's floor, one
+// byte there and back through two pipes between two processes pinned to two
+// cores (two wake-ups of a sleeping process on another core):
+//   {"bench":"rpc_echo_cold","impl":"tandem","transport":..,"idle_us":1000,"p50_us":..}
+//   {"bench":"rpc_echo_cold","impl":"raw_pipe","idle_us":1000,"p50_us":..}
 //
 // Loopback latency on a small machine is bimodal: it depends on which cores
 // the scheduler gives the two processes. So the whole measurement is repeated
@@ -42,7 +49,9 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sched.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <torch/cuda.h>
 #include <unistd.h>
 
@@ -52,6 +61,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench/bench_util.h"
@@ -231,7 +241,11 @@ struct TandemRound {
   std::vector<Round> echo;
   Round remote_create;
   std::vector<Round> to_here;  // one per kRRefSizes
+  Round cold;                  // the 0-byte echo after kIdle asleep
 };
+
+constexpr std::chrono::microseconds kIdle{1000};
+constexpr int kColdCalls = 200;
 
 const std::vector<int64_t> kRRefSizes = {0, 1 << 20};
 
@@ -288,7 +302,18 @@ TandemRound rpc_caller(const std::vector<int64_t>& sizes, const std::string& tra
     }
     out.push_back(summarize(lat));
   }
-  if (!g_cuda) rref_round(*agent, result);
+  if (!g_cuda) {
+    rref_round(*agent, result);
+    std::vector<double> lat;
+    const at::Tensor t = at::zeros({1});
+    for (int i = 0; i < kColdCalls; ++i) {
+      std::this_thread::sleep_for(kIdle);
+      const auto t0 = Clock::now();
+      agent->rpc_sync<at::Tensor>("worker1", "echo", t);
+      lat.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    result.cold = summarize(lat);
+  }
   tandem::rpc::shutdown(true);
   support::wait_exit(child);
   return result;
@@ -323,6 +348,68 @@ void cuda_ceilings(const std::vector<int64_t>& sizes) {
     }
     std::fflush(stdout);
   }
+}
+
+// The floor under a call between two sleeping processes: one byte to a child
+// pinned to another core and back, through two pipes, after `idle` asleep.
+// p50 in seconds; 0 on a machine of one core.
+double pipe_wake(std::chrono::microseconds idle) {
+  cpu_set_t mine;
+  if (::sched_getaffinity(0, sizeof mine, &mine) != 0 || CPU_COUNT(&mine) < 2) return 0;
+  int cpus[2], found = 0;
+  for (int c = 0; c < CPU_SETSIZE && found < 2; ++c) {
+    if (CPU_ISSET(c, &mine)) cpus[found++] = c;
+  }
+  auto pin = [](int cpu) {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    (void)::sched_setaffinity(0, sizeof one, &one);
+  };
+  int there[2], back[2];
+  if (::pipe(there) != 0) return 0;
+  if (::pipe(back) != 0) {
+    ::close(there[0]);
+    ::close(there[1]);
+    return 0;
+  }
+  const pid_t child = ::fork();
+  if (child == 0) {  // only async-signal-safe calls from here
+    ::close(there[1]);
+    ::close(back[0]);
+    pin(cpus[1]);
+    char c;
+    while (::read(there[0], &c, 1) == 1 && ::write(back[1], &c, 1) == 1) {
+    }
+    ::_exit(0);
+  }
+  ::close(there[0]);
+  ::close(back[1]);
+  std::vector<double> lat;
+  if (child > 0) {
+    pin(cpus[0]);
+    for (int i = 0; i < kColdCalls; ++i) {
+      if (idle.count() > 0) std::this_thread::sleep_for(idle);
+      char c = 1;
+      const auto t0 = Clock::now();
+      if (::write(there[1], &c, 1) != 1 || ::read(back[0], &c, 1) != 1) break;
+      lat.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    ::sched_setaffinity(0, sizeof mine, &mine);
+  }
+  ::close(there[1]);
+  ::close(back[0]);
+  if (child > 0) ::waitpid(child, nullptr, 0);
+  return lat.empty() ? 0 : median(lat);
+}
+
+void wake_floor() {
+  const double p50 = pipe_wake(kIdle);
+  if (p50 <= 0) return;  // one core: no floor to give
+  std::printf(
+      "{\"bench\":\"rpc_echo_cold\",\"impl\":\"raw_pipe\",\"idle_us\":%lld,\"p50_us\":%.1f}\n",
+      static_cast<long long>(kIdle.count()), p50 * 1e6);
+  std::fflush(stdout);
 }
 
 }  // namespace
@@ -413,7 +500,7 @@ int main(int argc, char** argv) {
     std::vector<std::vector<std::vector<Round>>> ours(nt,
                                                       std::vector<std::vector<Round>>(list.size()));
     std::vector<std::vector<Round>> raw(list.size());
-    std::vector<std::vector<Round>> creates(nt);
+    std::vector<std::vector<Round>> creates(nt), colds(nt);
     std::vector<std::vector<std::vector<Round>>> to_here(
         nt, std::vector<std::vector<Round>>(kRRefSizes.size()));
     if (g_cuda) {
@@ -435,6 +522,7 @@ int main(int argc, char** argv) {
         auto a = rpc_caller(list, transports[k]);
         for (size_t i = 0; i < list.size(); ++i) ours[k][i].push_back(a.echo[i]);
         creates[k].push_back(a.remote_create);
+        colds[k].push_back(a.cold);
         for (size_t i = 0; i < kRRefSizes.size(); ++i) to_here[k][i].push_back(a.to_here[i]);
       }
       auto b = raw_client(list);
@@ -450,6 +538,16 @@ int main(int argc, char** argv) {
         emit_p50("rref_to_here", transports[k], kRRefSizes[i], to_here[k][i]);
       }
     }
+    for (size_t k = 0; k < nt; ++k) {
+      std::vector<double> p50;
+      for (const auto& r : colds[k]) p50.push_back(r.p50);
+      std::printf(
+          "{\"bench\":\"rpc_echo_cold\",\"impl\":\"tandem\",\"transport\":\"%s\","
+          "\"idle_us\":%lld,\"p50_us\":%.1f,\"rounds\":%zu}\n",
+          transports[k].c_str(), static_cast<long long>(kIdle.count()), median(p50) * 1e6,
+          colds[k].size());
+    }
+    wake_floor();
     trace_cost();
     return 0;
   } catch (const std::exception& e) {

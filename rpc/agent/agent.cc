@@ -67,6 +67,10 @@ AgentImpl::AgentImpl(Agent& self, AgentOptions options, std::shared_ptr<Registry
       registry_(registry ? std::move(registry) : std::make_shared<Registry>()) {}
 
 void AgentImpl::start(c10::intrusive_ptr<c10d::Store> store) {
+  // Where init's time goes, for the trace (written once the tracer exists).
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point t_start = Clock::now();
+  Clock::time_point t_store, t_listen, t_met;
   WorldEnv env = world_from_env();
   int world = 0;
   std::tie(rank_, world) = rank_and_size(options_.rank, options_.world_size, env, "AgentOptions");
@@ -103,6 +107,7 @@ void AgentImpl::start(c10::intrusive_ptr<c10d::Store> store) {
     owns_store_ = true;
   }
   store_ = std::move(store);
+  t_store = Clock::now();
 
   std::string listen_host = options_.listen_host;
   if (listen_host.empty()) {
@@ -184,6 +189,7 @@ void AgentImpl::start(c10::intrusive_ptr<c10d::Store> store) {
     // another job on the same store, a second worker given this rank, or
     // someone planting an address. Refuse to start rather than overwrite it
     // (peers may have read it already; the handshake keeps them safe).
+    t_listen = Clock::now();
     const std::string key = "tandem/worker/" + std::to_string(rank_);
     if (store_->check({key})) {
       auto v = store_->get(key);
@@ -234,6 +240,7 @@ void AgentImpl::start(c10::intrusive_ptr<c10d::Store> store) {
     check_device_maps(workers_, rank_of_);
     route_device_maps(workers_, rank_, send_maps_, answer_maps_);
     conns_ = std::make_unique<ConnectionTable>(world);
+    t_met = Clock::now();
   } catch (...) {
     set_ready();
     shutdown(false);
@@ -241,6 +248,17 @@ void AgentImpl::start(c10::intrusive_ptr<c10d::Store> store) {
   }
   set_ready();
   if (trace_ && rank_ != 0) measure_clock_offset();
+  if (trace_) {
+    const Clock::time_point end = Clock::now();
+    const std::string world_args = "{\"world\":" + std::to_string(world) + "}";
+    trace_->slice("init", "agent", t_start, end, {}, world_args);
+    trace_->slice("init: store", "agent", t_start, t_store);
+    trace_->slice("init: set up", "agent", t_store, t_listen);
+    // Publishing this worker's entry and waiting for every other one: on
+    // one host, mostly waiting for the last processes to start.
+    trace_->slice("init: rendezvous", "agent", t_listen, t_met, {}, world_args);
+    if (rank_ != 0) trace_->slice("init: clock", "agent", t_met, end);
+  }
 }
 
 void AgentImpl::measure_clock_offset() {

@@ -161,6 +161,7 @@ ConnectionPtr AgentImpl::connection_to(int rank, std::chrono::milliseconds timeo
   std::lock_guard<std::mutex> serial(conns_->connect_mutex(rank));
   if (auto c = conns_->to(rank)) return c;
   const WorkerInfo& w = workers_[rank];
+  const auto dial_start = std::chrono::steady_clock::now();
   ConnectionPtr conn;
   const std::string& mode = options_.transport_mode;
   if (mode != "tcp") {
@@ -215,6 +216,13 @@ ConnectionPtr AgentImpl::connection_to(int rank, std::chrono::milliseconds timeo
     throw DisconnectedError("worker " + w.name + " is unreachable: " + e.what());
   }
   if (lost) retire(lost);
+  if (trace_) {
+    // The dial and the first step of the handshake; the rest (the peer's
+    // answer) is in the first call's slice, which waits at the gate.
+    trace_->slice("connect", "rpc.connect", dial_start, std::chrono::steady_clock::now(), {},
+                  "{\"to\":" + std::to_string(rank) + ",\"transport\":\"" +
+                      std::string(conn->kind()) + "\"}");
+  }
   return gate;
 }
 

@@ -997,6 +997,40 @@ TEST_CASE("process: tandem-run --trace joins the workers' traces into one timeli
     }
   }
   CHECK(answered == 3);
+  // Each worker's init and shutdown, with their phases inside them, around
+  // its calls; rank 0's dial of rank 1 as a "connect" slice.
+  for (int pid : {0, 1}) {
+    CAPTURE(pid);
+    auto init = all.find("X", "init", pid);
+    auto shut = all.find("X", "shutdown", pid);
+    REQUIRE(init.size() == 1);
+    REQUIRE(shut.size() == 1);
+    CHECK(init[0].line.find("\"world\":2") != std::string::npos);
+    for (const char* phase : {"init: store", "init: set up", "init: rendezvous"}) {
+      auto p = all.find("X", phase, pid);
+      REQUIRE(p.size() == 1);
+      CHECK(p[0].ts >= init[0].ts);
+      CHECK(p[0].end() <= init[0].end());
+    }
+    CHECK(all.find("X", "init: clock", pid).size() == (pid == 0 ? 0u : 1u));
+    for (const char* phase :
+         {"shutdown: drain", "shutdown: barrier", "shutdown: close", "shutdown: leave"}) {
+      auto p = all.find("X", phase, pid);
+      REQUIRE(p.size() == 1);
+      CHECK(p[0].ts >= shut[0].ts);
+      CHECK(p[0].end() <= shut[0].end());
+    }
+    CHECK(init[0].end() <= shut[0].ts);
+  }
+  const auto first_call = all.find("X", "add", 0).front();
+  CHECK(all.find("X", "init", 0)[0].end() <= first_call.ts);
+  CHECK(all.find("X", "shutdown", 0)[0].ts >= all.find("X", "add", 0).back().end());
+  bool dialed = false;
+  for (const auto& c : all.find("X", "connect", 0)) {
+    dialed = dialed || (c.line.find("\"to\":1") != std::string::npos &&
+                        c.line.find("\"transport\":\"") != std::string::npos);
+  }
+  CHECK(dialed);
   // The overlapping calls: each a 1 us send slice on the thread (its flow
   // starts there) and an async span from the call to its answer.
   test::Trace joined = test::read_trace(dir + "/tandem-trace.json");
