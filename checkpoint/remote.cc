@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <utility>
 #include <vector>
@@ -148,8 +149,13 @@ class PartService final : public rpc::AgentExtension {
                      throw std::invalid_argument("checkpoint " + path + " holds no " + missing +
                                                  " (the optimizer state of " + agent_.name() + ")");
                    }
-                   const auto bytes_of = [&, kind = kind, shapes = shapes](size_t i) {
-                     return slices.state(kind, prefix + "/" + names.at(i), shapes.at(i));
+                   // A parameter of no elements the step has nothing of keeps
+                   // its optimizer's own state (Adagrad's must never be missing).
+                   const auto bytes_of = [&, kind = kind,
+                                          shapes = shapes](size_t i) -> std::optional<std::string> {
+                     const std::string name = prefix + "/" + names.at(i);
+                     if (!slices.contains(name)) return std::nullopt;
+                     return slices.state(kind, name, shapes.at(i));
                    };
                    try {
                      if (check_only) {

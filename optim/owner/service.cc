@@ -223,8 +223,7 @@ std::vector<std::pair<size_t, std::function<std::string()>>> OptimService::param
   return out;
 }
 
-void OptimService::check_param_states(int64_t id,
-                                      const std::function<std::string(size_t)>& bytes_of) {
+void OptimService::check_param_states(int64_t id, const StateOf& bytes_of) {
   auto local = find(id);
   const Kind kind = local->kind;
   for (size_t i : held_params(id)) {
@@ -233,29 +232,31 @@ void OptimService::check_param_states(int64_t id,
         at::empty(local->params[i].sizes(), local->params[i].options().device(at::kCPU));
     auto scratch = make_optimizer(kind, {stand_in}, local->options);
     try {
-      load_param_state(*scratch, stand_in, bytes_of(i));
+      if (auto bytes = bytes_of(i)) load_param_state(*scratch, stand_in, *bytes);
     } catch (const std::exception& e) {
       throw std::invalid_argument("parameter " + std::to_string(i) + ": " + e.what());
     }
   }
 }
 
-void OptimService::load_param_states(int64_t id, const std::function<std::string(size_t)>& bytes_of,
-                                     double lr) {
+void OptimService::load_param_states(int64_t id, const StateOf& bytes_of, double lr) {
   auto local = find(id);
   if (local->zero) {
     // (checked whole first: the live optimizer is loaded into in place)
     check_param_states(id, bytes_of);
     std::lock_guard<std::mutex> lock(local->mu);
     if (torch::optim::Optimizer* mine = keeper(*local)) {
-      for (size_t i : held(*local)) load_param_state(*mine, local->params[i], bytes_of(i));
+      for (size_t i : held(*local)) {
+        if (auto bytes = bytes_of(i)) load_param_state(*mine, local->params[i], *bytes);
+      }
     }
     local->zero->set_lr(lr);
     return;
   }
+  // A parameter with no saved state keeps the fresh optimizer's own.
   auto fresh = make_optimizer(local->kind, local->params, local->options);
   for (size_t i = 0; i < local->params.size(); ++i) {
-    load_param_state(*fresh, local->params[i], bytes_of(i));
+    if (auto bytes = bytes_of(i)) load_param_state(*fresh, local->params[i], *bytes);
   }
   owner::set_lr(*fresh, lr);
   std::lock_guard<std::mutex> lock(local->mu);

@@ -24,6 +24,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -79,14 +80,19 @@ class OptimService final : public rpc::AgentExtension,
   // Each of those with its state (optim/param_state.h's bytes), copied now
   // and made into bytes when its function is called.
   std::vector<std::pair<size_t, std::function<std::string()>>> param_state_snapshots(int64_t id);
+  // A held parameter's saved state (optim/param_state.h's bytes), or none:
+  // the parameter keeps the state its optimizer gives it (a parameter of no
+  // elements a checkpoint holds nothing of; Adagrad's state must never be
+  // missing).
+  using StateOf = std::function<std::optional<std::string>(size_t)>;
   // Reads and checks `bytes_of(i)` for each held parameter, as
   // load_param_states would, loading nothing (std::invalid_argument naming
   // the parameter).
-  void check_param_states(int64_t id, const std::function<std::string(size_t)>& bytes_of);
+  void check_param_states(int64_t id, const StateOf& bytes_of);
   // Loads `bytes_of(i)` into each held parameter's state (a fresh optimizer
   // swapped in once all were read, as load() does; a sharded one checked
   // whole first), and sets the rate.
-  void load_param_states(int64_t id, const std::function<std::string(size_t)>& bytes_of, double lr);
+  void load_param_states(int64_t id, const StateOf& bytes_of, double lr);
   void destroy(int64_t id);  // idempotent
   size_t live() const;
 

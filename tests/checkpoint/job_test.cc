@@ -25,9 +25,11 @@
 
 #include "ddp/ddp_support.h"
 #include "shard/shard_support.h"
+#include "tandem/autograd/autograd.h"
 #include "tandem/checkpoint/job.h"
 #include "tandem/ddp/fully_sharded.h"
 #include "tandem/ddp/sampler.h"
+#include "tandem/optim/distributed_optimizer.h"
 #include "tandem/optim/owner/local_optimizer.h"
 #include "tandem/optim/param_state.h"
 #include "tandem/optim/zero_redundancy_optimizer.h"
@@ -383,6 +385,18 @@ struct OddSharded {
   std::unique_ptr<torch::optim::Adagrad> opt;
 };
 
+// An Odd's parameters once each (LibTorch lists the shared Linear's twice),
+// with their first names.
+std::vector<std::pair<std::string, at::Tensor>> unique_params(Odd& net) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& p : net->named_parameters()) {
+    if (std::none_of(out.begin(), out.end(),
+                     [&](const auto& u) { return u.second.is_same(p.value()); }))
+      out.emplace_back(p.key(), p.value());
+  }
+  return out;
+}
+
 }  // namespace
 
 TEST_CASE("job: FSDP with a shared Linear, an all-padding shard and an empty parameter (Adagrad)") {
@@ -431,11 +445,7 @@ TEST_CASE("job: FSDP with a shared Linear, an all-padding shard and an empty par
     Odd net(99);
     // (LibTorch lists the shared Linear's tensors twice: once each, as FSDP steps them)
     std::vector<at::Tensor> unique;
-    for (const at::Tensor& t : net->parameters()) {
-      if (std::none_of(unique.begin(), unique.end(),
-                       [&](const at::Tensor& u) { return u.is_same(t); }))
-        unique.push_back(t);
-    }
+    for (const auto& [_, t] : unique_params(net)) unique.push_back(t);
     CHECK(unique.size() == net->parameters().size() - 2);
     torch::optim::Adagrad opt(unique, torch::optim::AdagradOptions(0.1));
     std::vector<std::pair<std::string, at::Tensor>> named;
@@ -455,6 +465,34 @@ TEST_CASE("job: FSDP with a shared Linear, an all-padding shard and an empty par
       opt.zero_grad();
       odd_loss(net, plain, k).backward();
       opt.step();
+    }
+    for (const auto& [name, t] : want) {
+      CAPTURE(name);
+      CHECK(at::allclose(net->named_parameters()[name], t, 1e-5, 1e-7));
+    }
+  }
+  SUBCASE("a DistributedOptimizer's owner loads it; the empty parameter keeps its own state") {
+    test::World w(1);
+    Odd net(99);
+    std::vector<rpc::RRef<at::Tensor>> params;
+    std::vector<std::string> names;
+    for (const auto& [name, t] : unique_params(net)) {
+      params.push_back(rpc::RRef<at::Tensor>::make_local(w[0], t));
+      names.push_back(name);
+    }
+    optim::Options o;
+    o.lr = 0.1;
+    optim::DistributedOptimizer opt(w[0], optim::Kind::kAdagrad, params, o);
+    checkpoint::JobState state;
+    state.module("odd", *net).distributed_optimizer("adagrad", opt, names);
+    CHECK(checkpoint::load_latest_job(tmp.path, state) == 2);
+    const RunUnit plain = [](const std::string&, const std::function<at::Tensor()>& fn) {
+      return fn();
+    };
+    for (int k = 2; k < 4; ++k) {
+      autograd::Context ctx(w[0]);
+      autograd::backward(w[0], ctx.id(), {odd_loss(net, plain, k)});
+      opt.step(ctx.id());  // (Adagrad with no state for z would fail here)
     }
     for (const auto& [name, t] : want) {
       CAPTURE(name);
