@@ -22,7 +22,9 @@
 //  2. step() steps this rank's share with the gradients it holds there
 //     (averaged already, by DDP or by the caller; a parameter without a
 //     gradient is skipped, as LibTorch's optimizers skip it), then every
-//     parameter comes back to every rank from its owner: an all-gather per
+//     parameter comes back to every rank from its owner: over Gloo, a
+//     broadcast of each parameter from its owner into every rank's tensor,
+//     all in flight at once (as PyTorch does); over NCCL, an all-gather per
 //     bucket of about `bucket_cap_mb` of each rank's share (padded to the
 //     largest share), two in flight. Every rank ends with bit-identical
 //     parameters. Collective: every rank calls it, in the same order as

@@ -18,7 +18,7 @@ using namespace std::chrono_literals;
 
 TEST_CASE("zero process: rank 2 of 3 killed mid-step: the others fail within seconds naming it") {
   // Stage 1: rank 2 dies after its backward, where its step would be, so
-  // the others fail in the all-gather of the parameters. Stage 2: it dies
+  // the others fail in the broadcasts of the parameters (over Gloo). Stage 2: it dies
   // before its backward, so they fail in a bucket's reduce-scatter.
   // Stage 3: it dies before its forward, so they fail in a unit's all-gather.
   for (const std::string mode : {"zero1_rank2_dies_in_step", "zero2_rank2_dies_in_backward",
@@ -31,13 +31,15 @@ TEST_CASE("zero process: rank 2 of 3 killed mid-step: the others fail within sec
     CHECK(out.find("[2] exit 7") != std::string::npos);
     // Stage 2: whichever collective of the step a survivor was in (the
     // buckets' order broadcast at forward, or a reduce-scatter).
-    const std::string what = mode[4] == '2' ? " on rank " : "all_gather on rank ";
+    // Stage 1: one of the broadcasts of the parameters, from whichever rank.
+    const std::string what = mode[4] == '3' ? "all_gather on rank " : " on rank ";
     for (int r : {0, 1}) {
       const std::string line = test::line_of(out, "[" + std::to_string(r) + "] worker failed");
       CAPTURE(line);
       CHECK(line.find(what + std::to_string(r) + " of 3 failed: rank 2 (pid ") !=
             std::string::npos);
       CHECK(line.find("is gone (its process exited)") != std::string::npos);
+      if (mode[4] == '1') CHECK(line.find("broadcast from rank ") != std::string::npos);
       CHECK(out.find("[" + std::to_string(r) + "] exit 2") != std::string::npos);
     }
   }

@@ -183,6 +183,51 @@ TEST_CASE("zero: stages 1 and 2 under DDP train as one process does (2 and 3 ran
     }
 }
 
+TEST_CASE("zero: bfloat16 parameters come back to every rank bit for bit (Gloo)") {
+  // Gloo 1.x has no bfloat16: the parameters travel as float16's words.
+  const int n = 3;
+  auto make = [] {
+    auto gen = at::detail::createCPUGenerator(11);
+    std::vector<at::Tensor> ps;
+    for (int64_t len : {5, 300, 7, 1}) {
+      ps.push_back(at::randn({len}, gen).to(at::kBFloat16).requires_grad_(true));
+    }
+    return ps;
+  };
+  auto grads_of = [](const std::vector<at::Tensor>& ps) {
+    auto gen = at::detail::createCPUGenerator(12);
+    for (const auto& p : ps) p.mutable_grad() = at::randn(p.sizes(), gen).to(at::kBFloat16);
+  };
+  std::vector<at::Tensor> want = make();
+  grads_of(want);
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : want) p.add_(p.grad(), -0.5);  // SGD, lr 0.5
+  }
+  Groups g(n);
+  std::vector<std::vector<at::Tensor>> got(n);
+  on_ranks(n, [&](int r) {
+    std::vector<at::Tensor> ps = make();
+    grads_of(ps);
+    optim::Options o;
+    o.lr = 0.5;
+    optim::ZeroOptions z;
+    z.group = g.groups[r];
+    optim::ZeroRedundancyOptimizer opt(ps, optim::Kind::kSGD, o, z);
+    opt.step();
+    got[r] = ps;
+  });
+  for (int r = 0; r < n; ++r) {
+    for (size_t i = 0; i < want.size(); ++i) {
+      CAPTURE(r);
+      CAPTURE(i);
+      const bool bfloat16 = got[r][i].scalar_type() == at::kBFloat16;
+      CHECK(bfloat16);
+      CHECK(at::equal(got[r][i], want[i]));
+    }
+  }
+}
+
 // Sets `net`'s parameters to `values`.
 void assign(Net& net, const std::vector<at::Tensor>& values) {
   torch::NoGradGuard no_grad;
