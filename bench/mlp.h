@@ -80,8 +80,10 @@ inline double local_samples_per_s(const Mlp& m, int warmup, int steps, int chunk
         h = layers[i](h);
         if (i + 1 < layers.size()) h = at::relu(h);
       }
-      // The mean over each micro-batch, scaled as the pipeline's loss is.
-      (torch::nn::functional::cross_entropy(h, ys[c]) / static_cast<double>(xs.size())).backward();
+      // Each micro-batch's mean, weighted by its rows, as the pipeline's loss is.
+      (torch::nn::functional::cross_entropy(h, ys[c]) *
+       (static_cast<double>(xs[c].size(0)) / static_cast<double>(m.batch)))
+          .backward();
     }
     opt.step();
   });

@@ -178,14 +178,21 @@ void ZeroRedundancyOptimizer::Impl::broadcast_params() {
   c10::AutoGradMode no_grad(false);
   // (the parameters are contiguous: the constructor refuses others)
   std::vector<ddp::ProcessGroup::Pending> flights;
-  for (int r = 0; r < size(); ++r) {
-    for (size_t i : shares[static_cast<size_t>(r)]) {
-      if (params[i].numel() == 0) continue;
-      at::Tensor p = params[i].detach();
-      // Gloo 1.x has no bfloat16: its 2-byte words travel as float16's.
-      if (p.scalar_type() == at::kBFloat16) p = p.view(at::kHalf);
-      flights.push_back(group->broadcast_async(p, r, zero.timeout));
+  try {
+    for (int r = 0; r < size(); ++r) {
+      for (size_t i : shares[static_cast<size_t>(r)]) {
+        if (params[i].numel() == 0) continue;
+        at::Tensor p = params[i].detach();
+        // Gloo 1.x has no bfloat16: its 2-byte words travel as float16's.
+        if (p.scalar_type() == at::kBFloat16) p = p.view(at::kHalf);
+        flights.push_back(group->broadcast_async(p, r, zero.timeout));
+      }
     }
+  } catch (...) {
+    // This rank cannot issue the rest: what it launched is let go, and the
+    // group is broken for every later collective.
+    for (auto& f : flights) f.abandon();
+    throw;
   }
   std::exception_ptr failed;
   for (auto& f : flights) {

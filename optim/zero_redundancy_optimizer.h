@@ -27,7 +27,9 @@
 //     all in flight at once (as PyTorch does); over NCCL, an all-gather per
 //     bucket of about `bucket_cap_mb` of each rank's share (padded to the
 //     largest share), two in flight. Every rank ends with bit-identical
-//     parameters. Collective: every rank calls it, in the same order as
+//     parameters. A step that fails there (a rank gone) leaves the
+//     parameters undefined and the group broken: load a checkpoint into a
+//     new group. Collective: every rank calls it, in the same order as
 //     the group's other collectives.
 //  3. clip_grad_norm(max_norm) is LibTorch's clip_grad_norm_ over every
 //     parameter of the model: each rank sums the squares of its share's
@@ -79,7 +81,8 @@ struct ZeroOptions {
   // The ranks the state is shared over (a mesh dimension's group, say).
   // Null: the default process group.
   std::shared_ptr<ddp::ProcessGroup> group;
-  // Of each rank's share per all-gather after a step.
+  // Of each rank's share per all-gather after a step (NCCL; over Gloo each
+  // parameter is broadcast whole).
   double bucket_cap_mb = 25;
   std::chrono::milliseconds timeout = ddp::kGroupTimeout;
 };

@@ -27,6 +27,10 @@
 //       completion ("ddp.bucket").
 //     - pipeline: each pass (F, B, I, W of a micro-batch) on its worker, and
 //       each stage's data-parallel average ("allreduce@1").
+//     - agent: the agent's init and shutdown, each with its phases inside
+//       it ("init: rendezvous", "shutdown: barrier", ...).
+//     - rpc.connect: each dial of a peer that got as far as the handshake's
+//       first message ("connect").
 //  3. Clocks: each process's steady clock in microseconds, moved onto rank
 //     0's by an offset measured at start-up: 8 pings to rank 0, and the one
 //     with the shortest round trip gives offset = rank0_time - (t0 + t1) / 2,

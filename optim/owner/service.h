@@ -81,9 +81,9 @@ class OptimService final : public rpc::AgentExtension,
   // and made into bytes when its function is called.
   std::vector<std::pair<size_t, std::function<std::string()>>> param_state_snapshots(int64_t id);
   // A held parameter's saved state (optim/param_state.h's bytes), or none:
-  // the parameter keeps the state its optimizer gives it (a parameter of no
-  // elements a checkpoint holds nothing of; Adagrad's state must never be
-  // missing).
+  // the parameter keeps what its optimizer has (a fresh optimizer's own
+  // state; a sharded owner's live one) — for a parameter of no elements a
+  // checkpoint holds nothing of; Adagrad's state must never be missing.
   using StateOf = std::function<std::optional<std::string>(size_t)>;
   // Reads and checks `bytes_of(i)` for each held parameter, as
   // load_param_states would, loading nothing (std::invalid_argument naming

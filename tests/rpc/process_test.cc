@@ -998,7 +998,7 @@ TEST_CASE("process: tandem-run --trace joins the workers' traces into one timeli
   }
   CHECK(answered == 3);
   // Each worker's init and shutdown, with their phases inside them, around
-  // its calls; rank 0's dial of rank 1 as a "connect" slice.
+  // its calls; the dial between them as a "connect" slice.
   for (int pid : {0, 1}) {
     CAPTURE(pid);
     auto init = all.find("X", "init", pid);
@@ -1025,10 +1025,14 @@ TEST_CASE("process: tandem-run --trace joins the workers' traces into one timeli
   const auto first_call = all.find("X", "add", 0).front();
   CHECK(all.find("X", "init", 0)[0].end() <= first_call.ts);
   CHECK(all.find("X", "shutdown", 0)[0].ts >= all.find("X", "add", 0).back().end());
+  // (Whichever dialed: rank 1 dials rank 0 for its clock, and rank 0 may
+  // call on that connection.)
   bool dialed = false;
-  for (const auto& c : all.find("X", "connect", 0)) {
-    dialed = dialed || (c.line.find("\"to\":1") != std::string::npos &&
-                        c.line.find("\"transport\":\"") != std::string::npos);
+  for (int pid : {0, 1}) {
+    for (const auto& c : all.find("X", "connect", pid)) {
+      dialed = dialed || (c.line.find("\"to\":" + std::to_string(1 - pid)) != std::string::npos &&
+                          c.line.find("\"transport\":\"") != std::string::npos);
+    }
   }
   CHECK(dialed);
   // The overlapping calls: each a 1 us send slice on the thread (its flow

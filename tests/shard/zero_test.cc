@@ -189,7 +189,7 @@ TEST_CASE("zero: bfloat16 parameters come back to every rank bit for bit (Gloo)"
   auto make = [] {
     auto gen = at::detail::createCPUGenerator(11);
     std::vector<at::Tensor> ps;
-    for (int64_t len : {5, 300, 7, 1}) {
+    for (int64_t len : {5, 300, 0, 7, 1}) {  // (one of no elements: nothing to send)
       ps.push_back(at::randn({len}, gen).to(at::kBFloat16).requires_grad_(true));
     }
     return ps;
