@@ -369,17 +369,28 @@ void save_parts(const std::string& dir, int64_t step, const Part& mine,
   detail::finish_save(dir, step, mine, detail::start_remote(dir, step, remote, options), options);
 }
 
-std::optional<Found> latest(const std::string& dir) {
+std::optional<Found> latest(const std::string& dir, const LatestOptions& options) {
   Found found;
   for (const auto& [step, path] : step_dirs(dir)) {
     try {
-      detail::decode(read_file((fs::path(path) / "MANIFEST").string(), path + "/MANIFEST"),
-                     path + "/MANIFEST");
+      const std::string manifest = (fs::path(path) / "MANIFEST").string();
+      if (options.verify) {
+        Reader(path).verify();
+      } else {
+        detail::decode(read_file(manifest, manifest), manifest);
+      }
       found.step = step;
       found.path = path;
       return found;
     } catch (const std::exception& e) {
+      const bool complete = fs::exists(fs::path(path) / "MANIFEST");
+      // (a step without a manifest was never committed: passed over either way)
+      if (options.verify && options.refuse_damaged && complete) {
+        throw std::invalid_argument("the newest checkpoint, step " + std::to_string(step) +
+                                    ", is damaged: " + e.what());
+      }
       found.skipped.push_back(path + ": " + e.what());
+      if (options.passed_over) options.passed_over->push_back(found.skipped.back());
     }
   }
   return std::nullopt;
@@ -432,6 +443,40 @@ Reader::Reader(const std::string& path) : impl_(std::make_unique<Impl>()) {
 }
 
 Reader::~Reader() = default;
+
+void Reader::verify() const {
+  std::vector<char> buffer(1 << 20);
+  for (const auto& p : impl_->m.parts) {
+    const std::string file = (fs::path(impl_->path) / p.file).string();
+    std::ifstream in(file, std::ios::binary);
+    if (!in) throw std::invalid_argument(file + " is missing");
+    uint64_t size = 0;
+    uint64_t fnv = detail::fnv1a(nullptr, 0);
+    bool magic = true;
+    while (in) {
+      in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
+      const auto n = static_cast<size_t>(in.gcount());
+      if (n == 0) break;
+      if (size < detail::kPartHeader) {
+        const size_t k = std::min<size_t>(n, detail::kPartHeader - size);
+        magic = magic && std::memcmp(buffer.data(), detail::kPartMagic + size, k) == 0;
+      }
+      fnv = detail::fnv1a(buffer.data(), n, fnv);
+      size += n;
+    }
+    if (in.bad()) throw std::invalid_argument(file + " cannot be read: " + std::strerror(errno));
+    if (size != p.bytes) {
+      throw std::invalid_argument(file + " has " + std::to_string(size) +
+                                  " bytes, the manifest says " + std::to_string(p.bytes) +
+                                  " (truncated, or another checkpoint's)");
+    }
+    if (!magic || fnv != p.fnv) {
+      throw std::invalid_argument(file +
+                                  ": its checksum does not match the manifest's (altered, "
+                                  "or another checkpoint's part)");
+    }
+  }
+}
 
 int64_t Reader::step() const { return impl_->m.step; }
 int Reader::world_size() const { return impl_->m.world; }

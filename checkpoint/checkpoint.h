@@ -32,6 +32,11 @@
 //     manifest could not be written (naming the rank and the file).
 //  3. latest(dir) is the newest step with a valid manifest; each newer
 //     directory it passed over is named in Found::skipped with the reason.
+//     With LatestOptions::verify it is the newest whose every part is
+//     whole too (each read and checked against the manifest's size and
+//     checksum), so that a restart goes back one step past a damaged one
+//     instead of failing on it; refuse_damaged makes a damaged newest step
+//     an error instead.
 //  4. Reader checks the manifest when made and a part's size and checksum
 //     the first time it reads from it: a missing, truncated, altered or
 //     foreign part, or an altered manifest, is std::invalid_argument naming
@@ -175,7 +180,21 @@ struct Found {
   std::string path;                  // DIR/step-NNNNNNNNNN
   std::vector<std::string> skipped;  // newer directories passed over, and why
 };
-std::optional<Found> latest(const std::string& dir);
+struct LatestOptions {
+  // Read every part of a candidate step and check it against its manifest
+  // (3.): a step with a part missing, truncated or altered is passed over,
+  // named in Found::skipped with the file and what is wrong. Reads the
+  // whole step once per call.
+  bool verify = false;
+  // With verify: a damaged newest step throws std::invalid_argument
+  // (naming the step, the file and what is wrong) instead of being passed over.
+  bool refuse_damaged = false;
+  // Where to put the directories passed over also when no step is found
+  // (Found::skipped has them otherwise); may be null.
+  std::vector<std::string>* passed_over = nullptr;
+  static LatestOptions verified(bool refuse = false) { return {true, refuse, nullptr}; }
+};
+std::optional<Found> latest(const std::string& dir, const LatestOptions& options = {});
 
 // Which round of a restarted job this is: TANDEM_RESTART_COUNT (tandem-run
 // --max-restarts), else TORCHELASTIC_RESTART_COUNT (torchrun), else 0.
@@ -203,6 +222,10 @@ class Reader {
   int world_size() const;
   // The step's directory, as given.
   const std::string& path() const;
+  // Reads every part once (streaming, nothing kept) and checks its size and
+  // checksum against the manifest: std::invalid_argument naming the first
+  // file that is missing, truncated or altered (4.).
+  void verify() const;
   std::vector<std::string> names() const;  // every entry, sorted
   bool contains(const std::string& name) const;
   at::Tensor tensor(const std::string& name) const;

@@ -12,6 +12,7 @@
 #include <c10/util/accumulate.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <cstdio>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -538,8 +539,15 @@ void save_job(const std::string& dir, int64_t step, const JobState& state,
   save_parts(dir, step, state.part(), state.remote_writers(), options);
 }
 
-std::optional<int64_t> load_latest_job(const std::string& dir, JobState& state) {
-  const std::optional<Found> found = latest(dir);
+std::optional<int64_t> load_latest_job(const std::string& dir, JobState& state,
+                                       const LatestOptions& options) {
+  std::vector<std::string> passed_over;
+  LatestOptions o = options;
+  o.passed_over = &passed_over;
+  const std::optional<Found> found = latest(dir, o);
+  for (const std::string& s : passed_over) {
+    std::fprintf(stderr, "tandem: checkpoint passed over: %s\n", s.c_str());
+  }
   if (!found) return std::nullopt;
   Reader reader(found->path);
   state.load(reader);

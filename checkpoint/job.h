@@ -151,8 +151,13 @@ class JobState {
 // collective over options.group.
 void save_job(const std::string& dir, int64_t step, const JobState& state,
               const SaveOptions& options = {});
-// Loads checkpoint::latest(dir) into `state` and returns its step; nullopt
-// when `dir` holds none.
-std::optional<int64_t> load_latest_job(const std::string& dir, JobState& state);
+// Loads checkpoint::latest(dir, options) into `state` and returns its step;
+// nullopt when `dir` holds none. By default every part of a step is
+// verified first and a damaged step passed over for the newest whole one
+// (said on stderr, naming the step, the file and what is wrong). Each rank
+// that calls it reads the whole step and chooses alone: ranks that must load
+// the same step should check they agree (all-reduce it), as examples/gpt does.
+std::optional<int64_t> load_latest_job(const std::string& dir, JobState& state,
+                                       const LatestOptions& options = LatestOptions::verified());
 
 }  // namespace tandem::checkpoint

@@ -1,5 +1,7 @@
 #include "tandem/ddp/process_group.h"
 
+#include "tandem/ddp/peers.h"
+
 #include <ATen/ops/empty_like.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #if defined(TANDEM_WITH_GLOO)
@@ -12,12 +14,11 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <exception>
 #include <cstdlib>
-#include <fstream>
 #include <map>
 #include <mutex>
 #include <optional>
-#include <sstream>
 #include <thread>
 
 #include "tandem/rpc/agent.h"
@@ -97,32 +98,6 @@ void ignore_sigpipe_once() {
 std::mutex g_default_mu;
 std::shared_ptr<ProcessGroup> g_default;
 
-std::string this_host() {
-  char buf[256] = {};
-  if (::gethostname(buf, sizeof(buf) - 1) != 0) return "?";
-  return buf;
-}
-
-// Field 22 of /proc/<pid>/stat (when the process started, in clock ticks
-// since boot) and its state (field 3); empty when there is no such process.
-// Together with the pid, the start time tells a process from a later one
-// that reused its number.
-std::pair<std::string, char> proc_start_and_state(const std::string& pid) {
-  std::ifstream in("/proc/" + pid + "/stat");
-  std::string line;
-  if (!std::getline(in, line)) return {"", 0};
-  const auto close = line.rfind(')');  // the command name may hold spaces
-  if (close == std::string::npos) return {"", 0};
-  std::istringstream rest(line.substr(close + 1));
-  std::string field;
-  char state = 0;
-  // After the name: state is field 3, start time field 22.
-  for (int f = 3; f <= 22 && rest >> field; ++f) {
-    if (f == 3) state = field.empty() ? 0 : field[0];
-    if (f == 22) return {field, state};
-  }
-  return {"", state};
-}
 
 // What the registry keeps per (agent, name).
 struct Named {
@@ -134,99 +109,6 @@ std::map<std::pair<const rpc::Agent*, std::string>, Named> g_named;
 
 }  // namespace
 
-// Who the ranks are (published at creation under who/<incarnation>/<rank>),
-// and, once a collective has failed, which of them are gone: worked out
-// once per group, by the first failure, and given to every later one.
-struct ProcessGroup::Peers {
-  int rank = 0;
-  int64_t incarnation = 0;
-  std::string my_host;
-  std::vector<Member> members;
-  std::vector<std::string> starts;  // per rank: its process's start time, for the liveness check
-  c10::intrusive_ptr<c10d::Store> store;
-  std::mutex mu;
-  std::optional<std::string> verdict;
-
-  std::string key(const char* what, int r) const {
-    return std::string(what) + "/" + std::to_string(incarnation) + "/" + std::to_string(r);
-  }
-
-  std::string describe(int r) const {
-    std::string s = "rank " + std::to_string(r);
-    if (static_cast<size_t>(r) >= members.size()) return s;
-    const Member& m = members[static_cast<size_t>(r)];
-    s += " (";
-    if (!m.name.empty()) s += "worker \"" + m.name + "\", ";
-    s += "pid " + std::to_string(m.pid) + " on " + m.host + ")";
-    return s;
-  }
-
-  // A process on this host that has exited (or is a zombie, or whose
-  // number now belongs to another process).
-  bool exited(int r) const {
-    const Member& m = members[static_cast<size_t>(r)];
-    if (m.host != my_host || m.pid <= 0) return false;
-    if (m.pid == static_cast<int64_t>(::getpid())) return false;  // ranks as threads of one process
-    auto [start, state] = proc_start_and_state(std::to_string(m.pid));
-    return start.empty() || state == 'Z' || state == 'X' || start != starts[static_cast<size_t>(r)];
-  }
-
-  // "rank 2 (worker "w2", pid 42 on h) is gone (its process exited)", or
-  // what else is known; empty when every peer checked in.
-  std::string gone() {
-    std::lock_guard<std::mutex> lock(mu);
-    if (verdict) return *verdict;
-    const int n = static_cast<int>(members.size());
-    std::vector<int> exited_ranks, silent;
-    std::vector<bool> settled(static_cast<size_t>(n), false);
-    settled[static_cast<size_t>(rank)] = true;
-    for (int r = 0; r < n; ++r) {
-      if (r != rank && exited(r)) {
-        exited_ranks.push_back(r);
-        settled[static_cast<size_t>(r)] = true;
-      }
-    }
-    bool store_lost = false;
-    try {
-      store->set(key("down", rank), std::vector<uint8_t>{1});
-      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-      for (;;) {
-        bool all = true;
-        for (int r = 0; r < n; ++r) {
-          if (settled[static_cast<size_t>(r)]) continue;
-          if (store->check({key("down", r)})) {
-            settled[static_cast<size_t>(r)] = true;
-          } else {
-            all = false;
-          }
-        }
-        if (all || std::chrono::steady_clock::now() >= deadline) break;
-        std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      }
-    } catch (const std::exception&) {
-      store_lost = true;
-    }
-    if (!store_lost) {
-      for (int r = 0; r < n; ++r) {
-        if (!settled[static_cast<size_t>(r)]) silent.push_back(r);
-      }
-    }
-    std::string text;
-    auto add = [&](const std::string& part) { text += (text.empty() ? "" : "; ") + part; };
-    for (int r : exited_ranks) add(describe(r) + " is gone (its process exited)");
-    if (!silent.empty()) {
-      std::string who;
-      for (int r : silent) who += (who.empty() ? "" : ", ") + describe(r);
-      add(who + (silent.size() == 1 ? " did" : " did") +
-          " not check in within 2 s of the failure (gone, or stuck elsewhere)");
-    }
-    if (store_lost) {
-      add("the group's store cannot be reached (its host, the job's rank 0, may be gone)");
-    }
-    verdict = text;
-    return text;
-  }
-};
 const char* to_string(ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum:
@@ -303,6 +185,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(ProcessGroupOptions o) {
 #endif
     }
     pg->peers_ = meet_peers(*prefixed, rank, size, o.member_name);
+    pg->watch_peers();
   } catch (const std::invalid_argument&) {
     throw;
   } catch (const std::exception& e) {
@@ -314,46 +197,22 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(ProcessGroupOptions o) {
   return pg;
 }
 
-std::shared_ptr<ProcessGroup::Peers> ProcessGroup::meet_peers(c10d::Store& store, int rank,
-                                                              int size, std::string name) {
-  auto peers = std::make_shared<Peers>();
-  peers->rank = rank;
-  peers->my_host = this_host();
-  peers->store = c10::intrusive_ptr<c10d::Store>::reclaim_copy(&store);
-  // Each incarnation of a group name adds `size`: every rank adds once
-  // before any waits on the others, so all agree on the incarnation.
-  peers->incarnation = (store.add("incarnations", 1) - 1) / size;
-  if (name.empty()) {
-    try {
-      name = rpc::current_agent()->name();
-    } catch (const std::logic_error&) {
-      // no agent in this process: the rank alone names it
-    }
-  }
-  const std::string pid = std::to_string(::getpid());
-  const std::string me =
-      name + "\n" + peers->my_host + "\n" + pid + "\n" + proc_start_and_state(pid).first;
-  store.set(peers->key("who", rank), std::vector<uint8_t>(me.begin(), me.end()));
-  for (int r = 0; r < size; ++r) {
-    const auto bytes = store.get(peers->key("who", r));
-    std::istringstream in(std::string(bytes.begin(), bytes.end()));
-    Member m;
-    std::string pid_text, start;
-    std::getline(in, m.name);
-    std::getline(in, m.host);
-    std::getline(in, pid_text);
-    std::getline(in, start);
-    m.pid = std::strtoll(pid_text.c_str(), nullptr, 10);
-    peers->members.push_back(std::move(m));
-    peers->starts.push_back(std::move(start));
-  }
-  return peers;
-}
 
 const std::vector<ProcessGroup::Member>& ProcessGroup::members() const { return peers_->members; }
 std::string ProcessGroup::describe(int r) const { return peers_->describe(r); }
 
 ProcessGroup::~ProcessGroup() {
+  if (peers_ && peers_->stalled_out) {
+    // Gloo's threads still wait on the stalled member (until the group's
+    // timeout) and its destructor would join them: the engine is let go
+    // instead, so that a failed process can end at once. Its threads end at
+    // that timeout, or with the process.
+    pg_.release();
+    return;
+  }
+  // Destroyed while an exception unwinds the stack: this rank failed, and
+  // its peers will learn it from their own collectives.
+  if (std::uncaught_exceptions() > 0) broken_->store(true);
   wait_for_peers_to_close();
 #if defined(TANDEM_WITH_NCCL) && TORCH_VERSION_MAJOR >= 2
   // NCCL's communicators keep their threads, sockets and device handles
@@ -379,14 +238,15 @@ void ProcessGroup::wait_for_peers_to_close() {
     const int64_t all = (mine + size_ - 1) / size_ * size_;
     const auto deadline = std::chrono::steady_clock::now() +
                           std::min<std::chrono::milliseconds>(timeout_, std::chrono::seconds(10));
-    // A peer on this host whose process has exited will never close it:
-    // looked for every 100 ms.
+    // A peer on this host whose process has exited, or one found stalled,
+    // will never close it: looked for every 100 ms.
     auto next_look = std::chrono::steady_clock::now();
     while (store_->add("closing", 0) < all && std::chrono::steady_clock::now() < deadline) {
       if (peers_ && std::chrono::steady_clock::now() >= next_look) {
         for (int r = 0; r < size_; ++r) {
           if (r != rank_ && peers_->exited(r)) return;
         }
+        if (!peers_->stalled().empty()) return;
         next_look = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
@@ -491,6 +351,8 @@ bool ProcessGroup::Pending::on_completion(std::function<void()> fn) {
 
 bool ProcessGroup::Pending::done() const {
   if (!work_) return false;
+  // A member found stalled: wait() throws at once.
+  if (peers_ && !peers_->watcher.expired() && !peers_->stalled().empty()) return true;
   // The future is what on_completion's callbacks hang on; the work's own
   // flag is set a moment after them.
   try {
@@ -509,10 +371,27 @@ void ProcessGroup::Pending::wait(std::chrono::milliseconds timeout) {
   if (!work_) throw std::logic_error("wait on an empty or finished ProcessGroup::Pending");
   auto work = std::move(work_);
   auto then = std::move(then_);
-  auto limit = timeout.count() < 0 ? timeout_ : timeout;
+  const auto limit = timeout.count() < 0 ? timeout_ : timeout;
+  auto rest = limit;  // what is left of it for Work::wait
   const auto t0 = std::chrono::steady_clock::now();
   try {
-    work->wait(limit);
+    if (peers_ && !peers_->watcher.expired()) {
+      auto peers = peers_;
+      std::string stalled = peers->stalled();
+      if (stalled.empty()) stalled = wait_watching(*work, [peers] { return peers->stalled(); }, limit);
+      if (!stalled.empty()) {
+        if (broken_) broken_->store(true);
+        peers_->stalled_out = true;
+        throw CollectiveError(what_ + " failed: " + stalled);
+      }
+      // (ended, or out of time: the rest of the limit, at least a moment)
+      rest = std::max(std::chrono::milliseconds(1),
+                      limit - std::chrono::duration_cast<std::chrono::milliseconds>(
+                                  std::chrono::steady_clock::now() - t0));
+    }
+    work->wait(rest);
+  } catch (const CollectiveError&) {
+    throw;
   } catch (const std::exception& e) {
     if (broken_) broken_->store(true);
     std::string msg = e.what();

@@ -20,6 +20,12 @@
 // has exited is named as gone at once, one that does not check in within
 // two seconds as not answering. After either, the group is unusable, as in
 // PyTorch: destroy it and make a new one.
+// A member found stalled by this process's RPC agent (rpc::Agent::watch:
+// its connection silent past AgentOptions::peer_timeout, as a stopped or
+// frozen process is) fails a gloo collective waiting for it at once with
+// CollectiveError naming it, instead of after the group's timeout; such a
+// group's destructor then does not wait for gloo's operation (which waits
+// for the stalled member until the group's timeout) but lets the engine go.
 // A call's own timeout only bounds the caller's wait: Gloo's operation itself
 // ends at the group's timeout, and destroying the group waits for that.
 // Making a group sets SIGPIPE to ignored when it has its default action (as
@@ -27,7 +33,9 @@
 // when a peer dies, instead of failing the collective.
 // Destroying a healthy group first waits (10 s at most) until every rank is
 // destroying it too, so that no rank closes its connections while a peer
-// still reads its last collective's data from them.
+// still reads its last collective's data from them; a broken or abandoned
+// group, or one destroyed while an exception unwinds the stack, waits for
+// nobody.
 #include <ATen/core/Tensor.h>
 #include <torch/version.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -109,6 +117,10 @@ class ProcessGroup {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  // This rank gives up on the group (its job failed elsewhere): it is
+  // marked broken, as after a failed collective, so that destroying it
+  // waits for no peer.
+  void abandon() { broken_->store(true); }
   const std::string& backend() const { return backend_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
 
@@ -130,8 +142,8 @@ class ProcessGroup {
     // when kGroupTimeout). Once only.
     void wait(std::chrono::milliseconds timeout = kGroupTimeout);
     bool valid() const { return work_ != nullptr; }
-    // Whether the collective has ended (worked or failed): wait() then
-    // returns or throws at once.
+    // Whether the collective has ended (worked or failed), or a member it
+    // waits for is found stalled: wait() then returns or throws at once.
     bool done() const;
     // Gives up on it: the caller will never wait() (its step failed
     // elsewhere). The group is marked broken, as after a failure: closing
@@ -226,6 +238,9 @@ class ProcessGroup {
  private:
   ProcessGroup() = default;
   void wait_for_peers_to_close();
+  // Asks this process's agent, if any, to watch the members (gloo only),
+  // so that a stalled one fails the collectives waiting for it.
+  void watch_peers();
   // Publishes who this rank is and reads who the others are.
   static std::shared_ptr<Peers> meet_peers(c10d::Store& store, int rank, int size,
                                            std::string name);

@@ -57,34 +57,9 @@
 #     each into the other's checkpoints exit 2, named.
 set -uo pipefail
 bin="$(readlink -f "${1:?usage: check_examples.sh BIN_DIR}")"
-run="$bin/tandem-run"
-tmp="$(mktemp -d)"
-trap 'rm -rf "$tmp"' EXIT
-cd "$tmp" || exit 1
-failures=0
-
-fail() {
-  echo "FAIL: $*"
-  failures=$((failures + 1))
-}
-
-# launch LOG NPROC PROGRAM ARGS...: runs it (at most 120 s), output in LOG; prints the exit code.
-launch() {
-  local log="$1" nproc="$2" program="$3"
-  shift 3
-  timeout 120 "$run" --nproc-per-node "$nproc" "$bin/$program" "$@" >"$log" 2>&1
-  echo $?
-}
-
-# expect_rc WHAT RC WANT LOG
-expect_rc() {
-  if [[ $2 != "$3" ]]; then
-    fail "$1: exit code $2, expected $3; its output:"
-    sed 's/^/    /' "$4"
-    return 1
-  fi
-  echo "ok: $1 (exit $2)"
-}
+here="$(dirname "$(readlink -f "$0")")"
+# shellcheck source=check_lib.sh
+source "$here/check_lib.sh"
 
 # fell WHAT FIRST LAST: passes when the loss went down from FIRST to LAST.
 fell() {
@@ -97,7 +72,6 @@ fell() {
 
 # The loss of a progress line "step N/M  loss X ...", by position (first, last).
 losses() { sed -n 's/.*step [0-9]*\/[0-9]*  loss \([0-9.]*\) .*/\1/p' "$1"; }
-final_line() { grep -o 'final step .* loss [0-9.]*' "$1"; }
 sample_line() { grep -o 'sample: .*' "$1"; }
 
 # a. a short training run
@@ -298,16 +272,7 @@ if grep -q "^TANDEM_CUDA_BUILD:INTERNAL=OFF" "$bin/../CMakeCache.txt" 2>/dev/nul
     { grep -q "backend 'nccl' needs a LibTorch built with CUDA" f.log || fail "ddp_mlp --backend nccl: no message"; }
 fi
 
-# g. the transformer, pipelined x data-parallel
-# near WHAT A B: passes when losses A and B agree within 1e-4
-near() {
-  if [[ -z $2 || -z $3 ]] || ! awk -v a="$2" -v b="$3" 'BEGIN { d = a - b; exit !(d < 1e-4 && d > -1e-4) }'; then
-    fail "$1 ends at loss '$3', 1 x 1 at '$2'"
-  else
-    echo "ok: $1 ends as 1 x 1 does: loss $3 ($2)"
-  fi
-}
-gpt_final() { final_line "$1" | awk '{print $NF}'; }
+# g. the transformer, pipelined x data-parallel (near: within 1e-4 of 1 x 1's loss)
 gpt_args=(--steps 20 --log-every 10 --sample 0)
 rc=$(launch g11.log 1 gpt --pp 1 --dp 1 "${gpt_args[@]}" --checkpoint g11.ckpt)
 if expect_rc "gpt 1 x 1 --steps 20" "$rc" 0 g11.log; then
@@ -528,8 +493,4 @@ resumes gw4.log 4 "gpt --zero 3's checkpoint resumed by the pipeline (2 x 2)" gw
 resumes gw5.log 2 "gpt --zero 3's checkpoint resumed by --zero 2" gw4.ckpt --pp 1 --dp 2 --zero 2
 resumes gw6.log 2 "gpt 2 x 2's checkpoint resumed by --zero 3 (1 x 2)" gr7.ckpt --pp 1 --dp 2 --zero 3
 
-if ((failures)); then
-  echo "check_examples: $failures failure(s)"
-  exit 1
-fi
-echo "check_examples: all passed"
+finish check_examples

@@ -197,4 +197,17 @@ inline int run_worker(const Flags& flags, const std::string& error, bool speak,
   }
 }
 
+// --on-nonfinite stop|skip and --nan-at N, as gpt and char_lm take them
+// (tandem/optim/nonfinite.h); `poisoned` says what --nan-at poisons.
+inline Flags& add_nonfinite_flags(Flags& flags, std::string* policy, int64_t* nan_at,
+                                  const std::string& poisoned) {
+  return flags
+      .add_choice("--on-nonfinite", policy, {"stop", "skip"},
+                  "a step whose loss or gradient norm is not finite: stop the job naming it, or "
+                  "skip its update (counted)")
+      .add("--nan-at", nan_at, 0,
+           "testing: poison " + poisoned +
+               " of step N's batch, so that its loss and gradients are NaN (0: never)");
+}
+
 }  // namespace examples

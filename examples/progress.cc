@@ -34,4 +34,12 @@ void Progress::add(int64_t done, double loss) {
   last_line = Clock::now();
 }
 
+void report_skipped(const tandem::optim::NonFiniteGuard& guard) {
+  if (guard.skipped() == 0) return;
+  std::string steps;
+  for (int64_t s : guard.skipped_steps()) steps += (steps.empty() ? "" : ", ") + std::to_string(s);
+  std::printf("%lld step(s) skipped for a loss or gradient norm that was not finite: %s\n",
+              static_cast<long long>(guard.skipped()), steps.c_str());
+}
+
 }  // namespace examples

@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <string>
 
+#include "tandem/optim/nonfinite.h"
+
 namespace examples {
 
 using Clock = std::chrono::steady_clock;
@@ -29,5 +31,9 @@ struct Progress {
   // Step `done` (1-based) had loss `loss`.
   void add(int64_t done, double loss);
 };
+
+// Prints "N step(s) skipped for ...: s1, s2" when `guard` skipped any
+// (--on-nonfinite skip).
+void report_skipped(const tandem::optim::NonFiniteGuard& guard);
 
 }  // namespace examples

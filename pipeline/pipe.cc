@@ -162,10 +162,30 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
                        "a worker of the step failed");
     }
   }
-  std::string first_error, aborted_error, disconnected;
+  // Once the step failed, a worker that has not answered its run gets the
+  // pass timeout to do so: one stalled (stopped, frozen) never would, and the
+  // runs are untimed (each pass has its own timeout).
+  const bool failed = [&] {
+    std::lock_guard<std::mutex> lock(wait->mu);
+    return wait->failed;
+  }();
+  const auto grace_end = std::chrono::steady_clock::now() + options_.timeout;
+  std::string first_error, aborted_error, disconnected, unanswered;
   Run out;
   for (int w = 0; w < workers_; ++w) {
     try {
+      // (0 would be no limit: at least a moment)
+      const auto left = std::max(std::chrono::milliseconds(1),
+                                 std::chrono::duration_cast<std::chrono::milliseconds>(
+                                     grace_end - std::chrono::steady_clock::now()));
+      if (failed && !rpc::wait_raw(runs[w].raw(), left)) {
+        if (unanswered.empty()) {
+          unanswered = "'" + std::string(step::kRunFn) + "' on " + worker_names_[w] +
+                       " did not end within " + std::to_string(options_.timeout.count()) +
+                       " ms of the step's failure (that worker is stalled?)";
+        }
+        continue;
+      }
       step::RunReply reply = step::RunReply::decode(runs[w].wait(), requests[w]);
       out.stats.peak_stash.push_back(static_cast<int>(reply.peak_stash));
       for (const auto& t : reply.times.times) {
@@ -192,7 +212,10 @@ Pipe::Run Pipe::run(const Plan& plan, const std::vector<at::Tensor>& xs,
   }
   const char* what = train ? "Pipe::step: " : "Pipe::forward: ";
   if (!disconnected.empty()) throw rpc::DisconnectedError(what + disconnected);
-  if (!first_error.empty()) throw std::runtime_error(what + first_error);
+  if (!first_error.empty()) {
+    throw std::runtime_error(what + first_error + (unanswered.empty() ? "" : "; " + unanswered));
+  }
+  if (!unanswered.empty()) throw rpc::TimeoutError(what + unanswered);
   if (!aborted_error.empty()) throw std::runtime_error(what + aborted_error);
   double span = 0;
   std::vector<double> busy(workers_, 0);

@@ -34,6 +34,8 @@ TransportStats Agent::transport_stats() const { return impl_->transport_stats();
 Metrics Agent::metrics() const { return impl_->metrics(); }
 std::string Agent::debug_info() const { return impl_->debug_info(); }
 std::string Agent::transport_to(const std::string& to) const { return impl_->transport_to(to); }
+void Agent::watch(const std::string& worker) { impl_->watch(worker); }
+std::string Agent::stalled(const std::string& worker) const { return impl_->stalled(worker); }
 std::optional<c10::Device> Agent::answer_device_to(const std::string& caller,
                                                    c10::Device device) const {
   return impl_->answer_device_to(caller, device);

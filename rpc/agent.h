@@ -89,6 +89,13 @@ struct AgentOptions {
   std::string init_method = "env://";  // or "tcp://host:port"
   std::chrono::milliseconds rpc_timeout{60000};    // per-call default; 0 = none
   std::chrono::milliseconds init_timeout{120000};  // rendezvous and shutdown barrier
+  // How long a peer may send nothing at all before it counts as stalled
+  // (stopped, frozen, swapped out; a busy one sends heartbeats) and its
+  // connection is closed: calls on it fail with DisconnectedError saying
+  // so, and what watches it learns why (stalled()). Sets
+  // limits.peer_timeout. -1: $TANDEM_PEER_TIMEOUT in seconds (tandem-run
+  // --peer-timeout sets it), else limits.peer_timeout (30 s); 0: never.
+  std::chrono::milliseconds peer_timeout{-1};
   int num_worker_threads = 4;
   // rpc_sync spins this long for its reply before it sleeps: waking a thread
   // on an idle core costs more than a loopback round trip (bench/rpc_bench:
@@ -175,6 +182,16 @@ class Agent : public std::enable_shared_from_this<Agent> {
   // "shm" or "tcp": what carries this agent's calls to worker `to` now;
   // empty while no connection to it is open.
   std::string transport_to(const std::string& to) const;
+  // Liveness (AgentOptions::peer_timeout). watch(worker) opens a connection
+  // to `worker` now if there is none (waiting for the dial, 5 s at most,
+  // not for the handshake), so that its silence is noticed even when no
+  // call goes there: a process group watches its members this way. A
+  // connection that closes later is not dialed again.
+  // stalled(worker) says why `worker` counts as stalled (a connection to it
+  // was closed for its silence, and none has been made since), or "" when
+  // it does not. Both throw std::invalid_argument for an unknown worker.
+  void watch(const std::string& worker);
+  std::string stalled(const std::string& worker) const;
   // Where a tensor on this worker's CUDA device `device` lands when this
   // agent answers worker `caller` (AgentOptions::device_maps: the inverse
   // of the caller's map, else this worker's own); nullopt when no map covers

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 namespace tandem::rpc {
@@ -19,11 +20,20 @@ std::mutex g_mu;
 std::shared_ptr<Agent> g_agent;
 
 // Under tandem-run, SIGUSR1 prints the agent's debug info to stderr. The
-// handler only writes a byte to a pipe; a thread reads it and prints.
+// handler only writes a byte to a pipe; a thread reads it and prints. It
+// answers for the agent's whole life, a graceful shutdown's long wait
+// included (a pipeline's stage workers spend their run there): the agent
+// it prints stays in g_debug_agent until shutdown() has returned, and only
+// then does the signal get its previous disposition back.
+// Starting and stopping it take g_signal_mu (never under g_mu), so that
+// they happen one at a time.
+std::mutex g_signal_mu;
 int g_debug_pipe[2] = {-1, -1};
+std::shared_ptr<Agent> g_debug_agent;  // under g_mu: what the signal prints
+struct sigaction g_previous_action {};
 // A pointer, not a std::thread: a program that exits without shutdown()
 // must not meet a joinable thread's destructor (std::terminate).
-std::thread* g_debug_thread = nullptr;
+std::thread* g_debug_thread = nullptr;  // under g_signal_mu
 
 void on_debug_signal(int) {
   const int saved = errno;
@@ -33,7 +43,8 @@ void on_debug_signal(int) {
   errno = saved;
 }
 
-void start_debug_signal() {  // g_mu held
+void start_debug_signal() {  // g_mu not held
+  std::lock_guard<std::mutex> serial(g_signal_mu);
   const char* launcher = std::getenv("TANDEM_LAUNCHER");
   if (!launcher || std::strcmp(launcher, "tandem-run") != 0 || g_debug_thread) return;
   if (::pipe2(g_debug_pipe, O_CLOEXEC) != 0) return;
@@ -43,7 +54,7 @@ void start_debug_signal() {  // g_mu held
       std::shared_ptr<Agent> agent;
       {
         std::lock_guard<std::mutex> lock(g_mu);
-        agent = g_agent;
+        agent = g_debug_agent;
       }
       const std::string text = agent ? agent->debug_info() : "tandem debug info: no agent\n";
       std::fwrite(text.data(), 1, text.size(), stderr);
@@ -54,16 +65,26 @@ void start_debug_signal() {  // g_mu held
   action.sa_handler = on_debug_signal;
   sigemptyset(&action.sa_mask);
   action.sa_flags = SA_RESTART;
-  ::sigaction(SIGUSR1, &action, nullptr);
+  ::sigaction(SIGUSR1, &action, &g_previous_action);
 }
 
-void stop_debug_signal() {  // g_mu not held
+// Once no agent is left to print (none running, none shutting down).
+void stop_debug_signal_if_unused() {  // g_mu not held
+  std::lock_guard<std::mutex> serial(g_signal_mu);
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_agent || g_debug_agent) return;
+  }
   if (!g_debug_thread) return;
-  ::signal(SIGUSR1, SIG_DFL);
+  ::sigaction(SIGUSR1, &g_previous_action, nullptr);
   const char quit = 'q';
   ssize_t ignored = ::write(g_debug_pipe[1], &quit, 1);
   (void)ignored;
-  g_debug_thread->join();
+  try {
+    g_debug_thread->join();
+  } catch (const std::system_error&) {
+    // (nothing to join: it ended already)
+  }
   delete g_debug_thread;
   g_debug_thread = nullptr;
   ::close(g_debug_pipe[0]);
@@ -73,11 +94,15 @@ void stop_debug_signal() {  // g_mu not held
 }  // namespace
 
 std::shared_ptr<Agent> init(std::shared_ptr<Registry> registry, AgentOptions options) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  if (g_agent) throw std::logic_error("tandem::rpc::init: an agent is already running");
-  g_agent = Agent::create(std::move(options), std::move(registry));
+  std::shared_ptr<Agent> agent;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_agent) throw std::logic_error("tandem::rpc::init: an agent is already running");
+    g_agent = Agent::create(std::move(options), std::move(registry));
+    g_debug_agent = agent = g_agent;
+  }
   start_debug_signal();
-  return g_agent;
+  return agent;
 }
 
 std::shared_ptr<Agent> current_agent() {
@@ -101,7 +126,19 @@ void shutdown(bool graceful) {
     }
     agent = std::move(g_agent);
   }
-  stop_debug_signal();
+  // The debug signal keeps printing this agent while it shuts down, and is
+  // given back once it is gone, whether its shutdown worked or threw.
+  struct AfterShutdown {
+    const std::shared_ptr<Agent>& agent;
+    ~AfterShutdown() {
+      if (agent) {
+        std::lock_guard<std::mutex> lock(g_mu);
+        if (g_debug_agent == agent) g_debug_agent.reset();
+      }
+      // (an init() meanwhile, or another shutdown still going, keeps it)
+      stop_debug_signal_if_unused();
+    }
+  } after{agent};
   if (agent) agent->shutdown(graceful);
 }
 

@@ -24,6 +24,13 @@ struct Limits {
   // at most this many accepted connections may be in their handshake at once.
   std::chrono::milliseconds handshake_timeout{5000};
   size_t max_handshaking_connections = 64;
+  // Liveness (rpc/transport/uv/uv_transport.h, 10.): a connection from which
+  // nothing at all has come for this long is closed as stalled, its peer's
+  // process stopped, frozen or swapped out. A busy peer is not silent: its
+  // loop thread, which runs no user code, writes a heartbeat on every
+  // connection it has written nothing to for peer_timeout / 10 (at most 1 s
+  // apart). 0: never. AgentOptions::peer_timeout sets it for an agent.
+  std::chrono::milliseconds peer_timeout{30000};
   // Backpressure (rpc/transport/uv/uv_transport.h): past this many bytes of
   // answers to one peer waiting unwritten, what the peer sends is held;
   // past max_held_bytes held, its connection is not read until they drain.

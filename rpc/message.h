@@ -98,6 +98,11 @@ static_assert(sizeof(Preamble) == kPreambleBytes, "preamble layout");
 // envelope); the tensors it names are in shared memory, not in the body.
 // Only the shm backend writes it, and only its connections accept it.
 constexpr uint16_t kFlagSharedTensors = 1;
+// Preamble flag: a heartbeat (rpc/transport.h, 9.), this flag alone with
+// every length 0 and nothing after it. Decoders drop it in any state (the
+// handshake's included); it only shows that the peer's transport thread
+// runs.
+constexpr uint16_t kFlagHeartbeat = 2;
 
 // A frame's encoded envelope: the Cap'n Proto message as the 8-byte words
 // it is written in (its own memory, aligned for a reader).

@@ -42,6 +42,13 @@
 //     transport thread, so each connection's messages are still delivered
 //     one at a time and in order. A callback that polls again meanwhile
 //     reads nothing.
+//  9. Liveness (Limits::peer_timeout): a connection is closed, and reported
+//     closed with a reason saying so, when nothing has come on it for that
+//     long; its stalled() is then true. To keep a silent but healthy peer
+//     from looking stalled, the transport thread writes a heartbeat (a
+//     frame the receiving decoder drops: rpc/message.h) on each connection
+//     it has written nothing to for a tenth of that, at most a second (also
+//     with no timeout of its own: its peers may have one).
 #pragma once
 
 #include <chrono>
@@ -67,6 +74,8 @@ struct TransportStats {
   uint64_t bytes_received = 0;       // frames read from sockets
   uint64_t polled_messages = 0;      // delivered by a thread polling its connection (8.)
   uint64_t ring_wakes = 0;           // 'W' bytes sent to wake a same-host ring's other side
+  uint64_t heartbeats = 0;           // written on connections that were idle (9.)
+  uint64_t stalled_peers = 0;        // connections closed for their peer's silence (9.)
 };
 
 // send() of a request on a connection that was retired (6.): the frame was
@@ -95,6 +104,8 @@ class Connection {
   // 8.: reads and delivers what has arrived, on this thread; false when
   // nothing was delivered (or this connection does not poll).
   virtual bool poll_inline() { return false; }
+  // 9.: closed because its peer was silent for Limits::peer_timeout.
+  virtual bool stalled() const { return false; }
 };
 
 using ConnectionPtr = std::shared_ptr<Connection>;

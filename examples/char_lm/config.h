@@ -30,6 +30,11 @@ struct Config {
   std::string schedule = "1f1b";  // --mode pipeline's
   std::string losses;             // --losses: each progress line also goes there as CSV
   bool resume = false;
+  // A step whose loss or gradient norm is not finite: "stop" or "skip"
+  // (tandem/optim/nonfinite.h); and, to try it, a step whose batch gets a
+  // poisoned target (0: none).
+  std::string on_nonfinite = "stop";
+  int64_t nan_at = 0;
   bool hybrid() const { return mode == "hybrid"; }
   bool pipeline() const { return mode == "pipeline"; }
 };

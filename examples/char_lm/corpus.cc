@@ -4,7 +4,10 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/arange.h>
+#include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/randint.h>
+
+#include <limits>
 
 namespace char_lm {
 
@@ -21,6 +24,21 @@ Batch batch_at(const Corpus& c, int64_t seed, int64_t step) {
   at::Tensor windows = c.tokens.index_select(0, (starts + at::arange(kWindow + 1)).reshape(-1))
                            .view({kBatch, kWindow + 1});
   return {windows.narrow(1, 0, kWindow), windows.narrow(1, 1, kWindow)};
+}
+
+at::Tensor char_loss(const at::Tensor& logits, const at::Tensor& y) {
+  const at::Tensor poisoned = y < 0;
+  at::Tensor loss =
+      at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.clamp_min(0).reshape(-1));
+  if (poisoned.any().item<bool>()) loss = loss * std::numeric_limits<double>::quiet_NaN();
+  return loss;
+}
+
+void poison_if_asked(int64_t nan_at, int64_t step, Batch& b) {
+  if (nan_at > 0 && step + 1 == nan_at) {
+    b.y = b.y.clone();
+    b.y.view(-1).select(0, 0).fill_(-1);
+  }
 }
 
 }  // namespace char_lm

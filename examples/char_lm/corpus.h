@@ -28,5 +28,11 @@ struct Batch {
   at::Tensor x, y;  // [B, T] int64: inputs and the characters that follow them
 };
 Batch batch_at(const Corpus& c, int64_t seed, int64_t step);
+// The mean cross-entropy of `logits` [.., V] against the characters `y`;
+// NaN when a target is negative (a poisoned batch: char_lm --nan-at), so
+// that its gradients are NaN too.
+at::Tensor char_loss(const at::Tensor& logits, const at::Tensor& y);
+// `b` with its first target poisoned when `step` + 1 is `nan_at`.
+void poison_if_asked(int64_t nan_at, int64_t step, Batch& b);
 
 }  // namespace char_lm

@@ -104,6 +104,7 @@ int job_main(int argc, char** argv) {
                     "server (N >= 3 processes); or the model pipelined over 2 processes")
         .add_choice("--schedule", &cfg.schedule, {"gpipe", "1f1b", "zero-bubble"},
                     "--mode pipeline's schedule");
+    examples::add_nonfinite_flags(flags, &cfg.on_nonfinite, &cfg.nan_at, "a target");
     std::string error = flags.parse(argc, argv);
     const Place at{env.rank, env.world_size - 1};
     if (error.empty() && env.world_size >= 2) {
@@ -184,7 +185,9 @@ int job_main(int argc, char** argv) {
       if (cfg.pipeline()) return train_pipeline(cfg, *corpus, started, at);
       return train(cfg, *corpus, resume, started, at, shared);
     });
-    rpc::shutdown();
+    // A failed worker leaves at once (the launcher ends the others): a
+    // graceful shutdown would wait on a peer that may be the cause.
+    rpc::shutdown(rc == 0);
     return rc;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "char_lm: %s\n", e.what());

@@ -12,6 +12,7 @@
 #include "tandem/autograd/autograd.h"
 #include "tandem/checkpoint/job.h"
 #include "tandem/optim/distributed_optimizer.h"
+#include "tandem/optim/nonfinite.h"
 
 namespace char_lm {
 
@@ -140,31 +141,38 @@ int train(const Config& cfg, const Corpus& corpus, const std::optional<Checkpoin
   // Tokens of all trainers (they step together); worker0's loss.
   examples::Progress progress{cfg.steps,          cfg.log_every, cfg.losses,
                               resume.has_value(), started,       kBatch * kWindow * at.trainers};
+  // Hybrid trainers agree over their group: each has a loss of its own.
+  optim::NonFiniteGuard guard(optim::non_finite_from_string(cfg.on_nonfinite),
+                              cfg.hybrid() ? tandem::ddp::default_group_ptr() : nullptr);
   for (int64_t step = start; step < cfg.steps; ++step) {
     Batch b = batch_at(corpus, cfg.seed, step * at.trainers + at.rank);
+    poison_if_asked(cfg.nan_at, step, b);
     {
       dist::Context ctx;
       at::Tensor logits = m.forward(b.x).first;
-      at::Tensor loss = at::cross_entropy_loss(logits.reshape({-1, V}), b.y.reshape(-1));
+      at::Tensor loss = char_loss(logits.reshape({-1, V}), b.y);
       dist::backward(ctx.id(), {loss});
       // Clipping scales every gradient of the context by one factor, from
       // the norm of all of them; hybrid trainers' remote gradients differ, so
-      // their factors would too, and their LSTMs drift apart: not clipped.
-      if (!cfg.hybrid()) opt.clip_grad_norm(ctx.id(), 1.0);
+      // their factors would too, and their LSTMs drift apart: not clipped
+      // (their loss alone is checked).
+      const double norm = cfg.hybrid() ? 0.0 : opt.clip_grad_norm(ctx.id(), 1.0);
+      loss_value = loss.item<double>();
+      const bool take = guard.check(step + 1, loss_value, norm);
       // Hybrid: no trainer steps the shared modules while another one's
       // backward still needs their values (autograd saved the decoder's and
       // the embedding's weights; a step in between fails that backward with
       // "modified by an inplace operation"), nor before another one's
       // forward has read them.
       if (cfg.hybrid()) tandem::ddp::barrier();
-      opt.step(ctx.id());
+      if (take) opt.step(ctx.id());
       if (cfg.hybrid()) tandem::ddp::barrier();
-      loss_value = loss.item<double>();
     }
     const int64_t done = step + 1;
     if (speak) progress.add(done, loss_value);
     if (done % cfg.checkpoint_every == 0 || done == cfg.steps) checkpoint(done);
   }
+  if (speak) examples::report_skipped(guard);
   if (cfg.hybrid()) {
     // Every trainer's LSTM against worker0's; and no trainer still steps
     // the shared modules while worker0 samples from them.

@@ -38,7 +38,7 @@ const bool kPipelineParts = [] {
   tandem::nn::register_module("char_lm_front",
                               [](int64_t vocab) { return std::make_shared<FrontImpl>(vocab); });
   tandem::pipeline::register_loss("char_lm", [](const at::Tensor& logits, const at::Tensor& y) {
-    return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.reshape(-1));
+    return char_loss(logits, y);
   });
   return true;
 }();
@@ -78,16 +78,19 @@ int train_pipeline(const Config& cfg, const Corpus& corpus, Clock::time_point st
   double loss_value = 0;
   examples::Progress progress{cfg.steps,  cfg.log_every, cfg.losses,
                               cfg.resume, started,       kBatch * kWindow};
+  tandem::optim::NonFiniteGuard guard(tandem::optim::non_finite_from_string(cfg.on_nonfinite));
   for (int64_t step = 0; step < cfg.steps; ++step) {
     Batch b = batch_at(corpus, cfg.seed, step);
+    poison_if_asked(cfg.nan_at, step, b);
     {
       dist::Context ctx;
       loss_value = pipe.step(ctx.id(), b.x, b.y);
-      opt.clip_grad_norm(ctx.id(), 1.0);
-      opt.step(ctx.id());
+      const double norm = opt.clip_grad_norm(ctx.id(), 1.0);
+      if (guard.check(step + 1, loss_value, norm)) opt.step(ctx.id());
     }
     progress.add(step + 1, loss_value);
   }
+  examples::report_skipped(guard);
   std::printf("final step %lld loss %.6f\n", static_cast<long long>(cfg.steps), loss_value);
   // Sampling feeds the last kWindow characters through both stages each time.
   std::vector<int64_t> seen;

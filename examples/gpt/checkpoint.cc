@@ -108,12 +108,21 @@ void refuse_foreign(const std::string& dir) {
   }
 }
 
-std::optional<Checkpoint> load_latest(const std::string& dir) {
-  const std::optional<ck::Found> found = ck::latest(dir);
-  if (!found) return std::nullopt;
-  for (const auto& s : found->skipped) {
-    std::fprintf(stderr, "gpt: passed over %s\n", s.c_str());
+std::optional<Checkpoint> load_latest(const std::string& dir, bool strict) {
+  std::vector<std::string> passed_over;
+  std::optional<ck::Found> found;
+  try {
+    ck::LatestOptions options = ck::LatestOptions::verified(strict);
+    options.passed_over = &passed_over;
+    found = ck::latest(dir, options);
+  } catch (const std::invalid_argument& e) {
+    throw examples::UsageError(std::string(e.what()) +
+                               " (--strict-resume: without it, the newest whole step is taken)");
   }
+  for (const auto& s : passed_over) {
+    std::fprintf(stderr, "gpt: passed over a damaged checkpoint: %s\n", s.c_str());
+  }
+  if (!found) return std::nullopt;
   try {
     ck::Reader r(found->path);
     Checkpoint c;

@@ -85,10 +85,12 @@ class Saver {
 // A UsageError when --checkpoint names a file (an older gpt's checkpoint?).
 void check_directory(const std::string& dir);
 
-// The newest complete checkpoint in `dir` (nullopt: none); each newer,
-// incomplete one it passed over is printed to stderr. A damaged step (a
-// part that fails its checksum) throws UsageError naming the file.
-std::optional<Checkpoint> load_latest(const std::string& dir);
+// The newest checkpoint in `dir` whose every part is whole (nullopt: none);
+// each newer one it passed over, incomplete or damaged (a part missing,
+// truncated or failing its checksum), is printed to stderr with the file and
+// what is wrong. With `strict`, a damaged newest step throws UsageError
+// naming the file instead.
+std::optional<Checkpoint> load_latest(const std::string& dir, bool strict = false);
 // A UsageError when `dir`'s newest step is another program's (its meta's
 // "program"): a fresh run must not clear what is not gpt's.
 void refuse_foreign(const std::string& dir);

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <string>
 
+#include <ATen/core/Tensor.h>
+
 #include "examples/flags.h"
 
 namespace gpt {
@@ -39,7 +41,25 @@ struct Config {
   int64_t sample = 200;  // characters generated at the end
   // ZeRO: 1 shards each stage's optimizer state over its replicas; 0 none.
   int64_t zero = 0;
+  // Failures: how long a silent worker may be before it counts as stalled
+  // (seconds; -1: the agent's default, $TANDEM_PEER_TIMEOUT or 30; 0:
+  // never); a damaged newest checkpoint refused instead of passed over;
+  // what a step whose loss or gradient norm is not finite does ("stop" or
+  // "skip"); and, for trying that, a step whose batch gets a poisoned token.
+  int64_t peer_timeout = -1;
+  bool strict_resume = false;
+  std::string on_nonfinite = "stop";
+  int64_t nan_at = 0;
 };
+
+// `rows` (a batch's inputs, token ids) with its first token poisoned
+// (model.h: the embedding makes it NaN) when `step` + 1 is cfg.nan_at.
+inline void poison_if_asked(const Config& cfg, int64_t step, at::Tensor& rows) {
+  if (cfg.nan_at > 0 && step + 1 == cfg.nan_at) {
+    rows = rows.clone();
+    rows.select(0, 0).select(0, 0).fill_(-1);
+  }
+}
 
 // Where this process is: its rank, and its coordinates in the mesh
 // (pp, dp). Replica d's driver is the rank at (0, d).

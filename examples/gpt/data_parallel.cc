@@ -118,7 +118,10 @@ int drive_data_parallel(const Job& job) {
   so.meta = checkpoint_meta(meta);
   int64_t start = 0;
   if (job.resume) {
-    start = tandem::checkpoint::load_latest_job(cfg.checkpoint, state).value_or(0);
+    // (the step main.cc chose and checked: the newest whole one)
+    tandem::checkpoint::Reader reader(job.resume->path);
+    state.load(reader);
+    start = reader.step();
     if (speak) {
       std::printf("gpt: resumed from step %lld, %s\n", static_cast<long long>(start),
                   zero ? "each rank's share of Adam's state by name"
@@ -136,8 +139,12 @@ int drive_data_parallel(const Job& job) {
   };
   double loss = 0;
   const int64_t last = cfg.stop_at > 0 ? cfg.stop_at : cfg.steps;
+  // Every rank decides alike: on the loss averaged over the ranks and the
+  // norm of the whole model's averaged gradients.
+  tandem::optim::NonFiniteGuard guard(tandem::optim::non_finite_from_string(cfg.on_nonfinite));
   for (int64_t step = start; step < last; ++step) {
     auto [x, y] = batches.at_step(step);
+    poison_if_asked(cfg, step, x);
     set_lr(cfg.lr * lr_factor(cfg, step));
     at::Tensor logits;
     if (zero) {
@@ -155,18 +162,22 @@ int drive_data_parallel(const Job& job) {
     at::Tensor l = gpt::loss(logits, y);
     l.backward();
     loss = l.item<double>();
-    if (zero) {
-      zero->clip_grad_norm(cfg.clip);
-      zero->step();
-      zero->zero_grad();
-    } else {
-      fsdp->clip_grad_norm(cfg.clip);
-      adam->step();
-      adam->zero_grad();
-    }
     at::Tensor mean = at::tensor({loss}, at::kDouble);
     if (group->size() > 1) group->all_reduce(mean, ddp::ReduceOp::kAvg);
     loss = mean.item<double>();
+    const double norm = zero ? zero->clip_grad_norm(cfg.clip) : fsdp->clip_grad_norm(cfg.clip);
+    if (guard.check(step + 1, loss, norm)) {
+      if (zero) {
+        zero->step();
+      } else {
+        adam->step();
+      }
+    }
+    if (zero) {
+      zero->zero_grad();
+    } else {
+      adam->zero_grad();
+    }
     if (speak) progress.add(step + 1, loss);
     if ((step + 1) % cfg.checkpoint_every == 0 || step + 1 == last) save(step + 1);
   }
@@ -178,6 +189,7 @@ int drive_data_parallel(const Job& job) {
         "ms (median)\n",
         stall_ms.size(), cfg.checkpoint_sync ? "written in the step" : "written in the background",
         cfg.checkpoint.c_str(), stall_ms.empty() ? 0.0 : stall_ms[stall_ms.size() / 2]);
+    examples::report_skipped(guard);
     std::printf("final step %lld loss %.6f\n", static_cast<long long>(last), loss);
     std::fflush(stdout);
   }

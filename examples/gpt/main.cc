@@ -34,6 +34,8 @@
 //
 // The text is, by default, every regular file in /usr/share/common-licenses
 // (the demo runs on any Debian machine); --corpus takes any other file.
+#include <ATen/ops/tensor.h>
+
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -41,9 +43,11 @@
 
 #include "examples/gpt/checkpoint.h"
 #include "examples/gpt/config.h"
+#include "examples/gpt/model.h"
 #include "examples/gpt/train.h"
 #include "examples/launch.h"
 #include "examples/text.h"
+#include "tandem/ddp/process_group.h"
 #include "tandem/mesh/mesh.h"
 #include "tandem/rpc/api.h"
 #include "tandem/rpc/rendezvous.h"
@@ -87,7 +91,14 @@ void add_flags(examples::Flags& flags, Config& cfg) {
       .add("--sample", &cfg.sample, 0, "characters generated at the end")
       .add("--zero", &cfg.zero, 0,
            "ZeRO: 1 shards each stage's Adam state over its replicas; 2 (--pp 1) also the "
-           "gradients, under DDP; 3 (--pp 1) everything, by FSDP with a unit a block; 0 none");
+           "gradients, under DDP; 3 (--pp 1) everything, by FSDP with a unit a block; 0 none")
+      .add("--peer-timeout", &cfg.peer_timeout, 0,
+           "seconds a worker may send nothing before it counts as stalled (stopped, frozen) and "
+           "the job fails, for --max-restarts to restart it; 0: never (default: "
+           "$TANDEM_PEER_TIMEOUT, which tandem-run --peer-timeout sets, else 30)")
+      .add_switch("--strict-resume", &cfg.strict_resume,
+                  "refuse a damaged newest checkpoint instead of going back to the newest whole one");
+  examples::add_nonfinite_flags(flags, &cfg.on_nonfinite, &cfg.nan_at, "a token");
 }
 
 // What is wrong with the flags for a job of `world` processes, or "".
@@ -116,6 +127,9 @@ std::string check(Config& cfg, int world) {
     return "each replica's " + std::to_string(cfg.batch / cfg.dp) + " sequences cannot make " +
            std::to_string(cfg.chunks) + " micro-batches (--chunks)";
   }
+  if (cfg.peer_timeout == 1) {
+    return "--peer-timeout 1: 0 (never) or at least 2 seconds (peers send a heartbeat a second)";
+  }
   if (cfg.zero < 0 || cfg.zero > 3) {
     return "--zero " + std::to_string(cfg.zero) + " is not a ZeRO stage (0, 1, 2 or 3)";
   }
@@ -141,7 +155,7 @@ std::string check(Config& cfg, int world) {
 // The newest checkpoint in --checkpoint, checked against the text and the
 // flags; nullopt when there is none.
 std::optional<Checkpoint> checked_resume(const Config& cfg, const examples::Corpus& corpus) {
-  std::optional<Checkpoint> found = load_latest(cfg.checkpoint);
+  std::optional<Checkpoint> found = load_latest(cfg.checkpoint, cfg.strict_resume);
   if (!found) return std::nullopt;
   Checkpoint& ck = *found;
   const std::string what =
@@ -173,6 +187,22 @@ std::optional<Checkpoint> checked_resume(const Config& cfg, const examples::Corp
     throw UsageError(what + " is at step " + std::to_string(ck.step) + "; pass a larger --steps");
   }
   return found;
+}
+
+// Each rank chose its step on its own, verifying what it read: a file read
+// differently on two ranks (a transient I/O error) must not leave them
+// loading different steps. Collective over the mesh.
+void agree_on_resume(tandem::Mesh& mesh, const std::optional<Checkpoint>& resume) {
+  const double step = resume ? static_cast<double>(resume->step) : -1.0;
+  at::Tensor highest = at::tensor({step, -step}, at::kDouble);  // the max, and minus the min
+  for (const auto& dim : mesh.dims()) mesh.group(dim)->all_reduce(highest, tandem::ddp::ReduceOp::kMax);
+  const auto top = static_cast<long long>(highest[0].item<double>());
+  const auto bottom = static_cast<long long>(-highest[1].item<double>());
+  if (top != bottom) {
+    throw std::runtime_error("the ranks found different newest whole checkpoints (steps " +
+                             std::to_string(bottom) + " and " + std::to_string(top) +
+                             ", -1 for none): a file reads differently on some of them");
+  }
 }
 
 int job_main(int argc, char** argv) {
@@ -233,7 +263,10 @@ int job_main(int argc, char** argv) {
     }
     // Every rank joins the world, even with nothing to train, so that the
     // others' shutdown returns.
-    rpc::init(std::make_shared<rpc::Registry>());
+    enable_poisoning(cfg.nan_at > 0);
+    rpc::AgentOptions agent_options;
+    if (cfg.peer_timeout >= 0) agent_options.peer_timeout = std::chrono::seconds(cfg.peer_timeout);
+    rpc::init(std::make_shared<rpc::Registry>(), agent_options);
     std::optional<tandem::Mesh> mesh;
     const int rc = examples::run_worker(flags, error, /*speak=*/env.rank == 0, [&] {
       tandem::MeshOptions mo;
@@ -241,12 +274,19 @@ int job_main(int argc, char** argv) {
       mesh.emplace(
           tandem::Mesh::Shape{{"pp", static_cast<int>(cfg.pp)}, {"dp", static_cast<int>(cfg.dp)}},
           mo);
+      agree_on_resume(*mesh, resume);
       if (mesh->coordinate("pp") != 0) return 0;  // serves its stages until the drivers are done
       const Job job{cfg, *corpus, resume, *mesh, started};
       return cfg.zero >= 2 ? drive_data_parallel(job) : drive(job);
     });
     // A failed worker leaves at once (the launcher ends the others): a
-    // graceful shutdown would wait for replicas stuck on its averages.
+    // graceful shutdown would wait for replicas stuck on its averages. Its
+    // groups go first, while the agent can still say which peer is stalled
+    // (their closing would otherwise wait for it).
+    if (rc != 0 && mesh) {
+      for (const auto& dim : mesh->dims()) mesh->group(dim)->abandon();
+      mesh.reset();
+    }
     rpc::shutdown(rc == 0);
     return rc;
   } catch (const std::exception& e) {

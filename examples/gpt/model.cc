@@ -14,6 +14,7 @@
 #include <torch/nn/modules/normalization.h>
 
 #include <cmath>
+#include <atomic>
 #include <limits>
 #include <mutex>
 
@@ -22,6 +23,13 @@
 #include "tandem/remote_module/served.h"
 
 namespace gpt {
+
+namespace {
+std::atomic<bool> g_poisoning{false};
+}  // namespace
+void enable_poisoning(bool on) { g_poisoning.store(on); }
+bool poisoning_enabled() { return g_poisoning.load(std::memory_order_relaxed); }
+
 namespace {
 
 namespace tnn = torch::nn;
@@ -41,7 +49,15 @@ struct EmbedImpl : tnn::Module {
     tnn::init::normal_(pos->weight, 0, 0.02);
   }
   at::Tensor forward(at::Tensor ids) {
-    return tok(ids) + pos(at::arange(ids.size(1), ids.options()));
+    const at::Tensor positions = pos(at::arange(ids.size(1), ids.options()));
+    // A negative id is a poisoned token (gpt --nan-at): its embedding is
+    // NaN, and so are the step's loss and gradients. (Looked for only when
+    // asked: the look waits for the device.)
+    if (!poisoning_enabled()) return tok(ids) + positions;
+    const at::Tensor poisoned = ids < 0;
+    if (!poisoned.any().item<bool>()) return tok(ids) + positions;
+    return (tok(ids.clamp_min(0)) + positions)
+        .masked_fill(poisoned.unsqueeze(-1), std::numeric_limits<double>::quiet_NaN());
   }
   tnn::Embedding tok, pos;
 };

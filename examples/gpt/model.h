@@ -66,5 +66,9 @@ std::shared_ptr<StackImpl> whole_model(const Config& cfg, int64_t vocab, const N
 // The loss over every character: cross-entropy of logits [B, T, V] against
 // targets [B, T] (what kLoss names to the pipeline).
 at::Tensor loss(const at::Tensor& logits, const at::Tensor& y);
+// Whether the embedding looks for poisoned tokens (--nan-at; every process
+// of the job sets it from its flags).
+void enable_poisoning(bool on);
+bool poisoning_enabled();
 
 }  // namespace gpt

@@ -190,20 +190,27 @@ int drive(const Job& job) {
     saver.emplace(cfg.checkpoint, cfg.checkpoint_sync);
   }
   const int64_t last = cfg.stop_at > 0 ? cfg.stop_at : cfg.steps;
+  // Every replica decides alike: on the loss averaged over the replicas and
+  // the norm of their averaged gradients.
+  tandem::optim::NonFiniteGuard guard(tandem::optim::non_finite_from_string(cfg.on_nonfinite));
   for (int64_t step = start; step < last; ++step) {
     auto [x, y] = batches.at_step(step);
+    poison_if_asked(cfg, step, x);
     {
       dist::Context ctx;
       loss = pipe.step(ctx.id(), x, y);
-      opt.clip_grad_norm(ctx.id(), cfg.clip);
-      opt.step(ctx.id());
+      const double norm = opt.clip_grad_norm(ctx.id(), cfg.clip);
+      if (dp) {  // the mean over the replicas: the global batch's loss
+        at::Tensor l = at::tensor({loss}, at::kDouble);
+        dp->all_reduce(l, tandem::ddp::ReduceOp::kAvg);
+        loss = l.item<double>();
+      }
+      // (a skipped step's gradients go with its context)
+      if (guard.check(step + 1, loss, norm)) opt.step(ctx.id());
     }
+    // The rate is a function of the step (what a resumed run restores), so
+    // it moves on past a skipped step too.
     sched.step();
-    if (dp) {  // the mean over the replicas: the global batch's loss
-      at::Tensor l = at::tensor({loss}, at::kDouble);
-      dp->all_reduce(l, tandem::ddp::ReduceOp::kAvg);
-      loss = l.item<double>();
-    }
     const bool saving = (step + 1) % cfg.checkpoint_every == 0 || step + 1 == last;
     if (saving && saver) saver->save(step + 1, state, save_options);
     if (speak) progress.add(step + 1, loss);
@@ -211,6 +218,7 @@ int drive(const Job& job) {
   if (saver) saver->finish();
   if (speak) {
     std::printf("%s\n", saver->summary().c_str());
+    examples::report_skipped(guard);
     std::printf("final step %lld loss %.6f\n", static_cast<long long>(last), loss);
     if (cfg.sample > 0 && last == cfg.steps) {
       // Each new character: the last `context` ones through every stage.

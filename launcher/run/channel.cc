@@ -10,12 +10,14 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
 #include <utility>
 
 #include "launcher/run/io.h"
+#include "tandem/rpc/common/auth.h"
 
 namespace tandem::launcher {
 
@@ -75,7 +77,17 @@ Channel& Channel::operator=(Channel&& other) noexcept {
     fd_ = std::exchange(other.fd_, -1);
     peer_ = std::move(other.peer_);
     in_ = std::move(other.in_);
+    start_ = other.start_;
+    received_ = other.received_;
+    limit_ = other.limit_;
     why_ = std::move(other.why_);
+    key_ = std::move(other.key_);
+    send_label_ = std::move(other.send_label_);
+    receive_label_ = std::move(other.receive_label_);
+    sent_lines_ = other.sent_lines_;
+    received_lines_ = other.received_lines_;
+    refused_ = other.refused_;
+    last_refused_ = std::move(other.last_refused_);
     heard_ = other.heard_;
     sent_ = other.sent_;
   }
@@ -90,13 +102,31 @@ void Channel::close() {
 bool Channel::read_some() {
   if (fd_ < 0) return false;
   char buffer[4096];
-  for (;;) {
-    const ssize_t n = ::read(fd_, buffer, sizeof buffer);
+  size_t budget = kReadBudget;
+  while (budget > 0) {
+    const ssize_t n = ::read(fd_, buffer, std::min(sizeof buffer, budget));
     if (n > 0) {
+      // What was taken as lines goes once it is half the buffer: each byte
+      // is moved at most once more (1.).
+      if (start_ > 0 && start_ >= in_.size() / 2) {
+        in_.erase(0, start_);
+        start_ = 0;
+      }
       in_.append(buffer, static_cast<size_t>(n));
-      heard_ = Clock::now();
+      received_ += static_cast<size_t>(n);
+      budget -= static_cast<size_t>(n);
+      // (a secured channel hears its peer only in lines that verify)
+      if (key_.empty()) heard_ = Clock::now();
+      if (limit_ != 0 && received_ > limit_) {
+        why_ = "sent more than " + std::to_string(limit_) + " bytes before proving the token";
+        close();
+        return false;
+      }
+      // The line not yet ended: found from the end, so only the new bytes
+      // and that line (at most kMaxLine) are looked at.
       const size_t newline = in_.rfind('\n');
-      if (in_.size() - (newline == std::string::npos ? 0 : newline + 1) > kMaxLine) {
+      const size_t open = newline == std::string::npos || newline < start_ ? start_ : newline + 1;
+      if (in_.size() - open > kMaxLine) {
         why_ = "a line longer than " + std::to_string(kMaxLine) + " bytes";
         close();
         return false;
@@ -115,19 +145,61 @@ bool Channel::read_some() {
     close();
     return false;
   }
+  return true;  // more may be waiting: the next wake-up reads it
 }
 
 std::optional<std::string> Channel::next_line() {
-  const size_t newline = in_.find('\n');
-  if (newline == std::string::npos) return std::nullopt;
-  std::string line = in_.substr(0, newline);
-  in_.erase(0, newline + 1);
-  return line;
+  for (;;) {
+    const size_t newline = in_.find('\n', start_);
+    if (newline == std::string::npos) return std::nullopt;
+    std::string line = in_.substr(start_, newline - start_);
+    start_ = newline + 1;
+    if (key_.empty()) return line;
+    // "<text> ~<mac>": the MAC over this direction, the line's number and its text (3.).
+    const size_t at = line.rfind(" ~");
+    if (at != std::string::npos &&
+        rpc::constant_time_equal(line.substr(at + 2),
+                                 mac(receive_label_, received_lines_, line.substr(0, at)))) {
+      ++received_lines_;
+      heard_ = Clock::now();
+      line.resize(at);
+      return line;
+    }
+    ++refused_;
+    last_refused_ = std::move(line);
+  }
+}
+
+size_t Channel::take_refused(std::string& last) {
+  last = last_refused_;
+  return std::exchange(refused_, 0);
+}
+
+void Channel::secure(std::string key, std::string send_label, std::string receive_label) {
+  key_ = std::move(key);
+  send_label_ = std::move(send_label);
+  receive_label_ = std::move(receive_label);
+  sent_lines_ = received_lines_ = 0;
+}
+
+std::string Channel::mac(const std::string& label, uint64_t sequence,
+                         const std::string& text) const {
+  const rpc::Sha256Digest digest =
+      rpc::hmac_sha256(key_, label + " " + std::to_string(sequence) + " " + text);
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string hex;
+  for (size_t i = 0; i < 16; ++i) {  // 128 bits
+    hex += kHex[digest[i] >> 4];
+    hex += kHex[digest[i] & 15];
+  }
+  return hex;
 }
 
 bool Channel::send(const std::string& line) {
   if (fd_ < 0) return false;
-  const std::string data = line + "\n";
+  std::string data = line;
+  if (!key_.empty()) data += " ~" + mac(send_label_, sent_lines_++, line);
+  data += "\n";
   size_t done = 0;
   while (done < data.size()) {
     const ssize_t n = ::send(fd_, data.data() + done, data.size() - done, MSG_NOSIGNAL);
@@ -179,12 +251,19 @@ int bound_port(int fd) {
   return ntohs(reinterpret_cast<sockaddr_in*>(&address)->sin_port);
 }
 
-std::optional<Channel> accept_channel(int listen_fd) {
+std::optional<Channel> accept_channel(int listen_fd, int& error) {
   sockaddr_storage address{};
   socklen_t length = sizeof address;
-  const int fd = ::accept4(listen_fd, reinterpret_cast<sockaddr*>(&address), &length,
-                           SOCK_CLOEXEC | SOCK_NONBLOCK);
-  if (fd < 0) return std::nullopt;
+  error = 0;
+  int fd;
+  do {
+    fd = ::accept4(listen_fd, reinterpret_cast<sockaddr*>(&address), &length,
+                   SOCK_CLOEXEC | SOCK_NONBLOCK);
+  } while (fd < 0 && (errno == EINTR || errno == ECONNABORTED));
+  if (fd < 0) {
+    if (errno != EAGAIN && errno != EWOULDBLOCK) error = errno;
+    return std::nullopt;
+  }
   return Channel(fd, address_text(reinterpret_cast<sockaddr*>(&address)));
 }
 

@@ -23,6 +23,7 @@
 #include "launcher/run/channel.h"
 #include "launcher/run/line_forwarder.h"
 #include "launcher/run/options.h"
+#include "tandem/rpc/common/log.h"
 #ifdef TANDEM_RUN_HOSTS_STORE
 #include "tandem/rpc/rendezvous/store_server.h"
 #endif
@@ -65,7 +66,11 @@ struct Node {
 // A connection to node 0's launcher that has not joined yet.
 struct Pending {
   Channel channel;
-  std::string nonce;  // what its token proof covers
+  std::string nonce;  // node 0's, which both proofs cover
+  Clock::time_point since = Clock::now();
+  bool asked = false;  // its join came and node 0 proved itself (nodes.cc, 3.)
+  int node_rank = -1;
+  std::string node_nonce;
 };
 
 class Launcher {
@@ -106,8 +111,15 @@ class Launcher {
   // Coordinated jobs (launcher/run/nodes.cc).
   std::vector<std::pair<int, std::function<void()>>> node_descriptors();
   void node_tick();
+  // Node 0's listener and the connections that have not joined yet, the
+  // node's side of the handshake (join.cc); true when it took the line.
   void accept_nodes();
-  void on_pending_line(size_t index, const std::string& line);
+  void tick_pending(Clock::time_point now);
+  bool on_coordinator_handshake(const std::vector<std::string>& words, const std::string& line);
+  // False once the connection is done with (admitted or refused).
+  bool on_pending_line(size_t index, const std::string& line);
+  // Logs (rate-limited) the lines `channel` refused for their MAC.
+  void report_refused_lines(Channel& channel, const std::string& who);
   void on_node_line(Node& node, const std::string& line);
   void on_node_lost(int node_rank, const std::string& why);
   // Node 0 and the nodes in the round being run or stopped.
@@ -138,6 +150,10 @@ class Launcher {
   // other nodes, and the phase of the round.
   int listen_fd_ = -1;
   std::vector<Pending> pending_;
+  Clock::time_point accept_paused_until_{};  // accept() ran out of descriptors
+  bool accept_error_logged_ = false;
+  // What peers that broke the protocol made us say, rate-limited.
+  rpc::ProtocolLog peer_log_;
   std::vector<Node> nodes_;
   enum class Phase { kJoining, kRunning, kStopping } phase_ = Phase::kJoining;
   Clock::time_point joining_since_{};
@@ -148,7 +164,9 @@ class Launcher {
   bool count_restart_ = false;  // the round being stopped restarts after a failure
   // Another node: its channel to node 0's launcher.
   Channel coordinator_;
-  bool joined_ = false;
+  bool joined_ = false;    // asked node 0 to join (lost from then on: the job ends)
+  bool admitted_ = false;  // node 0 proved the token, and so did this node
+  std::string coordinator_nonce_, my_nonce_;
   Clock::time_point connect_deadline_{};
   Clock::time_point next_connect_{};
   // A one-node job's cluster token when the user set none (see start_workers).

@@ -2,9 +2,10 @@
 // together, or an elastic number of them (--nnodes MIN:MAX).
 //
 // Node 0's launcher is the coordinator. It listens on MASTER_ADDR:MASTER_PORT
-// for the other nodes' launchers, which connect and join ("join RANK NPROC
-// PROOF", the proof an HMAC of the cluster token over the coordinator's
-// nonce). Each round it admits the nodes that are there, gives them their
+// for the other nodes' launchers, which connect and join: both prove the
+// cluster token to each other, node 0 first, and MAC every line after
+// (launcher/run/join.h has the steps, join.cc runs them).
+// Each round node 0 admits the nodes that are there, gives them their
 // group ranks in --node-rank order, hosts a fresh rendezvous store on a
 // free port, and tells every node to start its workers ("round NUMBER
 // RESTARTS NNODES GROUP_RANK STORE_PORT"). A node reports a failed worker
@@ -28,71 +29,20 @@
 #include <sstream>
 
 #include "launcher/run/io.h"
+#include "launcher/run/join.h"
 #include "launcher/run/launcher.h"
-#include "tandem/rpc/common/auth.h"
+#include "tandem/rpc/common/log.h"
 
 namespace tandem::launcher {
 
 namespace {
 
-constexpr int kProtocol = 1;
 constexpr auto kHeartbeat = std::chrono::seconds(1);
 constexpr auto kSilenceLimit = std::chrono::seconds(5);
-constexpr auto kHandshakeLimit = std::chrono::seconds(10);
 constexpr auto kConnectRetry = std::chrono::milliseconds(250);
 // How long a node has to report its workers gone after a stop: the
 // launcher's SIGKILL after 5 s and its 2 s drain, and a margin.
 constexpr auto kStopLimit = std::chrono::seconds(15);
-
-std::string user_token() {
-  const char* token = std::getenv("TANDEM_TOKEN");
-  return token ? token : "";
-}
-
-// A node's proof that it holds the cluster token: HMAC-SHA256 over the
-// coordinator's nonce, in hex ("-" where the job has no token).
-std::string join_proof(const std::string& token, const std::string& nonce) {
-  if (token.empty()) return "-";
-  const rpc::Sha256Digest digest = rpc::hmac_sha256(token, "tandem-run join " + nonce);
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string text;
-  for (uint8_t byte : digest) {
-    text += kHex[byte >> 4];
-    text += kHex[byte & 15];
-  }
-  return text;
-}
-
-std::vector<std::string> words_of(const std::string& line, size_t at_most = 0) {
-  std::vector<std::string> words;
-  std::istringstream in(line);
-  std::string word;
-  while (in >> word) {
-    if (at_most && words.size() + 1 == at_most) {  // the rest of the line, whole
-      std::string rest;
-      std::getline(in, rest);
-      words.push_back(word + rest);
-      break;
-    }
-    words.push_back(word);
-  }
-  return words;
-}
-
-// A whole decimal integer, or nullopt.
-std::optional<int> integer(const std::string& text) {
-  if (text.empty() || text.size() > 9) return std::nullopt;
-  size_t i = text[0] == '-' ? 1 : 0;
-  if (i == text.size()) return std::nullopt;
-  int value = 0;
-  for (; i < text.size(); ++i) {
-    if (text[i] < '0' || text[i] > '9') return std::nullopt;
-    value = value * 10 + (text[i] - '0');
-  }
-  return text[0] == '-' ? -value : value;
-}
-
-std::string seconds_text(std::chrono::seconds s) { return std::to_string(s.count()) + " s"; }
 
 }  // namespace
 
@@ -148,7 +98,10 @@ int Launcher::run_coordinated() {
 
 std::vector<std::pair<int, std::function<void()>>> Launcher::node_descriptors() {
   std::vector<std::pair<int, std::function<void()>>> out;
-  if (listen_fd_ >= 0) out.emplace_back(listen_fd_, [this] { accept_nodes(); });
+  // (not watched for a moment after accept() ran out of descriptors)
+  if (listen_fd_ >= 0 && Clock::now() >= accept_paused_until_) {
+    out.emplace_back(listen_fd_, [this] { accept_nodes(); });
+  }
   // Reads only: what was read is acted on in node_tick(), which may drop
   // connections.
   for (Pending& pending : pending_) {
@@ -172,15 +125,6 @@ std::vector<std::pair<int, std::function<void()>>> Launcher::node_descriptors() 
   return out;
 }
 
-void Launcher::accept_nodes() {
-  while (std::optional<Channel> channel = accept_channel(listen_fd_)) {
-    Pending pending{std::move(*channel), rpc::random_hex(16)};
-    if (pending.channel.send("tandem-run " + std::to_string(kProtocol) + " " + pending.nonce)) {
-      pending_.push_back(std::move(pending));
-    }
-  }
-}
-
 void Launcher::node_tick() {
   const Clock::time_point now = Clock::now();
   if (options_.node_rank != 0) {
@@ -191,6 +135,7 @@ void Launcher::node_tick() {
       on_coordinator_line(*line);
       if (finished_) return;
     }
+    report_refused_lines(coordinator_, "node 0's launcher");
     if (!coordinator_.is_open()) {
       if (joined_) {
         if (!final_code_) {
@@ -209,8 +154,16 @@ void Launcher::node_tick() {
       }
       return;
     }
-    if (now - coordinator_.heard() > kSilenceLimit && coordinator_.read_some() &&
-        now - coordinator_.heard() > kSilenceLimit) {
+    if (now - coordinator_.heard() > kSilenceLimit) {
+      // (what is waiting counts, this loop may have been held up: read and
+      // taken, since only lines that verify are heard)
+      coordinator_.read_some();
+      while (std::optional<std::string> line = coordinator_.next_line()) {
+        on_coordinator_line(*line);
+        if (finished_) return;
+      }
+    }
+    if (coordinator_.is_open() && now - coordinator_.heard() > kSilenceLimit) {
       report("node 0's launcher has been silent for " +
              seconds_text(std::chrono::duration_cast<std::chrono::seconds>(kSilenceLimit)));
       coordinator_.close();
@@ -221,23 +174,9 @@ void Launcher::node_tick() {
     return;
   }
 
-  // Node 0: the connections that have not joined yet.
-  for (size_t i = 0; i < pending_.size();) {
-    Pending& p = pending_[i];
-    std::optional<std::string> line = p.channel.next_line();
-    while (line && *line == "ping") line = p.channel.next_line();  // (before its join)
-    if (line) {
-      on_pending_line(i, *line);  // admits (moves its channel out) or refuses (closes it)
-      pending_.erase(pending_.begin() + static_cast<long>(i));
-      continue;
-    }
-    if (!p.channel.is_open() || now - p.channel.sent() > kHandshakeLimit) {
-      if (p.channel.is_open()) report("a connection from " + p.channel.peer() + " never joined");
-      pending_.erase(pending_.begin() + static_cast<long>(i));
-      continue;
-    }
-    ++i;
-  }
+  // Node 0: the connections that have not joined yet (join.cc).
+  tick_pending(now);
+  if (finished_) return;
   // The nodes: their messages, their silence, our heartbeat.
   for (size_t i = 0; i < nodes_.size();) {
     // (what arrived before a connection closed is read first)
@@ -246,9 +185,15 @@ void Launcher::node_tick() {
       if (finished_) return;
     }
     Node& node = nodes_[i];
-    // (what is waiting in the socket counts: this loop may have been held up)
+    report_refused_lines(node.channel, "node " + std::to_string(node.node_rank));
+    // (what is waiting in the socket counts: this loop may have been held
+    // up; read and taken, since only lines that verify are heard)
     if (node.channel.is_open() && now - node.channel.heard() > kSilenceLimit) {
       node.channel.read_some();
+      while (std::optional<std::string> line = nodes_[i].channel.next_line()) {
+        on_node_line(nodes_[i], *line);
+        if (finished_) return;
+      }
     }
     std::string why;
     if (!node.channel.is_open()) {
@@ -285,63 +230,6 @@ void Launcher::node_tick() {
   if (!finished_ && phase_ == Phase::kJoining) maybe_start_round();
 }
 
-void Launcher::on_pending_line(size_t index, const std::string& line) {
-  Pending& p = pending_[index];
-  const std::vector<std::string> w = words_of(line);
-  const std::string from = p.channel.peer();
-  auto refuse = [&](const std::string& why) {
-    report("refused the node at " + from + ": " + why);
-    p.channel.send("refused " + why);
-    p.channel.close();
-  };
-  if (w.size() != 4 || w[0] != "join" || !integer(w[1]) || !integer(w[2])) {
-    refuse("not a tandem-run join ('" + line.substr(0, 80) + "')");
-    return;
-  }
-  const int node_rank = *integer(w[1]);
-  const int nproc = *integer(w[2]);
-  if (!rpc::constant_time_equal(w[3], join_proof(user_token(), p.nonce))) {
-    refuse(user_token().empty() || w[3] == "-"
-               ? "one of the two launchers has TANDEM_TOKEN set and the other not"
-               : "its TANDEM_TOKEN differs from node 0's");
-    return;
-  }
-  if (nproc != options_.nproc_per_node) {
-    refuse("--nproc-per-node " + std::to_string(nproc) + " differs from node 0's " +
-           std::to_string(options_.nproc_per_node));
-    return;
-  }
-  if (node_rank < 1 || node_rank >= options_.nnodes) {
-    refuse("--node-rank " + std::to_string(node_rank) + " is out of range for --nnodes " +
-           std::to_string(options_.nnodes) + " (1 to " + std::to_string(options_.nnodes - 1) +
-           " for the nodes that join node 0)");
-    return;
-  }
-  for (const Node& node : nodes_) {
-    if (node.node_rank == node_rank) {
-      refuse("node " + std::to_string(node_rank) + " has joined already, from " +
-             node.channel.peer());
-      return;
-    }
-  }
-  Node node;
-  node.node_rank = node_rank;
-  node.channel = std::move(p.channel);
-  report("node " + std::to_string(node_rank) + " joined from " + from);
-  nodes_.push_back(std::move(node));
-  if (phase_ == Phase::kRunning && !final_code_) {
-    const int in_round = nodes_in_round();
-    if (in_round < options_.nnodes) {
-      report("round " + std::to_string(round_.number) + " runs with " + std::to_string(in_round) +
-             " of " + std::to_string(options_.nnodes) +
-             " nodes: stopping it to start again with node " + std::to_string(node_rank) +
-             " (not counted as a restart)");
-      count_restart_ = false;
-      stop_round();
-    }
-  }
-}
-
 void Launcher::on_node_line(Node& node, const std::string& line) {
   const std::vector<std::string> w = words_of(line, 4);
   if (w.empty() || w[0] == "ping") return;
@@ -350,9 +238,10 @@ void Launcher::on_node_line(Node& node, const std::string& line) {
   const int number = w.size() >= 2 ? integer(w[1]).value_or(-1) : -1;
   if (w[0] == "failed" && w.size() == 4 && number >= 0 && integer(w[2])) {
     if (number == round_.number && phase_ == Phase::kRunning) {
-      round_failed(w[3] + " (" + name + ")", integer(w[2]).value_or(kExitFailure), true);
+      round_failed(rpc::printable(w[3], 300) + " (" + name + ")",
+                   integer(w[2]).value_or(kExitFailure), true);
     } else if (number == round_.number) {
-      report(w[3] + " (" + name + "), while the round was being stopped");
+      report(rpc::printable(w[3], 300) + " (" + name + "), while the round was being stopped");
     }
   } else if (w[0] == "done" && number >= 0) {
     if (number == round_.number && node.in_round) node.done = true;
@@ -373,7 +262,7 @@ void Launcher::on_node_line(Node& node, const std::string& line) {
       finish(number);
     }
   } else {
-    report("unexpected message from " + name + ": '" + line.substr(0, 80) + "'");
+    report("unexpected message from " + name + ": " + quoted(line));
   }
 }
 
@@ -398,28 +287,15 @@ void Launcher::on_coordinator_line(const std::string& line) {
   const std::vector<std::string> w = words_of(line, 2);
   if (w.empty() || w[0] == "ping") return;
   const int number = w.size() >= 2 ? integer(w[1]).value_or(-1) : -1;
-  if (w[0] == "tandem-run" && w.size() == 2) {
-    const std::vector<std::string> hello = words_of(line);
-    if (hello.size() != 3 || hello[1] != std::to_string(kProtocol)) {
-      report("node 0's launcher speaks another protocol ('" + line.substr(0, 80) +
-             "'): run the same tandem-run on every node");
-      finish(kExitFailure);
-      return;
-    }
-    coordinator_.send("join " + std::to_string(options_.node_rank) + " " +
-                      std::to_string(options_.nproc_per_node) + " " +
-                      join_proof(user_token(), hello[2]));
-    joined_ = true;
-    report("joined node 0's launcher at " + coordinator_.peer() + " as node " +
-           std::to_string(options_.node_rank));
-  } else if (w[0] == "round") {
+  if (on_coordinator_handshake(w, line)) return;  // (join.cc)
+  if (w[0] == "round") {
     const std::vector<std::string> r = words_of(line);
     std::vector<int> v;
     for (size_t i = 1; i < r.size(); ++i) {
       if (const std::optional<int> x = integer(r[i])) v.push_back(*x);
     }
     if (r.size() != 6 || v.size() != 5) {
-      report("a bad round from node 0's launcher: '" + line.substr(0, 80) + "'");
+      report("a bad round from node 0's launcher: " + quoted(line));
       return;
     }
     round_.number = v[0];
@@ -446,19 +322,8 @@ void Launcher::on_coordinator_line(const std::string& line) {
     } else {
       finish(number);
     }
-  } else if (w[0] == "refused") {
-    const std::string why = w.size() > 1 ? w[1] : std::string("?");
-    if (why.find("has joined already") != std::string::npos && Clock::now() < connect_deadline_) {
-      // Its own earlier connection, not yet noticed gone: try again.
-      coordinator_.close();
-      joined_ = false;
-      next_connect_ = Clock::now() + std::chrono::seconds(1);
-      return;
-    }
-    report("node 0's launcher refused this node: " + why);
-    finish(kExitFailure);
   } else {
-    report("unexpected message from node 0's launcher: '" + line.substr(0, 80) + "'");
+    report("unexpected message from node 0's launcher: " + quoted(line));
   }
 }
 

@@ -11,7 +11,7 @@ namespace {
 
 constexpr const char* kValueFlags[] = {
     "nproc-per-node", "nnodes",       "node-rank", "master-addr",  "master-port",
-    "trace",          "max-restarts", "last-call", "join-timeout",
+    "trace",          "max-restarts", "last-call", "join-timeout", "peer-timeout",
 };
 
 int parse_int(const std::string& flag, const std::string& text, long long min, long long max) {
@@ -70,6 +70,12 @@ void apply_option(Options& options, const std::string& name, const std::string& 
     options.last_call_s = parse_int(flag, value, 0, 86400);
   } else if (name == "join-timeout") {
     options.join_timeout_s = parse_int(flag, value, 1, 86400 * 7);
+  } else if (name == "peer-timeout") {
+    options.peer_timeout_s = parse_int(flag, value, 0, 86400);
+    if (options.peer_timeout_s == 1) {
+      throw UsageError("--peer-timeout 1: 0 (never) or at least 2 seconds (peers send a "
+                       "heartbeat a second)");
+    }
   } else if (name == "trace") {
     if (value.empty()) throw UsageError("--trace must name a directory");
     options.trace_dir = value;

@@ -39,6 +39,11 @@ constexpr char kHelp[] =
     "                       starts without them\n"
     "  --join-timeout S     how long a round waits for its minimum of nodes, and a node for\n"
     "                       node 0's launcher (default 600)\n"
+    "  --peer-timeout S     a worker that sends its peers nothing for S seconds (stopped, frozen;\n"
+    "                       a busy one sends heartbeats) counts as stalled: their calls and\n"
+    "                       collectives waiting on it fail, so the job fails (and restarts)\n"
+    "                       instead of hanging; 0 never (TANDEM_PEER_TIMEOUT; the workers'\n"
+    "                       default is 30)\n"
     "  --trace DIR          every worker writes its trace into DIR (TANDEM_TRACE); once they\n"
     "                       exited, this node's traces are joined into DIR/tandem-trace.json\n"
     "  --help               print this help and exit\n"
@@ -66,6 +71,7 @@ struct Options {
   int max_restarts = 0;      // --max-restarts
   int last_call_s = 10;      // --last-call
   int join_timeout_s = 600;  // --join-timeout
+  int peer_timeout_s = -1;   // --peer-timeout; -1: not given (the workers' own default)
   std::vector<std::string> program;
   bool help = false;
 };

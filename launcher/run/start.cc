@@ -198,6 +198,7 @@ std::vector<std::string> Launcher::worker_environment(int local_rank) const {
     if (is_worker_variable(name)) continue;
     if (hosts_store_ && name == "TORCHELASTIC_USE_AGENT_STORE") continue;  // set below
     if (!job_token_.empty() && name == "TANDEM_TOKEN") continue;           // this round's, below
+    if (options_.peer_timeout_s >= 0 && name == "TANDEM_PEER_TIMEOUT") continue;  // --peer-timeout's
     env.emplace_back(*entry);
   }
   const int nproc = options_.nproc_per_node;
@@ -214,6 +215,9 @@ std::vector<std::string> Launcher::worker_environment(int local_rank) const {
   add("MASTER_PORT", std::to_string(round_.store_port));
   add("TANDEM_LAUNCHER", "tandem-run");  // rpc::init then prints debug info on SIGUSR1
   if (!options_.trace_dir.empty()) add("TANDEM_TRACE", options_.trace_dir);
+  if (options_.peer_timeout_s >= 0) {
+    add("TANDEM_PEER_TIMEOUT", std::to_string(options_.peer_timeout_s));
+  }
   if (const int threads = threads_per_worker()) add("OMP_NUM_THREADS", std::to_string(threads));
   if (!job_token_.empty()) add("TANDEM_TOKEN", job_token_);
   add("TANDEM_RESTART_COUNT", std::to_string(round_.number));

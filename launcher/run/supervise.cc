@@ -173,6 +173,9 @@ void Launcher::begin_shutdown(int exit_code) {
   shutting_down_ = true;
   exit_code_ = exit_code;
   signal_live_workers(SIGTERM);
+  // A stopped worker (SIGSTOP, a debugger's) takes its SIGTERM now rather
+  // than at the SIGKILL.
+  signal_live_workers(SIGCONT);
   kill_deadline_ = Clock::now() + kKillGrace;
 }
 

@@ -93,6 +93,29 @@ void AgentImpl::start(c10::intrusive_ptr<c10d::Store> store) {
                                 "' is none of auto, shm, tcp (AgentOptions::transport_mode or "
                                 "TANDEM_TRANSPORT)");
   }
+  if (options_.peer_timeout == kDefaultTimeout) {
+    if (const char* t = std::getenv("TANDEM_PEER_TIMEOUT"); t && *t) {
+      char* end = nullptr;
+      const double seconds = std::strtod(t, &end);
+      if (end == t || *end != '\0' || !(seconds >= 0) || seconds > 86400) {
+        throw std::invalid_argument("TANDEM_PEER_TIMEOUT '" + printable(t) +
+                                    "' is not a number of seconds from 0 (never) to 86400");
+      }
+      options_.peer_timeout = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+    } else {
+      options_.peer_timeout = options_.limits.peer_timeout;
+    }
+  }
+  options_.limits.peer_timeout = options_.peer_timeout;
+  if (options_.peer_timeout.count() < 0) {
+    throw std::invalid_argument("peer_timeout must be >= 0 (0: never)");
+  }
+  // Peers write a heartbeat at least every second (rpc/transport.h, 9.).
+  if (options_.peer_timeout.count() > 0 && options_.peer_timeout < std::chrono::seconds(2)) {
+    throw std::invalid_argument("peer_timeout " + std::to_string(options_.peer_timeout.count()) +
+                                " ms is too short: 0 (never) or at least 2000 ms (peers write "
+                                "a heartbeat a second)");
+  }
   self_name_ = options_.name.empty() ? "worker" + std::to_string(rank_) : options_.name;
   std::string master_host;
   if (!store) {
@@ -240,6 +263,10 @@ void AgentImpl::start(c10::intrusive_ptr<c10d::Store> store) {
     check_device_maps(workers_, rank_of_);
     route_device_maps(workers_, rank_, send_maps_, answer_maps_);
     conns_ = std::make_unique<ConnectionTable>(world);
+    {
+      std::lock_guard<std::mutex> lock(stalled_mu_);
+      stalled_.assign(static_cast<size_t>(world), std::string());
+    }
     t_met = Clock::now();
   } catch (...) {
     set_ready();
@@ -312,6 +339,14 @@ std::string AgentImpl::debug_info() const {
     if (!c) continue;
     out += "  " + workers_[r].name + ": " + c->kind() + " " + printable(c->peer_address()) +
            ", answers owed " + std::to_string(c->answers_owed()) + "\n";
+  }
+  {
+    std::lock_guard<std::mutex> lock(stalled_mu_);
+    for (size_t r = 0; r < stalled_.size(); ++r) {
+      if (!stalled_[r].empty()) {
+        out += "  " + workers_[r].name + " counts as stalled: " + printable(stalled_[r]) + "\n";
+      }
+    }
   }
   {
     std::lock_guard<std::mutex> lock(retire_mu_);

@@ -62,6 +62,8 @@ class AgentImpl {
   Metrics metrics() const;
   std::string debug_info() const;
   std::string transport_to(const std::string& to) const;
+  void watch(const std::string& worker);
+  std::string stalled(const std::string& worker) const;
   std::optional<c10::Device> answer_device_to(const std::string& caller, c10::Device device) const;
   size_t cuda_ipc_held() const;
   const std::shared_ptr<Tracer>& tracer() const { return trace_; }
@@ -96,6 +98,9 @@ class AgentImpl {
   // connections.cc: the connection to `rank`, opened and greeted on first use.
   ConnectionPtr connection_to(int rank, std::chrono::milliseconds timeout);
   void on_closed_from_loop(const ConnectionPtr& conn, const std::string& reason);
+  // Liveness (rpc/transport.h, 9.): a handshake with `rank` finished, so it
+  // is not stalled (any more).
+  void peer_alive(int rank);
   // The second connection of a pair that dialed each other at once
   // (connection_table.h, 4.): each side tells the other it sends no more
   // requests on it (retire), and once both have, and neither owes the other
@@ -189,6 +194,10 @@ class AgentImpl {
   mutable std::mutex ipc_mu_;
   std::unordered_map<uint64_t, IpcHeld> ipc_held_;
   std::vector<int> ipc_refused_by_;  // ranks that could not open our handles
+  // By rank: why a connection to it was closed as stalled, until a
+  // handshake with it finishes again (empty: not stalled).
+  mutable std::mutex stalled_mu_;
+  std::vector<std::string> stalled_;
   std::atomic<uint64_t> next_id_{1};
   bool shut_down_ = false;
   std::mutex shutdown_mu_;

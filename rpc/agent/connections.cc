@@ -309,6 +309,18 @@ void AgentImpl::on_closed_from_loop(const ConnectionPtr& conn, const std::string
     const auto at = why.find(address);
     if (at != std::string::npos) why.replace(at, address.size(), peer + " (" + address + ")");
   }
+  if (r >= 0 && conn->stalled()) {
+    bool fresh = false;  // (said once, until it is heard from again)
+    {
+      std::lock_guard<std::mutex> lock(stalled_mu_);
+      fresh = stalled_.at(static_cast<size_t>(r)).empty();
+      stalled_[static_cast<size_t>(r)] = why;
+    }
+    if (fresh) {
+      protocol_log_->write("tandem[" + printable(name()) + "]: " + printable(peer) +
+                           " counts as stalled: " + printable(why));
+    }
+  }
   // Only calls whose request went out on it: one still being sent learns
   // of the close from send() (or after it, from closed()).
   calls_->fail_where([cid](const CallTable::Call& c) { return c.conn_id == cid && c.sent; },
@@ -317,6 +329,32 @@ void AgentImpl::on_closed_from_loop(const ConnectionPtr& conn, const std::string
                            DisconnectedError("connection to " + peer + " lost during '" + c.callee +
                                              "'" + (why.empty() ? "" : ": " + why)));
                      });
+}
+
+void AgentImpl::peer_alive(int rank) {
+  std::lock_guard<std::mutex> lock(stalled_mu_);
+  if (rank >= 0 && static_cast<size_t>(rank) < stalled_.size()) {
+    stalled_[static_cast<size_t>(rank)].clear();
+  }
+}
+
+std::string AgentImpl::stalled(const std::string& worker) const {
+  const int r = get_worker_info(worker).rank;
+  std::lock_guard<std::mutex> lock(stalled_mu_);
+  return stalled_.at(static_cast<size_t>(r));
+}
+
+void AgentImpl::watch(const std::string& worker) {
+  const int r = get_worker_info(worker).rank;
+  if (r == rank_ || conns_->to(r)) return;
+  // Dialing returns once the socket is open; the handshake goes on behind
+  // it. A peer that cannot be reached now is found out by whatever calls it.
+  try {
+    connection_to(r, std::min<std::chrono::milliseconds>(options_.init_timeout,
+                                                          std::chrono::seconds(5)));
+  } catch (const std::exception&) {
+    // (its calls and collectives say what is wrong with it)
+  }
 }
 
 }  // namespace tandem::rpc

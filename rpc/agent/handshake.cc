@@ -85,6 +85,7 @@ void AgentImpl::on_hello_from_loop(const ConnectionPtr& conn, const Message& msg
       proof.hello_rank = rank_;
       proof.hello_proof = dialer_proof(token, d.nonce, msg.hello_nonce, rank_, d.rank);
       d.gate->open(encode(proof, options_.limits));
+      peer_alive(d.rank);
       return;
     }
     case 3: {  // the dialer's proof, on a connection we accepted
@@ -101,6 +102,7 @@ void AgentImpl::on_hello_from_loop(const ConnectionPtr& conn, const Message& msg
       if (auto lost = conns_->add_accepted(conn, a.rank, /*take_over=*/a.rank < rank_)) {
         retire(lost);
       }
+      peer_alive(a.rank);
       return;
     }
     default:  // (check_hello refused it above)

@@ -45,6 +45,7 @@ class GatedConnection final : public Connection {
   // The transport's own rule keeps a poll off the connection until its
   // handshake is read (rpc/transport.h, 8.).
   bool poll_inline() override { return inner_->poll_inline(); }
+  bool stalled() const override { return inner_->stalled(); }
 
   // Writes `first`, then every held frame, and lets later frames through.
   // A connection that broke meanwhile drops them (its on_closed fails the

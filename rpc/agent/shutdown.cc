@@ -103,14 +103,28 @@ void AgentImpl::barrier(const std::string& key, bool wait) {
 }
 
 std::string AgentImpl::unreachable_reason(int rank) {
-  // An open connection to it is answer enough (keepalive would have closed
-  // it); only a worker this one holds no connection to is dialed.
+  {
+    std::lock_guard<std::mutex> lock(stalled_mu_);
+    if (!stalled_[static_cast<size_t>(rank)].empty()) return stalled_[static_cast<size_t>(rank)];
+  }
+  // An open connection to it is answer enough: its silence would close it
+  // (rpc/transport.h, 9.). A worker this one holds none to is dialed, and
+  // the connection kept, so that a stopped one (whose kernel still accepts)
+  // is found out by its handshake that never comes, then its silence.
   if (auto c = conns_->to(rank); c && !c->closed()) return "";
-  const WorkerInfo& w = workers_[rank];
+  if (options_.limits.peer_timeout.count() == 0) {
+    // Nothing would find a stalled worker out: a bare TCP connection,
+    // closed again at once, tells the dead from the living.
+    const WorkerInfo& w = workers_[rank];
+    try {
+      transport_->connect(w.host, w.port, std::chrono::milliseconds(500))->close("");
+      return "";
+    } catch (const std::exception& e) {
+      return printable(e.what());
+    }
+  }
   try {
-    // A bare TCP connection, closed again at once: the peer sees it end
-    // before its handshake, which is no error.
-    transport_->connect(w.host, w.port, std::chrono::milliseconds(500))->close("");
+    connection_to(rank, std::chrono::milliseconds(500));
     return "";
   } catch (const std::exception& e) {
     return printable(e.what());

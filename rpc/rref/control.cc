@@ -147,6 +147,11 @@ void RRefContext::send_control(int to, const std::string& fn, std::vector<c10::I
         retry = attempt < kControlAttempts;  // the connection may drop while the peer lives
       } catch (...) {
       }
+      // (not a peer found stalled: it would not answer the next try either)
+      try {
+        if (retry && !ctx->agent_.stalled(ctx->worker_name(to)).empty()) retry = false;
+      } catch (const std::exception&) {
+      }
     }
     {
       std::lock_guard<std::mutex> lock(ctx->mu_);

@@ -52,8 +52,15 @@ void check_preamble(const Preamble& p, const Limits& limits, bool handshake) {
     return "tensor body of " + std::to_string(p.body_bytes) + " bytes exceeds the limit of " +
            std::to_string(limits.max_body_bytes);
   });
-  require((p.flags & ~kFlagSharedTensors) == 0,
-          [&] { return "unknown frame flags " + std::to_string(p.flags); });
+  require((p.flags & ~kFlagSharedTensors) == 0, [&] {
+    return (p.flags & kFlagHeartbeat) ? std::string("a heartbeat with lengths or other flags")
+                                      : "unknown frame flags " + std::to_string(p.flags);
+  });
+}
+
+bool is_heartbeat(const Preamble& p) {
+  return p.magic == kMagic && p.version == kVersion && p.flags == kFlagHeartbeat &&
+         p.envelope_bytes == 0 && p.table_bytes == 0 && p.body_bytes == 0;
 }
 
 size_t check_table_length(const Preamble& p, bool carried, bool handshake) {

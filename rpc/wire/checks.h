@@ -59,8 +59,12 @@ bool known_dtype(int dtype);
 // Refuses a preamble with a wrong magic or version; an envelope length that
 // is 0, not a whole number of words, or over limits.max_envelope_bytes;
 // while `handshake`, an envelope over limits.max_handshake_bytes or any
-// body; a body over limits.max_body_bytes; a flag this version does not know.
+// body; a body over limits.max_body_bytes; a flag this version does not know
+// (the heartbeat's included: a heartbeat is taken by is_heartbeat() first).
 void check_preamble(const Preamble& p, const Limits& limits, bool handshake);
+// A heartbeat (rpc/message.h, kFlagHeartbeat): our magic and version, that
+// flag alone and every length 0. The decoder drops it, in any state.
+bool is_heartbeat(const Preamble& p);
 
 // The number of SharedRefs in the table that follows the preamble (0: none).
 // Refuses a table where the connection carries no shared memory

@@ -91,6 +91,11 @@ Message FrameDecoder::take() {
 
 void FrameDecoder::on_preamble() {
   std::memcpy(&preamble_, preamble_buf_.data(), kPreambleBytes);
+  if (is_heartbeat(preamble_)) {  // nothing to deliver: the bytes were the news
+    have_ = 0;
+    ++heartbeats_;
+    return;
+  }
   check_preamble(preamble_, limits_, in_handshake());
   table_.clear();
   table_.resize(check_table_length(preamble_, static_cast<bool>(resolve_shared_), in_handshake()));

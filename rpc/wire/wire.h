@@ -112,6 +112,8 @@ class FrameDecoder {
   Message take();
   // True between frames: no partial frame is buffered.
   bool idle() const { return state_ == State::kPreamble && have_ == 0; }
+  // Heartbeats dropped (rpc/message.h, kFlagHeartbeat).
+  uint64_t heartbeats() const { return heartbeats_; }
 
  private:
   enum class State { kPreamble, kTable, kEnvelope, kBody };
@@ -133,6 +135,7 @@ class FrameDecoder {
   Preamble preamble_;
   kj::Array<capnp::word> envelope_;
   size_t have_ = 0;  // bytes gathered for the current preamble or envelope
+  uint64_t heartbeats_ = 0;
 
   Message pending_;
   std::vector<at::Tensor> tensors_;

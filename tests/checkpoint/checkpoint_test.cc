@@ -11,6 +11,8 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <functional>
+#include <tuple>
 #include <fstream>
 #include <optional>
 #include <random>
@@ -170,6 +172,62 @@ TEST_CASE("checkpoint: missing, truncated, altered and foreign parts, and an alt
     CHECK(found->step == 7);
     CHECK(found->skipped.size() == 1);
   }
+}
+
+TEST_CASE("checkpoint: a verified latest() goes back past a damaged step, or refuses it") {
+  TempDir tmp;
+  Groups g(2);
+  save_on(g, tmp.path, 3);
+  save_on(g, tmp.path, 4);
+  const std::string four = checkpoint::step_path(tmp.path, 4);
+  CHECK_NOTHROW(checkpoint::Reader(four).verify());
+  // Whole: the newest is taken, verified or not.
+  CHECK(checkpoint::latest(tmp.path, checkpoint::LatestOptions::verified())->step == 4);
+  for (const auto& [what, damage, message] :
+       std::vector<std::tuple<std::string, std::function<void()>, std::string>>{
+           {"altered", [&] { flip_byte(four + "/part-1.bin", 40); },
+            "part-1.bin: its checksum does not match the manifest's"},
+           {"truncated", [&] { fs::resize_file(four + "/part-0.bin", 33); },
+            "part-0.bin has 33 bytes, the manifest says"},
+           {"missing", [&] { fs::remove(four + "/part-1.bin"); }, "part-1.bin is missing"}}) {
+    CAPTURE(what);
+    TempDir copy;
+    fs::copy(tmp.path, copy.path, fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+    damage();
+    CHECK(error_of([&] { checkpoint::Reader(four).verify(); }).find(message) != std::string::npos);
+    // Unverified, the manifest alone: step 4 (the damage shows when read).
+    CHECK(checkpoint::latest(tmp.path)->step == 4);
+    std::vector<std::string> passed_over;
+    checkpoint::LatestOptions o = checkpoint::LatestOptions::verified();
+    o.passed_over = &passed_over;
+    auto found = checkpoint::latest(tmp.path, o);
+    REQUIRE(found);
+    CHECK(found->step == 3);
+    REQUIRE(found->skipped.size() == 1);
+    CHECK(found->skipped[0].find("step-0000000004: ") != std::string::npos);
+    CHECK(found->skipped[0].find(message) != std::string::npos);
+    CHECK(passed_over == found->skipped);
+    // Refused: the step and the file named.
+    CHECK(error_of([&] {
+            checkpoint::latest(tmp.path, checkpoint::LatestOptions::verified(/*refuse=*/true));
+          }).find("the newest checkpoint, step 4, is damaged: " + four) != std::string::npos);
+    // (the step back as it was)
+    fs::remove_all(tmp.path);
+    fs::copy(copy.path, tmp.path, fs::copy_options::recursive);
+  }
+  // Every step damaged: none found, each one said.
+  flip_byte(four + "/part-0.bin", 40);
+  flip_byte(checkpoint::step_path(tmp.path, 3) + "/part-0.bin", 40);
+  std::vector<std::string> passed_over;
+  checkpoint::LatestOptions o = checkpoint::LatestOptions::verified();
+  o.passed_over = &passed_over;
+  CHECK_FALSE(checkpoint::latest(tmp.path, o));
+  CHECK(passed_over.size() == 2);
+  // An incomplete newer step is passed over even when refusing damaged ones.
+  const std::string dead = checkpoint::step_path(tmp.path, 9);
+  fs::create_directories(dead);
+  flip_byte(four + "/part-0.bin", 40);  // (whole again)
+  CHECK(checkpoint::latest(tmp.path, checkpoint::LatestOptions::verified(true))->step == 4);
 }
 
 TEST_CASE("checkpoint: bad arguments, and two ranks saving one name, fail on every rank") {

@@ -107,6 +107,33 @@ TEST_CASE("ddp process: rank 2 of 3 killed in its all-reduce: the others' errors
   }
 }
 
+TEST_CASE("ddp process: rank 2 of 3 stopped in its all-reduce: the others fail, naming it") {
+  // Its process is alive (SIGSTOP, as a debugger or a frozen container does) and
+  // killed 10 s later; the others' group timeout is 30 s. Their RPC agents
+  // (peer timeout 2 s) find it silent, and their collective fails then.
+  ::setenv("TANDEM_TEST_WITH_RPC", "1", 1);
+  ::setenv("TANDEM_PEER_TIMEOUT", "2", 1);
+  const std::string out = test::run_direct_job("rank2_stops_in_allreduce", 3);
+  ::unsetenv("TANDEM_TEST_WITH_RPC");
+  ::unsetenv("TANDEM_PEER_TIMEOUT");
+  INFO(out);
+  for (int r : {0, 1}) {
+    const std::string line = test::line_of(out, "[" + std::to_string(r) + "] worker failed");
+    CAPTURE(line);
+    CHECK(line.find("all_reduce(sum) on rank " + std::to_string(r) +
+                    " of 3 failed: rank 2 (worker \"worker2\", pid ") != std::string::npos);
+    CHECK(line.find(") is stalled: ") != std::string::npos);
+    CHECK(line.find("stopped or stalled") != std::string::npos);
+    const std::string took = test::line_of(out, "[" + std::to_string(r) + "] failed after ms=");
+    CAPTURE(took);
+    REQUIRE(!took.empty());
+    const long ms = std::atol(took.c_str() + took.find('=') + 1);
+    CHECK(ms >= 1500);
+    CHECK(ms < 8000);  // the kill comes at 10 s
+    CHECK(out.find("[" + std::to_string(r) + "] exit 2") != std::string::npos);
+  }
+}
+
 namespace tandem::test {
 
 // A worker process of this binary (TANDEM_TEST_WORKER=mode; see main.cc).
@@ -118,6 +145,8 @@ namespace tandem::test {
 //          exits abruptly before its first backward.
 //   "rank2_dies_in_allreduce": rank 2 exits abruptly where its all-reduce
 //          would be; the others' all-reduce fails (printed by the catch).
+//   "rank2_stops_in_allreduce": rank 2 stops itself (SIGSTOP) there, and is
+//          killed 10 s later; the others print how long theirs took to fail.
 int worker_main(const std::string& mode) {
   try {
     bool with_rpc = std::getenv("TANDEM_TEST_WITH_RPC") != nullptr;
@@ -134,6 +163,26 @@ int worker_main(const std::string& mode) {
     if (mode == "rank2_dies_in_allreduce") {
       if (ddp::get_rank() == 2) std::_Exit(7);
       t = at::ones({1 << 16});
+    }
+    if (mode == "rank2_stops_in_allreduce") {
+      ddp::barrier();  // every rank's watch is up
+      if (ddp::get_rank() == 2) {
+        const std::string kill_later =
+            "(sleep 10; kill -KILL " + std::to_string(::getpid()) + ") >/dev/null 2>&1 &";
+        if (std::system(kill_later.c_str()) != 0) return 3;
+        ::raise(SIGSTOP);
+      }
+      const auto t0 = std::chrono::steady_clock::now();
+      try {
+        ddp::all_reduce(t);
+      } catch (const std::exception&) {
+        std::printf("failed after ms=%lld\n",
+                    static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                               std::chrono::steady_clock::now() - t0)
+                                               .count()));
+        std::fflush(stdout);
+        throw;
+      }
     }
     ddp::all_reduce(t);
     std::printf("rank %d of %d sum %g\n", ddp::get_rank(), ddp::get_world_size(),

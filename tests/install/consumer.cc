@@ -1,5 +1,6 @@
 // An outside project's program: built against an installed Tandem through
-// find_package(Tandem), it starts a one-worker world, calls itself, and runs
+// find_package(Tandem), it starts a one-worker world (with a peer timeout of
+// its own, and a NaN step skipped by a NonFiniteGuard), calls itself, and runs
 // distributed autograd through that call and through a handler that chains
 // its calls with then(), as the README shows, and through a remote value
 // handed back to its owner inside a tuple; a DistributedOptimizer steps a
@@ -28,8 +29,8 @@
 // JobState (the model once, each rank its share of Adam's state, the
 // sampler's place, a RemoteModule's part, an FSDP model's slices and their
 // Adam state) is saved in the background over a group of the saver's own,
-// then loaded into plain LibTorch on rank 0 alone: the models and each
-// parameter's Adam state come back.
+// then, its parts verified, loaded into plain LibTorch on rank 0 alone: the
+// models and each parameter's Adam state come back.
 #include <optional>
 
 #include <tandem/autograd/autograd.h>
@@ -39,6 +40,7 @@
 #include <tandem/ddp/sampler.h>
 #include <tandem/mesh/mesh.h>
 #include <tandem/optim/distributed_optimizer.h>
+#include <tandem/optim/nonfinite.h>
 #include <tandem/optim/zero_redundancy_optimizer.h>
 #include <tandem/pipeline/pipe.h>
 #include <tandem/pipeline/schedule.h>
@@ -60,6 +62,7 @@
 
 #include <ATen/ops/arange.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -231,6 +234,10 @@ int checkpoint_job() {
         tandem::checkpoint::JobState load;
         load.module("fc", *again).optimizer("adam", adam, named).sampler("data", one);
         load.remote_module("far", far_again);
+        // (every part read and checked against the manifest first)
+        const auto found =
+            tandem::checkpoint::latest(dir, tandem::checkpoint::LatestOptions::verified());
+        if (!found || found->step != 2) throw std::runtime_error("no whole step 2 found");
         const auto step = tandem::checkpoint::load_latest_job(dir, load);
         if (step != 2 || !at::equal(again->weight, fc->weight) || one.position() != 8 ||
             !at::equal(far_again.state_dict().at("weight"), far->state_dict().at("weight")) ||
@@ -296,8 +303,17 @@ int main(int argc, char** argv) {
   o.rank = 0;
   o.world_size = 1;
   o.init_method = "tcp://127.0.0.1:0";  // one worker: it hosts the store itself
+  o.peer_timeout = std::chrono::seconds(5);  // a silent peer counts as stalled after 5 s
   tandem::rpc::init(reg, o);
   int64_t y = tandem::rpc::rpc_sync<int64_t>("worker0", "twice", 21);
+  if (!tandem::rpc::current_agent()->stalled("worker0").empty()) {
+    throw std::runtime_error("a worker that answers counts as stalled");
+  }
+  // A step whose loss is NaN is skipped, and counted.
+  tandem::optim::NonFiniteGuard guard(tandem::optim::NonFinite::kSkip);
+  if (!guard.check(1, 0.5, 1.0) || guard.check(2, std::nan(""), 1.0) || guard.skipped() != 1) {
+    throw std::runtime_error("the non-finite guard did not skip a NaN step");
+  }
   double g = 0, chained = 0;
   bool named = false;
   {

@@ -25,10 +25,14 @@
 #include "tandem/rpc/rendezvous.h"
 #include "tandem/rpc/spawn.h"
 #include "tandem/rpc/wire/device.h"
+#include "tests/rpc/scripts.h"
 
 using namespace tandem;
 using namespace tandem::rpc;
 using namespace std::chrono_literals;
+using test::kAwait;
+using test::run_script;
+using test::value_of;
 
 namespace tandem::test {
 namespace {
@@ -240,8 +244,22 @@ int worker_main(const std::string& mode) {
         ::kill(::getpid(), SIGUSR1);
         std::this_thread::sleep_for(300ms);  // the debug thread prints meanwhile
         slow.wait();
+        rpc::shutdown(true);
+        return 0;
       }
+      // Rank 1 is asked while it waits in its graceful shutdown for rank 0
+      // (as a pipeline's stage workers wait their whole run): it answers,
+      // and the signal's own disposition comes back only once it is gone.
+      std::thread asker([] {
+        std::this_thread::sleep_for(400ms);
+        ::kill(::getpid(), SIGUSR1);
+      });
       rpc::shutdown(true);
+      asker.join();
+      struct sigaction now {};
+      ::sigaction(SIGUSR1, nullptr, &now);
+      std::printf("after shutdown SIGUSR1 is %s\n",
+                  now.sa_handler == SIG_DFL ? "default again" : "still caught");
       return 0;
     }
     if (mode == "hang") {
@@ -347,33 +365,6 @@ TEST_CASE("process: tandem-run --max-restarts starts every worker again after on
   }
 }
 
-namespace {
-
-// Runs a bash script with R (tandem-run), W (this binary), P (a free port)
-// and D (a fresh directory) set; returns what it printed and its status.
-test::RunResult run_script(const std::string& script) {
-  test::TempDir dir;
-  const std::string path = dir.file("script.sh");
-  std::ofstream(path) << "R=" << TANDEM_RUN_PATH << "\nW=" << support::self_exe()
-                      << "\nP=" << support::free_port() << "\nD=" << dir.path << "\n"
-                      << script;
-  test::RunResult r = test::run_command("bash " + path);
-  return r;
-}
-
-// The value of `key=` in a script's output, or -1.
-long value_of(const std::string& output, const std::string& key) {
-  const size_t at = output.find(key + "=");
-  return at == std::string::npos ? -1 : std::atol(output.c_str() + at + key.size() + 1);
-}
-
-// Waits (in bash) until FILE holds N lines matching PATTERN.
-constexpr char kAwait[] = R"sh(
-await() { for i in $(seq 400); do [ "$(grep -c "$2" "$1")" -ge "$3" ] && return; sleep 0.05; done; }
-)sh";
-
-}  // namespace
-
 TEST_CASE("process: two nodes' launchers restart every worker together when one fails") {
   test::RunResult r = run_script(std::string(kAwait) + R"sh(
 export TANDEM_TEST_WORKER=launch TANDEM_TEST_KILL_RANK=3 TANDEM_TOKEN=two-nodes-secret
@@ -460,10 +451,15 @@ cat $D/n0.log
     CHECK(value_of(r.output, "rc_other") == 1);
     CHECK(value_of(r.output, "rc_none") == 1);
     CHECK(value_of(r.output, "rc0") == 128 + SIGTERM);
-    CHECK(r.output.find("node 0's launcher refused this node: its TANDEM_TOKEN differs from node "
-                        "0's") != std::string::npos);
-    CHECK(r.output.find("node 0's launcher refused this node: one of the two launchers has "
-                        "TANDEM_TOKEN set and the other not") != std::string::npos);
+    // Node 0 proves the token first; the node finds it cannot, says so and
+    // ends, and node 0 hears why.
+    CHECK(r.output.find(" did not prove the cluster token, so it is not node 0's of this job: its "
+                        "TANDEM_TOKEN differs from this node's") != std::string::npos);
+    CHECK(r.output.find(" did not prove the cluster token, so it is not node 0's of this job: one "
+                        "of the two launchers has TANDEM_TOKEN set and the other not") !=
+          std::string::npos);
+    CHECK(r.output.find("did not take node 0's proof of the cluster token: its TANDEM_TOKEN "
+                        "differs from this node's") != std::string::npos);
     // No round began: no node was ever admitted.
     CHECK(r.output.find("round 0") == std::string::npos);
   }
@@ -472,7 +468,7 @@ cat $D/n0.log
 timeout 120 $R --nnodes 2 --node-rank 0 --master-port $P --max-restarts 1 --join-timeout 6 \
   --nproc-per-node 1 /bin/sleep 30 > $D/n0.log 2>&1 &
 n0=$!
-join() {  # join LINE: node 0's answer to it; the connection stays open (fd 3)
+join() {  # join LINE: node 0's answers to it; the connection stays open (fd 3)
   for i in $(seq 200); do (exec 3<>/dev/tcp/127.0.0.1/$P) 2>/dev/null && break; sleep 0.05; done
   exec 3<>/dev/tcp/127.0.0.1/$P
   read -r hello <&3
@@ -481,11 +477,19 @@ join() {  # join LINE: node 0's answer to it; the connection stays open (fd 3)
   answer=ping
   while [ "$answer" = ping ]; do read -r answer <&3 || break; done
   echo "answer: $answer"
+  # (no token on either side: both proofs are "-")
+  if [ "$answer" = "admit -" ]; then
+    echo "proof -" >&3
+    answer=ping
+    while [ "$answer" = ping ]; do read -r answer <&3 || break; done
+    echo "answer: $answer"
+  fi
 }
-join "join 1 2 -"
-join "join 5 1 -"
+join "join 1 2 0123456789abcdef"
+join "join 5 1 0123456789abcdef"
 join "hello there"
-join "join 1 1 -"
+join "join 1 1 not-a-nonce"
+join "join 1 1 0123456789abcdef"
 t0=$(date +%s%N)
 wait $n0  # it never hears from the node again
 echo "rc0=$?"
@@ -493,13 +497,17 @@ echo "took_ms=$((($(date +%s%N) - t0) / 1000000))"
 cat $D/n0.log
 )sh");
     INFO(r.output);
-    CHECK(r.output.find("hello: tandem-run 1 ") != std::string::npos);
+    CHECK(r.output.find("hello: tandem-run 2 ") != std::string::npos);
     CHECK(r.output.find("answer: refused --nproc-per-node 2 differs from node 0's 1") !=
           std::string::npos);
     CHECK(r.output.find("answer: refused --node-rank 5 is out of range for --nnodes 2") !=
           std::string::npos);
     CHECK(r.output.find("answer: refused not a tandem-run join ('hello there')") !=
           std::string::npos);
+    CHECK(r.output.find("answer: refused a join without a nonce ('join 1 1 not-a-nonce')") !=
+          std::string::npos);
+    // Node 0 proves itself first: "-" without a token.
+    CHECK(r.output.find("answer: admit -") != std::string::npos);
     // Admitted: its round. Then silence is a lost node, the restart waits
     // --join-timeout for it, and the job ends.
     CHECK(r.output.find("answer: round 0 0 2 1 ") != std::string::npos);
@@ -595,6 +603,8 @@ TEST_CASE("process: tandem-run's --nnodes MIN:MAX and its timeouts are checked")
            {"--nnodes 1:2 --node-rank 2", "--node-rank 2 is out of range for --nnodes 2"},
            {"--join-timeout 0", "invalid value '0' for --join-timeout"},
            {"--last-call -1", "invalid value '-1' for --last-call"},
+           {"--peer-timeout 1", "--peer-timeout 1: 0 (never) or at least 2 seconds"},
+           {"--peer-timeout x", "invalid value 'x' for --peer-timeout"},
        }) {
     test::RunResult r = test::run_command(std::string(TANDEM_RUN_PATH) + " " + flags +
                                           " --master-port 29999 --nproc-per-node 1 /bin/true");
@@ -641,7 +651,8 @@ TEST_CASE("process: graceful shutdown after a worker died fails at once, naming 
   auto t0 = std::chrono::steady_clock::now();
   CHECK_THROWS_WITH_AS(
       agent->shutdown(true),
-      doctest::Contains("gone before reaching shutdown: worker1 (cannot connect to"),
+      doctest::Contains("gone before reaching shutdown: worker1 (worker worker1 is unreachable: "
+                        "cannot connect to"),
       DisconnectedError);
   CHECK(std::chrono::steady_clock::now() - t0 < 3s);
   agent->shutdown(true);  // done already: nothing more to do
@@ -918,6 +929,10 @@ TEST_CASE("process: SIGUSR1 to a worker under tandem-run prints what it is doing
   CHECK(r.output.find("[0]: calls in flight: 1") != std::string::npos);
   CHECK(r.output.find("'sleep_ms' on worker1") != std::string::npos);
   CHECK(r.output.find("[0]: calls sent") != std::string::npos);
+  // Rank 1, asked in its graceful shutdown, answered and lived.
+  CHECK(r.output.find("[1]: tandem debug info: worker1 (rank 1 of 2)") != std::string::npos);
+  CHECK(r.output.find("[1]: after shutdown SIGUSR1 is default again") != std::string::npos);
+  CHECK(r.output.find("killed by signal") == std::string::npos);
 }
 
 TEST_CASE("process: tandem-run --trace joins the workers' traces into one timeline") {

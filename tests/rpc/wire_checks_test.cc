@@ -57,8 +57,25 @@ TEST_CASE("wire checks: the preamble") {
       "tensor body of 17179869185 bytes exceeds the limit of 17179869184");
   CHECK_NOTHROW(check_preamble(
       preamble_with([&](Preamble& p) { p.body_bytes = limits.max_body_bytes; }), limits, false));
-  REFUSES(check_preamble(preamble_with([](Preamble& p) { p.flags = 2; }), limits, false),
-          "unknown frame flags 2");
+  REFUSES(check_preamble(preamble_with([](Preamble& p) { p.flags = 4; }), limits, false),
+          "unknown frame flags 4");
+  // A heartbeat is its flag alone with every length 0, nothing else.
+  Preamble beat;
+  beat.flags = kFlagHeartbeat;
+  CHECK(is_heartbeat(beat));
+  CHECK_FALSE(is_heartbeat(good_preamble()));
+  CHECK_FALSE(is_heartbeat(preamble_with([](Preamble& p) { p.flags = kFlagHeartbeat; })));
+  for (auto change : std::vector<std::function<void(Preamble&)>>{
+           [](Preamble& p) { p.body_bytes = 8; }, [](Preamble& p) { p.table_bytes = 16; },
+           [](Preamble& p) { p.flags |= kFlagSharedTensors; }, [](Preamble& p) { p.version = 9; },
+           [](Preamble& p) { p.magic = 0; }}) {
+    Preamble p = beat;
+    change(p);
+    CHECK_FALSE(is_heartbeat(p));
+  }
+  REFUSES(check_preamble(preamble_with([](Preamble& p) { p.flags = kFlagHeartbeat; }), limits,
+                         false),
+          "a heartbeat with lengths or other flags");
   CHECK_NOTHROW(check_preamble(preamble_with([](Preamble& p) { p.flags = kFlagSharedTensors; }),
                                limits, false));
 

@@ -48,6 +48,36 @@ void expect_protocol_error(const std::string& bytes, const std::string& needle,
 
 }  // namespace
 
+TEST_CASE("wire: heartbeats are dropped anywhere between frames, the handshake's included") {
+  Preamble p;
+  p.flags = kFlagHeartbeat;
+  const std::string beat(reinterpret_cast<const char*>(&p), sizeof p);
+  Message hello;
+  hello.kind = MessageKind::kHello;
+  hello.hello_step = 1;
+  hello.hello_worker = "w";
+  hello.hello_nonce = std::string(16, 'n');
+  Message call;
+  call.kind = MessageKind::kRequest;
+  call.id = 7;
+  call.callee = "f";
+  // A connection whose first frame must be a handshake: a heartbeat before
+  // it, between frames, and one fed a byte at a time.
+  const std::string bytes = beat + tandem::test::frame_bytes(encode(hello)) + beat + beat +
+                            tandem::test::frame_bytes(encode(call));
+  FrameDecoder dec(Limits{}, /*handshake_frames=*/1);
+  for (char c : bytes) dec.feed(&c, 1);
+  dec.feed(beat.data(), beat.size());
+  REQUIRE(dec.has_message());
+  CHECK(dec.take().kind == MessageKind::kHello);
+  REQUIRE(dec.has_message());
+  CHECK(dec.take().callee == "f");
+  CHECK_FALSE(dec.has_message());
+  CHECK(dec.idle());
+  CHECK(dec.heartbeats() == 4);
+  CHECK_FALSE(dec.in_handshake());
+}
+
 TEST_CASE("wire: scalars, strings and containers round-trip with their types") {
   Message m;
   m.kind = MessageKind::kRequest;

@@ -85,6 +85,7 @@ class FaultyConnection final : public Connection,
   void close_when_flushed() override { inner_->close_when_flushed(); }
   std::string peer_address() const override { return inner_->peer_address(); }
   bool closed() override { return inner_->closed(); }
+  bool stalled() const override { return inner_->stalled(); }
 
   // Writes the delayed frames that are due (from the delay thread).
   void flush_due(Clock::time_point now) {

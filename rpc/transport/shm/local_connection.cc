@@ -182,6 +182,7 @@ bool LocalConnection::write_ring(PendingWrite& w) {
       iovec& v = w.iov[w.next];
       const size_t k = ring_out_->write(static_cast<const char*>(v.iov_base), v.iov_len);
       unpublished |= k > 0;
+      if (k > 0) note_written();
       if (k == v.iov_len) {
         ++w.next;
         continue;

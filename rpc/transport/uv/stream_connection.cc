@@ -33,7 +33,9 @@ PendingWrite::PendingWrite(OutFrame&& f, SegmentWriter* shared, const Limits& li
   iov.reserve(3 + 2 * frame.tensors.size());
   iov.push_back({&frame.preamble, kPreambleBytes});
   if (!table.empty()) iov.push_back({table.data(), table.size() * sizeof(SharedRef)});
-  iov.push_back({const_cast<char*>(frame.envelope.bytes()), frame.envelope.byte_size()});
+  if (frame.envelope.byte_size() > 0) {  // (a heartbeat has none)
+    iov.push_back({const_cast<char*>(frame.envelope.bytes()), frame.envelope.byte_size()});
+  }
   uint64_t offset = 0;
   for (const auto& t : frame.tensors) {
     uint64_t pad = padding_before(offset);
@@ -81,6 +83,10 @@ StreamConnection::StreamConnection(UvTransport* transport, Kind kind, int fd, ui
       opened_at_(Clock::now()),
       decoder_(transport->limits(), /*handshake_frames=*/accepted ? 2 : 1) {
   poll_.data = nullptr;
+  const int64_t now = opened_at_.time_since_epoch().count();
+  heard_ns_.store(now, std::memory_order_relaxed);
+  wrote_ns_.store(now, std::memory_order_relaxed);
+  moved_ns_.store(now, std::memory_order_relaxed);
 }
 
 LocalConnection& StreamConnection::local() { return static_cast<LocalConnection&>(*this); }
@@ -134,6 +140,7 @@ void StreamConnection::send_locked(OutFrame&& frame) {
   if (segments) local().count_shared(*w);
   transport_->counters().bytes_sent.fetch_add(
       w->frame.total_bytes() + w->frame.preamble.table_bytes, std::memory_order_relaxed);
+  wrote_ns_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
   if (answer) {
     answers_out_.fetch_add(1, std::memory_order_release);
     // Held for too many unanswered requests (uv_transport.h, 5.): resume
@@ -186,7 +193,10 @@ bool StreamConnection::write_socket_locked(PendingWrite& w) {
     alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerRead)];
     if (!w.fds.empty() && !w.fds_sent) attach_fds(msg, control, w.fds.data(), w.fds.size());
     ssize_t n = ::sendmsg(fd_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (n > 0) w.fds_sent = true;
+    if (n > 0) {
+      w.fds_sent = true;
+      note_written();
+    }
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return false;
@@ -316,6 +326,74 @@ void StreamConnection::drop_unadopted() {
 bool StreamConnection::handshake_overdue(Clock::time_point now,
                                          std::chrono::milliseconds timeout) const {
   return decoder_.in_handshake() && now - opened_at_ > timeout;
+}
+
+void StreamConnection::keep_alive_from_loop(Clock::time_point now,
+                                            std::chrono::milliseconds timeout, bool held_up) {
+  assert(transport_->on_transport_thread());
+  if (loop_closed_) return;
+  const auto since = [&](const std::atomic<int64_t>& ns) {
+    return now - Clock::time_point(Clock::duration(ns.load(std::memory_order_relaxed)));
+  };
+  // (0: this one never judges, but its peers may: a beat a second)
+  const auto interval = timeout.count() > 0
+                            ? std::min<Clock::duration>(timeout / 10, std::chrono::seconds(1))
+                            : Clock::duration(std::chrono::seconds(1));
+  bool stuck_writes = false;  // frames wait, and the peer has taken none for the timeout
+  {
+    std::lock_guard<std::mutex> lock(write_mu_);
+    if (closed_) return;
+    if (!queue_.empty()) {
+      stuck_writes = since(moved_ns_) > timeout;
+    } else if (since(wrote_ns_) >= interval) {
+      // A frame of its preamble alone, which the peer's decoder drops
+      // (none behind a queue: what is queued will say the same).
+      OutFrame beat;
+      beat.kind = MessageKind::kHello;  // neither a request nor an answer
+      beat.preamble.flags = kFlagHeartbeat;
+      try {
+        send_locked(std::move(beat));
+        transport_->counters().heartbeats.fetch_add(1, std::memory_order_relaxed);
+      } catch (const std::exception&) {
+        // closed or closing: the close reports itself
+      }
+    }
+  }
+  if (timeout.count() <= 0) return;  // never judged
+  if (held_up) {  // this process was held up: nothing to judge by
+    heard_ns_.store(now.time_since_epoch().count(), std::memory_order_relaxed);
+    moved_ns_.store(now.time_since_epoch().count(), std::memory_order_relaxed);
+    return;
+  }
+  if (reading_stopped_) {
+    // Not read for backpressure (uv_transport.h, 5.): its silence means
+    // nothing, but a peer that also takes none of our bytes is stalled.
+    heard_ns_.store(now.time_since_epoch().count(), std::memory_order_relaxed);
+    if (stuck_writes) {
+      close_stalled_from_loop("for " + std::to_string(timeout.count()) + " ms " + peer_ +
+                              " read none of what waits for it, nor sent anything we read: "
+                              "its process is stopped or stalled (AgentOptions::peer_timeout)");
+    }
+    return;
+  }
+  if (since(heard_ns_) <= timeout) return;
+  read_from_loop();  // what is waiting counts
+  if (loop_closed_ || Clock::now() - Clock::time_point(Clock::duration(heard_ns_.load(
+                                           std::memory_order_relaxed))) <= timeout) {
+    return;
+  }
+  close_stalled_from_loop("nothing came from " + peer_ + " for " +
+                          std::to_string(timeout.count()) +
+                          " ms, not even a heartbeat: its process is stopped or stalled "
+                          "(AgentOptions::peer_timeout)");
+}
+
+void StreamConnection::close_stalled_from_loop(const std::string& reason) {
+  assert(transport_->on_transport_thread());
+  if (loop_closed_) return;
+  stalled_.store(true, std::memory_order_release);
+  transport_->counters().stalled_peers.fetch_add(1, std::memory_order_relaxed);
+  close_from_loop(reason);
 }
 
 void StreamConnection::close_from_loop(const std::string& reason) {

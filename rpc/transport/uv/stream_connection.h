@@ -136,6 +136,15 @@ class StreamConnection : public Connection, public std::enable_shared_from_this<
   void close_from_loop(const std::string& reason);
   bool closed_on_loop() const { return loop_closed_; }
   bool handshake_overdue(Clock::time_point now, std::chrono::milliseconds timeout) const;
+  // Liveness (uv_transport.h, 10.): a heartbeat when nothing was written
+  // for a tenth of `timeout` (at most 1 s); closed as stalled when nothing
+  // came for `timeout` and a last read finds nothing either. `held_up`:
+  // this process was stopped since the last sweep, so nobody is judged.
+  void keep_alive_from_loop(Clock::time_point now, std::chrono::milliseconds timeout,
+                            bool held_up);
+  bool stalled() const override { return stalled_.load(std::memory_order_acquire); }
+  // Closes it as stalled (10.), saying `reason`.
+  void close_stalled_from_loop(const std::string& reason);
   // The socket is readable, or a read was posted: drains (3.), then lets
   // writes that waited for the peer go on.
   void read_from_loop();
@@ -234,6 +243,16 @@ class StreamConnection : public Connection, public std::enable_shared_from_this<
   // the socket is not read at all.
   bool paused_ = false;
   bool reading_stopped_ = false;
+  // Liveness (uv_transport.h, 10.): when bytes last came (any reader) and
+  // when a frame was last written (any sender), steady-clock nanoseconds.
+  std::atomic<int64_t> heard_ns_{0};
+  std::atomic<int64_t> wrote_ns_{0};
+  // When bytes last left for the peer (a socket or ring took them).
+  std::atomic<int64_t> moved_ns_{0};
+  void note_written() {
+    moved_ns_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+  }
+  std::atomic<bool> stalled_{false};
   std::deque<Message> held_;
   uint64_t held_bytes_ = 0;
 

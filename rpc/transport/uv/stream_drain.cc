@@ -102,6 +102,7 @@ void StreamConnection::fail_read(Reader who, const std::string& reason) {
 }
 
 bool StreamConnection::feed_decoder(bool direct, const char* buf, size_t n, std::string& error) {
+  heard_ns_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
   try {
     if (direct) {
       decoder_.direct_commit(n);

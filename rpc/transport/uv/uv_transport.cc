@@ -58,7 +58,7 @@ UvTransport::UvTransport(Limits limits, Callbacks callbacks, bool shared_memory)
   const auto period = static_cast<uint64_t>(kSweepPeriod.count());
   uv_timer_start(
       &loop_->sweep,
-      [](uv_timer_t* h) { static_cast<UvTransport*>(h->data)->sweep_handshakes_from_loop(); },
+      [](uv_timer_t* h) { static_cast<UvTransport*>(h->data)->sweep_from_loop(); },
       period, period);
   loop_->accept_retry.data = this;
   uv_timer_init(&loop_->loop, &loop_->accept_retry);
@@ -331,18 +331,44 @@ void UvTransport::retry_ring_from_loop(const std::shared_ptr<StreamConnection>& 
       kRingRetry.count(), 0);
 }
 
-void UvTransport::sweep_handshakes_from_loop() {
+void UvTransport::sweep_from_loop() {
   assert(on_transport_thread());
   const auto now = Clock::now();
+  // A sweep long after the last one means this process was stopped (or
+  // starved): what its peers sent meanwhile is still unread, so nobody is
+  // judged this time (10.).
+  const bool held_up = last_sweep_ != Clock::time_point{} && now - last_sweep_ > kSweepPeriod * 8;
+  last_sweep_ = now;
   std::vector<std::shared_ptr<StreamConnection>> late;
   for (auto& [id, conn] : conns_) {
     if (conn->handshake_overdue(now, limits_.handshake_timeout)) late.push_back(conn);
   }
   for (auto& conn : late) {
+    if (!conn->accepted() && limits_.peer_timeout.count() > 0) {
+      // We dialed a worker whose kernel took the connection but whose
+      // transport never answered: stalled, as silence says (10.), unless
+      // the answer waits unread because this process was held up.
+      if (held_up) continue;
+      conn->read_from_loop();
+      if (conn->closed_on_loop() || !conn->handshake_overdue(now, limits_.handshake_timeout)) {
+        continue;
+      }
+      conn->close_stalled_from_loop("no answer to the handshake from " + conn->peer_address() +
+                                    " within " +
+                                    std::to_string(limits_.handshake_timeout.count()) +
+                                    " ms: its process is stopped or stalled");
+      continue;
+    }
     ++counters_.handshake_timeouts;
     conn->close_from_loop("protocol error from " + conn->peer_address() + ": no handshake within " +
                           std::to_string(limits_.handshake_timeout.count()) + " ms");
   }
+  // Liveness (10.): heartbeats always (a peer may judge silence even where
+  // this one does not), judging only with a timeout.
+  std::vector<std::shared_ptr<StreamConnection>> conns;
+  conns.reserve(conns_.size());
+  for (auto& [id, conn] : conns_) conns.push_back(conn);  // (a close changes conns_)
+  for (auto& conn : conns) conn->keep_alive_from_loop(now, limits_.peer_timeout, held_up);
 }
 
 TransportStats UvTransport::stats() const {
@@ -357,6 +383,8 @@ TransportStats UvTransport::stats() const {
   s.shared_fallbacks = c.shared_fallbacks.load();
   s.bytes_sent = c.bytes_sent.load();
   s.bytes_received = c.bytes_received.load();
+  s.heartbeats = c.heartbeats.load();
+  s.stalled_peers = c.stalled_peers.load();
   s.polled_messages = c.polled_messages.load();
   s.ring_wakes = c.ring_wakes.load();
   return s;

@@ -58,6 +58,19 @@
 //     and anything that must close the connection. The loop thread never
 //     polls.
 //
+// 10. Liveness (rpc/transport.h, 9.; Limits::peer_timeout): every 250 ms
+//     the loop thread writes a heartbeat on each connection it has written
+//     nothing to for a tenth of the timeout (at most a second; a second
+//     with no timeout, for peers that have one), and closes, as stalled,
+//     each one from which nothing has come for the whole timeout, after
+//     reading it once more (this thread may itself have been held up). A
+//     connection not read for backpressure (5.) is judged by whether the
+//     peer takes what waits for it instead. Nothing is judged in a sweep
+//     that comes more than 2 s after the one before: then this process was
+//     the one stopped, and its peers' heartbeats wait unread. A connection
+//     this transport dialed whose handshake does not come within
+//     Limits::handshake_timeout is closed as stalled too.
+//
 // Talking to its connections: the transport makes them, registers them
 // with the loop (adopt_from_loop), closes them on stop and forgets them
 // once their handle is gone; everything else goes through their public
@@ -92,6 +105,8 @@ struct TransportCounters {
   std::atomic<uint64_t> bytes_received{0};
   std::atomic<uint64_t> polled_messages{0};
   std::atomic<uint64_t> ring_wakes{0};
+  std::atomic<uint64_t> heartbeats{0};
+  std::atomic<uint64_t> stalled_peers{0};
   std::atomic<bool> shared_unavailable_logged{false};
   std::atomic<bool> ring_unavailable_logged{false};
 };
@@ -137,7 +152,8 @@ class UvTransport final : public Transport {
   bool start_listening(int fd, bool local);
   void accept_from_loop(bool local);
   void adopt_from_loop(const std::shared_ptr<StreamConnection>& conn);
-  void sweep_handshakes_from_loop();
+  // Every kSweepPeriod: handshakes too slow (6.), heartbeats and silence (10.).
+  void sweep_from_loop();
   void watch_listener_from_loop();
   void stop_from_loop();
 
@@ -165,6 +181,7 @@ class UvTransport final : public Transport {
   std::vector<char> staging_;                                              // loop thread only
   std::atomic<size_t> live_connections_{0};
   size_t handshaking_ = 0;            // loop thread only: accepted, handshake unfinished
+  std::chrono::steady_clock::time_point last_sweep_{};  // loop thread only (10.)
   bool accept_error_logged_ = false;  // loop thread only
 };
 
