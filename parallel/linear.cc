@@ -1,0 +1,153 @@
+// Megatron-LM's tensor-parallel linear layers (parallel/linear.h).
+#include "tandem/parallel/linear.h"
+
+#include <ATen/ops/linear.h>
+#include <ATen/ops/zeros_like.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <stdexcept>
+#include <utility>
+
+#include "tandem/ddp/process_group.h"
+
+namespace tandem::parallel {
+
+namespace {
+
+void check_group(const Group& group, const char* who) {
+  if (!group) throw std::invalid_argument(std::string(who) + ": no process group");
+}
+
+// 6.
+void check_split(int64_t size, const Group& group, const char* who, const char* what) {
+  if (size < 1 || size % group->size() != 0) {
+    throw std::invalid_argument(std::string(who) + ": " + what + " " + std::to_string(size) +
+                                " does not split into " + std::to_string(group->size()) +
+                                " equal pieces (the tensor-parallel group's size)");
+  }
+}
+
+torch::nn::Linear whole_linear(int64_t in, int64_t out, bool bias) {
+  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
+}
+
+// Rank r's piece of `t` along `dim`, as a parameter of its own.
+at::Tensor slice(const at::Tensor& t, int64_t dim, const Group& g) {
+  return piece_of(t.detach(), dim, g->rank(), g->size()).clone();
+}
+
+}  // namespace
+
+// ---- column-parallel ----
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in, int64_t out, Group group,
+                                                   ColumnParallelOptions o)
+    : group_(std::move(group)), options_(o), in_(in), out_(out) {
+  check_group(group_, "ColumnParallelLinear");
+  check_split(out, group_, "ColumnParallelLinear", "out_features");
+  // 3.: the whole layer, drawn as one process would, then this rank's rows.
+  take_slice(whole_linear(in, out, o.bias));
+}
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(const torch::nn::Linear& whole, Group group,
+                                                   ColumnParallelOptions o)
+    : group_(std::move(group)), options_(o) {
+  check_group(group_, "ColumnParallelLinear");
+  in_ = whole->weight.size(1);
+  out_ = whole->weight.size(0);
+  options_.bias = whole->bias.defined();
+  check_split(out_, group_, "ColumnParallelLinear", "out_features");
+  take_slice(whole);
+}
+
+std::shared_ptr<ColumnParallelLinearImpl> ColumnParallelLinearImpl::from_whole(
+    const torch::nn::Linear& whole, Group group, ColumnParallelOptions o) {
+  return std::make_shared<ColumnParallelLinearImpl>(whole, std::move(group), o);
+}
+
+void ColumnParallelLinearImpl::take_slice(const torch::nn::Linear& whole) {
+  weight = register_parameter("weight", slice(whole->weight, 0, group_));
+  if (options_.bias) bias = register_parameter("bias", slice(whole->bias, 0, group_));
+}
+
+at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
+  const at::Tensor input = options_.sequence_parallel
+                               ? all_gather(x, options_.sequence_dim, group_)
+                               : copy_to_region(x, group_);
+  at::Tensor y = at::linear(input, weight, bias);
+  return options_.gather_output ? gather_from_region(y, -1, group_) : y;
+}
+
+int64_t ColumnParallelLinearImpl::split_dim(const std::string& name) const {
+  return name == "weight" || name == "bias" ? 0 : -1;
+}
+
+// ---- row-parallel ----
+
+RowParallelLinearImpl::RowParallelLinearImpl(int64_t in, int64_t out, Group group,
+                                             RowParallelOptions o)
+    : group_(std::move(group)), options_(o), in_(in), out_(out) {
+  check_group(group_, "RowParallelLinear");
+  check_split(in, group_, "RowParallelLinear", "in_features");
+  take_slice(whole_linear(in, out, o.bias));
+}
+
+RowParallelLinearImpl::RowParallelLinearImpl(const torch::nn::Linear& whole, Group group,
+                                             RowParallelOptions o)
+    : group_(std::move(group)), options_(o) {
+  check_group(group_, "RowParallelLinear");
+  in_ = whole->weight.size(1);
+  out_ = whole->weight.size(0);
+  options_.bias = whole->bias.defined();
+  check_split(in_, group_, "RowParallelLinear", "in_features");
+  take_slice(whole);
+}
+
+std::shared_ptr<RowParallelLinearImpl> RowParallelLinearImpl::from_whole(
+    const torch::nn::Linear& whole, Group group, RowParallelOptions o) {
+  return std::make_shared<RowParallelLinearImpl>(whole, std::move(group), o);
+}
+
+void RowParallelLinearImpl::take_slice(const torch::nn::Linear& whole) {
+  weight = register_parameter("weight", slice(whole->weight, 1, group_));
+  if (options_.bias) bias = register_parameter("bias", whole->bias.detach().clone());
+}
+
+at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
+  const at::Tensor input =
+      options_.input_is_parallel ? x : scatter_to_region(x, -1, group_);
+  const at::Tensor partial = at::linear(input, weight);
+  at::Tensor y = options_.sequence_parallel
+                     ? reduce_scatter(partial, options_.sequence_dim, group_)
+                     : reduce_from_region(partial, group_);
+  return bias.defined() ? y + bias : y;
+}
+
+int64_t RowParallelLinearImpl::split_dim(const std::string& name) const {
+  return name == "weight" ? 1 : -1;
+}
+
+std::vector<at::Tensor> RowParallelLinearImpl::partial_grad_parameters() const {
+  if (options_.sequence_parallel && bias.defined()) return {bias};
+  return {};
+}
+
+// ---- partial gradients ----
+
+void all_reduce_partial_grads(torch::nn::Module& root, const Group& group) {
+  check_group(group, "all_reduce_partial_grads");
+  if (group->size() == 1) return;
+  at::NoGradGuard no_grad;
+  for (const auto& m : root.modules(/*include_self=*/true)) {
+    const auto* tp = dynamic_cast<const TensorParallelModule*>(m.get());
+    if (!tp) continue;
+    for (at::Tensor p : tp->partial_grad_parameters()) {
+      // (a rank whose part got no gradient adds zeros: every rank joins)
+      if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+      at::Tensor g = p.mutable_grad();
+      group->all_reduce(g, ddp::ReduceOp::kSum);
+    }
+  }
+}
+
+}  // namespace tandem::parallel

@@ -1,0 +1,136 @@
+#pragma once
+// Megatron-LM's tensor-parallel linear layers over a process group (a
+// mesh's "tp" dimension), as LibTorch modules.
+//
+//   auto tp = mesh.group("tp");
+//   parallel::ColumnParallelLinear up(512, 2048, tp);     // each rank: 2048/tp outputs
+//   parallel::RowParallelLinear down(2048, 512, tp);      // each rank: 2048/tp inputs
+//   at::Tensor y = down(at::gelu(up(x)));                 // = Linear(512,2048), gelu, Linear(2048,512)
+//
+// 1. A column-parallel linear splits its output features: rank r holds rows
+//    [r * out/tp, (r + 1) * out/tp) of the whole weight (and of the bias).
+//    Its input is the replicated region's (copy_to_region: identity forward,
+//    all-reduce of the gradient backward), or, with sequence parallelism, a
+//    piece of the sequence all-gathered first (all_gather: reduce-scatter
+//    backward). Its output is left split along the last dimension
+//    (gather_output false, what a row-parallel layer takes next) or
+//    gathered whole (gather_from_region).
+// 2. A row-parallel linear splits its input features: rank r holds columns
+//    [r * in/tp, (r + 1) * in/tp) of the whole weight, and the whole bias.
+//    Its input is already split (input_is_parallel, a column-parallel
+//    layer's output) or split here (scatter_to_region). The partial
+//    products are summed over the group (reduce_from_region), or, with
+//    sequence parallelism, summed and split along the sequence
+//    (reduce_scatter); the bias is added after, once.
+// 3. Made from a seed, a layer's parameters are exactly the slices of the
+//    whole layer's that torch::nn::Linear(in, out) would initialise in one
+//    process from the same generator state (each rank draws the whole
+//    layer, as one process would, and keeps its slice): every layout starts
+//    from the same numbers, and the generator moves on as one process's
+//    does. A layer can also be cut from a whole one (from_whole).
+// 4. Parameters keep torch::nn::Linear's names ("weight", "bias"), so a
+//    state dict names what the whole model's does; split_dim() says along
+//    which dimension of the whole parameter a rank's piece lies (-1: not
+//    split, replicated).
+// 5. Gradients: a split parameter's gradient is its slice of the whole
+//    gradient. The row-parallel bias is replicated: its gradient is the
+//    whole one on every rank, except under sequence parallelism, where each
+//    rank's covers its piece of the sequence; partial_grad_parameters()
+//    lists such parameters, which all_reduce_partial_grads() sums over the
+//    group after backward (Megatron's sequence-parallel gradient sum).
+// 6. A size that does not divide by the group's (out for a column-parallel
+//    layer, in for a row-parallel one) is std::invalid_argument naming it.
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tandem/parallel/collectives.h"
+
+namespace tandem::parallel {
+
+// What a tensor-parallel layer tells about its parameters (4., 5.).
+class TensorParallelModule {
+ public:
+  virtual ~TensorParallelModule() = default;
+  // Along which dimension of the whole parameter `name` this rank's piece
+  // lies; -1 when it is replicated whole.
+  virtual int64_t split_dim(const std::string& name) const = 0;
+  // Replicated parameters whose gradient on each rank is only a part of
+  // the whole one (summed by all_reduce_partial_grads).
+  virtual std::vector<at::Tensor> partial_grad_parameters() const { return {}; }
+};
+
+struct ColumnParallelOptions {
+  bool bias = true;
+  bool gather_output = false;     // 1.: the whole output on every rank
+  bool sequence_parallel = false;  // 1.: the input is a piece of the sequence
+  int64_t sequence_dim = 1;        // which dimension of the input is the sequence
+};
+
+class ColumnParallelLinearImpl : public torch::nn::Module, public TensorParallelModule {
+ public:
+  ColumnParallelLinearImpl(int64_t in, int64_t out, Group group, ColumnParallelOptions o = {});
+  // 3.: this rank's slice of `whole` (a [out, in] weight and its bias).
+  static std::shared_ptr<ColumnParallelLinearImpl> from_whole(const torch::nn::Linear& whole,
+                                                              Group group,
+                                                              ColumnParallelOptions o = {});
+  at::Tensor forward(const at::Tensor& x);
+  int64_t split_dim(const std::string& name) const override;
+
+  at::Tensor weight, bias;  // [out / tp, in], [out / tp]
+  const Group& group() const { return group_; }
+  const ColumnParallelOptions& options() const { return options_; }
+
+  // (from_whole's: the slice of `whole`, no drawing)
+  ColumnParallelLinearImpl(const torch::nn::Linear& whole, Group group, ColumnParallelOptions o);
+
+ private:
+  void take_slice(const torch::nn::Linear& whole);
+  Group group_;
+  ColumnParallelOptions options_;
+  int64_t in_ = 0, out_ = 0;
+};
+TORCH_MODULE(ColumnParallelLinear);
+
+struct RowParallelOptions {
+  bool bias = true;
+  bool input_is_parallel = true;   // 2.: the input is already split (a column-parallel output)
+  bool sequence_parallel = false;  // 2.: the output is a piece of the sequence
+  int64_t sequence_dim = 1;        // which dimension of the output is the sequence
+};
+
+class RowParallelLinearImpl : public torch::nn::Module, public TensorParallelModule {
+ public:
+  RowParallelLinearImpl(int64_t in, int64_t out, Group group, RowParallelOptions o = {});
+  static std::shared_ptr<RowParallelLinearImpl> from_whole(const torch::nn::Linear& whole,
+                                                           Group group, RowParallelOptions o = {});
+  at::Tensor forward(const at::Tensor& x);
+  int64_t split_dim(const std::string& name) const override;
+  std::vector<at::Tensor> partial_grad_parameters() const override;
+
+  at::Tensor weight, bias;  // [out, in / tp], [out]
+  const Group& group() const { return group_; }
+  const RowParallelOptions& options() const { return options_; }
+
+  // (from_whole's: the slice of `whole`, no drawing)
+  RowParallelLinearImpl(const torch::nn::Linear& whole, Group group, RowParallelOptions o);
+
+ private:
+  void take_slice(const torch::nn::Linear& whole);
+  Group group_;
+  RowParallelOptions options_;
+  int64_t in_ = 0, out_ = 0;
+};
+TORCH_MODULE(RowParallelLinear);
+
+// 5.: sums over `group` the gradients of every partial_grad_parameters() in
+// `root` and its children (collective over the group; the same modules on
+// every rank).
+void all_reduce_partial_grads(torch::nn::Module& root, const Group& group);
+
+}  // namespace tandem::parallel
