@@ -13,6 +13,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <algorithm>
 #include <functional>
 #include <stdexcept>
 #include <string>
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "tandem/ddp/process_group.h"
+#include "tandem/parallel/node.h"
 
 namespace tandem::parallel {
 
@@ -73,10 +75,10 @@ void check_input(const at::Tensor& x, const char* what) {
   if (!x.defined()) throw std::invalid_argument(std::string(what) + ": the tensor is undefined");
 }
 
-// `out`, computed from `x` without recording, with a backward node whose
-// adjoint is `adjoint` when autograd wants x's gradient.
+}  // namespace
+
 at::Tensor with_backward(const at::Tensor& x, at::Tensor out, const char* name,
-                         MappingBackward::Adjoint adjoint) {
+                         std::function<at::Tensor(const at::Tensor&)> adjoint) {
   if (!(at::GradMode::is_enabled() && x.requires_grad())) return out;
   auto node = std::make_shared<MappingBackward>(name, std::move(adjoint), out.sizes().vec(),
                                                 out.options(),
@@ -84,6 +86,8 @@ at::Tensor with_backward(const at::Tensor& x, at::Tensor out, const char* name,
   torch::autograd::set_history(out, node);
   return out;
 }
+
+namespace {
 
 // ---- the plain collectives, on tensors without history ----
 
@@ -126,6 +130,19 @@ void check_divides(const at::Tensor& x, int64_t dim, int size, const char* what)
 at::Tensor piece_of(const at::Tensor& x, int64_t dim, int rank, int size) {
   const int64_t chunk = x.size(dim) / size;
   return x.narrow(dim, rank * chunk, chunk);
+}
+
+Range range_of(int64_t total, int rank, int size) {
+  const int64_t base = total / size, extra = total % size;
+  Range r;
+  r.length = base + (rank < extra ? 1 : 0);
+  r.start = rank * base + std::min<int64_t>(rank, extra);
+  return r;
+}
+
+at::Tensor uneven_piece_of(const at::Tensor& x, int64_t dim, int rank, int size) {
+  const Range r = range_of(x.size(dim), rank, size);
+  return x.narrow(dim, r.start, r.length);
 }
 
 at::Tensor all_reduce(const at::Tensor& x, const Group& group) {

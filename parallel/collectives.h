@@ -70,4 +70,16 @@ at::Tensor scatter_to_region(const at::Tensor& x, int64_t dim, const Group& grou
 at::Tensor piece_of(const at::Tensor& x, int64_t dim, int rank, int size);
 void check_divides(const at::Tensor& x, int64_t dim, int size, const char* what);
 
+// Where rank `rank` of `size` starts, and how many, when `total` items
+// (a vocabulary's words, a layer's outputs) are cut into pieces that
+// differ by at most one, the first total % size one longer: a total that
+// divides gives the equal pieces of 2.
+struct Range {
+  int64_t start = 0, length = 0;
+  int64_t end() const { return start + length; }
+};
+Range range_of(int64_t total, int rank, int size);
+// Rank `rank`'s piece of `x` along `dim` by range_of (a view).
+at::Tensor uneven_piece_of(const at::Tensor& x, int64_t dim, int rank, int size);
+
 }  // namespace tandem::parallel

@@ -44,7 +44,12 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in, int64_t out, Grou
                                                    ColumnParallelOptions o)
     : group_(std::move(group)), options_(o), in_(in), out_(out) {
   check_group(group_, "ColumnParallelLinear");
-  check_split(out, group_, "ColumnParallelLinear", "out_features");
+  if (o.gather_output) check_split(out, group_, "ColumnParallelLinear", "out_features");
+  if (out < group_->size()) {
+    throw std::invalid_argument("ColumnParallelLinear: out_features " + std::to_string(out) +
+                                " is fewer than the tensor-parallel group's " +
+                                std::to_string(group_->size()) + " ranks");
+  }
   // 3.: the whole layer, drawn as one process would, then this rank's rows.
   take_slice(whole_linear(in, out, o.bias));
 }
@@ -56,7 +61,7 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(const torch::nn::Linear& whol
   in_ = whole->weight.size(1);
   out_ = whole->weight.size(0);
   options_.bias = whole->bias.defined();
-  check_split(out_, group_, "ColumnParallelLinear", "out_features");
+  if (options_.gather_output) check_split(out_, group_, "ColumnParallelLinear", "out_features");
   take_slice(whole);
 }
 
@@ -66,8 +71,12 @@ std::shared_ptr<ColumnParallelLinearImpl> ColumnParallelLinearImpl::from_whole(
 }
 
 void ColumnParallelLinearImpl::take_slice(const torch::nn::Linear& whole) {
-  weight = register_parameter("weight", slice(whole->weight, 0, group_));
-  if (options_.bias) bias = register_parameter("bias", slice(whole->bias, 0, group_));
+  // (range_of's rows: equal pieces where out divides, 6.)
+  auto rows = [&](const at::Tensor& t) {
+    return uneven_piece_of(t.detach(), 0, group_->rank(), group_->size()).clone();
+  };
+  weight = register_parameter("weight", rows(whole->weight));
+  if (options_.bias) bias = register_parameter("bias", rows(whole->bias));
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {

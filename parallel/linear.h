@@ -8,7 +8,8 @@
 //   at::Tensor y = down(at::gelu(up(x)));                 // = Linear(512,2048), gelu, Linear(2048,512)
 //
 // 1. A column-parallel linear splits its output features: rank r holds rows
-//    [r * out/tp, (r + 1) * out/tp) of the whole weight (and of the bias).
+//    [r * out/tp, (r + 1) * out/tp) of the whole weight (and of the bias;
+//    range_of's rows where out does not divide, 6.).
 //    Its input is the replicated region's (copy_to_region: identity forward,
 //    all-reduce of the gradient backward), or, with sequence parallelism, a
 //    piece of the sequence all-gathered first (all_gather: reduce-scatter
@@ -38,8 +39,13 @@
 //    rank's covers its piece of the sequence; partial_grad_parameters()
 //    lists such parameters, which all_reduce_partial_grads() sums over the
 //    group after backward (Megatron's sequence-parallel gradient sum).
-// 6. A size that does not divide by the group's (out for a column-parallel
-//    layer, in for a row-parallel one) is std::invalid_argument naming it.
+// 6. A row-parallel layer's in_features must divide by the group's size,
+//    and so must a column-parallel layer's out_features when its output is
+//    gathered; else std::invalid_argument naming it. A column-parallel
+//    layer whose output stays split may have out_features that do not
+//    divide (a vocabulary's: the LM head before
+//    vocab_parallel_cross_entropy): its pieces are range_of's, the first
+//    out % tp ranks holding one row more.
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>

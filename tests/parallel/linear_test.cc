@@ -150,9 +150,18 @@ TEST_CASE("parallel linear: a gathered column-parallel output and a scattered ro
 
 TEST_CASE("parallel linear: sizes that do not split, and no group, are refused") {
   test::Groups g(2);
-  CHECK_THROWS_WITH_AS(par::ColumnParallelLinear(4, 5, g.groups[0]),
+  par::ColumnParallelOptions gathered;
+  gathered.gather_output = true;
+  CHECK_THROWS_WITH_AS(par::ColumnParallelLinear(4, 5, g.groups[0], gathered),
                        "ColumnParallelLinear: out_features 5 does not split into 2 equal pieces "
                        "(the tensor-parallel group's size)",
+                       std::invalid_argument);
+  // Left split, it may hold one row more than its peers (a vocabulary's head).
+  CHECK(par::ColumnParallelLinear(4, 5, g.groups[0])->weight.size(0) == 3);
+  CHECK(par::ColumnParallelLinear(4, 5, g.groups[1])->weight.size(0) == 2);
+  CHECK_THROWS_WITH_AS(par::ColumnParallelLinear(4, 1, g.groups[0]),
+                       "ColumnParallelLinear: out_features 1 is fewer than the tensor-parallel "
+                       "group's 2 ranks",
                        std::invalid_argument);
   CHECK_THROWS_WITH_AS(par::RowParallelLinear(7, 4, g.groups[0]),
                        "RowParallelLinear: in_features 7 does not split into 2 equal pieces (the "

@@ -1,0 +1,19 @@
+// What the layer's files share, not installed: a result computed without
+// recording, given a backward node of its own.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+
+namespace tandem::parallel {
+
+// `out`, computed from `x` without recording, with a backward node named
+// `name` whose gradient for x is `adjoint` of out's, when autograd wants
+// x's gradient (else `out` as it is). A gradient that does not come is
+// taken as zeros of out's shape, so that every rank still runs the
+// adjoint (a collective, for most).
+at::Tensor with_backward(const at::Tensor& x, at::Tensor out, const char* name,
+                         std::function<at::Tensor(const at::Tensor&)> adjoint);
+
+}  // namespace tandem::parallel
