@@ -7,6 +7,7 @@
 
 #include <stdexcept>
 #include <utility>
+#include <vector>
 
 #include "tandem/ddp/process_group.h"
 
@@ -27,6 +28,25 @@ void check_split(int64_t size, const Group& group, const char* who, const char* 
   }
 }
 
+void check_stride(int64_t out, const Group& group, const ColumnParallelOptions& o) {
+  if (o.stride < 1) {
+    throw std::invalid_argument("ColumnParallelLinear: stride " + std::to_string(o.stride) +
+                                " is not a number of blocks");
+  }
+  if (o.stride == 1) return;
+  if (o.gather_output) {
+    throw std::invalid_argument("ColumnParallelLinear: a stride of " + std::to_string(o.stride) +
+                                " cannot gather its output (the pieces would join in another "
+                                "order)");
+  }
+  if (out % (o.stride * group->size()) != 0) {
+    throw std::invalid_argument("ColumnParallelLinear: out_features " + std::to_string(out) +
+                                " does not split into " + std::to_string(o.stride) +
+                                " blocks of " + std::to_string(group->size()) +
+                                " equal pieces (stride x the tensor-parallel group's size)");
+  }
+}
+
 torch::nn::Linear whole_linear(int64_t in, int64_t out, bool bias) {
   return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
 }
@@ -44,6 +64,7 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in, int64_t out, Grou
                                                    ColumnParallelOptions o)
     : group_(std::move(group)), options_(o), in_(in), out_(out) {
   check_group(group_, "ColumnParallelLinear");
+  check_stride(out, group_, o);
   if (o.gather_output) check_split(out, group_, "ColumnParallelLinear", "out_features");
   if (out < group_->size()) {
     throw std::invalid_argument("ColumnParallelLinear: out_features " + std::to_string(out) +
@@ -61,6 +82,7 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(const torch::nn::Linear& whol
   in_ = whole->weight.size(1);
   out_ = whole->weight.size(0);
   options_.bias = whole->bias.defined();
+  check_stride(out_, group_, options_);
   if (options_.gather_output) check_split(out_, group_, "ColumnParallelLinear", "out_features");
   take_slice(whole);
 }
@@ -71,9 +93,18 @@ std::shared_ptr<ColumnParallelLinearImpl> ColumnParallelLinearImpl::from_whole(
 }
 
 void ColumnParallelLinearImpl::take_slice(const torch::nn::Linear& whole) {
-  // (range_of's rows: equal pieces where out divides, 6.)
+  // (range_of's rows: equal pieces where out divides, 6.; with a stride,
+  // this rank's piece of each block)
+  const int64_t stride = options_.stride;
   auto rows = [&](const at::Tensor& t) {
-    return uneven_piece_of(t.detach(), 0, group_->rank(), group_->size()).clone();
+    if (stride == 1) return uneven_piece_of(t.detach(), 0, group_->rank(), group_->size()).clone();
+    std::vector<int64_t> blocks = t.sizes().vec();
+    blocks[0] /= stride;
+    blocks.insert(blocks.begin(), stride);
+    at::Tensor mine = piece_of(t.detach().reshape(blocks), 1, group_->rank(), group_->size());
+    std::vector<int64_t> shape = t.sizes().vec();
+    shape[0] /= group_->size();
+    return mine.reshape(shape).clone();
   };
   weight = register_parameter("weight", rows(whole->weight));
   if (options_.bias) bias = register_parameter("bias", rows(whole->bias));

@@ -76,6 +76,11 @@ struct ColumnParallelOptions {
   bool gather_output = false;     // 1.: the whole output on every rank
   bool sequence_parallel = false;  // 1.: the input is a piece of the sequence
   int64_t sequence_dim = 1;        // which dimension of the input is the sequence
+  // The output features are `stride` equal blocks side by side (a fused
+  // query, key and value projection: 3), each split over the group: rank r
+  // holds its piece of every block, block after block. Not with
+  // gather_output; out_features must divide by stride x the group's size.
+  int64_t stride = 1;
 };
 
 class ColumnParallelLinearImpl : public torch::nn::Module, public TensorParallelModule {

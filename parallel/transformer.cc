@@ -1,0 +1,107 @@
+// A transformer block split over a tensor-parallel group (parallel/transformer.h).
+#include "tandem/parallel/transformer.h"
+
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/softmax.h>
+
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <utility>
+
+#include "tandem/ddp/process_group.h"
+
+namespace tandem::parallel {
+
+namespace {
+
+// A copy of its own (same values, dtype and device).
+torch::nn::LayerNorm copy_of(const torch::nn::LayerNorm& whole) {
+  return torch::nn::LayerNorm(std::dynamic_pointer_cast<torch::nn::LayerNormImpl>(whole->clone()));
+}
+
+}  // namespace
+
+ParallelBlockImpl::ParallelBlockImpl(const torch::nn::LayerNorm& ln1_whole,
+                                     const torch::nn::Linear& qkv_whole,
+                                     const torch::nn::Linear& proj_whole,
+                                     const torch::nn::LayerNorm& ln2_whole,
+                                     const torch::nn::Linear& fc_whole,
+                                     const torch::nn::Linear& out_whole, int64_t heads,
+                                     Group group, BlockOptions o)
+    : group_(std::move(group)), options_(o), heads_(heads) {
+  if (!group_) throw std::invalid_argument("ParallelBlock: no process group");
+  width_ = proj_whole->weight.size(0);
+  if (heads < 1 || width_ % heads != 0) {
+    throw std::invalid_argument("ParallelBlock: the width " + std::to_string(width_) +
+                                " is not a multiple of " + std::to_string(heads) + " heads");
+  }
+  if (heads % group_->size() != 0) {
+    throw std::invalid_argument("ParallelBlock: " + std::to_string(heads) +
+                                " heads do not split over the tensor-parallel group's " +
+                                std::to_string(group_->size()) + " ranks");
+  }
+  if (qkv_whole->weight.size(0) != 3 * width_) {
+    throw std::invalid_argument("ParallelBlock: qkv has " +
+                                std::to_string(qkv_whole->weight.size(0)) +
+                                " outputs, not 3 x the width " + std::to_string(width_));
+  }
+  ColumnParallelOptions in_attention, in_mlp;
+  in_attention.stride = 3;  // [q; k; v], each split by heads
+  in_attention.sequence_parallel = in_mlp.sequence_parallel = o.sequence_parallel;
+  in_attention.sequence_dim = in_mlp.sequence_dim = o.sequence_dim;
+  RowParallelOptions back;
+  back.sequence_parallel = o.sequence_parallel;
+  back.sequence_dim = o.sequence_dim;
+  ln1 = register_module("ln1", copy_of(ln1_whole));
+  qkv = register_module("qkv", ColumnParallelLinear(ColumnParallelLinearImpl::from_whole(
+                                   qkv_whole, group_, in_attention)));
+  proj = register_module(
+      "proj", RowParallelLinear(RowParallelLinearImpl::from_whole(proj_whole, group_, back)));
+  ln2 = register_module("ln2", copy_of(ln2_whole));
+  fc = register_module(
+      "fc", ColumnParallelLinear(ColumnParallelLinearImpl::from_whole(fc_whole, group_, in_mlp)));
+  out = register_module(
+      "out", RowParallelLinear(RowParallelLinearImpl::from_whole(out_whole, group_, back)));
+}
+
+at::Tensor ParallelBlockImpl::forward(const at::Tensor& input) {
+  at::Tensor x = input;
+  const int64_t local_heads = heads_ / group_->size(), hd = width_ / heads_;
+  // [B, T, 3 x its heads x hd] (T whole: the sequence was gathered) ->
+  // [3, B, its heads, T, hd]
+  const at::Tensor q_k_v = qkv(ln1(x));
+  const int64_t B = q_k_v.size(0), T = q_k_v.size(1);
+  const at::Tensor parts =
+      q_k_v.view({B, T, 3, local_heads, hd}).permute({2, 0, 3, 1, 4});
+  const at::Tensor q = parts[0], k = parts[1], v = parts[2];
+  at::Tensor att = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
+  const at::Tensor future = at::ones({T, T}, q.options().dtype(at::kBool)).triu(1);
+  att = at::softmax(att.masked_fill(future, -std::numeric_limits<float>::infinity()), -1);
+  const at::Tensor y = at::matmul(att, v).transpose(1, 2).reshape({B, T, local_heads * hd});
+  x = x + proj(y);
+  return x + out(at::gelu(fc(ln2(x))));
+}
+
+int64_t ParallelBlockImpl::split_dim(const std::string& name) const {
+  const auto dot = name.find('.');
+  const std::string child = name.substr(0, dot), leaf = name.substr(dot + 1);
+  if (child == "qkv") return qkv->split_dim(leaf);
+  if (child == "fc") return fc->split_dim(leaf);
+  if (child == "proj") return proj->split_dim(leaf);
+  if (child == "out") return out->split_dim(leaf);
+  return -1;  // the LayerNorms: whole on every rank
+}
+
+std::vector<at::Tensor> ParallelBlockImpl::partial_grad_parameters() const {
+  if (!options_.sequence_parallel) return {};
+  std::vector<at::Tensor> out_params;
+  for (const auto& ln : {ln1, ln2}) {
+    for (const auto& p : ln->parameters()) out_params.push_back(p);
+  }
+  return out_params;  // (the row-parallel biases are their modules' own)
+}
+
+}  // namespace tandem::parallel

@@ -1,0 +1,73 @@
+#pragma once
+// A transformer block split over a tensor-parallel group, as Megatron-LM
+// splits it: the attention's heads and the MLP's hidden features shared
+// out, the LayerNorms replicated (or, with sequence parallelism, run on
+// each rank's piece of the sequence).
+//
+//   // One process's block: pre-LayerNorm causal self-attention with a fused
+//   // [q; k; v] projection, then a pre-LayerNorm GELU MLP, each added back.
+//   parallel::ParallelBlock block(ln1, qkv, proj, ln2, fc, out, heads, tp);
+//   at::Tensor y = block(x);     // = the whole block's forward, on every rank
+//
+// 1. Made from the whole block's modules (one process's, which may then be
+//    dropped): qkv is column-parallel with a stride of 3 (each rank its
+//    heads' rows of q, of k and of v), proj row-parallel; fc
+//    column-parallel, out row-parallel; the LayerNorms copied whole. The
+//    children keep the whole block's names (ln1, qkv, proj, ln2, fc, out),
+//    so a state dict names what the whole block's does.
+// 2. heads must divide by the group's size, and the width by heads;
+//    4 x width's MLP then divides too. Else std::invalid_argument naming it.
+// 3. Without sequence parallelism the input and output are whole, the same
+//    on every rank. With it, each rank's input and output are its piece of
+//    the sequence (sequence_dim): the LayerNorms and the residual sums run
+//    on the piece, all-gathered before qkv and fc and reduce-scattered
+//    after proj and out; the LayerNorms' and the row-parallel biases'
+//    gradients are then partial (partial_grad_parameters(); sum them with
+//    all_reduce_partial_grads after backward).
+// 4. Four collectives forward (two all-reduces, or two all-gathers and two
+//    reduce-scatters) and four backward, every rank in the same order.
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tandem/parallel/linear.h"
+
+namespace tandem::parallel {
+
+struct BlockOptions {
+  bool sequence_parallel = false;  // 3.
+  int64_t sequence_dim = 1;        // the sequence's dimension of [batch, sequence, width]
+};
+
+class ParallelBlockImpl : public torch::nn::Module, public TensorParallelModule {
+ public:
+  ParallelBlockImpl(const torch::nn::LayerNorm& ln1, const torch::nn::Linear& qkv,
+                    const torch::nn::Linear& proj, const torch::nn::LayerNorm& ln2,
+                    const torch::nn::Linear& fc, const torch::nn::Linear& out, int64_t heads,
+                    Group group, BlockOptions o = {});
+  // x: [batch, sequence (or this rank's piece of it), width].
+  at::Tensor forward(const at::Tensor& x);
+  int64_t split_dim(const std::string& name) const override;
+  std::vector<at::Tensor> partial_grad_parameters() const override;
+
+  int64_t heads() const { return heads_; }
+  const Group& group() const { return group_; }
+
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  ColumnParallelLinear qkv{nullptr}, fc{nullptr};
+  RowParallelLinear proj{nullptr}, out{nullptr};
+
+ private:
+  Group group_;
+  BlockOptions options_;
+  int64_t heads_ = 0, width_ = 0;
+};
+TORCH_MODULE(ParallelBlock);
+
+}  // namespace tandem::parallel

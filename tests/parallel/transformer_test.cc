@@ -1,0 +1,152 @@
+// A transformer block split over tp ranks (parallel/transformer.h) against
+// the whole block in one LibTorch process, tp 2 and 3, with and without
+// sequence parallelism: output, input gradient and every parameter's.
+#include "test_util.h"
+
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/sum.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "ddp/ddp_support.h"
+#include "tandem/parallel/transformer.h"
+
+using namespace tandem;
+namespace par = tandem::parallel;
+namespace tnn = torch::nn;
+
+namespace {
+
+constexpr int64_t kWidth = 24, kHeads = 6, kBatch = 2, kSeq = 6;
+
+// gpt's block, written out: x + attention(ln1(x)), then + mlp(ln2(x)).
+struct Whole {
+  tnn::LayerNorm ln1{tnn::LayerNormOptions({kWidth})}, ln2{tnn::LayerNormOptions({kWidth})};
+  tnn::Linear qkv{kWidth, 3 * kWidth}, proj{kWidth, kWidth}, fc{kWidth, 4 * kWidth},
+      out{4 * kWidth, kWidth};
+  Whole() {
+    for (tnn::Module* m : std::vector<tnn::Module*>{ln1.get(), ln2.get(), qkv.get(), proj.get(),
+                                                    fc.get(), out.get()}) {
+      m->to(at::kDouble);
+    }
+    // LayerNorms that are not the identity, so their gradients mean something.
+    at::NoGradGuard no_grad;
+    ln1->weight.normal_(1, 0.1);
+    ln1->bias.normal_(0, 0.1);
+    ln2->weight.normal_(1, 0.1);
+    ln2->bias.normal_(0, 0.1);
+  }
+  at::Tensor forward(at::Tensor x) {
+    const int64_t B = x.size(0), T = x.size(1), C = x.size(2), hd = C / kHeads;
+    at::Tensor p = qkv(ln1(x)).view({B, T, 3, kHeads, hd}).permute({2, 0, 3, 1, 4});
+    at::Tensor att = at::matmul(p[0], p[1].transpose(-2, -1)) / std::sqrt(double(hd));
+    const at::Tensor future = at::ones({T, T}, x.options().dtype(at::kBool)).triu(1);
+    att = at::softmax(att.masked_fill(future, -std::numeric_limits<float>::infinity()), -1);
+    at::Tensor y = at::matmul(att, p[2]).transpose(1, 2).reshape({B, T, C});
+    x = x + proj(y);
+    return x + out(at::gelu(fc(ln2(x))));
+  }
+};
+
+// Rank r's rows of a [q; k; v] parameter: its piece of each third.
+at::Tensor strided_rows(const at::Tensor& t, int r, int n) {
+  std::vector<int64_t> blocks = t.sizes().vec();
+  blocks[0] /= 3;
+  blocks.insert(blocks.begin(), 3);
+  std::vector<int64_t> shape = t.sizes().vec();
+  shape[0] /= n;
+  return par::piece_of(t.reshape(blocks), 1, r, n).reshape(shape);
+}
+
+}  // namespace
+
+TEST_CASE("parallel transformer: a block split over tp ranks equals the whole block") {
+  for (int n : {2, 3}) {
+    for (bool sp : {false, true}) {
+      CAPTURE(n);
+      CAPTURE(sp);
+      at::manual_seed(21);
+      Whole whole;
+      const at::Tensor x0 = at::randn({kBatch, kSeq, kWidth}, at::kDouble);
+      const at::Tensor w = at::randn({kBatch, kSeq, kWidth}, at::kDouble);
+      const at::Tensor xw = x0.clone().requires_grad_();
+      const at::Tensor want = whole.forward(xw);
+      at::sum(w * want).backward();
+
+      test::Groups g(n);
+      std::vector<par::ParallelBlock> blocks;
+      for (int r = 0; r < n; ++r) {
+        par::BlockOptions o;
+        o.sequence_parallel = sp;
+        blocks.emplace_back(whole.ln1, whole.qkv, whole.proj, whole.ln2, whole.fc, whole.out,
+                            kHeads, g.groups[r], o);
+      }
+      std::vector<at::Tensor> ys(n), xgrads(n);
+      test::on_ranks(n, [&](int r) {
+        at::Tensor x = (sp ? par::piece_of(x0, 1, r, n) : x0).clone().requires_grad_();
+        at::Tensor y = blocks[r](x);
+        at::sum((sp ? par::piece_of(w, 1, r, n) : w) * y).backward();
+        par::all_reduce_partial_grads(*blocks[r], g.groups[r]);
+        ys[r] = y.detach();
+        xgrads[r] = x.grad();
+      });
+      const double rt = 1e-6, at_ = 1e-9;
+      for (int r = 0; r < n; ++r) {
+        CAPTURE(r);
+        auto& b = blocks[r];
+        CHECK(at::allclose(ys[r], sp ? par::piece_of(want.detach(), 1, r, n) : want.detach(), rt,
+                           at_));
+        CHECK(at::allclose(xgrads[r], sp ? par::piece_of(xw.grad(), 1, r, n) : xw.grad(), rt, at_));
+        CHECK(at::allclose(b->qkv->weight.grad(), strided_rows(whole.qkv->weight.grad(), r, n), rt,
+                           at_));
+        CHECK(at::allclose(b->qkv->bias.grad(), strided_rows(whole.qkv->bias.grad(), r, n), rt,
+                           at_));
+        CHECK(at::allclose(b->proj->weight.grad(), par::piece_of(whole.proj->weight.grad(), 1, r, n),
+                           rt, at_));
+        CHECK(at::allclose(b->proj->bias.grad(), whole.proj->bias.grad(), rt, at_));
+        CHECK(at::allclose(b->fc->weight.grad(), par::piece_of(whole.fc->weight.grad(), 0, r, n),
+                           rt, at_));
+        CHECK(at::allclose(b->fc->bias.grad(), par::piece_of(whole.fc->bias.grad(), 0, r, n), rt,
+                           at_));
+        CHECK(at::allclose(b->out->weight.grad(), par::piece_of(whole.out->weight.grad(), 1, r, n),
+                           rt, at_));
+        CHECK(at::allclose(b->out->bias.grad(), whole.out->bias.grad(), rt, at_));
+        CHECK(at::allclose(b->ln1->weight.grad(), whole.ln1->weight.grad(), rt, at_));
+        CHECK(at::allclose(b->ln1->bias.grad(), whole.ln1->bias.grad(), rt, at_));
+        CHECK(at::allclose(b->ln2->weight.grad(), whole.ln2->weight.grad(), rt, at_));
+        CHECK(at::allclose(b->ln2->bias.grad(), whole.ln2->bias.grad(), rt, at_));
+      }
+      // The whole block's names, and where each piece lies.
+      auto names = blocks[0]->named_parameters();
+      for (const char* name : {"ln1.weight", "qkv.weight", "qkv.bias", "proj.weight", "proj.bias",
+                               "ln2.bias", "fc.weight", "out.weight"}) {
+        CHECK(names.contains(name));
+      }
+      CHECK(blocks[0]->split_dim("qkv.weight") == 0);
+      CHECK(blocks[0]->split_dim("proj.weight") == 1);
+      CHECK(blocks[0]->split_dim("ln1.weight") == -1);
+    }
+  }
+}
+
+TEST_CASE("parallel transformer: heads that do not split over the group are refused") {
+  test::Groups g(4);
+  Whole whole;
+  CHECK_THROWS_WITH_AS(par::ParallelBlock(whole.ln1, whole.qkv, whole.proj, whole.ln2, whole.fc,
+                                          whole.out, kHeads, g.groups[0]),
+                       "ParallelBlock: 6 heads do not split over the tensor-parallel group's 4 "
+                       "ranks",
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(par::ParallelBlock(whole.ln1, whole.qkv, whole.proj, whole.ln2, whole.fc,
+                                          whole.out, 5, g.groups[0]),
+                       "ParallelBlock: the width 24 is not a multiple of 5 heads",
+                       std::invalid_argument);
+}
