@@ -35,7 +35,8 @@ METRICS = ("p50_us", "p99_us", "gbps", "ms", "local_ms", "overhead_ms", "ms_per_
            "init_ms", "all_to_all_ms", "shutdown_ms", "on_ns", "off_ns", "bytes_per_rank",
            "bytes_per_param", "rss_mb", "ms_per_ddp", "restart_s", "steps_lost",
            "checkpoint_every", "final_loss", "uninterrupted_loss", "async_stall_ms",
-           "sync_stall_ms", "copy_ms")
+           "sync_stall_ms", "copy_ms", "param_bytes_per_rank", "activation_bytes_per_rank",
+           "sent_bytes_per_rank", "expected_sent_bytes", "sent_per_expected", "ms_per_tp1")
 HIGHER_IS_BETTER = {"gbps", "overlap", "samples_per_s", "single_worker_samples_per_s",
                     "chunked_single_worker_samples_per_s", "efficiency", "efficiency_vs_chunked", "speedup", "allreduce_hidden"}
 HEADER = ("bench", "size", "metric", "tandem", "tandem_shm", "pytorch", "path", "raw",
@@ -100,6 +101,13 @@ def with_derived(rec):
         rec = dict(rec, config=f"{rec['mode']} N={rec.get('world')}")
         if is_num(rec.get("bytes_per_rank")) and is_num(rec.get("params")) and rec["params"]:
             rec["bytes_per_param"] = round(rec["bytes_per_rank"] / rec["params"], 2)
+    if rec.get("bench") == "tp" and "tp" in rec:
+        sp = " sp" if rec.get("sp") else ""
+        again = " recompute" if rec.get("recompute") else ""
+        rec = dict(rec, config=f"tp={rec['tp']}{sp}{again}")
+        sent, want = rec.get("sent_bytes_per_rank"), rec.get("expected_sent_bytes")
+        if is_num(sent) and is_num(want) and want:
+            rec["sent_per_expected"] = round(sent / want, 3)
     ms, local = rec.get("ms"), rec.get("local_ms")
     if is_num(ms) and is_num(local) and local > 0:
         rec = dict(rec, overhead_ms=round(ms - local, 3), ms_per_local=round(ms / local, 3))
