@@ -35,28 +35,6 @@ same() {
   fi
 }
 
-# pids_of TAG: the workers' pids of the job whose environment has
-# CHECK_TAG=TAG, as "RANK:PID" lines, in its first round.
-pids_of() {
-  local p env rank
-  for p in /proc/[0-9]*; do
-    env=$({ tr '\0' '\n' <"$p/environ"; } 2>/dev/null) || continue
-    grep -qx "CHECK_TAG=$1" <<<"$env" || continue
-    grep -qx "TANDEM_RESTART_COUNT=0" <<<"$env" || continue
-    rank=$(sed -n 's/^RANK=//p' <<<"$env")
-    [[ -n $rank ]] && echo "$rank:${p#/proc/}"
-  done
-}
-# await LOG PATTERN [TRIES]: waits (20 ms a try) until LOG matches PATTERN.
-await() {
-  local i
-  for ((i = 0; i < ${3:-3000}; ++i)); do
-    grep -q -- "$2" "$1" && return 0
-    sleep 0.02
-  done
-  return 1
-}
-
 gpt_args=(--steps 20 --log-every 1 --sample 0 --checkpoint-every 4)
 # The uninterrupted runs.
 for layout in "1 1" "1 2" "2 1" "2 2"; do

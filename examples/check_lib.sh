@@ -1,5 +1,5 @@
-# What the example checks share (sourced by check_examples.sh and
-# check_failures.sh, which set bin, the folder of tandem-run and the
+# What the example checks share (sourced by check_examples.sh,
+# check_failures.sh and check_parallel.sh, which set bin, the folder of tandem-run and the
 # examples): a scratch folder to run in, counting failures, running a job
 # under tandem-run, and reading its final loss.
 run="$bin/tandem-run"
@@ -38,6 +38,28 @@ near() {
   else
     echo "ok: $1 ends at loss $3 ($2)"
   fi
+}
+
+# pids_of TAG: the workers' pids of the job whose environment has
+# CHECK_TAG=TAG, as "RANK:PID" lines, in its first round.
+pids_of() {
+  local p env rank
+  for p in /proc/[0-9]*; do
+    env=$({ tr '\0' '\n' <"$p/environ"; } 2>/dev/null) || continue
+    grep -qx "CHECK_TAG=$1" <<<"$env" || continue
+    grep -qx "TANDEM_RESTART_COUNT=0" <<<"$env" || continue
+    rank=$(sed -n 's/^RANK=//p' <<<"$env")
+    [[ -n $rank ]] && echo "$rank:${p#/proc/}"
+  done
+}
+# await LOG PATTERN [TRIES]: waits (20 ms a try) until LOG matches PATTERN.
+await() {
+  local i
+  for ((i = 0; i < ${3:-3000}; ++i)); do
+    grep -q -- "$2" "$1" && return 0
+    sleep 0.02
+  done
+  return 1
 }
 
 # The final loss line of a log, and gpt's final loss alone.

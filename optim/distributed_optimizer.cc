@@ -16,6 +16,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "tandem/ddp/process_group.h"
 #include "tandem/optim/owner/protocol.h"
 #include "tandem/optim/owner/service.h"
 #include "tandem/rpc/api.h"
@@ -197,7 +198,15 @@ void DistributedOptimizer::set_lr(double lr) {
 
 double DistributedOptimizer::clip_grad_norm(uint64_t context_id, double max_norm,
                                             double norm_type) {
+  ClipOptions o;
+  o.norm_type = norm_type;
+  return clip_grad_norm(context_id, max_norm, o);
+}
+
+double DistributedOptimizer::clip_grad_norm(uint64_t context_id, double max_norm,
+                                            const ClipOptions& options) {
   const std::string what = "DistributedOptimizer::clip_grad_norm";
+  const double norm_type = options.norm_type;
   if (context_id == 0) throw std::invalid_argument(what + ": no context (id 0)");
   if (!(max_norm > 0)) {
     throw std::invalid_argument(what + ": max_norm must be > 0, got " + number(max_norm));
@@ -205,6 +214,13 @@ double DistributedOptimizer::clip_grad_norm(uint64_t context_id, double max_norm
   if (!(norm_type >= 0)) {
     throw std::invalid_argument(what + ": norm_type must be >= 0 (or infinity), got " +
                                 number(norm_type));
+  }
+  size_t num_params = 0;
+  for (const auto& part : parts_) num_params += part.index.size();
+  if (!options.counted.empty() && options.counted.size() != num_params) {
+    throw std::invalid_argument(what + ": ClipOptions::counted has " +
+                                std::to_string(options.counted.size()) + " entries for " +
+                                std::to_string(num_params) + " parameters");
   }
   auto agent = this->agent();
   auto service = OptimService::of(*agent);
@@ -218,8 +234,6 @@ double DistributedOptimizer::clip_grad_norm(uint64_t context_id, double max_norm
       });
   // Back in the order of the constructor's parameters: stacked in that
   // order, the total is clip_grad_norm_'s over the same list to the last bit.
-  size_t num_params = 0;
-  for (const auto& part : parts_) num_params += part.index.size();
   std::vector<at::Tensor> by_param(num_params);
   for (size_t i = 0; i < parts_.size(); ++i) {
     const std::string from = agent->get_worker_info(parts_[i].owner).name;
@@ -229,18 +243,36 @@ double DistributedOptimizer::clip_grad_norm(uint64_t context_id, double max_norm
     }
   }
   std::vector<at::Tensor> norms;
-  for (auto& n : by_param) {
-    if (n.defined()) norms.push_back(std::move(n));
+  for (size_t i = 0; i < by_param.size(); ++i) {
+    if (by_param[i].defined() && (options.counted.empty() || options.counted[i])) {
+      norms.push_back(std::move(by_param[i]));
+    }
   }
-  if (norms.empty()) return 0.0;  // as clip_grad_norm_: nothing to clip
-  // What clip_grad_norm_ computes, op for op (the same dtypes and rounding).
   at::Tensor total;
-  if (std::isinf(norm_type)) {
-    total = norms.size() == 1 ? norms[0] : at::max(at::stack(norms));
-  } else if (norm_type == 0) {
-    total = at::full({}, static_cast<double>(norms.size()));
+  if (options.group && options.group->size() > 1) {
+    // This rank's share, summed (or maxed) over the group: every rank joins,
+    // with or without gradients of its own.
+    const bool inf = std::isinf(norm_type);
+    double share = 0;
+    for (const auto& n : norms) {
+      const double v = n.item<double>();
+      share = inf ? std::max(share, v) : norm_type == 0 ? share + 1 : share + std::pow(v, norm_type);
+    }
+    at::Tensor t = at::full({1}, share, at::kDouble);
+    options.group->all_reduce(t, inf ? ddp::ReduceOp::kMax : ddp::ReduceOp::kSum);
+    const double sum = t.item<double>();
+    const double value = inf || norm_type == 0 ? sum : std::pow(sum, 1.0 / norm_type);
+    total = at::full({}, value, at::kFloat);
   } else {
-    total = norms.size() == 1 ? norms[0] : at::norm(at::stack(norms), norm_type);
+    if (norms.empty()) return 0.0;  // as clip_grad_norm_: nothing to clip
+    // What clip_grad_norm_ computes, op for op (the same dtypes and rounding).
+    if (std::isinf(norm_type)) {
+      total = norms.size() == 1 ? norms[0] : at::max(at::stack(norms));
+    } else if (norm_type == 0) {
+      total = at::full({}, static_cast<double>(norms.size()));
+    } else {
+      total = norms.size() == 1 ? norms[0] : at::norm(at::stack(norms), norm_type);
+    }
   }
   const double coef = at::clamp(max_norm / (total + 1e-6), c10::nullopt, 1.0).item<double>();
   if (coef < 1) {  // a factor of 1 would change nothing

@@ -61,6 +61,10 @@
 #include "tandem/rpc/agent.h"
 #include "tandem/rpc/rref.h"
 
+namespace tandem::ddp {
+class ProcessGroup;
+}
+
 namespace tandem::optim {
 
 // How the owners keep their state, beside the optimizer's Options.
@@ -119,6 +123,24 @@ class DistributedOptimizer {
   // next get_gradients() and step() see the clipped ones; do not run it
   // beside a backward() in the same context.
   double clip_grad_norm(uint64_t context_id, double max_norm, double norm_type = 2.0);
+  // The same over a model of which this optimizer steps one piece and the
+  // optimizers of `options.group`'s other ranks the others (tensor
+  // parallelism: each tp rank's driver steps its slices of the split
+  // parameters and a copy of the replicated ones). Each rank's norm_type
+  // power sum over the parameters options.counted marks (constructor order;
+  // empty: all) is summed over the group (for infinity, the largest
+  // taken), so a split parameter counts once through its slices and a
+  // replicated one once when a single rank counts it; every rank then
+  // scales by the same coefficient. Collective over the group: every rank
+  // calls it, in the same order as its other collectives. Equal to one
+  // process's clip_grad_norm_ up to the sum's rounding.
+  // std::invalid_argument for a `counted` of another length.
+  struct ClipOptions {
+    double norm_type = 2.0;
+    std::shared_ptr<ddp::ProcessGroup> group;
+    std::vector<bool> counted;
+  };
+  double clip_grad_norm(uint64_t context_id, double max_norm, const ClipOptions& options);
 
   // Every owner's optimizer state, and back (see OptimizerState). A state
   // of another kind, other owners or other parameter counts is refused with

@@ -17,8 +17,10 @@ using Clock = std::chrono::steady_clock;
 using examples::UsageError;
 
 struct Config {
-  // The job's layout: pp pipeline stages times dp data-parallel replicas.
-  int64_t pp = 2, dp = 2;
+  // The job's layout: pp pipeline stages times dp data-parallel replicas,
+  // each stage's layers split over tp tensor-parallel ranks.
+  int64_t pp = 2, dp = 2, tp = 1;
+  bool recompute = false;  // each block's activations made again in backward
   std::string schedule = "1f1b";
   int64_t chunks = 4;  // micro-batches per replica and step
   // The model.
@@ -62,7 +64,8 @@ inline void poison_if_asked(const Config& cfg, int64_t step, at::Tensor& rows) {
 }
 
 // Where this process is: its rank, and its coordinates in the mesh
-// (pp, dp). Replica d's driver is the rank at (0, d).
+// (pp, dp, tp). Replica d's drivers are the ranks at (0, d, t), one a
+// tensor-parallel rank.
 struct Place {
   int rank = 0;
   int stage = 0;    // coordinate along pp

@@ -1,5 +1,6 @@
 // gpt: a small decoder-only transformer trained at character level, cut into
-// pipeline stages and replicated data-parallel over a mesh (pp x dp): the
+// pipeline stages, split tensor-parallel and replicated data-parallel over
+// a mesh (pp x dp x tp): the
 // main job, what `./dev demo` runs (2 x 2 on 4 local processes).
 //
 //   build/bin/tandem-run --nproc-per-node 4 build/bin/gpt [--pp 2 --dp 2] [--schedule 1f1b]
@@ -23,6 +24,16 @@
 // replicas (PipeOptions::data_parallel_group = the mesh's dp group), so
 // every replica's stage s holds the same parameters throughout. The other
 // ranks only serve their stages.
+//
+// --tp N splits each stage's layers over N tensor-parallel ranks (mesh
+// {{"pp", pp}, {"dp", dp}, {"tp", tp}}): each tp rank's driver at (0, d, t)
+// runs a pipe of its own over the stage workers at (s, d, t), built from
+// the tp layer specs (model.h: the vocabulary split in the embedding, the
+// head and the loss, each block a parallel::ParallelBlock); the tp pipes
+// run the same schedule on the same batches, so a stage's tp ranks meet in
+// their collectives, and clipping sums the norm over the tp drivers.
+// --recompute recomputes each block's activations in backward. A --tp job
+// writes no checkpoints yet (docs/parallel.md).
 //
 // Determinism: the initial parameters come from at::manual_seed(--seed),
 // the batches from a DistributedSampler seeded with it (step s's global
@@ -62,6 +73,10 @@ void add_flags(examples::Flags& flags, Config& cfg) {
       .add("--dp", &cfg.dp, 0,
            "data-parallel replicas; 0: the world's size over --pp, so that an elastic job "
            "(tandem-run --nnodes MIN:MAX) keeps the global --batch on fewer workers")
+      .add("--tp", &cfg.tp, 1,
+           "tensor-parallel ranks a stage's layers are split over (heads, MLP, vocabulary)")
+      .add_switch("--recompute", &cfg.recompute,
+                  "drop each block's activations after forward and make them again in backward")
       .add_choice("--schedule", &cfg.schedule, {"gpipe", "1f1b", "zero-bubble", "interleaved"},
                   "the pipeline schedule (interleaved: two stages a worker)")
       .add("--chunks", &cfg.chunks, 1, "micro-batches per replica and step")
@@ -103,21 +118,36 @@ void add_flags(examples::Flags& flags, Config& cfg) {
 
 // What is wrong with the flags for a job of `world` processes, or "".
 std::string check(Config& cfg, int world) {
+  const int64_t row = cfg.pp * cfg.tp;  // the ranks of one replica
   if (cfg.dp == 0) {
     if (world < 1) {
-      cfg.dp = 1;  // started alone: spawns pp workers
-    } else if (world % cfg.pp != 0) {
+      cfg.dp = 1;  // started alone: spawns pp x tp workers
+    } else if (world % row != 0) {
       return "--dp 0: a world of " + std::to_string(world) + " processes does not divide into " +
-             std::to_string(cfg.pp) + "-stage pipelines (--pp)";
+             std::to_string(cfg.pp) + "-stage pipelines (--pp) of " + std::to_string(cfg.tp) +
+             " tensor-parallel ranks (--tp)";
     } else {
-      cfg.dp = world / cfg.pp;
+      cfg.dp = world / row;
     }
   }
-  const std::string layout = std::to_string(cfg.pp) + " x " + std::to_string(cfg.dp);
-  if (world >= 1 && cfg.pp * cfg.dp != world) {
-    return "--pp " + std::to_string(cfg.pp) + " --dp " + std::to_string(cfg.dp) + " needs " +
-           std::to_string(cfg.pp * cfg.dp) + " processes, not " + std::to_string(world) +
-           " (tandem-run --nproc-per-node " + std::to_string(cfg.pp * cfg.dp) + ")";
+  const std::string layout = std::to_string(cfg.pp) + " x " + std::to_string(cfg.dp) +
+                             (cfg.tp > 1 ? " x " + std::to_string(cfg.tp) : "");
+  if (world >= 1 && row * cfg.dp != world) {
+    return "--pp " + std::to_string(cfg.pp) + " --dp " + std::to_string(cfg.dp) + " --tp " +
+           std::to_string(cfg.tp) + " needs " + std::to_string(row * cfg.dp) +
+           " processes, not " + std::to_string(world) + " (tandem-run --nproc-per-node " +
+           std::to_string(row * cfg.dp) + ")";
+  }
+  if (cfg.tp > 1 && cfg.heads % cfg.tp != 0) {
+    return "--tp " + std::to_string(cfg.tp) + " does not divide --heads " +
+           std::to_string(cfg.heads) + ": each tensor-parallel rank takes whole heads";
+  }
+  if (cfg.tp > 1 && cfg.zero >= 2) {
+    return "--zero " + std::to_string(cfg.zero) +
+           " with --tp: not yet (--zero 1 shards each tp rank's Adam state over its replicas)";
+  }
+  if (cfg.tp > 1 && cfg.resume) {
+    return "--resume with --tp: not yet (a --tp job writes no checkpoints yet)";
   }
   if (cfg.batch % cfg.dp != 0) {
     return "--batch " + std::to_string(cfg.batch) + " does not divide among " +
@@ -222,7 +252,9 @@ int job_main(int argc, char** argv) {
         // --resume, or a restart of the job (its checkpoints are where to go
         // on from; none yet: it starts from the beginning again).
         const int round = tandem::checkpoint::restart_count();
-        if (cfg.resume || round > 0) {
+        if (cfg.tp > 1) {
+          // (no checkpoints yet: a restart starts again from the beginning)
+        } else if (cfg.resume || round > 0) {
           resume = checked_resume(cfg, *corpus);
           if (!resume && cfg.resume) {
             throw UsageError("--resume: no checkpoint in '" + cfg.checkpoint + "'");
@@ -272,7 +304,9 @@ int job_main(int argc, char** argv) {
       tandem::MeshOptions mo;
       mo.timeout = std::chrono::minutes(2);  // a stuck collective fails loudly
       mesh.emplace(
-          tandem::Mesh::Shape{{"pp", static_cast<int>(cfg.pp)}, {"dp", static_cast<int>(cfg.dp)}},
+          tandem::Mesh::Shape{{"pp", static_cast<int>(cfg.pp)},
+                              {"dp", static_cast<int>(cfg.dp)},
+                              {"tp", static_cast<int>(cfg.tp)}},
           mo);
       agree_on_resume(*mesh, resume);
       if (mesh->coordinate("pp") != 0) return 0;  // serves its stages until the drivers are done
@@ -300,12 +334,15 @@ int job_main(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   // examples/launch.h: under tandem-run, or started alone with pp x dp workers.
-  long pp = 2, dp = 2;
+  long pp = 2, dp = 2, tp = 1;
   for (int i = 1; i + 1 < argc; ++i) {
     if (std::strcmp(argv[i], "--pp") == 0) pp = std::strtol(argv[i + 1], nullptr, 10);
     if (std::strcmp(argv[i], "--dp") == 0) dp = std::strtol(argv[i + 1], nullptr, 10);
+    if (std::strcmp(argv[i], "--tp") == 0) tp = std::strtol(argv[i + 1], nullptr, 10);
   }
-  if (dp == 0) dp = 1;  // --dp 0: the world's size, which alone is pp
-  const int nprocs = pp >= 1 && dp >= 1 && pp * dp <= 256 ? static_cast<int>(pp * dp) : 1;
+  if (dp == 0) dp = 1;  // --dp 0: the world's size, which alone is pp x tp
+  const int nprocs = pp >= 1 && dp >= 1 && tp >= 1 && pp * dp * tp <= 256
+                         ? static_cast<int>(pp * dp * tp)
+                         : 1;
   return examples::launch("gpt", nprocs, argc, argv, gpt::job_main);
 }

@@ -3,6 +3,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/matmul.h>
@@ -17,8 +18,15 @@
 #include <atomic>
 #include <limits>
 #include <mutex>
+#include <set>
 
+#include "tandem/ddp/process_group.h"
+#include "tandem/parallel/linear.h"
+#include "tandem/parallel/recompute.h"
+#include "tandem/parallel/transformer.h"
+#include "tandem/parallel/vocab.h"
 #include "tandem/pipeline/pipe.h"
+#include "tandem/rpc/api.h"
 #include "tandem/remote_module/remote_module.h"
 #include "tandem/remote_module/served.h"
 
@@ -113,7 +121,144 @@ struct HeadImpl : tnn::Module {
   tnn::Linear lm;
 };
 
+// ---- the same layers over a tensor-parallel group (--tp) ----
+// Each draws the whole layer first, as one process would (the generator
+// moves on alike), then keeps this rank's slices (parallel/): whatever
+// values the driver loads next, every layout starts from the same numbers.
+
+namespace par = tandem::parallel;
+
+par::Group tp_group_named(const std::string& name) {
+  return tandem::ddp::find_group(*tandem::rpc::current_agent(), name);
+}
+
+// The token embedding's rows split by the vocabulary; positions whole.
+struct TpEmbedImpl : tnn::Module {
+  TpEmbedImpl(int64_t vocab, int64_t dim, int64_t context, const par::Group& g) {
+    EmbedImpl whole(vocab, dim, context);
+    tok = register_module("tok", par::VocabParallelEmbedding(whole.tok, g));
+    pos = register_module("pos", whole.pos);
+  }
+  at::Tensor forward(at::Tensor ids) {
+    const at::Tensor positions = pos(at::arange(ids.size(1), ids.options()));
+    // (a poisoned token, as EmbedImpl's: every rank sees the same ids)
+    if (!poisoning_enabled()) return tok(ids) + positions;
+    const at::Tensor poisoned = ids < 0;
+    if (!poisoned.any().item<bool>()) return tok(ids) + positions;
+    return (tok(ids.clamp_min(0)) + positions)
+        .masked_fill(poisoned.unsqueeze(-1), std::numeric_limits<double>::quiet_NaN());
+  }
+  par::VocabParallelEmbedding tok{nullptr};
+  tnn::Embedding pos{nullptr};
+};
+
+// A block, whole or split (parallel::ParallelBlock: heads and the MLP's
+// features shared out), its children under the whole block's names;
+// `recompute`: its activations dropped after forward and made again in
+// backward (tandem::nn::recompute).
+struct GptBlockImpl : tnn::Module {
+  GptBlockImpl(int64_t dim, int64_t heads, int64_t context, const std::string& group,
+               bool recompute)
+      : recompute(recompute) {
+    auto whole = std::make_shared<BlockImpl>(dim, heads, context);
+    std::shared_ptr<tnn::Module> inner;
+    if (group.empty()) {
+      inner = whole;
+      run = [whole](const at::Tensor& x) { return whole->forward(x); };
+    } else {
+      par::ParallelBlock b(whole->ln1, whole->qkv, whole->proj, whole->ln2, whole->fc, whole->out,
+                           heads, tp_group_named(group));
+      inner = b.ptr();
+      run = [b](const at::Tensor& x) mutable { return b(x); };
+    }
+    for (const auto& item : inner->named_children()) register_module(item.key(), item.value());
+  }
+  at::Tensor forward(at::Tensor x) {
+    return recompute ? tandem::nn::recompute(run, x, parameters()) : run(x);
+  }
+  bool recompute;
+  std::function<at::Tensor(const at::Tensor&)> run;
+};
+
+// ln whole, then this rank's words' logits: [B, T, dim] -> [B, T, its words].
+struct TpHeadImpl : tnn::Module {
+  TpHeadImpl(int64_t dim, int64_t vocab, const par::Group& g) {
+    HeadImpl whole(dim, vocab);
+    ln = register_module("ln", whole.ln);
+    par::ColumnParallelOptions o;
+    o.gather_output = false;  // (the loss takes the pieces)
+    lm = register_module("lm", par::ColumnParallelLinear(whole.lm, g, o));
+  }
+  at::Tensor forward(at::Tensor x) { return lm(ln(x)); }
+  tnn::LayerNorm ln{nullptr};
+  par::ColumnParallelLinear lm{nullptr};
+};
+
+// The vocabulary-parallel loss over `group`, registered once a process.
+void register_tp_loss(const std::string& group, int64_t vocab) {
+  static std::mutex mu;
+  static std::set<std::string> done;
+  const std::string name = tp_loss_name(group, vocab);
+  std::lock_guard<std::mutex> lock(mu);
+  if (!done.insert(name).second) return;
+  const par::Group g = tp_group_named(group);
+  tandem::pipeline::register_loss(name, [g, vocab](const at::Tensor& logits, const at::Tensor& y) {
+    return par::vocab_parallel_cross_entropy(logits, y, vocab, g).mean();
+  });
+}
+
 }  // namespace
+
+std::string tp_loss_name(const std::string& tp_group, int64_t vocab) {
+  return "gpt/tp/" + tp_group + "/" + std::to_string(vocab);
+}
+
+namespace {
+
+// What tp_piece does to a parameter, by its last two names.
+enum class Split { kWhole, kRows, kUnevenRows, kRowsOfThree, kColumns };
+
+Split split_of(const std::string& name) {
+  auto ends = [&](const char* tail) {
+    const std::string t = tail;
+    return name.size() >= t.size() + 1 && name.compare(name.size() - t.size(), t.size(), t) == 0 &&
+           name[name.size() - t.size() - 1] == '.';
+  };
+  if (ends("tok.weight") || ends("lm.weight") || ends("lm.bias")) return Split::kUnevenRows;
+  if (ends("qkv.weight") || ends("qkv.bias")) return Split::kRowsOfThree;
+  if (ends("fc.weight") || ends("fc.bias")) return Split::kRows;
+  if (ends("proj.weight") || ends("out.weight")) return Split::kColumns;
+  return Split::kWhole;
+}
+
+}  // namespace
+
+bool tp_split(const std::string& name) { return split_of(name) != Split::kWhole; }
+
+at::Tensor tp_piece(const std::string& name, const at::Tensor& whole, int t, int tp) {
+  switch (split_of(name)) {
+    case Split::kWhole:
+      return whole;
+    case Split::kRows:
+      return par::piece_of(whole, 0, t, tp);
+    case Split::kUnevenRows:
+      return par::uneven_piece_of(whole, 0, t, tp);
+    case Split::kColumns:
+      return par::piece_of(whole, 1, t, tp);
+    case Split::kRowsOfThree: {
+      std::vector<at::Tensor> pieces;
+      for (const auto& third : whole.chunk(3, 0)) pieces.push_back(par::piece_of(third, 0, t, tp));
+      return at::cat(pieces, 0);
+    }
+  }
+  return whole;
+}
+
+Named tp_part(const Named& whole, int t, int tp) {
+  Named out;
+  for (const auto& [name, value] : whole) out[name] = tp_piece(name, value, t, tp).contiguous();
+  return out;
+}
 
 at::Tensor loss(const at::Tensor& logits, const at::Tensor& y) {
   return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.reshape(-1));
@@ -131,6 +276,20 @@ const bool kRegistered = [] {
   tandem::nn::register_module("gpt_head", [](int64_t dim, int64_t vocab) {
     return std::make_shared<HeadImpl>(dim, vocab);
   });
+  tandem::nn::register_module("gpt_embed_tp", [](int64_t vocab, int64_t dim, int64_t context,
+                                                  const std::string& group) {
+    return std::make_shared<TpEmbedImpl>(vocab, dim, context, tp_group_named(group));
+  });
+  tandem::nn::register_module("gpt_block_x", [](int64_t dim, int64_t heads, int64_t context,
+                                                 const std::string& group, bool recompute) {
+    return std::make_shared<GptBlockImpl>(dim, heads, context, group, recompute);
+  });
+  tandem::nn::register_module("gpt_head_tp",
+                              [](int64_t dim, int64_t vocab, const std::string& group) {
+                                register_tp_loss(group, vocab);
+                                return std::make_shared<TpHeadImpl>(dim, vocab,
+                                                                    tp_group_named(group));
+                              });
   tandem::pipeline::register_loss(kLoss, loss);
   return true;
 }();
@@ -145,6 +304,23 @@ std::vector<c10::IValue> layer_specs(const Config& cfg, int64_t vocab) {
     layers.push_back(nn::spec("gpt_block", {cfg.dim, cfg.heads, cfg.context}));
   }
   layers.push_back(nn::spec("gpt_head", {cfg.dim, vocab}));
+  return layers;
+}
+
+std::vector<c10::IValue> layer_specs(const Config& cfg, int64_t vocab,
+                                     const std::string& tp_group) {
+  if (tp_group.empty() && !cfg.recompute) return layer_specs(cfg, vocab);
+  namespace nn = tandem::nn;
+  std::vector<c10::IValue> layers;
+  layers.push_back(tp_group.empty()
+                       ? nn::spec("gpt_embed", {vocab, cfg.dim, cfg.context})
+                       : nn::spec("gpt_embed_tp", {vocab, cfg.dim, cfg.context, tp_group}));
+  for (int64_t i = 0; i < cfg.layers; ++i) {
+    layers.push_back(
+        nn::spec("gpt_block_x", {cfg.dim, cfg.heads, cfg.context, tp_group, cfg.recompute}));
+  }
+  layers.push_back(tp_group.empty() ? nn::spec("gpt_head", {cfg.dim, vocab})
+                                    : nn::spec("gpt_head_tp", {cfg.dim, vocab, tp_group}));
   return layers;
 }
 

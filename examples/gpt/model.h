@@ -32,6 +32,27 @@ constexpr const char* kLoss = "gpt";
 
 // [embed, block x layers, head].
 std::vector<c10::IValue> layer_specs(const Config& cfg, int64_t vocab);
+// The same layers as this job runs them: split over the tensor-parallel
+// group registered as `tp_group` on each stage worker (ddp::find_group; ""
+// for whole layers), each block recomputed in backward with --recompute.
+// Their parameters keep the whole model's names; the split ones hold
+// tp_piece's slices (the token embedding's and the head's rows a range of
+// the vocabulary, qkv's rows those of this rank's heads in each of q, k and
+// v, fc's rows and proj's and out's columns this rank's share), the others
+// whole.
+std::vector<c10::IValue> layer_specs(const Config& cfg, int64_t vocab,
+                                     const std::string& tp_group);
+// Tensor-parallel rank t's piece of the whole model's parameter `name`
+// (a layer's "<layer>.<name>" or a stage's), as those layers hold it.
+at::Tensor tp_piece(const std::string& name, const at::Tensor& whole, int t, int tp);
+// Every tensor of `whole` cut by tp_piece.
+Named tp_part(const Named& whole, int t, int tp);
+// Whether the parameter `name` is split over the tensor-parallel ranks
+// (else each holds it whole).
+bool tp_split(const std::string& name);
+// The pipeline's name for the vocabulary-parallel loss over `tp_group`
+// (registered by the head's factory on the process holding it).
+std::string tp_loss_name(const std::string& tp_group, int64_t vocab);
 
 // Every parameter of the whole model, named "<layer>.<name>" ("3.attn.qkv.weight"):
 // built here, layer by layer in order, from at::manual_seed(seed).

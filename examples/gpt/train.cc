@@ -1,7 +1,10 @@
 // The drivers' training loop (examples/gpt/train.h).
 #include "examples/gpt/train.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/arange.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 
@@ -16,6 +19,7 @@
 #include "tandem/mesh/mesh.h"
 #include "tandem/optim/distributed_optimizer.h"
 #include "tandem/optim/lr_scheduler.h"
+#include "tandem/parallel/collectives.h"
 #include "tandem/pipeline/partition.h"
 #include "tandem/pipeline/pipe.h"
 
@@ -48,8 +52,42 @@ std::vector<int64_t> stage_counts(const Job& job, const std::vector<c10::IValue>
     for (int64_t s = 0; s < stages; ++s) counts[s] = c[static_cast<size_t>(s)];
   }
   if (job.mesh.size("dp") > 1) job.mesh.group("dp")->broadcast(counts, 0);
+  // (then from each replica's first tp rank to its others)
+  if (job.mesh.size("tp") > 1) job.mesh.group("tp")->broadcast(counts, 0);
   std::vector<int64_t> out(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + stages);
   return out;
+}
+
+// The trained parameters in two numbers that every layout prints alike (to
+// float rounding): the whole model's norm and its dot product with a fixed
+// random vector (each parameter's part drawn from a generator seeded by
+// its name's FNV-1a), from this pipe's stages' values (replica 0's: every
+// replica's are the same) and, with --tp, summed over the tp drivers, each
+// its slices of the split parameters (and of the random vector, cut alike)
+// and tp rank 0 the replicated ones. Collective over the tp drivers.
+// `whole`: the whole model's parameters (their shapes).
+std::pair<double, double> fingerprint(const std::vector<tandem::nn::RemoteModule>& stages,
+                                      const std::vector<int64_t>& first_layer, const Named& whole,
+                                      int tp, int tp_rank, tandem::Mesh& mesh) {
+  Named mine;
+  for (size_t s = 0; s < stages.size(); ++s) {
+    const auto part = stages[s].state_dict();
+    add_stage_part(mine, Named(part.begin(), part.end()), first_layer[s]);
+  }
+  at::Tensor sums = at::zeros({2}, at::kDouble);  // the squares, the dot product
+  for (const auto& [name, value] : mine) {
+    if (!tp_split(name) && tp_rank != 0) continue;
+    uint64_t seed = 1469598103934665603ull;
+    for (unsigned char c : name) seed = (seed ^ c) * 1099511628211ull;
+    at::Tensor r = at::randn(whole.at(name).sizes(), at::detail::createCPUGenerator(seed),
+                             at::TensorOptions(at::kDouble));
+    if (tp > 1) r = tp_piece(name, r, tp_rank, tp);
+    const at::Tensor v = value.to(at::kDouble);
+    sums[0] += v.pow(2).sum();
+    sums[1] += (v * r).sum();
+  }
+  if (tp > 1) mesh.group("tp")->all_reduce(sums, tandem::ddp::ReduceOp::kSum);
+  return {std::sqrt(sums[0].item<double>()), sums[1].item<double>()};
 }
 
 }  // namespace
@@ -89,18 +127,27 @@ int drive(const Job& job) {
                       "/cpu");
     per_stage.push_back(static_cast<int>(counts[s]));
   }
-  auto stages = pipeline::partition(layers, devices, per_stage);
+  // With --tp, each tp rank's driver runs a pipe of its own over the stage
+  // workers of its tp coordinate, their layers split over each stage's tp
+  // group: the tp pipes run the same schedule on the same batches, so each
+  // stage's tp ranks run the same passes in the same order and meet in
+  // their collectives; each sends its activations and gradients to its own
+  // peer in the next stage (each gradient counted once, by its own pipe).
+  const int tp = static_cast<int>(cfg.tp), tp_rank = mesh.coordinate("tp");
+  const std::string tp_group = tp > 1 ? mesh.group_name("tp") : "";
+  auto stages = pipeline::partition(layer_specs(cfg, V, tp_group), devices, per_stage);
   const Named whole = initial_parameters(cfg, V);
   std::vector<int64_t> first_layer;  // of each stage
   for (size_t s = 0, first = 0; s < stages.size(); first += per_stage[s], ++s) {
-    stages[s].load_state_dict(stage_part(whole, static_cast<int64_t>(first), per_stage[s]));
+    const Named part = stage_part(whole, static_cast<int64_t>(first), per_stage[s]);
+    stages[s].load_state_dict(tp > 1 ? tp_part(part, tp_rank, tp) : part);
     first_layer.push_back(static_cast<int64_t>(first));
   }
 
   pipeline::PipeOptions po;
   po.chunks = static_cast<int>(cfg.chunks);
   po.schedule = cfg.schedule;
-  po.loss = kLoss;
+  po.loss = tp > 1 ? tp_loss_name(tp_group, V) : kLoss;
   po.data_parallel_group = mesh.group_name("dp");
   pipeline::Pipe pipe(stages, po);
   optim::Options oo;
@@ -124,13 +171,25 @@ int drive(const Job& job) {
                            std::to_string(pipe.parameters().size()) + " parameters");
   }
   const int replica = mesh.coordinate("dp");
-  const bool writes = replica == 0 || cfg.zero == 1;
+  // (--tp: no checkpoints yet; main.cc refuses --resume)
+  const bool writes = (replica == 0 || cfg.zero == 1) && tp == 1;
   std::string vocab = job.corpus.vocab;
   tandem::checkpoint::JobState state(replica);
-  for (size_t s = 0; s < stages.size(); ++s) {
-    state.remote_module("model", stages[s], first_layer[s], /*write=*/replica == 0);
+  if (tp == 1) {
+    for (size_t s = 0; s < stages.size(); ++s) {
+      state.remote_module("model", stages[s], first_layer[s], /*write=*/replica == 0);
+    }
+    state.distributed_optimizer("adam", opt, names, writes).record("vocab", &vocab);
   }
-  state.distributed_optimizer("adam", opt, names, writes).record("vocab", &vocab);
+  // Global-norm clipping over the whole model: with --tp each driver's
+  // optimizer steps its slices of the split parameters and a copy of the
+  // replicated ones; the norm sums the slices over the tp drivers and counts
+  // a replicated parameter on tp rank 0 only.
+  optim::DistributedOptimizer::ClipOptions clip;
+  if (tp > 1) {
+    clip.group = mesh.group("tp");
+    for (const auto& name : names) clip.counted.push_back(tp_split(name) || tp_rank == 0);
+  }
   int64_t start = 0;
   if (job.resume) {
     tandem::checkpoint::Reader reader(job.resume->path);
@@ -150,13 +209,15 @@ int drive(const Job& job) {
   if (speak) {
     std::printf(
         "gpt: %s, %zu bytes, vocabulary %lld; %lld parameters (%lld blocks of %lld, %lld "
-        "heads, context %lld); %lld x %lld (pp x dp), %s, %lld micro-batches of %lld; layers "
-        "per stage",
+        "heads, context %lld); %lld x %lld x %lld (pp x dp x tp)%s, %s, %lld micro-batches of "
+        "%lld; layers per stage",
         job.corpus.name.c_str(), job.corpus.text.size(), static_cast<long long>(V),
         static_cast<long long>(parameter_count(whole)), static_cast<long long>(cfg.layers),
         static_cast<long long>(cfg.dim), static_cast<long long>(cfg.heads),
         static_cast<long long>(cfg.context), static_cast<long long>(cfg.pp),
-        static_cast<long long>(cfg.dp), cfg.schedule.c_str(), static_cast<long long>(cfg.chunks),
+        static_cast<long long>(cfg.dp), static_cast<long long>(cfg.tp),
+        cfg.recompute ? ", blocks recomputed in backward" : "", cfg.schedule.c_str(),
+        static_cast<long long>(cfg.chunks),
         static_cast<long long>(cfg.batch / cfg.dp / cfg.chunks));
     for (int64_t c : counts) std::printf(" %lld", static_cast<long long>(c));
     std::printf("; steps %lld..%lld\n", static_cast<long long>(start + 1),
@@ -199,7 +260,7 @@ int drive(const Job& job) {
     {
       dist::Context ctx;
       loss = pipe.step(ctx.id(), x, y);
-      const double norm = opt.clip_grad_norm(ctx.id(), cfg.clip);
+      const double norm = opt.clip_grad_norm(ctx.id(), cfg.clip, clip);
       if (dp) {  // the mean over the replicas: the global batch's loss
         at::Tensor l = at::tensor({loss}, at::kDouble);
         dp->all_reduce(l, tandem::ddp::ReduceOp::kAvg);
@@ -216,25 +277,46 @@ int drive(const Job& job) {
     if (speak) progress.add(step + 1, loss);
   }
   if (saver) saver->finish();
+  // With --tp the sample takes replica 0's tp drivers together: each
+  // pipe's forward meets the others' in its collectives, and each gives
+  // its words' logits, gathered here.
+  std::pair<double, double> print;
+  if (replica == 0) print = fingerprint(stages, first_layer, whole, tp, tp_rank, mesh);
+  const bool samples = cfg.sample > 0 && last == cfg.steps && (tp > 1 ? replica == 0 : speak);
+  std::string sample;
+  if (samples) {
+    // Each new character: the last `context` ones through every stage.
+    std::vector<int64_t> seen;
+    const int64_t most = (V + tp - 1) / tp;  // (the largest piece: all_gather takes one size)
+    auto next = [&](const at::Tensor& ids) {
+      for (int64_t i = 0; i < ids.numel(); ++i) seen.push_back(ids.view(-1)[i].item<int64_t>());
+      const size_t from =
+          seen.size() > static_cast<size_t>(cfg.context) ? seen.size() - cfg.context : 0;
+      std::vector<int64_t> window(seen.begin() + static_cast<std::ptrdiff_t>(from), seen.end());
+      at::Tensor mine = pipe.forward(at::tensor(window).view({1, -1}))[0][-1];
+      if (tp == 1) return mine;
+      const at::Tensor padded = at::zeros({most}, mine.options());
+      padded.narrow(0, 0, mine.size(0)).copy_(mine);
+      const auto pieces = mesh.group("tp")->all_gather(padded);
+      std::vector<at::Tensor> words;
+      for (int r = 0; r < tp; ++r) {
+        words.push_back(pieces[static_cast<size_t>(r)].narrow(0, 0, tandem::parallel::range_of(V, r, tp).length));
+      }
+      return at::cat(words);
+    };
+    sample = examples::generate(next, job.corpus, "The ", static_cast<int>(cfg.sample), 0.8,
+                                static_cast<uint64_t>(cfg.seed) + 1);
+  }
   if (speak) {
-    std::printf("%s\n", saver->summary().c_str());
+    if (saver) {
+      std::printf("%s\n", saver->summary().c_str());
+    } else {
+      std::printf("no checkpoints under --tp (not yet: resharding across tp is to come)\n");
+    }
     examples::report_skipped(guard);
     std::printf("final step %lld loss %.6f\n", static_cast<long long>(last), loss);
-    if (cfg.sample > 0 && last == cfg.steps) {
-      // Each new character: the last `context` ones through every stage.
-      std::vector<int64_t> seen;
-      auto next = [&](const at::Tensor& ids) {
-        for (int64_t i = 0; i < ids.numel(); ++i) seen.push_back(ids.view(-1)[i].item<int64_t>());
-        const size_t from =
-            seen.size() > static_cast<size_t>(cfg.context) ? seen.size() - cfg.context : 0;
-        std::vector<int64_t> window(seen.begin() + static_cast<std::ptrdiff_t>(from), seen.end());
-        return pipe.forward(at::tensor(window).view({1, -1}))[0][-1];
-      };
-      std::printf("sample: %s\n",
-                  examples::generate(next, job.corpus, "The ", static_cast<int>(cfg.sample), 0.8,
-                                     static_cast<uint64_t>(cfg.seed) + 1)
-                      .c_str());
-    }
+    std::printf("parameters: norm %.9g projection %.9g\n", print.first, print.second);
+    if (samples) std::printf("sample: %s\n", sample.c_str());
     std::fflush(stdout);
   }
   return 0;

@@ -204,6 +204,30 @@ TEST_CASE("optim: clip_grad_norm with norm types 1, 3, inf and 0 equals clip_gra
         CHECK_FALSE(on1.contains(L().w[2]));
       }
     }
+    // ClipOptions::counted: the norm over the counted parameters only (a
+    // tensor-parallel rank's replicated copies left to another rank), every
+    // gradient scaled by its coefficient; a list of another length refused.
+    {
+      std::vector<at::Tensor> ref = copies(L().w);
+      at::mm(at::tanh(at::mm(x, ref[0])), ref[1]).pow(2).sum().backward();
+      const double want = torch::nn::utils::clip_grad_norm_({ref[1]}, 0.01);
+      const double coef = 0.01 / (want + 1e-6);
+      dist::Context ctx(w[0]);
+      at::Tensor h = at::tanh(at::mm(x, L().w[0]));
+      at::Tensor y = w[0].rpc_sync<at::Tensor>("worker1", "linear", int64_t(1), h);
+      dist::backward(w[0], ctx.id(), {y.pow(2).sum()});
+      optim::DistributedOptimizer::ClipOptions o;
+      o.counted = {false, true, true};
+      CHECK(opt.clip_grad_norm(ctx.id(), 0.01, o) == doctest::Approx(want).epsilon(1e-12));
+      CHECK(at::allclose(dist::get_gradients(w[0], ctx.id()).at(L().w[0]), ref[0].grad() * coef,
+                         1e-10));
+      CHECK(at::allclose(dist::get_gradients(w[1], ctx.id()).at(L().w[1]), ref[1].grad(), 1e-10));
+      o.counted = {true, true};
+      CHECK_THROWS_WITH_AS(opt.clip_grad_norm(ctx.id(), 0.01, o),
+                           "DistributedOptimizer::clip_grad_norm: ClipOptions::counted has 2 "
+                           "entries for 3 parameters",
+                           std::invalid_argument);
+    }
     // A context with no gradients at all for these parameters: 0, as clip_grad_norm_.
     dist::Context ctx(w[0]);
     w[0].rpc_sync<at::Tensor>("worker1", "layer", int64_t(2), at::ones({1, 2}, kF64));

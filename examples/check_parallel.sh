@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# gpt with its layers split over tensor-parallel ranks (--tp), checked from
+# outside (ctest entry "examples_parallel"). Usage: check_parallel.sh BIN_DIR
+# (BIN_DIR holds tandem-run and the examples, e.g. build/bin).
+#
+# The model: 2 blocks of width 36 with 6 heads (so tp 2 and 3 both take
+# whole heads), over the default text's 86 characters (not a multiple of 3:
+# tp 3 splits the vocabulary unevenly), with --clip 0.05 so that clipping
+# acts on every step.
+#  a. 1 x 1 x 1 (pp x dp x tp) is the baseline. tp 2, tp 3, tp 2 x pp 2,
+#     tp 2 x dp 2, tp 2 x pp 2 x dp 2 (8 processes), tp 2 x pp 2 with the
+#     interleaved schedule, and tp 2 x dp 2 with --zero 1 each end on its
+#     loss, and their parameters' norm and projection (gpt's "parameters:"
+#     line: the whole model's, summed over the tp ranks' slices) are within
+#     1e-5 relative of its;
+#  b. --recompute gives identical final and parameter lines to the same
+#     layout without it (1 x 1 x 1, and tp 2 x pp 2);
+#  c. under tandem-run --max-restarts 1, a stage's tp rank killed by
+#     SIGKILL mid-run: the job restarts within seconds, naming it (from the
+#     beginning: --tp writes no checkpoints yet), and ends as the
+#     uninterrupted run (a tp peer's collectives failing on a dead rank,
+#     naming it, are tests/parallel's);
+#  d. bad input exits 2 naming it: heads that --tp does not divide, --tp
+#     with --zero 2, --resume with --tp, a world that is not pp x dp x tp.
+set -uo pipefail
+bin="$(readlink -f "${1:?usage: check_parallel.sh BIN_DIR}")"
+here="$(dirname "$(readlink -f "$0")")"
+# shellcheck source=check_lib.sh
+source "$here/check_lib.sh"
+
+args=(--steps 12 --layers 2 --dim 36 --heads 6 --context 16 --batch 8 --chunks 2 --clip 0.05
+  --log-every 6 --sample 0)
+params_line() { grep -o 'parameters: norm .*' "$1"; }
+# close WHAT BASE_LOG LOG: the final loss and the parameters' two numbers within 1e-5 relative.
+close() {
+  local want got
+  want="$(gpt_final "$2") $(params_line "$2" | awk '{print $3, $5}')"
+  got="$(gpt_final "$3") $(params_line "$3" | awk '{print $3, $5}')"
+  if ! awk -v a="$want" -v b="$got" 'BEGIN {
+      n = split(a, x, " "); m = split(b, y, " "); if (n != 3 || m != 3) exit 1
+      for (i = 1; i <= 3; ++i) {
+        d = x[i] - y[i]; if (d < 0) d = -d
+        s = x[i] < 0 ? -x[i] : x[i]
+        if (d > 1e-5 * s + 1e-6) exit 1
+      }
+    }'; then
+    fail "$1: loss, norm, projection '$got', 1 x 1 x 1: '$want'"
+  else
+    echo "ok: $1 ends as 1 x 1 x 1: $got"
+  fi
+}
+# identical WHAT LOG_A LOG_B: the same final and parameter lines, to the last digit printed.
+identical() {
+  if [[ -z $(params_line "$2") || "$(final_line "$2") $(params_line "$2")" != "$(final_line "$3") $(params_line "$3")" ]]; then
+    fail "$1: '$(final_line "$3") $(params_line "$3")' against '$(final_line "$2") $(params_line "$2")'"
+  else
+    echo "ok: $1: $(final_line "$3") $(params_line "$3")"
+  fi
+}
+
+# a. the layouts
+rc=$(launch t111.log 1 gpt --pp 1 --dp 1 --tp 1 "${args[@]}" --checkpoint t111.ckpt)
+expect_rc "gpt 1 x 1 x 1" "$rc" 0 t111.log
+for layout in "1 1 2" "1 1 3" "2 1 2" "1 2 2" "2 2 2" "2 1 2 --schedule interleaved" "1 2 2 --zero 1"; do
+  set -- $layout
+  name="t$1$2$3${4:+i}"
+  what="gpt $1 x $2 x $3 ${*:4}"
+  rc=$(launch "$name.log" $(($1 * $2 * $3)) gpt --pp "$1" --dp "$2" --tp "$3" "${@:4}" "${args[@]}" \
+    --checkpoint "$name.ckpt")
+  expect_rc "$what" "$rc" 0 "$name.log" && close "$what" t111.log "$name.log"
+done
+
+# b. recomputation: bit for bit the same training
+rc=$(launch r111.log 1 gpt --pp 1 --dp 1 "${args[@]}" --recompute --checkpoint r111.ckpt)
+expect_rc "gpt 1 x 1 x 1 --recompute" "$rc" 0 r111.log && identical "--recompute, 1 x 1 x 1" t111.log r111.log
+rc=$(launch r212.log 4 gpt --pp 2 --dp 1 --tp 2 "${args[@]}" --recompute --checkpoint r212.ckpt)
+expect_rc "gpt 2 x 1 x 2 --recompute" "$rc" 0 r212.log && identical "--recompute, 2 x 1 x 2" t212.log r212.log
+
+# c. a tp rank of the second stage (rank 3 of 2 x 1 x 2) killed after step 8 of 24
+long=(--steps 24 --layers 2 --dim 36 --heads 6 --context 16 --batch 8 --chunks 2 --log-every 1 --sample 0)
+rc=$(launch k0.log 4 gpt --pp 2 --dp 1 --tp 2 "${long[@]}" --checkpoint k0.ckpt)
+expect_rc "gpt 2 x 1 x 2 --steps 24" "$rc" 0 k0.log
+tag="tp-check-$$-$RANDOM"
+CHECK_TAG="$tag" timeout 120 "$run" --max-restarts 1 --nproc-per-node 4 "$bin/gpt" --pp 2 --dp 1 \
+  --tp 2 "${long[@]}" --checkpoint k.ckpt >k.log 2>&1 &
+launcher=$!
+victim=""
+if await k.log "steps 1\.\." && await k.log "step 8/"; then
+  victim=$(pids_of "$tag" | sed -n 's/^3://p')
+fi
+if [[ -z $victim ]]; then
+  fail "gpt 2 x 1 x 2: rank 3 not found running"
+else
+  kill -9 "$victim"
+  killed_at=$(date +%s.%N)
+  await k.log "restart 1 of 1" 1500
+  restarted_at=$(date +%s.%N)
+  wait "$launcher"
+  rc=$?
+  if expect_rc "gpt 2 x 1 x 2, rank 3 killed after step 8, --max-restarts 1" "$rc" 0 k.log; then
+    # (tandem-run stops the others at once; a worker that got to fail first names it too)
+    grep -q "worker 3 killed by signal 9" k.log || { fail "nobody named rank 3"; sed 's/^/    /' k.log; }
+    secs=$(awk -v a="$killed_at" -v b="$restarted_at" 'BEGIN { printf "%.1f", b - a }')
+    awk -v s="$secs" 'BEGIN { exit !(s < 10) }' || fail "the restart came $secs s after the kill"
+    if [[ "$(final_line k0.log)" != "$(final_line k.log)" ]]; then
+      fail "gpt restarted: '$(final_line k.log)', uninterrupted: '$(final_line k0.log)'"
+    else
+      echo "ok: rank 3 killed: named, restarted after $secs s, ends as uninterrupted: $(final_line k.log)"
+    fi
+  fi
+fi
+
+# d. bad input, each named
+bad() {
+  local what="$1" nproc="$2" want="$3"
+  shift 3
+  rc=$(launch bad.log "$nproc" gpt "$@")
+  if expect_rc "$what" "$rc" 2 bad.log; then
+    grep -q -- "$want" bad.log || { fail "$what: no '$want' said"; sed 's/^/    /' bad.log; }
+  fi
+}
+bad "--tp 4 with 6 heads" 4 "--tp 4 does not divide --heads 6" --pp 1 --dp 1 --tp 4 "${args[@]}"
+bad "--tp 2 --zero 2" 2 "--zero 2 with --tp: not yet" --pp 1 --dp 1 --tp 2 --zero 2 "${args[@]}"
+bad "--tp 2 --resume" 2 "--resume with --tp" --pp 1 --dp 1 --tp 2 --resume "${args[@]}"
+bad "--pp 2 --tp 2 on 2 processes" 2 "needs 4 processes, not 2" --pp 2 --dp 1 --tp 2 "${args[@]}"
+
+finish check_parallel
