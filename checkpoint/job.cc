@@ -80,12 +80,12 @@ void check_state(const Slices& r, const std::string& name, at::IntArrayRef shape
 // elements the step has nothing of (its optimizer keeps what it has:
 // Adagrad's state must never be missing).
 std::optional<std::string> checked_state(const Slices& r, optim::Kind kind, const std::string& name,
-                                         at::IntArrayRef shape, const std::string& optimizer) {
-  check_state(r, name, shape, optimizer);
+                                         const at::Tensor& param, const std::string& optimizer) {
+  check_state(r, name, saved_shape(param), optimizer);
   if (!r.contains(name)) return std::nullopt;
   try {
-    std::string bytes = r.state(kind, name, shape);
-    optim::check_param_state(kind, shape, bytes);
+    std::string bytes = read_state(r, kind, name, param);
+    optim::check_param_state(kind, param.sizes(), bytes);
     return bytes;
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument("checkpoint: '" + name + "': " + e.what());
@@ -190,16 +190,16 @@ JobState& JobState::module(const std::string& prefix, torch::nn::Module& m, bool
   Item item;
   item.write = [prefix, mod, write](Part& p) {
     if (!write) return;
-    for (const auto& [name, t] : tensors_of(*mod)) p.add(prefix + "." + name, t);
+    for (const auto& [name, t] : tensors_of(*mod)) add_tensor(p, prefix + "." + name, t);
   };
   item.verify = [prefix, mod](const Slices& r) {
     for (const auto& [name, t] : tensors_of(*mod)) {
-      check_tensor(r, prefix + "." + name, t.sizes(), "a tensor of module '" + prefix + "'");
+      check_tensor(r, prefix + "." + name, saved_shape(t), "a tensor of module '" + prefix + "'");
     }
   };
   item.read = [prefix, mod](const Slices& r) {
     torch::NoGradGuard no_grad;
-    for (auto& [name, t] : tensors_of(*mod)) t.copy_(r.tensor(prefix + "." + name, t.sizes()));
+    for (auto& [name, t] : tensors_of(*mod)) t.copy_(read_tensor(r, prefix + "." + name, t));
   };
   items_.push_back(std::move(item));
   return *this;
@@ -213,16 +213,24 @@ JobState& JobState::optimizer(const std::string& prefix, torch::optim::Optimizer
   Item item;
   item.write = [prefix, o, ps, write](Part& p) {
     if (!write) return;
-    // (each state copied now, made into bytes where the part is written)
-    for (const auto& [name, t] : *ps)
-      p.add_bytes_later(state_name(prefix, name), optim::param_state_snapshot(*o, t));
+    // (each state copied now, made into bytes where the part is written; a
+    // piece of a larger parameter's as slices of the whole one's)
+    std::string shape;
+    for (const auto& [name, t] : *ps) {
+      for (const StateCut& c : state_cuts(state_name(prefix, name), t, &shape)) {
+        p.add_bytes_later(c.entry, c.numel < 0 ? optim::param_state_snapshot(*o, t)
+                                               : optim::param_state_slice_snapshot(
+                                                     *o, t, c.start, c.numel));
+      }
+      if (!shape.empty()) p.add_bytes(shape_name(state_name(prefix, name)), shape);
+    }
   };
   auto decoded = std::make_shared<std::vector<std::optional<std::string>>>();
   item.verify = [prefix, o, ps, decoded](const Slices& r) {
     const optim::Kind kind = optim::kind_of(*o);
     decoded->clear();
     for (const auto& [name, t] : *ps) {
-      decoded->push_back(checked_state(r, kind, state_name(prefix, name), t.sizes(), prefix));
+      decoded->push_back(checked_state(r, kind, state_name(prefix, name), t, prefix));
     }
   };
   item.read = [o, ps, decoded](const Slices&) {
@@ -269,7 +277,7 @@ JobState& JobState::optimizer(const std::string& prefix, optim::ZeroRedundancyOp
     decoded->clear();
     for (size_t i : zp->share(zp->rank())) {
       decoded->push_back(
-          checked_state(r, kind, state_name(prefix, (*ns)[i]), zp->params()[i].sizes(), prefix));
+          checked_state(r, kind, state_name(prefix, (*ns)[i]), zp->params()[i], prefix));
     }
   };
   item.read = [prefix, zp, decoded](const Slices& slices) {

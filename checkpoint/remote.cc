@@ -77,7 +77,7 @@ class PartService final : public rpc::AgentExtension {
                    auto s = served(m, "checkpoint: saving '" + prefix + "'");
                    auto mine = std::make_shared<Part>();  // copies now
                    for (const auto& [name, t] : saved_names(*s, prefix, first_layer)) {
-                     mine->add(name, t);
+                     add_tensor(*mine, name, t);  // (a piece as slices of the whole)
                    }
                    return start_write(dir, step, part, [mine] { return std::move(*mine); });
                  });
@@ -85,15 +85,47 @@ class PartService final : public rpc::AgentExtension {
                  [this](int64_t id, std::string dir, int64_t step, int64_t part, std::string prefix,
                         std::vector<std::string> names) {
                    // The state copied now; made into bytes on the writer's thread.
-                   using Copies = std::vector<std::pair<size_t, std::function<std::string()>>>;
-                   auto copies = std::make_shared<Copies>(
-                       optim::owner::OptimService::of(agent_)->param_state_snapshots(id));
-                   for (const auto& copy : *copies)
-                     names.at(copy.first);  // (a bad name fails here)
-                   return start_write(dir, step, part, [copies, names, prefix] {
+                   // A piece of a larger parameter (placement.h) is written as
+                   // slices of the whole one's state, the piece that starts
+                   // the split dimension recording its shape.
+                   using Snapshot = optim::owner::OptimService::CutSnapshot;
+                   auto service = optim::owner::OptimService::of(agent_);
+                   const std::vector<at::Tensor> params = service->params(id);
+                   auto entries = std::make_shared<std::vector<std::string>>();
+                   auto shapes = std::make_shared<std::vector<std::pair<std::string, std::string>>>();
+                   auto copies = std::make_shared<std::vector<Snapshot>>(
+                       service->param_state_snapshots(
+                           id,
+                           [](const at::Tensor& p)
+                               -> std::optional<std::vector<std::pair<int64_t, int64_t>>> {
+                             std::vector<std::pair<int64_t, int64_t>> ranges;
+                             std::string unused;
+                             const auto cuts = state_cuts("", p, &unused);
+                             if (cuts.empty()) return std::nullopt;  // (another copy's)
+                             for (const StateCut& c : cuts) {
+                               if (c.numel >= 0) ranges.emplace_back(c.start, c.numel);
+                             }
+                             return ranges;
+                           }));
+                   for (size_t k = 0; k < copies->size();) {
+                     const size_t i = (*copies)[k].index;
+                     const std::string name = prefix + "/" + names.at(i);  // (a bad name fails here)
+                     std::string shape;
+                     for (const StateCut& c : state_cuts(name, params.at(i), &shape)) {
+                       if (k >= copies->size() || (*copies)[k].index != i) {
+                         throw std::logic_error("checkpoint: " + name + "'s state cut unlike its copies");
+                       }
+                       entries->push_back(c.entry);
+                       ++k;
+                     }
+                     if (!shape.empty()) shapes->emplace_back(shape_name(name), shape);
+                   }
+                   return start_write(dir, step, part, [copies, entries, shapes] {
                      Part mine;
-                     for (auto& [i, bytes] : *copies)
-                       mine.add_bytes(prefix + "/" + names.at(i), bytes());
+                     for (size_t k = 0; k < copies->size(); ++k) {
+                       mine.add_bytes(entries->at(k), (*copies)[k].make());
+                     }
+                     for (const auto& [name, text] : *shapes) mine.add_bytes(name, text);
                      return mine;
                    });
                  });
@@ -115,13 +147,13 @@ class PartService final : public rpc::AgentExtension {
       for (const auto& [name, t] : mine) {
         if (!slices.contains(name) && t.numel() > 0) {
           problem(name + " is missing");
-        } else if (const std::string p = slices.tensor_problem(name, t.sizes()); !p.empty()) {
+        } else if (const std::string p = slices.tensor_problem(name, saved_shape(t)); !p.empty()) {
           problem(p);
         }
       }
       std::vector<at::Tensor> values;
       if (problems.empty()) {
-        for (const auto& [name, t] : mine) values.push_back(slices.tensor(name, t.sizes()));
+        for (const auto& [name, t] : mine) values.push_back(read_tensor(slices, name, t));
       }
       if (!problems.empty()) {
         throw std::invalid_argument("checkpoint " + path + " cannot load into " + s->what + " '" +
@@ -138,6 +170,7 @@ class PartService final : public rpc::AgentExtension {
                    const Slices slices(reader);  // (whole, or in an FSDP job's slices)
                    auto service = optim::owner::OptimService::of(agent_);
                    const auto [kind, shapes] = service->layout(id);
+                   const std::vector<at::Tensor> params = service->params(id);
                    std::string missing;
                    for (size_t i : service->held_params(id)) {
                      const std::string name = prefix + "/" + names.at(i);
@@ -151,11 +184,10 @@ class PartService final : public rpc::AgentExtension {
                    }
                    // A parameter of no elements the step has nothing of keeps
                    // its optimizer's own state (Adagrad's must never be missing).
-                   const auto bytes_of = [&, kind = kind,
-                                          shapes = shapes](size_t i) -> std::optional<std::string> {
+                   const auto bytes_of = [&, kind = kind](size_t i) -> std::optional<std::string> {
                      const std::string name = prefix + "/" + names.at(i);
                      if (!slices.contains(name)) return std::nullopt;
-                     return slices.state(kind, name, shapes.at(i));
+                     return read_state(slices, kind, name, params.at(i));
                    };
                    try {
                      if (check_only) {

@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cctype>
+#include <set>
+#include <sstream>
 #include <stdexcept>
 
 namespace tandem::checkpoint {
@@ -37,12 +39,48 @@ std::string shape_text(at::IntArrayRef shape) {
   return s;
 }
 
+void add_tensor(Part& part, const std::string& name, const at::Tensor& t) {
+  if (replica_of(t) > 0) return;  // (copy 0 writes it)
+  const std::optional<Placement> p = placement_of(t);
+  if (!p) {
+    part.add(name, t);
+    return;
+  }
+  const at::Tensor flat = t.detach().contiguous().reshape({-1});
+  for (const PieceEntry& e : piece_entries(*p)) {
+    part.add(name + e.suffix, flat.narrow(0, e.piece_start, e.numel));
+  }
+  if (p->ranges.front().first == 0) part.add_bytes(shape_name(name), shape_text(p->whole));
+}
+
+std::vector<StateCut> state_cuts(const std::string& name, const at::Tensor& param,
+                                 std::string* shape_record) {
+  shape_record->clear();
+  if (replica_of(param) > 0) return {};  // (copy 0 writes it)
+  const std::optional<Placement> p = placement_of(param);
+  if (!p) return {{name, 0, -1}};
+  std::vector<StateCut> out;
+  for (const PieceEntry& e : piece_entries(*p)) out.push_back({name + e.suffix, e.piece_start, e.numel});
+  if (p->ranges.front().first == 0) *shape_record = shape_text(p->whole);
+  return out;
+}
+
 Slices::Slices(const Reader& reader) : reader_(reader) {
   for (const std::string& entry : reader.names()) {
     const size_t hash = entry.rfind('#');
     if (hash == std::string::npos) continue;
     const size_t colon = entry.find(':', hash);
     if (colon == std::string::npos) continue;
+    if (entry[hash + 1] == 'd') {  // a block: "#d<dim>:<start>:<end>"
+      const size_t second = entry.find(':', colon + 1);
+      if (second == std::string::npos) continue;
+      const int64_t dim = number(entry.substr(hash + 2, colon - hash - 2));
+      const int64_t a = number(entry.substr(colon + 1, second - colon - 1));
+      const int64_t b = number(entry.substr(second + 1));
+      if (dim < 1 || a < 0 || b <= a) continue;
+      add_block(entry.substr(0, hash), entry, dim, a, b);
+      continue;
+    }
     const int64_t start = number(entry.substr(hash + 1, colon - hash - 1));
     const int64_t end = number(entry.substr(colon + 1));
     if (start < 0 || end < start) continue;  // not a slice's name
@@ -51,6 +89,27 @@ Slices::Slices(const Reader& reader) : reader_(reader) {
   for (auto& [name, list] : slices_) {
     std::sort(list.begin(), list.end(),
               [](const Slice& x, const Slice& y) { return x.start < y.start; });
+  }
+}
+
+void Slices::add_block(const std::string& name, const std::string& entry, int64_t dim, int64_t a,
+                       int64_t b) {
+  // The whole shape, from the record beside it (without one, or with a
+  // dimension it lacks, the block stands for nothing and the name's
+  // coverage says what is missing).
+  if (!reader_.contains(shape_name(name))) return;
+  std::vector<int64_t> whole;
+  {
+    std::istringstream in(reader_.bytes(shape_name(name)));
+    for (long long d; in >> d;) whole.push_back(d);
+  }
+  if (dim >= static_cast<int64_t>(whole.size()) || b > whole[static_cast<size_t>(dim)]) return;
+  Placement p{whole, dim, {{a, b}}};
+  const int64_t numel = piece_entries(p).front().numel;
+  int64_t offset = 0;
+  for (const auto& [start, end] : flat_ranges(p)) {
+    slices_[name].push_back({start, end, entry, offset, numel});
+    offset += end - start;
   }
 }
 
@@ -96,9 +155,9 @@ std::string Slices::coverage_problem(const std::string& name, at::IntArrayRef sh
     if (s.start < at) return "'" + s.entry + "' overlaps the slice before it";
     if (tensors) {
       const std::vector<int64_t> got = reader_.shape(s.entry);
-      if (got != std::vector<int64_t>{s.end - s.start}) {
+      if (got != std::vector<int64_t>{s.numel()}) {
         return "'" + s.entry + "' is " + c10::str(at::IntArrayRef(got)) + ", not [" +
-               std::to_string(s.end - s.start) + "]";
+               std::to_string(s.numel()) + "]";
       }
     }
     at = s.end;
@@ -107,7 +166,10 @@ std::string Slices::coverage_problem(const std::string& name, at::IntArrayRef sh
     return "'" + name + "' has " + std::to_string(at) + " elements in its slices, " +
            std::to_string(numel) + " here";
   }
-  for (const Slice& s : *list) reader_.check(s.entry);
+  std::set<std::string> checked;  // (a block's rows share their entry)
+  for (const Slice& s : *list) {
+    if (checked.insert(s.entry).second) reader_.check(s.entry);
+  }
   return "";
 }
 
@@ -144,26 +206,84 @@ std::string Slices::state_problem(const std::string& name, at::IntArrayRef shape
   }
 }
 
+at::Tensor Slices::read_range(const std::string& n, int64_t a, int64_t b, Cache& cache) const {
+  auto entry = [&](const std::string& e) -> const at::Tensor& {
+    auto it = cache.tensors.find(e);
+    if (it == cache.tensors.end()) it = cache.tensors.emplace(e, reader_.tensor(e).reshape({-1})).first;
+    return it->second;
+  };
+  if (reader_.contains(n)) return entry(n).narrow(0, a, b - a);
+  if (!slices_of(n)) return at::empty({0});  // (no elements to hold)
+  std::vector<at::Tensor> parts;
+  const auto& list = *slices_of(n);
+  // (the first slice that may reach past a: they are sorted by start)
+  auto it = std::upper_bound(list.begin(), list.end(), a,
+                             [](int64_t x, const Slice& s) { return x < s.start; });
+  if (it != list.begin()) --it;
+  for (; it != list.end() && it->start < b; ++it) {
+    const Slice& s = *it;
+    const int64_t lo = std::max(a, s.start), hi = std::min(b, s.end);
+    if (lo >= hi) continue;
+    parts.push_back(entry(s.entry).narrow(0, s.offset + lo - s.start, hi - lo));
+  }
+  if (parts.empty()) return entry(list.front().entry).narrow(0, 0, 0);
+  return parts.size() == 1 ? parts[0] : at::cat(parts);
+}
+
 at::Tensor Slices::tensor(const std::string& name, at::IntArrayRef shape, int64_t a,
                           int64_t b) const {
   if (const std::string p = tensor_problem(name, shape); !p.empty()) {
     throw std::invalid_argument("checkpoint: " + p);
   }
-  const std::string n = resolve(name);
-  if (reader_.contains(n)) return reader_.tensor(n).reshape({-1}).narrow(0, a, b - a);
-  if (!slices_of(n)) return at::empty({0});  // (no elements to hold)
-  std::vector<at::Tensor> parts;
-  for (const Slice& s : *slices_of(n)) {
-    const int64_t lo = std::max(a, s.start), hi = std::min(b, s.end);
-    if (lo >= hi) continue;
-    parts.push_back(reader_.tensor(s.entry).narrow(0, lo - s.start, hi - lo));
+  Cache cache;
+  return read_range(resolve(name), a, b, cache);
+}
+
+at::Tensor Slices::piece(const std::string& name, const Placement& p) const {
+  if (const std::string problem = tensor_problem(name, p.whole); !problem.empty()) {
+    throw std::invalid_argument("checkpoint: " + problem);
   }
-  if (parts.empty()) return reader_.tensor(slices_of(n)->front().entry).narrow(0, 0, 0);
-  return parts.size() == 1 ? parts[0] : at::cat(parts);
+  const std::string n = resolve(name);
+  Cache cache;
+  std::vector<at::Tensor> parts;
+  for (const auto& [a, b] : flat_ranges(p)) parts.push_back(read_range(n, a, b, cache));
+  std::vector<int64_t> shape = p.whole;
+  int64_t along = 0;
+  for (const auto& [a, b] : p.ranges) along += b - a;
+  shape[static_cast<size_t>(p.dim)] = along;
+  if (parts.empty()) return at::empty(shape);
+  return (parts.size() == 1 ? parts[0] : at::cat(parts)).view(shape);
 }
 
 at::Tensor Slices::tensor(const std::string& name, at::IntArrayRef shape) const {
   return tensor(name, shape, 0, c10::multiply_integers(shape)).view(shape);
+}
+
+void Slices::pieces_range(const std::string& n, int64_t count, int64_t a, int64_t b, int64_t to,
+                          std::vector<optim::StatePiece>& out, Cache& cache) const {
+  auto bytes = [&](const std::string& e) {
+    auto it = cache.bytes.find(e);
+    if (it == cache.bytes.end()) {
+      it = cache.bytes.emplace(e, std::make_shared<const std::string>(reader_.bytes(e))).first;
+    }
+    return it->second;
+  };
+  if (reader_.contains(n)) {
+    out.push_back({bytes(n), count, a, to, b - a, n});
+    return;
+  }
+  if (!slices_of(n)) return;  // (no elements)
+  const auto& list = *slices_of(n);
+  auto it = std::upper_bound(list.begin(), list.end(), a,
+                             [](int64_t x, const Slice& s) { return x < s.start; });
+  if (it != list.begin()) --it;
+  for (; it != list.end() && it->start < b; ++it) {
+    const Slice& s = *it;
+    const int64_t lo = std::max(a, s.start), hi = std::min(b, s.end);
+    if (lo >= hi) continue;
+    out.push_back(
+        {bytes(s.entry), s.numel(), s.offset + lo - s.start, to + (lo - a), hi - lo, s.entry});
+  }
 }
 
 void Slices::state_pieces(const std::string& name, at::IntArrayRef shape, int64_t a, int64_t b,
@@ -171,18 +291,29 @@ void Slices::state_pieces(const std::string& name, at::IntArrayRef shape, int64_
   if (const std::string p = state_problem(name, shape); !p.empty()) {
     throw std::invalid_argument("checkpoint: " + p);
   }
+  Cache cache;
+  pieces_range(resolve(name), c10::multiply_integers(shape), a, b, to, out, cache);
+}
+
+std::string Slices::piece_state(optim::Kind kind, const std::string& name,
+                                const Placement& p) const {
+  if (const std::string problem = state_problem(name, p.whole); !problem.empty()) {
+    throw std::invalid_argument("checkpoint: " + problem);
+  }
   const std::string n = resolve(name);
-  if (reader_.contains(n)) {
-    out.push_back({reader_.bytes(n), c10::multiply_integers(shape), a, to, b - a, n});
-    return;
+  Cache cache;
+  std::vector<optim::StatePiece> pieces;
+  const int64_t count = c10::multiply_integers(p.whole);
+  int64_t to = 0;
+  for (const auto& [a, b] : flat_ranges(p)) {
+    pieces_range(n, count, a, b, to, pieces, cache);
+    to += b - a;
   }
-  if (!slices_of(n)) return;  // (no elements)
-  for (const Slice& s : *slices_of(n)) {
-    const int64_t lo = std::max(a, s.start), hi = std::min(b, s.end);
-    if (lo >= hi) continue;
-    out.push_back(
-        {reader_.bytes(s.entry), s.end - s.start, lo - s.start, to + (lo - a), hi - lo, s.entry});
-  }
+  std::vector<int64_t> shape = p.whole;
+  int64_t along = 0;
+  for (const auto& [a, b] : p.ranges) along += b - a;
+  shape[static_cast<size_t>(p.dim)] = along;
+  return optim::join_param_states(kind, shape, pieces);
 }
 
 std::string Slices::state(optim::Kind kind, const std::string& name, at::IntArrayRef shape) const {
@@ -192,6 +323,22 @@ std::string Slices::state(optim::Kind kind, const std::string& name, at::IntArra
   const int64_t count = c10::multiply_integers(shape);
   state_pieces(n, shape, 0, count, 0, pieces);
   return optim::join_param_states(kind, shape, pieces);
+}
+
+std::vector<int64_t> saved_shape(const at::Tensor& t) {
+  const std::optional<Placement> p = placement_of(t);
+  return p ? p->whole : t.sizes().vec();
+}
+
+at::Tensor read_tensor(const Slices& r, const std::string& name, const at::Tensor& t) {
+  const std::optional<Placement> p = placement_of(t);
+  return p ? r.piece(name, *p) : r.tensor(name, t.sizes());
+}
+
+std::string read_state(const Slices& r, optim::Kind kind, const std::string& name,
+                       const at::Tensor& param) {
+  const std::optional<Placement> p = placement_of(param);
+  return p ? r.piece_state(kind, name, *p) : r.state(kind, name, param.sizes());
 }
 
 }  // namespace tandem::checkpoint

@@ -6,7 +6,11 @@
 // "<name>#shape" (bytes: the dimensions, space-separated) records the
 // whole tensor's shape, and "<name>#alias" (bytes: another name) says that
 // `name` is the same tensor as that one (a parameter two modules share,
-// which FSDP holds once). Every loader of the library reads through here,
+// which FSDP holds once). A tensor-parallel piece cut along a dimension d
+// other than 0 is a block "<name>#d<d>:<start>:<end>" (checkpoint/
+// placement.h: its elements flattened, the whole shape recorded beside):
+// here it stands for the flat slices it covers, one a row of the
+// dimensions before d. Every loader of the library reads through here,
 // so whatever layout wrote a step, any layout loads it. Internal to the
 // library (not installed).
 #pragma once
@@ -19,6 +23,7 @@
 #include <vector>
 
 #include "tandem/checkpoint/checkpoint.h"
+#include "tandem/checkpoint/placement.h"
 #include "tandem/optim/param_state.h"
 
 namespace tandem::checkpoint {
@@ -28,6 +33,32 @@ std::string slice_name(const std::string& name, int64_t start, int64_t end);
 std::string shape_name(const std::string& name);
 std::string alias_name(const std::string& name);
 std::string shape_text(at::IntArrayRef shape);
+
+// Writes `t` under `name`: whole, or, when it is a piece of a larger
+// tensor (placement_of), as its entries (placement.h 2.), with the whole
+// shape recorded by the piece that starts the split dimension.
+void add_tensor(Part& part, const std::string& name, const at::Tensor& t);
+// (A replica's copy other than 0 adds nothing.)
+// How the optimizer state of `param` goes under `name`: one cut, the whole
+// state (numel -1), or, for a piece, one per entry, each the state of the
+// piece's flattened elements [start, start + numel); none for a replica's
+// copy other than 0; `shape_record` gets the whole shape's text when this
+// piece records it (else "").
+struct StateCut {
+  std::string entry;
+  int64_t start = 0, numel = -1;
+};
+std::vector<StateCut> state_cuts(const std::string& name, const at::Tensor& param,
+                                 std::string* shape_record);
+
+class Slices;
+// The shape `t` has in a step: the whole tensor's when it is a piece.
+std::vector<int64_t> saved_shape(const at::Tensor& t);
+// `t`'s values from `r` (its piece when it is one), in t's shape; and the
+// state of parameter `param` under `name`, as load_param_state takes it.
+at::Tensor read_tensor(const Slices& r, const std::string& name, const at::Tensor& t);
+std::string read_state(const Slices& r, optim::Kind kind, const std::string& name,
+                       const at::Tensor& param);
 
 class Slices {
  public:
@@ -60,11 +91,31 @@ class Slices {
   // std::invalid_argument naming the piece that does not fit.
   std::string state(optim::Kind kind, const std::string& name, at::IntArrayRef shape) const;
 
+  // A piece of the tensor `name` of `whole` shape where `p` places it (in
+  // the piece's shape), and the state of such a piece as load_param_state
+  // takes it; checked first as tensor_problem / state_problem check the
+  // whole (std::invalid_argument naming the problem).
+  at::Tensor piece(const std::string& name, const Placement& p) const;
+  std::string piece_state(optim::Kind kind, const std::string& name, const Placement& p) const;
+
  private:
   struct Slice {
     int64_t start = 0, end = 0;
     std::string entry;
+    int64_t offset = 0;        // where in the entry's (flattened) elements `start` is
+    int64_t entry_numel = -1;  // the entry's elements (-1: end - start)
+    int64_t numel() const { return entry_numel < 0 ? end - start : entry_numel; }
   };
+  // Read by one call: each entry once.
+  struct Cache {
+    std::map<std::string, at::Tensor> tensors;
+    std::map<std::string, std::shared_ptr<const std::string>> bytes;
+  };
+  at::Tensor read_range(const std::string& n, int64_t a, int64_t b, Cache& cache) const;
+  void pieces_range(const std::string& n, int64_t count, int64_t a, int64_t b, int64_t to,
+                    std::vector<optim::StatePiece>& out, Cache& cache) const;
+  void add_block(const std::string& name, const std::string& entry, int64_t dim, int64_t a,
+                 int64_t b);
   // The name the step holds `name` under (itself, or the one it aliases).
   std::string resolve(const std::string& name) const;
   const std::vector<Slice>* slices_of(const std::string& name) const;

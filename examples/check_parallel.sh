@@ -16,12 +16,17 @@
 #  b. --recompute gives identical final and parameter lines to the same
 #     layout without it (1 x 1 x 1, and tp 2 x pp 2);
 #  c. under tandem-run --max-restarts 1, a stage's tp rank killed by
-#     SIGKILL mid-run: the job restarts within seconds, naming it (from the
-#     beginning: --tp writes no checkpoints yet), and ends as the
-#     uninterrupted run (a tp peer's collectives failing on a dead rank,
-#     naming it, are tests/parallel's);
-#  d. bad input exits 2 naming it: heads that --tp does not divide, --tp
-#     with --zero 2, --resume with --tp, a world that is not pp x dp x tp.
+#     SIGKILL mid-run: the job restarts within seconds, naming it, from its
+#     newest checkpoint, and ends as the uninterrupted run (a tp peer's
+#     collectives failing on a dead rank, naming it, are tests/parallel's);
+#  d. resharding: tp 2 x pp 2 x dp 2 stopped at step 6 (each tp rank's
+#     stage workers write their slices of the split parameters and of their
+#     Adam state under the whole ones' names) resumes as 1 x 1 x 1, as tp 2
+#     alone, as tp 3 and under --zero 3 (FSDP); 1 x 1 x 1's step and
+#     --zero 3's resume as tp 2 x pp 2 and tp 2 x dp 2 --zero 1: each ends
+#     on the uninterrupted run's loss and parameters;
+#  e. bad input exits 2 naming it: heads that --tp does not divide, --tp
+#     with --zero 2, a world that is not pp x dp x tp.
 set -uo pipefail
 bin="$(readlink -f "${1:?usage: check_parallel.sh BIN_DIR}")"
 here="$(dirname "$(readlink -f "$0")")"
@@ -77,7 +82,8 @@ rc=$(launch r212.log 4 gpt --pp 2 --dp 1 --tp 2 "${args[@]}" --recompute --check
 expect_rc "gpt 2 x 1 x 2 --recompute" "$rc" 0 r212.log && identical "--recompute, 2 x 1 x 2" t212.log r212.log
 
 # c. a tp rank of the second stage (rank 3 of 2 x 1 x 2) killed after step 8 of 24
-long=(--steps 24 --layers 2 --dim 36 --heads 6 --context 16 --batch 8 --chunks 2 --log-every 1 --sample 0)
+long=(--steps 24 --layers 2 --dim 36 --heads 6 --context 16 --batch 8 --chunks 2 --log-every 1 --sample 0
+  --checkpoint-every 4)
 rc=$(launch k0.log 4 gpt --pp 2 --dp 1 --tp 2 "${long[@]}" --checkpoint k0.ckpt)
 expect_rc "gpt 2 x 1 x 2 --steps 24" "$rc" 0 k0.log
 tag="tp-check-$$-$RANDOM"
@@ -100,17 +106,51 @@ else
   if expect_rc "gpt 2 x 1 x 2, rank 3 killed after step 8, --max-restarts 1" "$rc" 0 k.log; then
     # (tandem-run stops the others at once; a worker that got to fail first names it too)
     grep -q "worker 3 killed by signal 9" k.log || { fail "nobody named rank 3"; sed 's/^/    /' k.log; }
+    # (from a checkpoint at or after step 4: the job may run on a few steps
+    # before the kill lands)
+    from=$(sed -n 's/.*gpt: restart 1: from step \([0-9]*\).*/\1/p' k.log)
+    [[ -n $from ]] && ((from >= 4)) ||
+      { fail "the restart did not go on from a checkpoint"; sed 's/^/    /' k.log; }
     secs=$(awk -v a="$killed_at" -v b="$restarted_at" 'BEGIN { printf "%.1f", b - a }')
     awk -v s="$secs" 'BEGIN { exit !(s < 10) }' || fail "the restart came $secs s after the kill"
     if [[ "$(final_line k0.log)" != "$(final_line k.log)" ]]; then
       fail "gpt restarted: '$(final_line k.log)', uninterrupted: '$(final_line k0.log)'"
     else
-      echo "ok: rank 3 killed: named, restarted after $secs s, ends as uninterrupted: $(final_line k.log)"
+      echo "ok: rank 3 killed: named, restarted after $secs s from step $from, ends as uninterrupted: $(final_line k.log)"
     fi
   fi
 fi
 
-# d. bad input, each named
+# d. resharding, both ways (the steps copied: each run prunes its directory)
+rc=$(launch s222.log 8 gpt --pp 2 --dp 2 --tp 2 "${args[@]}" --stop-at 6 --checkpoint s222.ckpt)
+expect_rc "gpt 2 x 2 x 2 --stop-at 6" "$rc" 0 s222.log
+rc=$(launch s111.log 1 gpt --pp 1 --dp 1 "${args[@]}" --stop-at 6 --checkpoint s111.ckpt)
+expect_rc "gpt 1 x 1 x 1 --stop-at 6" "$rc" 0 s111.log
+rc=$(launch sz3.log 2 gpt --pp 1 --dp 2 --zero 3 "${args[@]}" --stop-at 6 --checkpoint sz3.ckpt)
+expect_rc "gpt 1 x 2 --zero 3 --stop-at 6" "$rc" 0 sz3.log
+resumed() {  # WHAT FROM NPROC ARGS...
+  local what="$1" from="$2" nproc="$3" name="r$RANDOM"
+  shift 3
+  cp -r "$from" "$name.ckpt"
+  rc=$(launch "$name.log" "$nproc" gpt "$@" "${args[@]}" --resume --checkpoint "$name.ckpt")
+  if expect_rc "$what" "$rc" 0 "$name.log"; then
+    grep -q "restored where it lives\|resumed from step 6" "$name.log" ||
+      fail "$what: no resume said"
+    if [[ -n $(params_line "$name.log") ]]; then
+      close "$what" t111.log "$name.log"
+    else
+      near "$what" "$(gpt_final t111.log)" "$(gpt_final "$name.log")"
+    fi
+  fi
+}
+resumed "tp 2 x pp 2 x dp 2's step as 1 x 1 x 1" s222.ckpt 1 --pp 1 --dp 1
+resumed "tp 2 x pp 2 x dp 2's step as tp 2" s222.ckpt 2 --pp 1 --dp 1 --tp 2
+resumed "tp 2 x pp 2 x dp 2's step as tp 3" s222.ckpt 3 --pp 1 --dp 1 --tp 3
+resumed "tp 2 x pp 2 x dp 2's step under --zero 3" s222.ckpt 2 --pp 1 --dp 2 --zero 3
+resumed "1 x 1 x 1's step as tp 2 x pp 2" s111.ckpt 4 --pp 2 --dp 1 --tp 2
+resumed "--zero 3's step as tp 2 x dp 2 --zero 1" sz3.ckpt 4 --pp 1 --dp 2 --tp 2 --zero 1
+
+# e. bad input, each named
 bad() {
   local what="$1" nproc="$2" want="$3"
   shift 3
@@ -121,7 +161,6 @@ bad() {
 }
 bad "--tp 4 with 6 heads" 4 "--tp 4 does not divide --heads 6" --pp 1 --dp 1 --tp 4 "${args[@]}"
 bad "--tp 2 --zero 2" 2 "--zero 2 with --tp: not yet" --pp 1 --dp 1 --tp 2 --zero 2 "${args[@]}"
-bad "--tp 2 --resume" 2 "--resume with --tp" --pp 1 --dp 1 --tp 2 --resume "${args[@]}"
 bad "--pp 2 --tp 2 on 2 processes" 2 "needs 4 processes, not 2" --pp 2 --dp 1 --tp 2 "${args[@]}"
 
 finish check_parallel

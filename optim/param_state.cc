@@ -10,6 +10,7 @@
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
+#include <map>
 #include <stdexcept>
 
 #include "tandem/optim/owner/local_optimizer.h"
@@ -114,6 +115,12 @@ std::string join_param_states(Kind kind, at::IntArrayRef shape,
   const int64_t total = c10::multiply_integers(shape);
   std::unique_ptr<torch::optim::OptimizerParamState> joined;
   std::vector<bool> defined;
+  // Each saved state decoded once, however many pieces take from it.
+  struct Decoded {
+    std::unique_ptr<torch::optim::Optimizer> alone;
+    const torch::optim::OptimizerParamState* state = nullptr;
+  };
+  std::map<const std::string*, Decoded> decoded;
   for (size_t k = 0; k < pieces.size(); ++k) {
     const StatePiece& piece = pieces[k];
     const std::string which = (piece.what.empty() ? "piece " + std::to_string(k) + " of the state"
@@ -123,16 +130,22 @@ std::string join_param_states(Kind kind, at::IntArrayRef shape,
         piece.from + piece.count > piece.numel || piece.to + piece.count > total) {
       throw std::invalid_argument(which + "elements out of range");
     }
-    if (piece.bytes.empty()) continue;
-    at::Tensor stand_in = at::zeros({piece.numel});
-    auto alone = owner::make_optimizer(kind, {stand_in}, Options{});
-    try {
-      owner::load_state_bytes(*alone, piece.bytes);
-    } catch (const c10::Error& e) {
-      throw std::invalid_argument(which + "not " + kind_name(kind) +
-                                  "'s for one parameter: " + e.what_without_backtrace());
+    if (!piece.bytes || piece.bytes->empty()) continue;
+    auto found = decoded.find(piece.bytes.get());
+    if (found == decoded.end()) {
+      Decoded d;
+      at::Tensor stand_in = at::zeros({piece.numel});
+      d.alone = owner::make_optimizer(kind, {stand_in}, Options{});
+      try {
+        owner::load_state_bytes(*d.alone, *piece.bytes);
+      } catch (const c10::Error& e) {
+        throw std::invalid_argument(which + "not " + kind_name(kind) +
+                                    "'s for one parameter: " + e.what_without_backtrace());
+      }
+      d.state = owner::find_state(*d.alone, stand_in);
+      found = decoded.emplace(piece.bytes.get(), std::move(d)).first;
     }
-    const torch::optim::OptimizerParamState* state = owner::find_state(*alone, stand_in);
+    const torch::optim::OptimizerParamState* state = found->second.state;
     if (!state) continue;
     const std::vector<at::Tensor> tensors = owner::state_tensors(*state);
     for (const at::Tensor& t : tensors) {

@@ -17,6 +17,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -54,7 +55,9 @@ std::function<std::string()> param_state_slice_snapshot(const torch::optim::Opti
 // any shape, `numel` elements; "" for none); its flattened elements [from,
 // from + count) go to [to, to + count) of the joined parameter's.
 struct StatePiece {
-  std::string bytes;
+  // (shared: the pieces of one saved state, a block's rows, hold it once and
+  // it is decoded once)
+  std::shared_ptr<const std::string> bytes;
   int64_t numel = 0;
   int64_t from = 0, to = 0, count = 0;
   std::string what;  // the piece in errors (a checkpoint's entry); "": "piece K"

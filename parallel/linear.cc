@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "tandem/checkpoint/placement.h"
 #include "tandem/ddp/process_group.h"
 
 namespace tandem::parallel {
@@ -108,6 +109,21 @@ void ColumnParallelLinearImpl::take_slice(const torch::nn::Linear& whole) {
   };
   weight = register_parameter("weight", rows(whole->weight));
   if (options_.bias) bias = register_parameter("bias", rows(whole->bias));
+  // Where the pieces lie in the whole parameters, for checkpoints (3.).
+  const int n = group_->size(), r = group_->rank();
+  if (n == 1) return;
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  if (stride == 1) {
+    const Range mine = range_of(out_, r, n);
+    ranges.emplace_back(mine.start, mine.start + mine.length);
+  } else {
+    const int64_t block = out_ / stride, share = block / n;
+    for (int64_t k = 0; k < stride; ++k) {
+      ranges.emplace_back(k * block + r * share, k * block + (r + 1) * share);
+    }
+  }
+  checkpoint::set_placement(weight, {whole->weight.sizes().vec(), 0, ranges});
+  if (options_.bias) checkpoint::set_placement(bias, {{out_}, 0, ranges});
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
@@ -151,6 +167,13 @@ std::shared_ptr<RowParallelLinearImpl> RowParallelLinearImpl::from_whole(
 void RowParallelLinearImpl::take_slice(const torch::nn::Linear& whole) {
   weight = register_parameter("weight", slice(whole->weight, 1, group_));
   if (options_.bias) bias = register_parameter("bias", whole->bias.detach().clone());
+  const int n = group_->size(), r = group_->rank();
+  if (n > 1) {
+    if (bias.defined()) checkpoint::set_replica(bias, r);
+    const int64_t share = in_ / n;
+    checkpoint::set_placement(weight,
+                              {whole->weight.sizes().vec(), 1, {{r * share, (r + 1) * share}}});
+  }
 }
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
@@ -170,6 +193,14 @@ int64_t RowParallelLinearImpl::split_dim(const std::string& name) const {
 std::vector<at::Tensor> RowParallelLinearImpl::partial_grad_parameters() const {
   if (options_.sequence_parallel && bias.defined()) return {bias};
   return {};
+}
+
+void mark_replicated(torch::nn::Module& root, const Group& group) {
+  check_group(group, "mark_replicated");
+  if (group->size() == 1) return;
+  for (const auto& p : root.parameters()) {
+    if (!checkpoint::placement_of(p)) checkpoint::set_replica(p, group->rank());
+  }
 }
 
 // ---- partial gradients ----

@@ -32,7 +32,12 @@
 // 4. Parameters keep torch::nn::Linear's names ("weight", "bias"), so a
 //    state dict names what the whole model's does; split_dim() says along
 //    which dimension of the whole parameter a rank's piece lies (-1: not
-//    split, replicated).
+//    split, replicated). Each split parameter carries its
+//    checkpoint::Placement (checkpoint/placement.h; a group of more than
+//    one), so checkpoints write it, and its optimizer state, as slices of
+//    the whole parameter under the whole one's name, and load it from any
+//    split of it or from the whole; a row-parallel bias is marked as a
+//    replica (mark_replicated), written by rank 0 alone.
 // 5. Gradients: a split parameter's gradient is its slice of the whole
 //    gradient. The row-parallel bias is replicated: its gradient is the
 //    whole one on every rank, except under sequence parallelism, where each
@@ -138,6 +143,13 @@ class RowParallelLinearImpl : public torch::nn::Module, public TensorParallelMod
   int64_t in_ = 0, out_ = 0;
 };
 TORCH_MODULE(RowParallelLinear);
+
+// 4.: marks every parameter of `root` that is not a piece of a split one
+// as this rank's copy of a parameter replicated over `group`
+// (checkpoint::set_replica), so that a checkpoint holds it once, written
+// by rank 0's copy (ParallelBlock marks its LayerNorms; a model marks
+// whatever else it keeps whole on every tp rank).
+void mark_replicated(torch::nn::Module& root, const Group& group);
 
 // 5.: sums over `group` the gradients of every partial_grad_parameters() in
 // `root` and its children (collective over the group; the same modules on

@@ -65,6 +65,7 @@ ParallelBlockImpl::ParallelBlockImpl(const torch::nn::LayerNorm& ln1_whole,
       "fc", ColumnParallelLinear(ColumnParallelLinearImpl::from_whole(fc_whole, group_, in_mlp)));
   out = register_module(
       "out", RowParallelLinear(RowParallelLinearImpl::from_whole(out_whole, group_, back)));
+  mark_replicated(*this, group_);  // (the LayerNorms: a checkpoint holds them once)
 }
 
 at::Tensor ParallelBlockImpl::forward(const at::Tensor& input) {

@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "tandem/checkpoint/placement.h"
 #include "tandem/ddp/process_group.h"
 #include "tandem/parallel/node.h"
 
@@ -55,6 +56,10 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const torch::nn::Embeddin
 void VocabParallelEmbeddingImpl::take_rows(const at::Tensor& whole) {
   words_ = range_of(vocab_, group_->rank(), group_->size());
   weight = register_parameter("weight", whole.detach().narrow(0, words_.start, words_.length).clone());
+  if (group_->size() > 1) {  // (where the rows lie in the whole table, for checkpoints)
+    checkpoint::set_placement(weight, {whole.sizes().vec(), 0,
+                                       {{words_.start, words_.start + words_.length}}});
+  }
 }
 
 at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {

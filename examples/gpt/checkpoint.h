@@ -20,7 +20,11 @@
 // (model.<name> from rank 0, adam/<name> each rank its share), and --zero 3
 // the same names in slices (model.<name>#<start>:<end>, adam/<name>#..:
 // each rank the pieces of the parameters its FSDP shards hold), so each
-// path resumes the others' steps.
+// path resumes the others' steps. With --tp, each tp rank's stage workers
+// and optimizer owners write their pieces of the split parameters as
+// slices of the whole ones (<name>#<start>:<end> along rows,
+// <name>#d1:<start>:<end> for a block of columns; checkpoint/placement.h),
+// tp rank 0's the replicated ones, so any --tp resumes any other's.
 // Every replica's parameters and optimizer state are the same (they average
 // their gradients), so one copy is the job's; the LR schedule is a function
 // of the step, and the batches of step s are a function of (seed, s), so a

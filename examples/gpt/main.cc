@@ -32,8 +32,9 @@
 // head and the loss, each block a parallel::ParallelBlock); the tp pipes
 // run the same schedule on the same batches, so a stage's tp ranks meet in
 // their collectives, and clipping sums the norm over the tp drivers.
-// --recompute recomputes each block's activations in backward. A --tp job
-// writes no checkpoints yet (docs/parallel.md).
+// --recompute recomputes each block's activations in backward. A --tp
+// job's checkpoints hold each split parameter as slices of the whole one,
+// so they resume under any other --tp, --pp, --dp or --zero, and back.
 //
 // Determinism: the initial parameters come from at::manual_seed(--seed),
 // the batches from a DistributedSampler seeded with it (step s's global
@@ -146,9 +147,6 @@ std::string check(Config& cfg, int world) {
     return "--zero " + std::to_string(cfg.zero) +
            " with --tp: not yet (--zero 1 shards each tp rank's Adam state over its replicas)";
   }
-  if (cfg.tp > 1 && cfg.resume) {
-    return "--resume with --tp: not yet (a --tp job writes no checkpoints yet)";
-  }
   if (cfg.batch % cfg.dp != 0) {
     return "--batch " + std::to_string(cfg.batch) + " does not divide among " +
            std::to_string(cfg.dp) + " replicas";
@@ -252,9 +250,7 @@ int job_main(int argc, char** argv) {
         // --resume, or a restart of the job (its checkpoints are where to go
         // on from; none yet: it starts from the beginning again).
         const int round = tandem::checkpoint::restart_count();
-        if (cfg.tp > 1) {
-          // (no checkpoints yet: a restart starts again from the beginning)
-        } else if (cfg.resume || round > 0) {
+        if (cfg.resume || round > 0) {
           resume = checked_resume(cfg, *corpus);
           if (!resume && cfg.resume) {
             throw UsageError("--resume: no checkpoint in '" + cfg.checkpoint + "'");

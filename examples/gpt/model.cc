@@ -138,6 +138,7 @@ struct TpEmbedImpl : tnn::Module {
     EmbedImpl whole(vocab, dim, context);
     tok = register_module("tok", par::VocabParallelEmbedding(whole.tok, g));
     pos = register_module("pos", whole.pos);
+    par::mark_replicated(*this, g);  // (the positions: a checkpoint holds them once)
   }
   at::Tensor forward(at::Tensor ids) {
     const at::Tensor positions = pos(at::arange(ids.size(1), ids.options()));
@@ -188,6 +189,7 @@ struct TpHeadImpl : tnn::Module {
     par::ColumnParallelOptions o;
     o.gather_output = false;  // (the loss takes the pieces)
     lm = register_module("lm", par::ColumnParallelLinear(whole.lm, g, o));
+    par::mark_replicated(*this, g);
   }
   at::Tensor forward(at::Tensor x) { return lm(ln(x)); }
   tnn::LayerNorm ln{nullptr};

@@ -170,17 +170,18 @@ int drive(const Job& job) {
     throw std::logic_error("gpt: " + std::to_string(names.size()) + " parameter names for " +
                            std::to_string(pipe.parameters().size()) + " parameters");
   }
+  // With --tp, each tp rank's stage workers write its slices of the split
+  // parameters (and of their Adam state) under the whole ones' names
+  // (checkpoint/placement.h), tp rank 0's the replicated ones, so a step
+  // loads into any other split, or none.
   const int replica = mesh.coordinate("dp");
-  // (--tp: no checkpoints yet; main.cc refuses --resume)
-  const bool writes = (replica == 0 || cfg.zero == 1) && tp == 1;
+  const bool writes = replica == 0 || cfg.zero == 1;
   std::string vocab = job.corpus.vocab;
-  tandem::checkpoint::JobState state(replica);
-  if (tp == 1) {
-    for (size_t s = 0; s < stages.size(); ++s) {
-      state.remote_module("model", stages[s], first_layer[s], /*write=*/replica == 0);
-    }
-    state.distributed_optimizer("adam", opt, names, writes).record("vocab", &vocab);
+  tandem::checkpoint::JobState state(replica * tp + tp_rank);
+  for (size_t s = 0; s < stages.size(); ++s) {
+    state.remote_module("model", stages[s], first_layer[s], /*write=*/replica == 0);
   }
+  state.distributed_optimizer("adam", opt, names, writes).record("vocab", &vocab);
   // Global-norm clipping over the whole model: with --tp each driver's
   // optimizer steps its slices of the split parameters and a copy of the
   // replicated ones; the norm sums the slices over the tp drivers and counts
@@ -240,13 +241,18 @@ int drive(const Job& job) {
     Checkpoint meta = checkpoint_at(job, 0);
     meta.counts = counts;
     save_options.meta = checkpoint_meta(meta);
-    if (cfg.zero == 1 && cfg.dp > 1) {
+    // (the drivers that write: replica 0's tp ranks, or with --zero 1
+    // every replica's, in the order of their JobState ranks)
+    const int replicas = cfg.zero == 1 ? static_cast<int>(cfg.dp) : 1;
+    if (replicas * tp > 1) {
       tandem::MeshOptions mo;
       mo.name = "gpt-checkpoints";
-      mo.ranks = mesh.ranks_along("dp");
+      for (int d = 0; d < replicas; ++d) {
+        for (int t = 0; t < tp; ++t) mo.ranks.push_back(mesh.rank_at(std::vector<int>{0, d, t}));
+      }
       mo.timeout = std::chrono::minutes(2);
-      savers.emplace(tandem::Mesh::Shape{{"dp", static_cast<int>(cfg.dp)}}, mo);
-      save_options.group = savers->group("dp");
+      savers.emplace(tandem::Mesh::Shape{{"savers", replicas * tp}}, mo);
+      save_options.group = savers->group("savers");
     }
     saver.emplace(cfg.checkpoint, cfg.checkpoint_sync);
   }
@@ -308,11 +314,7 @@ int drive(const Job& job) {
                                 static_cast<uint64_t>(cfg.seed) + 1);
   }
   if (speak) {
-    if (saver) {
-      std::printf("%s\n", saver->summary().c_str());
-    } else {
-      std::printf("no checkpoints under --tp (not yet: resharding across tp is to come)\n");
-    }
+    std::printf("%s\n", saver->summary().c_str());
     examples::report_skipped(guard);
     std::printf("final step %lld loss %.6f\n", static_cast<long long>(last), loss);
     std::printf("parameters: norm %.9g projection %.9g\n", print.first, print.second);

@@ -210,6 +210,32 @@ std::pair<Kind, std::vector<std::vector<int64_t>>> OptimService::layout(int64_t 
   return {local->kind, std::move(shapes)};
 }
 
+std::vector<OptimService::CutSnapshot> OptimService::param_state_snapshots(int64_t id,
+                                                                          const Cut& cut) {
+  auto local = find(id);
+  std::lock_guard<std::mutex> lock(local->mu);
+  torch::optim::Optimizer* optimizer = keeper(*local);
+  const std::function<std::string()> none = [] { return std::string(); };
+  std::vector<CutSnapshot> out;
+  for (size_t i : held(*local)) {
+    const at::Tensor& p = local->params[i];
+    const auto cuts = cut(p);
+    if (!cuts) continue;
+    const auto& ranges = *cuts;
+    if (ranges.empty()) {
+      out.push_back({i, 0, -1, optimizer ? param_state_snapshot(*optimizer, p) : none});
+    }
+    for (const auto& [start, numel] : ranges) {
+      out.push_back(
+          {i, start, numel,
+           optimizer ? param_state_slice_snapshot(*optimizer, p, start, numel) : none});
+    }
+  }
+  return out;
+}
+
+std::vector<at::Tensor> OptimService::params(int64_t id) { return find(id)->params; }
+
 std::vector<std::pair<size_t, std::function<std::string()>>> OptimService::param_state_snapshots(
     int64_t id) {
   auto local = find(id);

@@ -4,6 +4,8 @@
 // process, exactly as one process trained throughout; a sampler's place, the
 // random generator and a record come back; what does not fit is refused by
 // name.
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/ones.h>
@@ -27,6 +29,7 @@
 #include "shard/shard_support.h"
 #include "tandem/autograd/autograd.h"
 #include "tandem/checkpoint/job.h"
+#include "tandem/checkpoint/placement.h"
 #include "tandem/ddp/fully_sharded.h"
 #include "tandem/ddp/sampler.h"
 #include "tandem/optim/distributed_optimizer.h"
@@ -730,4 +733,219 @@ TEST_CASE(
   CHECK(at::equal(moments(loaded, back->weight), then));
   const auto* st = optim::owner::find_state(loaded, back->weight);
   CHECK(static_cast<const torch::optim::AdamParamState&>(*st).step() == 1);
+}
+
+namespace {
+
+// A model of three tensors split over tensor-parallel ranks as Megatron
+// splits them (checkpoint/placement.h): `rows` [9, 4] by rows, unevenly
+// (range_of's cut); `fused` [18, 4] a third of each of its three blocks
+// of 6 rows (a [q; k; v]); `cols` [4, 6] by columns; and `shared` [4]
+// replicated. Rank r of n holds the pieces; n = 1 is the whole model.
+struct Split : torch::nn::Module {
+  at::Tensor rows, fused, cols, shared;
+};
+
+std::pair<int64_t, int64_t> range_of(int64_t total, int r, int n) {
+  const int64_t base = total / n, extra = total % n;
+  const int64_t start = r * base + std::min<int64_t>(r, extra);
+  return {start, start + base + (r < extra ? 1 : 0)};
+}
+
+// Rank r's pieces of the whole tensors.
+std::map<std::string, at::Tensor> pieces_of(const std::map<std::string, at::Tensor>& whole, int r,
+                                            int n) {
+  const auto [a, b] = range_of(9, r, n);
+  std::vector<at::Tensor> thirds;
+  for (int k = 0; k < 3; ++k) thirds.push_back(whole.at("fused").narrow(0, 6 * k + r * 6 / n, 6 / n));
+  return {{"rows", whole.at("rows").narrow(0, a, b - a)},
+          {"fused", at::cat(thirds)},
+          {"cols", whole.at("cols").narrow(1, r * 6 / n, 6 / n)},
+          {"shared", whole.at("shared")}};
+}
+
+std::shared_ptr<Split> split_model(int r, int n) {
+  auto m = std::make_shared<Split>();
+  std::map<std::string, at::Tensor> zeros = {{"rows", at::zeros({9, 4})},
+                                             {"fused", at::zeros({18, 4})},
+                                             {"cols", at::zeros({4, 6})},
+                                             {"shared", at::zeros({4})}};
+  const auto mine = pieces_of(zeros, r, n);
+  m->rows = m->register_parameter("rows", mine.at("rows").clone());
+  m->fused = m->register_parameter("fused", mine.at("fused").clone());
+  m->cols = m->register_parameter("cols", mine.at("cols").clone());
+  m->shared = m->register_parameter("shared", mine.at("shared").clone());
+  if (n > 1) {
+    const auto [a, b] = range_of(9, r, n);
+    checkpoint::set_placement(m->rows, {{9, 4}, 0, {{a, b}}});
+    std::vector<std::pair<int64_t, int64_t>> thirds;
+    for (int k = 0; k < 3; ++k) thirds.emplace_back(6 * k + r * 6 / n, 6 * k + (r + 1) * 6 / n);
+    checkpoint::set_placement(m->fused, {{18, 4}, 0, thirds});
+    checkpoint::set_placement(m->cols, {{4, 6}, 1, {{r * 6 / n, (r + 1) * 6 / n}}});
+    checkpoint::set_replica(m->shared, r);
+  }
+  return m;
+}
+
+// (a generator of its own: the ranks draw at once, on threads)
+std::map<std::string, at::Tensor> whole_at(uint64_t seed) {
+  at::Generator g = at::detail::createCPUGenerator(seed);
+  return {{"rows", at::randn({9, 4}, g)},
+          {"fused", at::randn({18, 4}, g)},
+          {"cols", at::randn({4, 6}, g)},
+          {"shared", at::randn({4}, g)}};
+}
+
+// Two Adam steps of rank r of n from the whole values of seed 1, on its
+// pieces of the whole gradients of seeds 2 and 3 (elementwise: each piece's
+// values and state are the slices of the whole model's).
+void train_piece(Split& m, torch::optim::Adam& adam, int r, int n) {
+  torch::NoGradGuard no_grad;
+  for (auto& [name, t] : pieces_of(whole_at(1), r, n)) m.named_parameters()[name].copy_(t);
+  for (uint64_t s : {2, 3}) {
+    for (auto& [name, g] : pieces_of(whole_at(s), r, n)) {
+      m.named_parameters()[name].mutable_grad() = g.clone();
+    }
+    adam.step();
+  }
+}
+
+std::vector<std::pair<std::string, at::Tensor>> named(Split& m) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& p : m.named_parameters()) out.emplace_back(p.key(), p.value());
+  return out;
+}
+
+// Adam's first moment of each parameter.
+std::map<std::string, at::Tensor> moments_of(torch::optim::Adam& adam, Split& m) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& p : m.named_parameters()) {
+    out[p.key()] = optim::owner::state_tensors(*optim::owner::find_state(adam, p.value())).at(1);
+  }
+  return out;
+}
+
+// Saves ranks 0..n-1 of a split trained by train_piece as step 2 of `dir`
+// (every rank its part, together).
+void save_split(const std::string& dir, int n) {
+  test::Groups g(n);
+  test::on_ranks(n, [&](int r) {
+    auto m = split_model(r, n);
+    torch::optim::Adam adam(m->parameters(), torch::optim::AdamOptions(0.1));
+    train_piece(*m, adam, r, n);
+    checkpoint::JobState state(r);
+    state.module("m", *m).optimizer("adam", adam, named(*m));
+    checkpoint::SaveOptions so;
+    so.group = g.groups[r];
+    checkpoint::save_job(dir, 2, state, so);
+  });
+}
+
+}  // namespace
+
+TEST_CASE("job: tensor-parallel pieces are slices of the whole: 2 ranks load into 1 and 3, and back") {
+  // The whole model trained alone: what every split must hold.
+  auto whole = split_model(0, 1);
+  torch::optim::Adam whole_adam(whole->parameters(), torch::optim::AdamOptions(0.1));
+  train_piece(*whole, whole_adam, 0, 1);
+  std::map<std::string, at::Tensor> want;
+  for (const auto& p : whole->named_parameters()) want[p.key()] = p.value().detach().clone();
+  const auto want_moments = moments_of(whole_adam, *whole);
+
+  TempDir two;
+  save_split(two.path, 2);
+  {
+    // The pieces' names: the whole tensors' slices, blocks along dim 1, once
+    // for the replicated one.
+    const checkpoint::Reader r(checkpoint::latest(two.path).value().path);
+    const auto names = r.names();
+    const std::set<std::string> have(names.begin(), names.end());
+    for (const char* n : {"m.rows#0:20", "m.rows#20:36", "m.fused#0:12", "m.fused#24:36",
+                          "m.fused#48:60", "m.fused#12:24", "m.cols#d1:0:3", "m.cols#d1:3:6",
+                          "m.shared", "m.rows#shape", "adam/cols#d1:3:6", "adam/fused#60:72",
+                          "adam/rows#shape"}) {
+      CHECK_MESSAGE(have.count(n), n);
+    }
+    CHECK(std::count_if(names.begin(), names.end(),
+                        [](const std::string& n) { return n.rfind("m.shared", 0) == 0; }) == 1);
+  }
+  // Into one process: the whole values and Adam's whole state.
+  {
+    auto one = split_model(0, 1);
+    torch::optim::Adam adam(one->parameters(), torch::optim::AdamOptions(0.1));
+    checkpoint::JobState state;
+    state.module("m", *one).optimizer("adam", adam, named(*one));
+    CHECK(checkpoint::load_latest_job(two.path, state) == 2);
+    for (const auto& p : one->named_parameters()) CHECK(at::equal(p.value(), want.at(p.key())));
+    const auto moments = moments_of(adam, *one);
+    for (const auto& [name, m] : want_moments) CHECK(at::equal(moments.at(name), m));
+  }
+  // Into 3 ranks: each its own pieces of both.
+  for (int r = 0; r < 3; ++r) {
+    CAPTURE(r);
+    auto piece = split_model(r, 3);
+    torch::optim::Adam adam(piece->parameters(), torch::optim::AdamOptions(0.1));
+    checkpoint::JobState state(r);
+    state.module("m", *piece).optimizer("adam", adam, named(*piece));
+    CHECK(checkpoint::load_latest_job(two.path, state) == 2);
+    const auto values = pieces_of(want, r, 3);
+    for (const auto& p : piece->named_parameters()) CHECK(at::equal(p.value(), values.at(p.key())));
+    const auto moments = moments_of(adam, *piece);
+    for (const auto& [name, m] : pieces_of(want_moments, r, 3)) CHECK(at::equal(moments.at(name), m));
+  }
+  // One process's step into 2 ranks.
+  TempDir one;
+  {
+    checkpoint::JobState state;
+    state.module("m", *whole).optimizer("adam", whole_adam, named(*whole));
+    checkpoint::save_job(one.path, 2, state);
+  }
+  for (int r = 0; r < 2; ++r) {
+    auto piece = split_model(r, 2);
+    torch::optim::Adam adam(piece->parameters(), torch::optim::AdamOptions(0.1));
+    checkpoint::JobState state(r);
+    state.module("m", *piece).optimizer("adam", adam, named(*piece));
+    CHECK(checkpoint::load_latest_job(one.path, state) == 2);
+    const auto values = pieces_of(want, r, 2);
+    for (const auto& p : piece->named_parameters()) CHECK(at::equal(p.value(), values.at(p.key())));
+    const auto moments = moments_of(adam, *piece);
+    for (const auto& [name, m] : pieces_of(want_moments, r, 2)) CHECK(at::equal(moments.at(name), m));
+  }
+}
+
+TEST_CASE("job: a split missing a rank's pieces is refused by name; bad placements too") {
+  // Only rank 0 of 2 saved: the whole tensors lack rank 1's slices.
+  TempDir d;
+  {
+    auto m = split_model(0, 2);
+    checkpoint::JobState state;
+    state.module("m", *m);
+    checkpoint::save_job(d.path, 1, state);
+  }
+  auto one = split_model(0, 1);
+  const at::Tensor before = one->rows.detach().clone();
+  checkpoint::JobState state;
+  state.module("m", *one);
+  CHECK(error_of([&] { checkpoint::load_latest_job(d.path, state); })
+            .find("'m.rows' has 20 elements in its slices, 36 here") != std::string::npos);
+  CHECK(at::equal(one->rows, before));  // nothing loaded
+  // ... and rank 1 of 2, whose columns are missing from the blocks.
+  auto other = split_model(1, 2);
+  checkpoint::JobState other_state(1);
+  other_state.module("m", *other);
+  CHECK(error_of([&] { checkpoint::load_latest_job(d.path, other_state); }).find("'m.rows'") !=
+        std::string::npos);
+
+  const at::Tensor t = at::zeros({3, 4});
+  auto refused = [&](checkpoint::Placement p) {
+    return error_of([&] { checkpoint::set_placement(t, std::move(p)); });
+  };
+  CHECK(refused({{9, 4}, 2, {{0, 3}}}).find("dimension 2 of a whole tensor of 2") !=
+        std::string::npos);
+  CHECK(refused({{9, 4}, 0, {{0, 3}, {2, 5}}}).find("overlaps or precedes") != std::string::npos);
+  CHECK(refused({{9, 4}, 0, {{0, 4}}}).find("a piece of [3, 4] is not [4, 4]") !=
+        std::string::npos);
+  CHECK(refused({{3, 8}, 1, {{0, 2}, {4, 6}}}).find("several are taken along dimension 0 only") !=
+        std::string::npos);
+  CHECK_FALSE(checkpoint::placement_of(t));
 }
