@@ -25,8 +25,14 @@
 #     alone, as tp 3 and under --zero 3 (FSDP); 1 x 1 x 1's step and
 #     --zero 3's resume as tp 2 x pp 2 and tp 2 x dp 2 --zero 1: each ends
 #     on the uninterrupted run's loss and parameters;
-#  e. bad input exits 2 naming it: heads that --tp does not divide, --tp
-#     with --zero 2, a world that is not pp x dp x tp.
+#  e. --dropout 0.1 (each block's masks from its layer's generator, whole
+#     masks cut by the tp ranks): tp 2, tp 2 x pp 2 and tp 3 --recompute end
+#     on 1 x 1 x 1's loss and parameters with the same dropout; --zero 3
+#     and --zero 2 with --recompute (each FSDP unit's block recomputed) end
+#     exactly as without;
+#  f. bad input exits 2 naming it: heads that --tp does not divide, --tp
+#     with --zero 2, a world that is not pp x dp x tp, a --dropout that is
+#     not a probability.
 set -uo pipefail
 bin="$(readlink -f "${1:?usage: check_parallel.sh BIN_DIR}")"
 here="$(dirname "$(readlink -f "$0")")"
@@ -150,7 +156,34 @@ resumed "tp 2 x pp 2 x dp 2's step under --zero 3" s222.ckpt 2 --pp 1 --dp 2 --z
 resumed "1 x 1 x 1's step as tp 2 x pp 2" s111.ckpt 4 --pp 2 --dp 1 --tp 2
 resumed "--zero 3's step as tp 2 x dp 2 --zero 1" sz3.ckpt 4 --pp 1 --dp 2 --tp 2 --zero 1
 
-# e. bad input, each named
+# e. dropout: the same masks under any tp and pp
+rc=$(launch d111.log 1 gpt --pp 1 --dp 1 "${args[@]}" --dropout 0.1 --checkpoint d111.ckpt)
+if expect_rc "gpt 1 x 1 x 1 --dropout 0.1" "$rc" 0 d111.log; then
+  [[ "$(gpt_final d111.log)" != "$(gpt_final t111.log)" ]] || fail "--dropout 0.1 changed nothing"
+  for layout in "1 1 2" "2 1 2" "1 1 3 --recompute"; do
+    set -- $layout
+    name="d$1$2$3${4:+r}"
+    what="gpt $1 x $2 x $3 --dropout 0.1 ${*:4}"
+    rc=$(launch "$name.log" $(($1 * $2 * $3)) gpt --pp "$1" --dp "$2" --tp "$3" "${@:4}" "${args[@]}" \
+      --dropout 0.1 --checkpoint "$name.ckpt")
+    expect_rc "$what" "$rc" 0 "$name.log" && close "$what" d111.log "$name.log"
+  done
+fi
+for zero in 2 3; do
+  rc=$(launch "z$zero.log" 2 gpt --pp 1 --dp 2 --zero "$zero" "${args[@]}" --checkpoint "z$zero.ckpt")
+  rc2=$(launch "z${zero}r.log" 2 gpt --pp 1 --dp 2 --zero "$zero" --recompute "${args[@]}" \
+    --checkpoint "z${zero}r.ckpt")
+  if expect_rc "gpt --zero $zero" "$rc" 0 "z$zero.log" &&
+    expect_rc "gpt --zero $zero --recompute" "$rc2" 0 "z${zero}r.log"; then
+    if [[ -z $(final_line "z$zero.log") || "$(final_line "z$zero.log")" != "$(final_line "z${zero}r.log")" ]]; then
+      fail "--zero $zero --recompute: '$(final_line "z${zero}r.log")', without: '$(final_line "z$zero.log")'"
+    else
+      echo "ok: --zero $zero --recompute ends as without: $(final_line "z${zero}r.log")"
+    fi
+  fi
+done
+
+# f. bad input, each named
 bad() {
   local what="$1" nproc="$2" want="$3"
   shift 3
@@ -162,5 +195,6 @@ bad() {
 bad "--tp 4 with 6 heads" 4 "--tp 4 does not divide --heads 6" --pp 1 --dp 1 --tp 4 "${args[@]}"
 bad "--tp 2 --zero 2" 2 "--zero 2 with --tp: not yet" --pp 1 --dp 1 --tp 2 --zero 2 "${args[@]}"
 bad "--pp 2 --tp 2 on 2 processes" 2 "needs 4 processes, not 2" --pp 2 --dp 1 --tp 2 "${args[@]}"
+bad "--dropout 1.5" 1 "--dropout 1.500000 is not a probability in \[0, 1)" --pp 1 --dp 1 "${args[@]}" --dropout 1.5
 
 finish check_parallel

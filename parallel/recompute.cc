@@ -1,5 +1,6 @@
 // Activation recomputation (parallel/recompute.h).
 #include "tandem/parallel/recompute.h"
+#include "tandem/parallel/random.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
@@ -11,8 +12,10 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <map>
 #include <mutex>
 #include <optional>
+#include <vector>
 #include <utility>
 
 namespace tandem::nn {
@@ -25,9 +28,12 @@ using torch::autograd::variable_list;
 struct RandomState {
   at::Tensor cpu;
   std::optional<std::pair<int, at::Tensor>> cuda;  // the current device's
+  // The trackers' generators (parallel/random.h)
+  std::vector<std::pair<parallel::RngTracker*, std::map<std::string, at::Tensor>>> tracked;
 
-  static RandomState now() {
+  static RandomState now(const std::vector<parallel::RngTracker*>& trackers) {
     RandomState s;
+    for (parallel::RngTracker* t : trackers) s.tracked.emplace_back(t, t->states());
     {
       at::Generator g = at::detail::getDefaultCPUGenerator();
       std::lock_guard<std::mutex> lock(g.mutex());
@@ -45,6 +51,7 @@ struct RandomState {
     return s;
   }
   void restore() const {
+    for (const auto& [t, states] : tracked) t->set_states(states);
     {
       at::Generator g = at::detail::getDefaultCPUGenerator();
       std::lock_guard<std::mutex> lock(g.mutex());
@@ -78,7 +85,9 @@ class RecomputeBackward final : public torch::autograd::Node {
     at::Tensor g = grads.empty() ? at::Tensor() : grads[0];
     if (!g.defined()) g = at::zeros(out_sizes_, out_options_);
     // The forward again, recording, with the generators as they were.
-    const RandomState before = RandomState::now();
+    std::vector<parallel::RngTracker*> trackers;
+    for (const auto& [t, states] : random_.tracked) trackers.push_back(t);
+    const RandomState before = RandomState::now(trackers);
     random_.restore();
     at::Tensor x = input_.detach().requires_grad_(input_wants_grad_);
     at::Tensor out;
@@ -129,13 +138,15 @@ class RecomputeBackward final : public torch::autograd::Node {
 }  // namespace
 
 at::Tensor recompute(const std::function<at::Tensor(const at::Tensor&)>& fn,
-                     const at::Tensor& input, const std::vector<at::Tensor>& params) {
+                     const at::Tensor& input, const std::vector<at::Tensor>& params,
+                     const std::vector<parallel::RngTracker*>& trackers) {
   if (!fn) throw std::invalid_argument("recompute: no function");
   if (!input.defined()) throw std::invalid_argument("recompute: the input is undefined");
   bool wants = at::GradMode::is_enabled() && input.requires_grad();
   for (const auto& p : params) wants = wants || (at::GradMode::is_enabled() && p.requires_grad());
   if (!wants) return fn(input);  // nothing to differentiate: a plain call
-  RandomState random = RandomState::now();
+  RandomState random = RandomState::now(
+      trackers.empty() ? std::vector<parallel::RngTracker*>{&parallel::rng_tracker()} : trackers);
   at::Tensor out;
   {
     at::NoGradGuard no_grad;

@@ -15,8 +15,9 @@
 //    output gets one node (RecomputeBackward) whose next edges are the
 //    input's and the parameters'.
 // 2. Backward runs `fn` again on the kept input, recording, with the random
-//    generator (CPU, and the current CUDA device's) as it was at forward: the
-//    same dropout masks. It then differentiates that forward with the
+//    generators (CPU, the current CUDA device's, and every one of
+//    parallel::rng_tracker()'s) as they were at forward: the same dropout
+//    masks. It then differentiates that forward with the
 //    incoming gradient and hands the input's and every parameter's gradient
 //    on through the node's edges, so the engine that runs the backward (the
 //    local one, or Tandem's distributed one, whose contexts collect
@@ -33,9 +34,16 @@
 #include <functional>
 #include <vector>
 
+namespace tandem::parallel {
+class RngTracker;  // parallel/random.h
+}
+
 namespace tandem::nn {
 
+// `trackers`: the dropout generators' trackers fn draws from (2.; empty:
+// the process's, parallel::rng_tracker()).
 at::Tensor recompute(const std::function<at::Tensor(const at::Tensor&)>& fn,
-                     const at::Tensor& input, const std::vector<at::Tensor>& params);
+                     const at::Tensor& input, const std::vector<at::Tensor>& params,
+                     const std::vector<parallel::RngTracker*>& trackers = {});
 
 }  // namespace tandem::nn

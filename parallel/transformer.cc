@@ -1,5 +1,6 @@
 // A transformer block split over a tensor-parallel group (parallel/transformer.h).
 #include "tandem/parallel/transformer.h"
+#include "tandem/parallel/random.h"
 
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/matmul.h>
@@ -43,6 +44,12 @@ ParallelBlockImpl::ParallelBlockImpl(const torch::nn::LayerNorm& ln1_whole,
                                 " heads do not split over the tensor-parallel group's " +
                                 std::to_string(group_->size()) + " ranks");
   }
+  for (double p : {o.attention_dropout, o.residual_dropout}) {
+    if (!(p >= 0 && p < 1)) {
+      throw std::invalid_argument("ParallelBlock: a dropout probability must be in [0, 1), got " +
+                                  std::to_string(p));
+    }
+  }
   if (qkv_whole->weight.size(0) != 3 * width_) {
     throw std::invalid_argument("ParallelBlock: qkv has " +
                                 std::to_string(qkv_whole->weight.size(0)) +
@@ -81,9 +88,30 @@ at::Tensor ParallelBlockImpl::forward(const at::Tensor& input) {
   at::Tensor att = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
   const at::Tensor future = at::ones({T, T}, q.options().dtype(at::kBool)).triu(1);
   att = at::softmax(att.masked_fill(future, -std::numeric_limits<float>::infinity()), -1);
+  att = drop(att, options_.attention_dropout, {B, heads_, T, T}, 1,
+             group_->rank() * local_heads);
   const at::Tensor y = at::matmul(att, v).transpose(1, 2).reshape({B, T, local_heads * hd});
-  x = x + proj(y);
-  return x + out(at::gelu(fc(ln2(x))));
+  // (the residual branches: whole, or this rank's piece of the sequence)
+  auto residual = [&](const at::Tensor& branch) {
+    if (!options_.sequence_parallel) return drop(branch, options_.residual_dropout, {}, -1, 0);
+    std::vector<int64_t> whole = branch.sizes().vec();
+    const int64_t d = options_.sequence_dim;
+    whole[static_cast<size_t>(d)] *= group_->size();
+    return drop(branch, options_.residual_dropout, whole, d, group_->rank() * branch.size(d));
+  };
+  x = x + residual(proj(y));
+  return x + residual(out(at::gelu(fc(ln2(x)))));
+}
+
+at::Tensor ParallelBlockImpl::drop(const at::Tensor& x, double p, std::vector<int64_t> whole,
+                                   int64_t dim, int64_t start) {
+  if (p == 0 || !is_training()) return x;
+  RngTracker& rng = options_.tracker ? *options_.tracker : rng_tracker();
+  if (dim < 0) return dropout(x, p, true, rng.get(options_.rng));
+  if (!options_.masks_like_one_process) {
+    return dropout(x, p, true, rng.get(options_.rng + "/tp" + std::to_string(group_->rank())));
+  }
+  return dropout_piece(x, p, true, rng.get(options_.rng), whole, dim, start);
 }
 
 int64_t ParallelBlockImpl::split_dim(const std::string& name) const {

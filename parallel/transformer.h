@@ -26,6 +26,12 @@
 //    all_reduce_partial_grads after backward).
 // 4. Four collectives forward (two all-reduces, or two all-gathers and two
 //    reduce-scatters) and four backward, every rank in the same order.
+// 5. Dropout (BlockOptions; parallel/random.h): in training mode, the
+//    attention probabilities' mask and each residual branch's, drawn in
+//    that order. With masks_like_one_process (the default) every rank
+//    draws each whole mask from the same generator and keeps its piece, so
+//    a block split over any group, with or without sequence parallelism,
+//    computes what the same block on a group of one does.
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
@@ -37,12 +43,24 @@
 #include <vector>
 
 #include "tandem/parallel/linear.h"
+#include "tandem/parallel/random.h"
 
 namespace tandem::parallel {
 
 struct BlockOptions {
   bool sequence_parallel = false;  // 3.
   int64_t sequence_dim = 1;        // the sequence's dimension of [batch, sequence, width]
+  // 5. Dropout, in training mode: on the attention probabilities (this
+  // rank's heads: a split region) and on each projection's output before
+  // its residual sum (a replicated region, or with sequence parallelism
+  // this rank's piece of the sequence), drawn from rng_tracker().get(rng).
+  double attention_dropout = 0, residual_dropout = 0;
+  std::string rng = "block";
+  RngTracker* tracker = nullptr;  // whose generators (null: rng_tracker(), the process's)
+  // Each split region's mask its piece of the whole one (a block on one
+  // process draws the same: every split trains alike); false: Megatron's,
+  // each rank drawing its piece alone from "<rng>/tp<rank>".
+  bool masks_like_one_process = true;
 };
 
 class ParallelBlockImpl : public torch::nn::Module, public TensorParallelModule {
@@ -64,6 +82,10 @@ class ParallelBlockImpl : public torch::nn::Module, public TensorParallelModule 
   RowParallelLinear proj{nullptr}, out{nullptr};
 
  private:
+  // Dropout of `x` (5.): whole (dim < 0), or the piece of `whole` x is
+  // along dim from start.
+  at::Tensor drop(const at::Tensor& x, double p, std::vector<int64_t> whole, int64_t dim,
+                  int64_t start);
   Group group_;
   BlockOptions options_;
   int64_t heads_ = 0, width_ = 0;

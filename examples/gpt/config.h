@@ -21,6 +21,7 @@ struct Config {
   // each stage's layers split over tp tensor-parallel ranks.
   int64_t pp = 2, dp = 2, tp = 1;
   bool recompute = false;  // each block's activations made again in backward
+  double dropout = 0;      // on each block's attention probabilities and residual branches
   std::string schedule = "1f1b";
   int64_t chunks = 4;  // micro-batches per replica and step
   // The model.

@@ -32,7 +32,10 @@
 // head and the loss, each block a parallel::ParallelBlock); the tp pipes
 // run the same schedule on the same batches, so a stage's tp ranks meet in
 // their collectives, and clipping sums the norm over the tp drivers.
-// --recompute recomputes each block's activations in backward. A --tp
+// --recompute recomputes each block's activations in backward (in the
+// pipeline's stages and in --zero 2's and 3's units); --dropout P draws
+// each block's masks from its layer's generator (parallel/random.h), the
+// same under any --tp and --pp. A --tp
 // job's checkpoints hold each split parameter as slices of the whole one,
 // so they resume under any other --tp, --pp, --dp or --zero, and back.
 //
@@ -61,6 +64,7 @@
 #include "examples/text.h"
 #include "tandem/ddp/process_group.h"
 #include "tandem/mesh/mesh.h"
+#include "tandem/parallel/random.h"
 #include "tandem/rpc/api.h"
 #include "tandem/rpc/rendezvous.h"
 
@@ -78,6 +82,9 @@ void add_flags(examples::Flags& flags, Config& cfg) {
            "tensor-parallel ranks a stage's layers are split over (heads, MLP, vocabulary)")
       .add_switch("--recompute", &cfg.recompute,
                   "drop each block's activations after forward and make them again in backward")
+      .add("--dropout", &cfg.dropout,
+           "dropout on each block's attention probabilities and residual branches (0: none); "
+           "the same masks under any --tp and --pp with the same --chunks")
       .add_choice("--schedule", &cfg.schedule, {"gpipe", "1f1b", "zero-bubble", "interleaved"},
                   "the pipeline schedule (interleaved: two stages a worker)")
       .add("--chunks", &cfg.chunks, 1, "micro-batches per replica and step")
@@ -134,14 +141,18 @@ std::string check(Config& cfg, int world) {
   const std::string layout = std::to_string(cfg.pp) + " x " + std::to_string(cfg.dp) +
                              (cfg.tp > 1 ? " x " + std::to_string(cfg.tp) : "");
   if (world >= 1 && row * cfg.dp != world) {
-    return "--pp " + std::to_string(cfg.pp) + " --dp " + std::to_string(cfg.dp) + " --tp " +
-           std::to_string(cfg.tp) + " needs " + std::to_string(row * cfg.dp) +
+    return "--pp " + std::to_string(cfg.pp) + " --dp " + std::to_string(cfg.dp) +
+           (cfg.tp > 1 ? " --tp " + std::to_string(cfg.tp) : "") + " needs " +
+           std::to_string(row * cfg.dp) +
            " processes, not " + std::to_string(world) + " (tandem-run --nproc-per-node " +
            std::to_string(row * cfg.dp) + ")";
   }
   if (cfg.tp > 1 && cfg.heads % cfg.tp != 0) {
     return "--tp " + std::to_string(cfg.tp) + " does not divide --heads " +
            std::to_string(cfg.heads) + ": each tensor-parallel rank takes whole heads";
+  }
+  if (!(cfg.dropout >= 0 && cfg.dropout < 1)) {
+    return "--dropout " + std::to_string(cfg.dropout) + " is not a probability in [0, 1)";
   }
   if (cfg.tp > 1 && cfg.zero >= 2) {
     return "--zero " + std::to_string(cfg.zero) +
@@ -305,6 +316,10 @@ int job_main(int argc, char** argv) {
                               {"tp", static_cast<int>(cfg.tp)}},
           mo);
       agree_on_resume(*mesh, resume);
+      // Dropout's generators (model.h): from the seed, and each replica
+      // its own masks (its own rows).
+      tandem::parallel::rng_tracker().seed(static_cast<uint64_t>(cfg.seed) * 1000003u +
+                                           static_cast<uint64_t>(mesh->coordinate("dp")));
       if (mesh->coordinate("pp") != 0) return 0;  // serves its stages until the drivers are done
       const Job job{cfg, *corpus, resume, *mesh, started};
       return cfg.zero >= 2 ? drive_data_parallel(job) : drive(job);

@@ -22,6 +22,7 @@
 
 #include "tandem/ddp/process_group.h"
 #include "tandem/parallel/linear.h"
+#include "tandem/parallel/random.h"
 #include "tandem/parallel/recompute.h"
 #include "tandem/parallel/transformer.h"
 #include "tandem/parallel/vocab.h"
@@ -72,10 +73,16 @@ struct EmbedImpl : tnn::Module {
 
 // x + attention(ln1(x)), then + mlp(ln2(x)): causal self-attention over
 // `heads` heads, and a 4x-wide GELU MLP.
+// With `dropout`, GPT-2's: on the attention probabilities and on each
+// residual branch, in training mode, from the tracker's generator `rng`
+// (parallel/random.h: the masks a split of this block draws too).
 struct BlockImpl : tnn::Module {
-  BlockImpl(int64_t dim, int64_t heads, int64_t context)
+  BlockImpl(int64_t dim, int64_t heads, int64_t context, double dropout = 0,
+            std::string rng = "")
       : heads(heads),
         context(context),
+        dropout(dropout),
+        rng(std::move(rng)),
         ln1(register_module("ln1", tnn::LayerNorm(tnn::LayerNormOptions({dim})))),
         qkv(register_module("qkv", tnn::Linear(dim, 3 * dim))),
         proj(register_module("proj", tnn::Linear(dim, dim))),
@@ -97,12 +104,19 @@ struct BlockImpl : tnn::Module {
     at::Tensor att = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
     const at::Tensor future = at::ones({T, T}, x.options().dtype(at::kBool)).triu(1);
     att = at::softmax(att.masked_fill(future, -std::numeric_limits<float>::infinity()), -1);
+    att = drop(att);
     at::Tensor y = at::matmul(att, v).transpose(1, 2).reshape({B, T, C});
-    x = x + proj(y);
-    return x + out(at::gelu(fc(ln2(x))));
+    x = x + drop(proj(y));
+    return x + drop(out(at::gelu(fc(ln2(x)))));
+  }
+  at::Tensor drop(const at::Tensor& t) {
+    if (dropout == 0 || !is_training()) return t;
+    return tandem::parallel::dropout(t, dropout, true, tandem::parallel::rng_tracker().get(rng));
   }
 
   int64_t heads, context;
+  double dropout;
+  std::string rng;
   tnn::LayerNorm ln1;
   tnn::Linear qkv, proj;
   tnn::LayerNorm ln2;
@@ -159,16 +173,21 @@ struct TpEmbedImpl : tnn::Module {
 // backward (tandem::nn::recompute).
 struct GptBlockImpl : tnn::Module {
   GptBlockImpl(int64_t dim, int64_t heads, int64_t context, const std::string& group,
-               bool recompute)
+               bool recompute, double dropout, int64_t layer)
       : recompute(recompute) {
-    auto whole = std::make_shared<BlockImpl>(dim, heads, context);
+    // (the layer's own generator: its masks the same whichever process runs it)
+    const std::string rng = "gpt/" + std::to_string(layer);
+    auto whole = std::make_shared<BlockImpl>(dim, heads, context, dropout, rng);
     std::shared_ptr<tnn::Module> inner;
     if (group.empty()) {
       inner = whole;
       run = [whole](const at::Tensor& x) { return whole->forward(x); };
     } else {
+      par::BlockOptions o;
+      o.attention_dropout = o.residual_dropout = dropout;
+      o.rng = rng;
       par::ParallelBlock b(whole->ln1, whole->qkv, whole->proj, whole->ln2, whole->fc, whole->out,
-                           heads, tp_group_named(group));
+                           heads, tp_group_named(group), o);
       inner = b.ptr();
       run = [b](const at::Tensor& x) mutable { return b(x); };
     }
@@ -282,10 +301,13 @@ const bool kRegistered = [] {
                                                   const std::string& group) {
     return std::make_shared<TpEmbedImpl>(vocab, dim, context, tp_group_named(group));
   });
-  tandem::nn::register_module("gpt_block_x", [](int64_t dim, int64_t heads, int64_t context,
-                                                 const std::string& group, bool recompute) {
-    return std::make_shared<GptBlockImpl>(dim, heads, context, group, recompute);
-  });
+  tandem::nn::register_module("gpt_block_x",
+                              [](int64_t dim, int64_t heads, int64_t context,
+                                 const std::string& group, bool recompute, double dropout,
+                                 int64_t layer) {
+                                return std::make_shared<GptBlockImpl>(dim, heads, context, group,
+                                                                      recompute, dropout, layer);
+                              });
   tandem::nn::register_module("gpt_head_tp",
                               [](int64_t dim, int64_t vocab, const std::string& group) {
                                 register_tp_loss(group, vocab);
@@ -311,15 +333,15 @@ std::vector<c10::IValue> layer_specs(const Config& cfg, int64_t vocab) {
 
 std::vector<c10::IValue> layer_specs(const Config& cfg, int64_t vocab,
                                      const std::string& tp_group) {
-  if (tp_group.empty() && !cfg.recompute) return layer_specs(cfg, vocab);
+  if (tp_group.empty() && !cfg.recompute && cfg.dropout == 0) return layer_specs(cfg, vocab);
   namespace nn = tandem::nn;
   std::vector<c10::IValue> layers;
   layers.push_back(tp_group.empty()
                        ? nn::spec("gpt_embed", {vocab, cfg.dim, cfg.context})
                        : nn::spec("gpt_embed_tp", {vocab, cfg.dim, cfg.context, tp_group}));
   for (int64_t i = 0; i < cfg.layers; ++i) {
-    layers.push_back(
-        nn::spec("gpt_block_x", {cfg.dim, cfg.heads, cfg.context, tp_group, cfg.recompute}));
+    layers.push_back(nn::spec("gpt_block_x", {cfg.dim, cfg.heads, cfg.context, tp_group,
+                                              cfg.recompute, cfg.dropout, i + 1}));
   }
   layers.push_back(tp_group.empty() ? nn::spec("gpt_head", {cfg.dim, vocab})
                                     : nn::spec("gpt_head_tp", {cfg.dim, vocab, tp_group}));
@@ -367,7 +389,7 @@ at::Tensor StackImpl::forward(const at::Tensor& x) const {
 
 std::shared_ptr<StackImpl> whole_model(const Config& cfg, int64_t vocab, const Named& values) {
   auto stack = std::make_shared<StackImpl>();
-  const auto specs = layer_specs(cfg, vocab);
+  const auto specs = layer_specs(cfg, vocab, "");
   for (size_t i = 0; i < specs.size(); ++i) {
     const auto& e = specs[i].toTupleRef().elements();
     auto list = e[1].toList();

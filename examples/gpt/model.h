@@ -34,7 +34,10 @@ constexpr const char* kLoss = "gpt";
 std::vector<c10::IValue> layer_specs(const Config& cfg, int64_t vocab);
 // The same layers as this job runs them: split over the tensor-parallel
 // group registered as `tp_group` on each stage worker (ddp::find_group; ""
-// for whole layers), each block recomputed in backward with --recompute.
+// for whole layers), each block recomputed in backward with --recompute,
+// and with --dropout each block's masks drawn from the generator
+// "gpt/<layer>" of the process's parallel::rng_tracker() (whole masks,
+// each tp rank keeping its piece: every --tp and --pp draws alike).
 // Their parameters keep the whole model's names; the split ones hold
 // tp_piece's slices (the token embedding's and the head's rows a range of
 // the vocabulary, qkv's rows those of this rank's heads in each of q, k and
@@ -81,7 +84,8 @@ struct StackImpl : torch::nn::Module {
   at::Tensor forward_layer(size_t i, const at::Tensor& x) const;
   at::Tensor forward(const at::Tensor& x) const;
 };
-// Holding `values`.
+// Holding `values`; its blocks recomputed (--recompute) and with
+// --dropout's masks as the pipeline's layers (layer_specs(cfg, vocab, "")).
 std::shared_ptr<StackImpl> whole_model(const Config& cfg, int64_t vocab, const Named& values);
 
 // The loss over every character: cross-entropy of logits [B, T, V] against

@@ -208,15 +208,16 @@ int drive(const Job& job) {
 
   const bool speak = mesh.rank() == 0;
   if (speak) {
+    const std::string layout =
+        std::to_string(cfg.pp) + " x " + std::to_string(cfg.dp) +
+        (tp > 1 ? " x " + std::to_string(tp) + " (pp x dp x tp)" : " (pp x dp)");
     std::printf(
         "gpt: %s, %zu bytes, vocabulary %lld; %lld parameters (%lld blocks of %lld, %lld "
-        "heads, context %lld); %lld x %lld x %lld (pp x dp x tp)%s, %s, %lld micro-batches of "
-        "%lld; layers per stage",
+        "heads, context %lld); %s%s, %s, %lld micro-batches of %lld; layers per stage",
         job.corpus.name.c_str(), job.corpus.text.size(), static_cast<long long>(V),
         static_cast<long long>(parameter_count(whole)), static_cast<long long>(cfg.layers),
         static_cast<long long>(cfg.dim), static_cast<long long>(cfg.heads),
-        static_cast<long long>(cfg.context), static_cast<long long>(cfg.pp),
-        static_cast<long long>(cfg.dp), static_cast<long long>(cfg.tp),
+        static_cast<long long>(cfg.context), layout.c_str(),
         cfg.recompute ? ", blocks recomputed in backward" : "", cfg.schedule.c_str(),
         static_cast<long long>(cfg.chunks),
         static_cast<long long>(cfg.batch / cfg.dp / cfg.chunks));
@@ -291,6 +292,7 @@ int drive(const Job& job) {
   const bool samples = cfg.sample > 0 && last == cfg.steps && (tp > 1 ? replica == 0 : speak);
   std::string sample;
   if (samples) {
+    for (const auto& s : stages) s.eval();  // (no dropout)
     // Each new character: the last `context` ones through every stage.
     std::vector<int64_t> seen;
     const int64_t most = (V + tp - 1) / tp;  // (the largest piece: all_gather takes one size)

@@ -4,6 +4,7 @@
 #include "test_util.h"
 
 #include <ATen/ops/gelu.h>
+#include <ATen/ops/isfinite.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/randn.h>
@@ -14,9 +15,13 @@
 
 #include <cmath>
 #include <limits>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "ddp/ddp_support.h"
+#include "tandem/parallel/random.h"
+#include "tandem/parallel/recompute.h"
 #include "tandem/parallel/transformer.h"
 
 using namespace tandem;
@@ -148,5 +153,109 @@ TEST_CASE("parallel transformer: heads that do not split over the group are refu
   CHECK_THROWS_WITH_AS(par::ParallelBlock(whole.ln1, whole.qkv, whole.proj, whole.ln2, whole.fc,
                                           whole.out, 5, g.groups[0]),
                        "ParallelBlock: the width 24 is not a multiple of 5 heads",
+                       std::invalid_argument);
+}
+
+namespace {
+
+// The output and every gradient of a block split over n ranks (threads),
+// each with a tracker of its own seeded alike, and recomputed or not:
+// rank r's output, input gradient and parameters' gradients by name.
+struct RankResult {
+  at::Tensor y, xgrad;
+  std::map<std::string, at::Tensor> grads;
+};
+std::vector<RankResult> run_split(Whole& whole, int n, par::BlockOptions o, bool again,
+                                  const at::Tensor& x0, const at::Tensor& w, bool train = true) {
+  test::Groups g(n);
+  std::vector<par::RngTracker> trackers(static_cast<size_t>(n));
+  std::vector<par::ParallelBlock> blocks;
+  for (int r = 0; r < n; ++r) {
+    trackers[r].seed(7);
+    par::BlockOptions mine = o;
+    mine.tracker = &trackers[r];
+    blocks.emplace_back(whole.ln1, whole.qkv, whole.proj, whole.ln2, whole.fc, whole.out, kHeads,
+                        g.groups[r], mine);
+    blocks.back()->train(train);
+  }
+  std::vector<RankResult> out(static_cast<size_t>(n));
+  test::on_ranks(n, [&](int r) {
+    const bool sp = o.sequence_parallel;
+    at::Tensor x = (sp ? par::piece_of(x0, 1, r, n) : x0).clone().requires_grad_();
+    auto fn = [&](const at::Tensor& h) { return blocks[r](h); };
+    at::Tensor y = again ? tandem::nn::recompute(fn, x, blocks[r]->parameters(), {&trackers[r]})
+                         : fn(x);
+    at::sum((sp ? par::piece_of(w, 1, r, n) : w) * y).backward();
+    par::all_reduce_partial_grads(*blocks[r], g.groups[r]);
+    out[r].y = y.detach();
+    out[r].xgrad = x.grad();
+    for (const auto& p : blocks[r]->named_parameters()) out[r].grads[p.key()] = p.value().grad();
+  });
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("parallel transformer: dropout draws one process's masks on any split, recomputed too") {
+  at::manual_seed(23);
+  Whole whole;
+  const at::Tensor x0 = at::randn({kBatch, kSeq, kWidth}, at::kDouble);
+  const at::Tensor w = at::randn({kBatch, kSeq, kWidth}, at::kDouble);
+  par::BlockOptions o;
+  o.attention_dropout = 0.3;
+  o.residual_dropout = 0.2;
+  const RankResult one = run_split(whole, 1, o, false, x0, w).at(0);
+  // The masks did something: the block without dropout differs.
+  par::BlockOptions plain;
+  const RankResult none = run_split(whole, 1, plain, false, x0, w).at(0);
+  CHECK_FALSE(at::allclose(one.y, none.y));
+  // In eval mode dropout is the identity.
+  CHECK(at::allclose(run_split(whole, 1, o, false, x0, w, /*train=*/false).at(0).y, none.y));
+  for (int n : {2, 3}) {
+    for (bool sp : {false, true}) {
+      for (bool again : {false, true}) {
+        CAPTURE(n);
+        CAPTURE(sp);
+        CAPTURE(again);
+        par::BlockOptions split = o;
+        split.sequence_parallel = sp;
+        const auto got = run_split(whole, n, split, again, x0, w);
+        for (int r = 0; r < n; ++r) {
+          CAPTURE(r);
+          const RankResult& g = got[static_cast<size_t>(r)];
+          CHECK(at::allclose(g.y, sp ? par::piece_of(one.y, 1, r, n) : one.y, 1e-6, 1e-9));
+          CHECK(at::allclose(g.xgrad, sp ? par::piece_of(one.xgrad, 1, r, n) : one.xgrad, 1e-6,
+                             1e-9));
+          CHECK(at::allclose(g.grads.at("qkv.weight"),
+                             strided_rows(one.grads.at("qkv.weight"), r, n), 1e-6, 1e-9));
+          CHECK(at::allclose(g.grads.at("out.weight"),
+                             par::piece_of(one.grads.at("out.weight"), 1, r, n), 1e-6, 1e-9));
+          CHECK(at::allclose(g.grads.at("ln2.weight"), one.grads.at("ln2.weight"), 1e-6, 1e-9));
+        }
+      }
+    }
+  }
+  // Megatron's draws: each rank its own attention mask, so not one
+  // process's; the output is still replicated, the same on both ranks.
+  par::BlockOptions megatron = o;
+  megatron.masks_like_one_process = false;
+  const auto mine = run_split(whole, 2, megatron, false, x0, w);
+  CHECK(at::equal(mine[0].y, mine[1].y));
+  CHECK_FALSE(at::allclose(mine[0].y, one.y));
+  CHECK(at::isfinite(mine[0].y).all().item<bool>());
+  // Recomputed, Megatron's draws are the same as without.
+  const auto again = run_split(whole, 2, megatron, true, x0, w);
+  CHECK(at::equal(again[0].y, mine[0].y));
+  CHECK(at::allclose(again[1].grads.at("qkv.weight"), mine[1].grads.at("qkv.weight"), 0, 0));
+
+  test::Groups g(2);
+  par::BlockOptions bad;
+  bad.attention_dropout = 1.0;
+  CHECK_THROWS_WITH_AS(par::ParallelBlock(whole.ln1, whole.qkv, whole.proj, whole.ln2, whole.fc,
+                                          whole.out, kHeads, g.groups[0], bad),
+                       "ParallelBlock: a dropout probability must be in [0, 1), got 1.000000",
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(par::dropout(x0, -0.5, true, par::rng_tracker().get("x")),
+                       "parallel::dropout: p must be in [0, 1), got -0.500000",
                        std::invalid_argument);
 }
