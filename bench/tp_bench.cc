@@ -133,13 +133,6 @@ void worker(const Config& c, bool sp, bool again, const std::string& out) {
   ddp::destroy_process_group();
 }
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream in(s);
-  for (std::string item; std::getline(in, item, ',');) out.push_back(item);
-  return out;
-}
-
 // Megatron's count of what a rank sends for the block in a step (see the top).
 int64_t expected_sent(const Config& c, int tp, bool again) {
   if (tp == 1) return 0;
@@ -163,14 +156,14 @@ int main(int argc, char** argv) {
     // A worker of one job (TANDEM_TP=SP,RECOMPUTE,TP,OUT set by the caller
     // below): spawn() runs its part and ends the process.
     if (const char* job = std::getenv("TANDEM_TP")) {
-      std::vector<std::string> f = split(job);
+      std::vector<std::string> f = tandem::bench::split_commas(job);
       if (f.size() != 4) return 2;
       tandem::spawn(std::atoi(f[2].c_str()),
                     [&](int, int) { worker(c, f[0] == "1", f[1] == "1", f[3]); });
       return 0;
     }
     std::map<bool, double> tp1_ms;  // by recompute
-    for (const auto& tp_text : split(c.tps)) {
+    for (const auto& tp_text : tandem::bench::split_commas(c.tps)) {
       const int tp = std::atoi(tp_text.c_str());
       if (tp < 1 || c.heads % tp != 0 || c.seq % tp != 0) {
         std::fprintf(stderr,

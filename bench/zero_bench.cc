@@ -180,13 +180,6 @@ void worker(const Config& c, const std::string& mode, const std::string& out) {
   ddp::destroy_process_group();
 }
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream in(s);
-  for (std::string item; std::getline(in, item, ',');) out.push_back(item);
-  return out;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -208,7 +201,7 @@ int main(int argc, char** argv) {
       tandem::spawn(world, [&](int, int) { worker(c, s.substr(0, a), s.substr(b + 1)); });
       return 0;
     }
-    for (const auto& world_text : split(c.worlds)) {
+    for (const auto& world_text : tandem::bench::split_commas(c.worlds)) {
       const int world = std::atoi(world_text.c_str());
       if (world < 1) {
         std::fprintf(stderr, "zero_bench: --worlds takes counts of ranks, not '%s'\n",
@@ -216,7 +209,7 @@ int main(int argc, char** argv) {
         return 2;
       }
       double ddp_ms = 0;
-      for (const auto& mode : split(c.modes)) {
+      for (const auto& mode : tandem::bench::split_commas(c.modes)) {
         if (mode != "ddp" && mode != "zero1" && mode != "zero2" && mode != "zero3") {
           std::fprintf(stderr, "zero_bench: --modes takes ddp, zero1, zero2 and zero3, not '%s'\n",
                        mode.c_str());

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <functional>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -206,6 +207,18 @@ std::string Slices::state_problem(const std::string& name, at::IntArrayRef shape
   }
 }
 
+void Slices::overlapping(const std::vector<Slice>& list, int64_t a, int64_t b,
+                         const std::function<void(const Slice&, int64_t, int64_t)>& fn) {
+  // (from the last slice starting at or before a: they are sorted by start)
+  auto it = std::upper_bound(list.begin(), list.end(), a,
+                             [](int64_t x, const Slice& s) { return x < s.start; });
+  if (it != list.begin()) --it;
+  for (; it != list.end() && it->start < b; ++it) {
+    const int64_t lo = std::max(a, it->start), hi = std::min(b, it->end);
+    if (lo < hi) fn(*it, lo, hi);
+  }
+}
+
 at::Tensor Slices::read_range(const std::string& n, int64_t a, int64_t b, Cache& cache) const {
   auto entry = [&](const std::string& e) -> const at::Tensor& {
     auto it = cache.tensors.find(e);
@@ -216,16 +229,9 @@ at::Tensor Slices::read_range(const std::string& n, int64_t a, int64_t b, Cache&
   if (!slices_of(n)) return at::empty({0});  // (no elements to hold)
   std::vector<at::Tensor> parts;
   const auto& list = *slices_of(n);
-  // (the first slice that may reach past a: they are sorted by start)
-  auto it = std::upper_bound(list.begin(), list.end(), a,
-                             [](int64_t x, const Slice& s) { return x < s.start; });
-  if (it != list.begin()) --it;
-  for (; it != list.end() && it->start < b; ++it) {
-    const Slice& s = *it;
-    const int64_t lo = std::max(a, s.start), hi = std::min(b, s.end);
-    if (lo >= hi) continue;
+  overlapping(list, a, b, [&](const Slice& s, int64_t lo, int64_t hi) {
     parts.push_back(entry(s.entry).narrow(0, s.offset + lo - s.start, hi - lo));
-  }
+  });
   if (parts.empty()) return entry(list.front().entry).narrow(0, 0, 0);
   return parts.size() == 1 ? parts[0] : at::cat(parts);
 }
@@ -273,17 +279,10 @@ void Slices::pieces_range(const std::string& n, int64_t count, int64_t a, int64_
     return;
   }
   if (!slices_of(n)) return;  // (no elements)
-  const auto& list = *slices_of(n);
-  auto it = std::upper_bound(list.begin(), list.end(), a,
-                             [](int64_t x, const Slice& s) { return x < s.start; });
-  if (it != list.begin()) --it;
-  for (; it != list.end() && it->start < b; ++it) {
-    const Slice& s = *it;
-    const int64_t lo = std::max(a, s.start), hi = std::min(b, s.end);
-    if (lo >= hi) continue;
+  overlapping(*slices_of(n), a, b, [&](const Slice& s, int64_t lo, int64_t hi) {
     out.push_back(
         {bytes(s.entry), s.numel(), s.offset + lo - s.start, to + (lo - a), hi - lo, s.entry});
-  }
+  });
 }
 
 void Slices::state_pieces(const std::string& name, at::IntArrayRef shape, int64_t a, int64_t b,

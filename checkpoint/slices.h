@@ -18,6 +18,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -111,6 +112,10 @@ class Slices {
     std::map<std::string, at::Tensor> tensors;
     std::map<std::string, std::shared_ptr<const std::string>> bytes;
   };
+  // fn(slice, lo, hi) for each slice of `list` holding elements [lo, hi)
+  // of [a, b), in order.
+  static void overlapping(const std::vector<Slice>& list, int64_t a, int64_t b,
+                          const std::function<void(const Slice&, int64_t, int64_t)>& fn);
   at::Tensor read_range(const std::string& n, int64_t a, int64_t b, Cache& cache) const;
   void pieces_range(const std::string& n, int64_t count, int64_t a, int64_t b, int64_t to,
                     std::vector<optim::StatePiece>& out, Cache& cache) const;

@@ -49,6 +49,19 @@ void init_linear(tnn::Linear& l) {
   tnn::init::zeros_(l->bias);
 }
 
+// tok(ids) + pos(positions). A negative id is a poisoned token (gpt
+// --nan-at): its embedding is NaN, and so are the step's loss and
+// gradients. (Looked for only when asked: the look waits for the device.)
+template <class Tok>
+at::Tensor embed(Tok& tok, tnn::Embedding& pos, const at::Tensor& ids) {
+  const at::Tensor positions = pos(at::arange(ids.size(1), ids.options()));
+  if (!poisoning_enabled()) return tok(ids) + positions;
+  const at::Tensor poisoned = ids < 0;
+  if (!poisoned.any().item<bool>()) return tok(ids) + positions;
+  return (tok(ids.clamp_min(0)) + positions)
+      .masked_fill(poisoned.unsqueeze(-1), std::numeric_limits<double>::quiet_NaN());
+}
+
 // Token and position embeddings: ids [B, T] -> [B, T, dim].
 struct EmbedImpl : tnn::Module {
   EmbedImpl(int64_t vocab, int64_t dim, int64_t context)
@@ -57,17 +70,7 @@ struct EmbedImpl : tnn::Module {
     tnn::init::normal_(tok->weight, 0, 0.02);
     tnn::init::normal_(pos->weight, 0, 0.02);
   }
-  at::Tensor forward(at::Tensor ids) {
-    const at::Tensor positions = pos(at::arange(ids.size(1), ids.options()));
-    // A negative id is a poisoned token (gpt --nan-at): its embedding is
-    // NaN, and so are the step's loss and gradients. (Looked for only when
-    // asked: the look waits for the device.)
-    if (!poisoning_enabled()) return tok(ids) + positions;
-    const at::Tensor poisoned = ids < 0;
-    if (!poisoned.any().item<bool>()) return tok(ids) + positions;
-    return (tok(ids.clamp_min(0)) + positions)
-        .masked_fill(poisoned.unsqueeze(-1), std::numeric_limits<double>::quiet_NaN());
-  }
+  at::Tensor forward(at::Tensor ids) { return embed(tok, pos, ids); }
   tnn::Embedding tok, pos;
 };
 
@@ -154,15 +157,7 @@ struct TpEmbedImpl : tnn::Module {
     pos = register_module("pos", whole.pos);
     par::mark_replicated(*this, g);  // (the positions: a checkpoint holds them once)
   }
-  at::Tensor forward(at::Tensor ids) {
-    const at::Tensor positions = pos(at::arange(ids.size(1), ids.options()));
-    // (a poisoned token, as EmbedImpl's: every rank sees the same ids)
-    if (!poisoning_enabled()) return tok(ids) + positions;
-    const at::Tensor poisoned = ids < 0;
-    if (!poisoned.any().item<bool>()) return tok(ids) + positions;
-    return (tok(ids.clamp_min(0)) + positions)
-        .masked_fill(poisoned.unsqueeze(-1), std::numeric_limits<double>::quiet_NaN());
-  }
+  at::Tensor forward(at::Tensor ids) { return embed(tok, pos, ids); }  // (every rank: the same ids)
   par::VocabParallelEmbedding tok{nullptr};
   tnn::Embedding pos{nullptr};
 };
