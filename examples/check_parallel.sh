@@ -30,7 +30,13 @@
 #     on 1 x 1 x 1's loss and parameters with the same dropout; --zero 3
 #     and --zero 2 with --recompute (each FSDP unit's block recomputed) end
 #     exactly as without;
-#  f. bad input exits 2 naming it: heads that --tp does not divide, --tp
+#  g. the point of it: under a cap of 1600 MiB of data a process (prlimit
+#     --data, which every worker inherits), a gpt of 6 blocks of width 1024
+#     (76M parameters; Adam's state, gradients and parameters 1.2 GB) with
+#     --recompute fails to train at tp 1 x dp 2 --zero 1, its allocator
+#     naming the failed allocation, and trains (and checkpoints) at tp 2 x
+#     dp 2 --zero 1;
+#  h. bad input exits 2 naming it: heads that --tp does not divide, --tp
 #     with --zero 2, a world that is not pp x dp x tp, a --dropout that is
 #     not a probability.
 set -uo pipefail
@@ -183,7 +189,31 @@ for zero in 2 3; do
   fi
 done
 
-# f. bad input, each named
+# g. a model that fits only when split, under the same cap per process
+if command -v prlimit >/dev/null; then
+  cap=$((1600 * 1024 * 1024))
+  big=(--steps 2 --layers 6 --dim 1024 --heads 16 --context 64 --batch 8 --chunks 1 --log-every 1
+    --sample 0 --recompute)
+  capped() {  # LOG NPROC ARGS...
+    local log="$1" nproc="$2"
+    shift 2
+    timeout 300 prlimit --data="$cap" -- "$run" --nproc-per-node "$nproc" "$bin/gpt" "$@" >"$log" 2>&1
+    echo $?
+  }
+  rc=$(capped cap1.log 2 --pp 1 --dp 2 --tp 1 --zero 1 "${big[@]}" --checkpoint cap1.ckpt)
+  if [[ $rc == 0 ]] || ! grep -q "can't allocate memory" cap1.log; then
+    fail "tp 1 under the cap: exit $rc, no allocation failure said"; sed 's/^/    /' cap1.log | head -20
+  else
+    echo "ok: tp 1 x dp 2 --zero 1 under 1600 MiB a process fails: $(grep -o "can't allocate memory[^.]*" cap1.log | head -1)"
+  fi
+  rc=$(capped cap2.log 4 --pp 1 --dp 2 --tp 2 --zero 1 "${big[@]}" --checkpoint cap2.ckpt)
+  expect_rc "tp 2 x dp 2 --zero 1 under 1600 MiB a process" "$rc" 0 cap2.log &&
+    echo "ok: it trains split: $(final_line cap2.log)"
+else
+  echo "skipped: the memory cap (no prlimit)"
+fi
+
+# h. bad input, each named
 bad() {
   local what="$1" nproc="$2" want="$3"
   shift 3
