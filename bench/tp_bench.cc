@@ -19,10 +19,11 @@
 // sent_bytes_per_rank: bytes rank 0 wrote to its sockets in a step
 // (/proc/self/io wchar; nothing else writes meanwhile). expected_sent_bytes:
 // Megatron's count for a block, two all-reduces of the activation forward and
-// two backward (or their all-gathers and reduce-scatters with sequence
-// parallelism, the same volume), each sending 2 (tp - 1) / tp of it (an
-// all-gather or a reduce-scatter (tp - 1) / tp), recomputation's forward
-// again on top. ms_per_tp1: ms over the tp 1 line's (same recompute) in this
+// two backward, each sending 2 (tp - 1) / tp of it; with sequence parallelism
+// two all-gathers and two reduce-scatters forward, each (tp - 1) / tp of it,
+// and backward their adjoints plus the two column-parallel inputs gathered
+// again (Megatron's way of holding only a piece of them: 1.25x the bytes
+// without it); recomputation's forward again on top. ms_per_tp1: ms over the tp 1 line's (same recompute) in this
 // run: the step's share of one process's time.
 //
 // Usage: tp_bench [--steps 3] [--warmup 1] [--width 1024] [--heads 16] [--seq 64]
@@ -134,12 +135,16 @@ void worker(const Config& c, bool sp, bool again, const std::string& out) {
 }
 
 // Megatron's count of what a rank sends for the block in a step (see the top).
-int64_t expected_sent(const Config& c, int tp, bool again) {
+int64_t expected_sent(const Config& c, int tp, bool sp, bool again) {
   if (tp == 1) return 0;
   const double activation = static_cast<double>(c.batch) * c.seq * c.width * 4;
-  const double per_all_reduce = 2.0 * (tp - 1) / tp * activation;
+  const double per_half = (tp - 1.0) / tp * activation;  // an all-gather or a reduce-scatter
   const double forwards = again ? 2 : 1;  // recomputation runs the forward twice
-  return static_cast<int64_t>((2 * forwards + 2) * per_all_reduce);
+  // Without sequence parallelism: 2 all-reduces (2 halves each) a forward and 2
+  // backward. With it: 2 all-gathers and 2 reduce-scatters a forward; backward
+  // their adjoints and, as Megatron, the 2 column-parallel inputs gathered again.
+  return static_cast<int64_t>(sp ? (4 * forwards + 6) * per_half
+                                 : (2 * forwards + 2) * 2 * per_half);
 }
 
 }  // namespace
@@ -195,7 +200,7 @@ int main(int argc, char** argv) {
               tp, sp ? "true" : "false", again ? "true" : "false", r.ms,
               static_cast<long long>(r.params), static_cast<long long>(r.whole_params),
               static_cast<long long>(r.activations), static_cast<long long>(r.sent),
-              static_cast<long long>(expected_sent(c, tp, again)),
+              static_cast<long long>(expected_sent(c, tp, sp, again)),
               tp1_ms.count(again)
                   ? (",\"ms_per_tp1\":" + std::to_string(r.ms / tp1_ms[again])).c_str()
                   : "");

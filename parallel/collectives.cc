@@ -118,6 +118,13 @@ at::Tensor fresh(const at::Tensor& x) { return x.variable_data(); }
 
 }  // namespace
 
+at::Tensor gather_plain(const at::Tensor& x, int64_t dim, ddp::ProcessGroup& g) {
+  return gathered(x, dim, g);
+}
+at::Tensor reduce_scatter_plain(const at::Tensor& x, int64_t dim, ddp::ProcessGroup& g) {
+  return scattered_sum(x, dim, g);
+}
+
 void check_divides(const at::Tensor& x, int64_t dim, int size, const char* what) {
   if (x.size(dim) % size != 0) {
     throw std::invalid_argument(std::string(what) + ": dimension " + std::to_string(dim) +

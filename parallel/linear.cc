@@ -2,7 +2,11 @@
 #include "tandem/parallel/linear.h"
 
 #include <ATen/ops/linear.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <stdexcept>
@@ -11,6 +15,7 @@
 
 #include "tandem/checkpoint/placement.h"
 #include "tandem/ddp/process_group.h"
+#include "tandem/parallel/node.h"
 
 namespace tandem::parallel {
 
@@ -126,11 +131,95 @@ void ColumnParallelLinearImpl::take_slice(const torch::nn::Linear& whole) {
   if (options_.bias) checkpoint::set_placement(bias, {{out_}, 0, ranges});
 }
 
+namespace {
+
+// Sequence parallelism's column-parallel product, as Megatron computes it:
+// y = gather(x) W^T + b, keeping only x (this rank's piece of the
+// sequence) for backward, which gathers it again for W's gradient and
+// reduce-scatters the input's (two collectives, every rank in that order).
+class GatheredLinearBackward final : public torch::autograd::Node {
+ public:
+  GatheredLinearBackward(at::Tensor x, at::Tensor weight, bool bias, int64_t dim, Group group,
+                         std::vector<int64_t> out_sizes, at::TensorOptions out_options,
+                         torch::autograd::edge_list&& next)
+      : Node(std::move(next)),
+        x_(std::move(x)),
+        weight_(std::move(weight)),
+        bias_(bias),
+        dim_(dim),
+        group_(std::move(group)),
+        out_sizes_(std::move(out_sizes)),
+        out_options_(out_options) {}
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    at::Tensor g = grads.empty() ? at::Tensor() : grads[0];
+    if (!g.defined()) g = at::zeros(out_sizes_, out_options_);
+    const at::Tensor full = gather_plain(x_, dim_, *group_);
+    const at::Tensor grad_x = reduce_scatter_plain(at::matmul(g, weight_), dim_, *group_);
+    const int64_t out = g.size(-1), in = full.size(-1);
+    const at::Tensor g2 = g.reshape({-1, out});
+    at::Tensor grad_w = at::matmul(g2.t(), full.reshape({-1, in}));
+    at::Tensor grad_b = bias_ ? g2.sum(0) : at::Tensor();
+    release_variables();
+    return {grad_x, grad_w, grad_b};
+  }
+  std::string name() const override { return "tandem::parallel::GatheredLinearBackward"; }
+  void release_variables() override {
+    x_ = at::Tensor();
+    weight_ = at::Tensor();
+  }
+
+ private:
+  at::Tensor x_, weight_;
+  bool bias_;
+  int64_t dim_;
+  Group group_;
+  std::vector<int64_t> out_sizes_;
+  at::TensorOptions out_options_;
+};
+
+at::Tensor gathered_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                           int64_t dim, const Group& group) {
+  const int64_t d = dim < 0 ? dim + x.dim() : dim;
+  at::Tensor y;
+  {
+    at::NoGradGuard no_grad;
+    y = at::linear(gather_plain(x.detach(), d, *group), weight.detach(),
+                   bias.defined() ? bias.detach() : at::Tensor());
+  }
+  const bool wants = at::GradMode::is_enabled() &&
+                     (x.requires_grad() || weight.requires_grad() ||
+                      (bias.defined() && bias.requires_grad()));
+  if (!wants) return y;
+  torch::autograd::edge_list next = torch::autograd::collect_next_edges(x, weight);
+  next.push_back(bias.defined() && bias.requires_grad() ? torch::autograd::impl::gradient_edge(bias)
+                                                        : torch::autograd::Edge());
+  auto node = std::make_shared<GatheredLinearBackward>(x.detach(), weight.detach(),
+                                                       bias.defined(), d, group, y.sizes().vec(),
+                                                       y.options(), std::move(next));
+  torch::autograd::set_history(y, node);
+  return y;
+}
+
+}  // namespace
+
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
-  const at::Tensor input = options_.sequence_parallel
-                               ? all_gather(x, options_.sequence_dim, group_)
-                               : copy_to_region(x, group_);
-  at::Tensor y = at::linear(input, weight, bias);
+  at::Tensor y;
+  if (options_.sequence_parallel && group_->size() > 1) {
+    if (!x.defined()) throw std::invalid_argument("ColumnParallelLinear: the input is undefined");
+    const int64_t n = x.dim(), d = options_.sequence_dim;
+    if (d < -n || d >= n) {
+      throw std::invalid_argument("ColumnParallelLinear: sequence_dim " + std::to_string(d) +
+                                  " is out of range for an input of " + std::to_string(n) +
+                                  " dimension(s)");
+    }
+    y = gathered_linear(x, weight, bias, d, group_);
+  } else {
+    const at::Tensor input = options_.sequence_parallel
+                                 ? all_gather(x, options_.sequence_dim, group_)
+                                 : copy_to_region(x, group_);
+    y = at::linear(input, weight, bias);
+  }
   return options_.gather_output ? gather_from_region(y, -1, group_) : y;
 }
 

@@ -12,8 +12,10 @@
 //    range_of's rows where out does not divide, 6.).
 //    Its input is the replicated region's (copy_to_region: identity forward,
 //    all-reduce of the gradient backward), or, with sequence parallelism, a
-//    piece of the sequence all-gathered first (all_gather: reduce-scatter
-//    backward). Its output is left split along the last dimension
+//    piece of the sequence all-gathered first (reduce-scatter backward); as
+//    Megatron does, it then keeps only its piece for the weight's gradient
+//    and all-gathers it again in backward (a tp-th of the activation held,
+//    for one all-gather more). Its output is left split along the last dimension
 //    (gather_output false, what a row-parallel layer takes next) or
 //    gathered whole (gather_from_region).
 // 2. A row-parallel linear splits its input features: rank r holds columns

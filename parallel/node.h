@@ -4,7 +4,12 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <functional>
+
+namespace tandem::ddp {
+class ProcessGroup;
+}
 
 namespace tandem::parallel {
 
@@ -15,5 +20,11 @@ namespace tandem::parallel {
 // adjoint (a collective, for most).
 at::Tensor with_backward(const at::Tensor& x, at::Tensor out, const char* name,
                          std::function<at::Tensor(const at::Tensor&)> adjoint);
+
+// The plain collectives on tensors without history: the pieces of x along
+// `dim` gathered from every rank, and x summed over the ranks and split
+// along `dim`.
+at::Tensor gather_plain(const at::Tensor& x, int64_t dim, ddp::ProcessGroup& g);
+at::Tensor reduce_scatter_plain(const at::Tensor& x, int64_t dim, ddp::ProcessGroup& g);
 
 }  // namespace tandem::parallel
