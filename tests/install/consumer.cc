@@ -25,6 +25,9 @@
 // ZeroRedundancyOptimizer and sharded gradients, its state consolidated and
 // loaded into plain LibTorch, then FullyShardedDataParallel steps of a
 // Sequential; every rank ends with the same model.
+// `consumer tp` starts two: a transformer block split over them, with
+// dropout and recomputation, equals the whole block, and its pieces saved
+// by both load back whole.
 // `consumer checkpoint` starts two: ZeroRedundancyOptimizer steps, and a
 // JobState (the model once, each rank its share of Adam's state, the
 // sampler's place, a RemoteModule's part, an FSDP model's slices and their
@@ -42,6 +45,9 @@
 #include <tandem/optim/distributed_optimizer.h>
 #include <tandem/optim/nonfinite.h>
 #include <tandem/optim/zero_redundancy_optimizer.h>
+#include <tandem/parallel/random.h>
+#include <tandem/parallel/recompute.h>
+#include <tandem/parallel/transformer.h>
 #include <tandem/pipeline/pipe.h>
 #include <tandem/pipeline/schedule.h>
 #include <tandem/remote_module/remote_module.h>
@@ -49,13 +55,19 @@
 #include <tandem/rpc/rref.h>
 #include <tandem/rpc/spawn.h>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/softmax.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 #include <torch/serialize/input-archive.h>
@@ -133,6 +145,69 @@ bool same_everywhere(const at::Tensor& t) {
     if (!at::equal(other, t)) return false;
   }
   return true;
+}
+
+// `consumer tp`: two ranks split one transformer block (ParallelBlock, with
+// dropout drawn as one process draws it, recomputed in backward): each
+// rank's output equals the whole block's in one process; both save their
+// pieces, which load back whole into the one-process block.
+int tp_job() {
+  namespace par = tandem::parallel;
+  tandem::spawn(2, [](int rank, int) {
+    tandem::ddp::init_process_group("gloo");
+    auto group = tandem::ddp::default_group_ptr();
+    const int64_t C = 16, heads = 4;
+    at::manual_seed(3);
+    torch::nn::LayerNorm ln1(torch::nn::LayerNormOptions({C})), ln2(torch::nn::LayerNormOptions({C}));
+    torch::nn::Linear qkv(C, 3 * C), proj(C, C), fc(C, 4 * C), out(4 * C, C);
+    par::BlockOptions o;
+    o.attention_dropout = o.residual_dropout = 0.1;
+    par::ParallelBlock split(ln1, qkv, proj, ln2, fc, out, heads, group, o);
+    const at::Tensor x = at::randn({2, 5, C}, at::detail::createCPUGenerator(11));
+    // The whole block in this process, its masks from the same generator.
+    par::rng_tracker().seed(7);
+    at::Tensor want;
+    {
+      torch::NoGradGuard no_grad;
+      auto drop = [](const at::Tensor& t) {
+        return par::dropout(t, 0.1, true, par::rng_tracker().get("block"));
+      };
+      const int64_t B = 2, T = 5, hd = C / heads;
+      at::Tensor p = qkv(ln1(x)).view({B, T, 3, heads, hd}).permute({2, 0, 3, 1, 4});
+      at::Tensor att = at::matmul(p[0], p[1].transpose(-2, -1)) / std::sqrt(double(hd));
+      att = at::softmax(att.masked_fill(at::ones({T, T}, at::kBool).triu(1), -INFINITY), -1);
+      at::Tensor h = x + drop(proj(at::matmul(drop(att), p[2]).transpose(1, 2).reshape({B, T, C})));
+      want = h + drop(out(at::gelu(fc(ln2(h)))));
+    }
+    par::rng_tracker().seed(7);
+    const at::Tensor xs = x.clone().requires_grad_();
+    const at::Tensor y = tandem::nn::recompute([&](const at::Tensor& h) { return split(h); }, xs,
+                                               split->parameters());
+    at::sum(y).backward();
+    if (!at::allclose(y, want, 1e-5, 1e-6)) throw std::runtime_error("the split block differs");
+    const std::string dir = "consumer_tp.ckpt";
+    tandem::checkpoint::JobState state(rank);
+    state.module("block", *split);
+    tandem::checkpoint::SaveOptions so;
+    so.group = group;
+    tandem::checkpoint::save_job(dir, 1, state, so);
+    if (rank == 0) {
+      // The pieces into the whole modules, by the whole block's names.
+      torch::nn::Linear qkv2(C, 3 * C), out2(4 * C, C);
+      tandem::checkpoint::JobState back;
+      back.module("block.qkv", *qkv2).module("block.out", *out2);
+      tandem::checkpoint::load_latest_job(dir, back);
+      if (!at::equal(qkv2->weight, qkv->weight) || !at::equal(out2->weight, out->weight) ||
+          !at::equal(out2->bias, out->bias)) {
+        throw std::runtime_error("the pieces did not load back whole");
+      }
+      std::filesystem::remove_all(dir);
+    }
+    group->barrier();
+    std::printf("rank %d: a split block equals the whole, its pieces load back whole\n", rank);
+    tandem::ddp::destroy_process_group();
+  });
+  return 0;
 }
 
 int shard_job() {
@@ -285,6 +360,7 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "spawn") == 0) return spawn_job();
   if (argc > 1 && std::strcmp(argv[1], "mesh") == 0) return mesh_job();
   if (argc > 1 && std::strcmp(argv[1], "shard") == 0) return shard_job();
+  if (argc > 1 && std::strcmp(argv[1], "tp") == 0) return tp_job();
   auto reg = std::make_shared<tandem::rpc::Registry>();
   reg->def("twice", [](int64_t x) { return 2 * x; });
   reg->def("scale", [](at::Tensor t, double s) { return at::mul(t, s); });
