@@ -217,7 +217,7 @@ JobState& JobState::optimizer(const std::string& prefix, torch::optim::Optimizer
     // piece of a larger parameter's as slices of the whole one's)
     std::string shape;
     for (const auto& [name, t] : *ps) {
-      for (const StateCut& c : state_cuts(state_name(prefix, name), t, &shape)) {
+      for (const PieceCut& c : piece_cuts(state_name(prefix, name), t, &shape)) {
         p.add_bytes_later(c.entry, c.numel < 0 ? optim::param_state_snapshot(*o, t)
                                                : optim::param_state_slice_snapshot(
                                                      *o, t, c.start, c.numel));

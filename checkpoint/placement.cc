@@ -66,7 +66,7 @@ void set_placement(const at::Tensor& piece, Placement p) {
                                 " ranges along dimension " + std::to_string(p.dim) +
                                 " (several are taken along dimension 0 only)");
   }
-  int64_t total = 0, at = 0;
+  int64_t at = 0;
   for (const auto& [a, b] : p.ranges) {
     if (a < at || b <= a || b > p.whole[static_cast<size_t>(p.dim)]) {
       throw std::invalid_argument(what + "the range [" + std::to_string(a) + ", " +
@@ -74,11 +74,9 @@ void set_placement(const at::Tensor& piece, Placement p) {
                                   " (size " + std::to_string(p.whole[static_cast<size_t>(p.dim)]) +
                                   ") is empty, outside it, or overlaps or precedes the one before");
     }
-    total += b - a;
     at = b;
   }
-  std::vector<int64_t> want = p.whole;
-  want[static_cast<size_t>(p.dim)] = total;
+  const std::vector<int64_t> want = piece_shape(p);
   if (piece.sizes().vec() != want) {
     throw std::invalid_argument(what + "a piece of " + c10::str(piece.sizes()) + " is not " +
                                 c10::str(at::IntArrayRef(want)) + ", the ranges' share of " +
@@ -109,6 +107,14 @@ int replica_of(const at::Tensor& t) {
   std::lock_guard<std::mutex> lock(g_mu);
   const Held* h = find(t);
   return h ? h->copy : 0;
+}
+
+std::vector<int64_t> piece_shape(const Placement& p) {
+  std::vector<int64_t> shape = p.whole;
+  int64_t along = 0;
+  for (const auto& [a, b] : p.ranges) along += b - a;
+  shape[static_cast<size_t>(p.dim)] = along;
+  return shape;
 }
 
 std::vector<std::pair<int64_t, int64_t>> flat_ranges(const Placement& p) {

@@ -53,6 +53,9 @@ std::optional<Placement> placement_of(const at::Tensor& t);
 void set_replica(const at::Tensor& t, int copy);
 int replica_of(const at::Tensor& t);
 
+// The piece's shape: the whole's, with the split dimension the ranges' total.
+std::vector<int64_t> piece_shape(const Placement& p);
+
 // The piece's elements, flattened in order, as ranges [start, end) of the
 // whole tensor's flattened elements (adjacent ones merged).
 std::vector<std::pair<int64_t, int64_t>> flat_ranges(const Placement& p);

@@ -88,38 +88,25 @@ class PartService final : public rpc::AgentExtension {
                    // A piece of a larger parameter (placement.h) is written as
                    // slices of the whole one's state, the piece that starts
                    // the split dimension recording its shape.
-                   using Snapshot = optim::owner::OptimService::CutSnapshot;
-                   auto service = optim::owner::OptimService::of(agent_);
-                   const std::vector<at::Tensor> params = service->params(id);
+                   // Each snapshot's entry name, in the order they are made.
                    auto entries = std::make_shared<std::vector<std::string>>();
                    auto shapes = std::make_shared<std::vector<std::pair<std::string, std::string>>>();
-                   auto copies = std::make_shared<std::vector<Snapshot>>(
-                       service->param_state_snapshots(
-                           id,
-                           [](const at::Tensor& p)
-                               -> std::optional<std::vector<std::pair<int64_t, int64_t>>> {
-                             std::vector<std::pair<int64_t, int64_t>> ranges;
-                             std::string unused;
-                             const auto cuts = state_cuts("", p, &unused);
+                   using Ranges = std::vector<std::pair<int64_t, int64_t>>;
+                   auto copies = std::make_shared<std::vector<optim::owner::OptimService::CutSnapshot>>(
+                       optim::owner::OptimService::of(agent_)->param_state_snapshots(
+                           id, [&](size_t i, const at::Tensor& p) -> std::optional<Ranges> {
+                             const std::string name = prefix + "/" + names.at(i);  // (a bad name fails here)
+                             std::string shape;
+                             const auto cuts = piece_cuts(name, p, &shape);
                              if (cuts.empty()) return std::nullopt;  // (another copy's)
-                             for (const StateCut& c : cuts) {
+                             Ranges ranges;
+                             for (const PieceCut& c : cuts) {
+                               entries->push_back(c.entry);
                                if (c.numel >= 0) ranges.emplace_back(c.start, c.numel);
                              }
+                             if (!shape.empty()) shapes->emplace_back(shape_name(name), shape);
                              return ranges;
                            }));
-                   for (size_t k = 0; k < copies->size();) {
-                     const size_t i = (*copies)[k].index;
-                     const std::string name = prefix + "/" + names.at(i);  // (a bad name fails here)
-                     std::string shape;
-                     for (const StateCut& c : state_cuts(name, params.at(i), &shape)) {
-                       if (k >= copies->size() || (*copies)[k].index != i) {
-                         throw std::logic_error("checkpoint: " + name + "'s state cut unlike its copies");
-                       }
-                       entries->push_back(c.entry);
-                       ++k;
-                     }
-                     if (!shape.empty()) shapes->emplace_back(shape_name(name), shape);
-                   }
                    return start_write(dir, step, part, [copies, entries, shapes] {
                      Part mine;
                      for (size_t k = 0; k < copies->size(); ++k) {

@@ -40,30 +40,29 @@ std::string shape_text(at::IntArrayRef shape) {
   return s;
 }
 
-void add_tensor(Part& part, const std::string& name, const at::Tensor& t) {
-  if (replica_of(t) > 0) return;  // (copy 0 writes it)
-  const std::optional<Placement> p = placement_of(t);
-  if (!p) {
-    part.add(name, t);
-    return;
-  }
-  const at::Tensor flat = t.detach().contiguous().reshape({-1});
-  for (const PieceEntry& e : piece_entries(*p)) {
-    part.add(name + e.suffix, flat.narrow(0, e.piece_start, e.numel));
-  }
-  if (p->ranges.front().first == 0) part.add_bytes(shape_name(name), shape_text(p->whole));
-}
-
-std::vector<StateCut> state_cuts(const std::string& name, const at::Tensor& param,
+std::vector<PieceCut> piece_cuts(const std::string& name, const at::Tensor& t,
                                  std::string* shape_record) {
   shape_record->clear();
-  if (replica_of(param) > 0) return {};  // (copy 0 writes it)
-  const std::optional<Placement> p = placement_of(param);
+  if (replica_of(t) > 0) return {};  // (copy 0 writes it)
+  const std::optional<Placement> p = placement_of(t);
   if (!p) return {{name, 0, -1}};
-  std::vector<StateCut> out;
+  std::vector<PieceCut> out;
   for (const PieceEntry& e : piece_entries(*p)) out.push_back({name + e.suffix, e.piece_start, e.numel});
   if (p->ranges.front().first == 0) *shape_record = shape_text(p->whole);
   return out;
+}
+
+void add_tensor(Part& part, const std::string& name, const at::Tensor& t) {
+  std::string shape;
+  const at::Tensor flat = t.detach().contiguous().reshape({-1});
+  for (const PieceCut& c : piece_cuts(name, t, &shape)) {
+    if (c.numel < 0) {
+      part.add(c.entry, t);
+    } else {
+      part.add(c.entry, flat.narrow(0, c.start, c.numel));
+    }
+  }
+  if (!shape.empty()) part.add_bytes(shape_name(name), shape);
 }
 
 Slices::Slices(const Reader& reader) : reader_(reader) {
@@ -253,12 +252,8 @@ at::Tensor Slices::piece(const std::string& name, const Placement& p) const {
   Cache cache;
   std::vector<at::Tensor> parts;
   for (const auto& [a, b] : flat_ranges(p)) parts.push_back(read_range(n, a, b, cache));
-  std::vector<int64_t> shape = p.whole;
-  int64_t along = 0;
-  for (const auto& [a, b] : p.ranges) along += b - a;
-  shape[static_cast<size_t>(p.dim)] = along;
-  if (parts.empty()) return at::empty(shape);
-  return (parts.size() == 1 ? parts[0] : at::cat(parts)).view(shape);
+  if (parts.empty()) return at::empty(piece_shape(p));
+  return (parts.size() == 1 ? parts[0] : at::cat(parts)).view(piece_shape(p));
 }
 
 at::Tensor Slices::tensor(const std::string& name, at::IntArrayRef shape) const {
@@ -308,11 +303,7 @@ std::string Slices::piece_state(optim::Kind kind, const std::string& name,
     pieces_range(n, count, a, b, to, pieces, cache);
     to += b - a;
   }
-  std::vector<int64_t> shape = p.whole;
-  int64_t along = 0;
-  for (const auto& [a, b] : p.ranges) along += b - a;
-  shape[static_cast<size_t>(p.dim)] = along;
-  return optim::join_param_states(kind, shape, pieces);
+  return optim::join_param_states(kind, piece_shape(p), pieces);
 }
 
 std::string Slices::state(optim::Kind kind, const std::string& name, at::IntArrayRef shape) const {

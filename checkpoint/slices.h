@@ -35,22 +35,21 @@ std::string shape_name(const std::string& name);
 std::string alias_name(const std::string& name);
 std::string shape_text(at::IntArrayRef shape);
 
-// Writes `t` under `name`: whole, or, when it is a piece of a larger
-// tensor (placement_of), as its entries (placement.h 2.), with the whole
-// shape recorded by the piece that starts the split dimension.
-void add_tensor(Part& part, const std::string& name, const at::Tensor& t);
-// (A replica's copy other than 0 adds nothing.)
-// How the optimizer state of `param` goes under `name`: one cut, the whole
-// state (numel -1), or, for a piece, one per entry, each the state of the
-// piece's flattened elements [start, start + numel); none for a replica's
-// copy other than 0; `shape_record` gets the whole shape's text when this
-// piece records it (else "").
-struct StateCut {
+// How `t` (a tensor, or a parameter whose optimizer state is written) goes
+// under `name`: one cut, whole (numel -1); or, for a piece of a larger
+// tensor (placement_of), one per entry (placement.h 2.), each the piece's
+// flattened elements [start, start + numel) (of the state: the state of a
+// parameter of those elements); none for a replica's copy other than 0.
+// `shape_record` gets the whole shape's text when this piece records it,
+// the one that starts the split dimension (else "").
+struct PieceCut {
   std::string entry;
   int64_t start = 0, numel = -1;
 };
-std::vector<StateCut> state_cuts(const std::string& name, const at::Tensor& param,
+std::vector<PieceCut> piece_cuts(const std::string& name, const at::Tensor& t,
                                  std::string* shape_record);
+// Writes `t` under `name` as piece_cuts cuts it, with its shape record.
+void add_tensor(Part& part, const std::string& name, const at::Tensor& t);
 
 class Slices;
 // The shape `t` has in a step: the whole tensor's when it is a piece.

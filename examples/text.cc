@@ -19,17 +19,18 @@
 #include "examples/flags.h"
 
 namespace examples {
-namespace {
-
-namespace fs = std::filesystem;
-
-constexpr const char* kDefaultCorpus = "/usr/share/common-licenses";
 
 uint64_t fnv1a(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
   for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
   return h;
 }
+
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kDefaultCorpus = "/usr/share/common-licenses";
 
 std::string read_file(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);

@@ -12,6 +12,10 @@
 
 namespace examples {
 
+// FNV-1a's steps over the bytes of `s` (from an offset basis of its own:
+// corpus fingerprints in saved checkpoints depend on it).
+uint64_t fnv1a(const std::string& s);
+
 struct Corpus {
   std::string name;
   std::string text;

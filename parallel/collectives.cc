@@ -57,6 +57,8 @@ class MappingBackward final : public torch::autograd::Node {
   at::TensorOptions options_;
 };
 
+}  // namespace
+
 void check_group(const Group& group, const char* what) {
   if (!group) throw std::invalid_argument(std::string(what) + ": no process group");
 }
@@ -74,8 +76,6 @@ int64_t checked_dim(const at::Tensor& x, int64_t dim, const char* what) {
 void check_input(const at::Tensor& x, const char* what) {
   if (!x.defined()) throw std::invalid_argument(std::string(what) + ": the tensor is undefined");
 }
-
-}  // namespace
 
 at::Tensor with_backward(const at::Tensor& x, at::Tensor out, const char* name,
                          std::function<at::Tensor(const at::Tensor&)> adjoint) {

@@ -21,10 +21,6 @@ namespace tandem::parallel {
 
 namespace {
 
-void check_group(const Group& group, const char* who) {
-  if (!group) throw std::invalid_argument(std::string(who) + ": no process group");
-}
-
 // 6.
 void check_split(int64_t size, const Group& group, const char* who, const char* what) {
   if (size < 1 || size % group->size() != 0) {
@@ -99,34 +95,28 @@ std::shared_ptr<ColumnParallelLinearImpl> ColumnParallelLinearImpl::from_whole(
 }
 
 void ColumnParallelLinearImpl::take_slice(const torch::nn::Linear& whole) {
-  // (range_of's rows: equal pieces where out divides, 6.; with a stride,
-  // this rank's piece of each block)
-  const int64_t stride = options_.stride;
-  auto rows = [&](const at::Tensor& t) {
-    if (stride == 1) return uneven_piece_of(t.detach(), 0, group_->rank(), group_->size()).clone();
-    std::vector<int64_t> blocks = t.sizes().vec();
-    blocks[0] /= stride;
-    blocks.insert(blocks.begin(), stride);
-    at::Tensor mine = piece_of(t.detach().reshape(blocks), 1, group_->rank(), group_->size());
-    std::vector<int64_t> shape = t.sizes().vec();
-    shape[0] /= group_->size();
-    return mine.reshape(shape).clone();
-  };
-  weight = register_parameter("weight", rows(whole->weight));
-  if (options_.bias) bias = register_parameter("bias", rows(whole->bias));
-  // Where the pieces lie in the whole parameters, for checkpoints (3.).
+  // This rank's rows: range_of's where out divides or not (6.); with a
+  // stride, its piece of each block. They are also where its pieces lie in
+  // the whole parameters, for checkpoints (4.).
   const int n = group_->size(), r = group_->rank();
-  if (n == 1) return;
   std::vector<std::pair<int64_t, int64_t>> ranges;
-  if (stride == 1) {
+  if (options_.stride == 1) {
     const Range mine = range_of(out_, r, n);
-    ranges.emplace_back(mine.start, mine.start + mine.length);
+    ranges.emplace_back(mine.start, mine.end());
   } else {
-    const int64_t block = out_ / stride, share = block / n;
-    for (int64_t k = 0; k < stride; ++k) {
+    const int64_t block = out_ / options_.stride, share = block / n;
+    for (int64_t k = 0; k < options_.stride; ++k) {
       ranges.emplace_back(k * block + r * share, k * block + (r + 1) * share);
     }
   }
+  auto rows = [&](const at::Tensor& t) {
+    std::vector<at::Tensor> pieces;
+    for (const auto& [a, b] : ranges) pieces.push_back(t.detach().narrow(0, a, b - a));
+    return at::cat(pieces).clone();
+  };
+  weight = register_parameter("weight", rows(whole->weight));
+  if (options_.bias) bias = register_parameter("bias", rows(whole->bias));
+  if (n == 1) return;
   checkpoint::set_placement(weight, {whole->weight.sizes().vec(), 0, ranges});
   if (options_.bias) checkpoint::set_placement(bias, {{out_}, 0, ranges});
 }
@@ -178,13 +168,13 @@ class GatheredLinearBackward final : public torch::autograd::Node {
   at::TensorOptions out_options_;
 };
 
+// (dim: checked, not negative)
 at::Tensor gathered_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                            int64_t dim, const Group& group) {
-  const int64_t d = dim < 0 ? dim + x.dim() : dim;
   at::Tensor y;
   {
     at::NoGradGuard no_grad;
-    y = at::linear(gather_plain(x.detach(), d, *group), weight.detach(),
+    y = at::linear(gather_plain(x.detach(), dim, *group), weight.detach(),
                    bias.defined() ? bias.detach() : at::Tensor());
   }
   const bool wants = at::GradMode::is_enabled() &&
@@ -195,7 +185,7 @@ at::Tensor gathered_linear(const at::Tensor& x, const at::Tensor& weight, const 
   next.push_back(bias.defined() && bias.requires_grad() ? torch::autograd::impl::gradient_edge(bias)
                                                         : torch::autograd::Edge());
   auto node = std::make_shared<GatheredLinearBackward>(x.detach(), weight.detach(),
-                                                       bias.defined(), d, group, y.sizes().vec(),
+                                                       bias.defined(), dim, group, y.sizes().vec(),
                                                        y.options(), std::move(next));
   torch::autograd::set_history(y, node);
   return y;
@@ -206,14 +196,9 @@ at::Tensor gathered_linear(const at::Tensor& x, const at::Tensor& weight, const 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
   at::Tensor y;
   if (options_.sequence_parallel && group_->size() > 1) {
-    if (!x.defined()) throw std::invalid_argument("ColumnParallelLinear: the input is undefined");
-    const int64_t n = x.dim(), d = options_.sequence_dim;
-    if (d < -n || d >= n) {
-      throw std::invalid_argument("ColumnParallelLinear: sequence_dim " + std::to_string(d) +
-                                  " is out of range for an input of " + std::to_string(n) +
-                                  " dimension(s)");
-    }
-    y = gathered_linear(x, weight, bias, d, group_);
+    check_input(x, "ColumnParallelLinear");
+    y = gathered_linear(x, weight, bias, checked_dim(x, options_.sequence_dim, "ColumnParallelLinear"),
+                        group_);
   } else {
     const at::Tensor input = options_.sequence_parallel
                                  ? all_gather(x, options_.sequence_dim, group_)

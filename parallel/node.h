@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 
 namespace tandem::ddp {
 class ProcessGroup;
@@ -20,6 +21,13 @@ namespace tandem::parallel {
 // adjoint (a collective, for most).
 at::Tensor with_backward(const at::Tensor& x, at::Tensor out, const char* name,
                          std::function<at::Tensor(const at::Tensor&)> adjoint);
+
+// The layer's argument checks (std::invalid_argument starting with `what`):
+// a group that is null; a dimension outside x's (returned non-negative);
+// an undefined tensor.
+void check_group(const std::shared_ptr<ddp::ProcessGroup>& group, const char* what);
+int64_t checked_dim(const at::Tensor& x, int64_t dim, const char* what);
+void check_input(const at::Tensor& x, const char* what);
 
 // The plain collectives on tensors without history: the pieces of x along
 // `dim` gathered from every rank, and x summed over the ranks and split

@@ -9,8 +9,8 @@
 //   y = parallel::dropout_piece(p, 0.1, is_training(), g,    // a split one: this rank's piece of
 //                               whole_shape, /*dim=*/1, start);  // the mask one process draws
 //
-// 1. get(name) is a CPU generator seeded from the tracker's seed and the
-//    name (FNV-1a), made on first use: the same on every rank that names
+// 1. get(name) is a CPU generator seeded from the tracker's seed and a
+//    hash of the name, made on first use: the same on every rank that names
 //    it, and the same in every process layout that runs the layer owning
 //    it. A name that carries the rank ("block3/tp1") gives each rank its
 //    own stream, as Megatron's model-parallel generator does.

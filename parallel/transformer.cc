@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "tandem/ddp/process_group.h"
+#include "tandem/parallel/node.h"
 
 namespace tandem::parallel {
 
@@ -33,7 +34,7 @@ ParallelBlockImpl::ParallelBlockImpl(const torch::nn::LayerNorm& ln1_whole,
                                      const torch::nn::Linear& out_whole, int64_t heads,
                                      Group group, BlockOptions o)
     : group_(std::move(group)), options_(o), heads_(heads) {
-  if (!group_) throw std::invalid_argument("ParallelBlock: no process group");
+  check_group(group_, "ParallelBlock");
   width_ = proj_whole->weight.size(0);
   if (heads < 1 || width_ % heads != 0) {
     throw std::invalid_argument("ParallelBlock: the width " + std::to_string(width_) +

@@ -35,7 +35,7 @@ void check_ids(const at::Tensor& ids, int64_t vocab, const char* who, const char
 VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t vocab, int64_t dim, Group group,
                                                        VocabParallelOptions o)
     : group_(std::move(group)), options_(o), vocab_(vocab) {
-  if (!group_) throw std::invalid_argument("VocabParallelEmbedding: no process group");
+  check_group(group_, "VocabParallelEmbedding");
   if (vocab < group_->size()) {
     throw std::invalid_argument("VocabParallelEmbedding: a vocabulary of " +
                                 std::to_string(vocab) + " is smaller than the group's " +
@@ -49,7 +49,7 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t vocab, int64_t di
 VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const torch::nn::Embedding& whole,
                                                        Group group, VocabParallelOptions o)
     : group_(std::move(group)), options_(o), vocab_(whole->weight.size(0)) {
-  if (!group_) throw std::invalid_argument("VocabParallelEmbedding: no process group");
+  check_group(group_, "VocabParallelEmbedding");
   take_rows(whole->weight);
 }
 
@@ -79,7 +79,7 @@ at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
                                         int64_t vocab, const Group& group) {
   static const char* kWho = "vocab_parallel_cross_entropy";
-  if (!group) throw std::invalid_argument(std::string(kWho) + ": no process group");
+  check_group(group, kWho);
   if (!logits.defined() || !targets.defined()) {
     throw std::invalid_argument(std::string(kWho) + ": undefined logits or targets");
   }

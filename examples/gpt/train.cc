@@ -61,7 +61,7 @@ std::vector<int64_t> stage_counts(const Job& job, const std::vector<c10::IValue>
 // The trained parameters in two numbers that every layout prints alike (to
 // float rounding): the whole model's norm and its dot product with a fixed
 // random vector (each parameter's part drawn from a generator seeded by
-// its name's FNV-1a), from this pipe's stages' values (replica 0's: every
+// its name's hash, examples::fnv1a), from this pipe's stages' values (replica 0's: every
 // replica's are the same) and, with --tp, summed over the tp drivers, each
 // its slices of the split parameters (and of the random vector, cut alike)
 // and tp rank 0 the replicated ones. Collective over the tp drivers.
@@ -77,9 +77,7 @@ std::pair<double, double> fingerprint(const std::vector<tandem::nn::RemoteModule
   at::Tensor sums = at::zeros({2}, at::kDouble);  // the squares, the dot product
   for (const auto& [name, value] : mine) {
     if (!tp_split(name) && tp_rank != 0) continue;
-    uint64_t seed = 1469598103934665603ull;
-    for (unsigned char c : name) seed = (seed ^ c) * 1099511628211ull;
-    at::Tensor r = at::randn(whole.at(name).sizes(), at::detail::createCPUGenerator(seed),
+    at::Tensor r = at::randn(whole.at(name).sizes(), at::detail::createCPUGenerator(examples::fnv1a(name)),
                              at::TensorOptions(at::kDouble));
     if (tp > 1) r = tp_piece(name, r, tp_rank, tp);
     const at::Tensor v = value.to(at::kDouble);
@@ -284,18 +282,19 @@ int drive(const Job& job) {
     if (speak) progress.add(step + 1, loss);
   }
   if (saver) saver->finish();
+  std::pair<double, double> print;
+  if (replica == 0) print = fingerprint(stages, first_layer, whole, tp, tp_rank, mesh);
   // With --tp the sample takes replica 0's tp drivers together: each
   // pipe's forward meets the others' in its collectives, and each gives
   // its words' logits, gathered here.
-  std::pair<double, double> print;
-  if (replica == 0) print = fingerprint(stages, first_layer, whole, tp, tp_rank, mesh);
   const bool samples = cfg.sample > 0 && last == cfg.steps && (tp > 1 ? replica == 0 : speak);
   std::string sample;
   if (samples) {
     for (const auto& s : stages) s.eval();  // (no dropout)
     // Each new character: the last `context` ones through every stage.
     std::vector<int64_t> seen;
-    const int64_t most = (V + tp - 1) / tp;  // (the largest piece: all_gather takes one size)
+    // (all_gather takes one size: the largest piece, rank 0's)
+    const int64_t most = tandem::parallel::range_of(V, 0, tp).length;
     auto next = [&](const at::Tensor& ids) {
       for (int64_t i = 0; i < ids.numel(); ++i) seen.push_back(ids.view(-1)[i].item<int64_t>());
       const size_t from =

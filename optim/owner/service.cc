@@ -219,7 +219,7 @@ std::vector<OptimService::CutSnapshot> OptimService::param_state_snapshots(int64
   std::vector<CutSnapshot> out;
   for (size_t i : held(*local)) {
     const at::Tensor& p = local->params[i];
-    const auto cuts = cut(p);
+    const auto cuts = cut(i, p);
     if (!cuts) continue;
     const auto& ranges = *cuts;
     if (ranges.empty()) {

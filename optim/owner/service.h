@@ -80,7 +80,7 @@ class OptimService final : public rpc::AgentExtension,
   // Each of those with its state (optim/param_state.h's bytes), copied now
   // and made into bytes when its function is called.
   std::vector<std::pair<size_t, std::function<std::string()>>> param_state_snapshots(int64_t id);
-  // The same, each held parameter's state cut as `cut(param)` says: ranges
+  // The same, each held parameter's state cut as `cut(index, param)` says: ranges
   // (start, numel) of its flattened elements, each snapshot the state of a
   // parameter of those elements (optim::param_state_slice_snapshot); no
   // ranges: the whole state (start 0, numel -1); nullopt: none of it.
@@ -90,7 +90,8 @@ class OptimService final : public rpc::AgentExtension,
     std::function<std::string()> make;
   };
   using Cut =
-      std::function<std::optional<std::vector<std::pair<int64_t, int64_t>>>(const at::Tensor&)>;
+      std::function<std::optional<std::vector<std::pair<int64_t, int64_t>>>(size_t,
+                                                                           const at::Tensor&)>;
   std::vector<CutSnapshot> param_state_snapshots(int64_t id, const Cut& cut);
   // Its parameters (in its params' order).
   std::vector<at::Tensor> params(int64_t id);
