@@ -123,22 +123,37 @@ void for_each_piece(const ddp::UnitShard& u,
 
 // What a rank writes of an FSDP model (`name_of` makes a parameter's entry
 // name): each piece its shards hold, by `piece(entry, shard index, its
-// unit, [a, b) of the parameter, where it starts in the shard)`, and beside
-// them each parameter's shape (by the writer of its first elements); on
-// rank 0 the other names of shared parameters. With HSDP only the first
-// replica's ranks write pieces: the replicas hold the same shards.
+// unit, where it starts in the shard, its elements)`, and beside them each
+// parameter's shape (by the writer of its first elements); on rank 0 the
+// other names of shared parameters. With HSDP only the first replica's
+// ranks write pieces: the replicas hold the same shards. A parameter that
+// is itself a tensor-parallel piece (placement.h) is written as slices of
+// the whole one (the flat slices, or the parts of a block, its shard's
+// share covers), and a replica's copy other than 0 not at all.
 void write_fsdp(Part& p, ddp::FullyShardedDataParallel& f, int rank,
                 const std::function<std::string(const std::string&)>& name_of,
                 const std::function<void(const std::string&, size_t, const ddp::UnitShard&, int64_t,
-                                         int64_t, int64_t)>& piece) {
+                                         int64_t)>& piece) {
   if (!f.replicate_group() || f.replicate_group()->rank() == 0) {
     const std::vector<ddp::UnitShard> shards = f.shards();
     for (size_t s = 0; s < shards.size(); ++s) {
       const ddp::UnitShard& u = shards[s];
       for_each_piece(u, [&](size_t k, int64_t a, int64_t b, int64_t at) {
         const std::string name = name_of(u.names[k]);
-        piece(slice_name(name, a, b), s, u, a, b, at);
-        if (a == 0) p.add_bytes(shape_name(name), shape_text(u.shapes[k]));
+        const at::Tensor& param = u.params.at(k);
+        if (replica_of(param) > 0) return;  // (copy 0 writes it)
+        const std::optional<Placement> placed = placement_of(param);
+        if (!placed) {
+          piece(slice_name(name, a, b), s, u, at, b - a);
+          if (a == 0) p.add_bytes(shape_name(name), shape_text(u.shapes[k]));
+          return;
+        }
+        for (const PieceEntry& e : piece_entries(*placed, a, b)) {
+          piece(name + e.suffix, s, u, at + (e.piece_start - a), e.numel);
+        }
+        if (a == 0 && placed->ranges.front().first == 0) {
+          p.add_bytes(shape_name(name), shape_text(placed->whole));
+        }
       });
     }
   }
@@ -147,6 +162,13 @@ void write_fsdp(Part& p, ddp::FullyShardedDataParallel& f, int rank,
       p.add_bytes(alias_name(name_of(alias)), name_of(first));
     }
   }
+}
+
+// The shape parameter k of an FSDP unit has in a step (the whole one's for
+// a tensor-parallel piece).
+std::vector<int64_t> saved_shape(const ddp::UnitShard& u, size_t k) {
+  const std::optional<Placement> placed = placement_of(u.params.at(k));
+  return placed ? placed->whole : u.shapes[k];
 }
 
 // A sampler's epoch and this rank's place in it among `replicas`, from the
@@ -256,13 +278,21 @@ JobState& JobState::optimizer(const std::string& prefix, optim::ZeroRedundancyOp
   Item item;
   item.write = [prefix, zp, ns, rank](Part& p) {
     torch::optim::Optimizer* local = zp->local_optimizer();
+    std::string shape;
     for (size_t i : zp->share(zp->rank())) {
-      if (local) {
-        p.add_bytes_later(state_name(prefix, (*ns)[i]),
-                          optim::param_state_snapshot(*local, zp->params()[i]));
-      } else {
-        p.add_bytes(state_name(prefix, (*ns)[i]), "");
+      // (a tensor-parallel piece as slices of the whole parameter's state)
+      const at::Tensor& t = zp->params()[i];
+      const std::string name = state_name(prefix, (*ns)[i]);
+      for (const PieceCut& c : piece_cuts(name, t, &shape)) {
+        if (!local) {
+          p.add_bytes(c.entry, "");
+        } else {
+          p.add_bytes_later(c.entry, c.numel < 0 ? optim::param_state_snapshot(*local, t)
+                                                 : optim::param_state_slice_snapshot(
+                                                       *local, t, c.start, c.numel));
+        }
       }
+      if (!shape.empty()) p.add_bytes(shape_name(name), shape);
     }
     if (rank == 0) {
       std::ostringstream lr;
@@ -309,8 +339,9 @@ JobState& JobState::module(const std::string& prefix, ddp::FullyShardedDataParal
   item.write = [prefix, fp, rank, buffers](Part& p) {
     write_fsdp(
         p, *fp, rank, [&](const std::string& name) { return prefix + "." + name; },
-        [&](const std::string& entry, size_t, const ddp::UnitShard& u, int64_t a, int64_t b,
-            int64_t at) { p.add(entry, u.shard.narrow(0, at, b - a)); });
+        [&](const std::string& entry, size_t, const ddp::UnitShard& u, int64_t at, int64_t n) {
+          p.add(entry, u.shard.narrow(0, at, n));
+        });
     if (rank == 0) {
       for (const auto& [name, t] : buffers()) p.add(prefix + "." + name, t);
     }
@@ -319,7 +350,7 @@ JobState& JobState::module(const std::string& prefix, ddp::FullyShardedDataParal
     const std::string what = "a tensor of module '" + prefix + "'";
     for (const ddp::UnitShard& u : fp->shards()) {
       for (size_t k = 0; k < u.names.size(); ++k) {
-        check_tensor(r, prefix + "." + u.names[k], u.shapes[k], what);
+        check_tensor(r, prefix + "." + u.names[k], saved_shape(u, k), what);
       }
     }
     for (const auto& [name, t] : buffers()) check_tensor(r, prefix + "." + name, t.sizes(), what);
@@ -330,7 +361,10 @@ JobState& JobState::module(const std::string& prefix, ddp::FullyShardedDataParal
       at::Tensor shard = u.shard;  // (the live one: shards() copies nothing)
       shard.zero_();               // (the padding)
       for_each_piece(u, [&](size_t k, int64_t a, int64_t b, int64_t at) {
-        shard.narrow(0, at, b - a).copy_(r.tensor(prefix + "." + u.names[k], u.shapes[k], a, b));
+        const std::string name = prefix + "." + u.names[k];
+        const std::optional<Placement> placed = placement_of(u.params.at(k));
+        shard.narrow(0, at, b - a)
+            .copy_(placed ? r.piece(name, *placed, a, b) : r.tensor(name, u.shapes[k], a, b));
       });
     }
     for (auto& [name, t] : buffers()) t.copy_(r.tensor(prefix + "." + name, t.sizes()));
@@ -350,9 +384,8 @@ JobState& JobState::optimizer(const std::string& prefix, torch::optim::Optimizer
     const std::vector<at::Tensor> params = fp->parameters();
     write_fsdp(
         p, *fp, rank, [&](const std::string& name) { return state_name(prefix, name); },
-        [&](const std::string& entry, size_t s, const ddp::UnitShard&, int64_t a, int64_t b,
-            int64_t at) {
-          p.add_bytes_later(entry, optim::param_state_slice_snapshot(*o, params[s], at, b - a));
+        [&](const std::string& entry, size_t s, const ddp::UnitShard&, int64_t at, int64_t n) {
+          p.add_bytes_later(entry, optim::param_state_slice_snapshot(*o, params[s], at, n));
         });
   };
   // Each shard's state joined from the pieces it overlaps, in verify (every
@@ -364,11 +397,16 @@ JobState& JobState::optimizer(const std::string& prefix, torch::optim::Optimizer
     decoded->clear();
     for (const ddp::UnitShard& u : fp->shards()) {
       for (size_t k = 0; k < u.names.size(); ++k) {
-        check_state(r, state_name(prefix, u.names[k]), u.shapes[k], prefix);
+        check_state(r, state_name(prefix, u.names[k]), saved_shape(u, k), prefix);
       }
       std::vector<optim::StatePiece> pieces;
       for_each_piece(u, [&](size_t k, int64_t a, int64_t b, int64_t at) {
-        r.state_pieces(state_name(prefix, u.names[k]), u.shapes[k], a, b, at, pieces);
+        const std::string name = state_name(prefix, u.names[k]);
+        if (const std::optional<Placement> placed = placement_of(u.params.at(k))) {
+          r.piece_state_pieces(name, *placed, a, b, at, pieces);
+        } else {
+          r.state_pieces(name, u.shapes[k], a, b, at, pieces);
+        }
       });
       if (pieces.empty()) {
         decoded->emplace_back();

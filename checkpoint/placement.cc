@@ -5,6 +5,7 @@
 #include <c10/util/accumulate.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <algorithm>
 #include <mutex>
 #include <stdexcept>
 #include <unordered_map>
@@ -117,40 +118,58 @@ std::vector<int64_t> piece_shape(const Placement& p) {
   return shape;
 }
 
-std::vector<std::pair<int64_t, int64_t>> flat_ranges(const Placement& p) {
+std::vector<std::pair<int64_t, int64_t>> flat_ranges(const Placement& p, int64_t lo, int64_t hi) {
   const size_t d = static_cast<size_t>(p.dim);
   const int64_t outer = product(p.whole, 0, d), inner = product(p.whole, d + 1, p.whole.size());
   const int64_t width = p.whole[d];
+  const std::vector<int64_t> shape = piece_shape(p);
+  const int64_t numel = product(shape, 0, shape.size());
+  if (hi < 0 || hi > numel) hi = numel;
   std::vector<std::pair<int64_t, int64_t>> out;
+  int64_t at = 0;  // the piece's elements before this range
   auto add = [&](int64_t a, int64_t b) {
-    if (!out.empty() && out.back().second == a) {
-      out.back().second = b;
+    const int64_t from = std::max(a, a + lo - at), to = std::min(b, a + hi - at);
+    at += b - a;
+    if (from >= to) return;
+    if (!out.empty() && out.back().second == from) {
+      out.back().second = to;
     } else {
-      out.emplace_back(a, b);
+      out.emplace_back(from, to);
     }
   };
-  for (int64_t i = 0; i < outer; ++i) {
+  for (int64_t i = 0; i < outer && at < hi; ++i) {
     for (const auto& [a, b] : p.ranges) add((i * width + a) * inner, (i * width + b) * inner);
   }
   return out;
 }
 
-std::vector<PieceEntry> piece_entries(const Placement& p) {
+std::vector<PieceEntry> piece_entries(const Placement& p, int64_t lo, int64_t hi) {
   const size_t d = static_cast<size_t>(p.dim);
   const int64_t inner = product(p.whole, d + 1, p.whole.size());
+  const std::vector<int64_t> shape = piece_shape(p);
+  const int64_t numel = product(shape, 0, shape.size());
+  if (hi < 0 || hi > numel) hi = numel;
+  lo = std::max<int64_t>(lo, 0);
   std::vector<PieceEntry> out;
   if (p.dim == 0) {
     int64_t at = 0;
     for (const auto& [a, b] : p.ranges) {
-      out.push_back({"#" + std::to_string(a * inner) + ":" + std::to_string(b * inner), at,
-                     (b - a) * inner});
-      at += (b - a) * inner;
+      const int64_t n = (b - a) * inner;
+      const int64_t from = std::max(lo, at), to = std::min(hi, at + n);
+      if (from < to) {
+        const int64_t start = a * inner + (from - at);
+        out.push_back({"#" + std::to_string(start) + ":" + std::to_string(start + (to - from)),
+                       from, to - from});
+      }
+      at += n;
     }
     return out;
   }
+  if (lo >= hi) return out;
   const auto& [a, b] = p.ranges.front();
-  out.push_back({"#d" + std::to_string(p.dim) + ":" + std::to_string(a) + ":" + std::to_string(b),
-                 0, product(p.whole, 0, d) * (b - a) * inner});
+  std::string suffix = "#d" + std::to_string(p.dim) + ":" + std::to_string(a) + ":" + std::to_string(b);
+  if (lo > 0 || hi < numel) suffix += "@" + std::to_string(lo) + ":" + std::to_string(hi);
+  out.push_back({suffix, lo, hi - lo});
   return out;
 }
 

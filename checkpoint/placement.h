@@ -57,8 +57,10 @@ int replica_of(const at::Tensor& t);
 std::vector<int64_t> piece_shape(const Placement& p);
 
 // The piece's elements, flattened in order, as ranges [start, end) of the
-// whole tensor's flattened elements (adjacent ones merged).
-std::vector<std::pair<int64_t, int64_t>> flat_ranges(const Placement& p);
+// whole tensor's flattened elements (adjacent ones merged); with [lo, hi),
+// only the piece's flattened elements [lo, hi) (hi -1: to its end).
+std::vector<std::pair<int64_t, int64_t>> flat_ranges(const Placement& p, int64_t lo = 0,
+                                                     int64_t hi = -1);
 
 // How a piece is written (2.): each entry's name suffix ("#<start>:<end>" or
 // "#d<d>:<start>:<end>") and the elements of the flattened piece it holds.
@@ -66,6 +68,10 @@ struct PieceEntry {
   std::string suffix;
   int64_t piece_start = 0, numel = 0;
 };
-std::vector<PieceEntry> piece_entries(const Placement& p);
+// With [lo, hi): the entries of only the piece's flattened elements
+// [lo, hi) (an FSDP shard's share of a piece): the flat slices cut to it,
+// or the part "#d<d>:<start>:<end>@<lo>:<hi>" of a block (its flattened
+// elements [lo, hi)).
+std::vector<PieceEntry> piece_entries(const Placement& p, int64_t lo = 0, int64_t hi = -1);
 
 }  // namespace tandem::checkpoint

@@ -71,14 +71,23 @@ Slices::Slices(const Reader& reader) : reader_(reader) {
     if (hash == std::string::npos) continue;
     const size_t colon = entry.find(':', hash);
     if (colon == std::string::npos) continue;
-    if (entry[hash + 1] == 'd') {  // a block: "#d<dim>:<start>:<end>"
+    if (entry[hash + 1] == 'd') {  // a block: "#d<dim>:<start>:<end>[@<lo>:<hi>]"
       const size_t second = entry.find(':', colon + 1);
       if (second == std::string::npos) continue;
+      const size_t at = entry.find('@', second);
       const int64_t dim = number(entry.substr(hash + 2, colon - hash - 2));
       const int64_t a = number(entry.substr(colon + 1, second - colon - 1));
-      const int64_t b = number(entry.substr(second + 1));
+      const int64_t b = number(entry.substr(second + 1, at == std::string::npos ? at : at - second - 1));
+      int64_t lo = 0, hi = -1;  // (the whole block)
+      if (at != std::string::npos) {
+        const size_t third = entry.find(':', at);
+        if (third == std::string::npos) continue;
+        lo = number(entry.substr(at + 1, third - at - 1));
+        hi = number(entry.substr(third + 1));
+        if (lo < 0 || hi <= lo) continue;
+      }
       if (dim < 1 || a < 0 || b <= a) continue;
-      add_block(entry.substr(0, hash), entry, dim, a, b);
+      add_block(entry.substr(0, hash), entry, dim, a, b, lo, hi);
       continue;
     }
     const int64_t start = number(entry.substr(hash + 1, colon - hash - 1));
@@ -93,7 +102,7 @@ Slices::Slices(const Reader& reader) : reader_(reader) {
 }
 
 void Slices::add_block(const std::string& name, const std::string& entry, int64_t dim, int64_t a,
-                       int64_t b) {
+                       int64_t b, int64_t lo, int64_t hi) {
   // The whole shape, from the record beside it (without one, or with a
   // dimension it lacks, the block stands for nothing and the name's
   // coverage says what is missing).
@@ -105,10 +114,12 @@ void Slices::add_block(const std::string& name, const std::string& entry, int64_
   }
   if (dim >= static_cast<int64_t>(whole.size()) || b > whole[static_cast<size_t>(dim)]) return;
   Placement p{whole, dim, {{a, b}}};
-  const int64_t numel = piece_entries(p).front().numel;
+  const int64_t block = piece_entries(p).front().numel;
+  if (hi < 0) hi = block;
+  if (hi > block) return;  // (more than the block holds: stands for nothing)
   int64_t offset = 0;
-  for (const auto& [start, end] : flat_ranges(p)) {
-    slices_[name].push_back({start, end, entry, offset, numel});
+  for (const auto& [start, end] : flat_ranges(p, lo, hi)) {
+    slices_[name].push_back({start, end, entry, offset, hi - lo});
     offset += end - start;
   }
 }
@@ -254,6 +265,33 @@ at::Tensor Slices::piece(const std::string& name, const Placement& p) const {
   for (const auto& [a, b] : flat_ranges(p)) parts.push_back(read_range(n, a, b, cache));
   if (parts.empty()) return at::empty(piece_shape(p));
   return (parts.size() == 1 ? parts[0] : at::cat(parts)).view(piece_shape(p));
+}
+
+at::Tensor Slices::piece(const std::string& name, const Placement& p, int64_t lo,
+                         int64_t hi) const {
+  if (const std::string problem = tensor_problem(name, p.whole); !problem.empty()) {
+    throw std::invalid_argument("checkpoint: " + problem);
+  }
+  const std::string n = resolve(name);
+  Cache cache;
+  std::vector<at::Tensor> parts;
+  for (const auto& [a, b] : flat_ranges(p, lo, hi)) parts.push_back(read_range(n, a, b, cache));
+  if (parts.empty()) return at::empty({0});
+  return parts.size() == 1 ? parts[0] : at::cat(parts);
+}
+
+void Slices::piece_state_pieces(const std::string& name, const Placement& p, int64_t lo,
+                                int64_t hi, int64_t to, std::vector<optim::StatePiece>& out) const {
+  if (const std::string problem = state_problem(name, p.whole); !problem.empty()) {
+    throw std::invalid_argument("checkpoint: " + problem);
+  }
+  const std::string n = resolve(name);
+  Cache cache;
+  const int64_t count = c10::multiply_integers(p.whole);
+  for (const auto& [a, b] : flat_ranges(p, lo, hi)) {
+    pieces_range(n, count, a, b, to, out, cache);
+    to += b - a;
+  }
 }
 
 at::Tensor Slices::tensor(const std::string& name, at::IntArrayRef shape) const {

@@ -97,6 +97,12 @@ class Slices {
   // whole (std::invalid_argument naming the problem).
   at::Tensor piece(const std::string& name, const Placement& p) const;
   std::string piece_state(optim::Kind kind, const std::string& name, const Placement& p) const;
+  // Elements [lo, hi) of such a piece, flattened (1-D: an FSDP shard's
+  // share of it); and the pieces of their state, placed from `to` on (as
+  // state_pieces). Checked likewise.
+  at::Tensor piece(const std::string& name, const Placement& p, int64_t lo, int64_t hi) const;
+  void piece_state_pieces(const std::string& name, const Placement& p, int64_t lo, int64_t hi,
+                          int64_t to, std::vector<optim::StatePiece>& out) const;
 
  private:
   struct Slice {
@@ -118,8 +124,9 @@ class Slices {
   at::Tensor read_range(const std::string& n, int64_t a, int64_t b, Cache& cache) const;
   void pieces_range(const std::string& n, int64_t count, int64_t a, int64_t b, int64_t to,
                     std::vector<optim::StatePiece>& out, Cache& cache) const;
+  // (elements [lo, hi) of the block, flattened; hi -1: to its end)
   void add_block(const std::string& name, const std::string& entry, int64_t dim, int64_t a,
-                 int64_t b);
+                 int64_t b, int64_t lo, int64_t hi);
   // The name the step holds `name` under (itself, or the one it aliases).
   std::string resolve(const std::string& name) const;
   const std::vector<Slice>* slices_of(const std::string& name) const;

@@ -191,7 +191,8 @@ std::vector<std::string> ProcessGroup::gather_bytes(const std::string& mine, int
 
 double ProcessGroup::clip_grad_norm(const std::vector<at::Tensor>& mine,
                                     const std::vector<at::Tensor>& scaled, double max_norm,
-                                    const std::string& who, std::chrono::milliseconds timeout) {
+                                    const std::string& who, std::chrono::milliseconds timeout,
+                                    ProcessGroup* also) {
   if (!(max_norm > 0) || !std::isfinite(max_norm)) {
     throw std::invalid_argument(who + ": max_norm must be a finite number > 0, not " +
                                 std::to_string(max_norm));
@@ -211,6 +212,7 @@ double ProcessGroup::clip_grad_norm(const std::vector<at::Tensor>& mine,
   }
   at::Tensor sum = at::tensor({squares}, at::kDouble).to(device);
   if (size_ > 1) all_reduce(sum, ReduceOp::kSum, timeout);
+  if (also && also->size() > 1) also->all_reduce(sum, ReduceOp::kSum, timeout);
   const double total = std::sqrt(sum.cpu().item<double>());
   const double coef = max_norm / (total + 1e-6);  // as LibTorch's clip_grad_norm_
   if (coef < 1) {

@@ -117,6 +117,9 @@ struct UnitShard {
   int64_t numel = 0;  // the unit's elements, before padding
   int rank = 0, world_size = 1;
   at::Tensor shard;  // this rank's [numel padded / world_size] piece
+  // The module's parameters themselves, as `names` (empty between steps:
+  // 2.), by which checkpoints find a tensor-parallel piece's placement.
+  std::vector<at::Tensor> params;
 };
 
 class FullyShardedDataParallel {
@@ -142,6 +145,11 @@ class FullyShardedDataParallel {
   // LibTorch's clip_grad_norm_ over the whole model's gradients (the
   // shards'); returns the norm before clipping. Collective.
   double clip_grad_norm(double max_norm);
+  // The same over a model that is also split over a tensor-parallel group
+  // (ClipOptions, process_group.h): each rank's squares summed over the
+  // sharding group and then over `group`, a replicated parameter counted
+  // where `counted` says. Collective over both.
+  double clip_grad_norm(double max_norm, const ClipOptions& options);
 
   // Collective: rank `to` gets every parameter and buffer, named as the
   // model names them (the others an empty list).

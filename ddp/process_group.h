@@ -218,9 +218,12 @@ class ProcessGroup {
   // is below 1 every defined gradient of `scaled` is multiplied by it.
   // Returns the total norm. Collective. `who` begins the error for a
   // max_norm that is not a finite number > 0.
+  // With `also`, the sums are then added over that group too (the
+  // model's tensor-parallel ranks: ClipOptions).
   double clip_grad_norm(const std::vector<at::Tensor>& mine, const std::vector<at::Tensor>& scaled,
                         double max_norm, const std::string& who,
-                        std::chrono::milliseconds timeout = kGroupTimeout);
+                        std::chrono::milliseconds timeout = kGroupTimeout,
+                        ProcessGroup* also = nullptr);
 
   // The c10d group itself, for what this front does not cover.
   C10dEngine& c10d() { return *pg_; }
@@ -261,6 +264,20 @@ class ProcessGroup {
   int rank_ = -1, size_ = 0;
   std::string backend_;
   std::chrono::milliseconds timeout_{};
+};
+
+// Global-norm clipping of a model that data parallelism shards (ZeRO,
+// FSDP) and tensor parallelism also splits (parallel/): every rank holds
+// slices of the split parameters and a copy of the replicated ones.
+struct ClipOptions {
+  // The tensor-parallel group: the squares are summed over it too. Null:
+  // the model is not split.
+  std::shared_ptr<ProcessGroup> group;
+  // Whether this rank counts a parameter (given as the model holds it):
+  // its slices, yes; its copy of a replicated one, on one rank of `group`
+  // only (checkpoint::replica_of(p) == 0 says so for parallel/'s layers).
+  // Empty: every parameter.
+  std::function<bool(const at::Tensor&)> counted;
 };
 
 // The default group, as torch.distributed has one.

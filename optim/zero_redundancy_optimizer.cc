@@ -316,12 +316,18 @@ void ZeroRedundancyOptimizer::zero_grad(bool set_to_none) {
 }
 
 double ZeroRedundancyOptimizer::clip_grad_norm(double max_norm) {
+  return clip_grad_norm(max_norm, ddp::ClipOptions{});
+}
+
+double ZeroRedundancyOptimizer::clip_grad_norm(double max_norm, const ddp::ClipOptions& options) {
   Impl& m = *impl_;
   std::vector<at::Tensor> mine, all;
-  for (size_t i : m.shares[static_cast<size_t>(m.rank())]) mine.push_back(m.params[i].grad());
+  for (size_t i : m.shares[static_cast<size_t>(m.rank())]) {
+    if (!options.counted || options.counted(m.params[i])) mine.push_back(m.params[i].grad());
+  }
   for (const auto& p : m.params) all.push_back(p.grad());
   return m.group->clip_grad_norm(mine, all, max_norm, "ZeroRedundancyOptimizer::clip_grad_norm",
-                                 m.zero.timeout);
+                                 m.zero.timeout, options.group.get());
 }
 
 double ZeroRedundancyOptimizer::lr() const { return impl_->options.lr; }

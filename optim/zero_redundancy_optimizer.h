@@ -101,6 +101,10 @@ class ZeroRedundancyOptimizer {
   void zero_grad(bool set_to_none = true);
   // Returns the total norm (before clipping). norm_type 2 only.
   double clip_grad_norm(double max_norm);
+  // The same over a model also split over a tensor-parallel group
+  // (ddp::ClipOptions): the squares summed over both groups, a replicated
+  // parameter counted where `counted` says. Collective over both.
+  double clip_grad_norm(double max_norm, const ddp::ClipOptions& options);
 
   double lr() const;
   void set_lr(double lr);

@@ -14,13 +14,31 @@
 namespace tandem::ddp {
 
 double FullyShardedDataParallel::clip_grad_norm(double max_norm) {
+  return clip_grad_norm(max_norm, ClipOptions{});
+}
+
+double FullyShardedDataParallel::clip_grad_norm(double max_norm, const ClipOptions& options) {
   Impl& m = *impl_;
-  std::vector<at::Tensor> grads;  // each rank's shards: every element counted once
+  std::vector<at::Tensor> mine, grads;  // each rank's shards: every element counted once
   for (const auto& u : m.units) {
-    if (u.shard.defined()) grads.push_back(u.shard.grad());
+    if (!u.shard.defined()) continue;
+    const at::Tensor g = u.shard.grad();
+    grads.push_back(g);
+    if (!options.counted || !g.defined()) {
+      mine.push_back(g);
+      continue;
+    }
+    // Only the elements of the parameters this rank counts (a tensor-
+    // parallel copy of a replicated parameter is counted by another rank).
+    const int64_t size = u.shard.numel(), lo = static_cast<int64_t>(m.rank()) * size;
+    for (size_t i : u.params) {
+      const Impl::Param& p = m.params[i];
+      const int64_t a = std::max(p.offset, lo), b = std::min(p.offset + p.numel, lo + size);
+      if (a < b && options.counted(p.tensor)) mine.push_back(g.narrow(0, a - lo, b - a));
+    }
   }
-  return m.group->clip_grad_norm(grads, grads, max_norm, "FullyShardedDataParallel::clip_grad_norm",
-                                 m.timeout());
+  return m.group->clip_grad_norm(mine, grads, max_norm, "FullyShardedDataParallel::clip_grad_norm",
+                                 m.timeout(), options.group.get());
 }
 
 std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallel::full_state_dict(int to) {
@@ -109,6 +127,7 @@ std::vector<UnitShard> FullyShardedDataParallel::shards() const {
     for (size_t i : u.params) {
       s.names.push_back(m.params[i].name);
       s.shapes.push_back(m.params[i].shape);
+      s.params.push_back(m.params[i].tensor);
     }
     s.numel = u.numel;
     s.rank = m.rank();

@@ -14,7 +14,10 @@
 // (rank 0) and each rank its share of Adam's state; with --zero 3 each rank
 // the slices of every parameter its shards hold, and their Adam state. Both
 // hold the pipeline's names, so each resumes on any number of ranks, in
-// either stage, or as a pipeline (checkpoint.h).
+// either stage, or as a pipeline (checkpoint.h). With --tp, each tp rank's
+// replicas shard that rank's split of the model over its dp group (the
+// loss vocabulary-parallel, clipping summed over the tp group too), and
+// its parts hold its pieces as slices of the whole parameters.
 #include <ATen/ops/tensor.h>
 #include <torch/optim/adam.h>
 
@@ -27,6 +30,7 @@
 #include "examples/gpt/model.h"
 #include "examples/progress.h"
 #include "tandem/checkpoint/job.h"
+#include "tandem/checkpoint/placement.h"
 #include "tandem/ddp/distributed_data_parallel.h"
 #include "tandem/ddp/fully_sharded.h"
 #include "tandem/optim/zero_redundancy_optimizer.h"
@@ -42,7 +46,22 @@ int drive_data_parallel(const Job& job) {
   const int64_t V = static_cast<int64_t>(job.corpus.vocab.size());
   Batches batches(job);
   const std::shared_ptr<ddp::ProcessGroup> group = mesh.group("dp");
-  std::shared_ptr<StackImpl> model = whole_model(cfg, V, initial_parameters(cfg, V));
+  // With --tp, each tp rank's replicas shard its split of the model over
+  // dp: the model is that rank's pieces (tp_part), its layers split over
+  // the mesh's tp group.
+  const int tp = static_cast<int>(cfg.tp), tp_rank = mesh.coordinate("tp");
+  const std::string tp_group = tp > 1 ? mesh.group_name("tp") : "";
+  const Named initial = initial_parameters(cfg, V);
+  std::shared_ptr<StackImpl> model =
+      whole_model(cfg, V, tp > 1 ? tp_part(initial, tp_rank, tp) : initial, tp_group);
+  // Global-norm clipping over the whole model: with --tp the squares are
+  // summed over the tp group too, a replicated parameter counted by its
+  // copy 0 only (checkpoint::replica_of).
+  ddp::ClipOptions clip;
+  if (tp > 1) {
+    clip.group = mesh.group("tp");
+    clip.counted = [](const at::Tensor& p) { return tandem::checkpoint::replica_of(p) == 0; };
+  }
 
   // --zero 2
   std::unique_ptr<optim::ZeroRedundancyOptimizer> zero;
@@ -79,11 +98,12 @@ int drive_data_parallel(const Job& job) {
   if (speak) {
     std::printf(
         "gpt: %s, %zu bytes, vocabulary %lld; %lld blocks of %lld, %lld heads, context %lld; "
-        "%lld ranks data-parallel, %s; steps 1..%lld\n",
+        "%lld ranks data-parallel%s, %s; steps 1..%lld\n",
         job.corpus.name.c_str(), job.corpus.text.size(), static_cast<long long>(V),
         static_cast<long long>(cfg.layers), static_cast<long long>(cfg.dim),
         static_cast<long long>(cfg.heads), static_cast<long long>(cfg.context),
         static_cast<long long>(cfg.dp),
+        tp > 1 ? (" x " + std::to_string(tp) + " tensor-parallel").c_str() : "",
         cfg.zero == 2 ? "ZeRO stage 2 (sharded optimizer state and gradients)"
                       : "ZeRO stage 3 (FullyShardedDataParallel, a unit a block)",
         static_cast<long long>(cfg.steps));
@@ -98,7 +118,9 @@ int drive_data_parallel(const Job& job) {
   // shards' slices of each parameter and of its state. A resumed or
   // restarted run loads it back by names, on any number of ranks.
   std::string vocab = job.corpus.vocab;
-  tandem::checkpoint::JobState state(group->rank());
+  // (a part a rank of the mesh; with --tp each tp rank's pieces under the
+  // whole model's names: checkpoint/placement.h)
+  tandem::checkpoint::JobState state(mesh.rank());
   if (zero) {
     std::vector<std::string> names;
     for (const auto& p : model->named_parameters()) names.push_back(p.key());
@@ -159,13 +181,14 @@ int drive_data_parallel(const Job& job) {
         return model->forward_layer(static_cast<size_t>(cfg.layers) + 1, h);
       });
     }
-    at::Tensor l = gpt::loss(logits, y);
+    at::Tensor l = tp > 1 ? tp_loss(logits, y, V, tp_group) : gpt::loss(logits, y);
     l.backward();
     loss = l.item<double>();
     at::Tensor mean = at::tensor({loss}, at::kDouble);
     if (group->size() > 1) group->all_reduce(mean, ddp::ReduceOp::kAvg);
     loss = mean.item<double>();
-    const double norm = zero ? zero->clip_grad_norm(cfg.clip) : fsdp->clip_grad_norm(cfg.clip);
+    const double norm =
+        zero ? zero->clip_grad_norm(cfg.clip, clip) : fsdp->clip_grad_norm(cfg.clip, clip);
     if (guard.check(step + 1, loss, norm)) {
       if (zero) {
         zero->step();
@@ -182,6 +205,15 @@ int drive_data_parallel(const Job& job) {
     if ((step + 1) % cfg.checkpoint_every == 0 || step + 1 == last) save(step + 1);
   }
   saver.wait();
+  // The parameters as every layout prints them (train.h): --zero 3's
+  // gathered to each tp rank's first replica.
+  Named mine;
+  if (zero) {
+    for (const auto& p : model->named_parameters()) mine[p.key()] = p.value().detach();
+  } else {
+    for (auto& [name, t] : fsdp->full_state_dict(0)) mine[name] = t;
+  }
+  const std::pair<double, double> print = fingerprint(mine, initial, mesh);
   if (speak) {
     std::sort(stall_ms.begin(), stall_ms.end());
     std::printf(
@@ -191,6 +223,7 @@ int drive_data_parallel(const Job& job) {
         cfg.checkpoint.c_str(), stall_ms.empty() ? 0.0 : stall_ms[stall_ms.size() / 2]);
     examples::report_skipped(guard);
     std::printf("final step %lld loss %.6f\n", static_cast<long long>(last), loss);
+    std::printf("parameters: norm %.9g projection %.9g\n", print.first, print.second);
     std::fflush(stdout);
   }
   return 0;

@@ -32,6 +32,9 @@
 // head and the loss, each block a parallel::ParallelBlock); the tp pipes
 // run the same schedule on the same batches, so a stage's tp ranks meet in
 // their collectives, and clipping sums the norm over the tp drivers.
+// With --zero 2 or 3 (--pp 1), each tp rank's replicas shard its split of
+// the model over dp (ZeRO 2, or FSDP a unit a block), as Megatron-Core's
+// distributed optimizer and torchtitan's FSDP x TP do.
 // --recompute recomputes each block's activations in backward (in the
 // pipeline's stages and in --zero 2's and 3's units); --dropout P draws
 // each block's masks from its layer's generator (parallel/random.h), the
@@ -153,10 +156,6 @@ std::string check(Config& cfg, int world) {
   }
   if (!(cfg.dropout >= 0 && cfg.dropout < 1)) {
     return "--dropout " + std::to_string(cfg.dropout) + " is not a probability in [0, 1)";
-  }
-  if (cfg.tp > 1 && cfg.zero >= 2) {
-    return "--zero " + std::to_string(cfg.zero) +
-           " with --tp: not yet (--zero 1 shards each tp rank's Adam state over its replicas)";
   }
   if (cfg.batch % cfg.dp != 0) {
     return "--batch " + std::to_string(cfg.batch) + " does not divide among " +

@@ -217,9 +217,8 @@ void register_tp_loss(const std::string& group, int64_t vocab) {
   const std::string name = tp_loss_name(group, vocab);
   std::lock_guard<std::mutex> lock(mu);
   if (!done.insert(name).second) return;
-  const par::Group g = tp_group_named(group);
-  tandem::pipeline::register_loss(name, [g, vocab](const at::Tensor& logits, const at::Tensor& y) {
-    return par::vocab_parallel_cross_entropy(logits, y, vocab, g).mean();
+  tandem::pipeline::register_loss(name, [group, vocab](const at::Tensor& logits, const at::Tensor& y) {
+    return tp_loss(logits, y, vocab, group);
   });
 }
 
@@ -278,6 +277,11 @@ Named tp_part(const Named& whole, int t, int tp) {
 
 at::Tensor loss(const at::Tensor& logits, const at::Tensor& y) {
   return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.reshape(-1));
+}
+
+at::Tensor tp_loss(const at::Tensor& logits, const at::Tensor& y, int64_t vocab,
+                   const std::string& tp_group) {
+  return par::vocab_parallel_cross_entropy(logits, y, vocab, tp_group_named(tp_group)).mean();
 }
 
 namespace {
@@ -382,9 +386,10 @@ at::Tensor StackImpl::forward(const at::Tensor& x) const {
   return h;
 }
 
-std::shared_ptr<StackImpl> whole_model(const Config& cfg, int64_t vocab, const Named& values) {
+std::shared_ptr<StackImpl> whole_model(const Config& cfg, int64_t vocab, const Named& values,
+                                       const std::string& tp_group) {
   auto stack = std::make_shared<StackImpl>();
-  const auto specs = layer_specs(cfg, vocab, "");
+  const auto specs = layer_specs(cfg, vocab, tp_group);
   for (size_t i = 0; i < specs.size(); ++i) {
     const auto& e = specs[i].toTupleRef().elements();
     auto list = e[1].toList();

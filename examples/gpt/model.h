@@ -85,12 +85,19 @@ struct StackImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x) const;
 };
 // Holding `values`; its blocks recomputed (--recompute) and with
-// --dropout's masks as the pipeline's layers (layer_specs(cfg, vocab, "")).
-std::shared_ptr<StackImpl> whole_model(const Config& cfg, int64_t vocab, const Named& values);
+// --dropout's masks as the pipeline's layers (layer_specs(cfg, vocab,
+// tp_group)). Over a tensor-parallel group, `values` are this rank's
+// pieces (tp_part) and the model one rank's split of it.
+std::shared_ptr<StackImpl> whole_model(const Config& cfg, int64_t vocab, const Named& values,
+                                       const std::string& tp_group = "");
 
 // The loss over every character: cross-entropy of logits [B, T, V] against
 // targets [B, T] (what kLoss names to the pipeline).
 at::Tensor loss(const at::Tensor& logits, const at::Tensor& y);
+// The same over a vocabulary split across the tensor-parallel group
+// `tp_group` (logits [B, T, this rank's words]): what tp_loss_name names.
+at::Tensor tp_loss(const at::Tensor& logits, const at::Tensor& y, int64_t vocab,
+                   const std::string& tp_group);
 // Whether the embedding looks for poisoned tokens (--nan-at; every process
 // of the job sets it from its flags).
 void enable_poisoning(bool on);

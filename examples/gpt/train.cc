@@ -58,26 +58,28 @@ std::vector<int64_t> stage_counts(const Job& job, const std::vector<c10::IValue>
   return out;
 }
 
-// The trained parameters in two numbers that every layout prints alike (to
-// float rounding): the whole model's norm and its dot product with a fixed
-// random vector (each parameter's part drawn from a generator seeded by
-// its name's hash, examples::fnv1a), from this pipe's stages' values (replica 0's: every
-// replica's are the same) and, with --tp, summed over the tp drivers, each
-// its slices of the split parameters (and of the random vector, cut alike)
-// and tp rank 0 the replicated ones. Collective over the tp drivers.
-// `whole`: the whole model's parameters (their shapes).
-std::pair<double, double> fingerprint(const std::vector<tandem::nn::RemoteModule>& stages,
-                                      const std::vector<int64_t>& first_layer, const Named& whole,
-                                      int tp, int tp_rank, tandem::Mesh& mesh) {
+// fingerprint() of this pipe's stages' values (replica 0's: every
+// replica's are the same). Collective over the tp drivers.
+std::pair<double, double> stage_fingerprint(const std::vector<tandem::nn::RemoteModule>& stages,
+                                            const std::vector<int64_t>& first_layer,
+                                            const Named& whole, tandem::Mesh& mesh) {
   Named mine;
   for (size_t s = 0; s < stages.size(); ++s) {
     const auto part = stages[s].state_dict();
     add_stage_part(mine, Named(part.begin(), part.end()), first_layer[s]);
   }
+  return fingerprint(mine, whole, mesh);
+}
+
+}  // namespace
+
+std::pair<double, double> fingerprint(const Named& mine, const Named& whole, tandem::Mesh& mesh) {
+  const int tp = mesh.size("tp"), tp_rank = mesh.coordinate("tp");
   at::Tensor sums = at::zeros({2}, at::kDouble);  // the squares, the dot product
   for (const auto& [name, value] : mine) {
     if (!tp_split(name) && tp_rank != 0) continue;
-    at::Tensor r = at::randn(whole.at(name).sizes(), at::detail::createCPUGenerator(examples::fnv1a(name)),
+    at::Tensor r = at::randn(whole.at(name).sizes(),
+                             at::detail::createCPUGenerator(examples::fnv1a(name)),
                              at::TensorOptions(at::kDouble));
     if (tp > 1) r = tp_piece(name, r, tp_rank, tp);
     const at::Tensor v = value.to(at::kDouble);
@@ -87,8 +89,6 @@ std::pair<double, double> fingerprint(const std::vector<tandem::nn::RemoteModule
   if (tp > 1) mesh.group("tp")->all_reduce(sums, tandem::ddp::ReduceOp::kSum);
   return {std::sqrt(sums[0].item<double>()), sums[1].item<double>()};
 }
-
-}  // namespace
 
 double lr_factor(const Config& cfg, int64_t step) {
   const double warmup = static_cast<double>(cfg.warmup), total = static_cast<double>(cfg.steps);
@@ -283,7 +283,7 @@ int drive(const Job& job) {
   }
   if (saver) saver->finish();
   std::pair<double, double> print;
-  if (replica == 0) print = fingerprint(stages, first_layer, whole, tp, tp_rank, mesh);
+  if (replica == 0) print = stage_fingerprint(stages, first_layer, whole, mesh);
   // With --tp the sample takes replica 0's tp drivers together: each
   // pipe's forward meets the others' in its collectives, and each gives
   // its words' logits, gathered here.

@@ -6,9 +6,11 @@
 #pragma once
 
 #include <optional>
+#include <utility>
 
 #include "examples/gpt/checkpoint.h"
 #include "examples/gpt/config.h"
+#include "examples/gpt/model.h"
 #include "examples/text.h"
 #include "tandem/mesh/mesh.h"
 
@@ -28,6 +30,16 @@ int drive(const Job& job);
 // with sharded gradients and a ZeroRedundancyOptimizer (2), or
 // FullyShardedDataParallel with each block a unit (3) (data_parallel.cc).
 int drive_data_parallel(const Job& job);
+
+// The trained parameters in two numbers that every layout prints alike (to
+// float rounding): the whole model's norm and its dot product with a fixed
+// random vector (each parameter's part drawn from a generator seeded by
+// its name's hash, examples::fnv1a). `mine`: the parameters this rank
+// holds, named as the whole model's (with --tp its slices of the split
+// ones, cut alike from the random vector, and its copies of the others,
+// which tp rank 0 counts); `whole`: the whole model's (their shapes). The
+// sums are added over the mesh's tp group: collective over it.
+std::pair<double, double> fingerprint(const Named& mine, const Named& whole, tandem::Mesh& mesh);
 
 // A checkpoint after `done` steps, holding what says which run it is of
 // (seed, text, model shape); the caller adds the model and the optimizer.

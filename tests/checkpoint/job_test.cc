@@ -913,6 +913,85 @@ TEST_CASE("job: tensor-parallel pieces are slices of the whole: 2 ranks load int
   }
 }
 
+TEST_CASE("job: FSDP over each tensor-parallel rank's replicas writes its shards' share of the pieces") {
+  // tp 2 x dp 6: each tp rank's split (split_model) sharded by FSDP over its
+  // 6 replicas, one unit: tp rank 0's 72 elements (rows 20, fused 36, cols
+  // 12, shared 4) make shards of 12, so the shards cut the row pieces into
+  // flat slices and the column block at [56, 68) at 60: its parts
+  // "#d1:0:3@0:4" and "#d1:0:3@4:12" (tp rank 1's at [52, 64): "#d1:3:6@0:8"
+  // and "#d1:3:6@8:12"). The replicated vector is written once, by tp rank 0.
+  const auto whole = split_model(0, 1);
+  torch::optim::Adam whole_adam(whole->parameters(), torch::optim::AdamOptions(0.1));
+  train_piece(*whole, whole_adam, 0, 1);
+  std::map<std::string, at::Tensor> want;
+  for (const auto& p : whole->named_parameters()) want[p.key()] = p.value().detach().clone();
+  const auto want_moments = moments_of(whole_adam, *whole);
+
+  TempDir dir;
+  {
+    constexpr int kTp = 2, kDp = 6;
+    Groups dp0(kDp), dp1(kDp), all(kTp * kDp);
+    on_ranks(kTp * kDp, [&](int rank) {
+      const int t = rank / kDp, d = rank % kDp;
+      auto m = split_model(t, kTp);
+      {
+        torch::NoGradGuard no_grad;
+        for (auto& [name, v] : pieces_of(whole_at(1), t, kTp)) m->named_parameters()[name].copy_(v);
+      }
+      ddp::FullyShardedDataParallel f(m, {}, (t == 0 ? dp0 : dp1).groups[d]);
+      torch::optim::Adam adam(f.parameters(), torch::optim::AdamOptions(0.1));
+      const at::Tensor shard = f.parameters().at(0);
+      for (uint64_t s : {2, 3}) {  // (each shard's gradient: its slice of the pieces' gradients)
+        std::vector<at::Tensor> flat;
+        const auto g = pieces_of(whole_at(s), t, kTp);
+        for (const auto& p : m->named_parameters()) flat.push_back(g.at(p.key()).reshape(-1));
+        at::Tensor all_grads = at::cat(flat);
+        all_grads = at::cat({all_grads, at::zeros({shard.numel() * kDp - all_grads.numel()})});
+        shard.mutable_grad() = all_grads.narrow(0, d * shard.numel(), shard.numel()).clone();
+        adam.step();
+      }
+      checkpoint::JobState state(rank);
+      state.module("m", f).optimizer("adam", adam, f);
+      checkpoint::SaveOptions so;
+      so.group = all.groups[rank];
+      checkpoint::save_job(dir.path, 2, state, so);
+    });
+  }
+  {
+    const checkpoint::Reader r(checkpoint::latest(dir.path).value().path);
+    const auto names = r.names();
+    const std::set<std::string> have(names.begin(), names.end());
+    for (const char* n : {"m.cols#d1:0:3@0:4", "m.cols#d1:0:3@4:12", "adam/cols#d1:3:6@8:12",
+                          "m.rows#0:12", "m.rows#12:20", "m.rows#20:32", "m.cols#shape",
+                          "m.fused#0:4", "m.shared#0:4"}) {
+      CHECK_MESSAGE(have.count(n), std::string(n));
+    }
+    CHECK(std::count_if(names.begin(), names.end(),
+                        [](const std::string& n) { return n.rfind("m.shared", 0) == 0; }) == 2);
+  }
+  // Into one process, and into 3 tensor-parallel ranks: the whole model's
+  // values and Adam's state, and their pieces.
+  for (int n : {1, 3}) {
+    for (int r = 0; r < n; ++r) {
+      CAPTURE(n);
+      CAPTURE(r);
+      auto piece = split_model(r, n);
+      torch::optim::Adam adam(piece->parameters(), torch::optim::AdamOptions(0.1));
+      checkpoint::JobState state(r);
+      state.module("m", *piece).optimizer("adam", adam, named(*piece));
+      CHECK(checkpoint::load_latest_job(dir.path, state) == 2);
+      const auto values = pieces_of(want, r, n);
+      for (const auto& p : piece->named_parameters()) {
+        CHECK(at::allclose(p.value(), values.at(p.key()), 1e-6, 1e-7));
+      }
+      const auto moments = moments_of(adam, *piece);
+      for (const auto& [name, m] : pieces_of(want_moments, r, n)) {
+        CHECK(at::allclose(moments.at(name), m, 1e-6, 1e-7));
+      }
+    }
+  }
+}
+
 TEST_CASE("job: a split missing a rank's pieces is refused by name; bad placements too") {
   // Only rank 0 of 2 saved: the whole tensors lack rank 1's slices.
   TempDir d;

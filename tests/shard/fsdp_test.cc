@@ -121,6 +121,42 @@ TEST_CASE("fsdp: a Sequential trains as one process does (2 and 3 ranks; units a
   }
 }
 
+TEST_CASE("fsdp: clipping a model also split over a tensor-parallel group (ClipOptions)") {
+  // Two ranks shard the same Sequential over `dp` and stand, for clipping,
+  // as two tensor-parallel ranks too (`tp`): the squares are summed over
+  // dp, then over tp (so each counted gradient twice), and the parameters
+  // `counted` turns down (the last layer's bias) are left out of the norm
+  // but scaled with the rest.
+  Groups dp(2), tp(2);
+  auto whole = make_seq(31);
+  auto b = concat(2, 0);
+  loss_on(whole->forward(b.x), b).backward();
+  const auto last = whole->named_parameters()["4.bias"];
+  double squares = 0;
+  for (const auto& p : whole->parameters()) {
+    if (!p.is_same(last)) squares += p.grad().to(at::kDouble).pow(2).sum().item<double>();
+  }
+  const double want = std::sqrt(2 * squares);
+  on_ranks(2, [&](int r) {
+    auto model = make_seq(31);
+    const at::Tensor skip = model->named_parameters()["4.bias"];
+    ddp::FullyShardedDataParallel fsdp(model, {}, dp.groups[r]);
+    auto mine = batch(r, 0);
+    loss_on(fsdp.forward(mine.x), mine).backward();
+    std::vector<at::Tensor> before;
+    for (const auto& shard : fsdp.parameters()) before.push_back(shard.grad().clone());
+    ddp::ClipOptions o;
+    o.group = tp.groups[r];
+    o.counted = [skip](const at::Tensor& p) { return !p.is_same(skip); };
+    const double norm = fsdp.clip_grad_norm(0.1, o);
+    CHECK(norm == doctest::Approx(want).epsilon(1e-5));
+    // (every gradient scaled by 0.1 / norm: the bias's too)
+    for (size_t k = 0; k < before.size(); ++k) {
+      CHECK(at::allclose(fsdp.parameters()[k].grad(), before[k] * (0.1 / (norm + 1e-6))));
+    }
+  });
+}
+
 TEST_CASE("fsdp: mixed precision trains close to float32 (bfloat16 on Gloo)") {
   // Gathered, computed and reduced in bfloat16 (8 significant bits),
   // stepped in float32 by SGD (whose step is proportional to the gradient,
