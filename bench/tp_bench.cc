@@ -15,7 +15,9 @@
 // ms: rank 0's median step over --steps after --warmup. param_bytes_per_rank:
 // the block's parameters rank 0 holds. activation_bytes_per_rank: what rank
 // 0's forward left allocated for backward (malloc's bytes in use after the
-// forward, less before it: the saved activations and the output).
+// forward, once the group is quiet, less before it: the saved activations
+// and the output; the median over the steps, as a backend thread's scratch
+// buffers come and go).
 // sent_bytes_per_rank: bytes rank 0 wrote to its sockets in a step
 // (/proc/self/io wchar; nothing else writes meanwhile). expected_sent_bytes:
 // Megatron's count for a block, two all-reduces of the activation forward and
@@ -26,7 +28,7 @@
 // without it); recomputation's forward again on top. ms_per_tp1: ms over the tp 1 line's (same recompute) in this
 // run: the step's share of one process's time.
 //
-// Usage: tp_bench [--steps 3] [--warmup 1] [--width 1024] [--heads 16] [--seq 64]
+// Usage: tp_bench [--steps 8] [--warmup 1] [--width 1024] [--heads 16] [--seq 64]
 //        [--batch 4] [--tps 1,2,4]
 #include <ATen/ops/randn.h>
 #include <ATen/ops/sum.h>
@@ -59,7 +61,7 @@ using Clock = std::chrono::steady_clock;
 using tandem::bench::ms_since;
 
 struct Config {
-  int steps = 3, warmup = 1, width = 1024, heads = 16, seq = 64, batch = 4;
+  int steps = 8, warmup = 1, width = 1024, heads = 16, seq = 64, batch = 4;
   std::string tps = "1,2,4";
 };
 
@@ -85,6 +87,13 @@ int64_t written() {
 
 // One rank of a job: rank 0 writes what it measured to `out`.
 void worker(const Config& c, bool sp, bool again, const std::string& out) {
+  // glibc keeps the block's buffers for the next step instead of giving
+  // them back to the kernel and faulting them in again (as a GPU's caching
+  // allocator keeps them): otherwise recomputation, which frees the
+  // forward's activations at once and makes them again in backward, pays
+  // about a tenth of a step more in page faults.
+  ::mallopt(M_MMAP_THRESHOLD, 256 << 20);
+  ::mallopt(M_TRIM_THRESHOLD, 1 << 30);
   tandem::rpc::set_num_threads(1);
   ddp::init_process_group("gloo");
   auto tp = ddp::default_group_ptr();
@@ -105,7 +114,7 @@ void worker(const Config& c, bool sp, bool again, const std::string& out) {
   // Each rank's input: the whole sequence, or its piece of it.
   const int64_t seq = sp ? c.seq / tp->size() : c.seq;
   const at::Tensor x0 = at::randn({c.batch, seq, c.width});
-  std::vector<double> ms;
+  std::vector<double> ms, held_bytes;
   for (int i = 0; i < c.warmup + c.steps; ++i) {
     block->zero_grad();
     at::Tensor x = x0.clone().requires_grad_();
@@ -114,18 +123,25 @@ void worker(const Config& c, bool sp, bool again, const std::string& out) {
     const int64_t sent0 = written(), held0 = in_use();
     const auto t0 = Clock::now();
     at::Tensor y = again ? tandem::nn::recompute(fn, x, block->parameters()) : fn(x);
+    // (the group quiet first, untimed: Gloo's thread lets a collective's
+    // buffers go a moment after the collective returns, and the forward's
+    // last one, a reduce-scatter under sequence parallelism, would count)
+    const auto paused = Clock::now();
+    if (tp->size() > 1) tp->barrier();
     const int64_t held = in_use() - held0;
+    const double pause_ms = ms_since(paused);
     at::sum(y * y).backward();
     if (sp) par::all_reduce_partial_grads(*block, tp);
-    const double step_ms = ms_since(t0);
+    const double step_ms = ms_since(t0) - pause_ms;
     const int64_t sent = written() - sent0;
     if (i >= c.warmup) {
       ms.push_back(step_ms);
-      r.activations = std::max(r.activations, held);
+      held_bytes.push_back(static_cast<double>(held));
       r.sent = sent;
     }
   }
   r.ms = tandem::bench::median(ms);
+  r.activations = static_cast<int64_t>(tandem::bench::median(held_bytes));
   if (tp->rank() == 0) {
     std::ofstream f(out);
     f << r.params << " " << r.whole_params << " " << r.activations << " " << r.sent << " " << r.ms

@@ -115,10 +115,12 @@ ProcessGroup::Pending ProcessGroup::reduce_scatter_async(const at::Tensor& input
       at::Tensor sum = parts.to(at::kFloat).sum(0);
       if (scale != 1.0) sum.mul_(scale);
       output.copy_(sum);
-      return;
+    } else {
+      at::sum_out(output, parts, {0});
+      if (scale != 1.0) output.mul_(scale);
     }
-    at::sum_out(output, parts, {0});
-    if (scale != 1.0) output.mul_(scale);
+    parts = at::Tensor();
+    release_buffer(received);  // (the all-to-all's work still holds it)
   };
   return p;
 }
@@ -142,6 +144,13 @@ std::vector<at::Tensor> ProcessGroup::gather(const at::Tensor& tensor, int dst,
   opts.timeout = resolve(timeout);
   pending(pg_->gather(out, in, opts), "gather to rank " + std::to_string(dst), timeout).wait();
   return rank_ == dst ? out[0] : std::vector<at::Tensor>{};
+}
+
+void release_buffer(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage() || !t.is_cpu()) return;
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  storage->set_nbytes(0);
 }
 
 namespace {

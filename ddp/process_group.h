@@ -280,6 +280,14 @@ struct ClipOptions {
   std::function<bool(const at::Tensor&)> counted;
 };
 
+// Gives the memory of `t`'s storage back now, whatever else still refers to
+// it (the storage is left empty): for a finished collective's private
+// buffers, which Gloo's worker thread holds until a moment after the
+// collective has returned. Nothing may read `t`, or a view of its storage,
+// afterwards. CPU tensors only (a GPU tensor is left as it is: the caching
+// allocator orders its reuse behind the streams that used it).
+void release_buffer(const at::Tensor& t);
+
 // The default group, as torch.distributed has one.
 void init_process_group(ProcessGroupOptions options = {});
 void init_process_group(const std::string& backend, const std::string& init_method = "env://",

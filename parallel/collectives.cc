@@ -98,7 +98,13 @@ at::Tensor summed(const at::Tensor& x, ddp::ProcessGroup& g) {
 }
 
 at::Tensor gathered(const at::Tensor& x, int64_t dim, ddp::ProcessGroup& g) {
-  return at::cat(g.all_gather(x.contiguous()), dim);
+  std::vector<at::Tensor> pieces = g.all_gather(x.contiguous());
+  at::Tensor whole = at::cat(pieces, dim);
+  // (the pieces' memory back now: Gloo's thread lets go of them only a
+  // moment later, and under sequence parallelism they are the size of the
+  // activation)
+  for (const at::Tensor& piece : pieces) ddp::release_buffer(piece);
+  return whole;
 }
 
 at::Tensor scattered_sum(const at::Tensor& x, int64_t dim, ddp::ProcessGroup& g) {
@@ -109,6 +115,8 @@ at::Tensor scattered_sum(const at::Tensor& x, int64_t dim, ddp::ProcessGroup& g)
   at::Tensor out = at::empty(shape, moved.options());
   at::Tensor flat = out.view(-1);
   g.reduce_scatter_async(moved.view(-1), flat, ddp::ReduceOp::kSum).wait();
+  // (a copy of our own: its memory back now, as gathered()'s pieces)
+  if (!moved.is_alias_of(x)) ddp::release_buffer(moved);
   return out.movedim(0, dim);
 }
 

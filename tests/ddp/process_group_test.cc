@@ -64,6 +64,24 @@ TEST_CASE("ddp: all_reduce, broadcast, all_gather and barrier across three ranks
   });
 }
 
+TEST_CASE("ddp: release_buffer gives a storage's memory back while another holds it") {
+  at::Tensor t = at::ones({1024});
+  at::Tensor other = t.view({32, 32});  // (as a backend's finished work holds it)
+  const c10::Storage storage = t.storage();
+  ddp::release_buffer(t);
+  CHECK(storage.nbytes() == 0);
+  CHECK(storage.data() == nullptr);
+  CHECK(other.storage().nbytes() == 0);  // (the same storage: nothing may read it now)
+  ddp::release_buffer(at::Tensor());     // (nothing to do)
+  // A reduce-scatter over Gloo still sums right (its received buffer goes back).
+  Groups g(2);
+  on_ranks(2, [&](int r) {
+    at::Tensor in = at::arange(4, at::kFloat) * (r + 1), out = at::empty({2});
+    g[r].reduce_scatter_async(in, out, ddp::ReduceOp::kSum).wait();
+    CHECK(at::equal(out, (at::arange(4, at::kFloat) * 3).narrow(0, 2 * r, 2)));
+  });
+}
+
 TEST_CASE("ddp: bad arguments are refused naming what was wrong") {
   auto opts = [](auto tweak) {
     ddp::ProcessGroupOptions o;
