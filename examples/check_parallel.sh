@@ -14,9 +14,14 @@
 #     whole split, sharded over its replicas) each end on its
 #     loss, and their parameters' norm and projection (gpt's "parameters:"
 #     line: the whole model's, summed over the tp ranks' slices) are within
-#     1e-5 relative of its;
+#     1e-5 relative of its.
+#     With --sequence-parallel (the regions between the split layers on
+#     each rank's piece of the sequence, the replicated parameters'
+#     partial gradients summed in backward): tp 2, tp 2 x pp 2 x dp 2 and
+#     tp 2 x dp 2 --zero 3 end as 1 x 1 x 1 likewise;
 #  b. --recompute gives identical final and parameter lines to the same
-#     layout without it (1 x 1 x 1, tp 2 x pp 2, and tp 2 x dp 2 --zero 3);
+#     layout without it (1 x 1 x 1, tp 2 x pp 2, tp 2 x dp 2 --zero 3, and
+#     tp 2 --sequence-parallel);
 #  c. under tandem-run --max-restarts 1, a stage's tp rank killed by
 #     SIGKILL mid-run: the job restarts within seconds, naming it, from its
 #     newest checkpoint, and ends as the uninterrupted run (a tp peer's
@@ -30,7 +35,8 @@
 #     resumes as 1 x 1 x 1, as tp 3 x dp 2 --zero 3 and as tp 2 x pp 2: each
 #     ends on the uninterrupted run's loss and parameters;
 #  e. --dropout 0.1 (each block's masks from its layer's generator, whole
-#     masks cut by the tp ranks): tp 2, tp 2 x pp 2 and tp 3 --recompute end
+#     masks cut by the tp ranks): tp 2, tp 2 x pp 2, tp 3 --recompute and
+#     tp 2 x pp 2 --sequence-parallel --recompute end
 #     on 1 x 1 x 1's loss and parameters with the same dropout; --zero 3
 #     and --zero 2 with --recompute (each FSDP unit's block recomputed) end
 #     exactly as without;
@@ -41,8 +47,9 @@
 #     naming the failed allocation, and trains (and checkpoints) at tp 2 x
 #     dp 2 --zero 1;
 #  h. bad input exits 2 naming it: heads that --tp does not divide, --tp
-#     with --zero 3 and --pp 2, a world that is not pp x dp x tp, a
-#     --dropout that is not a probability.
+#     with --zero 3 and --pp 2, a world that is not pp x dp x tp,
+#     --sequence-parallel without --tp or with a --context --tp does not
+#     divide, a --dropout that is not a probability.
 set -uo pipefail
 bin="$(readlink -f "${1:?usage: check_parallel.sh BIN_DIR}")"
 here="$(dirname "$(readlink -f "$0")")"
@@ -83,9 +90,10 @@ identical() {
 rc=$(launch t111.log 1 gpt --pp 1 --dp 1 --tp 1 "${args[@]}" --checkpoint t111.ckpt)
 expect_rc "gpt 1 x 1 x 1" "$rc" 0 t111.log
 for layout in "1 1 2" "1 1 3" "2 1 2" "1 2 2" "2 2 2" "2 1 2 --schedule interleaved" "1 2 2 --zero 1" \
-  "1 2 2 --zero 2" "1 2 2 --zero 3"; do
+  "1 2 2 --zero 2" "1 2 2 --zero 3" "1 1 2 --sequence-parallel" "2 2 2 --sequence-parallel" \
+  "1 2 2 --zero 3 --sequence-parallel"; do
   set -- $layout
-  name="t$1$2$3${4:+${4#--}$5}"
+  name="t$1$2$3$(echo "${*:4}" | tr -d ' -')"
   what="gpt $1 x $2 x $3 ${*:4}"
   rc=$(launch "$name.log" $(($1 * $2 * $3)) gpt --pp "$1" --dp "$2" --tp "$3" "${@:4}" "${args[@]}" \
     --checkpoint "$name.ckpt")
@@ -100,6 +108,10 @@ expect_rc "gpt 2 x 1 x 2 --recompute" "$rc" 0 r212.log && identical "--recompute
 rc=$(launch r122.log 4 gpt --pp 1 --dp 2 --tp 2 --zero 3 "${args[@]}" --recompute --checkpoint r122.ckpt)
 expect_rc "gpt 1 x 2 x 2 --zero 3 --recompute" "$rc" 0 r122.log &&
   identical "--recompute, 1 x 2 x 2 --zero 3" t122zero3.log r122.log
+rc=$(launch r112s.log 2 gpt --pp 1 --dp 1 --tp 2 --sequence-parallel "${args[@]}" --recompute \
+  --checkpoint r112s.ckpt)
+expect_rc "gpt 1 x 1 x 2 --sequence-parallel --recompute" "$rc" 0 r112s.log &&
+  identical "--recompute, 1 x 1 x 2 --sequence-parallel" t112sequenceparallel.log r112s.log
 
 # c. a tp rank of the second stage (rank 3 of 2 x 1 x 2) killed after step 8 of 24
 long=(--steps 24 --layers 2 --dim 36 --heads 6 --context 16 --batch 8 --chunks 2 --log-every 1 --sample 0
@@ -192,9 +204,9 @@ done
 rc=$(launch d111.log 1 gpt --pp 1 --dp 1 "${args[@]}" --dropout 0.1 --checkpoint d111.ckpt)
 if expect_rc "gpt 1 x 1 x 1 --dropout 0.1" "$rc" 0 d111.log; then
   [[ "$(gpt_final d111.log)" != "$(gpt_final t111.log)" ]] || fail "--dropout 0.1 changed nothing"
-  for layout in "1 1 2" "2 1 2" "1 1 3 --recompute"; do
+  for layout in "1 1 2" "2 1 2" "1 1 3 --recompute" "2 1 2 --sequence-parallel --recompute"; do
     set -- $layout
-    name="d$1$2$3${4:+r}"
+    name="d$1$2$3$(echo "${*:4}" | tr -d ' -')"
     what="gpt $1 x $2 x $3 --dropout 0.1 ${*:4}"
     rc=$(launch "$name.log" $(($1 * $2 * $3)) gpt --pp "$1" --dp "$2" --tp "$3" "${@:4}" "${args[@]}" \
       --dropout 0.1 --checkpoint "$name.ckpt")
@@ -252,6 +264,10 @@ bad "--tp 4 with 6 heads" 4 "--tp 4 does not divide --heads 6" --pp 1 --dp 1 --t
 bad "--tp 2 --zero 3 --pp 2" 4 "--zero 3 trains the whole model on every rank: pass --pp 1" --pp 2 --dp 1 \
   --tp 2 --zero 3 "${args[@]}"
 bad "--pp 2 --tp 2 on 2 processes" 2 "needs 4 processes, not 2" --pp 2 --dp 1 --tp 2 "${args[@]}"
+bad "--sequence-parallel with --tp 1" 1 "--sequence-parallel splits the sequence over tensor-parallel ranks" \
+  --pp 1 --dp 1 "${args[@]}" --sequence-parallel
+bad "--sequence-parallel, --context 16 over --tp 3" 3 "--context 16 does not split into 3 equal pieces" \
+  --pp 1 --dp 1 --tp 3 "${args[@]}" --sequence-parallel
 bad "--dropout 1.5" 1 "--dropout 1.500000 is not a probability in \[0, 1)" --pp 1 --dp 1 "${args[@]}" --dropout 1.5
 
 finish check_parallel

@@ -257,7 +257,12 @@ at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
   at::Tensor y = options_.sequence_parallel
                      ? reduce_scatter(partial, options_.sequence_dim, group_)
                      : reduce_from_region(partial, group_);
-  return bias.defined() ? y + bias : y;
+  if (!bias.defined()) return y;
+  return y + (sums_in_backward() ? copy_to_region(bias, group_) : bias);
+}
+
+bool RowParallelLinearImpl::sums_in_backward() const {
+  return options_.sequence_parallel && options_.sum_partial_grads;
 }
 
 int64_t RowParallelLinearImpl::split_dim(const std::string& name) const {
@@ -265,7 +270,7 @@ int64_t RowParallelLinearImpl::split_dim(const std::string& name) const {
 }
 
 std::vector<at::Tensor> RowParallelLinearImpl::partial_grad_parameters() const {
-  if (options_.sequence_parallel && bias.defined()) return {bias};
+  if (options_.sequence_parallel && !options_.sum_partial_grads && bias.defined()) return {bias};
   return {};
 }
 

@@ -45,7 +45,13 @@
 //    whole one on every rank, except under sequence parallelism, where each
 //    rank's covers its piece of the sequence; partial_grad_parameters()
 //    lists such parameters, which all_reduce_partial_grads() sums over the
-//    group after backward (Megatron's sequence-parallel gradient sum).
+//    group after backward (Megatron's sequence-parallel gradient sum). Or,
+//    with sum_partial_grads, the layer sums it inside backward (the bias
+//    used through copy_to_region: an all-reduce of its gradient as
+//    backward reaches it), so the gradient any engine accumulates is the
+//    whole one: in a distributed autograd context too, where
+//    all_reduce_partial_grads cannot reach (a pipeline stage's); it then
+//    lists nothing as partial.
 // 6. A row-parallel layer's in_features must divide by the group's size,
 //    and so must a column-parallel layer's out_features when its output is
 //    gathered; else std::invalid_argument naming it. A column-parallel
@@ -120,6 +126,7 @@ struct RowParallelOptions {
   bool input_is_parallel = true;   // 2.: the input is already split (a column-parallel output)
   bool sequence_parallel = false;  // 2.: the output is a piece of the sequence
   int64_t sequence_dim = 1;        // which dimension of the output is the sequence
+  bool sum_partial_grads = false;  // 5.: the bias's partial gradient summed in backward
 };
 
 class RowParallelLinearImpl : public torch::nn::Module, public TensorParallelModule {
@@ -140,6 +147,7 @@ class RowParallelLinearImpl : public torch::nn::Module, public TensorParallelMod
 
  private:
   void take_slice(const torch::nn::Linear& whole);
+  bool sums_in_backward() const;
   Group group_;
   RowParallelOptions options_;
   int64_t in_ = 0, out_ = 0;

@@ -3,6 +3,7 @@
 #include "tandem/parallel/random.h"
 
 #include <ATen/ops/gelu.h>
+#include <ATen/ops/layer_norm.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/softmax.h>
@@ -25,6 +26,18 @@ torch::nn::LayerNorm copy_of(const torch::nn::LayerNorm& whole) {
 }
 
 }  // namespace
+
+at::Tensor layer_norm_of_piece(torch::nn::LayerNorm ln, const at::Tensor& x,
+                               const Group& group) {
+  check_group(group, "layer_norm_of_piece");
+  if (group->size() == 1 || !ln->weight.defined()) return ln(x);
+  // (its weight and bias through copy_to_region: their gradients, each
+  // rank's over its piece of the sequence, summed as backward reaches them)
+  const auto& o = ln->options;
+  return at::layer_norm(x, o.normalized_shape(), copy_to_region(ln->weight, group),
+                        ln->bias.defined() ? copy_to_region(ln->bias, group) : at::Tensor(),
+                        o.eps());
+}
 
 ParallelBlockImpl::ParallelBlockImpl(const torch::nn::LayerNorm& ln1_whole,
                                      const torch::nn::Linear& qkv_whole,
@@ -63,6 +76,7 @@ ParallelBlockImpl::ParallelBlockImpl(const torch::nn::LayerNorm& ln1_whole,
   RowParallelOptions back;
   back.sequence_parallel = o.sequence_parallel;
   back.sequence_dim = o.sequence_dim;
+  back.sum_partial_grads = o.sum_partial_grads;
   ln1 = register_module("ln1", copy_of(ln1_whole));
   qkv = register_module("qkv", ColumnParallelLinear(ColumnParallelLinearImpl::from_whole(
                                    qkv_whole, group_, in_attention)));
@@ -81,7 +95,7 @@ at::Tensor ParallelBlockImpl::forward(const at::Tensor& input) {
   const int64_t local_heads = heads_ / group_->size(), hd = width_ / heads_;
   // [B, T, 3 x its heads x hd] (T whole: the sequence was gathered) ->
   // [3, B, its heads, T, hd]
-  const at::Tensor q_k_v = qkv(ln1(x));
+  const at::Tensor q_k_v = qkv(norm(ln1, x));
   const int64_t B = q_k_v.size(0), T = q_k_v.size(1);
   const at::Tensor parts =
       q_k_v.view({B, T, 3, local_heads, hd}).permute({2, 0, 3, 1, 4});
@@ -101,7 +115,12 @@ at::Tensor ParallelBlockImpl::forward(const at::Tensor& input) {
     return drop(branch, options_.residual_dropout, whole, d, group_->rank() * branch.size(d));
   };
   x = x + residual(proj(y));
-  return x + residual(out(at::gelu(fc(ln2(x)))));
+  return x + residual(out(at::gelu(fc(norm(ln2, x)))));
+}
+
+at::Tensor ParallelBlockImpl::norm(torch::nn::LayerNorm ln, const at::Tensor& x) const {
+  if (!options_.sequence_parallel || !options_.sum_partial_grads) return ln(x);
+  return layer_norm_of_piece(ln, x, group_);
 }
 
 at::Tensor ParallelBlockImpl::drop(const at::Tensor& x, double p, std::vector<int64_t> whole,
@@ -126,7 +145,7 @@ int64_t ParallelBlockImpl::split_dim(const std::string& name) const {
 }
 
 std::vector<at::Tensor> ParallelBlockImpl::partial_grad_parameters() const {
-  if (!options_.sequence_parallel) return {};
+  if (!options_.sequence_parallel || options_.sum_partial_grads) return {};
   std::vector<at::Tensor> out_params;
   for (const auto& ln : {ln1, ln2}) {
     for (const auto& p : ln->parameters()) out_params.push_back(p);

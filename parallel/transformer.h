@@ -23,7 +23,12 @@
 //    on the piece, all-gathered before qkv and fc and reduce-scattered
 //    after proj and out; the LayerNorms' and the row-parallel biases'
 //    gradients are then partial (partial_grad_parameters(); sum them with
-//    all_reduce_partial_grads after backward).
+//    all_reduce_partial_grads after backward), or, with sum_partial_grads,
+//    summed inside backward (each used through copy_to_region), so that
+//    any engine's gradient is whole: a pipeline stage's in a distributed
+//    autograd context too. That is an all-reduce of a LayerNorm's or
+//    bias's gradient per parameter per backward, every rank in the same
+//    order.
 // 4. Four collectives forward (two all-reduces, or two all-gathers and two
 //    reduce-scatters) and four backward, every rank in the same order.
 // 5. Dropout (BlockOptions; parallel/random.h): in training mode, the
@@ -50,6 +55,7 @@ namespace tandem::parallel {
 struct BlockOptions {
   bool sequence_parallel = false;  // 3.
   int64_t sequence_dim = 1;        // the sequence's dimension of [batch, sequence, width]
+  bool sum_partial_grads = false;  // 3.: the replicated parameters' gradients summed in backward
   // 5. Dropout, in training mode: on the attention probabilities (this
   // rank's heads: a split region) and on each projection's output before
   // its residual sum (a replicated region, or with sequence parallelism
@@ -62,6 +68,13 @@ struct BlockOptions {
   // each rank drawing its piece alone from "<rng>/tp<rank>".
   bool masks_like_one_process = true;
 };
+
+// `ln` over this rank's piece of the sequence, its replicated weight's and
+// bias's gradients (each rank's over its piece) summed over `group` inside
+// backward: what a sequence-parallel region's LayerNorm outside a block
+// (a model's final one) uses with BlockOptions::sum_partial_grads.
+at::Tensor layer_norm_of_piece(torch::nn::LayerNorm ln, const at::Tensor& x,
+                               const Group& group);
 
 class ParallelBlockImpl : public torch::nn::Module, public TensorParallelModule {
  public:
@@ -84,6 +97,7 @@ class ParallelBlockImpl : public torch::nn::Module, public TensorParallelModule 
  private:
   // Dropout of `x` (5.): whole (dim < 0), or the piece of `whole` x is
   // along dim from start.
+  at::Tensor norm(torch::nn::LayerNorm ln, const at::Tensor& x) const;
   at::Tensor drop(const at::Tensor& x, double p, std::vector<int64_t> whole, int64_t dim,
                   int64_t start);
   Group group_;

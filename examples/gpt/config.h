@@ -21,6 +21,9 @@ struct Config {
   // each stage's layers split over tp tensor-parallel ranks.
   int64_t pp = 2, dp = 2, tp = 1;
   bool recompute = false;  // each block's activations made again in backward
+  // With --tp: the regions between the split layers hold this rank's piece
+  // of the sequence (Megatron's sequence parallelism).
+  bool sequence_parallel = false;
   double dropout = 0;      // on each block's attention probabilities and residual branches
   std::string schedule = "1f1b";
   int64_t chunks = 4;  // micro-batches per replica and step

@@ -83,6 +83,9 @@ void add_flags(examples::Flags& flags, Config& cfg) {
            "(tandem-run --nnodes MIN:MAX) keeps the global --batch on fewer workers")
       .add("--tp", &cfg.tp, 1,
            "tensor-parallel ranks a stage's layers are split over (heads, MLP, vocabulary)")
+      .add_switch("--sequence-parallel", &cfg.sequence_parallel,
+                  "with --tp: the LayerNorms, dropout and residual sums between the split layers "
+                  "on each rank's piece of the sequence (--context must divide by --tp)")
       .add_switch("--recompute", &cfg.recompute,
                   "drop each block's activations after forward and make them again in backward")
       .add("--dropout", &cfg.dropout,
@@ -153,6 +156,13 @@ std::string check(Config& cfg, int world) {
   if (cfg.tp > 1 && cfg.heads % cfg.tp != 0) {
     return "--tp " + std::to_string(cfg.tp) + " does not divide --heads " +
            std::to_string(cfg.heads) + ": each tensor-parallel rank takes whole heads";
+  }
+  if (cfg.sequence_parallel && cfg.tp < 2) {
+    return "--sequence-parallel splits the sequence over tensor-parallel ranks: pass --tp 2 or more";
+  }
+  if (cfg.sequence_parallel && cfg.context % cfg.tp != 0) {
+    return "--sequence-parallel: --context " + std::to_string(cfg.context) +
+           " does not split into " + std::to_string(cfg.tp) + " equal pieces (--tp)";
   }
   if (!(cfg.dropout >= 0 && cfg.dropout < 1)) {
     return "--dropout " + std::to_string(cfg.dropout) + " is not a probability in [0, 1)";

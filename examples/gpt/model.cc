@@ -5,6 +5,7 @@
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/cross_entropy_loss.h>
+#include <ATen/ops/embedding.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/ones.h>
@@ -21,6 +22,7 @@
 #include <set>
 
 #include "tandem/ddp/process_group.h"
+#include "tandem/parallel/collectives.h"
 #include "tandem/parallel/linear.h"
 #include "tandem/parallel/random.h"
 #include "tandem/parallel/recompute.h"
@@ -150,14 +152,33 @@ par::Group tp_group_named(const std::string& name) {
 }
 
 // The token embedding's rows split by the vocabulary; positions whole.
+// With sequence parallelism (`sp`) its output is this rank's piece of the
+// sequence: the tokens' sum reduce-scattered, and the positions of that
+// piece, whose table's gradient (each rank's over its positions) is summed
+// over the group in backward (copy_to_region).
 struct TpEmbedImpl : tnn::Module {
-  TpEmbedImpl(int64_t vocab, int64_t dim, int64_t context, const par::Group& g) {
+  TpEmbedImpl(int64_t vocab, int64_t dim, int64_t context, const par::Group& g, bool sp)
+      : g(g), sp(sp) {
     EmbedImpl whole(vocab, dim, context);
-    tok = register_module("tok", par::VocabParallelEmbedding(whole.tok, g));
+    par::VocabParallelOptions o;
+    o.sequence_parallel = sp;
+    tok = register_module("tok", par::VocabParallelEmbedding(whole.tok, g, o));
     pos = register_module("pos", whole.pos);
     par::mark_replicated(*this, g);  // (the positions: a checkpoint holds them once)
   }
-  at::Tensor forward(at::Tensor ids) { return embed(tok, pos, ids); }  // (every rank: the same ids)
+  at::Tensor forward(at::Tensor ids) {
+    if (!sp) return embed(tok, pos, ids);  // (every rank: the same ids)
+    const int64_t piece = ids.size(1) / g->size(), start = g->rank() * piece;
+    const at::Tensor positions = at::embedding(par::copy_to_region(pos->weight, g),
+                                               at::arange(start, start + piece, ids.options()));
+    const bool poisoned = poisoning_enabled() && (ids < 0).any().item<bool>();
+    const at::Tensor h = tok(poisoned ? ids.clamp_min(0) : ids) + positions;
+    if (!poisoned) return h;
+    return h.masked_fill((ids < 0).narrow(1, start, piece).unsqueeze(-1),
+                         std::numeric_limits<double>::quiet_NaN());
+  }
+  par::Group g;
+  bool sp;
   par::VocabParallelEmbedding tok{nullptr};
   tnn::Embedding pos{nullptr};
 };
@@ -168,7 +189,7 @@ struct TpEmbedImpl : tnn::Module {
 // backward (tandem::nn::recompute).
 struct GptBlockImpl : tnn::Module {
   GptBlockImpl(int64_t dim, int64_t heads, int64_t context, const std::string& group,
-               bool recompute, double dropout, int64_t layer)
+               bool recompute, double dropout, int64_t layer, bool sp)
       : recompute(recompute) {
     // (the layer's own generator: its masks the same whichever process runs it)
     const std::string rng = "gpt/" + std::to_string(layer);
@@ -181,6 +202,9 @@ struct GptBlockImpl : tnn::Module {
       par::BlockOptions o;
       o.attention_dropout = o.residual_dropout = dropout;
       o.rng = rng;
+      // (the replicated parameters' partial gradients summed in backward:
+      // a stage's land in a distributed autograd context)
+      o.sequence_parallel = o.sum_partial_grads = sp;
       par::ParallelBlock b(whole->ln1, whole->qkv, whole->proj, whole->ln2, whole->fc, whole->out,
                            heads, tp_group_named(group), o);
       inner = b.ptr();
@@ -196,16 +220,22 @@ struct GptBlockImpl : tnn::Module {
 };
 
 // ln whole, then this rank's words' logits: [B, T, dim] -> [B, T, its words].
+// With sequence parallelism the input is this rank's piece of the
+// sequence: ln's gradients summed over the group in backward, and lm
+// gathers the sequence (its logits are the whole sequence's).
 struct TpHeadImpl : tnn::Module {
-  TpHeadImpl(int64_t dim, int64_t vocab, const par::Group& g) {
+  TpHeadImpl(int64_t dim, int64_t vocab, const par::Group& g, bool sp) : g(g), sp(sp) {
     HeadImpl whole(dim, vocab);
     ln = register_module("ln", whole.ln);
     par::ColumnParallelOptions o;
     o.gather_output = false;  // (the loss takes the pieces)
+    o.sequence_parallel = sp;
     lm = register_module("lm", par::ColumnParallelLinear(whole.lm, g, o));
     par::mark_replicated(*this, g);
   }
-  at::Tensor forward(at::Tensor x) { return lm(ln(x)); }
+  at::Tensor forward(at::Tensor x) { return lm(sp ? par::layer_norm_of_piece(ln, x, g) : ln(x)); }
+  par::Group g;
+  bool sp;
   tnn::LayerNorm ln{nullptr};
   par::ColumnParallelLinear lm{nullptr};
 };
@@ -297,21 +327,21 @@ const bool kRegistered = [] {
     return std::make_shared<HeadImpl>(dim, vocab);
   });
   tandem::nn::register_module("gpt_embed_tp", [](int64_t vocab, int64_t dim, int64_t context,
-                                                  const std::string& group) {
-    return std::make_shared<TpEmbedImpl>(vocab, dim, context, tp_group_named(group));
+                                                  const std::string& group, bool sp) {
+    return std::make_shared<TpEmbedImpl>(vocab, dim, context, tp_group_named(group), sp);
   });
   tandem::nn::register_module("gpt_block_x",
                               [](int64_t dim, int64_t heads, int64_t context,
                                  const std::string& group, bool recompute, double dropout,
-                                 int64_t layer) {
-                                return std::make_shared<GptBlockImpl>(dim, heads, context, group,
-                                                                      recompute, dropout, layer);
+                                 int64_t layer, bool sp) {
+                                return std::make_shared<GptBlockImpl>(
+                                    dim, heads, context, group, recompute, dropout, layer, sp);
                               });
   tandem::nn::register_module("gpt_head_tp",
-                              [](int64_t dim, int64_t vocab, const std::string& group) {
+                              [](int64_t dim, int64_t vocab, const std::string& group, bool sp) {
                                 register_tp_loss(group, vocab);
                                 return std::make_shared<TpHeadImpl>(dim, vocab,
-                                                                    tp_group_named(group));
+                                                                    tp_group_named(group), sp);
                               });
   tandem::pipeline::register_loss(kLoss, loss);
   return true;
@@ -335,15 +365,16 @@ std::vector<c10::IValue> layer_specs(const Config& cfg, int64_t vocab,
   if (tp_group.empty() && !cfg.recompute && cfg.dropout == 0) return layer_specs(cfg, vocab);
   namespace nn = tandem::nn;
   std::vector<c10::IValue> layers;
+  const bool sp = !tp_group.empty() && cfg.sequence_parallel;
   layers.push_back(tp_group.empty()
                        ? nn::spec("gpt_embed", {vocab, cfg.dim, cfg.context})
-                       : nn::spec("gpt_embed_tp", {vocab, cfg.dim, cfg.context, tp_group}));
+                       : nn::spec("gpt_embed_tp", {vocab, cfg.dim, cfg.context, tp_group, sp}));
   for (int64_t i = 0; i < cfg.layers; ++i) {
     layers.push_back(nn::spec("gpt_block_x", {cfg.dim, cfg.heads, cfg.context, tp_group,
-                                              cfg.recompute, cfg.dropout, i + 1}));
+                                              cfg.recompute, cfg.dropout, i + 1, sp}));
   }
   layers.push_back(tp_group.empty() ? nn::spec("gpt_head", {cfg.dim, vocab})
-                                    : nn::spec("gpt_head_tp", {cfg.dim, vocab, tp_group}));
+                                    : nn::spec("gpt_head_tp", {cfg.dim, vocab, tp_group, sp}));
   return layers;
 }
 

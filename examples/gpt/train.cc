@@ -300,7 +300,11 @@ int drive(const Job& job) {
       const size_t from =
           seen.size() > static_cast<size_t>(cfg.context) ? seen.size() - cfg.context : 0;
       std::vector<int64_t> window(seen.begin() + static_cast<std::ptrdiff_t>(from), seen.end());
-      at::Tensor mine = pipe.forward(at::tensor(window).view({1, -1}))[0][-1];
+      const int64_t length = static_cast<int64_t>(window.size());
+      // (with --sequence-parallel, padded at the end to a length the tp
+      // ranks split: causal attention keeps the padding from the others)
+      if (cfg.sequence_parallel) window.resize(static_cast<size_t>((length + tp - 1) / tp * tp), 0);
+      at::Tensor mine = pipe.forward(at::tensor(window).view({1, -1}))[0][length - 1];
       if (tp == 1) return mine;
       const at::Tensor padded = at::zeros({most}, mine.options());
       padded.narrow(0, 0, mine.size(0)).copy_(mine);

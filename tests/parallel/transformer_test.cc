@@ -74,10 +74,13 @@ at::Tensor strided_rows(const at::Tensor& t, int r, int n) {
 }  // namespace
 
 TEST_CASE("parallel transformer: a block split over tp ranks equals the whole block") {
+  // (mode 2: sequence parallelism with the partial gradients summed inside
+  // backward, sum_partial_grads, no all_reduce_partial_grads after it)
   for (int n : {2, 3}) {
-    for (bool sp : {false, true}) {
+    for (int mode : {0, 1, 2}) {
+      const bool sp = mode > 0, in_backward = mode == 2;
       CAPTURE(n);
-      CAPTURE(sp);
+      CAPTURE(mode);
       at::manual_seed(21);
       Whole whole;
       const at::Tensor x0 = at::randn({kBatch, kSeq, kWidth}, at::kDouble);
@@ -91,15 +94,17 @@ TEST_CASE("parallel transformer: a block split over tp ranks equals the whole bl
       for (int r = 0; r < n; ++r) {
         par::BlockOptions o;
         o.sequence_parallel = sp;
+        o.sum_partial_grads = in_backward;
         blocks.emplace_back(whole.ln1, whole.qkv, whole.proj, whole.ln2, whole.fc, whole.out,
                             kHeads, g.groups[r], o);
+        CHECK(blocks.back()->partial_grad_parameters().size() == (mode == 1 ? 4u : 0u));
       }
       std::vector<at::Tensor> ys(n), xgrads(n);
       test::on_ranks(n, [&](int r) {
         at::Tensor x = (sp ? par::piece_of(x0, 1, r, n) : x0).clone().requires_grad_();
         at::Tensor y = blocks[r](x);
         at::sum((sp ? par::piece_of(w, 1, r, n) : w) * y).backward();
-        par::all_reduce_partial_grads(*blocks[r], g.groups[r]);
+        if (!in_backward) par::all_reduce_partial_grads(*blocks[r], g.groups[r]);
         ys[r] = y.detach();
         xgrads[r] = x.grad();
       });
