@@ -11,7 +11,7 @@
 #   tools/gpu_session.sh ctest         every test (ctest -j8)
 #   tools/gpu_session.sh bench         rpc_bench --device cuda and PyTorch's anchor
 #   tools/gpu_session.sh probe         bench/cuda_ipc_probe.cu: CUDA IPC's primitives, timed
-#   tools/gpu_session.sh cpu-bench     pp_dp_bench, zero_bench and zero.py on the machine's cores
+#   tools/gpu_session.sh cpu-bench     pp_dp_bench, zero_bench and zero.py, tp_bench and tp.py on the machine's cores
 #   tools/gpu_session.sh STAGE...      several, in order; logs go to $OUT when it is set
 #
 # TARGETS="a b" builds only those; CTEST_REGEX picks the tests ctest runs.
@@ -104,6 +104,9 @@ stage_cpu_bench() {
     [[ -x $b/pp_dp_bench ]] && timeout 240 $b/pp_dp_bench
     [[ -x $b/zero_bench ]] && timeout 300 $b/zero_bench
     PYTHONUNBUFFERED=1 timeout 300 "$py" bench/anchors/zero.py
+    # (tensor parallelism: a core a rank, beside PyTorch 2's parallelize_module)
+    [[ -x $b/tp_bench ]] && timeout 240 $b/tp_bench
+    PYTHONUNBUFFERED=1 timeout 300 "$py" bench/anchors/tp.py
   } 2>&1 | tee "$out/cpu_bench.jsonl"
 }
 
