@@ -32,6 +32,9 @@
 // head and the loss, each block a parallel::ParallelBlock); the tp pipes
 // run the same schedule on the same batches, so a stage's tp ranks meet in
 // their collectives, and clipping sums the norm over the tp drivers.
+// --sequence-parallel runs the regions between the split layers on each tp
+// rank's piece of the sequence (Megatron's sequence parallelism; the
+// replicated parameters' partial gradients summed in backward).
 // With --zero 2 or 3 (--pp 1), each tp rank's replicas shard its split of
 // the model over dp (ZeRO 2, or FSDP a unit a block), as Megatron-Core's
 // distributed optimizer and torchtitan's FSDP x TP do.

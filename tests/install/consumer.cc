@@ -149,8 +149,10 @@ bool same_everywhere(const at::Tensor& t) {
 
 // `consumer tp`: two ranks split one transformer block (ParallelBlock, with
 // dropout drawn as one process draws it, recomputed in backward): each
-// rank's output equals the whole block's in one process; both save their
-// pieces, which load back whole into the one-process block.
+// rank's output equals the whole block's in one process, and under
+// sequence parallelism (partial gradients summed in backward) its piece
+// and its gradients the plain split's; both save their pieces, which load
+// back whole into the one-process block.
 int tp_job() {
   namespace par = tandem::parallel;
   tandem::spawn(2, [](int rank, int) {
@@ -185,6 +187,28 @@ int tp_job() {
                                                split->parameters());
     at::sum(y).backward();
     if (!at::allclose(y, want, 1e-5, 1e-6)) throw std::runtime_error("the split block differs");
+    {
+      // Under sequence parallelism, its LayerNorms' partial gradients summed
+      // inside backward (sum_partial_grads): this rank's piece of the
+      // output, and the LayerNorms' whole gradients, as the plain split's.
+      par::BlockOptions so = o;
+      so.sequence_parallel = so.sum_partial_grads = true;
+      par::ParallelBlock seq(ln1, qkv, proj, ln2, fc, out, heads, group, so);
+      const at::Tensor x6 = at::randn({2, 6, C}, at::detail::createCPUGenerator(12));
+      par::rng_tracker().seed(8);
+      split->zero_grad();
+      const at::Tensor whole_y = split(x6);
+      at::sum(whole_y * whole_y).backward();
+      par::rng_tracker().seed(8);
+      const at::Tensor piece = par::piece_of(x6, 1, rank, 2).clone();
+      const at::Tensor y6 = seq(piece);
+      at::sum(y6 * y6).backward();
+      if (!at::allclose(y6, par::piece_of(whole_y, 1, rank, 2), 1e-5, 1e-6) ||
+          !at::allclose(seq->ln1->weight.grad(), split->ln1->weight.grad(), 1e-4, 1e-6) ||
+          !at::allclose(seq->proj->bias.grad(), split->proj->bias.grad(), 1e-4, 1e-6)) {
+        throw std::runtime_error("the sequence-parallel block differs");
+      }
+    }
     const std::string dir = "consumer_tp.ckpt";
     tandem::checkpoint::JobState state(rank);
     state.module("block", *split);
