@@ -76,9 +76,13 @@ class PartService final : public rpc::AgentExtension {
                         std::string prefix, int64_t first_layer) {
                    auto s = served(m, "checkpoint: saving '" + prefix + "'");
                    auto mine = std::make_shared<Part>();  // copies now
-                   for (const auto& [name, t] : saved_names(*s, prefix, first_layer)) {
-                     add_tensor(*mine, name, t);  // (a piece as slices of the whole)
-                   }
+                   // (between this worker's optimizer steps, which update
+                   // the parameters in place: one moment's values)
+                   optim::owner::OptimService::of(agent_)->between_steps([&] {
+                     for (const auto& [name, t] : saved_names(*s, prefix, first_layer)) {
+                       add_tensor(*mine, name, t);  // (a piece as slices of the whole)
+                     }
+                   });
                    return start_write(dir, step, part, [mine] { return std::move(*mine); });
                  });
     internal.def("tandem.checkpoint.copy_optimizer",
@@ -122,7 +126,7 @@ class PartService final : public rpc::AgentExtension {
                  [this](c10::IValue, std::string key) { return written(key); });
     internal.def("tandem.checkpoint.written_at", [this](std::string key) { return written(key); });
 
-    internal.def("tandem.checkpoint.load_module", [](c10::IValue m, std::string path,
+    internal.def("tandem.checkpoint.load_module", [this](c10::IValue m, std::string path,
                                                      std::string prefix, int64_t first_layer,
                                                      bool check_only) {
       auto s = served(m, "checkpoint: loading '" + prefix + "'");
@@ -148,7 +152,9 @@ class PartService final : public rpc::AgentExtension {
       }
       if (check_only) return;
       at::NoGradGuard no_grad;
-      for (size_t i = 0; i < mine.size(); ++i) mine[i].second.copy_(values[i]);
+      optim::owner::OptimService::of(agent_)->between_steps([&] {
+        for (size_t i = 0; i < mine.size(); ++i) mine[i].second.copy_(values[i]);
+      });
     });
     internal.def("tandem.checkpoint.load_optimizer",
                  [this](int64_t id, std::string path, std::string prefix,

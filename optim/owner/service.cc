@@ -105,6 +105,7 @@ void OptimService::step(int64_t id, uint64_t context_id) {
                    ",\"params\":" + std::to_string(local->params.size()) + "}");
   }
   autograd::Gradients grads = autograd::get_gradients(agent_, context_id);
+  std::shared_lock<std::shared_mutex> writing(params_mu_);  // (between_steps waits)
   std::lock_guard<std::mutex> lock(local->mu);  // steps on one optimizer are serialized
   // So are steps of different optimizers here: they may share parameters
   // (two trainers' optimizers over one parameter server's table), and a
@@ -132,6 +133,11 @@ void OptimService::step(int64_t id, uint64_t context_id) {
     throw;
   }
   restore(local->params, saved);
+}
+
+void OptimService::between_steps(const std::function<void()>& fn) {
+  std::unique_lock<std::shared_mutex> no_step(params_mu_);
+  fn();
 }
 
 void OptimService::set_lr(int64_t id, double lr) {

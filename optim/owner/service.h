@@ -25,6 +25,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -119,6 +120,12 @@ class OptimService final : public rpc::AgentExtension,
   std::vector<std::string> live_objects() const override;
   void close() override;
 
+  // Runs `fn` while no optimizer of this worker steps (a step begun
+  // finishes first; the next waits for fn): a copy of parameters that
+  // steps update in place, a module's for a checkpoint, is then one
+  // moment's values, never half a step's (checkpoint/remote.cc).
+  void between_steps(const std::function<void()>& fn);
+
  private:
   struct Local;
   std::shared_ptr<Local> find(int64_t id) const;
@@ -130,6 +137,8 @@ class OptimService final : public rpc::AgentExtension,
   rpc::Agent& agent_;
   mutable std::mutex mu_;
   std::mutex step_mu_;  // one step at a time on this worker (after a Local's mu)
+  // Held shared by every step (before a Local's mu), by between_steps alone.
+  std::shared_mutex params_mu_;
   std::map<int64_t, std::shared_ptr<Local>> optimizers_;
   bool closed_ = false;
 };

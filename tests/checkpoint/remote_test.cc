@@ -7,7 +7,9 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 
+#include <atomic>
 #include <filesystem>
+#include <thread>
 
 #include "ddp/ddp_support.h"
 #include "tandem/autograd/autograd.h"
@@ -337,4 +339,44 @@ TEST_CASE("checkpoint: a parameter's state snapshot holds its moment's state, no
   const auto& loaded = static_cast<torch::optim::AdamParamState&>(*other.state().begin()->second);
   CHECK(at::equal(loaded.exp_avg(), avg));
   CHECK(loaded.step() == 1);
+}
+
+TEST_CASE("checkpoint: a module's copy is one moment's values while its optimizer steps") {
+  // An SGD step of lr 1 on sum(a(ones)) takes the batch size off every
+  // weight at once, in place on the owner; a second client saves the module
+  // meanwhile. Each saved weight, less the first one, must be one uniform
+  // multiple of the step (a copy made across a step would mix two).
+  World w(2);
+  TempDir dir;
+  nn::RemoteModule a(w[0], "rank:1/cpu", "Linear", {1024, 2048});  // (8 MiB of weight)
+  const at::Tensor first = a.state_dict().at("weight");
+  optim::Options o;
+  o.lr = 1.0;
+  optim::DistributedOptimizer opt(w[0], optim::Kind::kSGD, a.remote_parameters(), o);
+  std::atomic<bool> done{false};
+  std::atomic<int> steps{0};
+  std::thread trainer([&] {
+    const at::Tensor x = at::ones({1, 1024});
+    while (!done.load()) {
+      autograd::Context ctx(w[0]);
+      autograd::backward(w[0], ctx.id(), {a.forward(x).sum()});
+      opt.step(ctx.id());
+      steps.fetch_add(1);
+    }
+  });
+  int saves = 0;
+  for (; saves < 40 || steps.load() < 10; ++saves) {
+    checkpoint::JobState state;
+    state.remote_module("a", a);
+    checkpoint::save_job(dir.path, saves + 1, state);
+    checkpoint::Reader r(checkpoint::latest(dir.path)->path);
+    const at::Tensor moved = r.tensor("a.weight") - first;  // -k everywhere
+    const double lo = moved.min().item<double>(), hi = moved.max().item<double>();
+    CAPTURE(saves);
+    CHECK(hi - lo < 0.5);
+    if (saves > 200) break;
+  }
+  done = true;
+  trainer.join();
+  MESSAGE(saves << " saves beside " << steps.load() << " steps");
 }
