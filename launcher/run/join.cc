@@ -31,14 +31,55 @@ std::string hex_of(const rpc::Sha256Digest& digest) {
 // --nproc-per-node, and is labelled by role, so neither can be replayed,
 // reflected or moved to another join.
 std::string handshake_proof(const char* role, const std::string& token, const std::string& nonce0,
-                            const std::string& nonce1, int node_rank, int nproc) {
+                            const std::string& nonce1, int node_rank, int nproc,
+                            const std::string& flags) {
   if (token.empty()) return "-";
   return hex_of(rpc::hmac_sha256(token, std::string("tandem-run ") + role + " " + nonce0 + " " +
                                             nonce1 + " " + std::to_string(node_rank) + " " +
-                                            std::to_string(nproc)));
+                                            std::to_string(nproc) + " " + flags));
+}
+
+// "name=value,..." -> (name, value) in order; empty for a malformed text.
+std::vector<std::pair<std::string, std::string>> flag_pairs(const std::string& text) {
+  std::vector<std::pair<std::string, std::string>> out;
+  std::istringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) {
+    const size_t eq = item.find('=');
+    if (eq == std::string::npos || eq == 0) return {};
+    out.emplace_back(item.substr(0, eq), item.substr(eq + 1));
+  }
+  return out;
 }
 
 }  // namespace
+
+std::string coordination_nnodes(const Options& options) {
+  return options.min_nodes == options.nnodes
+             ? std::to_string(options.nnodes)
+             : std::to_string(options.min_nodes) + ":" + std::to_string(options.nnodes);
+}
+
+std::string coordination_flags(const Options& options) {
+  return "nnodes=" + coordination_nnodes(options) + ",max-restarts=" + std::to_string(options.max_restarts) +
+         ",peer-timeout=" +
+         (options.peer_timeout_s < 0 ? std::string("unset") : std::to_string(options.peer_timeout_s));
+}
+
+std::string flags_disagreement(const std::string& ours, const std::string& theirs) {
+  const auto mine = flag_pairs(ours), other = flag_pairs(theirs);
+  if (other.size() != mine.size()) return "flags node 0 cannot read (" + quoted(theirs) + ")";
+  for (size_t i = 0; i < mine.size(); ++i) {
+    if (other[i].first != mine[i].first) {
+      return "flags node 0 cannot read (" + quoted(theirs) + ")";
+    }
+    if (other[i].second != mine[i].second) {
+      return "--" + mine[i].first + " " + rpc::printable(other[i].second, 40) +
+             " differs from node 0's " + mine[i].second +
+             " (every node's launcher takes the same --nnodes, --max-restarts and --peer-timeout)";
+    }
+  }
+  return "";
+}
 
 std::string user_token() {
   const char* token = std::getenv("TANDEM_TOKEN");
@@ -46,12 +87,14 @@ std::string user_token() {
 }
 
 std::string admit_proof(const std::string& token, const std::string& nonce0,
-                        const std::string& nonce1, int node_rank, int nproc) {
-  return handshake_proof("admit", token, nonce0, nonce1, node_rank, nproc);
+                        const std::string& nonce1, int node_rank, int nproc,
+                        const std::string& flags) {
+  return handshake_proof("admit", token, nonce0, nonce1, node_rank, nproc, flags);
 }
 std::string join_proof(const std::string& token, const std::string& nonce0,
-                       const std::string& nonce1, int node_rank, int nproc) {
-  return handshake_proof("join", token, nonce0, nonce1, node_rank, nproc);
+                       const std::string& nonce1, int node_rank, int nproc,
+                       const std::string& flags) {
+  return handshake_proof("join", token, nonce0, nonce1, node_rank, nproc, flags);
 }
 // The key every line of the session is MACed under (channel.h, 3.).
 std::string session_key(const std::string& token, const std::string& nonce0,
@@ -199,8 +242,8 @@ bool Launcher::on_pending_line(size_t index, const std::string& line) {
     return nullptr;
   };
   if (!p.asked) {
-    // 2.: "join RANK NPROC NONCE1"
-    if (w.size() != 4 || w[0] != "join" || !integer(w[1]) || !integer(w[2])) {
+    // 2.: "join RANK NPROC NONCE1 FLAGS"
+    if (w.size() != 5 || w[0] != "join" || !integer(w[1]) || !integer(w[2])) {
       return refuse("not a tandem-run join (" + quoted(line) + ")");
     }
     const int node_rank = *integer(w[1]);
@@ -209,6 +252,10 @@ bool Launcher::on_pending_line(size_t index, const std::string& line) {
     if (nproc != options_.nproc_per_node) {
       return refuse("--nproc-per-node " + std::to_string(nproc) + " differs from node 0's " +
                     std::to_string(options_.nproc_per_node));
+    }
+    if (const std::string why = flags_disagreement(coordination_flags(options_), w[4]);
+        !why.empty()) {
+      return refuse(why);
     }
     if (node_rank < 1 || node_rank >= options_.nnodes) {
       return refuse("--node-rank " + std::to_string(node_rank) + " is out of range for --nnodes " +
@@ -224,7 +271,8 @@ bool Launcher::on_pending_line(size_t index, const std::string& line) {
     p.node_nonce = w[3];
     // 3.: node 0 proves first.
     return p.channel.send("admit " + admit_proof(user_token(), p.nonce, p.node_nonce,
-                                                 node_rank, options_.nproc_per_node));
+                                                 node_rank, options_.nproc_per_node,
+                                                 coordination_flags(options_)));
   }
   // 4.: "proof HMAC" (or the node's distrust of ours)
   if (!w.empty() && w[0] == "distrust") {
@@ -238,7 +286,8 @@ bool Launcher::on_pending_line(size_t index, const std::string& line) {
   }
   const std::string token = user_token();
   if (!rpc::constant_time_equal(
-          w[1], join_proof(token, p.nonce, p.node_nonce, p.node_rank, options_.nproc_per_node))) {
+          w[1], join_proof(token, p.nonce, p.node_nonce, p.node_rank, options_.nproc_per_node,
+                           coordination_flags(options_)))) {
     return refuse(token_mismatch(token, w[1], "node 0's"));
   }
   // 5.: from here on, every line is MACed (both ends know the key now).
@@ -292,7 +341,8 @@ bool Launcher::on_coordinator_handshake(const std::vector<std::string>& w,
     coordinator_nonce_ = hello[2];
     my_nonce_ = rpc::random_hex(16);
     coordinator_.send("join " + std::to_string(options_.node_rank) + " " +
-                      std::to_string(options_.nproc_per_node) + " " + my_nonce_);
+                      std::to_string(options_.nproc_per_node) + " " + my_nonce_ + " " +
+                      coordination_flags(options_));
     joined_ = true;
     return true;
   }
@@ -316,8 +366,8 @@ bool Launcher::on_coordinator_handshake(const std::vector<std::string>& w,
       const std::string token = user_token();
       if (a.size() != 2 ||
           !rpc::constant_time_equal(a[1], admit_proof(token, coordinator_nonce_, my_nonce_,
-                                                      options_.node_rank,
-                                                      options_.nproc_per_node))) {
+                                                      options_.node_rank, options_.nproc_per_node,
+                                                      coordination_flags(options_)))) {
         const std::string why = a.size() == 2
                                     ? token_mismatch(token, a[1], "this node's")
                                     : "a bad proof (" + quoted(line) + ")";
@@ -329,7 +379,8 @@ bool Launcher::on_coordinator_handshake(const std::vector<std::string>& w,
       }
       // 4.: this node's proof; every line after it is MACed (5.).
       coordinator_.send("proof " + join_proof(token, coordinator_nonce_, my_nonce_,
-                                              options_.node_rank, options_.nproc_per_node));
+                                              options_.node_rank, options_.nproc_per_node,
+                                              coordination_flags(options_)));
       if (!token.empty()) {
         coordinator_.secure(session_key(token, coordinator_nonce_, my_nonce_), "n>c", "c>n");
       }

@@ -2,10 +2,12 @@
 // the rounds): the handshake in which both prove the cluster token, node 0
 // first, and the bounds on connections that have not proven it. The
 // steps, as launcher/run/join.cc runs them:
-//  1. node 0 greets: "tandem-run 2 NONCE0";
-//  2. the node asks: "join RANK NPROC NONCE1" (checked: a rank in range, not
-//     joined already, node 0's --nproc-per-node);
-//  3. node 0 proves: "admit HMAC(token, admit NONCE0 NONCE1 RANK NPROC)";
+//  1. node 0 greets: "tandem-run 3 NONCE0";
+//  2. the node asks: "join RANK NPROC NONCE1 FLAGS" (checked: a rank in
+//     range, not joined already, node 0's --nproc-per-node, and FLAGS,
+//     coordination_flags(), node 0's: a flag that differs is named with
+//     both values);
+//  3. node 0 proves: "admit HMAC(token, admit NONCE0 NONCE1 RANK NPROC FLAGS)";
 //  4. the node checks it (a launcher that cannot is not node 0's: the node
 //     says "distrust WHY" and ends) and proves: "proof HMAC(token, join ...)";
 //  5. node 0 checks it, and the node has joined. From then on every line
@@ -26,9 +28,13 @@
 #include <string>
 #include <vector>
 
+#include "launcher/run/options.h"
+
 namespace tandem::launcher {
 
-constexpr int kProtocol = 2;  // 2: both ends prove the token; lines carry MACs
+// 2: both ends prove the token; lines carry MACs. 3: the join carries the
+// coordination flags.
+constexpr int kProtocol = 3;
 constexpr size_t kMaxPending = 16;
 constexpr size_t kMaxPendingBytes = 8192;  // a join, a proof and a few pings
 constexpr auto kHandshakeLimit = std::chrono::seconds(10);
@@ -37,13 +43,24 @@ constexpr auto kAcceptBackoff = std::chrono::milliseconds(100);
 // $TANDEM_TOKEN, or "".
 std::string user_token();
 // The proofs of steps 3. and 4., in hex; "-" where the job has no token.
-// Each covers both nonces, the node's rank and its --nproc-per-node, and is
+// Each covers both nonces, the node's rank, its --nproc-per-node and its
+// coordination flags, and is
 // labelled by role, so neither can be replayed, reflected or moved to
 // another join.
 std::string admit_proof(const std::string& token, const std::string& nonce0,
-                        const std::string& nonce1, int node_rank, int nproc);
+                        const std::string& nonce1, int node_rank, int nproc,
+                        const std::string& flags);
 std::string join_proof(const std::string& token, const std::string& nonce0,
-                       const std::string& nonce1, int node_rank, int nproc);
+                       const std::string& nonce1, int node_rank, int nproc,
+                       const std::string& flags);
+// The flags every node's launcher must share, as the join carries them:
+// "nnodes=MIN:MAX,max-restarts=N,peer-timeout=S" (no spaces).
+std::string coordination_flags(const Options& options);
+// --nnodes as given: "K" or "MIN:MAX".
+std::string coordination_nnodes(const Options& options);
+// "" when `theirs` (a node's) equals `ours` (node 0's); else which flag
+// differs, with both values.
+std::string flags_disagreement(const std::string& ours, const std::string& theirs);
 // The key every line of the session is MACed under (5.).
 std::string session_key(const std::string& token, const std::string& nonce0,
                         const std::string& nonce1);

@@ -85,6 +85,9 @@ class Launcher {
   // Plain: this node alone restarts (or the job is one node). Coordinated:
   // launcher/run/nodes.cc.
   int run_plain();
+  // A plain node other than 0: whether node 0's launcher coordinates (it
+  // greets a connection to the master's port within 300 ms).
+  bool coordinating_node0();
   int run_coordinated();
   void start_workers();
   // After a failure with restarts left, once every worker of the round is

@@ -163,6 +163,22 @@ void Launcher::node_tick() {
         if (finished_) return;
       }
     }
+    if (coordinator_.is_open() && now - coordinator_.heard() > kSilenceLimit && !joined_ &&
+        coordinator_nonce_.empty()) {
+      // Something listens at the master's port but never greeted: node 0's
+      // tandem-run is not coordinating (its store, or its rank 0's, is there).
+      report("the launcher at " + options_.master_addr + ":" + std::to_string(options_.master_port) +
+             " sent no tandem-run greeting in " +
+             seconds_text(std::chrono::duration_cast<std::chrono::seconds>(kSilenceLimit)) +
+             ": node 0's tandem-run does not coordinate this job. It coordinates with "
+             "--max-restarts above 0 or --nnodes MIN:MAX on several nodes; this node has "
+             "--nnodes " + coordination_nnodes(options_) + " --max-restarts " +
+             std::to_string(options_.max_restarts) +
+             ": start every node's launcher with the same --nnodes and --max-restarts");
+      coordinator_.close();
+      finish(kExitFailure);
+      return;
+    }
     if (coordinator_.is_open() && now - coordinator_.heard() > kSilenceLimit) {
       report("node 0's launcher has been silent for " +
              seconds_text(std::chrono::duration_cast<std::chrono::seconds>(kSilenceLimit)));

@@ -8,6 +8,7 @@
 #include <algorithm>
 
 #include "launcher/run/io.h"
+#include "launcher/run/join.h"
 #include "launcher/run/launcher.h"
 
 namespace tandem::launcher {
@@ -31,6 +32,16 @@ int Launcher::run() {
 }
 
 int Launcher::run_plain() {
+  if (options_.nnodes > 1 && options_.node_rank != 0 && coordinating_node0()) {
+    report("node 0's launcher at " + options_.master_addr + ":" +
+           std::to_string(options_.master_port) +
+           " coordinates this job (it greeted as a coordinating tandem-run does) and this one "
+           "does not: a launcher coordinates with --max-restarts above 0 or --nnodes MIN:MAX on "
+           "several nodes, and this node has --nnodes " + coordination_nnodes(options_) +
+           " --max-restarts " + std::to_string(options_.max_restarts) +
+           ": start every node's launcher with node 0's --nnodes and --max-restarts");
+    return kExitFailure;
+  }
   start_workers();
   for (;;) {
     while (live_workers_ > 0 || has_open_pipes()) {
@@ -43,6 +54,25 @@ int Launcher::run_plain() {
   }
   if (!options_.trace_dir.empty()) join_traces();
   return exit_code_;
+}
+
+bool Launcher::coordinating_node0() {
+  // A coordinating node 0 greets every connection at once; the store a
+  // plain node 0 hosts (its launcher's, or its rank 0's) says nothing first.
+  // Nobody there yet: the workers wait for the store as they always do.
+  std::string error;
+  std::optional<Channel> probe = connect_channel(options_.master_addr, options_.master_port,
+                                                 std::chrono::milliseconds(1000), error);
+  if (!probe) return false;
+  const Clock::time_point until = Clock::now() + std::chrono::milliseconds(300);
+  while (Clock::now() < until && probe->is_open()) {
+    pollfd p{probe->fd(), POLLIN, 0};
+    if (::poll(&p, 1, 20) > 0) probe->read_some();
+    if (std::optional<std::string> line = probe->next_line()) {
+      return line->rfind("tandem-run ", 0) == 0;
+    }
+  }
+  return false;
 }
 
 void Launcher::poll_once(std::vector<std::pair<int, std::function<void()>>> extra) {

@@ -442,6 +442,8 @@ TANDEM_TOKEN=theirs timeout 60 $R $flags --join-timeout 30 --node-rank 1 /bin/tr
 echo "rc_other=$?"
 TANDEM_TOKEN= timeout 60 $R $flags --join-timeout 30 --node-rank 1 /bin/true
 echo "rc_none=$?"
+TANDEM_TOKEN=ours timeout 60 $R $flags --max-restarts 2 --join-timeout 30 --node-rank 1 /bin/true
+echo "rc_flags=$?"
 kill -TERM $n0
 wait $n0
 echo "rc0=$?"
@@ -450,7 +452,13 @@ cat $D/n0.log
     INFO(r.output);
     CHECK(value_of(r.output, "rc_other") == 1);
     CHECK(value_of(r.output, "rc_none") == 1);
+    CHECK(value_of(r.output, "rc_flags") == 1);
     CHECK(value_of(r.output, "rc0") == 128 + SIGTERM);
+    // A node whose coordination flags differ from node 0's is refused,
+    // naming the flag and both values, on both sides.
+    CHECK(r.output.find("node 0's launcher refused this node: --max-restarts 2 differs from node "
+                        "0's 1") != std::string::npos);
+    CHECK(r.output.find("refused the node at 127.0.0.1:") != std::string::npos);
     // Node 0 proves the token first; the node finds it cannot, says so and
     // ends, and node 0 hears why.
     CHECK(r.output.find(" did not prove the cluster token, so it is not node 0's of this job: its "
@@ -485,11 +493,14 @@ join() {  # join LINE: node 0's answers to it; the connection stays open (fd 3)
     echo "answer: $answer"
   fi
 }
-join "join 1 2 0123456789abcdef"
-join "join 5 1 0123456789abcdef"
+flags=nnodes=2,max-restarts=1,peer-timeout=unset
+join "join 1 2 0123456789abcdef $flags"
+join "join 5 1 0123456789abcdef $flags"
 join "hello there"
-join "join 1 1 not-a-nonce"
-join "join 1 1 0123456789abcdef"
+join "join 1 1 not-a-nonce $flags"
+join "join 1 1 0123456789abcdef nnodes=1:2,max-restarts=1,peer-timeout=unset"
+join "join 1 1 0123456789abcdef nnodes=2,max-restarts=1,peer-timeout=9"
+join "join 1 1 0123456789abcdef $flags"
 t0=$(date +%s%N)
 wait $n0  # it never hears from the node again
 echo "rc0=$?"
@@ -497,14 +508,18 @@ echo "took_ms=$((($(date +%s%N) - t0) / 1000000))"
 cat $D/n0.log
 )sh");
     INFO(r.output);
-    CHECK(r.output.find("hello: tandem-run 2 ") != std::string::npos);
+    CHECK(r.output.find("hello: tandem-run 3 ") != std::string::npos);
+    CHECK(r.output.find("answer: refused --nnodes 1:2 differs from node 0's 2") !=
+          std::string::npos);
+    CHECK(r.output.find("answer: refused --peer-timeout 9 differs from node 0's unset") !=
+          std::string::npos);
     CHECK(r.output.find("answer: refused --nproc-per-node 2 differs from node 0's 1") !=
           std::string::npos);
     CHECK(r.output.find("answer: refused --node-rank 5 is out of range for --nnodes 2") !=
           std::string::npos);
     CHECK(r.output.find("answer: refused not a tandem-run join ('hello there')") !=
           std::string::npos);
-    CHECK(r.output.find("answer: refused a join without a nonce ('join 1 1 not-a-nonce')") !=
+    CHECK(r.output.find("answer: refused a join without a nonce ('join 1 1 not-a-nonce ") !=
           std::string::npos);
     // Node 0 proves itself first: "-" without a token.
     CHECK(r.output.find("answer: admit -") != std::string::npos);
@@ -518,6 +533,43 @@ cat $D/n0.log
     CHECK(value_of(r.output, "rc0") == 1);
     CHECK(value_of(r.output, "took_ms") < 30000);
   }
+}
+
+TEST_CASE("process: launchers that disagree on coordinating the job say which flags differ") {
+  test::RunResult r = run_script(std::string(kAwait) + R"sh(
+# Node 0 coordinates (--max-restarts 1); node 1 does not.
+timeout 60 $R --nnodes 2 --node-rank 0 --master-port $P --max-restarts 1 --join-timeout 4 \
+  --nproc-per-node 1 /bin/sleep 1 > $D/c0.log 2>&1 &
+c0=$!
+for i in $(seq 200); do (exec 3<>/dev/tcp/127.0.0.1/$P) 2>/dev/null && break; sleep 0.05; done
+timeout 60 $R --nnodes 2 --node-rank 1 --master-port $P --nproc-per-node 1 /bin/echo started \
+  > $D/p1.log 2>&1
+echo "rc_plain=$?"
+wait $c0
+# Node 0 does not coordinate; node 1 does (another free port).
+Q=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+timeout 60 $R --nnodes 2 --node-rank 0 --master-port $Q --nproc-per-node 1 /bin/sleep 8 \
+  > $D/p0.log 2>&1 &
+p0=$!
+for i in $(seq 200); do (exec 3<>/dev/tcp/127.0.0.1/$Q) 2>/dev/null && break; sleep 0.05; done
+timeout 60 $R --nnodes 2 --node-rank 1 --master-port $Q --max-restarts 1 --nproc-per-node 1 \
+  /bin/echo started > $D/c1.log 2>&1
+echo "rc_coordinated=$?"
+kill -TERM $p0
+wait $p0
+cat $D/p1.log $D/c1.log
+)sh");
+  INFO(r.output);
+  CHECK(value_of(r.output, "rc_plain") == 1);
+  CHECK(value_of(r.output, "rc_coordinated") == 1);
+  CHECK(r.output.find("started") == std::string::npos);  // neither started a worker
+  CHECK(r.output.find("coordinates this job (it greeted as a coordinating tandem-run does) and "
+                      "this one does not") != std::string::npos);
+  CHECK(r.output.find("this node has --nnodes 2 --max-restarts 0: start every node's launcher "
+                      "with node 0's --nnodes and --max-restarts") != std::string::npos);
+  CHECK(r.output.find("sent no tandem-run greeting in 5 s: node 0's tandem-run does not "
+                      "coordinate this job") != std::string::npos);
+  CHECK(r.output.find("this node has --nnodes 2 --max-restarts 1") != std::string::npos);
 }
 
 TEST_CASE("process: a node that loses node 0's launcher stops; a signal to any node ends the job") {
