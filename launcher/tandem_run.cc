@@ -36,7 +36,10 @@
 //     0's launcher coordinates (launcher/run/nodes.cc): every node's workers start and stop
 //     together, a node's launcher that is gone (closed, or 5 s silent) fails the round, and an
 //     elastic round goes on with the nodes that are there (MIN or more) after --last-call.
-//     Workers die with their launcher.
+//     Workers die with their launcher. --node-rank may then be left out: the launcher that
+//     can listen at the master's address is node 0 and numbers the others as they join. The
+//     launchers' --nnodes, --max-restarts and --peer-timeout must agree; a node whose differ,
+//     or that disagrees with node 0 on coordinating at all, is refused naming them.
 //
 // It uses only the C++ standard library and POSIX (no LibTorch), so it starts instantly, and it
 // is single-threaded: one poll() loop serves the worker pipes and a self-pipe fed by the signal

@@ -225,6 +225,18 @@ void Launcher::tick_pending(Clock::time_point now) {
   }
 }
 
+int Launcher::free_node_rank(size_t asking) const {
+  for (int rank = 1; rank < options_.nnodes; ++rank) {
+    bool taken = false;
+    for (const Node& node : nodes_) taken = taken || node.node_rank == rank;
+    for (size_t i = 0; i < pending_.size(); ++i) {
+      taken = taken || (i != asking && pending_[i].asked && pending_[i].node_rank == rank);
+    }
+    if (!taken) return rank;
+  }
+  return -1;
+}
+
 bool Launcher::on_pending_line(size_t index, const std::string& line) {
   Pending& p = pending_[index];
   const std::vector<std::string> w = words_of(line);
@@ -242,11 +254,17 @@ bool Launcher::on_pending_line(size_t index, const std::string& line) {
     return nullptr;
   };
   if (!p.asked) {
-    // 2.: "join RANK NPROC NONCE1 FLAGS"
-    if (w.size() != 5 || w[0] != "join" || !integer(w[1]) || !integer(w[2])) {
+    // 2.: "join RANK NPROC NONCE1 FLAGS" (RANK "any": node 0 numbers it)
+    if (w.size() != 5 || w[0] != "join" || !(integer(w[1]) || w[1] == "any") || !integer(w[2])) {
       return refuse("not a tandem-run join (" + quoted(line) + ")");
     }
-    const int node_rank = *integer(w[1]);
+    const bool numbered_here = w[1] == "any";
+    int node_rank = numbered_here ? free_node_rank(index) : *integer(w[1]);
+    if (node_rank < 0) {
+      return refuse("all " + std::to_string(options_.nnodes - 1) +
+                    " node ranks after node 0 are taken (--nnodes " +
+                    coordination_nnodes(options_) + ")");
+    }
     const int nproc = *integer(w[2]);
     if (!is_nonce(w[3])) return refuse("a join without a nonce (" + quoted(line) + ")");
     if (nproc != options_.nproc_per_node) {
@@ -269,10 +287,11 @@ bool Launcher::on_pending_line(size_t index, const std::string& line) {
     p.asked = true;
     p.node_rank = node_rank;
     p.node_nonce = w[3];
-    // 3.: node 0 proves first.
-    return p.channel.send("admit " + admit_proof(user_token(), p.nonce, p.node_nonce,
-                                                 node_rank, options_.nproc_per_node,
-                                                 coordination_flags(options_)));
+    // 3.: node 0 proves first (and says the rank it gave a node that asked for any).
+    return p.channel.send("admit " +
+                          admit_proof(user_token(), p.nonce, p.node_nonce, node_rank,
+                                      options_.nproc_per_node, coordination_flags(options_)) +
+                          (numbered_here ? " " + std::to_string(node_rank) : ""));
   }
   // 4.: "proof HMAC" (or the node's distrust of ours)
   if (!w.empty() && w[0] == "distrust") {
@@ -340,7 +359,10 @@ bool Launcher::on_coordinator_handshake(const std::vector<std::string>& w,
     }
     coordinator_nonce_ = hello[2];
     my_nonce_ = rpc::random_hex(16);
-    coordinator_.send("join " + std::to_string(options_.node_rank) + " " +
+    coordinator_.send("join " +
+                      (options_.node_rank < 0 ? std::string("any")
+                                              : std::to_string(options_.node_rank)) +
+                      " " +
                       std::to_string(options_.nproc_per_node) + " " + my_nonce_ + " " +
                       coordination_flags(options_));
     joined_ = true;
@@ -364,11 +386,17 @@ bool Launcher::on_coordinator_handshake(const std::vector<std::string>& w,
       // 3.: node 0's proof, checked before this node proves anything.
       const std::vector<std::string> a = words_of(line);
       const std::string token = user_token();
-      if (a.size() != 2 ||
+      // (a node that asked for any rank is told its own: "admit PROOF RANK")
+      const bool numbered = options_.node_rank < 0;
+      const std::optional<int> given =
+          numbered && a.size() == 3 ? integer(a[2]) : std::optional<int>(options_.node_rank);
+      const bool shaped = a.size() == (numbered ? 3u : 2u) && given && *given >= 1 &&
+                          *given < options_.nnodes;
+      if (!shaped ||
           !rpc::constant_time_equal(a[1], admit_proof(token, coordinator_nonce_, my_nonce_,
-                                                      options_.node_rank, options_.nproc_per_node,
+                                                      *given, options_.nproc_per_node,
                                                       coordination_flags(options_)))) {
-        const std::string why = a.size() == 2
+        const std::string why = shaped
                                     ? token_mismatch(token, a[1], "this node's")
                                     : "a bad proof (" + quoted(line) + ")";
         coordinator_.send("distrust " + why);
@@ -377,6 +405,7 @@ bool Launcher::on_coordinator_handshake(const std::vector<std::string>& w,
         finish(kExitFailure);
         return true;
       }
+      options_.node_rank = *given;  // (its own from now on, a reconnection included)
       // 4.: this node's proof; every line after it is MACed (5.).
       coordinator_.send("proof " + join_proof(token, coordinator_nonce_, my_nonce_,
                                               options_.node_rank, options_.nproc_per_node,

@@ -6,7 +6,8 @@
 //  2. the node asks: "join RANK NPROC NONCE1 FLAGS" (checked: a rank in
 //     range, not joined already, node 0's --nproc-per-node, and FLAGS,
 //     coordination_flags(), node 0's: a flag that differs is named with
-//     both values);
+//     both values); RANK "any" (no --node-rank) asks node 0 for the lowest
+//     free one, which it names after its proof: "admit HMAC RANK";
 //  3. node 0 proves: "admit HMAC(token, admit NONCE0 NONCE1 RANK NPROC FLAGS)";
 //  4. the node checks it (a launcher that cannot is not node 0's: the node
 //     says "distrust WHY" and ends) and proves: "proof HMAC(token, join ...)";

@@ -48,8 +48,18 @@ constexpr auto kStopLimit = std::chrono::seconds(15);
 
 int Launcher::run_coordinated() {
   const Clock::time_point now = Clock::now();
+  if (options_.node_rank < 0) {
+    // No --node-rank: node 0 is the launcher that can listen at the
+    // master's address; the others join and are numbered by it.
+    try {
+      listen_fd_ = listen_on(options_.master_addr, options_.master_port);
+      options_.node_rank = 0;
+    } catch (const std::exception&) {
+      // (in use: node 0 is up, or comes; not this host's address: elsewhere)
+    }
+  }
   if (options_.node_rank == 0) {
-    listen_fd_ = listen_on(options_.master_addr, options_.master_port);
+    if (listen_fd_ < 0) listen_fd_ = listen_on(options_.master_addr, options_.master_port);
     report("node 0 coordinates the job on " + options_.master_addr + ":" +
            std::to_string(options_.master_port) + "; waiting for " +
            (options_.min_nodes == options_.nnodes

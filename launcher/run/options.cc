@@ -96,6 +96,13 @@ void validate(const Options& options) {
     throw UsageError("--master-port (non-zero) is required when --nnodes is greater than 1");
   }
   if (options.program.empty()) throw UsageError("missing PROGRAM to run");
+  if (options.nnodes > 1 && options.node_rank < 0 && !coordinated(options)) {
+    throw UsageError(
+        "--node-rank is needed on every node of a job node 0's launcher does not coordinate "
+        "(--nnodes " + std::to_string(options.nnodes) +
+        " without --max-restarts): give each node its --node-rank, or pass --max-restarts N "
+        "(or --nnodes MIN:MAX) on every node and node 0's launcher numbers them");
+  }
 }
 
 }  // namespace
@@ -132,6 +139,7 @@ Options parse_args(int argc, char** argv) {
   }
   options.program.assign(argv + i, argv + argc);
   validate(options);
+  if (options.nnodes == 1 && options.node_rank < 0) options.node_rank = 0;
   return options;
 }
 

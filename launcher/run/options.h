@@ -23,7 +23,10 @@ constexpr char kHelp[] =
     "  --nnodes K           nodes in the job (default 1); MIN:MAX makes it elastic: a round\n"
     "                       starts with MAX nodes, or with MIN or more once --last-call has\n"
     "                       passed, so a restart goes on without a node that is gone\n"
-    "  --node-rank R        this node's index, 0 <= R < K (default 0)\n"
+    "  --node-rank R        this node's index, 0 <= R < K; with --max-restarts or --nnodes\n"
+    "                       MIN:MAX it may be left out: the launcher that can listen at\n"
+    "                       --master-addr:--master-port is node 0, which numbers the others\n"
+    "                       as they join\n"
     "  --master-addr A      address of the rank-0 node (default 127.0.0.1)\n"
     "  --master-port P      port on the rank-0 node; 0 picks a free one when K is 1\n"
     "                       (default 0; required when K > 1)\n"
@@ -64,7 +67,10 @@ struct Options {
   int nproc_per_node = 0;  // 0: not given
   int nnodes = 1;          // the most nodes (K, or MAX of MIN:MAX)
   int min_nodes = 1;       // MIN of MIN:MAX; nnodes when not elastic
-  int node_rank = 0;
+  // -1: not given. One node: 0. A coordinated job's node (coordinated()):
+  // the launcher that can listen at the master's address is node 0, and
+  // node 0's launcher gives every other its rank as it joins.
+  int node_rank = -1;
   std::string master_addr = "127.0.0.1";
   int master_port = 0;       // 0: pick a free one (single node only)
   std::string trace_dir;     // --trace

@@ -535,6 +535,48 @@ cat $D/n0.log
   }
 }
 
+TEST_CASE("process: without --node-rank, node 0 is the launcher that listens and numbers the rest") {
+  test::RunResult r = run_script(std::string(kAwait) + R"sh(
+export TANDEM_TOKEN=numbered-nodes
+flags="--nnodes 3 --master-port $P --max-restarts 1 --join-timeout 30 --nproc-per-node 2"
+show='sleep 2; echo "rank=$RANK group=$GROUP_RANK world=$WORLD_SIZE"'
+for i in 0 1 2; do
+  timeout 60 $R $flags bash -c "$show" > $D/n$i.log 2>&1 &
+  eval "p$i=\$!"
+  sleep 0.3
+done
+await $D/n0.log "round 0: 3 of 3" 1
+# A fourth: every rank is taken.
+timeout 60 $R $flags /bin/echo started > $D/n3.log 2>&1
+echo "rc3=$?"
+wait $p0; echo "rc0=$?"
+wait $p1; echo "rc1=$?"
+wait $p2; echo "rc2=$?"
+# Without coordination every node needs its rank.
+timeout 60 $R --nnodes 2 --master-port $P --nproc-per-node 1 /bin/true > $D/u.log 2>&1
+echo "rc_usage=$?"
+cat $D/n0.log $D/n1.log $D/n2.log $D/n3.log $D/u.log
+)sh");
+  INFO(r.output);
+  CHECK(value_of(r.output, "rc0") == 0);
+  CHECK(value_of(r.output, "rc1") == 0);
+  CHECK(value_of(r.output, "rc2") == 0);
+  CHECK(r.output.find("round 0: 3 of 3 node(s) (0, 1, 2), WORLD_SIZE 6") != std::string::npos);
+  CHECK(r.output.find("as node 1") != std::string::npos);
+  CHECK(r.output.find("as node 2") != std::string::npos);
+  for (int rank = 0; rank < 6; ++rank) {
+    CAPTURE(rank);
+    CHECK(r.output.find("rank=" + std::to_string(rank) + " group=" + std::to_string(rank / 2) +
+                        " world=6") != std::string::npos);
+  }
+  CHECK(value_of(r.output, "rc3") == 1);
+  CHECK(r.output.find("all 2 node ranks after node 0 are taken (--nnodes 3)") != std::string::npos);
+  CHECK(r.output.find("started") == std::string::npos);
+  CHECK(value_of(r.output, "rc_usage") == 2);
+  CHECK(r.output.find("--node-rank is needed on every node of a job node 0's launcher does not "
+                      "coordinate") != std::string::npos);
+}
+
 TEST_CASE("process: launchers that disagree on coordinating the job say which flags differ") {
   test::RunResult r = run_script(std::string(kAwait) + R"sh(
 # Node 0 coordinates (--max-restarts 1); node 1 does not.
