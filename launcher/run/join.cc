@@ -225,13 +225,13 @@ void Launcher::tick_pending(Clock::time_point now) {
   }
 }
 
-int Launcher::free_node_rank(size_t asking) const {
+int Launcher::free_node_rank() const {
+  // (only nodes that proved the token hold a rank: a connection that has
+  // not cannot keep one from a real node; two that were given the same
+  // rank race, and the one refused at its proof asks again)
   for (int rank = 1; rank < options_.nnodes; ++rank) {
     bool taken = false;
     for (const Node& node : nodes_) taken = taken || node.node_rank == rank;
-    for (size_t i = 0; i < pending_.size(); ++i) {
-      taken = taken || (i != asking && pending_[i].asked && pending_[i].node_rank == rank);
-    }
     if (!taken) return rank;
   }
   return -1;
@@ -259,12 +259,6 @@ bool Launcher::on_pending_line(size_t index, const std::string& line) {
       return refuse("not a tandem-run join (" + quoted(line) + ")");
     }
     const bool numbered_here = w[1] == "any";
-    int node_rank = numbered_here ? free_node_rank(index) : *integer(w[1]);
-    if (node_rank < 0) {
-      return refuse("all " + std::to_string(options_.nnodes - 1) +
-                    " node ranks after node 0 are taken (--nnodes " +
-                    coordination_nnodes(options_) + ")");
-    }
     const int nproc = *integer(w[2]);
     if (!is_nonce(w[3])) return refuse("a join without a nonce (" + quoted(line) + ")");
     if (nproc != options_.nproc_per_node) {
@@ -274,6 +268,12 @@ bool Launcher::on_pending_line(size_t index, const std::string& line) {
     if (const std::string why = flags_disagreement(coordination_flags(options_), w[4]);
         !why.empty()) {
       return refuse(why);
+    }
+    const int node_rank = numbered_here ? free_node_rank() : *integer(w[1]);
+    if (numbered_here && node_rank < 0) {
+      return refuse("all " + std::to_string(options_.nnodes - 1) +
+                    " node ranks after node 0 are taken (--nnodes " +
+                    coordination_nnodes(options_) + ")");
     }
     if (node_rank < 1 || node_rank >= options_.nnodes) {
       return refuse("--node-rank " + std::to_string(node_rank) + " is out of range for --nnodes " +
@@ -359,6 +359,7 @@ bool Launcher::on_coordinator_handshake(const std::vector<std::string>& w,
     }
     coordinator_nonce_ = hello[2];
     my_nonce_ = rpc::random_hex(16);
+    if (!options_.given_node_rank) options_.node_rank = -1;  // (any, on every try)
     coordinator_.send("join " +
                       (options_.node_rank < 0 ? std::string("any")
                                               : std::to_string(options_.node_rank)) +
@@ -370,9 +371,13 @@ bool Launcher::on_coordinator_handshake(const std::vector<std::string>& w,
   }
   if (w[0] == "refused") {
     const std::string why = w.size() > 1 ? rpc::printable(w[1], 300) : std::string("?");
-    if (why.find("has joined already") != std::string::npos && Clock::now() < connect_deadline_) {
-      // Its own earlier connection, not yet noticed gone: try again.
+    if ((why.find("has joined already") != std::string::npos ||
+         why.find("node ranks after node 0 are taken") != std::string::npos) &&
+        Clock::now() < connect_deadline_) {
+      // Its own earlier connection, not yet noticed gone, or another node
+      // given the same rank that proved first: try again.
       coordinator_.close();
+      coordinator_nonce_.clear();
       joined_ = admitted_ = false;
       next_connect_ = Clock::now() + std::chrono::seconds(1);
       return true;

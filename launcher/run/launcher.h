@@ -121,9 +121,8 @@ class Launcher {
   bool on_coordinator_handshake(const std::vector<std::string>& words, const std::string& line);
   // False once the connection is done with (admitted or refused).
   bool on_pending_line(size_t index, const std::string& line);
-  // The lowest node rank after 0 that no node holds and no other pending
-  // connection (but `asking`) was given; -1 when all are.
-  int free_node_rank(size_t asking) const;
+  // The lowest node rank after 0 that no joined node holds; -1 when all do.
+  int free_node_rank() const;
   // Logs (rate-limited) the lines `channel` refused for their MAC.
   void report_refused_lines(Channel& channel, const std::string& who);
   void on_node_line(Node& node, const std::string& line);

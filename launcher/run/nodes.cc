@@ -54,8 +54,15 @@ int Launcher::run_coordinated() {
     try {
       listen_fd_ = listen_on(options_.master_addr, options_.master_port);
       options_.node_rank = 0;
-    } catch (const std::exception&) {
-      // (in use: node 0 is up, or comes; not this host's address: elsewhere)
+    } catch (const std::exception& e) {
+      // In use: node 0 is up; not this host's address: node 0 is elsewhere.
+      // Anything else is this host's trouble, said as it is.
+      const std::string why = e.what();
+      if (why.find("in use") == std::string::npos &&
+          why.find("assign requested address") == std::string::npos) {
+        report(why);
+        return kExitFailure;
+      }
     }
   }
   if (options_.node_rank == 0) {

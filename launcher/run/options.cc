@@ -59,6 +59,7 @@ void apply_option(Options& options, const std::string& name, const std::string& 
     }
   } else if (name == "node-rank") {
     options.node_rank = parse_int(flag, value, 0, INT_MAX - 1);
+    options.given_node_rank = true;
   } else if (name == "master-addr") {
     if (value.empty()) throw UsageError("--master-addr must not be empty");
     options.master_addr = value;
@@ -96,6 +97,13 @@ void validate(const Options& options) {
     throw UsageError("--master-port (non-zero) is required when --nnodes is greater than 1");
   }
   if (options.program.empty()) throw UsageError("missing PROGRAM to run");
+  if (options.nnodes > 1 && options.node_rank < 0 &&
+      (options.master_addr == "0.0.0.0" || options.master_addr == "::" ||
+       options.master_addr == "[::]")) {
+    throw UsageError("--node-rank left out with --master-addr " + options.master_addr +
+                     ": every host could listen there, and each would be node 0; give node 0's "
+                     "own address");
+  }
   if (options.nnodes > 1 && options.node_rank < 0 && !coordinated(options)) {
     throw UsageError(
         "--node-rank is needed on every node of a job node 0's launcher does not coordinate "

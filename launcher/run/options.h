@@ -71,6 +71,7 @@ struct Options {
   // the launcher that can listen at the master's address is node 0, and
   // node 0's launcher gives every other its rank as it joins.
   int node_rank = -1;
+  bool given_node_rank = false;  // --node-rank was given
   std::string master_addr = "127.0.0.1";
   int master_port = 0;       // 0: pick a free one (single node only)
   std::string trace_dir;     // --trace

@@ -59,11 +59,18 @@ int Launcher::run_plain() {
 bool Launcher::coordinating_node0() {
   // A coordinating node 0 greets every connection at once; the store a
   // plain node 0 hosts (its launcher's, or its rank 0's) says nothing first.
-  // Nobody there yet: the workers wait for the store as they always do.
-  std::string error;
-  std::optional<Channel> probe = connect_channel(options_.master_addr, options_.master_port,
-                                                 std::chrono::milliseconds(1000), error);
-  if (!probe) return false;
+  // Until something listens there (within --join-timeout, as the workers
+  // would wait for the store), knock; a signal meanwhile ends the wait.
+  const Clock::time_point deadline = Clock::now() + std::chrono::seconds(options_.join_timeout_s);
+  std::optional<Channel> probe;
+  while (!probe) {
+    std::string error;
+    probe = connect_channel(options_.master_addr, options_.master_port,
+                            std::chrono::milliseconds(1000), error);
+    if (probe) break;
+    pollfd s{signal_fd_, POLLIN, 0};
+    if (Clock::now() >= deadline || ::poll(&s, 1, 250) > 0) return false;
+  }
   const Clock::time_point until = Clock::now() + std::chrono::milliseconds(300);
   while (Clock::now() < until && probe->is_open()) {
     pollfd p{probe->fd(), POLLIN, 0};

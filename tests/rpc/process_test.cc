@@ -539,22 +539,26 @@ TEST_CASE("process: without --node-rank, node 0 is the launcher that listens and
   test::RunResult r = run_script(std::string(kAwait) + R"sh(
 export TANDEM_TOKEN=numbered-nodes
 flags="--nnodes 3 --master-port $P --max-restarts 1 --join-timeout 30 --nproc-per-node 2"
-show='sleep 2; echo "rank=$RANK group=$GROUP_RANK world=$WORLD_SIZE"'
+show='sleep 5; echo "rank=$RANK group=$GROUP_RANK world=$WORLD_SIZE"'
 for i in 0 1 2; do
   timeout 60 $R $flags bash -c "$show" > $D/n$i.log 2>&1 &
   eval "p$i=\$!"
   sleep 0.3
 done
 await $D/n0.log "round 0: 3 of 3" 1
-# A fourth: every rank is taken.
-timeout 60 $R $flags /bin/echo started > $D/n3.log 2>&1
+# A fourth: every rank is taken (it asks again until its --join-timeout).
+timeout 60 $R $flags --join-timeout 2 /bin/echo started > $D/n3.log 2>&1
 echo "rc3=$?"
 wait $p0; echo "rc0=$?"
 wait $p1; echo "rc1=$?"
 wait $p2; echo "rc2=$?"
-# Without coordination every node needs its rank.
+# Without coordination every node needs its rank; with it, a wildcard
+# master address cannot say which host is node 0.
 timeout 60 $R --nnodes 2 --master-port $P --nproc-per-node 1 /bin/true > $D/u.log 2>&1
 echo "rc_usage=$?"
+timeout 60 $R --nnodes 2 --master-addr 0.0.0.0 --master-port $P --max-restarts 1 \
+  --nproc-per-node 1 /bin/true >> $D/u.log 2>&1
+echo "rc_wildcard=$?"
 cat $D/n0.log $D/n1.log $D/n2.log $D/n3.log $D/u.log
 )sh");
   INFO(r.output);
@@ -573,6 +577,8 @@ cat $D/n0.log $D/n1.log $D/n2.log $D/n3.log $D/u.log
   CHECK(r.output.find("all 2 node ranks after node 0 are taken (--nnodes 3)") != std::string::npos);
   CHECK(r.output.find("started") == std::string::npos);
   CHECK(value_of(r.output, "rc_usage") == 2);
+  CHECK(value_of(r.output, "rc_wildcard") == 2);
+  CHECK(r.output.find("--node-rank left out with --master-addr 0.0.0.0") != std::string::npos);
   CHECK(r.output.find("--node-rank is needed on every node of a job node 0's launcher does not "
                       "coordinate") != std::string::npos);
 }
