@@ -280,6 +280,9 @@ void mark_replicated(torch::nn::Module& root, const Group& group) {
   for (const auto& p : root.parameters()) {
     if (!checkpoint::placement_of(p)) checkpoint::set_replica(p, group->rank());
   }
+  for (const auto& b : root.buffers()) {
+    if (!checkpoint::placement_of(b)) checkpoint::set_replica(b, group->rank());
+  }
 }
 
 // ---- partial gradients ----

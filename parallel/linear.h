@@ -154,11 +154,11 @@ class RowParallelLinearImpl : public torch::nn::Module, public TensorParallelMod
 };
 TORCH_MODULE(RowParallelLinear);
 
-// 4.: marks every parameter of `root` that is not a piece of a split one
-// as this rank's copy of a parameter replicated over `group`
-// (checkpoint::set_replica), so that a checkpoint holds it once, written
-// by rank 0's copy (ParallelBlock marks its LayerNorms; a model marks
-// whatever else it keeps whole on every tp rank).
+// 4.: marks every parameter of `root` that is not a piece of a split one,
+// and every buffer, as this rank's copy of a tensor replicated over
+// `group` (checkpoint::set_replica), so that a checkpoint holds it once,
+// written by rank 0's copy (ParallelBlock marks its LayerNorms; a model
+// marks whatever else it keeps whole on every tp rank).
 void mark_replicated(torch::nn::Module& root, const Group& group);
 
 // 5.: sums over `group` the gradients of every partial_grad_parameters() in

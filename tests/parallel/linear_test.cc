@@ -7,11 +7,14 @@
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/sum.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 
 #include <vector>
 
 #include "ddp/ddp_support.h"
+#include "tandem/checkpoint/placement.h"
 #include "tandem/parallel/linear.h"
 
 using namespace tandem;
@@ -178,4 +181,17 @@ TEST_CASE("parallel linear: sizes that do not split, and no group, are refused")
   CHECK(col->split_dim("bias") == 0);
   CHECK(row->split_dim("weight") == 1);
   CHECK(row->split_dim("bias") == -1);
+  // mark_replicated: whatever is whole on every rank, buffers too, is this
+  // rank's copy (a checkpoint writes copy 0's); the split pieces are not.
+  torch::nn::Sequential model(par::ColumnParallelLinear(4, 6, g.groups[1]),
+                              torch::nn::BatchNorm1d(6));
+  par::mark_replicated(*model, g.groups[1]);
+  for (const auto& p : model->named_parameters()) {
+    CAPTURE(p.key());
+    CHECK(checkpoint::replica_of(p.value()) == (p.key().rfind("0.", 0) == 0 ? 0 : 1));
+  }
+  for (const auto& b : model->named_buffers()) {
+    CAPTURE(b.key());
+    CHECK(checkpoint::replica_of(b.value()) == 1);
+  }
 }

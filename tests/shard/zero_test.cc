@@ -418,6 +418,35 @@ TEST_CASE("zero: bad arguments, and ranks whose parameters differ, fail on every
   });
 }
 
+TEST_CASE("zero: clipping a model also split over a tensor-parallel group (ClipOptions)") {
+  // Two ranks share the optimizer over `dp` and stand, for clipping, as two
+  // tensor-parallel ranks too (`tp`): each counted gradient's squares are
+  // summed over both groups (so twice), the one `counted` turns down is left
+  // out of the norm, and every gradient is scaled.
+  Groups dp(2), tp(2);
+  on_ranks(2, [&](int r) {
+    std::vector<at::Tensor> params;
+    for (int64_t n : {5, 3, 4}) params.push_back(at::zeros({n}).requires_grad_());
+    for (size_t i = 0; i < params.size(); ++i) {
+      params[i].mutable_grad() = at::full({params[i].numel()}, static_cast<double>(i + 1));
+    }
+    optim::ZeroOptions z;
+    z.group = dp.groups[r];
+    optim::ZeroRedundancyOptimizer zero(params, optim::Kind::kSGD, {}, z);
+    const at::Tensor skip = params[1];
+    ddp::ClipOptions o;
+    o.group = tp.groups[r];
+    o.counted = [skip](const at::Tensor& p) { return !p.is_same(skip); };
+    const double norm = zero.clip_grad_norm(0.5, o);
+    const double want = std::sqrt(2.0 * (5 * 1 + 4 * 9));  // (parameter 1's 3 x 4 left out)
+    CHECK(norm == doctest::Approx(want).epsilon(1e-9));
+    for (size_t i = 0; i < params.size(); ++i) {
+      CHECK(at::allclose(params[i].grad(),
+                         at::full({params[i].numel()}, (i + 1) * 0.5 / (want + 1e-6))));
+    }
+  });
+}
+
 TEST_CASE("zero: stage 2 adds a gradient left from the last step, as DDP does") {
   // No zero_grad between steps: each step's gradient is the sum so far.
   const int n = 2;
