@@ -51,6 +51,25 @@ std::string state_name(const std::string& prefix, const std::string& param) {
   return prefix + "/" + param;
 }
 
+// Writes the optimizer state of parameter `t` under `name` as piece_cuts
+// cuts it (a piece of a larger parameter's as slices of the whole one's),
+// with its shape record: each state copied now, made into bytes where the
+// part is written. Without an optimizer (a ZeRO rank whose share holds no
+// state keeper), empty entries.
+void add_state(Part& p, torch::optim::Optimizer* o, const std::string& name, const at::Tensor& t) {
+  std::string shape;
+  for (const PieceCut& c : piece_cuts(name, t, &shape)) {
+    if (!o) {
+      p.add_bytes(c.entry, "");
+    } else {
+      p.add_bytes_later(c.entry, c.numel < 0 ? optim::param_state_snapshot(*o, t)
+                                             : optim::param_state_slice_snapshot(*o, t, c.start,
+                                                                                 c.numel));
+    }
+  }
+  if (!shape.empty()) p.add_bytes(shape_name(name), shape);
+}
+
 // A tensor the step must hold (whole or in slices) in `shape` (one of no
 // elements needs nothing); every part it is read from checked.
 void check_tensor(const Slices& r, const std::string& name, at::IntArrayRef shape,
@@ -235,17 +254,7 @@ JobState& JobState::optimizer(const std::string& prefix, torch::optim::Optimizer
   Item item;
   item.write = [prefix, o, ps, write](Part& p) {
     if (!write) return;
-    // (each state copied now, made into bytes where the part is written; a
-    // piece of a larger parameter's as slices of the whole one's)
-    std::string shape;
-    for (const auto& [name, t] : *ps) {
-      for (const PieceCut& c : piece_cuts(state_name(prefix, name), t, &shape)) {
-        p.add_bytes_later(c.entry, c.numel < 0 ? optim::param_state_snapshot(*o, t)
-                                               : optim::param_state_slice_snapshot(
-                                                     *o, t, c.start, c.numel));
-      }
-      if (!shape.empty()) p.add_bytes(shape_name(state_name(prefix, name)), shape);
-    }
+    for (const auto& [name, t] : *ps) add_state(p, o, state_name(prefix, name), t);
   };
   auto decoded = std::make_shared<std::vector<std::optional<std::string>>>();
   item.verify = [prefix, o, ps, decoded](const Slices& r) {
@@ -278,21 +287,8 @@ JobState& JobState::optimizer(const std::string& prefix, optim::ZeroRedundancyOp
   Item item;
   item.write = [prefix, zp, ns, rank](Part& p) {
     torch::optim::Optimizer* local = zp->local_optimizer();
-    std::string shape;
     for (size_t i : zp->share(zp->rank())) {
-      // (a tensor-parallel piece as slices of the whole parameter's state)
-      const at::Tensor& t = zp->params()[i];
-      const std::string name = state_name(prefix, (*ns)[i]);
-      for (const PieceCut& c : piece_cuts(name, t, &shape)) {
-        if (!local) {
-          p.add_bytes(c.entry, "");
-        } else {
-          p.add_bytes_later(c.entry, c.numel < 0 ? optim::param_state_snapshot(*local, t)
-                                                 : optim::param_state_slice_snapshot(
-                                                       *local, t, c.start, c.numel));
-        }
-      }
-      if (!shape.empty()) p.add_bytes(shape_name(name), shape);
+      add_state(p, local, state_name(prefix, (*ns)[i]), zp->params()[i]);
     }
     if (rank == 0) {
       std::ostringstream lr;

@@ -28,17 +28,15 @@ Prints per (tp, sp, recompute):
 """
 import argparse
 import ctypes
-import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from anchorlib import launch, one_thread, report
+from anchorlib import launch_for_figures, one_thread, report
 
 WIDTH, HEADS, SEQ, BATCH = 1024, 16, 64, 4
 
@@ -178,12 +176,8 @@ if __name__ == "__main__":
             if sp and tp == 1:
                 continue
             for again in (False, True):
-                fd, out = tempfile.mkstemp(prefix="tp_anchor.")
-                os.close(fd)
-                launch(worker, tp, sp, again, a.steps, a.warmup, out)
-                with open(out) as f:
-                    params, held, step_ms = f.read().split()
-                os.remove(out)
+                params, held, step_ms = launch_for_figures(worker, tp, sp, again, a.steps,
+                                                           a.warmup)
                 if tp == 1:
                     tp1[again] = float(step_ms)
                 extra = {"ms_per_tp1": round(float(step_ms) / tp1[again], 3)} if again in tp1 else {}

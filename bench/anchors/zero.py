@@ -16,10 +16,8 @@ Prints per mode and world size:
    "largest_unit_bytes":0,"rss_mb":..,"ms":..,"ms_per_ddp":..}
 """
 import argparse
-import os
 import resource
 import statistics
-import tempfile
 import time
 
 import torch
@@ -29,7 +27,7 @@ import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from anchorlib import launch, one_thread, report
+from anchorlib import launch_for_figures, one_thread, report
 
 
 def model():
@@ -90,12 +88,8 @@ if __name__ == "__main__":
     for world in (int(w) for w in a.worlds.split(",")):
         ddp_ms = 0
         for mode in a.modes.split(","):
-            fd, out = tempfile.mkstemp(prefix="zero_anchor.")
-            os.close(fd)
-            launch(worker, world, mode, a.steps, a.warmup, out)
-            with open(out) as f:
-                params, held, rss, step_ms = f.read().split()
-            os.remove(out)
+            params, held, rss, step_ms = launch_for_figures(worker, world, mode, a.steps,
+                                                            a.warmup)
             if mode == "ddp":
                 ddp_ms = float(step_ms)
             extra = {"ms_per_ddp": round(float(step_ms) / ddp_ms, 3)} if ddp_ms else {}

@@ -54,14 +54,21 @@ void init_linear(tnn::Linear& l) {
 // tok(ids) + pos(positions). A negative id is a poisoned token (gpt
 // --nan-at): its embedding is NaN, and so are the step's loss and
 // gradients. (Looked for only when asked: the look waits for the device.)
+// (`positions`: the rows of positions [start, start + its length) that
+// tok's output covers: all of them, or a sequence-parallel rank's piece)
 template <class Tok>
-at::Tensor embed(Tok& tok, tnn::Embedding& pos, const at::Tensor& ids) {
-  const at::Tensor positions = pos(at::arange(ids.size(1), ids.options()));
+at::Tensor embed(Tok& tok, const at::Tensor& positions, const at::Tensor& ids, int64_t start = 0) {
   if (!poisoning_enabled()) return tok(ids) + positions;
   const at::Tensor poisoned = ids < 0;
   if (!poisoned.any().item<bool>()) return tok(ids) + positions;
   return (tok(ids.clamp_min(0)) + positions)
-      .masked_fill(poisoned.unsqueeze(-1), std::numeric_limits<double>::quiet_NaN());
+      .masked_fill(poisoned.narrow(1, start, positions.size(0)).unsqueeze(-1),
+                   std::numeric_limits<double>::quiet_NaN());
+}
+
+// Every position's row of `pos`, for ids [B, T].
+at::Tensor all_positions(tnn::Embedding& pos, const at::Tensor& ids) {
+  return pos(at::arange(ids.size(1), ids.options()));
 }
 
 // Token and position embeddings: ids [B, T] -> [B, T, dim].
@@ -72,7 +79,7 @@ struct EmbedImpl : tnn::Module {
     tnn::init::normal_(tok->weight, 0, 0.02);
     tnn::init::normal_(pos->weight, 0, 0.02);
   }
-  at::Tensor forward(at::Tensor ids) { return embed(tok, pos, ids); }
+  at::Tensor forward(at::Tensor ids) { return embed(tok, all_positions(pos, ids), ids); }
   tnn::Embedding tok, pos;
 };
 
@@ -167,15 +174,11 @@ struct TpEmbedImpl : tnn::Module {
     par::mark_replicated(*this, g);  // (the positions: a checkpoint holds them once)
   }
   at::Tensor forward(at::Tensor ids) {
-    if (!sp) return embed(tok, pos, ids);  // (every rank: the same ids)
+    if (!sp) return embed(tok, all_positions(pos, ids), ids);  // (every rank: the same ids)
     const int64_t piece = ids.size(1) / g->size(), start = g->rank() * piece;
     const at::Tensor positions = at::embedding(par::copy_to_region(pos->weight, g),
                                                at::arange(start, start + piece, ids.options()));
-    const bool poisoned = poisoning_enabled() && (ids < 0).any().item<bool>();
-    const at::Tensor h = tok(poisoned ? ids.clamp_min(0) : ids) + positions;
-    if (!poisoned) return h;
-    return h.masked_fill((ids < 0).narrow(1, start, piece).unsqueeze(-1),
-                         std::numeric_limits<double>::quiet_NaN());
+    return embed(tok, positions, ids, start);
   }
   par::Group g;
   bool sp;

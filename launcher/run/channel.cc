@@ -222,10 +222,11 @@ bool Channel::send(const std::string& line) {
   return true;
 }
 
-int listen_on(const std::string& host, int port) {
+int listen_on(const std::string& host, int port, int* bind_errno) {
   Resolved resolved;
   resolve(host, port, true, resolved);
   std::string error = "no address";
+  int taken = 0;  // (an address in use, or not this host's)
   for (addrinfo* a = resolved.list; a; a = a->ai_next) {
     const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
     if (fd < 0) continue;
@@ -235,8 +236,14 @@ int listen_on(const std::string& host, int port) {
       set_nonblocking(fd);
       return fd;
     }
-    error = errno_text(errno);
+    const int failed = errno;
+    error = errno_text(failed);
     ::close(fd);
+    if (failed == EADDRINUSE || failed == EADDRNOTAVAIL) taken = failed;
+  }
+  if (bind_errno && taken) {
+    *bind_errno = taken;
+    return -1;
   }
   throw std::runtime_error("cannot listen on " + host + ":" + std::to_string(port) + ": " + error);
 }

@@ -99,8 +99,10 @@ class Channel {
   Clock::time_point sent_ = Clock::now();
 };
 
-// A socket listening on host:port (port 0: a free one); throws naming the address.
-int listen_on(const std::string& host, int port);
+// A socket listening on host:port (port 0: a free one); throws naming the
+// address. With `bind_errno`, an address in use or not this host's
+// (EADDRINUSE, EADDRNOTAVAIL) returns -1 with the errno there instead.
+int listen_on(const std::string& host, int port, int* bind_errno = nullptr);
 // The port a listening socket is bound to.
 int bound_port(int fd);
 // Accepts one connection as a Channel; nullopt when none is waiting or

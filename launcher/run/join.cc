@@ -59,6 +59,12 @@ std::string coordination_nnodes(const Options& options) {
              : std::to_string(options.min_nodes) + ":" + std::to_string(options.nnodes);
 }
 
+std::string coordination_rule(const Options& options) {
+  return "a launcher coordinates with --max-restarts above 0 or --nnodes MIN:MAX on several "
+         "nodes, and this node has --nnodes " + coordination_nnodes(options) +
+         " --max-restarts " + std::to_string(options.max_restarts);
+}
+
 std::string coordination_flags(const Options& options) {
   return "nnodes=" + coordination_nnodes(options) + ",max-restarts=" + std::to_string(options.max_restarts) +
          ",peer-timeout=" +

@@ -59,6 +59,9 @@ std::string join_proof(const std::string& token, const std::string& nonce0,
 std::string coordination_flags(const Options& options);
 // --nnodes as given: "K" or "MIN:MAX".
 std::string coordination_nnodes(const Options& options);
+// When a launcher coordinates, and this one's flags that decide it (for
+// the messages of launchers that disagree on coordinating at all).
+std::string coordination_rule(const Options& options);
 // "" when `theirs` (a node's) equals `ours` (node 0's); else which flag
 // differs, with both values.
 std::string flags_disagreement(const std::string& ours, const std::string& theirs);

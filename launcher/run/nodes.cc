@@ -51,19 +51,11 @@ int Launcher::run_coordinated() {
   if (options_.node_rank < 0) {
     // No --node-rank: node 0 is the launcher that can listen at the
     // master's address; the others join and are numbered by it.
-    try {
-      listen_fd_ = listen_on(options_.master_addr, options_.master_port);
-      options_.node_rank = 0;
-    } catch (const std::exception& e) {
-      // In use: node 0 is up; not this host's address: node 0 is elsewhere.
-      // Anything else is this host's trouble, said as it is.
-      const std::string why = e.what();
-      if (why.find("in use") == std::string::npos &&
-          why.find("assign requested address") == std::string::npos) {
-        report(why);
-        return kExitFailure;
-      }
-    }
+    // (in use: node 0 is up; not this host's address: node 0 is elsewhere;
+    // anything else is this host's trouble, thrown as it is)
+    int in_use_or_elsewhere = 0;
+    listen_fd_ = listen_on(options_.master_addr, options_.master_port, &in_use_or_elsewhere);
+    if (listen_fd_ >= 0) options_.node_rank = 0;
   }
   if (options_.node_rank == 0) {
     if (listen_fd_ < 0) listen_fd_ = listen_on(options_.master_addr, options_.master_port);
@@ -187,10 +179,7 @@ void Launcher::node_tick() {
       report("the launcher at " + options_.master_addr + ":" + std::to_string(options_.master_port) +
              " sent no tandem-run greeting in " +
              seconds_text(std::chrono::duration_cast<std::chrono::seconds>(kSilenceLimit)) +
-             ": node 0's tandem-run does not coordinate this job. It coordinates with "
-             "--max-restarts above 0 or --nnodes MIN:MAX on several nodes; this node has "
-             "--nnodes " + coordination_nnodes(options_) + " --max-restarts " +
-             std::to_string(options_.max_restarts) +
+             ": node 0's tandem-run does not coordinate this job: " + coordination_rule(options_) +
              ": start every node's launcher with the same --nnodes and --max-restarts");
       coordinator_.close();
       finish(kExitFailure);

@@ -36,9 +36,7 @@ int Launcher::run_plain() {
     report("node 0's launcher at " + options_.master_addr + ":" +
            std::to_string(options_.master_port) +
            " coordinates this job (it greeted as a coordinating tandem-run does) and this one "
-           "does not: a launcher coordinates with --max-restarts above 0 or --nnodes MIN:MAX on "
-           "several nodes, and this node has --nnodes " + coordination_nnodes(options_) +
-           " --max-restarts " + std::to_string(options_.max_restarts) +
+           "does not: " + coordination_rule(options_) +
            ": start every node's launcher with node 0's --nnodes and --max-restarts");
     return kExitFailure;
   }
