@@ -52,6 +52,9 @@ struct ProcessGroup::Peers {
   // (stopped, frozen: its connection silent past the peer timeout) fails the
   // collectives that wait for it, instead of their timeout.
   std::weak_ptr<rpc::Agent> watcher;
+  // ProcessGroupOptions::stalled, when given.
+  std::function<std::string()> also_stalled;
+  bool watched() const { return !watcher.expired() || static_cast<bool>(also_stalled); }
   // A collective failed for a stalled member: gloo's operation still waits
   // for it until the group's timeout, and tearing the group down would wait
   // with it.
@@ -62,11 +65,15 @@ struct ProcessGroup::Peers {
   // of the agent at most every 50 ms (polling loops call it through done()).
   std::string stalled() {
     auto agent = watcher.lock();
-    if (!agent) return {};
+    if (!agent && !also_stalled) return {};
     std::lock_guard<std::mutex> lock(stalled_mu);
     const auto now = std::chrono::steady_clock::now();
     if (!stalled_text.empty() || now < stalled_next) return stalled_text;
     stalled_next = now + std::chrono::milliseconds(50);
+    if (also_stalled) {
+      stalled_text = also_stalled();
+      if (!stalled_text.empty() || !agent) return stalled_text;
+    }
     for (int r = 0; r < static_cast<int>(members.size()); ++r) {
       const Member& m = members[static_cast<size_t>(r)];
       if (r == rank || m.name.empty()) continue;
@@ -125,6 +132,14 @@ struct ProcessGroup::Peers {
       }
     }
     bool store_lost = false;
+    if (also_stalled) {
+      // The other watcher knows who is gone: no check-in round at the store.
+      std::string text;
+      for (int r : exited_ranks) text += (text.empty() ? "" : "; ") + describe(r) + " is gone (its process exited)";
+      if (std::string more = also_stalled(); !more.empty()) text += (text.empty() ? "" : "; ") + more;
+      verdict = text;
+      return text;
+    }
     try {
       store->set(key("down", rank), std::vector<uint8_t>{1});
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);

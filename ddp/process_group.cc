@@ -185,6 +185,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(ProcessGroupOptions o) {
 #endif
     }
     pg->peers_ = meet_peers(*prefixed, rank, size, o.member_name);
+    pg->peers_->also_stalled = o.stalled;
     pg->watch_peers();
   } catch (const std::invalid_argument&) {
     throw;
@@ -352,7 +353,7 @@ bool ProcessGroup::Pending::on_completion(std::function<void()> fn) {
 bool ProcessGroup::Pending::done() const {
   if (!work_) return false;
   // A member found stalled: wait() throws at once.
-  if (peers_ && !peers_->watcher.expired() && !peers_->stalled().empty()) return true;
+  if (peers_ && peers_->watched() && !peers_->stalled().empty()) return true;
   // The future is what on_completion's callbacks hang on; the work's own
   // flag is set a moment after them.
   try {
@@ -375,7 +376,7 @@ void ProcessGroup::Pending::wait(std::chrono::milliseconds timeout) {
   auto rest = limit;  // what is left of it for Work::wait
   const auto t0 = std::chrono::steady_clock::now();
   try {
-    if (peers_ && !peers_->watcher.expired()) {
+    if (peers_ && peers_->watched()) {
       auto peers = peers_;
       std::string stalled = peers->stalled();
       if (stalled.empty()) stalled = wait_watching(*work, [peers] { return peers->stalled(); }, limit);

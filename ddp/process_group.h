@@ -101,6 +101,13 @@ struct ProcessGroupOptions {
   // How the other ranks' errors name this one: its worker's name. Empty:
   // the current RPC agent's (rpc::init), else none (the rank alone).
   std::string member_name;
+  // A second watcher beside the RPC agent's: a member it names (a non-empty
+  // text, which the collective's error then carries) counts as stalled, as
+  // one the agent found (tandem::ft's heartbeats). Asked every 200 ms at
+  // most while a collective waits; called on that thread. With it, a failed
+  // collective names the members whose process exited and what this
+  // function says, without the check-in round at the store.
+  std::function<std::string()> stalled;
 };
 
 class ProcessGroup {

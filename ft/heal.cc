@@ -1,0 +1,127 @@
+// Healing (ft/manager.h, 5.): a member behind the quorum receives the whole
+// state from one up-to-date member over the quorum's group.
+//
+// The source sends, with point-to-point sends on the group: the header's
+// length, the header ("<step> <cursor>" and a line per tensor: its name,
+// dtype and shape), then each tensor that has elements, in the header's
+// order. Every byte goes once, to the one member that needs it.
+#include <ATen/ops/empty.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <chrono>
+#include <cstring>
+#include <sstream>
+
+#include "tandem/ddp/process_group.h"
+#include "tandem/ft/joined.h"
+
+namespace tandem::ft {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void wait_work(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout,
+               const char* what) {
+  try {
+    work->wait(timeout);
+  } catch (const std::exception& e) {
+    std::string msg = e.what();
+    if (auto nl = msg.find('\n'); nl != std::string::npos) msg.resize(nl);
+    throw ddp::CollectiveError(std::string(what) + " failed: " + msg);
+  }
+}
+
+}  // namespace
+
+void Manager::heal(const std::vector<Joined>& members) {
+  int64_t newest = 0;
+  for (const Joined& m : members) newest = std::max(newest, m.step);
+  // Up to date: at the newest step. A job's first quorum (no step yet) takes
+  // its first member's state, as DDP broadcasts rank 0's.
+  std::vector<int> sources, behind;  // places in the quorum
+  for (int i = 0; i < static_cast<int>(members.size()); ++i) {
+    const bool fresh = newest > 0 ? members[static_cast<size_t>(i)].step == newest : i == 0;
+    (fresh ? sources : behind).push_back(i);
+  }
+  if (behind.empty()) return;
+  auto& pg = group_->c10d();
+  const auto timeout = options_.collective_timeout;
+  for (size_t b = 0; b < behind.size(); ++b) {
+    const int to = behind[b];
+    const int from = sources[b % sources.size()];
+    if (rank_in_quorum_ == from) {
+      const auto tensors = state_.save();
+      std::ostringstream header;
+      header << step_ << " " << cursor_ << "\n";
+      int64_t bytes = 0;
+      for (const auto& [name, t] : tensors) {
+        header << name << "\t" << static_cast<int>(t.scalar_type());
+        for (int64_t d : t.sizes()) header << "\t" << d;
+        header << "\n";
+        bytes += static_cast<int64_t>(t.numel()) * t.element_size();
+      }
+      const std::string h = header.str();
+      std::vector<at::Tensor> len{at::empty({1}, at::kLong)};
+      len[0].fill_(static_cast<int64_t>(h.size()));
+      wait_work(pg.send(len, to, 0), timeout, "sending the state's header");
+      std::vector<at::Tensor> head{at::empty({static_cast<int64_t>(h.size())}, at::kByte)};
+      std::memcpy(head[0].data_ptr(), h.data(), h.size());
+      wait_work(pg.send(head, to, 1), timeout, "sending the state's header");
+      int tag = 2;
+      for (const auto& [name, t] : tensors) {
+        if (t.numel() == 0) continue;
+        std::vector<at::Tensor> one{t.detach().contiguous().cpu()};
+        wait_work(pg.send(one, to, tag++), timeout, ("sending " + name).c_str());
+      }
+      metrics_.heal_bytes_sent += bytes + static_cast<int64_t>(h.size()) + 8;
+      metrics_.state_bytes = bytes;
+    } else if (rank_in_quorum_ == to) {
+      const auto t0 = Clock::now();
+      std::vector<at::Tensor> len{at::empty({1}, at::kLong)};
+      wait_work(pg.recv(len, from, 0), timeout, "receiving the state's header");
+      const int64_t n = len[0].item<int64_t>();
+      if (n <= 0 || n > (int64_t{1} << 30)) {
+        throw ddp::CollectiveError("healing: the source sent a header of " + std::to_string(n) +
+                                   " bytes");
+      }
+      std::vector<at::Tensor> head{at::empty({n}, at::kByte)};
+      wait_work(pg.recv(head, from, 1), timeout, "receiving the state's header");
+      std::istringstream in(std::string(static_cast<const char*>(head[0].data_ptr()),
+                                        static_cast<size_t>(n)));
+      int64_t step = 0, cursor = 0;
+      in >> step >> cursor;
+      std::string line;
+      std::getline(in, line);
+      std::vector<std::pair<std::string, at::Tensor>> received;
+      int64_t bytes = 0;
+      int tag = 2;
+      while (std::getline(in, line)) {
+        std::istringstream fields(line);
+        std::string name, field;
+        std::getline(fields, name, '\t');
+        std::getline(fields, field, '\t');
+        const auto dtype = static_cast<c10::ScalarType>(std::stoi(field));
+        std::vector<int64_t> shape;
+        while (std::getline(fields, field, '\t')) shape.push_back(std::stoll(field));
+        at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dtype));
+        if (t.numel() > 0) {
+          std::vector<at::Tensor> one{t};
+          wait_work(pg.recv(one, from, tag++), timeout, ("receiving " + name).c_str());
+        }
+        bytes += static_cast<int64_t>(t.numel()) * t.element_size();
+        received.emplace_back(std::move(name), std::move(t));
+      }
+      state_.load(received);
+      step_ = step;
+      cursor_ = cursor;
+      ++metrics_.heals;
+      metrics_.heal_bytes_received += bytes + n + 8;
+      metrics_.state_bytes = bytes;
+      metrics_.last_heal_ms =
+          std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    }
+  }
+}
+
+}  // namespace tandem::ft

@@ -1,0 +1,256 @@
+#pragma once
+// Per-step fault tolerance across data-parallel replicas: the healthy
+// replicas go on training through a failure, and a replacement is healed
+// from a healthy replica's memory, not from disk.
+//
+//   ft::Manager manager(options, ft::module_state(model, optimizer));
+//   for (;;) {
+//     manager.start_step();                        // the quorum; heals a newcomer
+//     auto batch = manager.batch_indices();        // this replica's samples
+//     ... loss.backward();
+//     manager.allreduce_grads(model.parameters()); // the mean over the quorum
+//     if (manager.should_commit()) optimizer.step();
+//   }
+//
+// A replica is one process here (ManagerOptions::replica_id; one rank under
+// DDP). Its promises:
+// 1. Quorum. Each replica's Manager meets the others at a store that no
+//    replica hosts (tandem-run's, by default). start_step() joins a quorum
+//    when the replica has none (its first step, after a failed step, or when
+//    one waits to join): the replicas alive then (their heartbeat fresh)
+//    agree on the members and make a process group among themselves. A
+//    quorum needs ManagerOptions::min_replicas; when fewer than that come
+//    within quorum_timeout, start_step() throws ft::QuorumError (under
+//    tandem-run --max-restarts the job then restarts from its checkpoint).
+// 2. Gradients. allreduce_grads() averages over the quorum's replicas: the
+//    update means the same whatever its size (each replica's batch is the
+//    same; the learning rate is left as it is, and the effective batch is
+//    participants() x the batch: scale it yourself if you prefer). A
+//    collective that fails (a member died) or waits for a member whose
+//    heartbeat stopped (stopped, cut off) does not throw: it is recorded,
+//    and the step will be committed by nobody.
+// 3. Commit. should_commit() is a vote at the store: the step commits only
+//    when every member voted that its step went well, and the same answer
+//    reaches every member (the first decision written wins, as two-phase
+//    commit's coordinator's would). A member that died or fell silent
+//    before it voted makes the step fail everywhere. After a failed step the
+//    replicas apply no update and form a new quorum at the next
+//    start_step(): no process restarts, nothing is reloaded.
+// 4. Agreement. Each vote carries a fingerprint of the replica's parameters
+//    and state before the update; members that differ make the step fail
+//    and should_commit() throws ft::DivergenceError naming them, on every
+//    member.
+// 5. Healing. A member whose committed step count is behind the quorum's
+//    (a replacement, a new replica, one that was stopped) receives the whole
+//    state (the State's tensors, the step count, the sampler's position)
+//    from one up-to-date member, each byte once, over the quorum's group,
+//    before it trains; the others wait for it only in their next step's
+//    collective. A newcomer whose state does not match the source's (other
+//    names, shapes or dtypes: another model) is refused by name and the
+//    quorum goes on without it.
+// 6. Data. batch_indices() gives this replica's samples of the step: the
+//    quorum consumes one stream of samples (an epoch's seeded permutation,
+//    then the next epoch's) in order, participants() x batch_size of them a
+//    committed step, member k taking the k-th batch. A failed step consumes
+//    nothing: its samples are the next quorum's, so within the stream no
+//    sample is skipped or trained twice, whatever fails.
+// Replacements: a replica started again (tandem-run --replace-failed) or
+// added with the same store joins at the next step boundary: the quorum's
+// members learn of it when they commit and form the next quorum with it.
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace torch::nn {
+class Module;
+}
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace tandem::ddp {
+class ProcessGroup;
+}
+
+namespace tandem::ft {
+
+class Heartbeat;
+
+// No quorum could be formed (fewer than min_replicas within the timeout, or
+// the store is gone): the job cannot go on without a restart.
+class QuorumError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// The members' parameters differ at a commit; the text names the replicas.
+class DivergenceError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// What a replica's state is, for healing and the fingerprint: its tensors
+// by name (parameters, buffers, optimizer state), and how to load them.
+// `save` returns the tensors themselves (not copies: they are sent before
+// the step's update); `load` receives every tensor `save` gives on the
+// source, with its name, and must make this replica's state equal it.
+struct State {
+  std::function<std::vector<std::pair<std::string, at::Tensor>>()> save;
+  std::function<void(const std::vector<std::pair<std::string, at::Tensor>>&)> load;
+  // The tensors that must be bit-equal on every replica and whose names,
+  // dtypes and shapes a newcomer must match (the parameters and buffers).
+  // Empty: all of save()'s.
+  std::function<std::vector<std::pair<std::string, at::Tensor>>()> model;
+};
+
+// A module's parameters and buffers and `optimizer`'s state of each
+// parameter (LibTorch's kinds: SGD, Adam, AdamW, Adagrad, RMSprop), and
+// the default CPU generator's state, so that dropout goes on alike.
+State module_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer);
+
+struct ManagerOptions {
+  // This replica's id, 0 <= id < max_replicas; -1: RANK from the environment.
+  int replica_id = -1;
+  // How many replica ids there are; -1: WORLD_SIZE from the environment.
+  int max_replicas = -1;
+  // A quorum needs this many members.
+  int min_replicas = 1;
+  // Makes a new client of the store the replicas meet at (the manager keeps
+  // one for its steps, one for its heartbeat thread, and one for each
+  // quorum's group). Empty: a TCPStore client of MASTER_ADDR:MASTER_PORT,
+  // which must be hosted by the launcher (tandem-run does), since a replica
+  // that hosted it would end the job by dying.
+  std::function<c10::intrusive_ptr<c10d::Store>()> connect;
+  // The cluster token: joins, quorums and decisions carry its MAC, so that
+  // nothing written to the store without it is believed. Empty: TANDEM_TOKEN.
+  std::string token;
+  // Keys go under "tandem/ft/<job>/".
+  std::string job = "job";
+  std::string backend = "gloo";
+  // Heartbeats: one each interval; a replica silent for heartbeat_timeout
+  // is gone (stopped, frozen, cut off).
+  std::chrono::milliseconds heartbeat_interval{100};
+  std::chrono::milliseconds heartbeat_timeout{2000};
+  // How long a forming quorum waits for a replica that is alive but has not
+  // joined (it may be finishing a failed step).
+  std::chrono::milliseconds join_timeout{3000};
+  // How long start_step() waits for min_replicas before QuorumError.
+  std::chrono::milliseconds quorum_timeout{std::chrono::seconds(60)};
+  // A collective's limit (the failure of a member that is still heartbeating).
+  std::chrono::milliseconds collective_timeout{std::chrono::seconds(30)};
+  // The sample stream of batch_indices(): dataset_size samples an epoch,
+  // batch_size a replica a step; seed for each epoch's permutation
+  // (shuffle false: 0, 1, 2, ...).
+  int64_t dataset_size = 0;
+  int64_t batch_size = 0;
+  uint64_t seed = 0;
+  bool shuffle = true;
+};
+
+// What the manager measures, for benchmarks and the job's metrics.
+struct Metrics {
+  int64_t steps_committed = 0;
+  int64_t steps_failed = 0;    // voted down (a member failed or diverged)
+  int64_t quorums = 0;         // quorums this replica was a member of
+  int64_t heals = 0;           // times this replica was healed
+  int64_t heal_bytes_received = 0;
+  int64_t heal_bytes_sent = 0;
+  int64_t state_bytes = 0;     // the state's tensors' bytes, at the last heal
+  double last_heal_ms = 0;     // the last heal received: from the quorum to loaded
+  double last_quorum_ms = 0;   // the last quorum formed: from joining to the group made
+};
+
+// Samples [first, first + count) of the stream batch_indices() reads (6.):
+// position p is sample perm_e[p % dataset_size] of epoch e = p / dataset_size,
+// perm_e a permutation seeded by (seed, e) (the identity without shuffle).
+// The same on every replica and build: a reference run reads it too.
+std::vector<int64_t> sample_stream(int64_t dataset_size, uint64_t seed, bool shuffle,
+                                   int64_t first, int64_t count);
+
+class Manager {
+ public:
+  // Starts the heartbeat; joins nothing yet (start_step() does). Throws
+  // std::invalid_argument naming a bad option.
+  Manager(ManagerOptions options, State state);
+  // Stops the heartbeat and leaves the quorum (its members see this replica
+  // gone at their next vote).
+  ~Manager();
+  Manager(const Manager&) = delete;
+  Manager& operator=(const Manager&) = delete;
+
+  // The step's quorum: forms one (and heals this replica when it is behind)
+  // when there is none. Throws QuorumError (1.).
+  void start_step();
+  // The mean of `grads` over the quorum, in place (undefined ones skipped).
+  // False, and nothing throws, when it failed or this replica reported an
+  // error: the step will not commit. Every member calls it each step, even
+  // one that reported an error (its peers' collective waits for it).
+  bool allreduce_grads(const std::vector<at::Tensor>& grads);
+  // This replica's step failed for a reason of its own (a non-finite loss,
+  // an exception): the step commits nowhere.
+  void report_error(const std::string& why);
+  // The vote (3.). True: apply the update (optimizer.step()); the committed
+  // step count and the sample stream advance. False: skip it. Throws
+  // DivergenceError (4.) and QuorumError (the store gone).
+  bool should_commit();
+
+  // Committed steps so far (the quorum's, once healed).
+  int64_t step() const { return step_; }
+  // The samples the quorum has consumed (6.).
+  int64_t samples_done() const { return cursor_; }
+  // This replica's samples for the step (6.): batch_size indices into the dataset.
+  std::vector<int64_t> batch_indices() const;
+  // The current quorum: its size and this replica's place in it.
+  int participants() const;
+  int participant_rank() const;
+  // The members' replica ids, in their order.
+  std::vector<int> members() const;
+  int replica_id() const { return id_; }
+  int64_t quorum_id() const { return epoch_; }
+  // The quorum's process group (null between a failed step and the next
+  // start_step()), for collectives of your own.
+  std::shared_ptr<ddp::ProcessGroup> group() const { return group_; }
+  // The last step's error, empty when it went well.
+  const std::string& last_error() const { return error_; }
+  const Metrics& metrics() const { return metrics_; }
+
+ private:
+  struct Joined;
+  // Forms the quorum of epoch `e` (or a later one, when this replica comes
+  // too late for it); false when it is not a member yet.
+  bool join_quorum();
+  void heal(const std::vector<Joined>& joined);
+  std::string fingerprint();
+  void drop_group();
+
+  ManagerOptions options_;
+  State state_;
+  int id_ = 0;
+  int max_ = 0;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::unique_ptr<Heartbeat> heartbeat_;
+  c10::intrusive_ptr<c10d::Store> group_store_;  // the quorum's group's own client
+  std::shared_ptr<ddp::ProcessGroup> group_;
+  std::vector<int> members_;
+  int rank_in_quorum_ = -1;
+  int64_t epoch_ = 0;       // the quorum's number; 0 before the first
+  int64_t step_ = 0;        // committed steps
+  int64_t cursor_ = 0;      // samples consumed by committed steps
+  int64_t attempt_ = 0;     // steps tried in this quorum (the vote's key)
+  bool reform_ = true;      // start_step() must form a quorum
+  bool voted_ = false;
+  bool group_failed_ = false;  // a collective of this step failed
+  std::string error_;
+  Metrics metrics_;
+};
+
+}  // namespace tandem::ft

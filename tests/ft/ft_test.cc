@@ -1,0 +1,337 @@
+// Per-step fault tolerance (ft/manager.h), replicas as threads of this
+// process meeting at a store of the test's own: the quorum, the vote, a
+// replica that fails or vanishes, healing a newcomer, divergence, refusals.
+// Every run is compared with a reference computed in one model the same way
+// (a failed step dropped, each committed step's mean over its quorum's
+// batches). Killing processes is examples/check_ft.sh's.
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/sgd.h>
+#include <torch/optim/adam.h>
+
+#include "ddp/ddp_support.h"
+#include "tandem/ft/manager.h"
+#include "test_util.h"
+
+namespace tandem::test {
+namespace {
+
+constexpr int64_t kData = 40;
+constexpr int64_t kBatch = 3;
+
+struct Data {
+  at::Tensor x, y;
+  Data() {
+    at::manual_seed(7);
+    x = at::randn({kData, 4});
+    y = at::randn({kData, 2});
+  }
+};
+
+torch::nn::Linear make_model(uint64_t seed, int64_t out = 2) {
+  at::manual_seed(seed);
+  return torch::nn::Linear(4, out);
+}
+
+ft::ManagerOptions options(int id, int max, int port) {
+  ft::ManagerOptions o;
+  o.replica_id = id;
+  o.max_replicas = max;
+  o.connect = [port] { return c10::intrusive_ptr<c10d::Store>(support::store_client(port)); };
+  o.job = "test";
+  o.token = "secret";
+  o.heartbeat_interval = std::chrono::milliseconds(40);
+  o.heartbeat_timeout = std::chrono::milliseconds(400);
+  o.join_timeout = std::chrono::milliseconds(1500);
+  o.quorum_timeout = std::chrono::seconds(20);
+  o.collective_timeout = std::chrono::seconds(20);
+  o.dataset_size = kData;
+  o.batch_size = kBatch;
+  o.seed = 3;
+  return o;
+}
+
+// One committed step as the replicas saw it: how many took part.
+struct Record {
+  std::mutex mu;
+  std::map<int, std::vector<int>> participants;  // per replica: per committed step
+  std::map<int, at::Tensor> final_weight;
+};
+
+// The reference: one model, each committed step over participants x kBatch
+// samples of the stream in order (the mean over the quorum's batches).
+at::Tensor reference(const Data& d, const std::vector<int>& participants) {
+  auto model = make_model(1);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  int64_t cursor = 0;
+  for (int k : participants) {
+    opt.zero_grad();
+    at::Tensor loss = at::zeros({});
+    for (int r = 0; r < k; ++r) {
+      auto idx = ft::sample_stream(kData, 3, true, cursor + r * kBatch, kBatch);
+      auto i = at::tensor(idx, at::kLong);
+      loss = loss + torch::nn::functional::mse_loss(model(d.x.index_select(0, i)),
+                                                    d.y.index_select(0, i)) /
+                        k;
+    }
+    loss.backward();
+    opt.step();
+    cursor += k * kBatch;
+  }
+  return model->weight.detach().clone();
+}
+
+// A replica's training loop; `hook(step_tried, manager)` runs after
+// start_step and may fail the replica's step or end it (return false).
+void train(int id, int max, int port, int steps, const Data& d, Record& rec,
+           const std::function<bool(int, ft::Manager&, torch::nn::Linear&)>& hook = {},
+           uint64_t init_seed = 1) {
+  auto model = make_model(init_seed);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  ft::Manager manager(options(id, max, port), ft::module_state(*model, opt));
+  int tried = 0;
+  while (manager.step() < steps) {
+    manager.start_step();
+    if (hook && !hook(tried, manager, model)) return;
+    ++tried;
+    opt.zero_grad();
+    auto i = at::tensor(manager.batch_indices(), at::kLong);
+    auto loss = torch::nn::functional::mse_loss(model(d.x.index_select(0, i)), d.y.index_select(0, i));
+    loss.backward();
+    manager.allreduce_grads({model->weight.grad(), model->bias.grad()});
+    const int k = manager.participants();
+    if (manager.should_commit()) {
+      opt.step();
+      std::lock_guard<std::mutex> lock(rec.mu);
+      rec.participants[id].push_back(k);
+    }
+  }
+  std::lock_guard<std::mutex> lock(rec.mu);
+  rec.final_weight[id] = model->weight.detach().clone();
+}
+
+void expect_reference(const Data& d, Record& rec, int survivor) {
+  const at::Tensor want = reference(d, rec.participants[survivor]);
+  const at::Tensor got = rec.final_weight[survivor];
+  CHECK(at::allclose(got, want, 1e-5, 1e-6));
+  for (auto& [id, w] : rec.final_weight) {
+    INFO("replica " << id);
+    CHECK(at::equal(w, got));  // bit for bit: the fingerprint would have said otherwise
+  }
+}
+
+}  // namespace
+
+TEST_CASE("ft: three replicas train as one model over the sample stream") {
+  Data d;
+  auto server = support::store_server();
+  Record rec;
+  on_ranks(3, [&](int id) { train(id, 3, server->getPort(), 6, d, rec); });
+  CHECK(rec.participants[0] == std::vector<int>(6, 3));
+  expect_reference(d, rec, 0);
+}
+
+TEST_CASE("ft: the sample stream covers every sample of an epoch once, in a seeded order") {
+  auto a = ft::sample_stream(10, 5, true, 0, 10);
+  std::set<int64_t> seen(a.begin(), a.end());
+  CHECK(seen.size() == 10);
+  CHECK(a == ft::sample_stream(10, 5, true, 0, 10));
+  CHECK(a != ft::sample_stream(10, 6, true, 0, 10));
+  CHECK(ft::sample_stream(10, 5, true, 10, 10) != a);  // the next epoch: another order
+  CHECK(ft::sample_stream(4, 0, false, 2, 4) == std::vector<int64_t>{2, 3, 0, 1});
+  CHECK_THROWS_AS(ft::sample_stream(0, 0, true, 0, 1), std::invalid_argument);
+}
+
+TEST_CASE("ft: a step with a replica's error is committed by none, and the replicas go on") {
+  Data d;
+  auto server = support::store_server();
+  Record rec;
+  std::atomic<int> failed_votes{0};
+  on_ranks(3, [&](int id) {
+    train(id, 3, server->getPort(), 5, d, rec, [&](int tried, ft::Manager& m, torch::nn::Linear&) {
+      if (tried == 2 && id == 1) m.report_error("loss was NaN");
+      if (tried == 3 && !m.last_error().empty()) ++failed_votes;
+      if (tried == 3) CHECK(m.metrics().steps_failed == 1);
+      return true;
+    });
+  });
+  // Step 3 was tried twice: the first try was dropped everywhere.
+  CHECK(rec.participants[0] == std::vector<int>(5, 3));
+  expect_reference(d, rec, 0);
+}
+
+TEST_CASE("ft: a replica that vanishes mid-step fails the step; the survivors go on without it") {
+  Data d;
+  auto server = support::store_server();
+  Record rec;
+  on_ranks(3, [&](int id) {
+    train(id, 3, server->getPort(), 6, d, rec, [&](int tried, ft::Manager&, torch::nn::Linear&) {
+      return !(id == 2 && tried == 2);  // replica 2 leaves after starting step 3
+    });
+  });
+  CHECK(rec.participants[0] == std::vector<int>({3, 3, 2, 2, 2, 2}));
+  rec.final_weight.erase(2);
+  expect_reference(d, rec, 0);
+}
+
+TEST_CASE("ft: a newcomer is healed from a peer's memory and trains in the next quorum") {
+  Data d;
+  auto server = support::store_server();
+  Record rec;
+  std::atomic<bool> leaver_gone{false};
+  int64_t healed_bytes = 0, state_bytes = 0, heals = 0;
+  on_ranks(4, [&](int thread) {
+    if (thread < 3) {
+      train(thread, 3, server->getPort(), 12, d, rec,
+            [&](int tried, ft::Manager&, torch::nn::Linear&) {
+              if (thread == 2 && tried == 2) {
+                leaver_gone = true;
+                return false;
+              }
+              std::this_thread::sleep_for(std::chrono::milliseconds(100));
+              return true;
+            });
+      return;
+    }
+    // The newcomer: replica 2 again, from another initialisation.
+    REQUIRE(eventually([&] { return leaver_gone.load(); }, std::chrono::seconds(20)));
+    std::this_thread::sleep_for(std::chrono::milliseconds(600));
+    auto model = make_model(99);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    ft::Manager manager(options(2, 3, server->getPort()), ft::module_state(*model, opt));
+    while (manager.step() < 12) {
+      manager.start_step();
+      opt.zero_grad();
+      auto i = at::tensor(manager.batch_indices(), at::kLong);
+      torch::nn::functional::mse_loss(model(d.x.index_select(0, i)), d.y.index_select(0, i))
+          .backward();
+      manager.allreduce_grads({model->weight.grad(), model->bias.grad()});
+      if (manager.should_commit()) opt.step();
+    }
+    heals = manager.metrics().heals;
+    healed_bytes = manager.metrics().heal_bytes_received;
+    state_bytes = manager.metrics().state_bytes;
+    std::lock_guard<std::mutex> lock(rec.mu);
+    rec.final_weight[2] = model->weight.detach().clone();
+  });
+  CHECK(heals == 1);
+  CHECK(state_bytes > 0);
+  CHECK(static_cast<double>(healed_bytes) <= 1.1 * static_cast<double>(state_bytes) + 4096);
+  const auto& p = rec.participants[0];
+  REQUIRE(p.size() == 12);
+  CHECK(p.back() == 3);  // the newcomer took part in the last step
+  expect_reference(d, rec, 0);
+}
+
+TEST_CASE("ft: a newcomer with another model is refused by name, and the quorum goes on") {
+  Data d;
+  auto server = support::store_server();
+  Record rec;
+  std::string refusal;
+  on_ranks(3, [&](int thread) {
+    if (thread < 2) {
+      train(thread, 3, server->getPort(), 8, d, rec, [&](int, ft::Manager&, torch::nn::Linear&) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        return true;
+      });
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    auto model = make_model(1, 3);  // three outputs, not two
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+    auto o = options(2, 3, server->getPort());
+    try {
+      ft::Manager manager(o, ft::module_state(*model, opt));
+      manager.start_step();
+    } catch (const std::invalid_argument& e) {
+      refusal = e.what();
+    }
+  });
+  CHECK(refusal.find("refused") != std::string::npos);
+  CHECK(refusal.find("param/weight") != std::string::npos);
+  expect_reference(d, rec, 0);
+}
+
+TEST_CASE("ft: replicas whose parameters differ fail the step on every member, naming them") {
+  Data d;
+  auto server = support::store_server();
+  std::vector<std::string> errors(3);
+  on_ranks(3, [&](int id) {
+    auto model = make_model(1);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+    ft::Manager manager(options(id, 3, server->getPort()), ft::module_state(*model, opt));
+    try {
+      for (int s = 0; s < 3; ++s) {
+        manager.start_step();
+        if (s == 1 && id == 2) {
+          at::NoGradGuard g;
+          model->bias.add_(1e-3);
+        }
+        opt.zero_grad();
+        auto i = at::tensor(manager.batch_indices(), at::kLong);
+        torch::nn::functional::mse_loss(model(d.x.index_select(0, i)), d.y.index_select(0, i))
+            .backward();
+        manager.allreduce_grads({model->weight.grad(), model->bias.grad()});
+        if (manager.should_commit()) opt.step();
+      }
+    } catch (const ft::DivergenceError& e) {
+      errors[static_cast<size_t>(id)] = e.what();
+    }
+  });
+  for (const std::string& e : errors) {
+    CHECK(e.find("replicas 0, 1 hold") != std::string::npos);
+    CHECK(e.find("replica 2 holds") != std::string::npos);
+  }
+}
+
+TEST_CASE("ft: a forged join is refused and a quorum it cannot form times out") {
+  auto server = support::store_server();
+  auto model = make_model(1);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+  // A join for replica 1 written by something without the token.
+  auto client = support::store_client(server->getPort());
+  const std::string forged = "0 0\nreplicas 2\nnot-a-proof";
+  client->set("tandem/ft/test/q/1/join/1", std::vector<uint8_t>(forged.begin(), forged.end()));
+  auto o = options(0, 2, server->getPort());
+  o.min_replicas = 2;
+  o.quorum_timeout = std::chrono::milliseconds(2500);
+  ft::Manager manager(o, ft::module_state(*model, opt));
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH_AS(manager.start_step(), doctest::Contains("found no quorum of 2"),
+                       ft::QuorumError);
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(6));
+}
+
+TEST_CASE("ft: bad options are refused by name") {
+  auto server = support::store_server();
+  auto model = make_model(1);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+  auto state = ft::module_state(*model, opt);
+  auto o = options(3, 3, server->getPort());
+  CHECK_THROWS_WITH_AS(ft::Manager(o, state), doctest::Contains("replica_id 3"),
+                       std::invalid_argument);
+  o = options(0, 3, server->getPort());
+  o.min_replicas = 4;
+  CHECK_THROWS_WITH_AS(ft::Manager(o, state), doctest::Contains("min_replicas 4"),
+                       std::invalid_argument);
+  o = options(0, 3, server->getPort());
+  o.batch_size = 0;
+  CHECK_THROWS_WITH_AS(ft::Manager(o, state), doctest::Contains("go together"),
+                       std::invalid_argument);
+  o = options(0, 3, server->getPort());
+  o.heartbeat_timeout = o.heartbeat_interval;
+  CHECK_THROWS_WITH_AS(ft::Manager(o, state), doctest::Contains("heartbeat_timeout"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(ft::Manager(options(0, 3, server->getPort()), ft::State{}),
+                       doctest::Contains("save and load"), std::invalid_argument);
+}
+
+}  // namespace tandem::test
+
+namespace tandem::test {
+// (no worker processes: examples/check_ft.sh starts real ones)
+int worker_main(const std::string& mode) {
+  std::fprintf(stderr, "test_ft has no worker mode '%s'\n", mode.c_str());
+  return 2;
+}
+}  // namespace tandem::test
