@@ -3,8 +3,8 @@
 # examples): a scratch folder to run in, counting failures, running a job
 # under tandem-run, and reading its final loss.
 run="$bin/tandem-run"
-tmp="$(mktemp -d)"
-trap 'rm -rf "$tmp"' EXIT
+tmp="$(mktemp -d)"; [[ -n ${KEEP_TMP:-} ]] && echo "scratch: $tmp"
+[[ -n ${KEEP_TMP:-} ]] || trap 'rm -rf "$tmp"' EXIT
 cd "$tmp" || exit 1
 failures=0
 

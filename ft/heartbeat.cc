@@ -72,6 +72,12 @@ void Heartbeat::tick() {
       std::lock_guard<std::mutex> lock(mu_);
       epoch_.store(epoch);
       store_error_.clear();
+      // This process did not look for a while (it was stopped, or starved):
+      // what it saw before says nothing of the others' silence since.
+      if (looked_ != Clock::time_point{} && now - looked_ > 2 * interval_ + timeout_ / 4) {
+        for (Peer& p : peers_) p.changed = now;
+      }
+      looked_ = now;
       for (int j = 0; j < max_; ++j) {
         Peer& p = peers_[static_cast<size_t>(j)];
         const int64_t c = counts[static_cast<size_t>(j)];
@@ -114,6 +120,27 @@ void Heartbeat::tick() {
   }
 }
 
+std::string Heartbeat::me() const {
+  const std::string pid = std::to_string(::getpid());
+  return pid + " " + ddp::proc_start_and_state(pid).first + " " + my_host_;
+}
+
+void Heartbeat::saw(int id, const std::string& host, int64_t pid, const std::string& start) {
+  if (id == id_ || id < 0 || id >= max_) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  Peer& p = peers_[static_cast<size_t>(id)];
+  if (p.pid != pid || p.start != start || p.host != host) {
+    p.host = host;
+    p.pid = pid;
+    p.start = start;
+    p.exited = false;
+  }
+  if (!p.exited) {
+    p.changed = Clock::now();
+    if (p.count <= 0) p.count = 1;
+  }
+}
+
 bool Heartbeat::alive(int id) const {
   if (id == id_) return true;
   {
@@ -132,6 +159,9 @@ std::string Heartbeat::why_gone(int id) const {
   if (p.exited) return who + " is gone (its process " + std::to_string(p.pid) + " exited)";
   // Not seen yet (it started after this replica's last look): no verdict.
   if (p.count <= 0) return {};
+  // A view older than a few intervals is no ground for a verdict (this
+  // process was stopped: its heartbeat thread has not looked since).
+  if (Clock::now() - looked_ > 2 * interval_ + timeout_ / 4) return {};
   const auto silent =
       std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - p.changed);
   if (silent > timeout_) {

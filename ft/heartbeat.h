@@ -42,6 +42,10 @@ class Heartbeat {
   std::string why_gone(int id) const;
   // The newest quorum number the store has (the "epoch" key), as last read.
   int64_t newest_epoch() const { return epoch_.load(); }
+  // "<pid> <start> <host>": this process, as join records carry it.
+  std::string me() const;
+  // Replica `id` is alive now as this process (it joined a quorum).
+  void saw(int id, const std::string& host, int64_t pid, const std::string& start);
   // The store stopped answering (its host is gone): the text, else "".
   std::string store_error() const;
 
@@ -69,6 +73,9 @@ class Heartbeat {
   std::vector<Peer> peers_;
   std::string store_error_;
   std::atomic<int64_t> epoch_{0};
+  // When this replica last looked (a stopped process's view is stale: it
+  // judges nobody until it has looked again).
+  Clock::time_point looked_{};
   std::thread thread_;
 };
 

@@ -14,6 +14,10 @@ struct Manager::Joined {
   int64_t step = 0;    // its committed steps
   int64_t cursor = 0;  // its position in the sample stream
   std::string signature;
+  // Its process (ft/heartbeat.h): where, which, and since when.
+  std::string host;
+  int64_t pid = 0;
+  std::string start;
 };
 
 }  // namespace tandem::ft

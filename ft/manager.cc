@@ -242,7 +242,8 @@ bool Manager::join_quorum() {
   for (;;) {
     const std::string q = "q/" + std::to_string(target) + "/";
     const std::string record =
-        std::to_string(step_) + " " + std::to_string(cursor_) + "\n" + signature;
+        std::to_string(step_) + " " + std::to_string(cursor_) + " " + heartbeat_->me() + "\n" +
+        signature;
     store_->set(q + "join/" + std::to_string(id_),
                 bytes_of(record + "\n" + sign(q + std::to_string(id_) + "\n" + record)));
     store_->set(q + "any", bytes_of("1"));
@@ -286,7 +287,7 @@ bool Manager::join_quorum() {
         Joined r;
         r.id = j;
         std::istringstream in(body);
-        in >> r.step >> r.cursor;
+        in >> r.step >> r.cursor >> r.pid >> r.start >> r.host;
         const auto nl = body.find('\n');
         r.signature = nl == std::string::npos ? "" : body.substr(nl + 1);
         joined.push_back(std::move(r));
@@ -323,11 +324,18 @@ bool Manager::join_quorum() {
             in.push_back(&r);
           }
         }
-        if (static_cast<int>(in.size()) >= options_.min_replicas) {
+        // Someone must hold the job's newest committed step.
+        const std::string mark = get_if(*store_, "committed");
+        const int64_t committed = mark.empty() ? 0 : std::stoll(mark);
+        const bool has_newest = std::any_of(in.begin(), in.end(), [&](const Joined* r) {
+          return r->step >= committed;
+        });
+        if (static_cast<int>(in.size()) >= options_.min_replicas && has_newest) {
           std::string proposal;
           for (const Joined* r : in) {
             proposal += "member " + std::to_string(r->id) + " " + std::to_string(r->step) + " " +
-                        std::to_string(r->cursor) + "\n";
+                        std::to_string(r->cursor) + " " + std::to_string(r->pid) + " " +
+                        r->start + " " + r->host + "\n";
           }
           for (const auto& [j, why] : refused) {
             proposal += "refused " + std::to_string(j) + " " + why + "\n";
@@ -359,7 +367,7 @@ bool Manager::join_quorum() {
       if (kind == "member") {
         Joined r;
         r.id = j;
-        words >> r.step >> r.cursor;
+        words >> r.step >> r.cursor >> r.pid >> r.start >> r.host;
         members.push_back(r);
       } else if (kind == "refused" && j == id_) {
         std::string why;
@@ -378,6 +386,9 @@ bool Manager::join_quorum() {
       ++target;  // too late for it: the next
       continue;
     }
+    // The members are alive now, as these processes (a replacement's
+    // heartbeat may not have been seen yet).
+    for (const Joined& r : members) heartbeat_->saw(r.id, r.host, r.pid, r.start);
     epoch_ = target;
     attempt_ = 0;
     members_.clear();
@@ -441,6 +452,15 @@ bool Manager::join_quorum() {
     }
     return true;
   }
+}
+
+void Manager::restore(int64_t step, int64_t samples_done) {
+  if (epoch_ > 0) throw std::logic_error("ft::Manager::restore after the first quorum");
+  if (step < 0 || samples_done < 0) {
+    throw std::invalid_argument("ft::Manager::restore: step and samples_done must be >= 0");
+  }
+  step_ = step;
+  cursor_ = samples_done;
 }
 
 void Manager::start_step() {
@@ -546,10 +566,12 @@ bool Manager::should_commit() {
     store_->compareSet(v + "decision", {}, bytes_of(what + "\n" + sign(v + what)));
   };
   std::string decision;
+  bool deciding = false;
   try {
     if (error_.empty()) {
       store_->set(v + "fp/" + std::to_string(rank_in_quorum_), bytes_of(fingerprint()));
       if (store_->add(v + "ok", 1) == k) {
+        deciding = true;
         // The last to vote well decides: every fingerprint must agree.
         std::map<std::string, std::vector<int>> by_fp;
         for (int r = 0; r < k; ++r) {
@@ -597,6 +619,12 @@ bool Manager::should_commit() {
       throw QuorumError("ft::Manager: the decision of step " + std::to_string(step_ + 1) +
                         " at the store does not carry the cluster token's proof (written by "
                         "something outside the job)");
+    }
+    // The job's newest committed step: no quorum forms without a replica
+    // that has it (one stopped and let go must not train on alone from an
+    // older state).
+    if (deciding && decision.rfind("commit", 0) == 0) {
+      store_->set("committed", bytes_of(std::to_string(step_ + 1)));
     }
   } catch (const QuorumError&) {
     throw;

@@ -203,6 +203,12 @@ class Manager {
   // DivergenceError (4.) and QuorumError (the store gone).
   bool should_commit();
 
+  // After a restart from a checkpoint, before the first start_step(): the
+  // committed steps and the samples consumed that the loaded state is at
+  // (the state itself is the caller's to load). The first quorum takes the
+  // furthest replica's. Throws std::logic_error once a quorum was joined.
+  void restore(int64_t step, int64_t samples_done);
+
   // Committed steps so far (the quorum's, once healed).
   int64_t step() const { return step_; }
   // The samples the quorum has consumed (6.).

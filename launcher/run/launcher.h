@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -182,6 +183,9 @@ class Launcher {
 #endif
   bool hosts_store_ = false;
   std::vector<Worker> workers_;
+  // --replace-failed: workers started again alone, in all and per local rank.
+  int replacements_ = 0;
+  std::map<int, int> replaced_;
   int live_workers_ = 0;
   int exit_code_ = 0;  // the first failure's status; 0 while none
   bool shutting_down_ = false;

@@ -11,7 +11,8 @@ namespace {
 
 constexpr const char* kValueFlags[] = {
     "nproc-per-node", "nnodes",       "node-rank", "master-addr",  "master-port",
-    "trace",          "max-restarts", "last-call", "join-timeout", "peer-timeout",
+    "trace",          "max-restarts", "replace-failed", "last-call", "join-timeout",
+    "peer-timeout",
 };
 
 int parse_int(const std::string& flag, const std::string& text, long long min, long long max) {
@@ -67,6 +68,8 @@ void apply_option(Options& options, const std::string& name, const std::string& 
     options.master_port = parse_int(flag, value, 0, 65535);
   } else if (name == "max-restarts") {
     options.max_restarts = parse_int(flag, value, 0, 1000000);
+  } else if (name == "replace-failed") {
+    options.replace_failed = parse_int(flag, value, 0, 1000000);
   } else if (name == "last-call") {
     options.last_call_s = parse_int(flag, value, 0, 86400);
   } else if (name == "join-timeout") {

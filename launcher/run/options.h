@@ -11,7 +11,7 @@ namespace tandem::launcher {
 
 constexpr char kUsage[] =
     "usage: tandem-run --nproc-per-node N [--nnodes K|MIN:MAX --node-rank R --master-addr A "
-    "--master-port P] [--max-restarts N] PROGRAM ARGS...\n";
+    "--master-port P] [--max-restarts N] [--replace-failed N] PROGRAM ARGS...\n";
 
 constexpr char kHelp[] =
     "\n"
@@ -37,6 +37,12 @@ constexpr char kHelp[] =
     "                       On several nodes, node 0's launcher coordinates: every node's\n"
     "                       workers stop and start again together, and a node whose launcher\n"
     "                       is gone (closed, or silent for 5 s) fails the round\n"
+    "  --replace-failed N   a worker that fails is started again alone, with the same rank,\n"
+    "                       while the others go on, up to N times in all (default 0): for\n"
+    "                       jobs whose replicas survive a peer's failure (tandem::ft::Manager);\n"
+    "                       each sees how often its rank was replaced in\n"
+    "                       TANDEM_REPLACEMENT_COUNT. Once N are spent, a failure stops the\n"
+    "                       job (or restarts it: --max-restarts)\n"
     "  --last-call S        an elastic round waits S seconds (default 10) for more than MIN\n"
     "                       nodes, or for a node of the last round that is gone, before it\n"
     "                       starts without them\n"
@@ -76,6 +82,7 @@ struct Options {
   int master_port = 0;       // 0: pick a free one (single node only)
   std::string trace_dir;     // --trace
   int max_restarts = 0;      // --max-restarts
+  int replace_failed = 0;    // --replace-failed
   int last_call_s = 10;      // --last-call
   int join_timeout_s = 600;  // --join-timeout
   int peer_timeout_s = -1;   // --peer-timeout; -1: not given (the workers' own default)

@@ -36,6 +36,8 @@ constexpr const char* kWorkerVariables[] = {
     "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_MAX_RESTARTS",
     "GROUP_WORLD_SIZE",
+    // set for each worker started again alone (--replace-failed)
+    "TANDEM_REPLACEMENT_COUNT",
 };
 
 std::string variable_name(const char* entry) {
@@ -223,6 +225,10 @@ std::vector<std::string> Launcher::worker_environment(int local_rank) const {
   add("TANDEM_RESTART_COUNT", std::to_string(round_.number));
   add("TORCHELASTIC_RESTART_COUNT", std::to_string(round_.restarts));
   add("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
+  if (options_.replace_failed > 0) {
+    const auto it = replaced_.find(local_rank);
+    add("TANDEM_REPLACEMENT_COUNT", std::to_string(it == replaced_.end() ? 0 : it->second));
+  }
   if (hosts_store_) add("TORCHELASTIC_USE_AGENT_STORE", "True");
   return env;
 }

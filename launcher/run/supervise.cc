@@ -186,6 +186,18 @@ void Launcher::on_worker_exit(Worker& worker, int status) {
     code = kSignalExitBase + WTERMSIG(status);
     what = "killed by signal " + std::to_string(WTERMSIG(status));
   }
+  if (!stopped_by_user_ && replacements_ < options_.replace_failed) {
+    // The others go on; this rank starts again alone (its replica rejoins
+    // the job at a step boundary and is healed from a peer).
+    ++replacements_;
+    const int local_rank = worker.rank - round_.group_rank * options_.nproc_per_node;
+    const int count = ++replaced_[local_rank];
+    report("worker " + std::to_string(worker.rank) + " " + what + "; starting it again alone (" +
+           "replacement " + std::to_string(replacements_) + " of " +
+           std::to_string(options_.replace_failed) + "; this rank's " + std::to_string(count) +
+           ")");
+    if (spawn(local_rank)) return;
+  }
   if (coordinated(options_)) {
     local_worker_failed(worker, code, what);
     return;

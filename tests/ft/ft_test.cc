@@ -28,7 +28,10 @@ struct Data {
   }
 };
 
+// (one at a time: the replicas' threads share the default generator)
 torch::nn::Linear make_model(uint64_t seed, int64_t out = 2) {
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
   at::manual_seed(seed);
   return torch::nn::Linear(4, out);
 }

@@ -1,0 +1,188 @@
+#!/usr/bin/env bash
+# Per-step fault tolerance from outside, as an operator sees it (ctest entry
+# "examples_ft"). Usage: check_ft.sh BIN_DIR (BIN_DIR holds tandem-run and
+# ft_mlp, e.g. build/bin).
+#
+# Every job is ft_mlp's replicas under tandem-run --replace-failed. After
+# each, the committed steps' quorum sizes (what the replicas printed) give
+# the reference run (ft_mlp --reference), and every replica alive at the
+# end must print the same final line as it (1e-5 relative): nothing was
+# skipped, trained twice or applied by some replicas only.
+#  a. a replica SIGKILLed at a random step: the survivors fail that step
+#     alone and go on; the replacement is healed from a peer and trains;
+#  b. a failure every 2 to 3 s until the job ends (about 30 s), each
+#     replica in turn;
+#  c. a failure while a replacement heals: the newcomer itself killed as it
+#     starts, and (another run) the peer it heals from;
+#  d. a replica stopped (SIGSTOP) for 4 s, longer than the heartbeat
+#     timeout: the others go on without it; let go, it rejoins and is healed;
+#  e. a newcomer with another model, with other options, and one without
+#     the job's cluster token: each refused by name, the job unaffected;
+#  f. no quorum left (every replica needed, the replacements spent): the
+#     job restarts as a whole from its newest checkpoint and ends as the
+#     reference.
+set -uo pipefail
+bin="$(readlink -f "${1:?usage: check_ft.sh BIN_DIR}")"
+here="$(dirname "$(readlink -f "$0")")"
+# shellcheck source=check_lib.sh
+source "$here/check_lib.sh"
+
+# ft_pid TAG RANK: the live worker of RANK in the job tagged TAG (the newest).
+ft_pid() {
+  local p env best="" state
+  for p in /proc/[0-9]*; do
+    env=$({ tr '\0' '\n' <"$p/environ"; } 2>/dev/null) || continue
+    grep -qx "CHECK_TAG=$1" <<<"$env" || continue
+    grep -qx "RANK=$2" <<<"$env" || continue
+    grep -q "ft_mlp" "$p/cmdline" 2>/dev/null || continue
+    state=$(awk '{print $3}' "$p/stat" 2>/dev/null)
+    [[ $state == Z || -z $state ]] && continue
+    best=${p#/proc/}
+  done
+  echo "$best"
+}
+
+# start LOG NPROC LAUNCHER_FLAGS -- FT_MLP_ARGS: the job in the background ($job, $tag).
+start() {
+  local log="$1" nproc="$2"
+  shift 2
+  local flags=()
+  while [[ $1 != -- ]]; do flags+=("$1"); shift; done
+  shift
+  tag="ft-$$-$RANDOM"
+  CHECK_TAG="$tag" timeout 170 "$run" "${flags[@]}" --nproc-per-node "$nproc" \
+    "$bin/ft_mlp" "$@" >"$log" 2>&1 &
+  job=$!
+}
+
+# verdict WHAT LOG ALIVE ARGS...: the job ended 0, ALIVE replicas printed
+# the same final line, and it is the reference's for the quorums printed.
+verdict() {
+  local what="$1" log="$2" alive="$3" rc ks finals distinct ref steps
+  shift 3
+  wait "$job"
+  rc=$?
+  expect_rc "$what" "$rc" 0 "$log" || return 1
+  steps=$(grep -o '^\[[0-9]*\]: step [0-9]* k [0-9]*' "$log" | awk '{print $3}' | sort -n -u | wc -l)
+  ks=$(grep -o '^\[[0-9]*\]: step [0-9]* k [0-9]*' "$log" | awk '{print $3, $5}' | sort -n -u -k1,1 |
+    awk '{print $2}' | paste -sd,)
+  finals=$(grep -o 'final step .*' "$log")
+  distinct=$(sort -u <<<"$finals" | wc -l)
+  if [[ $(wc -l <<<"$finals") != "$alive" || $distinct != 1 ]]; then
+    fail "$what: $alive replicas should end alike; they printed:"
+    sed 's/^/    /' <<<"$finals"
+    return 1
+  fi
+  ref=$("$bin/ft_mlp" "$@" --reference "$ks")
+  if ! awk -v a="$(head -1 <<<"$finals")" -v b="$ref" 'BEGIN {
+      n = split(a, x, " "); split(b, y, " ");
+      if (x[3] != y[3]) exit 1;
+      for (i = 5; i <= n; i += 2) { d = x[i] - y[i]; if (d < 0) d = -d; if (d > 1e-5 * (y[i] < 0 ? -y[i] : y[i]) + 1e-9) exit 1 }
+    }'; then
+    fail "$what: the replicas end at '$(head -1 <<<"$finals")', the reference at '$ref'"
+    return 1
+  fi
+  echo "ok: $what: $steps steps, quorums $(tr ',' '\n' <<<"$ks" | uniq -c | awk '{printf "%sx%s ", $1, $2}'), final as the reference"
+}
+
+# after LOG N: waits until some replica printed committed step N.
+after() { await "$1" "\]: step $2 k" 6000; }
+
+args=(--steps 120 --step-ms 15 --width 128)
+
+# a. One replica killed at a random step.
+victim=$((RANDOM % 3)) at=$((20 + RANDOM % 40))
+start a.log 3 --replace-failed 3 -- "${args[@]}"
+after a.log "$at"
+kill -KILL "$(ft_pid "$tag" "$victim")"
+verdict "a. replica $victim killed after step $at" a.log 3 "${args[@]}" && {
+  failed=$(grep -o 'failed step [0-9]*' a.log | sort -u | wc -l)
+  [[ $failed == 1 ]] || fail "a. $failed steps failed, the killed one alone should"
+  grep -q "^\[$victim\]: healed bytes" <(grep -A1000 "starting it again" a.log) ||
+    fail "a. the replacement of replica $victim was not healed"
+}
+
+# b. A failure every 2 to 3 s until the job ends (about 30 s), each
+# replica in turn.
+bargs=(--steps 900 --step-ms 20 --width 128)
+start b.log 3 --replace-failed 40 -- "${bargs[@]}"
+after b.log 5
+kills=0
+while kill -0 "$job" 2>/dev/null; do
+  sleep "$(awk -v m=$((2000 + RANDOM % 1000)) 'BEGIN { print m / 1000 }')"
+  grep -q "final step" b.log && break
+  pid=$(ft_pid "$tag" $((kills % 3)))
+  [[ -n $pid ]] && kill -KILL "$pid" 2>/dev/null && kills=$((kills + 1))
+done
+verdict "b. $kills replicas killed, one every 2 to 3 s" b.log 3 "${bargs[@]}"
+((kills >= 5)) || fail "b. only $kills kills: the job ended too soon to test repeated failures"
+
+# c. A failure while a replacement heals: the newcomer, then its source.
+cargs=(--steps 150 --step-ms 15 --width 1024)
+start c1.log 3 --replace-failed 3 -- "${cargs[@]}"
+after c1.log 30
+kill -KILL "$(ft_pid "$tag" 1)"
+await c1.log "^\[1\]: started.*replacement 1" 1500
+kill -KILL "$(ft_pid "$tag" 1)"
+verdict "c. the newcomer killed as it starts" c1.log 3 "${cargs[@]}"
+start c2.log 3 --replace-failed 3 -- "${cargs[@]}"
+after c2.log 30
+kill -KILL "$(ft_pid "$tag" 2)"
+await c2.log "^\[2\]: started.*replacement 1" 1500
+kill -KILL "$(ft_pid "$tag" 0)"  # the first member: the source of the heal
+verdict "c. the source killed as the newcomer starts" c2.log 3 "${cargs[@]}"
+
+# d. A replica stopped longer than the heartbeat timeout (1.5 s).
+dargs=(--steps 400 --step-ms 15 --width 128)
+start d.log 3 --replace-failed 0 -- "${dargs[@]}"
+after d.log 20
+pid=$(ft_pid "$tag" 2)
+kill -STOP "$pid"
+sleep 4
+kill -CONT "$pid"
+verdict "d. replica 2 stopped for 4 s" d.log 3 "${dargs[@]}" && {
+  # (healed once at the start, from the first member, and again once let go)
+  (($(grep -c "^\[2\]: healed bytes" d.log) >= 2)) ||
+    fail "d. replica 2 was not healed after it was let go"
+  grep -q "k 2 " d.log || fail "d. the others did not train without replica 2"
+}
+
+# e. Newcomers that do not belong: another model, other options, no token.
+eargs=(--steps 150 --step-ms 15 --width 128 --replicas 3)
+start e.log 2 --replace-failed 0 -- "${eargs[@]}"
+after e.log 10
+pid=$(ft_pid "$tag" 0)
+mapfile -t envs < <(tr '\0' '\n' <"/proc/$pid/environ" | grep -E '^(MASTER_ADDR|MASTER_PORT|TORCHELASTIC_USE_AGENT_STORE|TANDEM_TOKEN|WORLD_SIZE)=')
+intruder() {  # intruder WHAT PATTERN ENV... -- ARGS...
+  local what="$1" pattern="$2" out rc
+  shift 2
+  local extra=()
+  while [[ $1 != -- ]]; do extra+=("$1"); shift; done
+  shift
+  out=$(env "${envs[@]}" RANK=2 "${extra[@]}" timeout 30 "$bin/ft_mlp" "$@" 2>&1)
+  rc=$?
+  if [[ $rc != 1 ]] || ! grep -q "$pattern" <<<"$out"; then
+    fail "e. $what: exit $rc, expected 1 naming '$pattern'; it printed:"
+    sed 's/^/    /' <<<"$out" | tail -5
+  else
+    echo "ok: e. $what: $(grep -o 'ft::Manager.*' <<<"$out" | cut -c1-160)"
+  fi
+}
+intruder "another model" "param/0.weight" -- --width 64 --replicas 3 --steps 5
+intruder "other options" "batch 32.*batch 16" -- --width 128 --replicas 3 --batch 16 --steps 5
+intruder "no cluster token" "cluster token" TANDEM_TOKEN=forged -- "${eargs[@]}"
+verdict "e. the job with its intruders refused" e.log 2 "${eargs[@]}"
+
+# f. No quorum left: the job restarts from its checkpoint.
+fargs=(--steps 80 --step-ms 15 --width 128 --min-replicas 3 --checkpoint-every 10 --checkpoint f.ckpt)
+start f.log 3 --replace-failed 1 --max-restarts 1 -- "${fargs[@]}"
+after f.log 25
+kill -KILL "$(ft_pid "$tag" 2)"
+await f.log "^\[2\]: healed" 1500
+after f.log 45
+kill -KILL "$(ft_pid "$tag" 2)"
+verdict "f. the replacements spent, the job restarted" f.log 3 "${fargs[@]}" && {
+  grep -q "resumed [1-9]" f.log || fail "f. the job did not resume from its checkpoint"
+}
+
+finish check_ft

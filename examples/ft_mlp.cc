@@ -1,0 +1,340 @@
+// ft_mlp: data-parallel training that goes on through a failure. Each
+// process is a replica (tandem::ft::Manager): kill one and the others keep
+// training from the next step; tandem-run starts it again and it is healed
+// from a peer's memory, then trains with them.
+//
+//   build/bin/tandem-run --replace-failed 3 --nproc-per-node 3 build/bin/ft_mlp --steps 200
+//
+// The task is synthetic: --samples random inputs labelled by a random
+// "teacher" MLP (the same on every replica, from --seed). In float64, so
+// that a reference computed in another order of sums (one process, not an
+// all-reduce) still agrees to 1e-5 after hundreds of Adam steps: in
+// float32 the orders' rounding grows to 1e-3 over 900 steps. The sample stream
+// is the quorum's (ft/manager.h, 6.): a failed step's samples are the next
+// step's, so none is skipped or trained twice. Adam, so that healing moves
+// optimizer state too.
+//
+// Every replica prints, on stdout:
+//   started age_ms A t T replacement R     (at main: A ms after its process began; T wall ms)
+//   step S k K loss L t T                  (each committed step: K replicas took part)
+//   failed step S t T: WHY                 (a step committed by none)
+//   healed bytes B state S ms M            (after it was healed)
+//   final step S loss L norm N             (L: the loss over every sample; N: the parameters')
+// --reference K1,K2,... computes, in one process, the run whose committed
+// steps had K1, K2, ... replicas (what a survivor printed) and prints its
+// final line: a survivor's must equal it (1e-5 relative).
+//
+// With --checkpoint-every N the quorum's first member writes a checkpoint
+// every N committed steps, and a job restarted as a whole (no quorum left:
+// tandem-run --max-restarts) resumes from the newest ("resumed S").
+//
+// --restart runs the same job the old way, for comparison (ft_bench): a
+// plain process group, a checkpoint every --checkpoint-every steps by rank
+// 0, and under tandem-run --max-restarts a failure restarts every worker
+// from the newest checkpoint (printing "resumed S").
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/tensor.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "examples/flags.h"
+#include "tandem/checkpoint/checkpoint.h"
+#include "tandem/ddp/process_group.h"
+#include "tandem/ft/manager.h"
+#include "tandem/optim/param_state.h"
+
+namespace {
+
+namespace ft = tandem::ft;
+namespace ddp = tandem::ddp;
+namespace nn = torch::nn;
+
+struct Config {
+  int64_t steps = 100;
+  int64_t samples = 4096;
+  int64_t batch = 32;
+  int64_t width = 256;
+  int64_t seed = 1;
+  int64_t step_ms = 0;
+  int64_t min_replicas = 1;
+  int64_t replicas = 0;
+  int64_t checkpoint_every = 0;
+  double lr = 1e-3;
+  std::string reference;
+  std::string checkpoint = "ft_mlp.ckpt";
+  bool restart = false;
+};
+
+constexpr int64_t kIn = 32, kOut = 8;
+
+int64_t wall_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// How long ago this process began (its start time in /proc against the uptime).
+int64_t process_age_ms() {
+  std::ifstream stat("/proc/self/stat"), uptime("/proc/uptime");
+  std::string line;
+  double up = 0;
+  if (!std::getline(stat, line) || !(uptime >> up)) return 0;
+  std::istringstream rest(line.substr(line.rfind(')') + 2));
+  std::string field;
+  for (int f = 3; f <= 22 && rest >> field; ++f) {
+    if (f == 22) {
+      const double started = std::stod(field) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+      return static_cast<int64_t>((up - started) * 1000);
+    }
+  }
+  return 0;
+}
+
+struct Data {
+  at::Tensor x, y;
+};
+
+Data make_data(const Config& c) {
+  at::manual_seed(static_cast<uint64_t>(c.seed) + 1000);
+  Data d;
+  d.x = at::randn({c.samples, kIn}).to(at::kDouble);
+  nn::Sequential teacher(nn::Linear(kIn, 64), nn::Tanh(), nn::Linear(64, kOut));
+  teacher->to(at::kDouble);
+  at::NoGradGuard g;
+  d.y = teacher->forward(d.x);
+  return d;
+}
+
+nn::Sequential make_model(const Config& c) {
+  at::manual_seed(static_cast<uint64_t>(c.seed));
+  nn::Sequential m(nn::Linear(kIn, c.width), nn::ReLU(), nn::Linear(c.width, c.width), nn::ReLU(),
+                   nn::Linear(c.width, kOut));
+  m->to(at::kDouble);
+  return m;
+}
+
+at::Tensor batch_loss(nn::Sequential& m, const Data& d, const std::vector<int64_t>& idx) {
+  const at::Tensor i = at::tensor(idx, at::kLong);
+  return torch::nn::functional::mse_loss(m->forward(d.x.index_select(0, i)), d.y.index_select(0, i));
+}
+
+void print_final(int64_t step, nn::Sequential& m, const Data& d) {
+  at::NoGradGuard g;
+  const double loss = torch::nn::functional::mse_loss(m->forward(d.x), d.y).item<double>();
+  double sq = 0;
+  for (const auto& p : m->parameters()) sq += p.pow(2).sum().item<double>();
+  std::printf("final step %lld loss %.9g norm %.9g\n", static_cast<long long>(step), loss, std::sqrt(sq));
+  std::fflush(stdout);
+}
+
+// The model's parameters and Adam's state of each, for a checkpoint.
+tandem::checkpoint::Part state_part(nn::Sequential& model, torch::optim::Adam& opt) {
+  tandem::checkpoint::Part part;
+  int i = 0;
+  for (auto& p : model->parameters()) {
+    part.add("p" + std::to_string(i), p);
+    part.add_bytes("s" + std::to_string(i), tandem::optim::param_state_bytes(opt, p));
+    ++i;
+  }
+  return part;
+}
+
+void load_state(const tandem::checkpoint::Reader& r, nn::Sequential& model, torch::optim::Adam& opt) {
+  at::NoGradGuard g;
+  int i = 0;
+  for (auto& p : model->parameters()) {
+    p.copy_(r.tensor("p" + std::to_string(i)));
+    tandem::optim::load_param_state(opt, p, r.bytes("s" + std::to_string(i)));
+    ++i;
+  }
+}
+
+int run_reference(const Config& c) {
+  std::vector<int> ks;
+  std::stringstream in(c.reference);
+  std::string item;
+  while (std::getline(in, item, ',')) ks.push_back(std::stoi(item));
+  const Data d = make_data(c);
+  auto model = make_model(c);
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(c.lr));
+  int64_t cursor = 0;
+  for (int k : ks) {
+    opt.zero_grad();
+    // The mean over k replicas' batches of their mean losses.
+    for (int r = 0; r < k; ++r) {
+      auto idx = ft::sample_stream(c.samples, static_cast<uint64_t>(c.seed), true,
+                                   cursor + r * c.batch, c.batch);
+      (batch_loss(model, d, idx) / k).backward();
+    }
+    opt.step();
+    cursor += k * c.batch;
+  }
+  print_final(static_cast<int64_t>(ks.size()), model, d);
+  return 0;
+}
+
+int run_ft(const Config& c) {
+  const char* replaced = std::getenv("TANDEM_REPLACEMENT_COUNT");
+  std::printf("started age_ms %lld t %lld replacement %s\n",
+              static_cast<long long>(process_age_ms()), static_cast<long long>(wall_ms()),
+              replaced ? replaced : "0");
+  std::fflush(stdout);
+  const Data d = make_data(c);
+  auto model = make_model(c);
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(c.lr));
+  ft::ManagerOptions o;
+  o.min_replicas = static_cast<int>(c.min_replicas);
+  if (c.replicas > 0) o.max_replicas = static_cast<int>(c.replicas);
+  o.dataset_size = c.samples;
+  o.batch_size = c.batch;
+  o.seed = static_cast<uint64_t>(c.seed);
+  o.heartbeat_timeout = std::chrono::milliseconds(1500);
+  o.join_timeout = std::chrono::milliseconds(2000);
+  o.collective_timeout = std::chrono::seconds(20);
+  ft::Manager manager(o, ft::module_state(*model, opt));
+  // After a restart of the whole job (--max-restarts): the newest checkpoint.
+  if (c.checkpoint_every > 0) {
+    if (auto found = tandem::checkpoint::latest(c.checkpoint)) {
+      tandem::checkpoint::Reader r(found->path);
+      load_state(r, model, opt);
+      manager.restore(found->step, std::stoll(r.bytes("samples_done")));
+      std::printf("resumed %lld t %lld\n", static_cast<long long>(found->step),
+                  static_cast<long long>(wall_ms()));
+    }
+  }
+  int64_t heals = 0;
+  while (manager.step() < c.steps) {
+    manager.start_step();
+    if (manager.metrics().heals != heals) {
+      heals = manager.metrics().heals;
+      std::printf("healed bytes %lld state %lld ms %.1f\n",
+                  static_cast<long long>(manager.metrics().heal_bytes_received),
+                  static_cast<long long>(manager.metrics().state_bytes),
+                  manager.metrics().last_heal_ms);
+    }
+    opt.zero_grad();
+    at::Tensor loss = batch_loss(model, d, manager.batch_indices());
+    loss.backward();
+    if (c.step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(c.step_ms));
+    std::vector<at::Tensor> grads;
+    for (const auto& p : model->parameters()) grads.push_back(p.grad());
+    manager.allreduce_grads(grads);
+    const int k = manager.participants();
+    if (manager.should_commit()) {
+      opt.step();
+      std::printf("step %lld k %d loss %.6f t %lld\n", static_cast<long long>(manager.step()), k,
+                  loss.item<double>(), static_cast<long long>(wall_ms()));
+      // The quorum's first member writes the job's checkpoint (every
+      // replica holds the same state).
+      if (c.checkpoint_every > 0 && manager.step() % c.checkpoint_every == 0 &&
+          manager.participant_rank() == 0) {
+        tandem::checkpoint::Part part = state_part(model, opt);
+        part.add_bytes("samples_done", std::to_string(manager.samples_done()));
+        tandem::checkpoint::save(c.checkpoint, manager.step(), part);
+      }
+    } else {
+      std::printf("failed step %lld t %lld: %s\n", static_cast<long long>(manager.step() + 1),
+                  static_cast<long long>(wall_ms()), manager.last_error().c_str());
+    }
+    std::fflush(stdout);
+  }
+  print_final(manager.step(), model, d);
+  return 0;
+}
+
+// The old way: every worker restarts from the newest checkpoint.
+int run_restart(const Config& c) {
+  std::printf("started age_ms %lld t %lld replacement 0\n",
+              static_cast<long long>(process_age_ms()), static_cast<long long>(wall_ms()));
+  std::fflush(stdout);
+  const Data d = make_data(c);
+  auto model = make_model(c);
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(c.lr));
+  ddp::init_process_group("gloo");
+  const int world = ddp::get_world_size();
+  const int rank = ddp::get_rank();
+  int64_t step = 0;
+  if (auto found = tandem::checkpoint::latest(c.checkpoint)) {
+    tandem::checkpoint::Reader r(found->path);
+    load_state(r, model, opt);
+    step = found->step;
+    std::printf("resumed %lld t %lld\n", static_cast<long long>(step), static_cast<long long>(wall_ms()));
+  }
+  while (step < c.steps) {
+    opt.zero_grad();
+    auto idx = ft::sample_stream(c.samples, static_cast<uint64_t>(c.seed), true,
+                                 step * world * c.batch + rank * c.batch, c.batch);
+    at::Tensor loss = batch_loss(model, d, idx);
+    loss.backward();
+    if (c.step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(c.step_ms));
+    for (auto& p : model->parameters()) {
+      at::Tensor g = p.grad();
+      ddp::all_reduce(g);
+      g.div_(world);
+    }
+    opt.step();
+    ++step;
+    std::printf("step %lld k %d loss %.6f t %lld\n", static_cast<long long>(step), world,
+                loss.item<double>(), static_cast<long long>(wall_ms()));
+    std::fflush(stdout);
+    if (rank == 0 && step % c.checkpoint_every == 0) {
+      tandem::checkpoint::save(c.checkpoint, step, state_part(model, opt));
+    }
+  }
+  print_final(step, model, d);
+  ddp::destroy_process_group();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Config c;
+  examples::Flags flags("ft_mlp");
+  flags.add("--steps", &c.steps, 1, "committed steps to train")
+      .add("--samples", &c.samples, 1, "samples in the dataset")
+      .add("--batch", &c.batch, 1, "samples a replica a step")
+      .add("--width", &c.width, 1, "the MLP's hidden width")
+      .add("--seed", &c.seed, 0, "seed of the data, the model and the sample order")
+      .add("--step-ms", &c.step_ms, 0, "extra milliseconds of work a step (pacing)")
+      .add("--min-replicas", &c.min_replicas, 1, "a quorum's minimum")
+      .add("--replicas", &c.replicas, 0, "replica ids 0..N-1 (0: WORLD_SIZE)")
+      .add("--lr", &c.lr, "Adam's learning rate")
+      .add("--reference", &c.reference, "K1,K2,...: the run whose committed steps had these quorums")
+      .add_switch("--restart", &c.restart, "no fault tolerance: restart from a checkpoint")
+      .add("--checkpoint", &c.checkpoint, "--restart's checkpoint folder")
+      .add("--checkpoint-every", &c.checkpoint_every, 0,
+           "a checkpoint into --checkpoint every N committed steps (0: none; --restart: 10)");
+  if (std::string error = flags.parse(argc, argv); !error.empty()) {
+    std::fprintf(stderr, "ft_mlp: %s\n%s", error.c_str(), flags.usage().c_str());
+    return 2;
+  }
+  if (flags.help()) {
+    std::printf("%s", flags.usage().c_str());
+    return 0;
+  }
+  try {
+    if (!c.reference.empty()) return run_reference(c);
+    if (c.restart && c.checkpoint_every == 0) c.checkpoint_every = 10;
+    return c.restart ? run_restart(c) : run_ft(c);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ft_mlp: %s\n", e.what());
+    return 1;
+  }
+}
