@@ -7,7 +7,7 @@ objects with a "bench" and an "impl" are ignored, and so are values that are
 not finite numbers.
 Lines are grouped by `bench` and their size key (`bytes`, `hops`, `world` or
 `idle_us`, possibly absent; a pipeline line by its schedule, stages and chunks, a pp_dp
-line by its layout, a zero line by its mode and world). For each
+line by its layout, a zero line by its mode and world, an ft line by its mode). For each
 metric of the tandem lines it prints Tandem's value over TCP (column tandem;
 also a line that names no transport), over shared memory (tandem_shm: lines
 with "transport":"shm"), PyTorch's and the machine's floor (raw: a raw_tcp or
@@ -36,7 +36,9 @@ METRICS = ("p50_us", "p99_us", "gbps", "ms", "local_ms", "overhead_ms", "ms_per_
            "bytes_per_param", "rss_mb", "ms_per_ddp", "restart_s", "steps_lost",
            "checkpoint_every", "final_loss", "uninterrupted_loss", "async_stall_ms",
            "sync_stall_ms", "copy_ms", "param_bytes_per_rank", "activation_bytes_per_rank",
-           "sent_bytes_per_rank", "expected_sent_bytes", "sent_per_expected", "ms_per_tp1")
+           "sent_bytes_per_rank", "expected_sent_bytes", "sent_per_expected", "ms_per_tp1",
+           "step_ms", "survivor_pause_ms", "heal_ms", "heal_bytes", "state_bytes",
+           "heal_per_state", "rejoin_s", "reference_loss")
 HIGHER_IS_BETTER = {"gbps", "overlap", "samples_per_s", "single_worker_samples_per_s",
                     "chunked_single_worker_samples_per_s", "efficiency", "efficiency_vs_chunked", "speedup", "allreduce_hidden"}
 HEADER = ("bench", "size", "metric", "tandem", "tandem_shm", "pytorch", "path", "raw",
@@ -101,6 +103,10 @@ def with_derived(rec):
         rec = dict(rec, config=f"{rec['mode']} N={rec.get('world')}")
         if is_num(rec.get("bytes_per_rank")) and is_num(rec.get("params")) and rec["params"]:
             rec["bytes_per_param"] = round(rec["bytes_per_rank"] / rec["params"], 2)
+    if rec.get("bench") == "ft" and "mode" in rec:
+        rec = dict(rec, config=f"{rec['mode']} N={rec.get('replicas')}")
+        if is_num(rec.get("heal_bytes")) and is_num(rec.get("state_bytes")) and rec["state_bytes"]:
+            rec["heal_per_state"] = round(rec["heal_bytes"] / rec["state_bytes"], 4)
     if rec.get("bench") == "tp" and "tp" in rec:
         sp = " sp" if rec.get("sp") else ""
         again = " recompute" if rec.get("recompute") else ""

@@ -2,10 +2,13 @@
 """Pictures for the README: the main demo's loss curve, and Tandem's bench
 figures against PyTorch's from one ./dev bench run.
 
-Usage: plot.py LOSSES_CSV BENCH_JSONL OUT_DIR
-Writes OUT_DIR/loss.png (from gpt's --losses CSV) and OUT_DIR/bench.png
+Usage: plot.py LOSSES_CSV BENCH_JSONL OUT_DIR [FT_TIMELINE_CSV]
+Writes OUT_DIR/loss.png (from gpt's --losses CSV), OUT_DIR/bench.png
 (time of each Tandem line divided by PyTorch's from the same run, over TCP
-and over shared memory; below 1 is faster). A missing input skips its picture.
+and over shared memory; below 1 is faster) and OUT_DIR/ft.png (ft_bench's
+--timeline: the job's committed steps a second through a replica's
+failure, per-step fault tolerance beside restart-the-world). A missing
+input skips its picture.
 """
 import csv
 import os
@@ -90,13 +93,52 @@ def plot_bench(path, out):
     return True
 
 
+def plot_ft(path, out):
+    runs = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            runs.setdefault(row["mode"], []).append(float(row["t_s"]))
+    if not runs:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
+    labels = {"per_step": "per-step fault tolerance (ft::Manager)",
+              "restart": "restart the world from a checkpoint"}
+    window = 0.25  # seconds: steps committed in the window before each point
+    for mode, times in runs.items():
+        times.sort()
+        xs, ys = [], []
+        t, end = times[0], times[-1]
+        while t <= end:
+            n = sum(1 for v in times if t - window < v <= t)
+            xs.append(t)
+            ys.append(n / window)
+            t += 0.05
+        ax.plot(xs, ys, label=labels.get(mode, mode))
+    ax.axvline(0.0, color="black", linewidth=1, linestyle="--")
+    ax.text(0.02, 0.97, "replica 3 killed", transform=ax.get_xaxis_transform(), va="top",
+            fontsize="small")
+    ax.set_xlabel("seconds from the kill")
+    ax.set_ylabel("committed steps / s")
+    ax.set_title("ft_bench: 4 replicas, one SIGKILLed")
+    ax.legend(loc="lower right", fontsize="small")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return True
+
+
 def main(argv):
-    if len(argv) != 3:
+    if len(argv) not in (3, 4):
         print(__doc__.strip(), file=sys.stderr)
         return 2
-    losses, bench, out_dir = argv
+    losses, bench, out_dir = argv[:3]
+    timeline = argv[3] if len(argv) == 4 else None
     os.makedirs(out_dir, exist_ok=True)
-    for name, fn, src in (("loss.png", plot_losses, losses), ("bench.png", plot_bench, bench)):
+    pictures = [("loss.png", plot_losses, losses), ("bench.png", plot_bench, bench)]
+    if timeline:
+        pictures.append(("ft.png", plot_ft, timeline))
+    for name, fn, src in pictures:
         if not os.path.exists(src):
             print(f"plot.py: {src} not found, no {name}", file=sys.stderr)
             continue

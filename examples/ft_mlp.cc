@@ -32,6 +32,7 @@
 // plain process group, a checkpoint every --checkpoint-every steps by rank
 // 0, and under tandem-run --max-restarts a failure restarts every worker
 // from the newest checkpoint (printing "resumed S").
+#include <ATen/ops/cat.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/tensor.h>
@@ -283,10 +284,16 @@ int run_restart(const Config& c) {
     at::Tensor loss = batch_loss(model, d, idx);
     loss.backward();
     if (c.step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(c.step_ms));
+    // One all-reduce of every gradient, as the fault-tolerant way does.
+    std::vector<at::Tensor> flat;
+    for (auto& p : model->parameters()) flat.push_back(p.grad().reshape({-1}));
+    at::Tensor all = at::cat(flat);
+    ddp::all_reduce(all);
+    all.div_(world);
+    int64_t at = 0;
     for (auto& p : model->parameters()) {
-      at::Tensor g = p.grad();
-      ddp::all_reduce(g);
-      g.div_(world);
+      p.grad().copy_(all.narrow(0, at, p.numel()).view_as(p));
+      at += p.numel();
     }
     opt.step();
     ++step;
