@@ -26,6 +26,7 @@
 #include <thread>
 
 #include "tandem/ddp/process_group.h"
+#include "tandem/ft/etcd_store.h"
 #include "tandem/ft/heartbeat.h"
 #include "tandem/ft/joined.h"
 #include "tandem/rpc/common/auth.h"
@@ -87,13 +88,18 @@ std::string wait_for_key(c10d::Store& store, const std::string& key,
   }
 }
 
-// The default store client: tandem-run's, at MASTER_ADDR:MASTER_PORT.
+// The default store client: etcd's when TANDEM_ETCD names its members, else
+// tandem-run's, at MASTER_ADDR:MASTER_PORT.
 c10::intrusive_ptr<c10d::Store> launcher_store() {
+  if (const char* etcd = std::getenv("TANDEM_ETCD"); etcd && *etcd) {
+    return etcd_store(etcd, "tandem/", std::chrono::seconds(60));
+  }
   const rpc::WorldEnv env = rpc::world_from_env();
   if (env.master_addr.empty() || env.master_port <= 0) {
     throw std::invalid_argument(
         "ft::Manager: no store to meet at: run under tandem-run (it sets MASTER_ADDR and "
-        "MASTER_PORT and hosts the store) or give ManagerOptions::connect");
+        "MASTER_PORT and hosts the store), set TANDEM_ETCD to an etcd cluster's members, or "
+        "give ManagerOptions::connect");
   }
   if (!rpc::store_hosted_by_launcher()) {
     throw std::invalid_argument(
@@ -572,12 +578,19 @@ bool Manager::should_commit() {
       store_->set(v + "fp/" + std::to_string(rank_in_quorum_), bytes_of(fingerprint()));
       if (store_->add(v + "ok", 1) == k) {
         deciding = true;
-        // The last to vote well decides: every fingerprint must agree.
+        // The last to vote well decides: every fingerprint must agree. (A
+        // count that an add retried through an etcd election counted twice
+        // is caught here: a vote missing its fingerprint decides nothing.)
         std::map<std::string, std::vector<int>> by_fp;
-        for (int r = 0; r < k; ++r) {
-          by_fp[text_of(store_->get(v + "fp/" + std::to_string(r)))].push_back(members_[static_cast<size_t>(r)]);
+        bool all_voted = true;
+        for (int r = 0; r < k && all_voted; ++r) {
+          const std::string fp = get_if(*store_, v + "fp/" + std::to_string(r));
+          if (fp.empty()) all_voted = false;
+          by_fp[fp].push_back(members_[static_cast<size_t>(r)]);
         }
-        if (by_fp.size() == 1) {
+        if (!all_voted) {
+          deciding = false;
+        } else if (by_fp.size() == 1) {
           const bool join = store_->check({"q/" + std::to_string(epoch_ + 1) + "/any"});
           decide(join ? "commit join" : "commit");
         } else {

@@ -126,9 +126,11 @@ struct ManagerOptions {
   int min_replicas = 1;
   // Makes a new client of the store the replicas meet at (the manager keeps
   // one for its steps, one for its heartbeat thread, and one for each
-  // quorum's group). Empty: a TCPStore client of MASTER_ADDR:MASTER_PORT,
-  // which must be hosted by the launcher (tandem-run does), since a replica
-  // that hosted it would end the job by dying.
+  // quorum's group). Empty: an etcd cluster's (ft/etcd_store.h) when
+  // TANDEM_ETCD names its members, else a TCPStore client of
+  // MASTER_ADDR:MASTER_PORT, which must be hosted by the launcher
+  // (tandem-run does), since a replica that hosted it would end the job by
+  // dying.
   std::function<c10::intrusive_ptr<c10d::Store>()> connect;
   // The cluster token: joins, quorums and decisions carry its MAC, so that
   // nothing written to the store without it is believed. Empty: TANDEM_TOKEN.
