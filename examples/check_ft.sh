@@ -20,7 +20,10 @@
 #     the job's cluster token: each refused by name, the job unaffected;
 #  f. no quorum left (every replica needed, the replacements spent): the
 #     job restarts as a whole from its newest checkpoint and ends as the
-#     reference.
+#     reference;
+#  g. the quorum kept in a 3-member etcd cluster (TANDEM_ETCD), a node (a
+#     launcher) a replica: node 0's launcher and its worker killed, the
+#     other nodes train on to the end.
 set -uo pipefail
 bin="$(readlink -f "${1:?usage: check_ft.sh BIN_DIR}")"
 here="$(dirname "$(readlink -f "$0")")"
@@ -55,13 +58,17 @@ start() {
   job=$!
 }
 
-# verdict WHAT LOG ALIVE ARGS...: the job ended 0, ALIVE replicas printed
+# verdict WHAT LOG ALIVE ARGS...: the job ($job, or with none $job_rc) ended 0, ALIVE replicas printed
 # the same final line, and it is the reference's for the quorums printed.
 verdict() {
   local what="$1" log="$2" alive="$3" rc ks finals distinct ref steps
   shift 3
-  wait "$job"
-  rc=$?
+  if [[ -n $job ]]; then
+    wait "$job"
+    rc=$?
+  else
+    rc=$job_rc  # (a job of several launchers: its status, given)
+  fi
   expect_rc "$what" "$rc" 0 "$log" || return 1
   steps=$(grep -o '^\[[0-9]*\]: step [0-9]* k [0-9]*' "$log" | awk '{print $3}' | sort -n -u | wc -l)
   ks=$(grep -o '^\[[0-9]*\]: step [0-9]* k [0-9]*' "$log" | awk '{print $3, $5}' | sort -n -u -k1,1 |
@@ -184,5 +191,54 @@ kill -KILL "$(ft_pid "$tag" 2)"
 verdict "f. the replacements spent, the job restarted" f.log 3 "${fargs[@]}" && {
   grep -q "resumed [1-9]" f.log || fail "f. the job did not resume from its checkpoint"
 }
+
+# g. The quorum in a 3-member etcd cluster, three nodes (a launcher each):
+# node 0's launcher killed with its worker; the other nodes go on.
+if [[ -x /usr/bin/etcd ]]; then
+  read -r -a ports < <(python3 -c '
+import socket
+ss = [socket.socket() for _ in range(7)]
+for s in ss: s.bind(("127.0.0.1", 0))
+print(" ".join(str(s.getsockname()[1]) for s in ss))')
+  cluster="m0=http://127.0.0.1:${ports[3]},m1=http://127.0.0.1:${ports[4]},m2=http://127.0.0.1:${ports[5]}"
+  etcd_pids=()
+  for i in 0 1 2; do
+    /usr/bin/etcd --name "m$i" --data-dir "$tmp/etcd$i" --logger zap --log-outputs "$tmp/etcd$i.log" \
+      --listen-client-urls "http://127.0.0.1:${ports[$i]}" --advertise-client-urls "http://127.0.0.1:${ports[$i]}" \
+      --listen-peer-urls "http://127.0.0.1:${ports[$((i + 3))]}" \
+      --initial-advertise-peer-urls "http://127.0.0.1:${ports[$((i + 3))]}" \
+      --initial-cluster "$cluster" --initial-cluster-state new >/dev/null 2>&1 &
+    etcd_pids+=($!)
+  done
+  export TANDEM_ETCD="127.0.0.1:${ports[0]},127.0.0.1:${ports[1]},127.0.0.1:${ports[2]}"
+  export TANDEM_TOKEN="check-ft-$RANDOM$RANDOM"  # the nodes' shared token
+  gargs=(--steps 200 --step-ms 15 --width 128)
+  node_pids=()
+  gtag="ft-g-$$"
+  for r in 0 1 2; do
+    CHECK_TAG="$gtag" timeout 170 "$run" --nnodes 3 --node-rank "$r" --master-addr 127.0.0.1 \
+      --master-port "${ports[6]}" --nproc-per-node 1 "$bin/ft_mlp" "${gargs[@]}" >"g$r.log" 2>&1 &
+    node_pids+=($!)
+  done
+  after g1.log 40
+  worker0=$(ft_pid "$gtag" 0)
+  kill -KILL "${node_pids[0]}"
+  [[ -n $worker0 ]] && kill -KILL "$worker0" 2>/dev/null
+  wait "${node_pids[1]}"; rc1=$?
+  wait "${node_pids[2]}"; rc2=$?
+  wait "${node_pids[0]}" 2>/dev/null
+  cat g1.log g2.log >g.log
+  if [[ $rc1 != 0 || $rc2 != 0 ]]; then
+    fail "g. node 0 killed: nodes 1 and 2 exited $rc1 and $rc2"; sed 's/^/    /' g.log | tail -20
+  else
+    job="" job_rc=0
+    verdict "g. node 0's launcher and worker killed, the quorum in etcd" g.log 2 "${gargs[@]}"
+  fi
+  kill "${etcd_pids[@]}" 2>/dev/null
+  wait "${etcd_pids[@]}" 2>/dev/null
+  unset TANDEM_ETCD TANDEM_TOKEN
+else
+  echo "skipped: g. no etcd here (apt-get install etcd-server)"
+fi
 
 finish check_ft
