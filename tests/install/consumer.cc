@@ -34,6 +34,9 @@
 // Adam state) is saved in the background over a group of the saver's own,
 // then, its parts verified, loaded into plain LibTorch on rank 0 alone: the
 // models and each parameter's Adam state come back.
+// `consumer ft` starts three replicas under ft::Manager: one reports an
+// error in a step, which is then committed by none, and the quorum goes on;
+// the replicas end alike, on the samples the stream gave them.
 #include <optional>
 
 #include <tandem/autograd/autograd.h>
@@ -41,6 +44,7 @@
 #include <tandem/ddp/distributed_data_parallel.h>
 #include <tandem/ddp/fully_sharded.h>
 #include <tandem/ddp/sampler.h>
+#include <tandem/ft/manager.h>
 #include <tandem/mesh/mesh.h>
 #include <tandem/optim/distributed_optimizer.h>
 #include <tandem/optim/nonfinite.h>
@@ -58,6 +62,9 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/gelu.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/mse_loss.h>
+#include <ATen/ops/tensor.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/softmax.h>
@@ -379,7 +386,43 @@ int checkpoint_job() {
   return 0;
 }
 
+int ft_job() {
+  namespace ft = tandem::ft;
+  tandem::spawn(3, [](int rank, int) {
+    at::manual_seed(5);
+    const at::Tensor x = at::randn({30, 4}), y = at::randn({30, 1});
+    torch::nn::Linear model(4, 1);
+    torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(0.01));
+    ft::ManagerOptions o;
+    o.dataset_size = 30;
+    o.batch_size = 2;
+    ft::Manager manager(o, ft::module_state(*model, opt));
+    int failed = 0;
+    for (int tried = 0; manager.step() < 6; ++tried) {
+      manager.start_step();
+      if (tried == 2 && rank == 2) manager.report_error("a NaN loss");
+      opt.zero_grad();
+      const at::Tensor i = at::tensor(manager.batch_indices(), at::kLong);
+      at::mse_loss(model(x.index_select(0, i)), y.index_select(0, i)).backward();
+      manager.allreduce_grads({model->weight.grad(), model->bias.grad()});
+      if (manager.should_commit()) {
+        opt.step();
+      } else {
+        ++failed;
+      }
+    }
+    if (failed != 1 || manager.samples_done() != 6 * 3 * 2 || manager.participants() != 3) {
+      throw std::runtime_error("replica " + std::to_string(rank) + ": " + std::to_string(failed) +
+                               " failed steps, " + std::to_string(manager.samples_done()) +
+                               " samples done");
+    }
+  });
+  std::printf("three replicas trained through a failed step\n");
+  return 0;
+}
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "ft") == 0) return ft_job();
   if (argc > 1 && std::strcmp(argv[1], "checkpoint") == 0) return checkpoint_job();
   if (argc > 1 && std::strcmp(argv[1], "spawn") == 0) return spawn_job();
   if (argc > 1 && std::strcmp(argv[1], "mesh") == 0) return mesh_job();
