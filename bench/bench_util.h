@@ -3,11 +3,17 @@
 // with tests/support/local_job.h, as the tests start theirs.
 #pragma once
 
+#include <dirent.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <limits>
 #include <sstream>
 #include <stdexcept>
@@ -170,5 +176,43 @@ class Flags {
   std::string program_;
   std::vector<Flag> flags_;
 };
+
+// The folder this program lives in (the launcher and the examples that
+// restart_bench and ft_bench run are built beside it).
+inline std::string self_dir() {
+  char buf[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n <= 0) return ".";
+  std::string p(buf, static_cast<size_t>(n));
+  return p.substr(0, p.rfind('/'));
+}
+
+// The pid of a live process named `comm` whose environment holds every one
+// of `vars` ("NAME=value"); -1 when there is none.
+inline pid_t find_process(const std::string& comm, const std::vector<std::string>& vars) {
+  DIR* proc = ::opendir("/proc");
+  if (!proc) return -1;
+  pid_t found = -1;
+  while (dirent* e = ::readdir(proc)) {
+    const pid_t pid = static_cast<pid_t>(std::atoi(e->d_name));
+    if (pid <= 0) continue;
+    std::ifstream in(std::string("/proc/") + e->d_name + "/environ", std::ios::binary);
+    std::string env((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const bool all = std::all_of(vars.begin(), vars.end(), [&](const std::string& v) {
+      return env.find(std::string(1, '\0') + v + '\0') != std::string::npos ||
+             env.rfind(v + '\0', 0) == 0;
+    });
+    if (!all) continue;
+    std::ifstream name_file(std::string("/proc/") + e->d_name + "/comm");
+    std::string name;
+    std::getline(name_file, name);
+    if (name == comm) {
+      found = pid;
+      break;
+    }
+  }
+  ::closedir(proc);
+  return found;
+}
 
 }  // namespace tandem::bench

@@ -41,45 +41,16 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string self_dir() {
-  char buf[4096];
-  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
-  if (n <= 0) return ".";
-  std::string p(buf, static_cast<size_t>(n));
-  return p.substr(0, p.rfind('/'));
-}
-
 int64_t wall_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
              std::chrono::system_clock::now().time_since_epoch())
       .count();
 }
 
-// The live pid of the job's worker `rank` (its environment has `tag`).
+// The pid of the job's worker `rank` (its environment has `tag`).
 pid_t find_worker(const std::string& tag, int rank) {
-  DIR* proc = ::opendir("/proc");
-  if (!proc) return -1;
-  pid_t found = -1;
-  while (dirent* e = ::readdir(proc)) {
-    const pid_t pid = static_cast<pid_t>(std::atoi(e->d_name));
-    if (pid <= 0) continue;
-    std::ifstream in(std::string("/proc/") + e->d_name + "/environ", std::ios::binary);
-    std::string env((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    auto has = [&](const std::string& v) {
-      return env.find(std::string(1, '\0') + v + '\0') != std::string::npos ||
-             env.rfind(v + '\0', 0) == 0;
-    };
-    if (!has("FT_BENCH_TAG=" + tag) || !has("RANK=" + std::to_string(rank))) continue;
-    std::ifstream comm(std::string("/proc/") + e->d_name + "/comm");
-    std::string name;
-    std::getline(comm, name);
-    if (name == "ft_mlp") {
-      found = pid;
-      break;
-    }
-  }
-  ::closedir(proc);
-  return found;
+  return tandem::bench::find_process("ft_mlp",
+                                     {"FT_BENCH_TAG=" + tag, "RANK=" + std::to_string(rank)});
 }
 
 struct Step {
@@ -103,7 +74,7 @@ struct Run {
 };
 
 Run run_job(const std::string& args, bool per_step, int kill_after, const std::string& tag) {
-  const std::string dir = self_dir();
+  const std::string dir = tandem::bench::self_dir();
   const std::string cmd = "FT_BENCH_TAG=" + tag + " " + dir + "/tandem-run " +
                           (per_step ? "--replace-failed 1" : "--max-restarts 1") +
                           " --nproc-per-node 4 " + dir + "/ft_mlp " + args +
@@ -216,7 +187,8 @@ int main(int argc, char** argv) {
     for (const Step& s : r.steps) ks[s.step] = s.k;
     std::string list;
     for (const auto& [s, k] : ks) list += (list.empty() ? "" : ",") + std::to_string(k);
-    const std::string ref_cmd = self_dir() + "/ft_mlp " + common + " --reference " + list;
+    const std::string ref_cmd =
+        tandem::bench::self_dir() + "/ft_mlp " + common + " --reference " + list;
     std::optional<double> reference;
     if (FILE* ref = ::popen(ref_cmd.c_str(), "r")) {
       char line[1024];
@@ -251,7 +223,8 @@ int main(int argc, char** argv) {
     if (rows.is_open()) {
       for (const Step& s : r.steps) {
         if (s.rank != 0) continue;
-        rows << mode << "," << static_cast<double>(s.t - r.kill_t) / 1000.0 << "," << s.step << "\n";
+        rows << mode << "," << static_cast<double>(s.t - r.kill_t) / 1000.0 << "," << s.step
+             << "\n";
       }
     }
   }

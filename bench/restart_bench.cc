@@ -35,14 +35,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string self_dir() {
-  char buf[4096];
-  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
-  if (n <= 0) return ".";
-  std::string p(buf, static_cast<size_t>(n));
-  return p.substr(0, p.rfind('/'));
-}
-
 struct Run {
   std::optional<double> final_loss;
   double stall_ms = -1, copy_ms = -1;
@@ -54,36 +46,14 @@ struct Run {
 
 // The pid of the job's worker `rank` in round 0 (its environment has `tag`).
 pid_t find_worker(const std::string& tag, int rank) {
-  DIR* proc = ::opendir("/proc");
-  if (!proc) return -1;
-  pid_t found = -1;
-  while (dirent* e = ::readdir(proc)) {
-    const pid_t pid = static_cast<pid_t>(std::atoi(e->d_name));
-    if (pid <= 0) continue;
-    std::ifstream in(std::string("/proc/") + e->d_name + "/environ", std::ios::binary);
-    std::string env((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    auto has = [&](const std::string& v) {
-      return env.find(std::string(1, '\0') + v + '\0') != std::string::npos ||
-             env.rfind(v + '\0', 0) == 0;
-    };
-    if (has("RESTART_BENCH_TAG=" + tag) && has("RANK=" + std::to_string(rank)) &&
-        has("TANDEM_RESTART_COUNT=0")) {
-      std::ifstream comm(std::string("/proc/") + e->d_name + "/comm");
-      std::string name;
-      std::getline(comm, name);
-      if (name == "gpt") {
-        found = pid;
-        break;
-      }
-    }
-  }
-  ::closedir(proc);
-  return found;
+  return tandem::bench::find_process(
+      "gpt",
+      {"RESTART_BENCH_TAG=" + tag, "RANK=" + std::to_string(rank), "TANDEM_RESTART_COUNT=0"});
 }
 
 // Runs the job; with kill_after > 0, kills worker 3 once that step is printed.
 Run run_job(const std::string& args, int kill_after, const std::string& tag) {
-  const std::string dir = self_dir();
+  const std::string dir = tandem::bench::self_dir();
   const std::string cmd = "RESTART_BENCH_TAG=" + tag + " " + dir + "/tandem-run" +
                           (kill_after > 0 ? " --max-restarts 3" : "") + " --nproc-per-node 4 " +
                           dir + "/gpt --pp 2 --dp 2 " + args + " 2>&1";

@@ -195,11 +195,23 @@ verdict "f. the replacements spent, the job restarted" f.log 3 "${fargs[@]}" && 
 # g. The quorum in a 3-member etcd cluster, three nodes (a launcher each):
 # node 0's launcher killed with its worker; the other nodes go on.
 if [[ -x /usr/bin/etcd ]]; then
+  # Seven free ports below the kernel's ephemeral range (32768 and up), so
+  # that no connection's own port can take one before it is listened on.
   read -r -a ports < <(python3 -c '
-import socket
-ss = [socket.socket() for _ in range(7)]
-for s in ss: s.bind(("127.0.0.1", 0))
-print(" ".join(str(s.getsockname()[1]) for s in ss))')
+import random, socket
+got = []
+while len(got) < 7:
+    p = random.randrange(20000, 32000)
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", p))
+    except OSError:
+        continue
+    finally:
+        s.close()
+    if p not in got:
+        got.append(p)
+print(" ".join(map(str, got)))')
   cluster="m0=http://127.0.0.1:${ports[3]},m1=http://127.0.0.1:${ports[4]},m2=http://127.0.0.1:${ports[5]}"
   etcd_pids=()
   for i in 0 1 2; do

@@ -132,7 +132,8 @@ nn::Sequential make_model(const Config& c) {
 
 at::Tensor batch_loss(nn::Sequential& m, const Data& d, const std::vector<int64_t>& idx) {
   const at::Tensor i = at::tensor(idx, at::kLong);
-  return torch::nn::functional::mse_loss(m->forward(d.x.index_select(0, i)), d.y.index_select(0, i));
+  return torch::nn::functional::mse_loss(m->forward(d.x.index_select(0, i)),
+                                         d.y.index_select(0, i));
 }
 
 void print_final(int64_t step, nn::Sequential& m, const Data& d) {
@@ -140,7 +141,8 @@ void print_final(int64_t step, nn::Sequential& m, const Data& d) {
   const double loss = torch::nn::functional::mse_loss(m->forward(d.x), d.y).item<double>();
   double sq = 0;
   for (const auto& p : m->parameters()) sq += p.pow(2).sum().item<double>();
-  std::printf("final step %lld loss %.9g norm %.9g\n", static_cast<long long>(step), loss, std::sqrt(sq));
+  std::printf("final step %lld loss %.9g norm %.9g\n", static_cast<long long>(step), loss,
+              std::sqrt(sq));
   std::fflush(stdout);
 }
 
@@ -156,7 +158,8 @@ tandem::checkpoint::Part state_part(nn::Sequential& model, torch::optim::Adam& o
   return part;
 }
 
-void load_state(const tandem::checkpoint::Reader& r, nn::Sequential& model, torch::optim::Adam& opt) {
+void load_state(const tandem::checkpoint::Reader& r, nn::Sequential& model,
+                torch::optim::Adam& opt) {
   at::NoGradGuard g;
   int i = 0;
   for (auto& p : model->parameters()) {
@@ -275,7 +278,8 @@ int run_restart(const Config& c) {
     tandem::checkpoint::Reader r(found->path);
     load_state(r, model, opt);
     step = found->step;
-    std::printf("resumed %lld t %lld\n", static_cast<long long>(step), static_cast<long long>(wall_ms()));
+    std::printf("resumed %lld t %lld\n", static_cast<long long>(step),
+                static_cast<long long>(wall_ms()));
   }
   while (step < c.steps) {
     opt.zero_grad();
@@ -323,7 +327,8 @@ int main(int argc, char** argv) {
       .add("--min-replicas", &c.min_replicas, 1, "a quorum's minimum")
       .add("--replicas", &c.replicas, 0, "replica ids 0..N-1 (0: WORLD_SIZE)")
       .add("--lr", &c.lr, "Adam's learning rate")
-      .add("--reference", &c.reference, "K1,K2,...: the run whose committed steps had these quorums")
+      .add("--reference", &c.reference,
+           "K1,K2,...: the run whose committed steps had these quorums")
       .add_switch("--restart", &c.restart, "no fault tolerance: restart from a checkpoint")
       .add("--checkpoint", &c.checkpoint, "--restart's checkpoint folder")
       .add("--checkpoint-every", &c.checkpoint_every, 0,

@@ -69,7 +69,8 @@ class EtcdStore : public c10d::Store {
 
   void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
 
-  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     auto pause = std::chrono::milliseconds(2);
     while (!check(keys)) {

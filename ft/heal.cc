@@ -87,8 +87,8 @@ void Manager::heal(const std::vector<Joined>& members) {
       }
       std::vector<at::Tensor> head{at::empty({n}, at::kByte)};
       wait_work(pg.recv(head, from, 1), timeout, "receiving the state's header");
-      std::istringstream in(std::string(static_cast<const char*>(head[0].data_ptr()),
-                                        static_cast<size_t>(n)));
+      std::istringstream in(
+          std::string(static_cast<const char*>(head[0].data_ptr()), static_cast<size_t>(n)));
       int64_t step = 0, cursor = 0;
       in >> step >> cursor;
       std::string line;
@@ -118,8 +118,7 @@ void Manager::heal(const std::vector<Joined>& members) {
       ++metrics_.heals;
       metrics_.heal_bytes_received += bytes + n + 8;
       metrics_.state_bytes = bytes;
-      metrics_.last_heal_ms =
-          std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+      metrics_.last_heal_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
     }
   }
 }

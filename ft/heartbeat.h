@@ -51,11 +51,11 @@ class Heartbeat {
 
  private:
   struct Peer {
-    int64_t count = -1;              // the counter as last read; -1: never
-    Clock::time_point changed{};     // when it last moved
+    int64_t count = -1;           // the counter as last read; -1: never
+    Clock::time_point changed{};  // when it last moved
     std::string host;
     int64_t pid = 0;
-    std::string start;               // the process's start time, from /proc
+    std::string start;  // the process's start time, from /proc
     bool exited = false;
   };
   void run();

@@ -39,7 +39,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 std::string text_of(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
-std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
+std::vector<uint8_t> bytes_of(const std::string& s) {
+  return std::vector<uint8_t>(s.begin(), s.end());
+}
 
 std::string hex(const rpc::Sha256Digest& d) {
   static const char* digits = "0123456789abcdef";
@@ -166,11 +168,12 @@ Manager::Manager(ManagerOptions options, State state)
   auto connect = options_.connect ? options_.connect : launcher_store;
   const std::string prefix = "tandem/ft/" + options_.job;
   store_ = c10::make_intrusive<c10d::PrefixStore>(prefix, connect());
-  heartbeat_ = std::make_unique<Heartbeat>(
-      c10::make_intrusive<c10d::PrefixStore>(prefix, connect()), id_, max_,
-      options_.heartbeat_interval, options_.heartbeat_timeout);
+  heartbeat_ =
+      std::make_unique<Heartbeat>(c10::make_intrusive<c10d::PrefixStore>(prefix, connect()), id_,
+                                  max_, options_.heartbeat_interval, options_.heartbeat_timeout);
   options_.connect = [connect, prefix] {
-    return c10::intrusive_ptr<c10d::Store>(c10::make_intrusive<c10d::PrefixStore>(prefix, connect()));
+    return c10::intrusive_ptr<c10d::Store>(
+        c10::make_intrusive<c10d::PrefixStore>(prefix, connect()));
   };
 }
 
@@ -205,7 +208,8 @@ std::string signature_of(const ManagerOptions& o, int max,
   s << "replicas " << max << ", batch " << o.batch_size << ", dataset " << o.dataset_size
     << ", seed " << o.seed << ", shuffle " << o.shuffle;
   for (const auto& [name, t] : tensors) {
-    s << "\n" << name << " " << (t.defined() ? std::string(c10::toString(t.scalar_type())) : "none");
+    s << "\n"
+      << name << " " << (t.defined() ? std::string(c10::toString(t.scalar_type())) : "none");
     if (t.defined()) {
       s << "[";
       for (size_t d = 0; d < t.sizes().size(); ++d) s << (d ? "," : "") << t.sizes()[d];
@@ -247,9 +251,8 @@ bool Manager::join_quorum() {
   int64_t target = std::max(epoch_, store_->add("epoch", 0)) + 1;
   for (;;) {
     const std::string q = "q/" + std::to_string(target) + "/";
-    const std::string record =
-        std::to_string(step_) + " " + std::to_string(cursor_) + " " + heartbeat_->me() + "\n" +
-        signature;
+    const std::string record = std::to_string(step_) + " " + std::to_string(cursor_) + " " +
+                               heartbeat_->me() + "\n" + signature;
     store_->set(q + "join/" + std::to_string(id_),
                 bytes_of(record + "\n" + sign(q + std::to_string(id_) + "\n" + record)));
     store_->set(q + "any", bytes_of("1"));
@@ -286,8 +289,9 @@ bool Manager::join_quorum() {
         if (cut == std::string::npos ||
             !rpc::constant_time_equal(rec.substr(cut + 1),
                                       sign(q + std::to_string(j) + "\n" + body))) {
-          refused.emplace_back(j, "its join does not carry the cluster token's proof for this "
-                                  "quorum (forged, replayed, or another job's token)");
+          refused.emplace_back(j,
+                               "its join does not carry the cluster token's proof for this "
+                               "quorum (forged, replayed, or another job's token)");
           continue;
         }
         Joined r;
@@ -298,8 +302,8 @@ bool Manager::join_quorum() {
         r.signature = nl == std::string::npos ? "" : body.substr(nl + 1);
         joined.push_back(std::move(r));
       }
-      bool may_propose = std::any_of(joined.begin(), joined.end(),
-                                     [&](const Joined& r) { return r.id == id_; });
+      bool may_propose =
+          std::any_of(joined.begin(), joined.end(), [&](const Joined& r) { return r.id == id_; });
       // Only a member of the previous quorum (this process, not an earlier
       // one of its id) proposes while another member of it is alive.
       const bool previous_alive = std::any_of(previous.begin(), previous.end(), [&](int j) {
@@ -310,8 +314,8 @@ bool Manager::join_quorum() {
       const bool waited_out = Clock::now() - joined_at > options_.join_timeout;
       bool all_in = true;
       for (int j = 0; j < max_; ++j) {
-        const bool in = std::any_of(joined.begin(), joined.end(),
-                                    [&](const Joined& r) { return r.id == j; });
+        const bool in =
+            std::any_of(joined.begin(), joined.end(), [&](const Joined& r) { return r.id == j; });
         const bool expected = target == 1 ? true : heartbeat_->alive(j);
         if (expected && !in) all_in = false;
       }
@@ -333,15 +337,14 @@ bool Manager::join_quorum() {
         // Someone must hold the job's newest committed step.
         const std::string mark = get_if(*store_, "committed");
         const int64_t committed = mark.empty() ? 0 : std::stoll(mark);
-        const bool has_newest = std::any_of(in.begin(), in.end(), [&](const Joined* r) {
-          return r->step >= committed;
-        });
+        const bool has_newest = std::any_of(in.begin(), in.end(),
+                                            [&](const Joined* r) { return r->step >= committed; });
         if (static_cast<int>(in.size()) >= options_.min_replicas && has_newest) {
           std::string proposal;
           for (const Joined* r : in) {
             proposal += "member " + std::to_string(r->id) + " " + std::to_string(r->step) + " " +
-                        std::to_string(r->cursor) + " " + std::to_string(r->pid) + " " +
-                        r->start + " " + r->host + "\n";
+                        std::to_string(r->cursor) + " " + std::to_string(r->pid) + " " + r->start +
+                        " " + r->host + "\n";
           }
           for (const auto& [j, why] : refused) {
             proposal += "refused " + std::to_string(j) + " " + why + "\n";
@@ -386,8 +389,8 @@ bool Manager::join_quorum() {
     for (int64_t cur = store_->add("epoch", 0); cur < target; cur = store_->add("epoch", 0)) {
       store_->compareSet("epoch", bytes_of(std::to_string(cur)), bytes_of(std::to_string(target)));
     }
-    const auto me = std::find_if(members.begin(), members.end(),
-                                 [&](const Joined& r) { return r.id == id_; });
+    const auto me =
+        std::find_if(members.begin(), members.end(), [&](const Joined& r) { return r.id == id_; });
     if (me == members.end()) {
       ++target;  // too late for it: the next
       continue;
@@ -429,7 +432,8 @@ bool Manager::join_quorum() {
       group_ = ddp::ProcessGroup::create(po);
     } catch (const std::exception& e) {
       // A member went before the group met: the next quorum.
-      error_ = std::string("quorum ") + std::to_string(target) + "'s group did not meet: " + e.what();
+      error_ =
+          std::string("quorum ") + std::to_string(target) + "'s group did not meet: " + e.what();
       group_.reset();
       group_store_.reset();
       ++target;
@@ -441,8 +445,8 @@ bool Manager::join_quorum() {
       std::string ids;
       for (int j : members_) ids += (ids.empty() ? "" : ",") + std::to_string(j);
       std::fprintf(stderr, "ft: replica %d in quorum %lld of replicas %s at step %lld (%lld ms)\n",
-                   id_, static_cast<long long>(epoch_), ids.c_str(),
-                   static_cast<long long>(step_), ms_since(t0));
+                   id_, static_cast<long long>(epoch_), ids.c_str(), static_cast<long long>(step_),
+                   ms_since(t0));
     }
     try {
       heal(members);
@@ -628,7 +632,8 @@ bool Manager::should_commit() {
     const std::string raw = text_of(store_->get(v + "decision"));
     const auto nl = raw.rfind('\n');
     decision = raw.substr(0, nl);
-    if (nl == std::string::npos || !rpc::constant_time_equal(raw.substr(nl + 1), sign(v + decision))) {
+    if (nl == std::string::npos ||
+        !rpc::constant_time_equal(raw.substr(nl + 1), sign(v + decision))) {
       throw QuorumError("ft::Manager: the decision of step " + std::to_string(step_ + 1) +
                         " at the store does not carry the cluster token's proof (written by "
                         "something outside the job)");
@@ -667,10 +672,11 @@ bool Manager::should_commit() {
 
 // ---- the sample stream -----------------------------------------------------------------
 
-std::vector<int64_t> sample_stream(int64_t dataset_size, uint64_t seed, bool shuffle,
-                                   int64_t first, int64_t count) {
+std::vector<int64_t> sample_stream(int64_t dataset_size, uint64_t seed, bool shuffle, int64_t first,
+                                   int64_t count) {
   if (dataset_size <= 0 || first < 0 || count < 0) {
-    throw std::invalid_argument("ft::sample_stream: dataset_size must be > 0, first and count >= 0");
+    throw std::invalid_argument(
+        "ft::sample_stream: dataset_size must be > 0, first and count >= 0");
   }
   std::vector<int64_t> out;
   std::vector<int64_t> perm;

@@ -161,22 +161,22 @@ struct ManagerOptions {
 // What the manager measures, for benchmarks and the job's metrics.
 struct Metrics {
   int64_t steps_committed = 0;
-  int64_t steps_failed = 0;    // voted down (a member failed or diverged)
-  int64_t quorums = 0;         // quorums this replica was a member of
-  int64_t heals = 0;           // times this replica was healed
+  int64_t steps_failed = 0;  // voted down (a member failed or diverged)
+  int64_t quorums = 0;       // quorums this replica was a member of
+  int64_t heals = 0;         // times this replica was healed
   int64_t heal_bytes_received = 0;
   int64_t heal_bytes_sent = 0;
-  int64_t state_bytes = 0;     // the state's tensors' bytes, at the last heal
-  double last_heal_ms = 0;     // the last heal received: from the quorum to loaded
-  double last_quorum_ms = 0;   // the last quorum formed: from joining to the group made
+  int64_t state_bytes = 0;    // the state's tensors' bytes, at the last heal
+  double last_heal_ms = 0;    // the last heal received: from the quorum to loaded
+  double last_quorum_ms = 0;  // the last quorum formed: from joining to the group made
 };
 
 // Samples [first, first + count) of the stream batch_indices() reads (6.):
 // position p is sample perm_e[p % dataset_size] of epoch e = p / dataset_size,
 // perm_e a permutation seeded by (seed, e) (the identity without shuffle).
 // The same on every replica and build: a reference run reads it too.
-std::vector<int64_t> sample_stream(int64_t dataset_size, uint64_t seed, bool shuffle,
-                                   int64_t first, int64_t count);
+std::vector<int64_t> sample_stream(int64_t dataset_size, uint64_t seed, bool shuffle, int64_t first,
+                                   int64_t count);
 
 class Manager {
  public:
@@ -250,11 +250,11 @@ class Manager {
   std::shared_ptr<ddp::ProcessGroup> group_;
   std::vector<int> members_;
   int rank_in_quorum_ = -1;
-  int64_t epoch_ = 0;       // the quorum's number; 0 before the first
-  int64_t step_ = 0;        // committed steps
-  int64_t cursor_ = 0;      // samples consumed by committed steps
-  int64_t attempt_ = 0;     // steps tried in this quorum (the vote's key)
-  bool reform_ = true;      // start_step() must form a quorum
+  int64_t epoch_ = 0;    // the quorum's number; 0 before the first
+  int64_t step_ = 0;     // committed steps
+  int64_t cursor_ = 0;   // samples consumed by committed steps
+  int64_t attempt_ = 0;  // steps tried in this quorum (the vote's key)
+  bool reform_ = true;   // start_step() must form a quorum
   bool voted_ = false;
   bool group_failed_ = false;  // a collective of this step failed
   std::string error_;

@@ -1,7 +1,7 @@
 // ft::module_state (ft/manager.h): a module's and its optimizer's state as
 // named tensors, for healing and the fingerprint.
-#include <ATen/core/Generator.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/Generator.h>
 #include <ATen/ops/empty.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
@@ -63,7 +63,8 @@ State module_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer
     for (auto& p : m->named_parameters(true)) {
       const at::Tensor t = take("param/" + p.key());
       if (!t.sizes().equals(p.value().sizes())) {
-        throw std::invalid_argument("ft::module_state: '" + p.key() + "' received with another shape");
+        throw std::invalid_argument("ft::module_state: '" + p.key() +
+                                    "' received with another shape");
       }
       p.value().copy_(t);
     }

@@ -60,8 +60,8 @@ std::string base64_encode(const std::string& in) {
   out.reserve((in.size() + 2) / 3 * 4);
   size_t i = 0;
   for (; i + 2 < in.size(); i += 3) {
-    const uint32_t n = (static_cast<uint8_t>(in[i]) << 16) | (static_cast<uint8_t>(in[i + 1]) << 8) |
-                       static_cast<uint8_t>(in[i + 2]);
+    const uint32_t n = (static_cast<uint8_t>(in[i]) << 16) |
+                       (static_cast<uint8_t>(in[i + 1]) << 8) | static_cast<uint8_t>(in[i + 2]);
     out += kAlphabet[(n >> 18) & 63];
     out += kAlphabet[(n >> 12) & 63];
     out += kAlphabet[(n >> 6) & 63];
@@ -149,8 +149,8 @@ std::string EtcdClient::call(const std::string& path, const std::string& body) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0 && tried >= endpoints_.size()) break;
-    const auto budget = std::max(std::chrono::milliseconds(100),
-                                 std::min(left, std::chrono::milliseconds(1000)));
+    const auto budget =
+        std::max(std::chrono::milliseconds(100), std::min(left, std::chrono::milliseconds(1000)));
     // A kept connection may have been closed by the server: one fresh try.
     for (int attempt = 0; attempt < 2; ++attempt) {
       try {
@@ -188,18 +188,21 @@ std::string EtcdClient::call_once(size_t member, const std::string& path, const 
     connected_ = member;
   }
   const std::string tag = kept ? " (kept)" : "";
-  const std::string request = "POST " + path + " HTTP/1.1\r\nHost: " + endpoints_[member] +
-                              "\r\nContent-Type: application/json\r\nContent-Length: " +
-                              std::to_string(body.size()) + "\r\n\r\n" + body;
+  const std::string request =
+      "POST " + path + " HTTP/1.1\r\nHost: " + endpoints_[member] +
+      "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
+      "\r\n\r\n" + body;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto wait_for = [&](short events) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
                           deadline - std::chrono::steady_clock::now())
                           .count();
-    if (left <= 0) throw EtcdError("no answer within " + std::to_string(timeout.count()) + " ms" + tag);
+    if (left <= 0)
+      throw EtcdError("no answer within " + std::to_string(timeout.count()) + " ms" + tag);
     pollfd p{fd_, events, 0};
     const int n = ::poll(&p, 1, static_cast<int>(left));
-    if (n < 0 && errno != EINTR) throw EtcdError(std::string("poll: ") + std::strerror(errno) + tag);
+    if (n < 0 && errno != EINTR)
+      throw EtcdError(std::string("poll: ") + std::strerror(errno) + tag);
   };
   size_t sent = 0;
   while (sent < request.size()) {
@@ -259,12 +262,14 @@ std::string EtcdClient::call_once(size_t member, const std::string& path, const 
     const size_t cl = lower.find("content-length:");
     if (cl == std::string::npos) throw EtcdError("an answer without a length");
     const size_t length = std::stoul(lower.substr(cl + 15));
-    if (length > (size_t{1} << 30)) throw EtcdError("an answer of " + std::to_string(length) + " bytes");
+    if (length > (size_t{1} << 30))
+      throw EtcdError("an answer of " + std::to_string(length) + " bytes");
     while (in.size() < at + length) read_more();
     body_out = in.substr(at, length);
   }
   if (lower.find("connection: close") != std::string::npos) disconnect();
-  if (status >= 500) throw EtcdError("HTTP " + std::to_string(status) + ": " + body_out.substr(0, 200));
+  if (status >= 500)
+    throw EtcdError("HTTP " + std::to_string(status) + ": " + body_out.substr(0, 200));
   if (status != 200) {
     // A request the cluster refused is no reason to try another member.
     disconnect();
@@ -275,8 +280,8 @@ std::string EtcdClient::call_once(size_t member, const std::string& path, const 
 }
 
 void EtcdClient::put(const std::string& key, const std::string& value) {
-  call("/v3/kv/put",
-       "{\"key\":" + quoted(base64_encode(key)) + ",\"value\":" + quoted(base64_encode(value)) + "}");
+  call("/v3/kv/put", "{\"key\":" + quoted(base64_encode(key)) +
+                         ",\"value\":" + quoted(base64_encode(value)) + "}");
 }
 
 std::optional<std::string> EtcdClient::get(const std::string& key) {
@@ -290,12 +295,13 @@ bool EtcdClient::swap(const std::string& key, const std::optional<std::string>& 
                       const std::string& desired) {
   const std::string k = quoted(base64_encode(key));
   const std::string compare =
-      !expected
-          ? "{\"key\":" + k + ",\"result\":\"EQUAL\",\"target\":\"CREATE\",\"create_revision\":\"0\"}"
-          : "{\"key\":" + k + ",\"result\":\"EQUAL\",\"target\":\"VALUE\",\"value\":" +
-                quoted(base64_encode(*expected)) + "}";
-  const std::string body = "{\"compare\":[" + compare + "],\"success\":[{\"request_put\":{\"key\":" +
-                           k + ",\"value\":" + quoted(base64_encode(desired)) + "}}]}";
+      !expected ? "{\"key\":" + k +
+                      ",\"result\":\"EQUAL\",\"target\":\"CREATE\",\"create_revision\":\"0\"}"
+                : "{\"key\":" + k + ",\"result\":\"EQUAL\",\"target\":\"VALUE\",\"value\":" +
+                      quoted(base64_encode(*expected)) + "}";
+  const std::string body = "{\"compare\":[" + compare +
+                           "],\"success\":[{\"request_put\":{\"key\":" + k +
+                           ",\"value\":" + quoted(base64_encode(desired)) + "}}]}";
   return json_string(call("/v3/kv/txn", body), "succeeded").value_or("false") == "true";
 }
 
@@ -304,11 +310,13 @@ std::string EtcdClient::compare_and_set(const std::string& key, const std::strin
   const std::string k = quoted(base64_encode(key));
   const std::string compare =
       expected.empty()
-          ? "{\"key\":" + k + ",\"result\":\"EQUAL\",\"target\":\"CREATE\",\"create_revision\":\"0\"}"
+          ? "{\"key\":" + k +
+                ",\"result\":\"EQUAL\",\"target\":\"CREATE\",\"create_revision\":\"0\"}"
           : "{\"key\":" + k + ",\"result\":\"EQUAL\",\"target\":\"VALUE\",\"value\":" +
                 quoted(base64_encode(expected)) + "}";
-  const std::string body = "{\"compare\":[" + compare + "],\"success\":[{\"request_put\":{\"key\":" +
-                           k + ",\"value\":" + quoted(base64_encode(desired)) +
+  const std::string body = "{\"compare\":[" + compare +
+                           "],\"success\":[{\"request_put\":{\"key\":" + k +
+                           ",\"value\":" + quoted(base64_encode(desired)) +
                            "}}],\"failure\":[{\"request_range\":{\"key\":" + k + "}}]}";
   const std::string answer = call("/v3/kv/txn", body);
   if (json_string(answer, "succeeded").value_or("false") == "true") return desired;

@@ -49,24 +49,37 @@ struct EtcdCluster {
     }
     std::string cluster;
     for (int i = 0; i < 3; ++i) {
-      cluster += (i ? "," : "") + std::string("m") + std::to_string(i) + "=http://127.0.0.1:" +
-                 std::to_string(peer_ports[static_cast<size_t>(i)]);
+      cluster += (i ? "," : "") + std::string("m") + std::to_string(i) +
+                 "=http://127.0.0.1:" + std::to_string(peer_ports[static_cast<size_t>(i)]);
     }
     for (int i = 0; i < 3; ++i) {
-      const std::string client = "http://127.0.0.1:" + std::to_string(client_ports[static_cast<size_t>(i)]);
-      const std::string peer = "http://127.0.0.1:" + std::to_string(peer_ports[static_cast<size_t>(i)]);
+      const std::string client =
+          "http://127.0.0.1:" + std::to_string(client_ports[static_cast<size_t>(i)]);
+      const std::string peer =
+          "http://127.0.0.1:" + std::to_string(peer_ports[static_cast<size_t>(i)]);
       std::vector<std::string> args = {etcd_binary(),
-                                       "--name", "m" + std::to_string(i),
-                                       "--data-dir", dir + "/m" + std::to_string(i),
-                                       "--listen-client-urls", client,
-                                       "--advertise-client-urls", client,
-                                       "--listen-peer-urls", peer,
-                                       "--initial-advertise-peer-urls", peer,
-                                       "--initial-cluster", cluster,
-                                       "--initial-cluster-state", "new",
-                                       "--initial-cluster-token", "tandem-test",
-                                       "--logger", "zap",
-                                       "--log-outputs", dir + "/m" + std::to_string(i) + ".log"};
+                                       "--name",
+                                       "m" + std::to_string(i),
+                                       "--data-dir",
+                                       dir + "/m" + std::to_string(i),
+                                       "--listen-client-urls",
+                                       client,
+                                       "--advertise-client-urls",
+                                       client,
+                                       "--listen-peer-urls",
+                                       peer,
+                                       "--initial-advertise-peer-urls",
+                                       peer,
+                                       "--initial-cluster",
+                                       cluster,
+                                       "--initial-cluster-state",
+                                       "new",
+                                       "--initial-cluster-token",
+                                       "tandem-test",
+                                       "--logger",
+                                       "zap",
+                                       "--log-outputs",
+                                       dir + "/m" + std::to_string(i) + ".log"};
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
@@ -111,7 +124,8 @@ struct EtcdCluster {
   }
   std::string endpoints() const {
     std::string s;
-    for (int p : client_ports) s += (s.empty() ? "" : ",") + std::string("127.0.0.1:") + std::to_string(p);
+    for (int p : client_ports)
+      s += (s.empty() ? "" : ",") + std::string("127.0.0.1:") + std::to_string(p);
     return s;
   }
 };
@@ -205,7 +219,8 @@ TEST_CASE("ft: replicas keep their quorum in etcd and train on through the loss 
   CHECK(at::equal(final[0], final[2]));
 }
 
-TEST_CASE("ft: with the whole etcd cluster gone, a vote fails with a clear error and applies nothing") {
+TEST_CASE(
+    "ft: with the whole etcd cluster gone, a vote fails with a clear error and applies nothing") {
   if (!etcd_or_skip()) return;
   auto etcd = std::make_unique<EtcdCluster>();
   at::manual_seed(1);
@@ -216,7 +231,8 @@ TEST_CASE("ft: with the whole etcd cluster gone, a vote fails with a clear error
   o.max_replicas = 1;
   const std::string endpoints = etcd->endpoints();
   o.connect = [endpoints] {
-    return ft::etcd_store(endpoints, "job2/", std::chrono::seconds(5), std::chrono::milliseconds(500));
+    return ft::etcd_store(endpoints, "job2/", std::chrono::seconds(5),
+                          std::chrono::milliseconds(500));
   };
   o.token = "secret";
   ft::Manager m(o, ft::module_state(*model, opt));

@@ -4,10 +4,10 @@
 // Every run is compared with a reference computed in one model the same way
 // (a failed step dropped, each committed step's mean over its quorum's
 // batches). Killing processes is examples/check_ft.sh's.
-#include <torch/nn/modules/linear.h>
 #include <torch/nn/functional/loss.h>
-#include <torch/optim/sgd.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
 
 #include "ddp/ddp_support.h"
 #include "tandem/ft/manager.h"
@@ -99,7 +99,8 @@ void train(int id, int max, int port, int steps, const Data& d, Record& rec,
     ++tried;
     opt.zero_grad();
     auto i = at::tensor(manager.batch_indices(), at::kLong);
-    auto loss = torch::nn::functional::mse_loss(model(d.x.index_select(0, i)), d.y.index_select(0, i));
+    auto loss =
+        torch::nn::functional::mse_loss(model(d.x.index_select(0, i)), d.y.index_select(0, i));
     loss.backward();
     manager.allreduce_grads({model->weight.grad(), model->bias.grad()});
     const int k = manager.participants();
