@@ -362,8 +362,9 @@ bool Manager::join_quorum() {
         !rpc::constant_time_equal(decided.substr(proof_at + 6),
                                   sign(q + "members\n" + decided.substr(0, proof_at)))) {
       throw QuorumError("ft::Manager: quorum " + std::to_string(target) +
-                        "'s members at the store do not carry the cluster token's proof "
-                        "(written by something outside the job)");
+                        "'s members at the store do not carry this replica's cluster token's "
+                        "proof (this replica has another job's token, or something outside "
+                        "the job wrote them)");
     }
     std::vector<Joined> members;
     std::istringstream in(decided.substr(0, proof_at));
