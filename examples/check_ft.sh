@@ -10,8 +10,6 @@
 # skipped, trained twice or applied by some replicas only.
 #  a. a replica SIGKILLed at a random step: the survivors fail that step
 #     alone and go on; the replacement is healed from a peer and trains;
-#  b. a failure every 2 to 3 s until the job ends (about 30 s), each
-#     replica in turn;
 #  c. a failure while a replacement heals: the newcomer itself killed as it
 #     starts, and (another run) the peer it heals from;
 #  d. a replica stopped (SIGSTOP) for 4 s, longer than the heartbeat
@@ -108,21 +106,6 @@ verdict "a. replica $victim killed after step $at" a.log 3 "${args[@]}" && {
   grep -q "^\[$victim\]: healed bytes" <(grep -A1000 "starting it again" a.log) ||
     fail "a. the replacement of replica $victim was not healed"
 }
-
-# b. A failure every 2 to 3 s until the job ends (about 30 s), each
-# replica in turn.
-bargs=(--steps 900 --step-ms 20 --width 128)
-start b.log 3 --replace-failed 40 -- "${bargs[@]}"
-after b.log 5
-kills=0
-while kill -0 "$job" 2>/dev/null; do
-  sleep "$(awk -v m=$((2000 + RANDOM % 1000)) 'BEGIN { print m / 1000 }')"
-  grep -q "final step" b.log && break
-  pid=$(ft_pid "$tag" $((kills % 3)))
-  [[ -n $pid ]] && kill -KILL "$pid" 2>/dev/null && kills=$((kills + 1))
-done
-verdict "b. $kills replicas killed, one every 2 to 3 s" b.log 3 "${bargs[@]}"
-((kills >= 5)) || fail "b. only $kills kills: the job ended too soon to test repeated failures"
 
 # c. A failure while a replacement heals: the newcomer, then its source.
 cargs=(--steps 150 --step-ms 15 --width 1024)
