@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <sstream>
 
 #include "tandem/ddp/process_group.h"
@@ -47,11 +48,15 @@ void Manager::heal(const std::vector<Joined>& members) {
   if (behind.empty()) return;
   auto& pg = group_->c10d();
   const auto timeout = options_.collective_timeout;
+  // A source's state, taken once for all the members it heals (saving
+  // serialises each parameter's optimizer state).
+  std::optional<std::vector<std::pair<std::string, at::Tensor>>> saved;
   for (size_t b = 0; b < behind.size(); ++b) {
     const int to = behind[b];
     const int from = sources[b % sources.size()];
     if (rank_in_quorum_ == from) {
-      const auto tensors = state_.save();
+      if (!saved) saved = state_.save();
+      const auto& tensors = *saved;
       std::ostringstream header;
       header << step_ << " " << cursor_ << "\n";
       int64_t bytes = 0;

@@ -7,8 +7,8 @@
 //   for (;;) {
 //     manager.start_step();                        // the quorum; heals a newcomer
 //     auto batch = manager.batch_indices();        // this replica's samples
-//     ... loss.backward();
-//     manager.allreduce_grads(model.parameters()); // the mean over the quorum
+//     ... loss.backward();                         // grads: each parameter's .grad()
+//     manager.allreduce_grads(grads);              // the mean over the quorum
 //     if (manager.should_commit()) optimizer.step();
 //   }
 //
