@@ -10,6 +10,9 @@
 # skipped, trained twice or applied by some replicas only.
 #  a. a replica SIGKILLed at a random step: the survivors fail that step
 #     alone and go on; the replacement is healed from a peer and trains;
+#  b. a failure every 2 to 3 s until the job ends (about 30 s), each
+#     replica in turn (a replacement that comes as the job ends learns
+#     that it finished and exits 0);
 #  c. a failure while a replacement heals: the newcomer itself killed as it
 #     starts, and (another run) the peer it heals from;
 #  d. a replica stopped (SIGSTOP) for 4 s, longer than the heartbeat
@@ -18,7 +21,8 @@
 #     the job's cluster token: each refused by name, the job unaffected;
 #  f. no quorum left (every replica needed, the replacements spent): the
 #     job restarts as a whole from its newest checkpoint and ends as the
-#     reference;
+#     reference; every replica killed at once with no checkpoint: the job
+#     ends at once with the lost step named;
 #  g. the quorum kept in a 3-member etcd cluster (TANDEM_ETCD), a node (a
 #     launcher) a replica: node 0's launcher and its worker killed, the
 #     other nodes train on to the end.
@@ -107,6 +111,32 @@ verdict "a. replica $victim killed after step $at" a.log 3 "${args[@]}" && {
     fail "a. the replacement of replica $victim was not healed"
 }
 
+# b. A failure every 2 to 3 s until the job ends (about 30 s), each
+# replica in turn.
+bargs=(--steps 900 --step-ms 20 --width 128)
+start b.log 3 --replace-failed 40 -- "${bargs[@]}"
+after b.log 5
+healed=$(grep -c "\]: healed bytes" b.log)
+kills=0
+while kill -0 "$job" 2>/dev/null; do
+  sleep "$(awk -v m=$((2000 + RANDOM % 1000)) 'BEGIN { print m / 1000 }')"
+  # The last victim's replacement back first (healed): killing faster than a
+  # replacement can start on a loaded machine would leave no replica with
+  # the newest state, which is f's case, not this one.
+  for ((i = 0; i < 1500; ++i)); do
+    (($(grep -c "\]: healed bytes" b.log) >= healed + kills)) && break
+    grep -q "final step" b.log && break
+    sleep 0.02
+  done
+  grep -q "final step" b.log && break
+  pid=$(ft_pid "$tag" $((kills % 3)))
+  [[ -n $pid ]] && kill -KILL "$pid" 2>/dev/null && kills=$((kills + 1))
+done
+wait "$job"
+job_rc=$? job=""
+verdict "b. $kills replicas killed, one every 2 to 3 s" b.log $((3 - $(grep -c "\]: late: " b.log))) "${bargs[@]}"
+((kills >= 5)) || fail "b. only $kills kills: the job ended too soon to test repeated failures"
+
 # c. A failure while a replacement heals: the newcomer, then its source.
 cargs=(--steps 150 --step-ms 15 --width 1024)
 start c1.log 3 --replace-failed 3 -- "${cargs[@]}"
@@ -151,8 +181,9 @@ intruder() {  # intruder WHAT PATTERN ENV... -- ARGS...
   shift
   out=$(env "${envs[@]}" RANK=2 "${extra[@]}" timeout 30 "$bin/ft_mlp" "$@" 2>&1)
   rc=$?
-  if [[ $rc != 1 ]] || ! grep -q "$pattern" <<<"$out"; then
-    fail "e. $what: exit $rc, expected 1 naming '$pattern'; it printed:"
+  # (1: refused; 78: a quorum error, which --replace-failed does not replace)
+  if [[ $rc != 1 && $rc != 78 ]] || ! grep -q "$pattern" <<<"$out"; then
+    fail "e. $what: exit $rc, expected 1 or 78 naming '$pattern'; it printed:"
     sed 's/^/    /' <<<"$out" | tail -5
   else
     echo "ok: e. $what: $(grep -o 'ft::Manager.*' <<<"$out" | cut -c1-160)"
@@ -174,6 +205,22 @@ kill -KILL "$(ft_pid "$tag" 2)"
 verdict "f. the replacements spent, the job restarted" f.log 3 "${fargs[@]}" && {
   grep -q "resumed [1-9]" f.log || fail "f. the job did not resume from its checkpoint"
 }
+# Every replica killed at once, and no checkpoint to restart from: the
+# replacements find the newest state lost and end the job at once (exit 78,
+# which --replace-failed does not replace), not after the quorum's timeout.
+start f2.log 2 --replace-failed 4 -- --steps 400 --step-ms 15 --width 128
+after f2.log 20
+t0=$SECONDS
+kill -KILL "$(ft_pid "$tag" 0)" "$(ft_pid "$tag" 1)"
+wait "$job"
+rc=$?
+if [[ $rc != 78 ]] || ! grep -q "is gone, and with them the job's newest committed step" f2.log ||
+  ((SECONDS - t0 > 30)); then
+  fail "f. every replica killed: exit $rc after $((SECONDS - t0)) s, expected 78 at once naming the lost step"
+  sed 's/^/    /' f2.log | grep -v "step [0-9]* k" | tail -8
+else
+  echo "ok: f. every replica killed: the job ends in $((SECONDS - t0)) s: $(grep -o "every replica of quorum.*" f2.log | head -1 | cut -c1-120)"
+fi
 
 # g. The quorum in a 3-member etcd cluster, three nodes (a launcher each):
 # node 0's launcher killed with its worker; the other nodes go on.

@@ -224,7 +224,14 @@ int run_ft(const Config& c) {
   }
   int64_t heals = 0;
   while (manager.step() < c.steps) {
-    manager.start_step();
+    try {
+      manager.start_step();
+    } catch (const ft::JobFinished& e) {
+      // A replacement that came as the job ended: nothing left to train.
+      std::printf("late: the job finished at step %lld before this replica joined\n",
+                  static_cast<long long>(e.step()));
+      return 0;
+    }
     if (manager.metrics().heals != heals) {
       heals = manager.metrics().heals;
       std::printf("healed bytes %lld state %lld ms %.1f\n",
@@ -345,6 +352,9 @@ int main(int argc, char** argv) {
     if (!c.reference.empty()) return run_reference(c);
     if (c.restart && c.checkpoint_every == 0) c.checkpoint_every = 10;
     return c.restart ? run_restart(c) : run_ft(c);
+  } catch (const ft::QuorumError& e) {
+    std::fprintf(stderr, "ft_mlp: %s\n", e.what());
+    return ft::kExitNotReplaceable;  // the job's failure: not replaced alone
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ft_mlp: %s\n", e.what());
     return 1;

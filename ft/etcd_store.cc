@@ -1,6 +1,7 @@
 // ft::etcd_store (ft/etcd_store.h): c10d's Store over rpc::EtcdClient.
 #include "tandem/ft/etcd_store.h"
 
+#include <cstdlib>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -41,10 +42,22 @@ class EtcdStore : public c10d::Store {
 
   int64_t add(const std::string& key, int64_t delta) override {
     std::lock_guard<std::mutex> lock(mu_);
-    // Read, then a transaction that writes the sum only if nobody wrote meanwhile.
+    // Read, then a transaction that writes the sum only if nobody wrote
+    // meanwhile; adding 0 to a key that exists only reads (a heartbeat's look
+    // at the others' counters writes nothing: etcd's revisions grow with the
+    // writes alone).
     for (;;) {
       const auto v = client_.get(prefix_ + key);
-      const int64_t before = v && !v->empty() ? std::stoll(*v) : 0;
+      int64_t before = 0;
+      if (v && !v->empty()) {
+        char* end = nullptr;
+        before = std::strtoll(v->c_str(), &end, 10);
+        if (*end != '\0') {
+          throw std::runtime_error("etcd store: add to key '" + key + "', whose value '" +
+                                   v->substr(0, 20) + "' is not a number");
+        }
+      }
+      if (delta == 0 && v) return before;  // (a missing key is made, as TCPStore's add does)
       if (client_.swap(prefix_ + key, v, std::to_string(before + delta))) return before + delta;
     }
   }

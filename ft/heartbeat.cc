@@ -21,7 +21,18 @@ Heartbeat::Heartbeat(c10::intrusive_ptr<c10d::Store> store, int id, int max_repl
   const std::string pid = std::to_string(::getpid());
   const std::string me = my_host_ + "\n" + pid + "\n" + ddp::proc_start_and_state(pid).first;
   store_->set("who/" + std::to_string(id_), std::vector<uint8_t>(me.begin(), me.end()));
-  store_->add("hb/" + std::to_string(id_), 1);
+  // This process's incarnation: one above the previous process's of this id
+  // (who/<id> is written first, so a reader that sees the new incarnation
+  // reads this process there).
+  const std::string key = "hb/" + std::to_string(id_);
+  for (;;) {
+    const int64_t before = store_->add(key, 0);
+    const std::string was = std::to_string(before);
+    const std::string now = std::to_string((((before >> 32) + 1) << 32) + 1);
+    const auto got = store_->compareSet(key, std::vector<uint8_t>(was.begin(), was.end()),
+                                        std::vector<uint8_t>(now.begin(), now.end()));
+    if (std::string(got.begin(), got.end()) == now) break;
+  }
   tick();
   thread_ = std::thread([this] { run(); });
 }
@@ -44,18 +55,6 @@ void Heartbeat::run() {
     tick();
     lock.lock();
   }
-}
-
-void Heartbeat::read_who(int id, Peer& peer) {
-  const std::string key = "who/" + std::to_string(id);
-  if (!store_->check({key})) return;
-  const auto bytes = store_->get(key);
-  std::istringstream in(std::string(bytes.begin(), bytes.end()));
-  std::string pid;
-  std::getline(in, peer.host);
-  std::getline(in, pid);
-  std::getline(in, peer.start);
-  peer.pid = std::strtoll(pid.c_str(), nullptr, 10);
 }
 
 void Heartbeat::tick() {
@@ -81,28 +80,40 @@ void Heartbeat::tick() {
       for (int j = 0; j < max_; ++j) {
         Peer& p = peers_[static_cast<size_t>(j)];
         const int64_t c = counts[static_cast<size_t>(j)];
-        if (j == id_ || c == p.count) continue;
-        // Moved (or seen for the first time): alive from now; a new
-        // incarnation of the replica may have published itself anew.
-        if (c > 0) {
-          p.changed = now;
-          if (p.exited || p.pid == 0) reread.push_back(j);
-        }
+        if (j == id_) continue;
+        // Another process of this id (or one not read yet): read who it is.
+        if (c > 0 && (c >> 32) != p.inc) reread.push_back(j);
+        if (c == p.count) continue;
+        if (c > 0) p.changed = now;  // moved (or seen for the first time): alive from now
         p.count = c;
       }
     }
     for (int j : reread) {
-      Peer fresh;
-      read_who(j, fresh);
+      const std::string key = "who/" + std::to_string(j);
+      if (!store_->check({key})) continue;
+      const auto bytes = store_->get(key);
+      std::istringstream in(std::string(bytes.begin(), bytes.end()));
+      std::string host, pid, start;
+      std::getline(in, host);
+      std::getline(in, pid);
+      std::getline(in, start);
       std::lock_guard<std::mutex> lock(mu_);
       Peer& p = peers_[static_cast<size_t>(j)];
-      if (fresh.pid != p.pid || fresh.start != p.start) {
-        p.host = fresh.host;
-        p.pid = fresh.pid;
-        p.start = fresh.start;
+      p.inc = counts[static_cast<size_t>(j)] >> 32;
+      const int64_t n = std::strtoll(pid.c_str(), nullptr, 10);
+      if (n != p.pid || start != p.start || host != p.host) {
+        p.host = host;
+        p.pid = n;
+        p.start = start;
         p.exited = false;
       }
     }
+    std::vector<std::string> discard;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      discard.swap(discard_);
+    }
+    for (const std::string& key : discard) store_->deleteKey(key);
     // A process on this host that has exited is gone at once.
     std::lock_guard<std::mutex> lock(mu_);
     for (int j = 0; j < max_; ++j) {
@@ -125,37 +136,79 @@ std::string Heartbeat::me() const {
   return pid + " " + ddp::proc_start_and_state(pid).first + " " + my_host_;
 }
 
-void Heartbeat::saw(int id, const std::string& host, int64_t pid, const std::string& start) {
-  if (id == id_ || id < 0 || id >= max_) return;
+void Heartbeat::members(const std::vector<Process>& members) {
   std::lock_guard<std::mutex> lock(mu_);
-  Peer& p = peers_[static_cast<size_t>(id)];
-  if (p.pid != pid || p.start != start || p.host != host) {
-    p.host = host;
-    p.pid = pid;
-    p.start = start;
-    p.exited = false;
+  for (int j = 0; j < max_; ++j) {
+    Peer& p = peers_[static_cast<size_t>(j)];
+    p.member_host.clear();
+    p.member_pid = 0;
+    p.member_start.clear();
   }
-  if (!p.exited) {
-    p.changed = Clock::now();
-    if (p.count <= 0) p.count = 1;
+  for (const Process& m : members) {
+    if (m.id == id_ || m.id < 0 || m.id >= max_) continue;
+    Peer& p = peers_[static_cast<size_t>(m.id)];
+    p.member_host = m.host;
+    p.member_pid = m.pid;
+    p.member_start = m.start;
+    if (p.pid != m.pid || p.start != m.start || p.host != m.host) {
+      // Newer than what this thread read: who/<id> is read again at the
+      // next tick (it may name a process newer still).
+      p.host = m.host;
+      p.pid = m.pid;
+      p.start = m.start;
+      p.exited = false;
+      p.inc = -1;
+    }
+    if (!p.exited) {
+      p.changed = Clock::now();
+      if (p.count <= 0) p.count = 1;
+    }
   }
 }
 
 bool Heartbeat::alive(int id) const {
   if (id == id_) return true;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (id < 0 || id >= max_ || peers_[static_cast<size_t>(id)].count <= 0) return false;
-  }
-  return why_gone(id).empty();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (id < 0 || id >= max_ || peers_[static_cast<size_t>(id)].count <= 0) return false;
+  return why_gone_locked(id).empty();
+}
+
+bool Heartbeat::alive_as(int id, const std::string& host, int64_t pid,
+                         const std::string& start) const {
+  if (id == id_) return pid == static_cast<int64_t>(::getpid());
+  std::lock_guard<std::mutex> lock(mu_);
+  if (id < 0 || id >= max_) return false;
+  const Peer& p = peers_[static_cast<size_t>(id)];
+  if (p.count <= 0 || p.pid != pid || p.start != start || p.host != host) return false;
+  return why_gone_locked(id, false).empty();
+}
+
+bool Heartbeat::gone_for_good(int id, const std::string& host, int64_t pid,
+                              const std::string& start) const {
+  if (id == id_) return pid != static_cast<int64_t>(::getpid());
+  std::lock_guard<std::mutex> lock(mu_);
+  if (id < 0 || id >= max_) return true;
+  const Peer& p = peers_[static_cast<size_t>(id)];
+  if (p.pid == 0) return false;  // not read yet
+  if (p.pid != pid || p.start != start || p.host != host) return true;
+  return p.exited;
 }
 
 std::string Heartbeat::why_gone(int id) const {
   if (id == id_) return {};
   std::lock_guard<std::mutex> lock(mu_);
+  return why_gone_locked(id);
+}
+
+std::string Heartbeat::why_gone_locked(int id, bool as_member) const {
   if (id < 0 || id >= max_) return "replica " + std::to_string(id) + " does not exist";
   const Peer& p = peers_[static_cast<size_t>(id)];
   const std::string who = "replica " + std::to_string(id);
+  if (as_member && p.member_pid != 0 &&
+      (p.member_pid != p.pid || p.member_start != p.start || p.member_host != p.host)) {
+    return who + " is gone (its process " + std::to_string(p.member_pid) + " on " + p.member_host +
+           " was replaced by process " + std::to_string(p.pid) + " on " + p.host + ")";
+  }
   if (p.exited) return who + " is gone (its process " + std::to_string(p.pid) + " exited)";
   // Not seen yet (it started after this replica's last look): no verdict.
   if (p.count <= 0) return {};
@@ -168,6 +221,11 @@ std::string Heartbeat::why_gone(int id) const {
     return who + " sent no heartbeat for " + std::to_string(silent.count()) + " ms";
   }
   return {};
+}
+
+void Heartbeat::discard(std::vector<std::string> keys) {
+  std::lock_guard<std::mutex> lock(mu_);
+  discard_.insert(discard_.end(), keys.begin(), keys.end());
 }
 
 std::string Heartbeat::store_error() const {

@@ -7,6 +7,14 @@
 // pid and the process's start time, published when it starts). The thread
 // also reads the newest quorum's number, so that a replica held up in an
 // old quorum (it was stopped) learns that the others moved on.
+//
+// Liveness is judged per process, not per id: a replacement started under a
+// dead member's id must not make the member look alive. Each process starts
+// its counter in an incarnation of its own (the counter's high 32 bits, one
+// more than the previous process's), publishing who/<id> first; a reader
+// that sees the incarnation change reads who/<id> again. A quorum's member
+// is the process its join named (members()): once who/<id> names another,
+// that member is gone.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -42,25 +50,53 @@ class Heartbeat {
   std::string why_gone(int id) const;
   // The newest quorum number the store has (the "epoch" key), as last read.
   int64_t newest_epoch() const { return epoch_.load(); }
+  // Whether replica `id` is alive now as the process (host, pid, start):
+  // the newest process of that id is that one, and alive.
+  bool alive_as(int id, const std::string& host, int64_t pid, const std::string& start) const;
+  // Whether the process (host, pid, start) of replica `id` is gone for
+  // good: another process has its id now, or it exited on this host (a
+  // silent one may be stopped and come back: not gone for good).
+  bool gone_for_good(int id, const std::string& host, int64_t pid, const std::string& start) const;
   // "<pid> <start> <host>": this process, as join records carry it.
   std::string me() const;
-  // Replica `id` is alive now as this process (it joined a quorum).
-  void saw(int id, const std::string& host, int64_t pid, const std::string& start);
+  // A process, as a quorum's record names it.
+  struct Process {
+    int id = -1;
+    std::string host;
+    int64_t pid = 0;
+    std::string start;
+  };
+  // The quorum's members are these processes, alive now (they joined): from
+  // now on, each is gone once its id is another process's, and the ids not
+  // among them are judged by their newest process.
+  void members(const std::vector<Process>& members);
   // The store stopped answering (its host is gone): the text, else "".
   std::string store_error() const;
+  // Keys nobody reads any more (a finished vote's): deleted at the next
+  // tick, off the step's path.
+  void discard(std::vector<std::string> keys);
 
  private:
   struct Peer {
     int64_t count = -1;           // the counter as last read; -1: never
     Clock::time_point changed{};  // when it last moved
+    // The id's newest process, as who/<id> gave it for incarnation `inc`
+    // (-1: to be read at the next tick).
+    int64_t inc = -1;
     std::string host;
     int64_t pid = 0;
     std::string start;  // the process's start time, from /proc
     bool exited = false;
+    // The process the current quorum has as this id's member (pid 0: none).
+    std::string member_host;
+    int64_t member_pid = 0;
+    std::string member_start;
   };
+  // Why `id` is gone, judging its newest process, and with `as_member` also
+  // whether that is still the process its quorum has as the member.
+  std::string why_gone_locked(int id, bool as_member = true) const;
   void run();
   void tick();
-  void read_who(int id, Peer& peer);
 
   c10::intrusive_ptr<c10d::Store> store_;
   int id_;
@@ -72,6 +108,7 @@ class Heartbeat {
   bool stop_ = false;
   std::vector<Peer> peers_;
   std::string store_error_;
+  std::vector<std::string> discard_;
   std::atomic<int64_t> epoch_{0};
   // When this replica last looked (a stopped process's view is stale: it
   // judges nobody until it has looked again).

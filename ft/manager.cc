@@ -1,6 +1,8 @@
 // Per-step fault tolerance (ft/manager.h): the quorum, the vote, healing.
 //
-// The store's keys, under "tandem/ft/<job>/":
+// The store's keys, under "tandem/ft/<job>/<run>.<round>/" (a run's and a
+// launcher round's own, so that keys an earlier run left in a lasting store
+// such as etcd mislead nobody):
 //   who/<id>, hb/<id>          each replica's process and heartbeat (ft/heartbeat.h)
 //   epoch                      the newest quorum's number (0: none yet)
 //   q/<e>/join/<id>            a replica's join of quorum e: its committed step,
@@ -12,6 +14,9 @@
 //   q/<e>/v/<n>/ok             how many voted that their step went well
 //   q/<e>/v/<n>/decision       "commit", "commit join", "abort <why>" or
 //                              "diverged <who>": the first written wins; MAC'd
+//                              (a vote's keys are deleted once every member
+//                              has voted in the next)
+//   committed                  the job's newest committed step; MAC'd
 #include "tandem/ft/manager.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -29,6 +34,7 @@
 #include "tandem/ft/etcd_store.h"
 #include "tandem/ft/heartbeat.h"
 #include "tandem/ft/joined.h"
+#include "tandem/ft/watched_store.h"
 #include "tandem/rpc/common/auth.h"
 #include "tandem/rpc/rendezvous.h"
 
@@ -166,10 +172,17 @@ Manager::Manager(ManagerOptions options, State state)
     if (const char* t = std::getenv("TANDEM_TOKEN")) options_.token = t;
   }
   auto connect = options_.connect ? options_.connect : launcher_store;
-  const std::string prefix = "tandem/ft/" + options_.job;
+  if (options_.run_id.empty()) {
+    const char* run = std::getenv("TANDEM_RUN_ID");
+    options_.run_id = run && *run ? run : "run";
+  }
+  const char* round = std::getenv("TANDEM_RESTART_COUNT");
+  prefix_ = "tandem/ft/" + options_.job + "/" + options_.run_id + "." +
+            std::to_string(round ? std::atoll(round) : 0);
+  const std::string& prefix = prefix_;
   store_ = c10::make_intrusive<c10d::PrefixStore>(prefix, connect());
   heartbeat_ =
-      std::make_unique<Heartbeat>(c10::make_intrusive<c10d::PrefixStore>(prefix, connect()), id_,
+      std::make_shared<Heartbeat>(c10::make_intrusive<c10d::PrefixStore>(prefix, connect()), id_,
                                   max_, options_.heartbeat_interval, options_.heartbeat_timeout);
   options_.connect = [connect, prefix] {
     return c10::intrusive_ptr<c10d::Store>(
@@ -181,6 +194,13 @@ Manager::~Manager() {
   try {
     drop_group();
   } catch (...) {
+  }
+  if (std::uncaught_exceptions() == 0 && epoch_ > 0) {
+    try {
+      const std::string at = std::to_string(step_);
+      store_->set("finished", bytes_of(at + "\n" + sign("finished " + at)));
+    } catch (...) {
+    }
   }
   heartbeat_.reset();
 }
@@ -235,14 +255,26 @@ std::string first_difference(const std::string& mine, const std::string& theirs)
 
 }  // namespace
 
+std::string Manager::sign(const std::string& what) const {
+  return hex(rpc::hmac_sha256(options_.token, prefix_ + "\n" + what));
+}
+
+int64_t Manager::mark(const std::string& key) {
+  // "<step>\n<mac>"; one without the token's proof (or unreadable) counts as none.
+  const std::string mark = get_if(*store_, key);
+  const auto nl = mark.find('\n');
+  if (nl == std::string::npos || nl == 0 || nl > 18 || mark.find_first_not_of("0123456789") != nl ||
+      !rpc::constant_time_equal(mark.substr(nl + 1), sign(key + " " + mark.substr(0, nl)))) {
+    return 0;
+  }
+  return std::stoll(mark.substr(0, nl));
+}
+
 bool Manager::join_quorum() {
   const auto t0 = Clock::now();
   const auto deadline = t0 + options_.quorum_timeout;
   const auto& model = state_.model ? state_.model() : state_.save();
   const std::string signature = signature_of(options_, max_, model);
-  auto sign = [&](const std::string& what) {
-    return hex(rpc::hmac_sha256(options_.token, "tandem/ft/" + options_.job + "\n" + what));
-  };
   auto check_store = [&] {
     if (std::string e = heartbeat_->store_error(); !e.empty()) {
       throw QuorumError("ft::Manager: the store is gone: " + e);
@@ -261,22 +293,26 @@ bool Manager::join_quorum() {
     // only they may propose (a newcomer must not form a quorum of its own
     // beside a running one); before the first quorum, the whole world is
     // waited for (up to join_timeout).
-    std::vector<int> previous;
+    std::vector<Joined> previous;
     if (target > 1) {
-      const std::string prev = get_if(*store_, "q/" + std::to_string(target - 1) + "/members");
-      std::istringstream in(prev);
-      std::string line;
+      std::istringstream in(get_if(*store_, "q/" + std::to_string(target - 1) + "/members"));
+      std::string line, kind;
       while (std::getline(in, line) && line.rfind("member ", 0) == 0) {
-        previous.push_back(std::atoi(line.c_str() + 7));
+        std::istringstream words(line);
+        Joined r;
+        words >> kind >> r.id >> r.step >> r.cursor >> r.pid >> r.start >> r.host;
+        previous.push_back(std::move(r));
       }
     }
+    std::string blocked;  // why no proposal was made, for QuorumError's text
     std::string decided;
     while ((decided = get_if(*store_, q + "members")).empty()) {
       check_store();
       if (Clock::now() > deadline) {
         throw QuorumError("ft::Manager: replica " + std::to_string(id_) + " found no quorum of " +
                           std::to_string(options_.min_replicas) + " or more within " +
-                          std::to_string(options_.quorum_timeout.count()) + " ms");
+                          std::to_string(options_.quorum_timeout.count()) + " ms" +
+                          (blocked.empty() ? "" : ": " + blocked));
       }
       // Who has joined, with a valid proof.
       std::vector<Joined> joined;
@@ -305,12 +341,44 @@ bool Manager::join_quorum() {
       bool may_propose =
           std::any_of(joined.begin(), joined.end(), [&](const Joined& r) { return r.id == id_; });
       // Only a member of the previous quorum (this process, not an earlier
-      // one of its id) proposes while another member of it is alive.
-      const bool previous_alive = std::any_of(previous.begin(), previous.end(), [&](int j) {
-        return j != id_ && heartbeat_->alive(j);
-      });
+      // one of its id) proposes while another member of it is alive (that
+      // process itself: a replacement under its id is not it).
+      const bool previous_alive =
+          std::any_of(previous.begin(), previous.end(), [&](const Joined& r) {
+            return r.id != id_ && heartbeat_->alive_as(r.id, r.host, r.pid, r.start);
+          });
       const bool am_previous = epoch_ == target - 1 && epoch_ > 0;
       if (previous_alive && !am_previous) may_propose = false;
+      // Every process of the last quorum is gone for good (exited, or its
+      // id another process's) and nobody here holds the newest committed
+      // step: that state is lost, and no quorum can go on from it.
+      if (!previous.empty() && std::all_of(previous.begin(), previous.end(), [&](const Joined& r) {
+            return heartbeat_->gone_for_good(r.id, r.host, r.pid, r.start);
+          })) {
+        const int64_t committed = mark("committed");
+        const int64_t finished = mark("finished");
+        const bool behind = std::all_of(joined.begin(), joined.end(),
+                                        [&](const Joined& r) { return r.step < committed; });
+        if (behind && !(finished > 0 && finished >= committed)) {
+          throw QuorumError("ft::Manager: every replica of quorum " + std::to_string(target - 1) +
+                            " is gone, and with them the job's newest committed step, " +
+                            std::to_string(committed) +
+                            ": no quorum can go on (restart the job from its checkpoint)");
+        }
+      }
+      // Nobody of the last quorum is alive and the job was marked finished
+      // further on than anyone here: it is over (a replacement came late).
+      if (!previous_alive && !previous.empty()) {
+        const int64_t finished = mark("finished");
+        const bool behind = std::all_of(joined.begin(), joined.end(),
+                                        [&](const Joined& r) { return r.step < finished; });
+        if (finished > 0 && finished >= mark("committed") && behind) {
+          throw JobFinished("ft::Manager: replica " + std::to_string(id_) +
+                                " came after the job's replicas finished at step " +
+                                std::to_string(finished),
+                            finished);
+        }
+      }
       const bool waited_out = Clock::now() - joined_at > options_.join_timeout;
       bool all_in = true;
       for (int j = 0; j < max_; ++j) {
@@ -335,11 +403,16 @@ bool Manager::join_quorum() {
           }
         }
         // Someone must hold the job's newest committed step.
-        const std::string mark = get_if(*store_, "committed");
-        const int64_t committed = mark.empty() ? 0 : std::stoll(mark);
+        const int64_t committed = mark("committed");
         const bool has_newest = std::any_of(in.begin(), in.end(),
                                             [&](const Joined* r) { return r->step >= committed; });
-        if (static_cast<int>(in.size()) >= options_.min_replicas && has_newest) {
+        if (static_cast<int>(in.size()) < options_.min_replicas) {
+          blocked = std::to_string(in.size()) + " replica(s) of a matching model joined";
+        } else if (!has_newest) {
+          blocked = "no replica that joined holds the job's newest committed step, " +
+                    std::to_string(committed) +
+                    " (those that did are gone: the job must restart from its checkpoint)";
+        } else {
           std::string proposal;
           for (const Joined* r : in) {
             proposal += "member " + std::to_string(r->id) + " " + std::to_string(r->step) + " " +
@@ -353,6 +426,10 @@ bool Manager::join_quorum() {
           store_->compareSet(q + "members", {}, bytes_of(proposal));
           continue;
         }
+      } else if (!may_propose) {
+        blocked = "a member of the previous quorum is alive and did not form one with it";
+      } else {
+        blocked = "a replica alive did not join within join_timeout";
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
@@ -398,9 +475,15 @@ bool Manager::join_quorum() {
     }
     // The members are alive now, as these processes (a replacement's
     // heartbeat may not have been seen yet).
-    for (const Joined& r : members) heartbeat_->saw(r.id, r.host, r.pid, r.start);
+    {
+      std::vector<Heartbeat::Process> processes;
+      for (const Joined& r : members) processes.push_back({r.id, r.host, r.pid, r.start});
+      heartbeat_->members(processes);
+    }
     epoch_ = target;
     attempt_ = 0;
+    layout_agreed_ = false;
+    agreed_sizes_.clear();
     members_.clear();
     for (const Joined& r : members) members_.push_back(r.id);
     rank_in_quorum_ = static_cast<int>(me - members.begin());
@@ -411,14 +494,15 @@ bool Manager::join_quorum() {
     po.rank = rank_in_quorum_;
     po.world_size = static_cast<int>(members.size());
     po.timeout = options_.collective_timeout;
-    group_store_ = c10::make_intrusive<c10d::PrefixStore>(q, options_.connect());
-    po.store = group_store_;
+
     po.group_name = "ft";
     po.member_name = "replica " + std::to_string(id_);
     const int64_t my_epoch = epoch_;
     std::vector<int> ids = members_;
-    Heartbeat* hb = heartbeat_.get();
-    po.stalled = [hb, ids, my_epoch]() -> std::string {
+    std::weak_ptr<Heartbeat> weak = heartbeat_;
+    po.stalled = [weak, ids, my_epoch]() -> std::string {
+      const std::shared_ptr<Heartbeat> hb = weak.lock();
+      if (!hb) return "its ft::Manager is gone";
       for (int j : ids) {
         if (std::string why = hb->why_gone(j); !why.empty()) return why;
       }
@@ -429,6 +513,11 @@ bool Manager::join_quorum() {
       }
       return {};
     };
+    // (its waits end once a member is gone: one that died since the
+    // decision must not hold the others until the store's timeout)
+    group_store_ = c10::make_intrusive<WatchedStore>(
+        c10::make_intrusive<c10d::PrefixStore>(q, options_.connect()), po.stalled);
+    po.store = group_store_;
     try {
       group_ = ddp::ProcessGroup::create(po);
     } catch (const std::exception& e) {
@@ -499,13 +588,61 @@ bool Manager::allreduce_grads(const std::vector<at::Tensor>& grads) {
     error_ = "no quorum (call start_step() first)";
     return false;
   }
-  // One flat buffer a dtype.
+  // One flat buffer a dtype. Every member's buffers must have the same
+  // sizes, or the collective would mix them up (or wait for ever): the
+  // layout (each gradient's dtype and size, an undefined one as none) is
+  // compared across the quorum at its first step, and after that against
+  // what was agreed.
   std::map<c10::ScalarType, std::vector<at::Tensor>> by_dtype;
+  uint64_t layout = 0xcbf29ce484222325ull;
+  auto mix = [&layout](uint64_t x) { layout = (layout ^ x) * 0x100000001b3ull; };
   for (const at::Tensor& g : grads) {
-    if (g.defined()) by_dtype[g.scalar_type()].push_back(g);
+    mix(g.defined() ? static_cast<uint64_t>(g.scalar_type()) + 1 : 0);
+    if (!g.defined()) continue;
+    mix(static_cast<uint64_t>(g.dim()));
+    for (int64_t d : g.sizes()) mix(static_cast<uint64_t>(d));
+    by_dtype[g.scalar_type()].push_back(g);
   }
+  layout &= (1ull << 62) - 1;
   const double k = static_cast<double>(members_.size());
   try {
+    if (!layout_agreed_) {
+      // The quorum's first step: the largest and the smallest layout of the
+      // members (the same answer on each).
+      at::Tensor both = at::empty({2}, at::kLong);
+      both[0] = static_cast<int64_t>(layout);
+      both[1] = -static_cast<int64_t>(layout);
+      group_->all_reduce_async(both, ddp::ReduceOp::kMax).wait(options_.collective_timeout);
+      if (both[0].item<int64_t>() != -both[1].item<int64_t>()) {
+        if (error_.empty()) {
+          error_ =
+              "the members' gradients differ in layout (how many, their dtypes or sizes; an "
+              "undefined gradient differs from a defined one): allreduce_grads needs the same "
+              "list on every replica";
+        }
+        return false;
+      }
+      layout_agreed_ = true;
+      agreed_layout_ = layout;
+      for (const auto& [dtype, list] : by_dtype) {
+        int64_t n = 0;
+        for (const at::Tensor& g : list) n += g.numel();
+        agreed_sizes_.emplace_back(dtype, n);
+      }
+    } else if (layout != agreed_layout_) {
+      // This replica's layout changed since the quorum agreed on one: it
+      // fails the step, taking part with zeros (its peers wait for its share).
+      if (error_.empty()) {
+        error_ = "replica " + std::to_string(id_) +
+                 "'s gradients changed layout since its quorum's first step (how many, their "
+                 "dtypes or sizes; an undefined gradient differs from a defined one)";
+      }
+      for (const auto& [dtype, n] : agreed_sizes_) {
+        at::Tensor zeros = at::zeros({n}, at::TensorOptions().dtype(dtype));
+        group_->all_reduce_async(zeros, ddp::ReduceOp::kSum).wait(options_.collective_timeout);
+      }
+      return false;
+    }
     for (auto& [dtype, list] : by_dtype) {
       std::vector<at::Tensor> flat;
       for (const at::Tensor& g : list) flat.push_back(g.reshape({-1}));
@@ -567,9 +704,6 @@ bool Manager::should_commit() {
     ++metrics_.steps_failed;
     return false;
   }
-  auto sign = [&](const std::string& what) {
-    return hex(rpc::hmac_sha256(options_.token, "tandem/ft/" + options_.job + "\n" + what));
-  };
   const std::string v = "q/" + std::to_string(epoch_) + "/v/" + std::to_string(attempt_) + "/";
   ++attempt_;
   const int k = static_cast<int>(members_.size());
@@ -581,7 +715,7 @@ bool Manager::should_commit() {
   try {
     if (error_.empty()) {
       store_->set(v + "fp/" + std::to_string(rank_in_quorum_), bytes_of(fingerprint()));
-      if (store_->add(v + "ok", 1) == k) {
+      if (store_->add(v + "ok", 1) >= k) {
         deciding = true;
         // The last to vote well decides: every fingerprint must agree. (A
         // count that an add retried through an etcd election counted twice
@@ -643,11 +777,25 @@ bool Manager::should_commit() {
     // that has it (one stopped and let go must not train on alone from an
     // older state).
     if (deciding && decision.rfind("commit", 0) == 0) {
-      store_->set("committed", bytes_of(std::to_string(step_ + 1)));
+      const std::string next = std::to_string(step_ + 1);
+      store_->set("committed", bytes_of(next + "\n" + sign("committed " + next)));
+      // Every member voted in this vote, so each has read the last one's
+      // decision: its keys go (off the step's path).
+      if (attempt_ >= 2) {
+        const std::string last =
+            "q/" + std::to_string(epoch_) + "/v/" + std::to_string(attempt_ - 2) + "/";
+        std::vector<std::string> keys{last + "ok", last + "decision"};
+        for (int r = 0; r < k; ++r) keys.push_back(last + "fp/" + std::to_string(r));
+        heartbeat_->discard(std::move(keys));
+      }
     }
-  } catch (const QuorumError&) {
-    throw;
   } catch (const std::exception& e) {
+    // The step is decided by nobody this replica can hear: it leaves the
+    // quorum (a later start_step() forms a new one, if the store returns).
+    reform_ = true;
+    ++metrics_.steps_failed;
+    if (group_) group_->abandon();
+    if (dynamic_cast<const QuorumError*>(&e)) throw;
     throw QuorumError(std::string("ft::Manager: the vote could not reach the store: ") + e.what());
   }
   if (decision.rfind("commit", 0) == 0) {

@@ -92,10 +92,29 @@ class QuorumError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The exit code for a replica that ends on QuorumError: tandem-run
+// --replace-failed does not start it again alone (the job has lost its
+// quorum; --max-restarts restarts it whole, from its checkpoint).
+inline constexpr int kExitNotReplaceable = 78;
+
 // The members' parameters differ at a commit; the text names the replicas.
 class DivergenceError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
+};
+
+// The job's replicas finished training (their Managers were destroyed at
+// the end of their loops) before this replica could join them: there is
+// nothing left to train, and nobody to heal it from. A replacement started
+// as the job ended gets it from start_step(); exiting 0 is the right answer.
+class JobFinished : public std::runtime_error {
+ public:
+  JobFinished(const std::string& what, int64_t step) : std::runtime_error(what), step_(step) {}
+  // The step the job finished at.
+  int64_t step() const { return step_; }
+
+ private:
+  int64_t step_;
 };
 
 // What a replica's state is, for healing and the fingerprint: its tensors
@@ -135,8 +154,14 @@ struct ManagerOptions {
   // The cluster token: joins, quorums and decisions carry its MAC, so that
   // nothing written to the store without it is believed. Empty: TANDEM_TOKEN.
   std::string token;
-  // Keys go under "tandem/ft/<job>/".
+  // Keys go under "tandem/ft/<job>/<run_id>.<round>/", round being the
+  // launcher's TANDEM_RESTART_COUNT (0 without one): a whole-job restart
+  // starts from fresh keys. A store that outlives jobs (etcd) needs a run id
+  // of each launch of a job, as torchrun's --rdzv-id: empty takes
+  // TANDEM_RUN_ID, else "run" (enough for a store that lives with the job,
+  // as tandem-run's does).
   std::string job = "job";
+  std::string run_id;
   std::string backend = "gloo";
   // Heartbeats: one each interval; a replica silent for heartbeat_timeout
   // is gone (stopped, frozen, cut off).
@@ -184,18 +209,24 @@ class Manager {
   // std::invalid_argument naming a bad option.
   Manager(ManagerOptions options, State state);
   // Stops the heartbeat and leaves the quorum (its members see this replica
-  // gone at their next vote).
+  // gone at their next vote). Destroyed with no exception in flight, after
+  // a quorum, it also marks the job finished at its step: a replica that
+  // joins once none of its last quorum's members is alive, and is behind
+  // that step, gets JobFinished rather than waiting for a quorum.
   ~Manager();
   Manager(const Manager&) = delete;
   Manager& operator=(const Manager&) = delete;
 
   // The step's quorum: forms one (and heals this replica when it is behind)
-  // when there is none. Throws QuorumError (1.).
+  // when there is none. Throws QuorumError (1.), and JobFinished.
   void start_step();
   // The mean of `grads` over the quorum, in place (undefined ones skipped).
   // False, and nothing throws, when it failed or this replica reported an
   // error: the step will not commit. Every member calls it each step, even
-  // one that reported an error (its peers' collective waits for it).
+  // one that reported an error (its peers' collective waits for it), with
+  // the same list: the same dtypes and sizes in the same order, the same
+  // ones undefined (a quorum's first step compares them across the members,
+  // and a step whose lists differ fails everywhere, named).
   bool allreduce_grads(const std::vector<at::Tensor>& grads);
   // This replica's step failed for a reason of its own (a non-finite loss,
   // an exception): the step commits nowhere.
@@ -237,6 +268,11 @@ class Manager {
   // too late for it); false when it is not a member yet.
   bool join_quorum();
   void heal(const std::vector<Joined>& joined);
+  // The cluster token's MAC of `what`, under this job's keys.
+  std::string sign(const std::string& what) const;
+  // A step mark of the store's ("committed": the job's newest committed
+  // step; "finished": the step its replicas ended at), 0 when there is none.
+  int64_t mark(const std::string& key);
   std::string fingerprint();
   void drop_group();
 
@@ -245,7 +281,8 @@ class Manager {
   int id_ = 0;
   int max_ = 0;
   c10::intrusive_ptr<c10d::Store> store_;
-  std::unique_ptr<Heartbeat> heartbeat_;
+  std::string prefix_;  // the keys' (ManagerOptions::job)
+  std::shared_ptr<Heartbeat> heartbeat_;
   c10::intrusive_ptr<c10d::Store> group_store_;  // the quorum's group's own client
   std::shared_ptr<ddp::ProcessGroup> group_;
   std::vector<int> members_;
@@ -257,6 +294,11 @@ class Manager {
   bool reform_ = true;   // start_step() must form a quorum
   bool voted_ = false;
   bool group_failed_ = false;  // a collective of this step failed
+  // The gradients' layout the quorum agreed on (allreduce_grads): its hash
+  // and each dtype's buffer size.
+  bool layout_agreed_ = false;
+  uint64_t agreed_layout_ = 0;
+  std::vector<std::pair<c10::ScalarType, int64_t>> agreed_sizes_;
   std::string error_;
   Metrics metrics_;
 };

@@ -34,6 +34,9 @@ namespace tandem::launcher {
 using Clock = std::chrono::steady_clock;
 
 constexpr int kExitFailure = 1;
+// A worker's exit code that asks --replace-failed not to start it again
+// alone: its failure is the job's (ft::kExitNotReplaceable).
+constexpr int kExitNotReplaceable = 78;
 constexpr int kExitUsage = 2;
 constexpr int kExitCannotRun = 127;
 constexpr int kSignalExitBase = 128;
@@ -42,6 +45,7 @@ struct Worker {
   int rank = 0;
   pid_t pid = -1;
   bool alive = false;
+  bool replaced = false;  // --replace-failed started another in its place
   LineForwarder out;
   LineForwarder err;
 };

@@ -176,8 +176,8 @@ void Launcher::node_tick() {
         coordinator_nonce_.empty()) {
       // Something listens at the master's port but never greeted: node 0's
       // tandem-run is not coordinating (its store, or its rank 0's, is there).
-      report("the launcher at " + options_.master_addr + ":" + std::to_string(options_.master_port) +
-             " sent no tandem-run greeting in " +
+      report("the launcher at " + options_.master_addr + ":" +
+             std::to_string(options_.master_port) + " sent no tandem-run greeting in " +
              seconds_text(std::chrono::duration_cast<std::chrono::seconds>(kSilenceLimit)) +
              ": node 0's tandem-run does not coordinate this job: " + coordination_rule(options_) +
              ": start every node's launcher with the same --nnodes and --max-restarts");
@@ -445,7 +445,9 @@ void Launcher::start_round() {
 void Launcher::begin_local_round() {
   // Whatever a stopped round's workers left in their process groups must
   // not live on beside the next round.
-  for (const Worker& worker : workers_) ::kill(-worker.pid, SIGKILL);
+  for (const Worker& worker : workers_) {
+    if (!worker.replaced) ::kill(-worker.pid, SIGKILL);
+  }
   shutting_down_ = false;
   kill_deadline_.reset();
   drain_deadline_.reset();

@@ -112,7 +112,9 @@ int Launcher::threads_per_worker() const {
 void Launcher::next_round() {
   // Whatever a failed round's workers left in their process groups (a child
   // that ignored SIGTERM) must not live on beside the next round.
-  for (const Worker& worker : workers_) ::kill(-worker.pid, SIGKILL);
+  for (const Worker& worker : workers_) {
+    if (!worker.replaced) ::kill(-worker.pid, SIGKILL);
+  }
   restarting_ = false;
   shutting_down_ = false;
   kill_deadline_.reset();
@@ -200,7 +202,8 @@ std::vector<std::string> Launcher::worker_environment(int local_rank) const {
     if (is_worker_variable(name)) continue;
     if (hosts_store_ && name == "TORCHELASTIC_USE_AGENT_STORE") continue;  // set below
     if (!job_token_.empty() && name == "TANDEM_TOKEN") continue;           // this round's, below
-    if (options_.peer_timeout_s >= 0 && name == "TANDEM_PEER_TIMEOUT") continue;  // --peer-timeout's
+    if (options_.peer_timeout_s >= 0 && name == "TANDEM_PEER_TIMEOUT")
+      continue;  // --peer-timeout's
     env.emplace_back(*entry);
   }
   const int nproc = options_.nproc_per_node;

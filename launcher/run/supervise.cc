@@ -36,7 +36,8 @@ int Launcher::run_plain() {
     report("node 0's launcher at " + options_.master_addr + ":" +
            std::to_string(options_.master_port) +
            " coordinates this job (it greeted as a coordinating tandem-run does) and this one "
-           "does not: " + coordination_rule(options_) +
+           "does not: " +
+           coordination_rule(options_) +
            ": start every node's launcher with node 0's --nnodes and --max-restarts");
     return kExitFailure;
   }
@@ -168,7 +169,17 @@ void Launcher::reap_workers() {
   pid_t pid;
   while (live_workers_ > 0 && (pid = ::waitpid(-1, &status, WNOHANG)) > 0) {
     Worker* worker = find_worker(pid);
-    if (worker != nullptr && worker->alive) on_worker_exit(*worker, status);
+    if (worker != nullptr) on_worker_exit(*worker, status);
+  }
+  // A replaced worker's entry goes once its pipes are drained (its pid may
+  // be another process's by then: nothing must signal or match it).
+  if (replacements_ > 0) {
+    workers_.erase(std::remove_if(workers_.begin(), workers_.end(),
+                                  [](const Worker& w) {
+                                    return !w.alive && w.replaced && !w.out.is_open() &&
+                                           !w.err.is_open();
+                                  }),
+                   workers_.end());
   }
 }
 
@@ -186,10 +197,16 @@ void Launcher::on_worker_exit(Worker& worker, int status) {
     code = kSignalExitBase + WTERMSIG(status);
     what = "killed by signal " + std::to_string(WTERMSIG(status));
   }
-  if (!stopped_by_user_ && replacements_ < options_.replace_failed) {
+  // (exit code 78: the worker says its failure is the job's, not its own)
+  if (!stopped_by_user_ && replacements_ < options_.replace_failed &&
+      !(WIFEXITED(status) && WEXITSTATUS(status) == kExitNotReplaceable)) {
     // The others go on; this rank starts again alone (its replica rejoins
     // the job at a step boundary and is healed from a peer).
     ++replacements_;
+    worker.replaced = true;
+    // Whatever it left in its process group goes with it (reaped just now,
+    // its pid stays reserved while that group has members).
+    ::kill(-worker.pid, SIGKILL);
     const int local_rank = worker.rank - round_.group_rank * options_.nproc_per_node;
     const int count = ++replaced_[local_rank];
     report("worker " + std::to_string(worker.rank) + " " + what + "; starting it again alone (" +
@@ -263,7 +280,7 @@ bool Launcher::has_open_pipes() const {
 
 Worker* Launcher::find_worker(pid_t pid) {
   for (Worker& worker : workers_) {
-    if (worker.pid == pid) return &worker;
+    if (worker.alive && worker.pid == pid) return &worker;
   }
   return nullptr;
 }

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -137,6 +138,25 @@ void EtcdClient::disconnect() {
   fd_ = -1;
 }
 
+namespace {
+
+// A number of an answer's (a length, a chunk's size in hex, a count); a
+// malformed one is the member's fault: EtcdError, so that another is tried.
+uint64_t number_of(const std::string& text, int base, const char* what) {
+  const char* p = text.c_str();
+  while (*p == ' ' || *p == '\t') ++p;
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long v = std::strtoull(p, &end, base);
+  if (end == p || errno != 0 || *p == '-') {
+    throw EtcdError(std::string("etcd: an answer's ") + what + " is not a number: '" +
+                    text.substr(0, 20) + "'");
+  }
+  return v;
+}
+
+}  // namespace
+
 std::string EtcdClient::call(const std::string& path, const std::string& body) {
   // Round the members until one answers or the call's time is up: a member
   // may be gone, or wait for an election after the leader went (a try
@@ -182,7 +202,8 @@ std::string EtcdClient::call_once(size_t member, const std::string& path, const 
     disconnect();
     const std::string& ep = endpoints_[member];
     const size_t colon = ep.rfind(':');
-    Dialed d = dial_tcp(ep.substr(0, colon), std::stoi(ep.substr(colon + 1)), timeout);
+    Dialed d = dial_tcp(ep.substr(0, colon),
+                        static_cast<int>(number_of(ep.substr(colon + 1), 10, "port")), timeout);
     if (d.fd < 0) throw EtcdError(d.why);
     fd_ = d.fd;
     connected_ = member;
@@ -251,17 +272,28 @@ std::string EtcdClient::call_once(size_t member, const std::string& path, const 
     for (;;) {
       size_t line_end;
       while ((line_end = in.find("\r\n", at)) == std::string::npos) read_more();
-      const size_t size = std::stoul(in.substr(at, line_end - at), nullptr, 16);
+      const uint64_t size = number_of(in.substr(at, line_end - at), 16, "chunk size");
+      if (size > (uint64_t{1} << 30))
+        throw EtcdError("an answer's chunk of " + std::to_string(size) + " bytes");
       at = line_end + 2;
+      if (size == 0) {
+        // The trailer: header lines up to an empty one.
+        for (;;) {
+          while ((line_end = in.find("\r\n", at)) == std::string::npos) read_more();
+          const bool empty = line_end == at;
+          at = line_end + 2;
+          if (empty) break;
+        }
+        break;
+      }
       while (in.size() < at + size + 2) read_more();
       body_out.append(in, at, size);
       at += size + 2;
-      if (size == 0) break;
     }
   } else {
     const size_t cl = lower.find("content-length:");
     if (cl == std::string::npos) throw EtcdError("an answer without a length");
-    const size_t length = std::stoul(lower.substr(cl + 15));
+    const size_t length = number_of(lower.substr(cl + 15, 24), 10, "Content-Length");
     if (length > (size_t{1} << 30))
       throw EtcdError("an answer of " + std::to_string(length) + " bytes");
     while (in.size() < at + length) read_more();
@@ -335,7 +367,7 @@ int64_t EtcdClient::count(const std::string& prefix) {
   const std::string answer =
       call("/v3/kv/range", "{\"key\":" + quoted(base64_encode(prefix)) + ",\"range_end\":" +
                                quoted(base64_encode(prefix_end(prefix))) + ",\"count_only\":true}");
-  return std::stoll(json_string(answer, "count").value_or("0"));
+  return static_cast<int64_t>(number_of(json_string(answer, "count").value_or("0"), 10, "count"));
 }
 
 }  // namespace tandem::rpc

@@ -9,7 +9,12 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
+#include <unistd.h>
+
+#include <sstream>
+
 #include "ddp/ddp_support.h"
+#include "tandem/ft/heartbeat.h"
 #include "tandem/ft/manager.h"
 #include "test_util.h"
 
@@ -295,7 +300,8 @@ TEST_CASE("ft: a forged join is refused and a quorum it cannot form times out") 
   // A join for replica 1 written by something without the token.
   auto client = support::store_client(server->getPort());
   const std::string forged = "0 0\nreplicas 2\nnot-a-proof";
-  client->set("tandem/ft/test/q/1/join/1", std::vector<uint8_t>(forged.begin(), forged.end()));
+  client->set("tandem/ft/test/run.0/q/1/join/1",
+              std::vector<uint8_t>(forged.begin(), forged.end()));
   auto o = options(0, 2, server->getPort());
   o.min_replicas = 2;
   o.quorum_timeout = std::chrono::milliseconds(2500);
@@ -304,6 +310,93 @@ TEST_CASE("ft: a forged join is refused and a quorum it cannot form times out") 
   CHECK_THROWS_WITH_AS(manager.start_step(), doctest::Contains("found no quorum of 2"),
                        ft::QuorumError);
   CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(6));
+}
+
+TEST_CASE("ft: members whose gradient lists differ fail the step on every member, named") {
+  Data d;
+  auto server = support::store_server();
+  std::vector<std::string> errors(3);
+  std::vector<int> committed(3, -1), reduced(3, -1);
+  const auto t0 = std::chrono::steady_clock::now();
+  on_ranks(3, [&](int id) {
+    auto model = make_model(1);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+    ft::Manager manager(options(id, 3, server->getPort()), ft::module_state(*model, opt));
+    manager.start_step();
+    opt.zero_grad();
+    auto i = at::tensor(manager.batch_indices(), at::kLong);
+    torch::nn::functional::mse_loss(model(d.x.index_select(0, i)), d.y.index_select(0, i))
+        .backward();
+    // Replica 1 leaves the bias out: its buffer would be shorter than the others'.
+    std::vector<at::Tensor> grads{model->weight.grad()};
+    if (id != 1) grads.push_back(model->bias.grad());
+    reduced[static_cast<size_t>(id)] = manager.allreduce_grads(grads) ? 1 : 0;
+    committed[static_cast<size_t>(id)] = manager.should_commit() ? 1 : 0;
+    errors[static_cast<size_t>(id)] = manager.last_error();
+  });
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
+  for (int id = 0; id < 3; ++id) {
+    INFO("replica " << id);
+    CHECK(reduced[static_cast<size_t>(id)] == 0);
+    CHECK(committed[static_cast<size_t>(id)] == 0);
+    CHECK(errors[static_cast<size_t>(id)].find("differ in layout") != std::string::npos);
+  }
+}
+
+TEST_CASE("ft: a replica that comes after the job's replicas finished is told so") {
+  Data d;
+  auto server = support::store_server();
+  Record rec;
+  on_ranks(2, [&](int id) { train(id, 3, server->getPort(), 4, d, rec); });
+  // Replica 2 (a replacement started as the job ended) finds nobody to join.
+  auto model = make_model(1);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+  ft::Manager late(options(2, 3, server->getPort()), ft::module_state(*model, opt));
+  const auto t0 = std::chrono::steady_clock::now();
+  int64_t finished_at = -1;
+  try {
+    late.start_step();
+  } catch (const ft::JobFinished& e) {
+    finished_at = e.step();
+    CHECK(std::string(e.what()).find("finished at step 4") != std::string::npos);
+  }
+  CHECK(finished_at == 4);
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
+  expect_reference(d, rec, 0);
+}
+
+TEST_CASE("ft: liveness is a process's: a new process under a member's id does not keep it alive") {
+  auto server = support::store_server();
+  auto client = [&] {
+    return c10::intrusive_ptr<c10d::Store>(support::store_client(server->getPort()));
+  };
+  const auto interval = std::chrono::milliseconds(30);
+  const auto timeout = std::chrono::milliseconds(3000);
+  ft::Heartbeat one(client(), 1, 2, interval, timeout);
+  ft::Heartbeat zero(client(), 0, 2, interval, timeout);
+  REQUIRE(eventually([&] { return zero.alive(1); }, std::chrono::seconds(5)));
+  // Replica 1 is a quorum's member as this process.
+  std::istringstream me(one.me());
+  ft::Heartbeat::Process member;
+  member.id = 1;
+  me >> member.pid >> member.start >> member.host;
+  zero.members({member});
+  CHECK(zero.why_gone(1).empty());
+  CHECK(zero.alive_as(1, member.host, member.pid, member.start));
+  CHECK_FALSE(zero.gone_for_good(1, member.host, member.pid, member.start));
+  // Another process takes id 1 (as a replacement does: who/1, then a new
+  // incarnation of its counter), while this one's heartbeat goes on.
+  auto store = client();
+  const std::string who = "elsewhere\n4242\n777";
+  store->set("who/1", std::vector<uint8_t>(who.begin(), who.end()));
+  const int64_t now = store->add("hb/1", 0);
+  store->add("hb/1", (((now >> 32) + 1) << 32) - now);
+  REQUIRE(eventually([&] { return !zero.why_gone(1).empty(); }, std::chrono::seconds(5)));
+  CHECK(zero.why_gone(1).find("was replaced by process 4242 on elsewhere") != std::string::npos);
+  CHECK_FALSE(zero.alive_as(1, member.host, member.pid, member.start));
+  CHECK(zero.gone_for_good(1, member.host, member.pid, member.start));
+  CHECK(zero.alive_as(1, "elsewhere", 4242, "777"));  // the new process is alive
+  CHECK_FALSE(zero.gone_for_good(1, "elsewhere", 4242, "777"));
 }
 
 TEST_CASE("ft: bad options are refused by name") {
