@@ -168,7 +168,7 @@ verdict "d. replica 2 stopped for 4 s" d.log 3 "${dargs[@]}" && {
 }
 
 # e. Newcomers that do not belong: another model, other options, no token.
-eargs=(--steps 150 --step-ms 15 --width 128 --replicas 3)
+eargs=(--steps 600 --step-ms 15 --width 128 --replicas 3)  # (long enough for three intruders)
 start e.log 2 --replace-failed 0 -- "${eargs[@]}"
 after e.log 10
 pid=$(ft_pid "$tag" 0)

@@ -272,6 +272,7 @@ class Manager {
   std::string sign(const std::string& what) const;
   // A step mark of the store's ("committed": the job's newest committed
   // step; "finished": the step its replicas ended at), 0 when there is none.
+  // Throws QuorumError when it lacks this replica's token's proof.
   int64_t mark(const std::string& key);
   std::string fingerprint();
   void drop_group();

@@ -334,7 +334,7 @@ TEST_CASE("ft: members whose gradient lists differ fail the step on every member
     committed[static_cast<size_t>(id)] = manager.should_commit() ? 1 : 0;
     errors[static_cast<size_t>(id)] = manager.last_error();
   });
-  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(15));
   for (int id = 0; id < 3; ++id) {
     INFO("replica " << id);
     CHECK(reduced[static_cast<size_t>(id)] == 0);
@@ -361,7 +361,7 @@ TEST_CASE("ft: a replica that comes after the job's replicas finished is told so
     CHECK(std::string(e.what()).find("finished at step 4") != std::string::npos);
   }
   CHECK(finished_at == 4);
-  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
   expect_reference(d, rec, 0);
 }
 
