@@ -343,6 +343,107 @@ TEST_CASE("ft: members whose gradient lists differ fail the step on every member
   }
 }
 
+namespace {
+
+// A store client that can be cut off: every call throws once `cut` is set.
+class CutStore : public c10d::Store {
+ public:
+  CutStore(c10::intrusive_ptr<c10d::Store> inner, std::atomic<bool>& cut)
+      : inner_(std::move(inner)), cut_(cut) {}
+  void set(const std::string& k, const std::vector<uint8_t>& v) override {
+    check_cut();
+    inner_->set(k, v);
+  }
+  std::vector<uint8_t> compareSet(const std::string& k, const std::vector<uint8_t>& e,
+                                  const std::vector<uint8_t>& d) override {
+    check_cut();
+    return inner_->compareSet(k, e, d);
+  }
+  std::vector<uint8_t> get(const std::string& k) override {
+    check_cut();
+    return inner_->get(k);
+  }
+  int64_t add(const std::string& k, int64_t v) override {
+    check_cut();
+    return inner_->add(k, v);
+  }
+  bool deleteKey(const std::string& k) override {
+    check_cut();
+    return inner_->deleteKey(k);
+  }
+  bool check(const std::vector<std::string>& k) override {
+    check_cut();
+    return inner_->check(k);
+  }
+  int64_t getNumKeys() override {
+    check_cut();
+    return inner_->getNumKeys();
+  }
+  void wait(const std::vector<std::string>& k) override {
+    check_cut();
+    inner_->wait(k);
+  }
+  void wait(const std::vector<std::string>& k, const std::chrono::milliseconds& t) override {
+    check_cut();
+    inner_->wait(k, t);
+  }
+
+ private:
+  void check_cut() {
+    if (cut_) throw std::runtime_error("cut off");
+  }
+  c10::intrusive_ptr<c10d::Store> inner_;
+  std::atomic<bool>& cut_;
+};
+
+}  // namespace
+
+TEST_CASE("ft: a member lost between its quorum's decision and the group's meeting holds nobody") {
+  Data d;
+  auto server = support::store_server();
+  Record rec;
+  std::atomic<bool> cut{false};
+  std::atomic<int> done{0};
+  std::vector<std::chrono::steady_clock::duration> took(2);
+  on_ranks(3, [&](int id) {
+    if (id < 2) {
+      const auto t0 = std::chrono::steady_clock::now();
+      train(id, 3, server->getPort(), 6, d, rec);
+      took[static_cast<size_t>(id)] = std::chrono::steady_clock::now() - t0;
+      ++done;
+      return;
+    }
+    // Replica 2 joins the first quorum, then goes silent as its group is
+    // made: its heartbeat's client is cut off, and the group's never comes.
+    auto model = make_model(1);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    auto o = options(2, 3, server->getPort());
+    int calls = 0;
+    const int port = server->getPort();
+    o.connect = [&, port]() -> c10::intrusive_ptr<c10d::Store> {
+      ++calls;
+      if (calls == 2) {  // the heartbeat thread's
+        return c10::make_intrusive<CutStore>(support::store_client(port), cut);
+      }
+      if (calls >= 3) {  // the quorum's group's: lost here
+        cut = true;
+        while (done < 2) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        throw std::runtime_error("released");
+      }
+      return support::store_client(port);
+    };
+    ft::Manager manager(o, ft::module_state(*model, opt));
+    CHECK_THROWS(manager.start_step());
+  });
+  // Without the group's watch they would have waited collective_timeout (20 s).
+  CHECK(took[0] < std::chrono::seconds(10));
+  CHECK(took[1] < std::chrono::seconds(10));
+  const auto& p = rec.participants[0];
+  REQUIRE(p.size() == 6);
+  CHECK(std::all_of(p.begin(), p.end(), [](int k) { return k == 2; }));
+  expect_reference(d, rec, 0);
+}
+
 TEST_CASE("ft: a replica that comes after the job's replicas finished is told so") {
   Data d;
   auto server = support::store_server();
