@@ -25,7 +25,10 @@
 #     ends at once with the lost step named;
 #  g. the quorum kept in a 3-member etcd cluster (TANDEM_ETCD), a node (a
 #     launcher) a replica: node 0's launcher and its worker killed, the
-#     other nodes train on to the end.
+#     other nodes train on to the end;
+#  h. a replica cut off by the network rather than killed (its node a
+#     network namespace whose veth link goes down for 4 s): the others go
+#     on without it; back, it rejoins and is healed.
 set -uo pipefail
 bin="$(readlink -f "${1:?usage: check_ft.sh BIN_DIR}")"
 here="$(dirname "$(readlink -f "$0")")"
@@ -281,6 +284,61 @@ print(" ".join(map(str, got)))')
   unset TANDEM_ETCD TANDEM_TOKEN
 else
   echo "skipped: g. no etcd here (apt-get install etcd-server)"
+fi
+
+# h. A replica cut off by the network, not killed: its node (a network
+# namespace joined to this one by a veth pair) loses its link for 4 s.
+if [[ $(id -u) == 0 ]] && command -v ip >/dev/null && command -v python3 >/dev/null; then
+  ns="tdft$$" hif="tfh$$" nif="tfn$$" net="10.232.$((20 + RANDOM % 200))"
+  in_ns() { ip netns exec "$ns" "$@"; }
+  if ip netns add "$ns" 2>/dev/null && ip link add "$hif" type veth peer name "$nif" &&
+    ip link set "$nif" netns "$ns" && ip addr add "$net.1/24" dev "$hif" && ip link set "$hif" up &&
+    in_ns ip addr add "$net.2/24" dev "$nif" && in_ns ip link set "$nif" up && in_ns ip link set lo up; then
+    hport=$(python3 -c '
+import random, socket
+while True:
+    p = random.randrange(20000, 32000)
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", p)); print(p); break
+    except OSError:
+        pass
+    finally:
+        s.close()')
+    export TANDEM_TOKEN="check-ft-$RANDOM$RANDOM"
+    hargs=(--steps 400 --step-ms 15 --width 128)
+    hpids=()
+    for r in 0 1 2; do
+      # (nodes 1 and 2 are told that node 0's launcher hosts the store, as
+      # a plain node cannot tell by itself)
+      wrap=(env)
+      ((r > 0)) && wrap+=(TORCHELASTIC_USE_AGENT_STORE=True)
+      ((r == 2)) && wrap=(ip netns exec "$ns" "${wrap[@]}")
+      timeout 170 "${wrap[@]}" "$run" --nnodes 3 --node-rank "$r" --master-addr "$net.1" \
+        --master-port "$hport" --nproc-per-node 1 "$bin/ft_mlp" "${hargs[@]}" >"h$r.log" 2>&1 &
+      hpids+=($!)
+    done
+    after h0.log 30
+    in_ns ip link set "$nif" down
+    sleep 4
+    in_ns ip link set "$nif" up
+    job_rc=0
+    for p in "${hpids[@]}"; do wait "$p" || job_rc=$?; done
+    cat h0.log h1.log h2.log >h.log
+    job=""
+    verdict "h. replica 2's link down for 4 s" h.log 3 "${hargs[@]}" && {
+      grep -q "k 2 " h.log || fail "h. the others did not train without replica 2"
+      (($(grep -c "^\[2\]: healed bytes" h.log) >= 2)) ||
+        fail "h. replica 2 was not healed after its link came back"
+    }
+    unset TANDEM_TOKEN
+  else
+    fail "h. could not make a network namespace and a veth pair"
+  fi
+  ip link del "$hif" 2>/dev/null
+  ip netns del "$ns" 2>/dev/null
+else
+  echo "skipped: h. network namespaces need root and iproute2's ip"
 fi
 
 finish check_ft
