@@ -316,11 +316,8 @@ while True:
     hargs=(--steps 400 --step-ms 15 --width 128)
     hpids=()
     for r in 0 1 2; do
-      # (nodes 1 and 2 are told that node 0's launcher hosts the store, as
-      # a plain node cannot tell by itself)
-      wrap=(env)
-      ((r > 0)) && wrap+=(TORCHELASTIC_USE_AGENT_STORE=True)
-      ((r == 2)) && wrap=(ip netns exec "$ns" "${wrap[@]}")
+      wrap=()
+      ((r == 2)) && wrap=(ip netns exec "$ns")
       timeout 170 "${wrap[@]}" "$run" --nnodes 3 --node-rank "$r" --master-addr "$net.1" \
         --master-port "$hport" --nproc-per-node 1 "$bin/ft_mlp" "${hargs[@]}" >"h$r.log" 2>&1 &
       hpids+=($!)

@@ -26,15 +26,7 @@ inline std::vector<uint8_t> bytes_of(const std::string& s) {
   return std::vector<uint8_t>(s.begin(), s.end());
 }
 
-inline std::string hex(const rpc::Sha256Digest& d) {
-  static const char* digits = "0123456789abcdef";
-  std::string out;
-  for (uint8_t b : d) {
-    out += digits[b >> 4];
-    out += digits[b & 15];
-  }
-  return out;
-}
+inline std::string hex(const rpc::Sha256Digest& d) { return rpc::to_hex(d.data(), d.size()); }
 
 // TANDEM_FT_LOG=1: each quorum, heal and failed step on stderr.
 inline bool log_on() {

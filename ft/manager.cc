@@ -33,6 +33,7 @@
 #include "tandem/ft/etcd_store.h"
 #include "tandem/ft/heartbeat.h"
 #include "tandem/rpc/rendezvous.h"
+#include "tandem/rpc/rendezvous/store_server.h"
 
 namespace tandem::ft {
 
@@ -53,18 +54,22 @@ c10::intrusive_ptr<c10d::Store> launcher_store() {
         "MASTER_PORT and hosts the store), set TANDEM_ETCD to an etcd cluster's members, or "
         "give ManagerOptions::connect");
   }
-  if (!rpc::store_hosted_by_launcher()) {
-    throw std::invalid_argument(
-        "ft::Manager: the store at MASTER_ADDR:MASTER_PORT is not hosted by the launcher "
-        "(TORCHELASTIC_USE_AGENT_STORE is unset): a replica that hosted it would end the job "
-        "by dying; run under tandem-run or give ManagerOptions::connect");
-  }
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<uint16_t>(env.master_port);
   opts.isServer = false;
   opts.waitWorkers = false;
   opts.timeout = std::chrono::seconds(60);
-  return c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+  auto store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+  // On another node than the launcher's, TORCHELASTIC_USE_AGENT_STORE may be
+  // unset: the key the launcher's store holds from its start tells.
+  if (!rpc::store_hosted_by_launcher() && !store->check({rpc::StoreServer::kLauncherKey})) {
+    throw std::invalid_argument(
+        "ft::Manager: the store at MASTER_ADDR:MASTER_PORT is not hosted by a launcher "
+        "(TORCHELASTIC_USE_AGENT_STORE is unset and the store does not say so): a replica that "
+        "hosted it would end the job by dying; run under tandem-run, give TANDEM_ETCD, or give "
+        "ManagerOptions::connect");
+  }
+  return store;
 }
 
 }  // namespace

@@ -156,11 +156,13 @@ bool Manager::join_quorum() {
           });
       const bool am_previous = epoch_ == target - 1 && epoch_ > 0;
       if (previous_alive && !am_previous) may_propose = false;
-      // Every process of the last quorum is gone for good (exited, or its
-      // id another process's) and nobody here holds the newest committed
+      // Every other process of the last quorum is gone for good (exited, or
+      // its id another process's) and nobody here holds the newest committed
       // step: that state is lost, and no quorum can go on from it.
       if (!previous.empty() && std::all_of(previous.begin(), previous.end(), [&](const Joined& r) {
-            return heartbeat_->gone_for_good(r.id, r.host, r.pid, r.start);
+            // (this replica itself counts by its step, below: a member whose
+            // heal failed holds nothing)
+            return r.id == id_ || heartbeat_->gone_for_good(r.id, r.host, r.pid, r.start);
           })) {
         const int64_t committed = mark("committed");
         const int64_t finished = mark("finished");

@@ -124,14 +124,20 @@ std::string random_bytes(size_t n) {
   return out;
 }
 
-std::string random_hex(size_t n) {
+std::string to_hex(const uint8_t* bytes, size_t n) {
   static const char* digits = "0123456789abcdef";
   std::string out;
-  for (unsigned char c : random_bytes(n)) {
-    out += digits[c >> 4];
-    out += digits[c & 15];
+  out.reserve(2 * n);
+  for (size_t i = 0; i < n; ++i) {
+    out += digits[bytes[i] >> 4];
+    out += digits[bytes[i] & 15];
   }
   return out;
+}
+
+std::string random_hex(size_t n) {
+  const std::string raw = random_bytes(n);
+  return to_hex(reinterpret_cast<const uint8_t*>(raw.data()), raw.size());
 }
 
 bool constant_time_equal(const std::string& a, const std::string& b) {

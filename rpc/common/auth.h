@@ -40,6 +40,8 @@ Sha256Digest hmac_sha256(const std::string& key, const std::string& data);
 std::string random_bytes(size_t n);
 // `n` random bytes as 2n lowercase hex digits.
 std::string random_hex(size_t n);
+// Bytes as lowercase hex digits, two a byte (a digest's, say).
+std::string to_hex(const uint8_t* bytes, size_t n);
 
 // Equality that takes the same time wherever the strings differ.
 bool constant_time_equal(const std::string& a, const std::string& b);

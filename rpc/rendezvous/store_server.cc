@@ -197,8 +197,10 @@ struct StoreServer::State {
   }
 };
 
-StoreServer::StoreServer(const std::string& host, int port)
+StoreServer::StoreServer(const std::string& host, int port,
+                         const std::vector<std::pair<std::string, std::string>>& keys)
     : host_(host), state_(std::make_unique<State>()) {
+  for (const auto& [key, value] : keys) state_->data[key] = value;
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;

@@ -606,15 +606,7 @@ TEST_CASE("wire: the handshake's frames come first and are small") {
 }
 
 TEST_CASE("auth: SHA-256 and HMAC-SHA256 match the published test vectors") {
-  auto hex = [](const Sha256Digest& d) {
-    static const char* digits = "0123456789abcdef";
-    std::string out;
-    for (uint8_t b : d) {
-      out += digits[b >> 4];
-      out += digits[b & 15];
-    }
-    return out;
-  };
+  auto hex = [](const Sha256Digest& d) { return tandem::rpc::to_hex(d.data(), d.size()); };
   // FIPS 180-4 examples, and lengths around the padding's block edge.
   CHECK(hex(sha256("")) == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
   CHECK(hex(sha256("abc")) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
