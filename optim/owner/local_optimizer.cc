@@ -8,6 +8,7 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/version.h>
 
+#include <new>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -101,9 +102,28 @@ void move_state(torch::optim::Optimizer& from, torch::optim::Optimizer& to,
 }
 
 std::string archive_bytes(torch::serialize::OutputArchive& archive) {
-  std::ostringstream out;
-  archive.save_to(out);
-  return std::move(out).str();
+  // Into a string of this function's own. Out of memory, an ostringstream
+  // only sets its badbit, and LibTorch's zip writer then throws from its
+  // destructor, which ends the process; here a failed allocation lets the
+  // writer finish on nothing and is reported once it has.
+  std::string out;
+  bool failed = false;
+  archive.save_to([&out, &failed](const void* data, size_t n) -> size_t {
+    if (failed) return n;
+    try {
+      out.append(static_cast<const char*>(data), n);
+    } catch (const std::bad_alloc&) {
+      failed = true;
+    }
+    return n;
+  });
+  if (failed) {
+    const size_t had = out.size();
+    out = std::string();
+    throw std::runtime_error("serializing state: can't allocate memory for its bytes (" +
+                             std::to_string(had) + " written)");
+  }
+  return out;
 }
 
 std::string state_bytes(const torch::optim::Optimizer& optimizer) {
