@@ -156,36 +156,35 @@ bool Manager::join_quorum() {
           });
       const bool am_previous = epoch_ == target - 1 && epoch_ > 0;
       if (previous_alive && !am_previous) may_propose = false;
-      // Every other process of the last quorum is gone for good (exited, or
-      // its id another process's) and nobody here holds the newest committed
-      // step: that state is lost, and no quorum can go on from it.
-      if (!previous.empty() && std::all_of(previous.begin(), previous.end(), [&](const Joined& r) {
-            // (this replica itself counts by its step, below: a member whose
-            // heal failed holds nothing)
-            return r.id == id_ || heartbeat_->gone_for_good(r.id, r.host, r.pid, r.start);
-          })) {
+      // Nobody of the last quorum is alive: the job may be over, or its
+      // newest state lost (the store's marks, read once, tell which).
+      if (!previous_alive && !previous.empty()) {
         const int64_t committed = mark("committed");
         const int64_t finished = mark("finished");
-        const bool behind = std::all_of(joined.begin(), joined.end(),
-                                        [&](const Joined& r) { return r.step < committed; });
-        if (behind && !(finished > 0 && finished >= committed)) {
+        auto behind = [&](int64_t step) {
+          return std::all_of(joined.begin(), joined.end(),
+                             [&](const Joined& r) { return r.step < step; });
+        };
+        if (finished > 0 && finished >= committed) {
+          // Marked finished further on than anyone here: a replacement came late.
+          if (behind(finished)) {
+            throw JobFinished("ft::Manager: replica " + std::to_string(id_) +
+                                  " came after the job's replicas finished at step " +
+                                  std::to_string(finished),
+                              finished);
+          }
+        } else if (behind(committed) &&
+                   std::all_of(previous.begin(), previous.end(), [&](const Joined& r) {
+                     // Every other process of it gone for good (exited, or its id
+                     // another process's; this replica counts by its step: a
+                     // member whose heal failed holds nothing): the newest
+                     // committed step is lost, and no quorum can go on from it.
+                     return r.id == id_ || heartbeat_->gone_for_good(r.id, r.host, r.pid, r.start);
+                   })) {
           throw QuorumError("ft::Manager: every replica of quorum " + std::to_string(target - 1) +
                             " is gone, and with them the job's newest committed step, " +
                             std::to_string(committed) +
                             ": no quorum can go on (restart the job from its checkpoint)");
-        }
-      }
-      // Nobody of the last quorum is alive and the job was marked finished
-      // further on than anyone here: it is over (a replacement came late).
-      if (!previous_alive && !previous.empty()) {
-        const int64_t finished = mark("finished");
-        const bool behind = std::all_of(joined.begin(), joined.end(),
-                                        [&](const Joined& r) { return r.step < finished; });
-        if (finished > 0 && finished >= mark("committed") && behind) {
-          throw JobFinished("ft::Manager: replica " + std::to_string(id_) +
-                                " came after the job's replicas finished at step " +
-                                std::to_string(finished),
-                            finished);
         }
       }
       const bool waited_out = Clock::now() - joined_at > options_.join_timeout;

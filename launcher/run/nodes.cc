@@ -397,11 +397,8 @@ void Launcher::open_round_store() {
   if (!(store_choice && std::string(store_choice) == "c10d")) {
     const char* bind = std::getenv("TANDEM_STORE_BIND");
     try {
-      store_ = std::make_unique<tandem::rpc::StoreServer>(
-          bind ? bind : options_.master_addr, 0,
-          std::vector<std::pair<std::string, std::string>>{
-              {tandem::rpc::StoreServer::wire_key(tandem::rpc::StoreServer::kLauncherKey),
-               "tandem-run"}});
+      store_ =
+          std::make_unique<tandem::rpc::StoreServer>(bind ? bind : options_.master_addr, 0, true);
       hosts_store_ = true;
       round_.store_port = store_->port();
       return;

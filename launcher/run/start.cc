@@ -173,11 +173,7 @@ void Launcher::start_workers() {
                              : options_.nnodes == 1 ? "127.0.0.1"
                                                     : options_.master_addr;
     try {
-      store_ = std::make_unique<tandem::rpc::StoreServer>(
-          host, options_.master_port,
-          std::vector<std::pair<std::string, std::string>>{
-              {tandem::rpc::StoreServer::wire_key(tandem::rpc::StoreServer::kLauncherKey),
-               "tandem-run"}});
+      store_ = std::make_unique<tandem::rpc::StoreServer>(host, options_.master_port, true);
       hosts_store_ = true;
     } catch (const std::exception& e) {
       report(std::string(e.what()) + "; rank 0 hosts the store instead");

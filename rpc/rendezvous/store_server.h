@@ -34,24 +34,17 @@
 #include <memory>
 #include <string>
 #include <thread>
-#include <utility>
-#include <vector>
 
 namespace tandem::rpc {
 
 class StoreServer {
  public:
-  // Binds host:port (port 0: a free one) and serves, holding `keys` from
-  // the start. Throws std::runtime_error naming the address when it cannot
-  // listen there.
-  StoreServer(const std::string& host, int port,
-              const std::vector<std::pair<std::string, std::string>>& keys = {});
-  // The key a launcher's store holds from the start ("tandem-run"), so that
-  // a worker on any node can tell that its job's store outlives rank 0.
+  // Binds host:port (port 0: a free one) and serves. Throws
+  // std::runtime_error naming the address when it cannot listen there.
+  // With `hosted_by_launcher`, it holds kLauncherKey from the start: a launcher's
+  // store, which a worker on any node can tell outlives rank 0.
+  StoreServer(const std::string& host, int port, bool hosted_by_launcher = false);
   static constexpr const char* kLauncherKey = "tandem/store_hosted_by";
-  // A client's key as it reaches the server (1.13's TCPStore client puts
-  // "/" before every key): what `keys` above are given as.
-  static std::string wire_key(const std::string& key) { return "/" + key; }
   ~StoreServer();
   StoreServer(const StoreServer&) = delete;
   StoreServer& operator=(const StoreServer&) = delete;
