@@ -75,14 +75,17 @@ verdict() {
     rc=$job_rc  # (a job of several launchers: its status, given)
   fi
   expect_rc "$what" "$rc" 0 "$log" || return 1
-  # (a replacement that came as the job ended says so and prints no final line)
-  alive=$((alive - $(grep -c "\]: late: " "$log")))
+  # Each replica ends with a final line, or its replacement came as the job
+  # ended and says 'late:' (a replica may print its final line and be killed
+  # before it exits: then it has both).
+  local ended
+  ended=$(grep -o '^\[[0-9]*\]: \(final step\|late: \)' "$log" | cut -d: -f1 | sort -u | wc -l)
   steps=$(grep -o '^\[[0-9]*\]: step [0-9]* k [0-9]*' "$log" | awk '{print $3}' | sort -n -u | wc -l)
   ks=$(grep -o '^\[[0-9]*\]: step [0-9]* k [0-9]*' "$log" | awk '{print $3, $5}' | sort -n -u -k1,1 |
     awk '{print $2}' | paste -sd,)
   finals=$(grep -o 'final step .*' "$log")
   distinct=$(sort -u <<<"$finals" | wc -l)
-  if [[ $(wc -l <<<"$finals") != "$alive" || $distinct != 1 ]]; then
+  if [[ $ended != "$alive" || $distinct != 1 ]]; then
     fail "$what: $alive replicas should end alike; they printed:"
     sed 's/^/    /' <<<"$finals"
     grep -v "step [0-9]* k" "$log" | tail -25 | sed 's/^/    | /'
