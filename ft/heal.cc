@@ -1,5 +1,7 @@
 // Healing (ft/manager.h, 5.): a member behind the quorum receives the whole
-// state from one up-to-date member over the quorum's group.
+// state from one up-to-date member over the quorum's group (with replicas of
+// several processes, rank r of it from rank r of an up-to-date replica, over
+// the group of the rank-r processes).
 //
 // The source sends, with point-to-point sends on the group: the header's
 // length, the header ("<step> <cursor>" and a line per tensor: its name,
@@ -35,9 +37,9 @@ void wait_work(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::millisec
 
 }  // namespace
 
-void Manager::heal(const std::vector<Joined>& members) {
+void Manager::heal(const std::vector<Joined>& members, const std::vector<Joined>& all) {
   int64_t newest = 0;
-  for (const Joined& m : members) newest = std::max(newest, m.step);
+  for (const Joined& m : all) newest = std::max(newest, m.step);
   // Up to date: at the newest step. A job's first quorum (no step yet) takes
   // its first member's state, as DDP broadcasts rank 0's.
   std::vector<int> sources, behind;  // places in the quorum
@@ -46,6 +48,12 @@ void Manager::heal(const std::vector<Joined>& members) {
     (fresh ? sources : behind).push_back(i);
   }
   if (behind.empty()) return;
+  if (sources.empty()) {
+    // (the proposer takes a whole replica at the newest step as reference:
+    // one of its processes is here, at that step)
+    throw ddp::CollectiveError("healing: no member of this rank holds step " +
+                               std::to_string(newest));
+  }
   auto& pg = group_->c10d();
   const auto timeout = options_.collective_timeout;
   // A source's state, taken once for all the members it heals (saving

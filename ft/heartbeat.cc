@@ -10,10 +10,12 @@
 namespace tandem::ft {
 
 Heartbeat::Heartbeat(c10::intrusive_ptr<c10d::Store> store, int id, int max_replicas,
-                     std::chrono::milliseconds interval, std::chrono::milliseconds timeout)
+                     std::chrono::milliseconds interval, std::chrono::milliseconds timeout,
+                     int per_replica)
     : store_(std::move(store)),
       id_(id),
       max_(max_replicas),
+      per_replica_(per_replica),
       interval_(interval),
       timeout_(timeout),
       my_host_(ddp::this_host()),
@@ -201,9 +203,10 @@ std::string Heartbeat::why_gone(int id) const {
 }
 
 std::string Heartbeat::why_gone_locked(int id, bool as_member) const {
-  if (id < 0 || id >= max_) return "replica " + std::to_string(id) + " does not exist";
+  if (id < 0 || id >= max_) return "process " + std::to_string(id) + " does not exist";
   const Peer& p = peers_[static_cast<size_t>(id)];
-  const std::string who = "replica " + std::to_string(id);
+  std::string who = "replica " + std::to_string(id / per_replica_);
+  if (per_replica_ > 1) who += " rank " + std::to_string(id % per_replica_);
   if (as_member && p.member_pid != 0 &&
       (p.member_pid != p.pid || p.member_start != p.start || p.member_host != p.host)) {
     return who + " is gone (its process " + std::to_string(p.member_pid) + " on " + p.member_host +

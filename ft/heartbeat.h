@@ -35,8 +35,12 @@ class Heartbeat {
   using Clock = std::chrono::steady_clock;
   // Publishes who this replica is and starts the thread. `store` is the
   // thread's own client, under the job's prefix.
+  // `id` is this process's index among `max_replicas` (the processes of
+  // all replicas, `per_replica` of them each: the texts name a process by
+  // its replica and rank).
   Heartbeat(c10::intrusive_ptr<c10d::Store> store, int id, int max_replicas,
-            std::chrono::milliseconds interval, std::chrono::milliseconds timeout);
+            std::chrono::milliseconds interval, std::chrono::milliseconds timeout,
+            int per_replica = 1);
   ~Heartbeat();
   Heartbeat(const Heartbeat&) = delete;
   Heartbeat& operator=(const Heartbeat&) = delete;
@@ -101,6 +105,7 @@ class Heartbeat {
   c10::intrusive_ptr<c10d::Store> store_;
   int id_;
   int max_;
+  int per_replica_;
   std::chrono::milliseconds interval_, timeout_;
   std::string my_host_;
   mutable std::mutex mu_;

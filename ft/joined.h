@@ -10,7 +10,7 @@
 namespace tandem::ft {
 
 struct Manager::Joined {
-  int id = 0;
+  int id = 0;  // the process's index: replica id * replica_size + replica_rank
   int64_t step = 0;    // its committed steps
   int64_t cursor = 0;  // its position in the sample stream
   std::string signature;

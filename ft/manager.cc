@@ -5,14 +5,18 @@
 // The store's keys, under "tandem/ft/<job>/<run>.<round>/" (a run's and a
 // launcher round's own, so that keys an earlier run left in a lasting store
 // such as etcd mislead nobody):
-//   who/<id>, hb/<id>          each replica's process and heartbeat (ft/heartbeat.h)
+// A process's index <p> is its replica's id x replica_size + its replica_rank
+// (the replica's id, with replicas of one process).
+//   who/<p>, hb/<p>            each process's identity and heartbeat (ft/heartbeat.h)
 //   epoch                      the newest quorum's number (0: none yet)
-//   q/<e>/join/<id>            a replica's join of quorum e: its committed step,
+//   q/<e>/join/<p>             a process's join of quorum e: its committed step,
 //                              its sample position, its model's signature; MAC'd
-//   q/<e>/any                  someone joined quorum e (the members look at commit)
-//   q/<e>/members              the quorum: the first proposal written wins; MAC'd
-//   q/<e>/tandem/pg/ft/...     the quorum's process group
-//   q/<e>/v/<n>/fp/<rank>      vote n's fingerprints
+//   q/<e>/any                  a whole replica joined quorum e (the members look at commit)
+//   q/<e>/members              the quorum's processes: the first proposal written
+//                              wins; MAC'd
+//   q/<e>/r<r>/tandem/pg/ft/.. the group of the members' rank-r processes
+//   q/<e>/replica<id>/...      replica id's own group (replicas of several processes)
+//   q/<e>/v/<n>/fp/<i>         vote n's fingerprints (i: the process's place in the quorum)
 //   q/<e>/v/<n>/ok             how many voted that their step went well
 //   q/<e>/v/<n>/decision       "commit", "commit join", "abort <why>" or
 //                              "diverged <who>": the first written wins; MAC'd
@@ -79,18 +83,35 @@ c10::intrusive_ptr<c10d::Store> launcher_store() {
 Manager::Manager(ManagerOptions options, State state)
     : options_(std::move(options)), state_(std::move(state)) {
   const rpc::WorldEnv env = rpc::world_from_env();
-  id_ = options_.replica_id >= 0 ? options_.replica_id : env.rank;
-  max_ = options_.max_replicas > 0 ? options_.max_replicas : env.world_size;
+  size_ = options_.replica_size;
+  if (size_ < 1) {
+    throw std::invalid_argument("ft::Manager: replica_size " + std::to_string(size_) +
+                                " must be >= 1");
+  }
+  if (options_.replica_id < 0 || options_.replica_rank < 0 || options_.max_replicas <= 0) {
+    if (env.world_size > 0 && env.world_size % size_ != 0) {
+      throw std::invalid_argument("ft::Manager: WORLD_SIZE " + std::to_string(env.world_size) +
+                                  " is not a multiple of replica_size " + std::to_string(size_));
+    }
+  }
+  id_ = options_.replica_id >= 0 ? options_.replica_id : env.rank / size_;
+  rank_ = options_.replica_rank >= 0 ? options_.replica_rank : env.rank % size_;
+  max_ = options_.max_replicas > 0 ? options_.max_replicas : env.world_size / size_;
   if (max_ <= 0) {
     throw std::invalid_argument(
         "ft::Manager: ManagerOptions::max_replicas is unset and WORLD_SIZE is not in the "
         "environment");
+  }
+  if (rank_ >= size_) {
+    throw std::invalid_argument("ft::Manager: replica_rank " + std::to_string(rank_) +
+                                " is outside 0.." + std::to_string(size_ - 1));
   }
   if (id_ < 0 || id_ >= max_) {
     throw std::invalid_argument("ft::Manager: replica_id " + std::to_string(id_) +
                                 " is outside 0.." + std::to_string(max_ - 1) +
                                 " (ManagerOptions::replica_id, or RANK)");
   }
+  proc_ = id_ * size_ + rank_;
   if (options_.min_replicas < 1 || options_.min_replicas > max_) {
     throw std::invalid_argument("ft::Manager: min_replicas " +
                                 std::to_string(options_.min_replicas) + " is outside 1.." +
@@ -131,8 +152,9 @@ Manager::Manager(ManagerOptions options, State state)
   const std::string& prefix = prefix_;
   store_ = c10::make_intrusive<c10d::PrefixStore>(prefix, connect());
   heartbeat_ =
-      std::make_shared<Heartbeat>(c10::make_intrusive<c10d::PrefixStore>(prefix, connect()), id_,
-                                  max_, options_.heartbeat_interval, options_.heartbeat_timeout);
+      std::make_shared<Heartbeat>(c10::make_intrusive<c10d::PrefixStore>(prefix, connect()), proc_,
+                                  max_ * size_, options_.heartbeat_interval,
+                                  options_.heartbeat_timeout, size_);
   options_.connect = [connect, prefix] {
     return c10::intrusive_ptr<c10d::Store>(
         c10::make_intrusive<c10d::PrefixStore>(prefix, connect()));
@@ -155,10 +177,20 @@ Manager::~Manager() {
 }
 
 void Manager::drop_group() {
+  const bool abandon = !reform_ || !error_.empty();
+  if (replica_group_ && abandon) replica_group_->abandon();
+  replica_group_.reset();
+  replica_group_store_.reset();
   if (!group_) return;
-  if (!reform_ || !error_.empty()) group_->abandon();
+  if (abandon) group_->abandon();
   group_.reset();
   group_store_.reset();
+}
+
+std::string Manager::name_of(int process) const {
+  std::string name = "replica " + std::to_string(process / size_);
+  if (size_ > 1) name += " rank " + std::to_string(process % size_);
+  return name;
 }
 
 int Manager::participants() const { return static_cast<int>(members_.size()); }

@@ -12,8 +12,16 @@
 //     if (manager.should_commit()) optimizer.step();
 //   }
 //
-// A replica is one process here (ManagerOptions::replica_id; one rank under
-// DDP). Its promises:
+// A replica is one process (one rank under DDP), or a group of
+// ManagerOptions::replica_size processes that hold one copy of the model
+// between them (HSDP's replica group, a pipeline row): each of them runs a
+// Manager with the replica's id and its own replica_rank. Such a replica is
+// alive while all its processes are; one that lost a process sits out the
+// quorums until the process is back (tandem-run --replace-failed), and
+// rejoins whole. Its processes meet in replica_group(), made anew with each
+// quorum; the rank-r processes of the quorum's replicas meet in group()
+// (the gradients of shard r are averaged there, shard r is healed there).
+// Its promises:
 // 1. Quorum. Each replica's Manager meets the others at a store that no
 //    replica hosts (tandem-run's, by default). start_step() joins a quorum
 //    when the replica has none (its first step, after a failed step, or when
@@ -137,10 +145,16 @@ struct State {
 State module_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer);
 
 struct ManagerOptions {
-  // This replica's id, 0 <= id < max_replicas; -1: RANK from the environment.
+  // This replica's id, 0 <= id < max_replicas; -1: RANK / replica_size,
+  // from the environment.
   int replica_id = -1;
-  // How many replica ids there are; -1: WORLD_SIZE from the environment.
+  // How many replica ids there are; -1: WORLD_SIZE / replica_size.
   int max_replicas = -1;
+  // The processes of one replica, and this process's place among them
+  // (-1: RANK % replica_size). Under tandem-run, ranks id * replica_size ..
+  // id * replica_size + replica_size - 1 make replica id.
+  int replica_size = 1;
+  int replica_rank = -1;
   // A quorum needs this many members.
   int min_replicas = 1;
   // Makes a new client of the store the replicas meet at (the manager keeps
@@ -256,8 +270,19 @@ class Manager {
   int replica_id() const { return id_; }
   int64_t quorum_id() const { return epoch_; }
   // The quorum's process group (null between a failed step and the next
-  // start_step()), for collectives of your own.
+  // start_step()), for collectives of your own: one process of each member
+  // replica, those of this process's replica_rank (the replica's place in
+  // it is participant_rank()).
   std::shared_ptr<ddp::ProcessGroup> group() const { return group_; }
+  // This replica's own processes (replica_size of them, ranked by
+  // replica_rank), made anew with each quorum (quorum_id()): a model split
+  // within the replica is set up on it again when it changes. Null with a
+  // replica of one process, and between a failed step and the next
+  // start_step(). Its collectives end early when a member of the quorum is
+  // gone, as group()'s do.
+  std::shared_ptr<ddp::ProcessGroup> replica_group() const { return replica_group_; }
+  int replica_rank() const { return rank_; }
+  int replica_size() const { return size_; }
   // The last step's error, empty when it went well.
   const std::string& last_error() const { return error_; }
   const Metrics& metrics() const { return metrics_; }
@@ -267,7 +292,9 @@ class Manager {
   // Forms the quorum of epoch `e` (or a later one, when this replica comes
   // too late for it); false when it is not a member yet.
   bool join_quorum();
-  void heal(const std::vector<Joined>& joined);
+  // Heals the members of group() (`mine`: the quorum's processes of this
+  // one's replica_rank) that are behind the quorum's newest step (`all`'s).
+  void heal(const std::vector<Joined>& mine, const std::vector<Joined>& all);
   // The cluster token's MAC of `what`, under this job's keys.
   std::string sign(const std::string& what) const;
   // A step mark of the store's ("committed": the job's newest committed
@@ -281,12 +308,20 @@ class Manager {
   State state_;
   int id_ = 0;
   int max_ = 0;
+  int size_ = 1;  // processes a replica
+  int rank_ = 0;  // this process's place in its replica
+  int proc_ = 0;  // this process's index: id_ * size_ + rank_
+  // "replica 2", or "replica 2 rank 1" (process p's, with replicas of several)
+  std::string name_of(int process) const;
   c10::intrusive_ptr<c10d::Store> store_;
   std::string prefix_;  // the keys' (ManagerOptions::job)
   std::shared_ptr<Heartbeat> heartbeat_;
   c10::intrusive_ptr<c10d::Store> group_store_;  // the quorum's group's own client
   std::shared_ptr<ddp::ProcessGroup> group_;
-  std::vector<int> members_;
+  c10::intrusive_ptr<c10d::Store> replica_group_store_;
+  std::shared_ptr<ddp::ProcessGroup> replica_group_;
+  std::vector<int> members_;  // replica ids
+  std::vector<int> procs_;    // the quorum's processes: each member's, by replica_rank
   int rank_in_quorum_ = -1;
   int64_t epoch_ = 0;    // the quorum's number; 0 before the first
   int64_t step_ = 0;     // committed steps

@@ -5,6 +5,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -72,7 +73,7 @@ bool Manager::allreduce_grads(const std::vector<at::Tensor>& grads) {
       // This replica's layout changed since the quorum agreed on one: it
       // fails the step, taking part with zeros (its peers wait for its share).
       if (error_.empty()) {
-        error_ = "replica " + std::to_string(id_) +
+        error_ = name_of(proc_) +
                  "'s gradients changed layout since its quorum's first step (how many, their "
                  "dtypes or sizes; an undefined gradient differs from a defined one)";
       }
@@ -103,7 +104,7 @@ bool Manager::allreduce_grads(const std::vector<at::Tensor>& grads) {
 }
 
 void Manager::report_error(const std::string& why) {
-  if (error_.empty()) error_ = "replica " + std::to_string(id_) + " reported: " + why;
+  if (error_.empty()) error_ = name_of(proc_) + " reported: " + why;
 }
 
 std::string Manager::fingerprint() {
@@ -145,7 +146,11 @@ bool Manager::should_commit() {
   }
   const std::string v = "q/" + std::to_string(epoch_) + "/v/" + std::to_string(attempt_) + "/";
   ++attempt_;
-  const int k = static_cast<int>(members_.size());
+  // Every process of the quorum votes; fingerprints are compared among the
+  // processes of one replica_rank (each holds its shard of the model).
+  const int k = static_cast<int>(procs_.size());
+  const int my_place = static_cast<int>(std::find(procs_.begin(), procs_.end(), proc_) -
+                                        procs_.begin());
   auto decide = [&](const std::string& what) {
     store_->compareSet(v + "decision", {}, bytes_of(what + "\n" + sign(v + what)));
   };
@@ -153,32 +158,42 @@ bool Manager::should_commit() {
   bool deciding = false;
   try {
     if (error_.empty()) {
-      store_->set(v + "fp/" + std::to_string(rank_in_quorum_), bytes_of(fingerprint()));
+      store_->set(v + "fp/" + std::to_string(my_place), bytes_of(fingerprint()));
       if (store_->add(v + "ok", 1) >= k) {
         deciding = true;
         // The last to vote well decides: every fingerprint must agree. (A
         // count that an add retried through an etcd election counted twice
         // is caught here: a vote missing its fingerprint decides nothing.)
-        std::map<std::string, std::vector<int>> by_fp;
+        // (replica_rank, fingerprint) -> the replicas holding it
+        std::map<std::pair<int, std::string>, std::vector<int>> by_fp;
+        std::map<int, int> kinds;  // fingerprints a rank
         bool all_voted = true;
         for (int r = 0; r < k && all_voted; ++r) {
           const std::string fp = get_if(*store_, v + "fp/" + std::to_string(r));
           if (fp.empty()) all_voted = false;
-          by_fp[fp].push_back(members_[static_cast<size_t>(r)]);
+          const int p = procs_[static_cast<size_t>(r)];
+          auto& ids = by_fp[{p % size_, fp}];
+          if (ids.empty()) ++kinds[p % size_];
+          ids.push_back(p / size_);
         }
+        const bool agree = std::all_of(kinds.begin(), kinds.end(),
+                                       [](const auto& rank_kinds) { return rank_kinds.second == 1; });
         if (!all_voted) {
           deciding = false;
-        } else if (by_fp.size() == 1) {
+        } else if (agree) {
           const bool join = store_->check({"q/" + std::to_string(epoch_ + 1) + "/any"});
           decide(join ? "commit join" : "commit");
         } else {
           std::string who;
-          for (const auto& [fp, ids] : by_fp) {
+          for (const auto& [rank_fp, ids] : by_fp) {
+            if (kinds[rank_fp.first] == 1) continue;
             who += who.empty() ? "" : "; ";
             who += "replica";
             who += ids.size() > 1 ? "s " : " ";
             for (size_t i = 0; i < ids.size(); ++i) who += (i ? ", " : "") + std::to_string(ids[i]);
-            who += " hold" + std::string(ids.size() > 1 ? "" : "s") + " fingerprint " + fp;
+            if (size_ > 1) who += " (rank " + std::to_string(rank_fp.first) + ")";
+            who += " hold" + std::string(ids.size() > 1 ? "" : "s") + " fingerprint " +
+                   rank_fp.second;
           }
           decide("diverged the replicas' parameters differ before step " +
                  std::to_string(step_ + 1) + ": " + who);
@@ -190,7 +205,7 @@ bool Manager::should_commit() {
     // Wait for the decision; a member gone meanwhile, or a vote that takes
     // longer than a collective may, fails the step.
     const auto deadline = Clock::now() + options_.collective_timeout;
-    const std::vector<int> ids = members_;
+    const std::vector<int> ids = procs_;
     std::string why = wait_for_key(*store_, v + "decision", [&]() -> std::string {
       if (std::string e = heartbeat_->store_error(); !e.empty()) return "the store is gone: " + e;
       for (int j : ids) {
@@ -239,7 +254,7 @@ bool Manager::should_commit() {
   }
   if (decision.rfind("commit", 0) == 0) {
     ++step_;
-    cursor_ += static_cast<int64_t>(k) * options_.batch_size;
+    cursor_ += static_cast<int64_t>(members_.size()) * options_.batch_size;
     ++metrics_.steps_committed;
     if (decision == "commit join") reform_ = true;
     return true;
@@ -248,7 +263,7 @@ bool Manager::should_commit() {
   reform_ = true;
   if (error_.empty()) error_ = decision.substr(decision.find(' ') + 1);
   if (log_on()) {
-    std::fprintf(stderr, "ft: replica %d: step %lld failed: %s\n", id_,
+    std::fprintf(stderr, "ft: %s: step %lld failed: %s\n", name_of(proc_).c_str(),
                  static_cast<long long>(step_ + 1), decision.c_str());
   }
   if (group_) group_->abandon();

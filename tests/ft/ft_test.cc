@@ -500,6 +500,131 @@ TEST_CASE("ft: liveness is a process's: a new process under a member's id does n
   CHECK_FALSE(zero.gone_for_good(1, "elsewhere", 4242, "777"));
 }
 
+namespace {
+
+// A replica of two processes holding one model between them, ZeRO-style:
+// rank 0 owns and steps the weight, rank 1 the bias; each step the owners
+// broadcast them over the replica's group, each rank takes its part of the
+// replica's batch, the gradients are summed over the replica's group, and
+// each owner's gradient is averaged over the quorum's replicas (group():
+// the rank-r processes) before it steps. `hook(tried, manager)` may end the
+// process (return false).
+void train_sharded(int id, int rank, int port, int steps, const Data& d, Record& rec,
+                   const std::function<bool(int, ft::Manager&)>& hook = {},
+                   uint64_t init_seed = 1, int64_t* heals = nullptr) {
+  auto model = make_model(init_seed);
+  at::Tensor owned = rank == 0 ? model->weight : model->bias;
+  torch::nn::Module shard;
+  shard.register_parameter("p", owned);
+  torch::optim::SGD opt({owned}, torch::optim::SGDOptions(0.1).momentum(0.9));
+  auto o = options(id, 2, port);
+  o.replica_size = 2;
+  o.replica_rank = rank;
+  ft::Manager manager(o, ft::module_state(shard, opt));
+  CHECK(manager.replica_id() == id);
+  int tried = 0;
+  while (manager.step() < steps) {
+    manager.start_step();
+    if (hook && !hook(tried, manager)) return;
+    ++tried;
+    for (auto& p : model->parameters()) p.mutable_grad() = at::zeros_like(p);
+    try {
+      auto g = manager.replica_group();
+      REQUIRE(g);
+      CHECK(g->size() == 2);
+      {
+        at::NoGradGuard no_grad;
+        at::Tensor w = model->weight.detach(), b = model->bias.detach();
+        g->broadcast(w, 0, std::chrono::seconds(20));
+        g->broadcast(b, 1, std::chrono::seconds(20));
+      }
+      // This rank's part of the replica's batch, weighted so that the sum
+      // over the replica is the batch's mean.
+      const auto batch = manager.batch_indices();
+      const size_t half = batch.size() / 2;
+      std::vector<int64_t> mine(batch.begin() + (rank == 0 ? 0 : static_cast<long>(half)),
+                                rank == 0 ? batch.begin() + static_cast<long>(half) : batch.end());
+      auto i = at::tensor(mine, at::kLong);
+      auto loss = torch::nn::functional::mse_loss(model(d.x.index_select(0, i)),
+                                                  d.y.index_select(0, i)) *
+                  (static_cast<double>(mine.size()) / static_cast<double>(batch.size()));
+      loss.backward();
+      at::Tensor wg = model->weight.grad(), bg = model->bias.grad();
+      g->all_reduce(wg, ddp::ReduceOp::kSum, std::chrono::seconds(20));
+      g->all_reduce(bg, ddp::ReduceOp::kSum, std::chrono::seconds(20));
+    } catch (const std::exception& e) {
+      // (a partner of this replica gone: the step fails everywhere)
+      manager.report_error(e.what());
+    }
+    manager.allreduce_grads({owned.grad()});
+    const int k = manager.participants();
+    if (manager.should_commit()) {
+      opt.step();
+      if (rank == 0) {
+        std::lock_guard<std::mutex> lock(rec.mu);
+        rec.participants[id].push_back(k);
+      }
+    }
+  }
+  // The model whole again, for the comparison.
+  auto g = manager.replica_group();
+  REQUIRE(g);
+  at::Tensor w = model->weight.detach(), b = model->bias.detach();
+  g->broadcast(w, 0, std::chrono::seconds(20));
+  g->broadcast(b, 1, std::chrono::seconds(20));
+  if (heals) *heals = manager.metrics().heals;
+  std::lock_guard<std::mutex> lock(rec.mu);
+  rec.final_weight[id * 2 + rank] = model->weight.detach().clone();
+}
+
+}  // namespace
+
+TEST_CASE("ft: replicas of two processes: a lost rank takes its replica out; both ranks rejoin healed") {
+  Data d;
+  auto server = support::store_server();
+  Record rec;
+  std::atomic<bool> gone{false};
+  int64_t heals[4] = {0, 0, 0, 0};
+  on_ranks(5, [&](int thread) {
+    const int port = server->getPort();
+    if (thread < 4) {
+      const int id = thread / 2, rank = thread % 2;
+      train_sharded(
+          id, rank, port, 14, d, rec,
+          [&](int tried, ft::Manager& m) {
+            CHECK(m.replica_rank() == rank);
+            if (id == 1 && rank == 1 && tried == 3) {
+              gone = true;  // replica 1's rank 1 leaves mid-step
+              return false;
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(60));
+            return true;
+          },
+          1, &heals[thread]);
+      return;
+    }
+    // Its replacement, from another initialisation, once replica 0 has
+    // gone on alone for a while.
+    REQUIRE(eventually([&] { return gone.load(); }, std::chrono::seconds(20)));
+    std::this_thread::sleep_for(std::chrono::milliseconds(900));
+    int64_t healed = 0;
+    train_sharded(1, 1, port, 14, d, rec, {}, 99, &healed);
+    CHECK(healed == 1);
+  });
+  const auto& p = rec.participants[0];
+  REQUIRE(p.size() == 14);
+  CHECK(p.front() == 2);
+  CHECK(std::find(p.begin(), p.end(), 1) != p.end());  // replica 0 alone for a while
+  CHECK(p.back() == 2);                                // replica 1 back, whole
+  // Replica 1's rank 0 stayed alive but fell behind: healed again (a first
+  // quorum heals every replica but its first, as DDP's broadcast does).
+  CHECK(heals[2] == 2);
+  CHECK(heals[0] == 0);
+  CHECK(heals[1] == 0);
+  CHECK(rec.participants[1].back() == 2);
+  expect_reference(d, rec, 0);
+}
+
 TEST_CASE("ft: bad options are refused by name") {
   auto server = support::store_server();
   auto model = make_model(1);
@@ -522,6 +647,14 @@ TEST_CASE("ft: bad options are refused by name") {
                        std::invalid_argument);
   CHECK_THROWS_WITH_AS(ft::Manager(options(0, 3, server->getPort()), ft::State{}),
                        doctest::Contains("save and load"), std::invalid_argument);
+  o = options(0, 3, server->getPort());
+  o.replica_size = 2;
+  o.replica_rank = 2;
+  CHECK_THROWS_WITH_AS(ft::Manager(o, state), doctest::Contains("replica_rank 2"),
+                       std::invalid_argument);
+  o.replica_size = 0;
+  CHECK_THROWS_WITH_AS(ft::Manager(o, state), doctest::Contains("replica_size 0"),
+                       std::invalid_argument);
 }
 
 }  // namespace tandem::test
