@@ -53,7 +53,8 @@
 //     a unit it does not call that way holds empty parameters and fails.
 //  5. Construction is collective: the ranks compare the model (parameter
 //     names, shapes, dtypes, units) and take rank 0's parameters and
-//     buffers. Bad units fail on every rank naming them: a name that is no
+//     buffers (without sync_module_states: no communication, each rank
+//     shards its own values; a state that tandem::ft heals is one). Bad units fail on every rank naming them: a name that is no
 //     submodule, two units of which one holds the other, a parameter two
 //     units share, a parameter that does not require grad.
 //  6. Checkpoints. full_state_dict(to) gathers every parameter, named as in
@@ -107,6 +108,11 @@ struct FSDPOptions {
   // job (the sharding group is the world).
   std::shared_ptr<ProcessGroup> replicate_group;
   std::chrono::milliseconds timeout = kGroupTimeout;
+  // Construction compares the ranks' models and takes rank 0's parameters
+  // and buffers. False: it does not communicate; each rank keeps its own
+  // values (the same seed made them alike, or a state loaded later
+  // replaces them), and a model that differs is the caller's error.
+  bool sync_module_states = true;
 };
 
 // One rank's shard of one unit, for a checkpoint of its own.
@@ -128,6 +134,15 @@ class FullyShardedDataParallel {
                            std::shared_ptr<ProcessGroup> group = nullptr);
   FullyShardedDataParallel(torch::nn::Sequential model, FSDPOptions options = {},
                            std::shared_ptr<ProcessGroup> group = nullptr);
+  // Without a group yet: the shards laid out for `rank` of `size`, each
+  // rank's own values kept (as sync_module_states false: nothing is
+  // communicated), set_group() before the first forward. For a model whose
+  // group comes later (tandem::ft: with the replica's first quorum, after
+  // the state was described to the Manager). std::invalid_argument for a
+  // rank outside [0, size) or a replicate_group.
+  FullyShardedDataParallel(std::shared_ptr<torch::nn::Module> model, FSDPOptions options, int rank,
+                           int size);
+  FullyShardedDataParallel(torch::nn::Sequential model, FSDPOptions options, int rank, int size);
   ~FullyShardedDataParallel();
   FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
   FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
@@ -178,6 +193,13 @@ class FullyShardedDataParallel {
   Stats stats() const;
   std::shared_ptr<torch::nn::Module> module() const;
   ProcessGroup& group();
+  // Communicates over `group` from now on: another group of the same size
+  // in which this process has the same rank (the replica's group a new
+  // tandem::ft quorum makes). Between steps; what a failed step left in
+  // flight on the old group is waited for (its failure ends it) and
+  // dropped. std::invalid_argument for a null group, or one of another
+  // size, rank or backend.
+  void set_group(std::shared_ptr<ProcessGroup> group);
 
   struct Impl;  // ddp/fsdp/impl.h
 

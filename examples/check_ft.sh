@@ -28,7 +28,10 @@
 #     other nodes train on to the end;
 #  h. a replica cut off by the network rather than killed (its node a
 #     network namespace whose veth link goes down for 4 s): the others go
-#     on without it; back, it rejoins and is healed.
+#     on without it; back, it rejoins and is healed;
+#  i. HSDP 2 x 2 (replicas of two processes sharding the model): a rank
+#     killed at a random step; its replica sits out until the replacement
+#     is back, then both its ranks are healed rank by rank.
 set -uo pipefail
 bin="$(readlink -f "${1:?usage: check_ft.sh BIN_DIR}")"
 here="$(dirname "$(readlink -f "$0")")"
@@ -351,5 +354,23 @@ while True:
 else
   echo "skipped: h. network namespaces need root and iproute2's ip"
 fi
+
+# i. HSDP 2 x 2: replicas of two processes, each sharding the model between
+# them (FSDP over the replica's group); one rank killed at a random step.
+# Its replica sits out (the other trains alone) until the replacement is
+# back; then the replacement, and its partner (alive, but behind), are
+# healed from the other replica's same ranks.
+iargs=(--replica-size 2 --steps 150 --step-ms 15 --width 128)
+victim=$((RANDOM % 4)) at=$((20 + RANDOM % 40))
+start i.log 4 --replace-failed 3 -- "${iargs[@]}"
+after i.log "$at"
+kill -KILL "$(ft_pid "$tag" "$victim")"
+verdict "i. HSDP 2 x 2: rank $victim killed after step $at" i.log 4 "${iargs[@]}" && {
+  grep -q " k 1 " i.log || fail "i. the other replica did not train alone"
+  for r in "$victim" $((victim ^ 1)); do
+    grep -q "^\[$r\]: healed bytes" <(grep -A1000 "starting it again" i.log) ||
+      fail "i. rank $r (the killed rank's replica) was not healed"
+  done
+}
 
 finish check_ft

@@ -28,6 +28,14 @@
 // every N committed steps, and a job restarted as a whole (no quorum left:
 // tandem-run --max-restarts) resumes from the newest ("resumed S").
 //
+// With --replica-size S a replica is S processes that shard the model
+// between them (HSDP: FullyShardedDataParallel over the replica's own
+// group, ft::Manager::replica_group(), each rank taking 1/S of the
+// replica's batch; the shards' gradients averaged over the quorum's
+// replicas): under tandem-run, ranks 0..S-1 are replica 0, and so on.
+// Kill any rank and its replica sits out until the launcher's replacement
+// is healed, shard by shard, from another replica's same rank.
+//
 // --restart runs the same job the old way, for comparison (ft_bench): a
 // plain process group, a checkpoint every --checkpoint-every steps by rank
 // 0, and under tandem-run --max-restarts a failure restarts every worker
@@ -49,6 +57,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -56,6 +65,7 @@
 
 #include "examples/flags.h"
 #include "tandem/checkpoint/checkpoint.h"
+#include "tandem/ddp/fully_sharded.h"
 #include "tandem/ddp/process_group.h"
 #include "tandem/ft/manager.h"
 #include "tandem/optim/param_state.h"
@@ -76,6 +86,7 @@ struct Config {
   int64_t min_replicas = 1;
   int64_t replicas = 0;
   int64_t checkpoint_every = 0;
+  int64_t replica_size = 1;
   double lr = 1e-3;
   std::string reference;
   std::string checkpoint = "ft_mlp.ckpt";
@@ -269,6 +280,115 @@ int run_ft(const Config& c) {
   return 0;
 }
 
+// HSDP under the Manager: each replica's S processes shard the model (FSDP
+// over the replica's group, set again with each quorum), and each shard's
+// gradient is averaged over the quorum's replicas.
+int run_sharded(const Config& c) {
+  const char* replaced = std::getenv("TANDEM_REPLACEMENT_COUNT");
+  std::printf("started age_ms %lld t %lld replacement %s\n",
+              static_cast<long long>(process_age_ms()), static_cast<long long>(wall_ms()),
+              replaced ? replaced : "0");
+  std::fflush(stdout);
+  const int size = static_cast<int>(c.replica_size);
+  if (c.batch % size != 0) {
+    throw std::invalid_argument("--batch " + std::to_string(c.batch) +
+                                " does not split over --replica-size " + std::to_string(size));
+  }
+  if (c.checkpoint_every > 0) {
+    throw std::invalid_argument("--checkpoint-every is not supported with --replica-size yet");
+  }
+  const Data d = make_data(c);
+  auto model = make_model(c);
+  ft::ManagerOptions o;
+  o.replica_size = size;
+  o.min_replicas = static_cast<int>(c.min_replicas);
+  if (c.replicas > 0) o.max_replicas = static_cast<int>(c.replicas);
+  o.dataset_size = c.samples;
+  o.batch_size = c.batch;
+  o.seed = static_cast<uint64_t>(c.seed);
+  o.heartbeat_timeout = std::chrono::milliseconds(1500);
+  o.join_timeout = std::chrono::milliseconds(2000);
+  o.collective_timeout = std::chrono::seconds(20);
+  const char* rank_env = std::getenv("RANK");
+  const int rank = (rank_env ? std::atoi(rank_env) : 0) % size;
+  // The shards are laid out now; their group comes with each quorum.
+  ddp::FSDPOptions fo;
+  fo.timeout = std::chrono::seconds(20);
+  ddp::FullyShardedDataParallel fsdp(model, fo, rank, size);
+  torch::optim::Adam opt(fsdp.parameters(), torch::optim::AdamOptions(c.lr));
+  // What the Manager heals and compares: this rank's shards and their state.
+  nn::Module shards;
+  int i = 0;
+  for (auto& s : fsdp.parameters()) shards.register_parameter("unit" + std::to_string(i++), s);
+  o.on_quorum = [&](ft::Manager& m) { fsdp.set_group(m.replica_group()); };
+  ft::Manager manager(o, ft::module_state(shards, opt));
+  int64_t heals = 0;
+  while (manager.step() < c.steps) {
+    try {
+      manager.start_step();
+    } catch (const ft::JobFinished& e) {
+      std::printf("late: the job finished at step %lld before this replica joined\n",
+                  static_cast<long long>(e.step()));
+      return 0;
+    }
+    if (manager.metrics().heals != heals) {
+      heals = manager.metrics().heals;
+      std::printf("healed bytes %lld state %lld ms %.1f\n",
+                  static_cast<long long>(manager.metrics().heal_bytes_received),
+                  static_cast<long long>(manager.metrics().state_bytes),
+                  manager.metrics().last_heal_ms);
+    }
+    fsdp.zero_grad();
+    // This rank's part of the replica's batch.
+    const auto batch = manager.batch_indices();
+    const int64_t part = c.batch / size;
+    std::vector<int64_t> mine(batch.begin() + rank * part, batch.begin() + (rank + 1) * part);
+    double loss_value = 0;
+    try {
+      const at::Tensor idx = at::tensor(mine, at::kLong);
+      at::Tensor loss = torch::nn::functional::mse_loss(fsdp.forward(d.x.index_select(0, idx)),
+                                                        d.y.index_select(0, idx));
+      loss.backward();
+      loss_value = loss.item<double>();
+    } catch (const std::exception& e) {
+      // A process of this replica is gone (its collectives failed): the
+      // step fails everywhere, and this one still takes part in the vote.
+      manager.report_error(e.what());
+    }
+    if (c.step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(c.step_ms));
+    std::vector<at::Tensor> grads;
+    for (auto& s : fsdp.parameters()) {
+      if (!s.grad().defined()) s.mutable_grad() = at::zeros_like(s);
+      grads.push_back(s.grad());
+    }
+    manager.allreduce_grads(grads);
+    const int k = manager.participants();
+    if (manager.should_commit()) {
+      opt.step();
+      std::printf("step %lld k %d loss %.6f t %lld\n", static_cast<long long>(manager.step()), k,
+                  loss_value, static_cast<long long>(wall_ms()));
+    } else {
+      std::printf("failed step %lld t %lld: %s\n", static_cast<long long>(manager.step() + 1),
+                  static_cast<long long>(wall_ms()), manager.last_error().c_str());
+    }
+    std::fflush(stdout);
+  }
+  // The whole model on every rank of the replica, for the final line.
+  std::vector<std::pair<std::string, at::Tensor>> whole;
+  for (int to = 0; to < size; ++to) {
+    auto dict = fsdp.full_state_dict(to);
+    if (to == rank) whole = std::move(dict);
+  }
+  auto final_model = make_model(c);
+  {
+    at::NoGradGuard g;
+    std::map<std::string, at::Tensor> by_name(whole.begin(), whole.end());
+    for (auto& p : final_model->named_parameters()) p.value().copy_(by_name.at(p.key()));
+  }
+  print_final(manager.step(), final_model, d);
+  return 0;
+}
+
 // The old way: every worker restarts from the newest checkpoint.
 int run_restart(const Config& c) {
   std::printf("started age_ms %lld t %lld replacement 0\n",
@@ -332,7 +452,9 @@ int main(int argc, char** argv) {
       .add("--seed", &c.seed, 0, "seed of the data, the model and the sample order")
       .add("--step-ms", &c.step_ms, 0, "extra milliseconds of work a step (pacing)")
       .add("--min-replicas", &c.min_replicas, 1, "a quorum's minimum")
-      .add("--replicas", &c.replicas, 0, "replica ids 0..N-1 (0: WORLD_SIZE)")
+      .add("--replicas", &c.replicas, 0, "replica ids 0..N-1 (0: WORLD_SIZE / --replica-size)")
+      .add("--replica-size", &c.replica_size, 1,
+           "processes a replica, sharding the model between them (HSDP)")
       .add("--lr", &c.lr, "Adam's learning rate")
       .add("--reference", &c.reference,
            "K1,K2,...: the run whose committed steps had these quorums")
@@ -351,7 +473,8 @@ int main(int argc, char** argv) {
   try {
     if (!c.reference.empty()) return run_reference(c);
     if (c.restart && c.checkpoint_every == 0) c.checkpoint_every = 10;
-    return c.restart ? run_restart(c) : run_ft(c);
+    if (c.restart) return run_restart(c);
+    return c.replica_size > 1 ? run_sharded(c) : run_ft(c);
   } catch (const ft::QuorumError& e) {
     std::fprintf(stderr, "ft_mlp: %s\n", e.what());
     return ft::kExitNotReplaceable;  // the job's failure: not replaced alone

@@ -92,6 +92,7 @@ class ProcessGroup;
 namespace tandem::ft {
 
 class Heartbeat;
+class Manager;
 
 // No quorum could be formed (fewer than min_replicas within the timeout, or
 // the store is gone): the job cannot go on without a restart.
@@ -155,6 +156,13 @@ struct ManagerOptions {
   // id * replica_size + replica_size - 1 make replica id.
   int replica_size = 1;
   int replica_rank = -1;
+  // Called by start_step() in each quorum this process joins, once its
+  // groups are made and before it is healed: set up what communicates over
+  // group() or replica_group() there (a sharded model's group:
+  // ddp::FullyShardedDataParallel::set_group), so that healing finds the
+  // state where it lives. An exception from it leaves the quorum (the next
+  // is tried); std::logic_error (std::invalid_argument too) propagates.
+  std::function<void(Manager&)> on_quorum;
   // A quorum needs this many members.
   int min_replicas = 1;
   // Makes a new client of the store the replicas meet at (the manager keeps

@@ -436,8 +436,9 @@ bool Manager::join_quorum() {
                    static_cast<long long>(step_), ms_since(t0));
     }
     try {
+      if (options_.on_quorum) options_.on_quorum(*this);
       heal(mine, members);
-    } catch (const std::invalid_argument&) {
+    } catch (const std::logic_error&) {
       throw;
     } catch (const std::exception& e) {
       error_ = std::string("healing in quorum ") + std::to_string(target) + " failed: " + e.what();

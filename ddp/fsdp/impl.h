@@ -84,14 +84,29 @@ struct FullyShardedDataParallel::Impl {
   size_t next_reduce = 0;                 // into reverse(order)
   int64_t gathers = 0, reduce_scatters = 0;
 
+  // This rank's place in the layout (the group's, or given to wait for one).
+  int layout_rank = 0, layout_size = 1;
+
   std::chrono::milliseconds timeout() const {
-    return opt.timeout.count() < 0 ? group->timeout() : opt.timeout;
+    return opt.timeout.count() < 0 ? (group ? group->timeout() : kDefaultCollectiveTimeout)
+                                   : opt.timeout;
   }
-  int rank() const { return group->rank(); }
-  int size() const { return group->size(); }
+  int rank() const { return layout_rank; }
+  int size() const { return layout_size; }
+  // The group, to communicate (std::logic_error before set_group() gave one).
+  ProcessGroup& pg() const {
+    if (!group) {
+      throw std::logic_error(
+          "FullyShardedDataParallel: no group yet (made for a rank without one: set_group() "
+          "first)");
+    }
+    return *group;
+  }
 
   // ddp/fsdp/setup.cc
   void setup(FSDPOptions options);
+  // The constructor without a group: the layout given, nothing compared.
+  void start_without_group(int rank, int size, FSDPOptions& options);
 
   // ddp/fsdp/run.cc
   void start_gather(size_t u);

@@ -29,13 +29,13 @@ void FullyShardedDataParallel::Impl::start_gather(size_t k) {
     return;
   }
   // Gloo moves bfloat16's 2-byte words as float16's (it only copies them).
-  const bool as_half = u.full.scalar_type() == at::kBFloat16 && group->backend() == "gloo";
+  const bool as_half = u.full.scalar_type() == at::kBFloat16 && pg().backend() == "gloo";
   std::vector<at::Tensor> outs;
   for (int r = 0; r < size(); ++r) {
     at::Tensor out = u.full.narrow(0, r * u.shard_numel, u.shard_numel);
     outs.push_back(as_half ? out.view(at::kHalf) : out);
   }
-  u.gathering = group->all_gather_async(as_half ? u.gather_input.view(at::kHalf) : u.gather_input,
+  u.gathering = pg().all_gather_async(as_half ? u.gather_input.view(at::kHalf) : u.gather_input,
                                         outs, timeout());
   u.state = Unit::State::kGathering;
   ++gathers;
@@ -226,7 +226,7 @@ void FullyShardedDataParallel::Impl::launch_reduce(size_t k) {
     u.reduce_output.copy_(flat);
     return;
   }
-  u.reducing = group->reduce_scatter_async(flat, u.reduce_output, ReduceOp::kAvg, {}, timeout());
+  u.reducing = pg().reduce_scatter_async(flat, u.reduce_output, ReduceOp::kAvg, {}, timeout());
   ++reduce_scatters;
 }
 

@@ -26,7 +26,11 @@ void FullyShardedDataParallel::Impl::setup(FSDPOptions options) {
   opt = std::move(options);
   const std::string who = "FullyShardedDataParallel: ";
   if (!model) throw std::invalid_argument(who + "the model is null");
-  if (group->backend() != "gloo" && group->backend() != "nccl") {
+  if (group) {
+    layout_rank = group->rank();
+    layout_size = group->size();
+  }
+  if (group && group->backend() != "gloo" && group->backend() != "nccl") {
     throw std::invalid_argument(who + "unknown backend " + group->backend());
   }
   if (opt.param_dtype && *opt.param_dtype != at::kHalf && *opt.param_dtype != at::kBFloat16 &&
@@ -101,8 +105,8 @@ void FullyShardedDataParallel::Impl::setup(FSDPOptions options) {
         throw std::invalid_argument(who + "parameter '" + item.key() + "' is " +
                                     c10::toString(t.scalar_type()) + ", not floating point");
       }
-      const bool nccl = group->backend() == "nccl";
-      if (nccl != t.device().is_cuda()) {
+      const bool nccl = group && group->backend() == "nccl";
+      if (group && nccl != t.device().is_cuda()) {
         throw std::invalid_argument(who + "parameter '" + item.key() + "' is on " +
                                     t.device().str() + "; a " + group->backend() + " group takes " +
                                     (nccl ? "CUDA" : "CPU") + " tensors");
@@ -141,9 +145,11 @@ void FullyShardedDataParallel::Impl::setup(FSDPOptions options) {
     lines = {"an error: " + refused};
   }
   const c10::Device device = params.empty() ? c10::Device(c10::kCPU) : params[0].tensor.device();
-  group->expect_same_lines(lines, "FullyShardedDataParallel", "models", "entry",
-                           "every rank must build the same model with the same units", timeout(),
-                           device);
+  if (opt.sync_module_states) {
+    group->expect_same_lines(lines, "FullyShardedDataParallel", "models", "entry",
+                             "every rank must build the same model with the same units", timeout(),
+                             device);
+  }
   if (!refused.empty()) throw std::invalid_argument(refused);
   if (params.empty()) throw std::invalid_argument(who + "the model has no parameters");
 
@@ -175,8 +181,8 @@ void FullyShardedDataParallel::Impl::setup(FSDPOptions options) {
     for (size_t i : u.params) {
       u.full.narrow(0, params[i].offset, params[i].numel).copy_(params[i].tensor.reshape({-1}));
     }
-    if (size() > 1) group->broadcast(u.full, 0, timeout());
-    if (opt.replicate_group && opt.replicate_group->size() > 1) {
+    if (opt.sync_module_states && size() > 1) group->broadcast(u.full, 0, timeout());
+    if (opt.sync_module_states && opt.replicate_group && opt.replicate_group->size() > 1) {
       opt.replicate_group->broadcast(u.full, 0, timeout());
     }
     u.shard = u.full.narrow(0, static_cast<int64_t>(rank()) * u.shard_numel, u.shard_numel)
@@ -198,6 +204,7 @@ void FullyShardedDataParallel::Impl::setup(FSDPOptions options) {
   }
   // Buffers are not sharded: rank 0's, once.
   for (auto& [name, b] : buffers) {
+    if (!opt.sync_module_states) break;
     if (size() > 1) group->broadcast(b, 0, timeout());
     if (opt.replicate_group && opt.replicate_group->size() > 1) {
       opt.replicate_group->broadcast(b, 0, timeout());
@@ -223,6 +230,38 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model, 
   impl_->setup(std::move(options));
 }
 
+FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<torch::nn::Module> model,
+                                                   FSDPOptions options, int rank, int size)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->model = std::move(model);
+  impl_->start_without_group(rank, size, options);
+  impl_->setup(std::move(options));
+}
+
+FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model, FSDPOptions options,
+                                                   int rank, int size)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->model = model.ptr();
+  impl_->sequential = model;
+  impl_->start_without_group(rank, size, options);
+  impl_->setup(std::move(options));
+}
+
+void FullyShardedDataParallel::Impl::start_without_group(int rank, int size,
+                                                         FSDPOptions& options) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    throw std::invalid_argument("FullyShardedDataParallel: rank " + std::to_string(rank) +
+                                " of " + std::to_string(size) + " is no place in a group");
+  }
+  if (options.replicate_group) {
+    throw std::invalid_argument(
+        "FullyShardedDataParallel: a replicate_group needs the sharding group at construction");
+  }
+  layout_rank = rank;
+  layout_size = size;
+  options.sync_module_states = false;
+}
+
 FullyShardedDataParallel::~FullyShardedDataParallel() {
   if (!impl_) return;
   try {
@@ -236,6 +275,38 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
 
 std::shared_ptr<torch::nn::Module> FullyShardedDataParallel::module() const { return impl_->model; }
 ProcessGroup& FullyShardedDataParallel::group() { return *impl_->group; }
+
+void FullyShardedDataParallel::set_group(std::shared_ptr<ProcessGroup> group) {
+  const std::string who = "FullyShardedDataParallel::set_group: ";
+  if (!group) throw std::invalid_argument(who + "the group is null");
+  if (group->size() != impl_->size() || group->rank() != impl_->rank()) {
+    throw std::invalid_argument(who + "the new group has this process as rank " +
+                                std::to_string(group->rank()) + " of " +
+                                std::to_string(group->size()) + ", the old one as rank " +
+                                std::to_string(impl_->rank()) + " of " +
+                                std::to_string(impl_->size()) + " (the shards are laid out by them)");
+  }
+  if (impl_->group && group->backend() != impl_->group->backend()) {
+    throw std::invalid_argument(who + "the new group's backend is " + group->backend() +
+                                ", the old one's " + impl_->group->backend());
+  }
+  if (group->backend() != "gloo" && group->backend() != "nccl") {
+    throw std::invalid_argument(who + "unknown backend " + group->backend());
+  }
+  for (const auto& u : impl_->units) {
+    if (u.shard.defined() && u.shard.device().is_cuda() != (group->backend() == "nccl")) {
+      throw std::invalid_argument(who + "the shards are on " + u.shard.device().str() + "; a " +
+                                  group->backend() + " group takes " +
+                                  (group->backend() == "nccl" ? "CUDA" : "CPU") + " tensors");
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    if (impl_->in_forward) throw std::logic_error(who + "called inside forward()");
+  }
+  impl_->abandon_step();
+  impl_->group = std::move(group);
+}
 
 std::vector<at::Tensor> FullyShardedDataParallel::parameters() const {
   std::vector<at::Tensor> out;

@@ -37,7 +37,7 @@ double FullyShardedDataParallel::clip_grad_norm(double max_norm, const ClipOptio
       if (a < b && options.counted(p.tensor)) mine.push_back(g.narrow(0, a - lo, b - a));
     }
   }
-  return m.group->clip_grad_norm(mine, grads, max_norm, "FullyShardedDataParallel::clip_grad_norm",
+  return m.pg().clip_grad_norm(mine, grads, max_norm, "FullyShardedDataParallel::clip_grad_norm",
                                  m.timeout(), options.group.get());
 }
 
@@ -57,7 +57,7 @@ std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallel::full_s
       flats[k] = u.shard.detach().clone();
       continue;
     }
-    auto parts = m.group->gather(u.shard.detach(), to, m.timeout());
+    auto parts = m.pg().gather(u.shard.detach(), to, m.timeout());
     if (!parts.empty()) flats[k] = at::cat(parts);
   }
   std::vector<std::pair<std::string, at::Tensor>> out;
