@@ -97,6 +97,7 @@ void FullyShardedDataParallel::Impl::abandon_step() {
 }
 
 void FullyShardedDataParallel::Impl::begin_forward() {
+  pg();  // (a model made without a group needs one first)
   bool leftover;
   {
     std::lock_guard<std::mutex> lock(mu);
@@ -123,7 +124,13 @@ void FullyShardedDataParallel::Impl::begin_forward() {
   // The root stays gathered until the end of backward.
   units[0].ran = true;
   order.push_back(0);
-  finish_gather(0);
+  try {
+    finish_gather(0);
+  } catch (...) {
+    // (a failed gather: the next forward starts clean)
+    in_forward = false;
+    throw;
+  }
 }
 
 void FullyShardedDataParallel::Impl::end_forward() {

@@ -121,6 +121,43 @@ TEST_CASE("fsdp: a Sequential trains as one process does (2 and 3 ranks; units a
   }
 }
 
+TEST_CASE("fsdp: made without a group, then moved from group to group, trains as one process") {
+  // As under tandem::ft: the layout first, each quorum's group later.
+  constexpr int n = 2;
+  auto ref = make_seq(3);
+  train_local(ref, n, kSteps);
+  Groups first(n), second(n), lone(1);
+  std::vector<std::pair<std::string, at::Tensor>> state;
+  on_ranks(n, [&](int r) {
+    ddp::FSDPOptions o;
+    o.units = {"0", "2"};
+    ddp::FullyShardedDataParallel fsdp(make_seq(3), o, r, n);  // the same seed on each rank
+    auto b = batch(r, 0);
+    CHECK(error_of([&] { fsdp.forward(b.x); }).find("no group yet") != std::string::npos);
+    torch::optim::Adam opt(fsdp.parameters(), torch::optim::AdamOptions(0.01));
+    for (int s = 0; s < kSteps; ++s) {
+      fsdp.set_group(s == 0 ? first.groups[r] : second.groups[r]);
+      for (int k = 0; k < kMicro; ++k) {
+        auto mb = batch(r, s * kMicro + k);
+        loss_on(fsdp.forward(mb.x), mb).backward();
+      }
+      fsdp.clip_grad_norm(kClip);
+      opt.step();
+      opt.zero_grad();
+    }
+    // Another size: the shards' layout would not fit.
+    if (r == 0) {
+      CHECK(error_of([&] { fsdp.set_group(lone.groups[0]); }).find("rank 0 of 1") !=
+            std::string::npos);
+    }
+    CHECK_THROWS_AS(fsdp.set_group(nullptr), std::invalid_argument);
+    auto st = fsdp.full_state_dict(0);
+    if (r == 0) state = st;
+  });
+  check_state(state, *ref);
+  CHECK_THROWS_AS(ddp::FullyShardedDataParallel(make_seq(3), {}, 2, 2), std::invalid_argument);
+}
+
 TEST_CASE("fsdp: clipping a model also split over a tensor-parallel group (ClipOptions)") {
   // Two ranks shard the same Sequential over `dp` and stand, for clipping,
   // as two tensor-parallel ranks too (`tp`): the squares are summed over
