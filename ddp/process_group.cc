@@ -205,10 +205,11 @@ std::string ProcessGroup::describe(int r) const { return peers_->describe(r); }
 ProcessGroup::~ProcessGroup() {
   if (peers_ && peers_->stalled_out) {
     // Gloo's threads still wait on the stalled member (until the group's
-    // timeout) and its destructor would join them: the engine is let go
-    // instead, so that a failed process can end at once. Its threads end at
-    // that timeout, or with the process.
-    pg_.release();
+    // timeout, or until the member's connections close) and its destructor
+    // would join them: the engine is destroyed on a thread of its own
+    // instead, so that this one goes on at once; it ends with the
+    // collective it waits for (or with the process).
+    std::thread([pg = std::move(pg_)]() mutable { pg.reset(); }).detach();
     return;
   }
   // Destroyed while an exception unwinds the stack: this rank failed, and

@@ -11,7 +11,11 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
 #include <optional>
 #include <sstream>
 
@@ -24,16 +28,73 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-void wait_work(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout,
-               const char* what) {
-  try {
-    work->wait(timeout);
-  } catch (const std::exception& e) {
-    std::string msg = e.what();
-    if (auto nl = msg.find('\n'); nl != std::string::npos) msg.resize(nl);
-    throw ddp::CollectiveError(std::string(what) + " failed: " + msg);
+// A heal's transfers, watched: a thread asks `stalled` every 50 ms while
+// one is in flight and aborts it once the peer is gone (stopped, cut off,
+// or the quorum moved on), so that neither end waits out the collective
+// timeout for a peer that will not come (a send to a stopped process blocks
+// once the socket's buffer is full; a receive from one never ends).
+class Watch {
+ public:
+  explicit Watch(std::function<std::string()> stalled) : stalled_(std::move(stalled)) {
+    if (!stalled_) return;
+    thread_ = std::thread([this] {
+      std::unique_lock<std::mutex> lock(mu_);
+      while (!stop_) {
+        cv_.wait_for(lock, std::chrono::milliseconds(50));
+        if (stop_ || !work_) continue;
+        lock.unlock();
+        std::string why = stalled_();
+        lock.lock();
+        if (!why.empty() && work_ && why_.empty()) {
+          why_ = std::move(why);
+          work_->abort();
+        }
+      }
+    });
   }
-}
+  ~Watch() {
+    if (!thread_.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  Watch(const Watch&) = delete;
+  Watch& operator=(const Watch&) = delete;
+
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout,
+            const std::string& what) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!why_.empty()) throw ddp::CollectiveError(what + " failed: " + why_);
+      work_ = work;
+    }
+    std::string error;
+    bool completed = false;
+    try {
+      completed = work->wait(timeout);
+    } catch (const std::exception& e) {
+      error = e.what();
+      if (auto nl = error.find('\n'); nl != std::string::npos) error.resize(nl);
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    work_.reset();
+    if (!why_.empty()) throw ddp::CollectiveError(what + " failed: " + why_);
+    if (!error.empty()) throw ddp::CollectiveError(what + " failed: " + error);
+    if (!completed) throw ddp::CollectiveError(what + " failed: aborted");
+  }
+
+ private:
+  std::function<std::string()> stalled_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::string why_;
+  std::thread thread_;
+};
 
 }  // namespace
 
@@ -56,6 +117,11 @@ void Manager::heal(const std::vector<Joined>& members, const std::vector<Joined>
   }
   auto& pg = group_->c10d();
   const auto timeout = options_.collective_timeout;
+  Watch watch(stalled_);
+  auto wait_work = [&watch](const c10::intrusive_ptr<c10d::Work>& work,
+                            std::chrono::milliseconds limit, const std::string& what) {
+    watch.wait(work, limit, what);
+  };
   // A source's state, taken once for all the members it heals (saving
   // serialises each parameter's optimizer state).
   std::optional<std::vector<std::pair<std::string, at::Tensor>>> saved;
@@ -85,7 +151,7 @@ void Manager::heal(const std::vector<Joined>& members, const std::vector<Joined>
       for (const auto& [name, t] : tensors) {
         if (t.numel() == 0) continue;
         std::vector<at::Tensor> one{t.detach().contiguous().cpu()};
-        wait_work(pg.send(one, to, tag++), timeout, ("sending " + name).c_str());
+        wait_work(pg.send(one, to, tag++), timeout, "sending " + name);
       }
       metrics_.heal_bytes_sent += bytes + static_cast<int64_t>(h.size()) + 8;
       metrics_.state_bytes = bytes;
@@ -120,7 +186,7 @@ void Manager::heal(const std::vector<Joined>& members, const std::vector<Joined>
         at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dtype));
         if (t.numel() > 0) {
           std::vector<at::Tensor> one{t};
-          wait_work(pg.recv(one, from, tag++), timeout, ("receiving " + name).c_str());
+          wait_work(pg.recv(one, from, tag++), timeout, "receiving " + name);
         }
         bytes += static_cast<int64_t>(t.numel()) * t.element_size();
         received.emplace_back(std::move(name), std::move(t));

@@ -326,6 +326,10 @@ class Manager {
   std::shared_ptr<Heartbeat> heartbeat_;
   c10::intrusive_ptr<c10d::Store> group_store_;  // the quorum's group's own client
   std::shared_ptr<ddp::ProcessGroup> group_;
+  // Why the quorum's groups cannot go on ("" while they can): a member gone,
+  // or the quorum moved on. Their collectives, and a heal's transfers, end
+  // when it says so.
+  std::function<std::string()> stalled_;
   c10::intrusive_ptr<c10d::Store> replica_group_store_;
   std::shared_ptr<ddp::ProcessGroup> replica_group_;
   std::vector<int> members_;  // replica ids

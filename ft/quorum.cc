@@ -394,6 +394,7 @@ bool Manager::join_quorum() {
     };
     // (its waits end once a member is gone: one that died since the
     // decision must not hold the others until the store's timeout)
+    stalled_ = po.stalled;
     group_store_ = c10::make_intrusive<WatchedStore>(
         c10::make_intrusive<c10d::PrefixStore>(q + "r" + std::to_string(rank_) + "/",
                                                options_.connect()),
@@ -435,19 +436,23 @@ bool Manager::join_quorum() {
                    name_of(proc_).c_str(), static_cast<long long>(epoch_), ids.c_str(),
                    static_cast<long long>(step_), ms_since(t0));
     }
-    try {
-      if (options_.on_quorum) options_.on_quorum(*this);
-      heal(mine, members);
-    } catch (const std::logic_error&) {
-      throw;
-    } catch (const std::exception& e) {
-      error_ = std::string("healing in quorum ") + std::to_string(target) + " failed: " + e.what();
+    auto leave = [this] {
       group_->abandon();
       group_.reset();
       group_store_.reset();
       if (replica_group_) replica_group_->abandon();
       replica_group_.reset();
       replica_group_store_.reset();
+    };
+    try {
+      if (options_.on_quorum) options_.on_quorum(*this);
+      heal(mine, members);
+    } catch (const std::logic_error&) {
+      leave();
+      throw;
+    } catch (const std::exception& e) {
+      error_ = std::string("healing in quorum ") + std::to_string(target) + " failed: " + e.what();
+      leave();
       ++target;
       continue;
     }

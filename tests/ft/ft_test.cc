@@ -444,6 +444,60 @@ TEST_CASE("ft: a member lost between its quorum's decision and the group's meeti
   expect_reference(d, rec, 0);
 }
 
+TEST_CASE("ft: a newcomer that falls silent as it is healed holds its source only until it is found gone") {
+  Data d;
+  auto server = support::store_server();
+  Record rec;
+  std::atomic<bool> cut{false};
+  std::atomic<int> done{0};
+  std::vector<std::chrono::steady_clock::duration> took(2);
+  int64_t heals_sent = 0;
+  on_ranks(3, [&](int id) {
+    if (id < 2) {
+      const auto t0 = std::chrono::steady_clock::now();
+      train(id, 3, server->getPort(), 30, d, rec,
+            [&](int, ft::Manager& m, torch::nn::Linear&) {
+              if (id == 0) heals_sent = m.metrics().heal_bytes_sent;
+              std::this_thread::sleep_for(std::chrono::milliseconds(40));
+              return true;
+            });
+      took[static_cast<size_t>(id)] = std::chrono::steady_clock::now() - t0;
+      ++done;
+      return;
+    }
+    // Replica 2 comes once the others train, and stops (its heartbeat
+    // silent) in its quorum's set-up, before it receives anything: its
+    // source's first send waits for a receiver that does not come.
+    REQUIRE(eventually([&] { return !rec.participants[0].empty(); }, std::chrono::seconds(20)));
+    auto model = make_model(5);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    auto o = options(2, 3, server->getPort());
+    int calls = 0;
+    const int port = server->getPort();
+    o.connect = [&, port]() -> c10::intrusive_ptr<c10d::Store> {
+      if (++calls == 2) {  // the heartbeat thread's
+        return c10::make_intrusive<CutStore>(support::store_client(port), cut);
+      }
+      return support::store_client(port);
+    };
+    o.on_quorum = [&](ft::Manager&) {
+      cut = true;
+      while (done < 2) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      throw std::logic_error("released");
+    };
+    ft::Manager manager(o, ft::module_state(*model, opt));
+    CHECK_THROWS_WITH(manager.start_step(), "released");
+  });
+  // Without the watch on the heal's transfers, replica 0 (the source) would
+  // have waited collective_timeout (20 s) in its send.
+  CHECK(took[0] < std::chrono::seconds(12));
+  CHECK(took[1] < std::chrono::seconds(12));
+  const auto& p = rec.participants[0];
+  REQUIRE(p.size() == 30);
+  CHECK(std::all_of(p.begin(), p.end(), [](int k) { return k == 2; }));
+  expect_reference(d, rec, 0);
+}
+
 TEST_CASE("ft: a replica that comes after the job's replicas finished is told so") {
   Data d;
   auto server = support::store_server();
