@@ -94,6 +94,12 @@ struct DDPOptions {
   // the parameter, and added back at the end). No comm_hook, no join() and
   // no distributed autograd context with it.
   GradientOwner gradient_owner;
+  // Construction compares the ranks' models and takes rank 0's parameters
+  // and buffers (PyTorch's init_sync). False: it does not communicate; each
+  // rank keeps its own values (the same seed made them alike, or a state
+  // loaded later replaces them: tandem::ft heals a newcomer's), and a
+  // model that differs is the caller's error.
+  bool init_sync = true;
 };
 
 namespace detail {
@@ -132,6 +138,7 @@ class Reducer {
   };
   Stats stats() const;
   ProcessGroup& group() { return *group_; }
+  void set_group(std::shared_ptr<ProcessGroup> group);
   // DDPOptions::device_ids[0] as a device (forward()'s arguments go there);
   // empty without device_ids.
   const std::optional<c10::Device>& input_device() const { return input_device_; }
@@ -221,6 +228,15 @@ class DistributedDataParallel {
     detail::Reducer* r_;
   };
   [[nodiscard]] Join join() { return Join(*reducer_); }
+
+  // Averages over `group` from now on: any size (each bucket is divided by
+  // the group's size), the same backend; with gradient_owner the same size
+  // and rank. Between steps, on every rank of the new group (each
+  // tandem::ft quorum's: ft::ManagerOptions::on_quorum). What a failed
+  // step left in flight is dropped, and the buckets start again from the
+  // parameters' reverse order, rebuilt after the first step together.
+  // std::invalid_argument for a null group or one that does not fit.
+  void set_group(std::shared_ptr<ProcessGroup> group) { reducer_->set_group(std::move(group)); }
 
   std::shared_ptr<M> module() const { return module_; }
   M* operator->() const { return module_.get(); }

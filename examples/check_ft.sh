@@ -31,7 +31,9 @@
 #     on without it; back, it rejoins and is healed;
 #  i. HSDP 2 x 2 (replicas of two processes sharding the model): a rank
 #     killed at a random step; its replica sits out until the replacement
-#     is back, then both its ranks are healed rank by rank.
+#     is back, then both its ranks are healed rank by rank;
+#  j. a replica killed with DistributedDataParallel's buckets averaging in
+#     backward (ft_mlp --ddp) instead of Manager::allreduce_grads.
 set -uo pipefail
 bin="$(readlink -f "${1:?usage: check_ft.sh BIN_DIR}")"
 here="$(dirname "$(readlink -f "$0")")"
@@ -371,6 +373,19 @@ verdict "i. HSDP 2 x 2: rank $victim killed after step $at" i.log 4 "${iargs[@]}
     grep -q "^\[$r\]: healed bytes" <(grep -A1000 "starting it again" i.log) ||
       fail "i. rank $r (the killed rank's replica) was not healed"
   done
+}
+
+# j. DistributedDataParallel's buckets under the Manager (--ddp: averaged
+# in backward over each quorum's group): a replica killed at a random step.
+jargs=(--ddp --steps 150 --step-ms 15 --width 128)
+victim=$((RANDOM % 3)) at=$((20 + RANDOM % 40))
+start j.log 3 --replace-failed 3 -- "${jargs[@]}"
+after j.log "$at"
+kill -KILL "$(ft_pid "$tag" "$victim")"
+verdict "j. DDP: replica $victim killed after step $at" j.log 3 "${jargs[@]}" && {
+  grep -q " k 2 " j.log || fail "j. the survivors did not train without replica $victim"
+  grep -q "^\[$victim\]: healed bytes" <(grep -A1000 "starting it again" j.log) ||
+    fail "j. the replacement of replica $victim was not healed"
 }
 
 finish check_ft

@@ -28,6 +28,11 @@
 // every N committed steps, and a job restarted as a whole (no quorum left:
 // tandem-run --max-restarts) resumes from the newest ("resumed S").
 //
+// With --ddp the gradients are averaged by DistributedDataParallel's
+// buckets, overlapped with backward, over each quorum's group (made with
+// init_sync off at the first quorum, moved by set_group() at each next),
+// instead of Manager::allreduce_grads after backward.
+//
 // With --replica-size S a replica is S processes that shard the model
 // between them (HSDP: FullyShardedDataParallel over the replica's own
 // group, ft::Manager::replica_group(), each rank taking 1/S of the
@@ -65,6 +70,7 @@
 
 #include "examples/flags.h"
 #include "tandem/checkpoint/checkpoint.h"
+#include "tandem/ddp/distributed_data_parallel.h"
 #include "tandem/ddp/fully_sharded.h"
 #include "tandem/ddp/process_group.h"
 #include "tandem/ft/manager.h"
@@ -91,6 +97,7 @@ struct Config {
   std::string reference;
   std::string checkpoint = "ft_mlp.ckpt";
   bool restart = false;
+  bool ddp = false;
 };
 
 constexpr int64_t kIn = 32, kOut = 8;
@@ -222,6 +229,18 @@ int run_ft(const Config& c) {
   o.heartbeat_timeout = std::chrono::milliseconds(1500);
   o.join_timeout = std::chrono::milliseconds(2000);
   o.collective_timeout = std::chrono::seconds(20);
+  // --ddp: DistributedDataParallel over each quorum's group.
+  std::unique_ptr<ddp::DistributedDataParallel<nn::SequentialImpl>> net;
+  if (c.ddp) {
+    o.on_quorum = [&](ft::Manager& m) {
+      if (net) return net->set_group(m.group());
+      ddp::DDPOptions dopt;
+      dopt.init_sync = false;  // (the Manager heals a newcomer's parameters)
+      dopt.timeout = std::chrono::seconds(20);
+      net = std::make_unique<ddp::DistributedDataParallel<nn::SequentialImpl>>(model, dopt,
+                                                                              m.group());
+    };
+  }
   ft::Manager manager(o, ft::module_state(*model, opt));
   // After a restart of the whole job (--max-restarts): the newest checkpoint.
   if (c.checkpoint_every > 0) {
@@ -251,12 +270,26 @@ int run_ft(const Config& c) {
                   manager.metrics().last_heal_ms);
     }
     opt.zero_grad();
-    at::Tensor loss = batch_loss(model, d, manager.batch_indices());
-    loss.backward();
-    if (c.step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(c.step_ms));
-    std::vector<at::Tensor> grads;
-    for (const auto& p : model->parameters()) grads.push_back(p.grad());
-    manager.allreduce_grads(grads);
+    at::Tensor loss;
+    if (c.ddp) {
+      // The buckets' averages run during backward: a peer gone fails it.
+      try {
+        const at::Tensor i = at::tensor(manager.batch_indices(), at::kLong);
+        loss = torch::nn::functional::mse_loss(net->forward(d.x.index_select(0, i)),
+                                               d.y.index_select(0, i));
+        loss.backward();
+      } catch (const std::exception& e) {
+        manager.report_error(e.what());
+      }
+      if (c.step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(c.step_ms));
+    } else {
+      loss = batch_loss(model, d, manager.batch_indices());
+      loss.backward();
+      if (c.step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(c.step_ms));
+      std::vector<at::Tensor> grads;
+      for (const auto& p : model->parameters()) grads.push_back(p.grad());
+      manager.allreduce_grads(grads);
+    }
     const int k = manager.participants();
     if (manager.should_commit()) {
       opt.step();
@@ -459,6 +492,7 @@ int main(int argc, char** argv) {
       .add("--reference", &c.reference,
            "K1,K2,...: the run whose committed steps had these quorums")
       .add_switch("--restart", &c.restart, "no fault tolerance: restart from a checkpoint")
+      .add_switch("--ddp", &c.ddp, "average by DistributedDataParallel's buckets in backward")
       .add("--checkpoint", &c.checkpoint, "--restart's checkpoint folder")
       .add("--checkpoint-every", &c.checkpoint_every, 0,
            "a checkpoint into --checkpoint every N committed steps (0: none; --restart: 10)");

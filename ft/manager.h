@@ -36,7 +36,11 @@
 //    participants() x the batch: scale it yourself if you prefer). A
 //    collective that fails (a member died) or waits for a member whose
 //    heartbeat stopped (stopped, cut off) does not throw: it is recorded,
-//    and the step will be committed by nobody.
+//    and the step will be committed by nobody. DistributedDataParallel's
+//    buckets may average instead, overlapped with backward: made with
+//    init_sync off over group() at the first quorum, moved by set_group()
+//    at each next (ManagerOptions::on_quorum); a backward that throws (a
+//    peer gone) is report_error()'s, and allreduce_grads is not called.
 // 3. Commit. should_commit() is a vote at the store: the step commits only
 //    when every member voted that its step went well, and the same answer
 //    reaches every member (the first decision written wins, as two-phase

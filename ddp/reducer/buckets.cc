@@ -48,7 +48,7 @@ void Reducer::Impl::build_buckets(const std::vector<size_t>& order) {
     if (sharded) {
       std::stable_sort(bucket.params.begin(), bucket.params.end(),
                        [&](size_t x, size_t y) { return params[x].owner < params[y].owner; });
-      bucket.counts.assign(static_cast<size_t>(group.size()), 0);
+      bucket.counts.assign(static_cast<size_t>(group->size()), 0);
     }
     for (size_t i : bucket.params) {
       Param& p = params[i];
@@ -96,7 +96,7 @@ void Reducer::Impl::ensure_buffer(size_t b) {
 void Reducer::Impl::keep_owned_grads() {
   c10::AutoGradMode no_grad(false);
   for (auto& p : params) {
-    if (p.owner != group.rank()) {
+    if (p.owner != group->rank()) {
       p.tensor.mutable_grad() = at::Tensor();
       p.reduced = at::Tensor();
       p.carry = at::Tensor();
@@ -175,12 +175,12 @@ void Reducer::Impl::launch_ready() {
     c10::AutoGradMode no_grad(false);
     const auto launched = Clock::now();
     if (sharded) {
-      b.piece = at::empty({b.counts[static_cast<size_t>(group.rank())]}, b.buffer.options());
+      b.piece = at::empty({b.counts[static_cast<size_t>(group->rank())]}, b.buffer.options());
       b.work = BucketWork{
-          group.reduce_scatter_async(b.buffer, b.piece, ReduceOp::kAvg, b.counts, timeout()),
+          group->reduce_scatter_async(b.buffer, b.piece, ReduceOp::kAvg, b.counts, timeout()),
           nullptr};
     } else {
-      b.work = opt.comm_hook(group, b.buffer);
+      b.work = opt.comm_hook(*group, b.buffer);
     }
     if (!b.work.pending.valid()) {
       throw std::logic_error("DistributedDataParallel: the communication hook started nothing");
@@ -188,7 +188,7 @@ void Reducer::Impl::launch_ready() {
     if (tracer) {
       // From launch to the collective's end (or, where the backend cannot
       // say, to when wait_launched saw it).
-      const uint64_t id = (static_cast<uint64_t>(group.rank()) << 48) | ++launches;
+      const uint64_t id = (static_cast<uint64_t>(group->rank()) << 48) | ++launches;
       auto emit = [tracer = tracer, launched, id, index = next_bucket - 1,
                    bytes = b.buffer.nbytes(), params = b.params.size(),
                    name = sharded ? "reduce_scatter" : "allreduce"] {
@@ -312,7 +312,7 @@ void Reducer::Impl::finalize() {
       buckets[params[i].bucket].pending -= 1;
     }
     launch_ready();
-    used_work = group.all_reduce_async(used, ReduceOp::kSum, timeout());
+    used_work = group->all_reduce_async(used, ReduceOp::kSum, timeout());
   }
   auto t0 = Clock::now();
   try {
@@ -357,8 +357,8 @@ void Reducer::Impl::begin_iteration() {
     build_buckets(agreed_order());
     rebuilt = true;
   }
-  if (opt.broadcast_buffers && !buffers.empty() && group.size() > 1) {
-    broadcast_coalesced(buffers, group, timeout());
+  if (opt.broadcast_buffers && !buffers.empty() && group->size() > 1) {
+    broadcast_coalesced(buffers, *group, timeout());
   }
 }
 
@@ -373,7 +373,7 @@ std::vector<size_t> Reducer::Impl::agreed_order() {
   int64_t* o = t.data_ptr<int64_t>();
   for (size_t k = 0; k < order.size(); ++k) o[k] = static_cast<int64_t>(order[k]);
   t = t.to(comm_device);
-  group.broadcast(t, 0, timeout());
+  group->broadcast(t, 0, timeout());
   t = t.cpu();
   o = t.data_ptr<int64_t>();
   for (size_t k = 0; k < order.size(); ++k) order[k] = static_cast<size_t>(o[k]);

@@ -111,7 +111,7 @@ struct Reducer::Impl {
   // Where the group's collectives take their tensors: the CPU for gloo, the
   // parameters' GPU for nccl (set by the constructor's checks).
   c10::Device comm_device{c10::kCPU};
-  ProcessGroup& group;
+  ProcessGroup* group;  // group_ of the Reducer
   std::vector<Param> params;
   std::vector<at::Tensor> buffers;
   std::vector<Bucket> buckets;
@@ -140,7 +140,7 @@ struct Reducer::Impl {
   double backward_ms = 0, tail_wait_ms = 0, allreduce_ms = 0;
 
   std::chrono::milliseconds timeout() const {
-    return opt.timeout.count() < 0 ? group.timeout() : opt.timeout;
+    return opt.timeout.count() < 0 ? group->timeout() : opt.timeout;
   }
 
   // ddp/reducer/setup.cc

@@ -14,7 +14,7 @@ std::pair<int, int> Reducer::Impl::join_round_sums(bool training, bool averaging
   t[0] = training ? 1 : 0;
   t[1] = averaging ? 1 : 0;
   t = t.to(comm_device);
-  group.all_reduce(t, ReduceOp::kSum, timeout());
+  group->all_reduce(t, ReduceOp::kSum, timeout());
   t = t.cpu();
   ++join_round;
   return {t[0].item<int>(), t[1].item<int>()};
@@ -28,14 +28,14 @@ void Reducer::Impl::finish_join() {
     if (averaging == 0) continue;
     for (auto& b : buckets) {
       b.buffer.zero_();
-      b.work = opt.comm_hook(group, b.buffer);
+      b.work = opt.comm_hook(*group, b.buffer);
     }
     next_bucket = buckets.size();
     ProcessGroup::Pending used_work;
     at::Tensor used;
     if (opt.find_unused_parameters) {
       used = used_map(/*joined=*/true);
-      used_work = group.all_reduce_async(used, ReduceOp::kSum, timeout());
+      used_work = group->all_reduce_async(used, ReduceOp::kSum, timeout());
     }
     wait_launched();
     if (used_work.valid()) used_work.wait();
@@ -43,10 +43,10 @@ void Reducer::Impl::finish_join() {
     first_sync_done();
   }
   at::Tensor last =
-      at::full({1}, last_real_round * group.size() + group.rank(), at::kLong).to(comm_device);
-  group.all_reduce(last, ReduceOp::kMax, timeout());
-  const int src = static_cast<int>(last.item<int64_t>() % group.size());
-  broadcast_coalesced(state(), group, timeout(), src);
+      at::full({1}, last_real_round * group->size() + group->rank(), at::kLong).to(comm_device);
+  group->all_reduce(last, ReduceOp::kMax, timeout());
+  const int src = static_cast<int>(last.item<int64_t>() % group->size());
+  broadcast_coalesced(state(), *group, timeout(), src);
 }
 
 void Reducer::begin_join() {

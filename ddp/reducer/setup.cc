@@ -43,7 +43,7 @@ void broadcast_coalesced(const std::vector<at::Tensor>& tensors, ProcessGroup& g
 }
 
 Reducer::Impl::Impl(std::shared_ptr<torch::nn::Module> m, DDPOptions o, ProcessGroup& g)
-    : module(std::move(m)), opt(std::move(o)), group(g) {
+    : module(std::move(m)), opt(std::move(o)), group(&g) {
   if (!opt.comm_hook) opt.comm_hook = allreduce_hook();
   // rpc/trace.h: the agent's timeline when this process has a tracing
   // agent (a hybrid job), else $TANDEM_TRACE's.
@@ -52,7 +52,7 @@ Reducer::Impl::Impl(std::shared_ptr<torch::nn::Module> m, DDPOptions o, ProcessG
   } catch (const std::logic_error&) {
     // the agent shut down meanwhile
   }
-  if (!tracer) tracer = rpc::Tracer::from_env(group.rank());
+  if (!tracer) tracer = rpc::Tracer::from_env(group->rank());
 }
 
 std::vector<at::Tensor> Reducer::Impl::state() const {
@@ -157,10 +157,15 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, DDPOptions options,
                           c10::toString(item.value().scalar_type()));
   }
   if (!refused.empty()) fingerprint = {"an error: " + refused};
-  group_->expect_same_lines(fingerprint, "DistributedDataParallel", "models", "parameter",
-                            "every rank must build the same model", m.timeout(), m.comm_device);
+  if (options.init_sync) {
+    group_->expect_same_lines(fingerprint, "DistributedDataParallel", "models", "parameter",
+                              "every rank must build the same model", m.timeout(),
+                              m.comm_device);
+  }
   if (!refused.empty()) throw std::invalid_argument(refused);
-  if (group_->size() > 1) broadcast_coalesced(m.state(), *group_, m.timeout());
+  if (options.init_sync && group_->size() > 1) {
+    broadcast_coalesced(m.state(), *group_, m.timeout());
+  }
 
   std::vector<size_t> order;
   for (size_t i = m.params.size(); i-- > 0;) order.push_back(i);
@@ -172,6 +177,37 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, DDPOptions options,
     p.hook_key = p.accumulator->add_post_hook(std::make_unique<Impl::ReadyHook>(&m, i));
     if (m.sharded) p.accumulator->add_pre_hook(std::make_unique<Impl::SetAsideHook>(m.alive, i));
   }
+}
+
+void Reducer::set_group(std::shared_ptr<ProcessGroup> group) {
+  const std::string who = "DistributedDataParallel::set_group: ";
+  if (!group) throw std::invalid_argument(who + "the group is null");
+  if (group->backend() != group_->backend()) {
+    throw std::invalid_argument(who + "the new group's backend is " + group->backend() +
+                                ", the old one's " + group_->backend());
+  }
+  Impl& m = *impl_;
+  if (m.sharded && (group->size() != group_->size() || group->rank() != group_->rank())) {
+    throw std::invalid_argument(
+        who + "with sharded gradients (gradient_owner) the new group must have this process as "
+              "rank " +
+        std::to_string(group_->rank()) + " of " + std::to_string(group_->size()) + ", not " +
+        std::to_string(group->rank()) + " of " + std::to_string(group->size()));
+  }
+  std::lock_guard<std::mutex> lock(m.mu);
+  if (m.join_enabled) throw std::logic_error(who + "called inside a join() scope");
+  group_ = std::move(group);
+  m.group = group_.get();
+  // A failed step's buckets (their collectives on the old group) dropped;
+  // every rank of the new group starts from the same buckets, and rebuilds
+  // them after its first step, together.
+  std::vector<size_t> order;
+  for (size_t i = m.params.size(); i-- > 0;) order.push_back(i);
+  m.build_buckets(order);
+  m.record_order = true;
+  m.rebuild_pending = false;
+  m.ready_order.clear();
+  m.reset_iteration();
 }
 
 Reducer::~Reducer() {

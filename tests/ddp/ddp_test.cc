@@ -149,6 +149,60 @@ TEST_CASE("ddp: DistributedDataParallel trains as one process on the concatenate
   }
 }
 
+TEST_CASE("ddp: without init_sync each rank keeps its values; set_group moves to a smaller group") {
+  // As under tandem::ft: a quorum of three, then of two (rank 2 gone).
+  Groups three(3), two(2);
+  std::vector<std::vector<at::Tensor>> result(2);
+  on_ranks(3, [&](int r) {
+    Net net = make_net(0);
+    Net other = make_net(9);
+    ddp::DDPOptions o;
+    o.init_sync = false;
+    o.bucket_cap_mb = 1e-6;  // a bucket a parameter
+    o.first_bucket_mb = 1e-6;
+    {
+      // Nothing compared, nothing taken from rank 0.
+      ddp::DistributedDataParallel kept(other, o, three.groups[r]);
+      auto want = make_net(9)->parameters();
+      for (size_t i = 0; i < want.size(); ++i) CHECK(at::equal(other->parameters()[i], want[i]));
+    }
+    ddp::DistributedDataParallel model(net, o, three.groups[r]);
+    torch::optim::SGD opt(model.parameters(), torch::optim::SGDOptions(0.1));
+    for (int s = 0; s < 3; ++s) {
+      if (s == 1) {
+        if (r == 2) return;
+        model.set_group(two.groups[r]);
+        CHECK_FALSE(model.reducer().stats().rebuilt);  // from the reverse order again
+      }
+      opt.zero_grad();
+      Batch b = batch(r, s);
+      torch::nn::functional::cross_entropy(model(b.x), b.y).backward();
+      opt.step();
+    }
+    CHECK(model.reducer().stats().rebuilt);
+    CHECK_THROWS_AS(model.set_group(nullptr), std::invalid_argument);
+    for (auto& p : net->parameters()) result[r].push_back(p.detach().clone());
+  });
+  // The reference: step 0 over three ranks' batches, steps 1 and 2 over two.
+  Net net = make_net(0);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+  for (int s = 0; s < 3; ++s) {
+    const int world = s == 0 ? 3 : 2;
+    std::vector<at::Tensor> xs, ys;
+    for (int r = 0; r < world; ++r) {
+      Batch b = batch(r, s);
+      xs.push_back(b.x);
+      ys.push_back(b.y);
+    }
+    opt.zero_grad();
+    loss_of(net, Batch{at::cat(xs), at::cat(ys)});
+    opt.step();
+  }
+  std::vector<at::Tensor> want;
+  for (auto& p : net->parameters()) want.push_back(p.detach().clone());
+  for (int r = 0; r < 2; ++r) expect_close(result[r], want);
+}
+
 TEST_CASE("ddp: no_sync accumulates locally and the next backward averages it all") {
   const int world = 2, steps = 2, micro = 3;
   Groups g(world);
