@@ -166,10 +166,16 @@ Manager::~Manager() {
     drop_group();
   } catch (...) {
   }
+  // Only a process at the job's newest committed step marks it finished
+  // (one that left behind it, such as a replica's process that learned the
+  // job had finished while it waited to rejoin, must not move the mark
+  // back), and the mark only moves on.
   if (std::uncaught_exceptions() == 0 && epoch_ > 0) {
     try {
-      const std::string at = std::to_string(step_);
-      store_->set("finished", bytes_of(at + "\n" + sign("finished " + at)));
+      if (step_ >= mark("committed") && step_ > mark("finished")) {
+        const std::string at = std::to_string(step_);
+        store_->set("finished", bytes_of(at + "\n" + sign("finished " + at)));
+      }
     } catch (...) {
     }
   }
