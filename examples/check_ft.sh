@@ -31,7 +31,8 @@
 #     on without it; back, it rejoins and is healed;
 #  i. HSDP 2 x 2 (replicas of two processes sharding the model): a rank
 #     killed at a random step; its replica sits out until the replacement
-#     is back, then both its ranks are healed rank by rank;
+#     is back, then both its ranks are healed rank by rank; and a random
+#     rank killed every 2 to 3 s until the job ends;
 #  j. a replica killed with DistributedDataParallel's buckets averaging in
 #     backward (ft_mlp --ddp) instead of Manager::allreduce_grads.
 set -uo pipefail
@@ -374,6 +375,31 @@ verdict "i. HSDP 2 x 2: rank $victim killed after step $at" i.log 4 "${iargs[@]}
       fail "i. rank $r (the killed rank's replica) was not healed"
   done
 }
+
+# The same under a failure every 2 to 3 s, a random rank each time, until
+# the job ends (about 30 s). Each kill waits for the last one's replica to
+# be back (a step of one replica, then one of both, since the kill): a
+# shard's holders all killed at once is f's case, not this one.
+i2args=(--replica-size 2 --steps 700 --step-ms 20 --width 128)
+start i2.log 4 --replace-failed 40 -- "${i2args[@]}"
+after i2.log 5
+kills=0 mark=1
+while kill -0 "$job" 2>/dev/null; do
+  sleep "$(awk -v m=$((2000 + RANDOM % 1000)) 'BEGIN { print m / 1000 }')"
+  for ((n = 0; kills > 0 && n < 1500; ++n)); do
+    tail -n +"$mark" i2.log | awk '/ k 1 / { one = 1 } one && / k 2 / { found = 1; exit } END { exit !found }' && break
+    grep -q "final step" i2.log && break
+    sleep 0.02
+  done
+  grep -q "final step" i2.log && break
+  mark=$(($(wc -l <i2.log) + 1))
+  pid=$(ft_pid "$tag" $((RANDOM % 4)))
+  [[ -n $pid ]] && kill -KILL "$pid" 2>/dev/null && kills=$((kills + 1))
+done
+wait "$job"
+job_rc=$? job=""
+verdict "i. HSDP 2 x 2: $kills ranks killed, one every 2 to 3 s" i2.log 4 "${i2args[@]}"
+((kills >= 5)) || fail "i. only $kills kills: the job ended too soon to test repeated failures"
 
 # j. DistributedDataParallel's buckets under the Manager (--ddp: averaged
 # in backward over each quorum's group): a replica killed at a random step.
