@@ -37,6 +37,10 @@
 // `consumer ft` starts three replicas under ft::Manager: one reports an
 // error in a step, which is then committed by none, and the quorum goes on;
 // the replicas end alike, on the samples the stream gave them.
+// `consumer ft_hsdp` starts four: two replicas of two processes, each an
+// FSDP model over its replica's group (made without one, moved to each
+// quorum's); a rank reports an error once, the step is committed by none,
+// and the four end with the same parameters.
 #include <optional>
 
 #include <tandem/autograd/autograd.h>
@@ -61,6 +65,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/mse_loss.h>
@@ -72,6 +77,7 @@
 #include <ATen/ops/ones.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
+#include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
@@ -421,8 +427,62 @@ int ft_job() {
   return 0;
 }
 
+int ft_hsdp_job() {
+  namespace ft = tandem::ft;
+  tandem::spawn(4, [](int rank, int) {
+    at::manual_seed(5);
+    const at::Tensor x = at::randn({40, 4}), y = at::randn({40, 1});
+    torch::nn::Sequential model(torch::nn::Linear(4, 6), torch::nn::Tanh(), torch::nn::Linear(6, 1));
+    const int part = rank % 2;
+    tandem::ddp::FullyShardedDataParallel fsdp(model, {}, part, 2);
+    torch::optim::Adam opt(fsdp.parameters(), torch::optim::AdamOptions(0.01));
+    torch::nn::Module shards;
+    for (size_t k = 0; k < fsdp.parameters().size(); ++k) {
+      shards.register_parameter("unit" + std::to_string(k), fsdp.parameters()[k]);
+    }
+    ft::ManagerOptions o;
+    o.replica_size = 2;
+    o.dataset_size = 40;
+    o.batch_size = 4;
+    o.on_quorum = [&](ft::Manager& m) { fsdp.set_group(m.replica_group()); };
+    ft::Manager manager(o, ft::module_state(shards, opt));
+    int failed = 0;
+    for (int tried = 0; manager.step() < 5; ++tried) {
+      manager.start_step();
+      if (tried == 1 && rank == 3) manager.report_error("a NaN loss");
+      fsdp.zero_grad();
+      auto all = manager.batch_indices();
+      const at::Tensor i = at::tensor(std::vector<int64_t>(all.begin() + 2 * part,
+                                                           all.begin() + 2 * part + 2),
+                                      at::kLong);
+      at::mse_loss(fsdp.forward(x.index_select(0, i)), y.index_select(0, i)).backward();
+      std::vector<at::Tensor> grads;
+      for (auto& s : fsdp.parameters()) grads.push_back(s.grad());
+      manager.allreduce_grads(grads);
+      if (manager.should_commit()) {
+        opt.step();
+      } else {
+        ++failed;
+      }
+    }
+    // Each shard equal across the replicas: the same rank of the other replica.
+    at::Tensor mine = at::cat({fsdp.parameters()[0].detach().flatten(),
+                               fsdp.parameters()[1].detach().flatten()});
+    at::Tensor other = mine.clone();
+    manager.group()->broadcast(other, 0);
+    if (failed != 1 || manager.participants() != 2 || !at::equal(mine, other)) {
+      throw std::runtime_error("process " + std::to_string(rank) + ": " + std::to_string(failed) +
+                               " failed steps, shards equal: " +
+                               std::to_string(at::equal(mine, other)));
+    }
+  });
+  std::printf("two HSDP replicas trained through a failed step\n");
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "ft") == 0) return ft_job();
+  if (argc > 1 && std::strcmp(argv[1], "ft_hsdp") == 0) return ft_hsdp_job();
   if (argc > 1 && std::strcmp(argv[1], "checkpoint") == 0) return checkpoint_job();
   if (argc > 1 && std::strcmp(argv[1], "spawn") == 0) return spawn_job();
   if (argc > 1 && std::strcmp(argv[1], "mesh") == 0) return mesh_job();
