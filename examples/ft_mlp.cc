@@ -211,15 +211,7 @@ int run_reference(const Config& c) {
   return 0;
 }
 
-int run_ft(const Config& c) {
-  const char* replaced = std::getenv("TANDEM_REPLACEMENT_COUNT");
-  std::printf("started age_ms %lld t %lld replacement %s\n",
-              static_cast<long long>(process_age_ms()), static_cast<long long>(wall_ms()),
-              replaced ? replaced : "0");
-  std::fflush(stdout);
-  const Data d = make_data(c);
-  auto model = make_model(c);
-  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(c.lr));
+ft::ManagerOptions manager_options(const Config& c) {
   ft::ManagerOptions o;
   o.min_replicas = static_cast<int>(c.min_replicas);
   if (c.replicas > 0) o.max_replicas = static_cast<int>(c.replicas);
@@ -229,6 +221,40 @@ int run_ft(const Config& c) {
   o.heartbeat_timeout = std::chrono::milliseconds(1500);
   o.join_timeout = std::chrono::milliseconds(2000);
   o.collective_timeout = std::chrono::seconds(20);
+  return o;
+}
+
+// The step's quorum, and the lines it is worth: "healed ..." after a heal,
+// "late: ..." (and false: nothing left to train) for a replacement that
+// came as the job ended.
+bool begin_step(ft::Manager& manager, int64_t& heals) {
+  try {
+    manager.start_step();
+  } catch (const ft::JobFinished& e) {
+    std::printf("late: the job finished at step %lld before this replica joined\n",
+                static_cast<long long>(e.step()));
+    return false;
+  }
+  if (manager.metrics().heals != heals) {
+    heals = manager.metrics().heals;
+    std::printf("healed bytes %lld state %lld ms %.1f\n",
+                static_cast<long long>(manager.metrics().heal_bytes_received),
+                static_cast<long long>(manager.metrics().state_bytes),
+                manager.metrics().last_heal_ms);
+  }
+  return true;
+}
+
+int run_ft(const Config& c) {
+  const char* replaced = std::getenv("TANDEM_REPLACEMENT_COUNT");
+  std::printf("started age_ms %lld t %lld replacement %s\n",
+              static_cast<long long>(process_age_ms()), static_cast<long long>(wall_ms()),
+              replaced ? replaced : "0");
+  std::fflush(stdout);
+  const Data d = make_data(c);
+  auto model = make_model(c);
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(c.lr));
+  ft::ManagerOptions o = manager_options(c);
   // --ddp: DistributedDataParallel over each quorum's group.
   std::unique_ptr<ddp::DistributedDataParallel<nn::SequentialImpl>> net;
   if (c.ddp) {
@@ -254,21 +280,7 @@ int run_ft(const Config& c) {
   }
   int64_t heals = 0;
   while (manager.step() < c.steps) {
-    try {
-      manager.start_step();
-    } catch (const ft::JobFinished& e) {
-      // A replacement that came as the job ended: nothing left to train.
-      std::printf("late: the job finished at step %lld before this replica joined\n",
-                  static_cast<long long>(e.step()));
-      return 0;
-    }
-    if (manager.metrics().heals != heals) {
-      heals = manager.metrics().heals;
-      std::printf("healed bytes %lld state %lld ms %.1f\n",
-                  static_cast<long long>(manager.metrics().heal_bytes_received),
-                  static_cast<long long>(manager.metrics().state_bytes),
-                  manager.metrics().last_heal_ms);
-    }
+    if (!begin_step(manager, heals)) return 0;
     opt.zero_grad();
     at::Tensor loss;
     if (c.ddp) {
@@ -332,16 +344,8 @@ int run_sharded(const Config& c) {
   }
   const Data d = make_data(c);
   auto model = make_model(c);
-  ft::ManagerOptions o;
+  ft::ManagerOptions o = manager_options(c);
   o.replica_size = size;
-  o.min_replicas = static_cast<int>(c.min_replicas);
-  if (c.replicas > 0) o.max_replicas = static_cast<int>(c.replicas);
-  o.dataset_size = c.samples;
-  o.batch_size = c.batch;
-  o.seed = static_cast<uint64_t>(c.seed);
-  o.heartbeat_timeout = std::chrono::milliseconds(1500);
-  o.join_timeout = std::chrono::milliseconds(2000);
-  o.collective_timeout = std::chrono::seconds(20);
   const char* rank_env = std::getenv("RANK");
   const int rank = (rank_env ? std::atoi(rank_env) : 0) % size;
   // The shards are laid out now; their group comes with each quorum.
@@ -357,20 +361,7 @@ int run_sharded(const Config& c) {
   ft::Manager manager(o, ft::module_state(shards, opt));
   int64_t heals = 0;
   while (manager.step() < c.steps) {
-    try {
-      manager.start_step();
-    } catch (const ft::JobFinished& e) {
-      std::printf("late: the job finished at step %lld before this replica joined\n",
-                  static_cast<long long>(e.step()));
-      return 0;
-    }
-    if (manager.metrics().heals != heals) {
-      heals = manager.metrics().heals;
-      std::printf("healed bytes %lld state %lld ms %.1f\n",
-                  static_cast<long long>(manager.metrics().heal_bytes_received),
-                  static_cast<long long>(manager.metrics().state_bytes),
-                  manager.metrics().last_heal_ms);
-    }
+    if (!begin_step(manager, heals)) return 0;
     fsdp.zero_grad();
     // This rank's part of the replica's batch.
     const auto batch = manager.batch_indices();
