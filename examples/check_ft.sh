@@ -32,7 +32,8 @@
 #  i. HSDP 2 x 2 (replicas of two processes sharding the model): a rank
 #     killed at a random step; its replica sits out until the replacement
 #     is back, then both its ranks are healed rank by rank; and a random
-#     rank killed every 2 to 3 s until the job ends;
+#     rank killed every 2 to 3 s until the job ends; both holders of one
+#     shard killed at once: the job ends at once naming the lost shard;
 #  j. a replica killed with DistributedDataParallel's buckets averaging in
 #     backward (ft_mlp --ddp) instead of Manager::allreduce_grads.
 set -uo pipefail
@@ -400,6 +401,23 @@ wait "$job"
 job_rc=$? job=""
 verdict "i. HSDP 2 x 2: $kills ranks killed, one every 2 to 3 s" i2.log 4 "${i2args[@]}"
 ((kills >= 5)) || fail "i. only $kills kills: the job ended too soon to test repeated failures"
+
+# Both holders of shard 0 (rank 0 of each replica) killed at once: that
+# shard of the newest step is nowhere; the job ends at once (exit 78),
+# naming the rank, not after the quorum's timeout.
+start i3.log 4 --replace-failed 4 -- --replica-size 2 --steps 400 --step-ms 15 --width 128
+after i3.log 20
+t0=$SECONDS
+kill -KILL "$(ft_pid "$tag" 0)" "$(ft_pid "$tag" 2)"
+wait "$job"
+rc=$?
+if [[ $rc != 78 ]] || ! grep -q "every rank-0 process of quorum .* is gone" i3.log ||
+  ((SECONDS - t0 > 30)); then
+  fail "i. shard 0's holders killed: exit $rc after $((SECONDS - t0)) s, expected 78 at once naming rank 0"
+  sed 's/^/    /' i3.log | grep -v "step [0-9]* k" | tail -8
+else
+  echo "ok: i. shard 0's holders killed: the job ends in $((SECONDS - t0)) s: $(grep -o "every rank-0 process.*" i3.log | head -1 | cut -c1-110)"
+fi
 
 # j. DistributedDataParallel's buckets under the Manager (--ddp: averaged
 # in backward over each quorum's group): a replica killed at a random step.
