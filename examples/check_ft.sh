@@ -34,6 +34,7 @@
 #     is back, then both its ranks are healed rank by rank; and a random
 #     rank killed every 2 to 3 s until the job ends; both holders of one
 #     shard killed at once: the job ends at once naming the lost shard;
+#     the replacements spent: the job restarts from its sharded checkpoint;
 #  j. a replica killed with DistributedDataParallel's buckets averaging in
 #     backward (ft_mlp --ddp) instead of Manager::allreduce_grads.
 set -uo pipefail
@@ -418,6 +419,26 @@ if [[ $rc != 78 ]] || ! grep -q "every rank-0 process of quorum .* is gone" i3.l
 else
   echo "ok: i. shard 0's holders killed: the job ends in $((SECONDS - t0)) s: $(grep -o "every rank-0 process.*" i3.log | head -1 | cut -c1-110)"
 fi
+
+# No quorum left (both replicas needed, rank 3's one replacement spent):
+# the job restarts as a whole, each rank reading its shards of the newest
+# checkpoint (written by the quorum's first replica, its ranks together).
+i4args=(--replica-size 2 --steps 200 --step-ms 15 --width 128 --min-replicas 2
+  --checkpoint-every 10 --checkpoint i4.ckpt)
+start i4.log 4 --replace-failed 1 --max-restarts 1 -- "${i4args[@]}"
+after i4.log 25
+kill -KILL "$(ft_pid "$tag" 3)"
+for ((n = 0; n < 1500; ++n)); do
+  awk '/^\[3\]: started.*replacement 1/ { on = 1 } on && /^\[3\]: step [0-9]* k/ { m++ }
+    END { exit !(m >= 1) }' i4.log && break
+  sleep 0.02
+done
+sleep 0.3
+kill -KILL "$(ft_pid "$tag" 3)"
+verdict "i. HSDP: the replacements spent, the job restarted" i4.log 4 "${i4args[@]}" && {
+  grep -q "start every worker again (restart 1 of 1)" i4.log && grep -q "resumed [1-9]" i4.log ||
+    fail "i. HSDP: the job did not restart from its checkpoint"
+}
 
 # j. DistributedDataParallel's buckets under the Manager (--ddp: averaged
 # in backward over each quorum's group): a replica killed at a random step.

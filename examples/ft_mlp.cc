@@ -164,25 +164,27 @@ void print_final(int64_t step, nn::Sequential& m, const Data& d) {
   std::fflush(stdout);
 }
 
-// The model's parameters and Adam's state of each, for a checkpoint.
-tandem::checkpoint::Part state_part(nn::Sequential& model, torch::optim::Adam& opt) {
+// Parameters (a model's, or a rank's shards) and Adam's state of each, for
+// a checkpoint, their names under `prefix`.
+tandem::checkpoint::Part state_part(const std::vector<at::Tensor>& params, torch::optim::Adam& opt,
+                                    const std::string& prefix = "") {
   tandem::checkpoint::Part part;
   int i = 0;
-  for (auto& p : model->parameters()) {
-    part.add("p" + std::to_string(i), p);
-    part.add_bytes("s" + std::to_string(i), tandem::optim::param_state_bytes(opt, p));
+  for (const auto& p : params) {
+    part.add(prefix + "p" + std::to_string(i), p);
+    part.add_bytes(prefix + "s" + std::to_string(i), tandem::optim::param_state_bytes(opt, p));
     ++i;
   }
   return part;
 }
 
-void load_state(const tandem::checkpoint::Reader& r, nn::Sequential& model,
-                torch::optim::Adam& opt) {
+void load_state(const tandem::checkpoint::Reader& r, const std::vector<at::Tensor>& params,
+                torch::optim::Adam& opt, const std::string& prefix = "") {
   at::NoGradGuard g;
   int i = 0;
-  for (auto& p : model->parameters()) {
-    p.copy_(r.tensor("p" + std::to_string(i)));
-    tandem::optim::load_param_state(opt, p, r.bytes("s" + std::to_string(i)));
+  for (const auto& p : params) {
+    const_cast<at::Tensor&>(p).copy_(r.tensor(prefix + "p" + std::to_string(i)));
+    tandem::optim::load_param_state(opt, p, r.bytes(prefix + "s" + std::to_string(i)));
     ++i;
   }
 }
@@ -272,7 +274,7 @@ int run_ft(const Config& c) {
   if (c.checkpoint_every > 0) {
     if (auto found = tandem::checkpoint::latest(c.checkpoint)) {
       tandem::checkpoint::Reader r(found->path);
-      load_state(r, model, opt);
+      load_state(r, model->parameters(), opt);
       manager.restore(found->step, std::stoll(r.bytes("samples_done")));
       std::printf("resumed %lld t %lld\n", static_cast<long long>(found->step),
                   static_cast<long long>(wall_ms()));
@@ -311,7 +313,7 @@ int run_ft(const Config& c) {
       // replica holds the same state).
       if (c.checkpoint_every > 0 && manager.step() % c.checkpoint_every == 0 &&
           manager.participant_rank() == 0) {
-        tandem::checkpoint::Part part = state_part(model, opt);
+        tandem::checkpoint::Part part = state_part(model->parameters(), opt);
         part.add_bytes("samples_done", std::to_string(manager.samples_done()));
         tandem::checkpoint::save(c.checkpoint, manager.step(), part);
       }
@@ -339,9 +341,6 @@ int run_sharded(const Config& c) {
     throw std::invalid_argument("--batch " + std::to_string(c.batch) +
                                 " does not split over --replica-size " + std::to_string(size));
   }
-  if (c.checkpoint_every > 0) {
-    throw std::invalid_argument("--checkpoint-every is not supported with --replica-size yet");
-  }
   const Data d = make_data(c);
   auto model = make_model(c);
   ft::ManagerOptions o = manager_options(c);
@@ -359,6 +358,19 @@ int run_sharded(const Config& c) {
   for (auto& s : fsdp.parameters()) shards.register_parameter("unit" + std::to_string(i++), s);
   o.on_quorum = [&](ft::Manager& m) { fsdp.set_group(m.replica_group()); };
   ft::Manager manager(o, ft::module_state(shards, opt));
+  // After a restart of the whole job: each rank's shards from the newest
+  // checkpoint (the quorum's first replica writes one, its ranks together).
+  const std::string names = "rank" + std::to_string(rank) + "/";
+  if (c.checkpoint_every > 0) {
+    if (auto found = tandem::checkpoint::latest(c.checkpoint)) {
+      tandem::checkpoint::Reader r(found->path);
+      r.expect_meta("replica_size", std::to_string(size));
+      load_state(r, fsdp.parameters(), opt, names);
+      manager.restore(found->step, std::stoll(r.bytes("samples_done")));
+      std::printf("resumed %lld t %lld\n", static_cast<long long>(found->step),
+                  static_cast<long long>(wall_ms()));
+    }
+  }
   int64_t heals = 0;
   while (manager.step() < c.steps) {
     if (!begin_step(manager, heals)) return 0;
@@ -391,6 +403,20 @@ int run_sharded(const Config& c) {
       opt.step();
       std::printf("step %lld k %d loss %.6f t %lld\n", static_cast<long long>(manager.step()), k,
                   loss_value, static_cast<long long>(wall_ms()));
+      if (c.checkpoint_every > 0 && manager.step() % c.checkpoint_every == 0 &&
+          manager.participant_rank() == 0) {
+        tandem::checkpoint::Part part = state_part(fsdp.parameters(), opt, names);
+        if (rank == 0) part.add_bytes("samples_done", std::to_string(manager.samples_done()));
+        tandem::checkpoint::SaveOptions so;
+        so.group = manager.replica_group();  // (a partner gone: no checkpoint this time)
+        so.meta = {{"replica_size", std::to_string(size)}};
+        try {
+          tandem::checkpoint::save(c.checkpoint, manager.step(), part, so);
+        } catch (const std::exception& e) {
+          std::printf("checkpoint of step %lld not written: %s\n",
+                      static_cast<long long>(manager.step()), e.what());
+        }
+      }
     } else {
       std::printf("failed step %lld t %lld: %s\n", static_cast<long long>(manager.step() + 1),
                   static_cast<long long>(wall_ms()), manager.last_error().c_str());
@@ -427,7 +453,7 @@ int run_restart(const Config& c) {
   int64_t step = 0;
   if (auto found = tandem::checkpoint::latest(c.checkpoint)) {
     tandem::checkpoint::Reader r(found->path);
-    load_state(r, model, opt);
+    load_state(r, model->parameters(), opt);
     step = found->step;
     std::printf("resumed %lld t %lld\n", static_cast<long long>(step),
                 static_cast<long long>(wall_ms()));
@@ -456,7 +482,7 @@ int run_restart(const Config& c) {
                 loss.item<double>(), static_cast<long long>(wall_ms()));
     std::fflush(stdout);
     if (rank == 0 && step % c.checkpoint_every == 0) {
-      tandem::checkpoint::save(c.checkpoint, step, state_part(model, opt));
+      tandem::checkpoint::save(c.checkpoint, step, state_part(model->parameters(), opt));
     }
   }
   print_final(step, model, d);
