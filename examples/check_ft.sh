@@ -211,25 +211,35 @@ intruder "other options" "batch 32.*batch 16" -- --width 128 --replicas 3 --batc
 intruder "no cluster token" "cluster token" TANDEM_TOKEN=forged -- "${eargs[@]}"
 verdict "e. the job with its intruders refused" e.log 2 "${eargs[@]}"
 
-# f. No quorum left: the job restarts from its checkpoint.
-fargs=(--steps 200 --step-ms 15 --width 128 --min-replicas 3 --checkpoint-every 10 --checkpoint f.ckpt)
-start f.log 3 --replace-failed 1 --max-restarts 1 -- "${fargs[@]}"
-after f.log 25
-kill -KILL "$(ft_pid "$tag" 2)"
-# (the replacement back in a quorum: a step of its own committed; it may
-# need no heal, having read a checkpoint at the committed step)
-for ((i = 0; i < 1500; ++i)); do
-  awk '/^\[2\]: started.*replacement 1/ { on = 1 } on && /^\[2\]: step [0-9]* k/ { n++ }
-    END { exit !(n >= 1) }' f.log && break
-  sleep 0.02
-done
-sleep 0.3
-kill -KILL "$(ft_pid "$tag" 2)"
-verdict "f. the replacements spent, the job restarted" f.log 3 "${fargs[@]}" && {
-  # (the whole job, not a replacement alone, which reads the checkpoint too)
-  grep -q "start every worker again (restart 1 of 1)" f.log && grep -q "resumed [1-9]" f.log ||
-    fail "f. the job did not restart from its checkpoint"
+# restart_after_spent LOG NPROC RANK WHAT ARGS...: a job of NPROC whose
+# rank RANK has one replacement: that rank killed, and killed again once its
+# replacement committed a step of its own (it may need no heal, having read
+# a checkpoint at the committed step). No quorum is left (ARGS need every
+# replica), so the job restarts as a whole from its newest checkpoint and
+# must end as the reference run.
+restart_after_spent() {
+  local log=$1 nproc=$2 rank=$3 what=$4
+  shift 4
+  start "$log" "$nproc" --replace-failed 1 --max-restarts 1 -- "$@"
+  after "$log" 25
+  kill -KILL "$(ft_pid "$tag" "$rank")"
+  for ((n = 0; n < 1500; ++n)); do
+    awk -v r="$rank" '$0 ~ "^\\[" r "\\]: started.*replacement 1" { on = 1 }
+      on && $0 ~ "^\\[" r "\\]: step [0-9]* k" { m++ } END { exit !(m >= 1) }' "$log" && break
+    sleep 0.02
+  done
+  sleep 0.3
+  kill -KILL "$(ft_pid "$tag" "$rank")"
+  verdict "$what" "$log" "$nproc" "$@" && {
+    # (the whole job, not a replacement alone, which reads the checkpoint too)
+    grep -q "start every worker again (restart 1 of 1)" "$log" && grep -q "resumed [1-9]" "$log" ||
+      fail "$what: the job did not restart from its checkpoint"
+  }
 }
+
+# f. No quorum left: the job restarts from its checkpoint.
+restart_after_spent f.log 3 2 "f. the replacements spent, the job restarted" \
+  --steps 200 --step-ms 15 --width 128 --min-replicas 3 --checkpoint-every 10 --checkpoint f.ckpt
 # Every replica killed at once, and no checkpoint to restart from: the
 # replacements find the newest state lost and end the job at once (exit 78,
 # which --replace-failed does not replace), not after the quorum's timeout.
@@ -423,22 +433,9 @@ fi
 # No quorum left (both replicas needed, rank 3's one replacement spent):
 # the job restarts as a whole, each rank reading its shards of the newest
 # checkpoint (written by the quorum's first replica, its ranks together).
-i4args=(--replica-size 2 --steps 200 --step-ms 15 --width 128 --min-replicas 2
-  --checkpoint-every 10 --checkpoint i4.ckpt)
-start i4.log 4 --replace-failed 1 --max-restarts 1 -- "${i4args[@]}"
-after i4.log 25
-kill -KILL "$(ft_pid "$tag" 3)"
-for ((n = 0; n < 1500; ++n)); do
-  awk '/^\[3\]: started.*replacement 1/ { on = 1 } on && /^\[3\]: step [0-9]* k/ { m++ }
-    END { exit !(m >= 1) }' i4.log && break
-  sleep 0.02
-done
-sleep 0.3
-kill -KILL "$(ft_pid "$tag" 3)"
-verdict "i. HSDP: the replacements spent, the job restarted" i4.log 4 "${i4args[@]}" && {
-  grep -q "start every worker again (restart 1 of 1)" i4.log && grep -q "resumed [1-9]" i4.log ||
-    fail "i. HSDP: the job did not restart from its checkpoint"
-}
+restart_after_spent i4.log 4 3 "i. HSDP: the replacements spent, the job restarted" \
+  --replica-size 2 --steps 200 --step-ms 15 --width 128 --min-replicas 2 \
+  --checkpoint-every 10 --checkpoint i4.ckpt
 
 # j. DistributedDataParallel's buckets under the Manager (--ddp: averaged
 # in backward over each quorum's group): a replica killed at a random step.

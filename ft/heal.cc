@@ -118,10 +118,6 @@ void Manager::heal(const std::vector<Joined>& members, const std::vector<Joined>
   auto& pg = group_->c10d();
   const auto timeout = options_.collective_timeout;
   Watch watch(stalled_);
-  auto wait_work = [&watch](const c10::intrusive_ptr<c10d::Work>& work,
-                            std::chrono::milliseconds limit, const std::string& what) {
-    watch.wait(work, limit, what);
-  };
   // A source's state, taken once for all the members it heals (saving
   // serialises each parameter's optimizer state).
   std::optional<std::vector<std::pair<std::string, at::Tensor>>> saved;
@@ -143,29 +139,29 @@ void Manager::heal(const std::vector<Joined>& members, const std::vector<Joined>
       const std::string h = header.str();
       std::vector<at::Tensor> len{at::empty({1}, at::kLong)};
       len[0].fill_(static_cast<int64_t>(h.size()));
-      wait_work(pg.send(len, to, 0), timeout, "sending the state's header");
+      watch.wait(pg.send(len, to, 0), timeout, "sending the state's header");
       std::vector<at::Tensor> head{at::empty({static_cast<int64_t>(h.size())}, at::kByte)};
       std::memcpy(head[0].data_ptr(), h.data(), h.size());
-      wait_work(pg.send(head, to, 1), timeout, "sending the state's header");
+      watch.wait(pg.send(head, to, 1), timeout, "sending the state's header");
       int tag = 2;
       for (const auto& [name, t] : tensors) {
         if (t.numel() == 0) continue;
         std::vector<at::Tensor> one{t.detach().contiguous().cpu()};
-        wait_work(pg.send(one, to, tag++), timeout, "sending " + name);
+        watch.wait(pg.send(one, to, tag++), timeout, "sending " + name);
       }
       metrics_.heal_bytes_sent += bytes + static_cast<int64_t>(h.size()) + 8;
       metrics_.state_bytes = bytes;
     } else if (rank_in_quorum_ == to) {
       const auto t0 = Clock::now();
       std::vector<at::Tensor> len{at::empty({1}, at::kLong)};
-      wait_work(pg.recv(len, from, 0), timeout, "receiving the state's header");
+      watch.wait(pg.recv(len, from, 0), timeout, "receiving the state's header");
       const int64_t n = len[0].item<int64_t>();
       if (n <= 0 || n > (int64_t{1} << 30)) {
         throw ddp::CollectiveError("healing: the source sent a header of " + std::to_string(n) +
                                    " bytes");
       }
       std::vector<at::Tensor> head{at::empty({n}, at::kByte)};
-      wait_work(pg.recv(head, from, 1), timeout, "receiving the state's header");
+      watch.wait(pg.recv(head, from, 1), timeout, "receiving the state's header");
       std::istringstream in(
           std::string(static_cast<const char*>(head[0].data_ptr()), static_cast<size_t>(n)));
       int64_t step = 0, cursor = 0;
@@ -186,7 +182,7 @@ void Manager::heal(const std::vector<Joined>& members, const std::vector<Joined>
         at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dtype));
         if (t.numel() > 0) {
           std::vector<at::Tensor> one{t};
-          wait_work(pg.recv(one, from, tag++), timeout, "receiving " + name);
+          watch.wait(pg.recv(one, from, tag++), timeout, "receiving " + name);
         }
         bytes += static_cast<int64_t>(t.numel()) * t.element_size();
         received.emplace_back(std::move(name), std::move(t));

@@ -166,16 +166,15 @@ bool Manager::should_commit() {
         // is caught here: a vote missing its fingerprint decides nothing.)
         // (replica_rank, fingerprint) -> the replicas holding it
         std::map<std::pair<int, std::string>, std::vector<int>> by_fp;
-        std::map<int, int> kinds;  // fingerprints a rank
         bool all_voted = true;
         for (int r = 0; r < k && all_voted; ++r) {
           const std::string fp = get_if(*store_, v + "fp/" + std::to_string(r));
           if (fp.empty()) all_voted = false;
           const int p = procs_[static_cast<size_t>(r)];
-          auto& ids = by_fp[{p % size_, fp}];
-          if (ids.empty()) ++kinds[p % size_];
-          ids.push_back(p / size_);
+          by_fp[{p % size_, fp}].push_back(p / size_);
         }
+        std::map<int, int> kinds;  // fingerprints a rank
+        for (const auto& entry : by_fp) ++kinds[entry.first.first];
         const bool agree = std::all_of(kinds.begin(), kinds.end(),
                                        [](const auto& rank_kinds) { return rank_kinds.second == 1; });
         if (!all_voted) {

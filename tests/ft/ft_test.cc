@@ -396,9 +396,14 @@ class CutStore : public c10d::Store {
   std::atomic<bool>& cut_;
 };
 
-}  // namespace
-
-TEST_CASE("ft: a member lost between its quorum's decision and the group's meeting holds nobody") {
+// Replicas 0 and 1 train `steps` steps (each calling `hook`) while replica 2
+// runs `silent(port, cut, done)`: it joins and falls silent somewhere on
+// the way (`cut` set), and returns once both others are `done`. They must
+// finish within `limit` as the reference of two: replica 2 never committed.
+void outlast_a_silent_member(
+    int steps, std::chrono::seconds limit,
+    const std::function<bool(int, ft::Manager&, torch::nn::Linear&)>& hook,
+    const std::function<void(int, std::atomic<bool>&, std::atomic<int>&, Record&)>& silent) {
   Data d;
   auto server = support::store_server();
   Record rec;
@@ -408,92 +413,88 @@ TEST_CASE("ft: a member lost between its quorum's decision and the group's meeti
   on_ranks(3, [&](int id) {
     if (id < 2) {
       const auto t0 = std::chrono::steady_clock::now();
-      train(id, 3, server->getPort(), 6, d, rec);
+      train(id, 3, server->getPort(), steps, d, rec, hook);
       took[static_cast<size_t>(id)] = std::chrono::steady_clock::now() - t0;
       ++done;
       return;
     }
-    // Replica 2 joins the first quorum, then goes silent as its group is
-    // made: its heartbeat's client is cut off, and the group's never comes.
-    auto model = make_model(1);
-    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-    auto o = options(2, 3, server->getPort());
-    int calls = 0;
-    const int port = server->getPort();
-    o.connect = [&, port]() -> c10::intrusive_ptr<c10d::Store> {
-      ++calls;
-      if (calls == 2) {  // the heartbeat thread's
-        return c10::make_intrusive<CutStore>(support::store_client(port), cut);
-      }
-      if (calls >= 3) {  // the quorum's group's: lost here
-        cut = true;
-        while (done < 2) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-        throw std::runtime_error("released");
-      }
-      return support::store_client(port);
-    };
-    ft::Manager manager(o, ft::module_state(*model, opt));
-    CHECK_THROWS(manager.start_step());
+    silent(server->getPort(), cut, done, rec);
   });
-  // Without the group's watch they would have waited collective_timeout (20 s).
-  CHECK(took[0] < std::chrono::seconds(10));
-  CHECK(took[1] < std::chrono::seconds(10));
+  CHECK(took[0] < limit);
+  CHECK(took[1] < limit);
   const auto& p = rec.participants[0];
-  REQUIRE(p.size() == 6);
+  REQUIRE(p.size() == static_cast<size_t>(steps));
   CHECK(std::all_of(p.begin(), p.end(), [](int k) { return k == 2; }));
   expect_reference(d, rec, 0);
 }
 
+// Waits for both others to be done, then gives up as `what`.
+template <typename Error>
+[[noreturn]] void release_when(const std::atomic<int>& done, const char* what) {
+  while (done < 2) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  throw Error(what);
+}
+
+}  // namespace
+
+TEST_CASE("ft: a member lost between its quorum's decision and the group's meeting holds nobody") {
+  // Without the group's watch they would have waited collective_timeout (20 s).
+  outlast_a_silent_member(
+      6, std::chrono::seconds(10), {},
+      [](int port, std::atomic<bool>& cut, std::atomic<int>& done, Record&) {
+        // Replica 2 joins the first quorum, then goes silent as its group is
+        // made: its heartbeat's client is cut off, and the group's never comes.
+        auto model = make_model(1);
+        torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+        auto o = options(2, 3, port);
+        int calls = 0;
+        o.connect = [&, port]() -> c10::intrusive_ptr<c10d::Store> {
+          ++calls;
+          if (calls == 2) {  // the heartbeat thread's
+            return c10::make_intrusive<CutStore>(support::store_client(port), cut);
+          }
+          if (calls >= 3) {  // the quorum's group's: lost here
+            cut = true;
+            release_when<std::runtime_error>(done, "released");
+          }
+          return support::store_client(port);
+        };
+        ft::Manager manager(o, ft::module_state(*model, opt));
+        CHECK_THROWS(manager.start_step());
+      });
+}
+
 TEST_CASE("ft: a newcomer that falls silent as it is healed holds its source only until it is found gone") {
-  Data d;
-  auto server = support::store_server();
-  Record rec;
-  std::atomic<bool> cut{false};
-  std::atomic<int> done{0};
-  std::vector<std::chrono::steady_clock::duration> took(2);
-  on_ranks(3, [&](int id) {
-    if (id < 2) {
-      const auto t0 = std::chrono::steady_clock::now();
-      train(id, 3, server->getPort(), 30, d, rec,
-            [&](int, ft::Manager&, torch::nn::Linear&) {
-              std::this_thread::sleep_for(std::chrono::milliseconds(40));
-              return true;
-            });
-      took[static_cast<size_t>(id)] = std::chrono::steady_clock::now() - t0;
-      ++done;
-      return;
-    }
-    // Replica 2 comes once the others train, and stops (its heartbeat
-    // silent) in its quorum's set-up, before it receives anything: its
-    // source's first send waits for a receiver that does not come.
-    REQUIRE(eventually([&] { return !rec.participants[0].empty(); }, std::chrono::seconds(20)));
-    auto model = make_model(5);
-    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-    auto o = options(2, 3, server->getPort());
-    int calls = 0;
-    const int port = server->getPort();
-    o.connect = [&, port]() -> c10::intrusive_ptr<c10d::Store> {
-      if (++calls == 2) {  // the heartbeat thread's
-        return c10::make_intrusive<CutStore>(support::store_client(port), cut);
-      }
-      return support::store_client(port);
-    };
-    o.on_quorum = [&](ft::Manager&) {
-      cut = true;
-      while (done < 2) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      throw std::logic_error("released");
-    };
-    ft::Manager manager(o, ft::module_state(*model, opt));
-    CHECK_THROWS_WITH(manager.start_step(), "released");
-  });
   // Without the watch on the heal's transfers, replica 0 (the source) would
   // have waited collective_timeout (20 s) in its send.
-  CHECK(took[0] < std::chrono::seconds(12));
-  CHECK(took[1] < std::chrono::seconds(12));
-  const auto& p = rec.participants[0];
-  REQUIRE(p.size() == 30);
-  CHECK(std::all_of(p.begin(), p.end(), [](int k) { return k == 2; }));
-  expect_reference(d, rec, 0);
+  outlast_a_silent_member(
+      30, std::chrono::seconds(12),
+      [](int, ft::Manager&, torch::nn::Linear&) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(40));
+        return true;
+      },
+      [](int port, std::atomic<bool>& cut, std::atomic<int>& done, Record& rec) {
+        // Replica 2 comes once the others train, and stops (its heartbeat
+        // silent) in its quorum's set-up, before it receives anything: its
+        // source's first send waits for a receiver that does not come.
+        REQUIRE(eventually([&] { return !rec.participants[0].empty(); }, std::chrono::seconds(20)));
+        auto model = make_model(5);
+        torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+        auto o = options(2, 3, port);
+        int calls = 0;
+        o.connect = [&, port]() -> c10::intrusive_ptr<c10d::Store> {
+          if (++calls == 2) {  // the heartbeat thread's
+            return c10::make_intrusive<CutStore>(support::store_client(port), cut);
+          }
+          return support::store_client(port);
+        };
+        o.on_quorum = [&](ft::Manager&) {
+          cut = true;
+          release_when<std::logic_error>(done, "released");
+        };
+        ft::Manager manager(o, ft::module_state(*model, opt));
+        CHECK_THROWS_WITH(manager.start_step(), "released");
+      });
 }
 
 TEST_CASE("ft: a replica that comes after the job's replicas finished is told so") {
