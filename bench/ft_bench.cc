@@ -6,8 +6,10 @@
 // hsdp, runs the four processes as two HSDP replicas of two (ft_mlp
 // --replica-size 2) and kills rank 3 (replica 1's second): its replica sits
 // out until the replacement is healed, and the survivors are replica 0's.
+// A fourth, pp_dp, is the same with each replica a pipeline row (ft_mlp
+// --pipeline: a stage a rank, a Pipe over the row's own RPC agent).
 // Prints a JSON line a mode:
-//   {"bench":"ft","impl":"tandem","mode":"per_step|hsdp|restart","replicas":4,"step_ms":..,
+//   {"bench":"ft","impl":"tandem","mode":"per_step|hsdp|pp_dp|restart","replicas":4,"step_ms":..,
 //    "survivor_pause_ms":..,"steps_lost":..,"heal_ms":..,"heal_bytes":..,
 //    "state_bytes":..,"rejoin_s":..,"final_loss":..,"reference_loss":..}
 // step_ms: the median time between committed steps before the kill;
@@ -76,8 +78,7 @@ struct Run {
   int status = -1;
 };
 
-Run run_job(std::string args, bool per_step, bool hsdp, int kill_after, const std::string& tag) {
-  if (hsdp) args += " --replica-size 2";
+Run run_job(const std::string& args, bool per_step, int kill_after, const std::string& tag) {
   const std::string dir = tandem::bench::self_dir();
   const std::string cmd = "FT_BENCH_TAG=" + tag + " " + dir + "/tandem-run " +
                           (per_step ? "--replace-failed 1" : "--max-restarts 1") +
@@ -160,11 +161,13 @@ int main(int argc, char** argv) {
     rows << "mode,t_s,step\n";
   }
   int rc = 0;
-  for (const std::string mode : {"per_step", "hsdp", "restart"}) {
-    const bool per_step = mode != "restart", hsdp = mode == "hsdp";
+  for (const std::string mode : {"per_step", "hsdp", "pp_dp", "restart"}) {
+    // hsdp and pp_dp: two replicas of two processes
+    const bool per_step = mode != "restart", pairs = mode == "hsdp" || mode == "pp_dp";
     const std::string args =
-        common + (per_step ? "" : " --checkpoint " + scratch + "/ckpt --checkpoint-every 10");
-    Run r = run_job(args, per_step, hsdp, kill_after, mode + std::to_string(::getpid()));
+        common + (per_step ? "" : " --checkpoint " + scratch + "/ckpt --checkpoint-every 10") +
+        (pairs ? " --replica-size 2" : "") + (mode == "pp_dp" ? " --pipeline" : "");
+    Run r = run_job(args, per_step, kill_after, mode + std::to_string(::getpid()));
     if (r.status != 0 || !r.final_loss || r.kill_t == 0) {
       std::fprintf(stderr, "ft_bench: the %s run failed (status %d%s)\n", mode.c_str(), r.status,
                    r.kill_t == 0 ? ", replica 3 was never killed" : "");
@@ -181,8 +184,8 @@ int main(int argc, char** argv) {
         const double gap = static_cast<double>(list[i].t - list[i - 1].t);
         if (list[i].t <= r.kill_t) {
           if (i > 5) before.push_back(gap);  // (past the first steps' warm-up)
-        } else if (!per_step || (rank != 3 && !(hsdp && rank == 2))) {
-          // a survivor's (restart: every worker's; hsdp: replica 0's)
+        } else if (!per_step || (rank != 3 && !(pairs && rank == 2))) {
+          // a survivor's (restart: every worker's; pairs: replica 0's)
           pause = std::max(pause, gap);
         }
       }
@@ -192,8 +195,8 @@ int main(int argc, char** argv) {
     for (const Step& s : r.steps) ks[s.step] = s.k;
     std::string list;
     for (const auto& [s, k] : ks) list += (list.empty() ? "" : ",") + std::to_string(k);
-    // (the reference is the same for hsdp: each replica's batch is split
-    // over its ranks, and its mean is the batch's)
+    // (the reference is the same for hsdp, each replica's batch split over
+    // its ranks, and for pp_dp, in micro-batches: their mean is the batch's)
     const std::string ref_cmd =
         tandem::bench::self_dir() + "/ft_mlp " + common + " --reference " + list;
     std::optional<double> reference;
@@ -223,11 +226,11 @@ int main(int argc, char** argv) {
         "{\"bench\":\"ft\",\"impl\":\"tandem\",\"mode\":\"%s\",\"replicas\":%d,\"step_ms\":%.2f,"
         "\"survivor_pause_ms\":%.1f,\"steps_lost\":%lld,\"heal_ms\":%.1f,\"heal_bytes\":%lld,"
         "\"state_bytes\":%lld,\"rejoin_s\":%.2f,\"final_loss\":%.9g,\"reference_loss\":%.9g}\n",
-        mode.c_str(), hsdp ? 2 : 4, median(before), pause, static_cast<long long>(lost), r.heal_ms,
+        mode.c_str(), pairs ? 2 : 4, median(before), pause, static_cast<long long>(lost), r.heal_ms,
         static_cast<long long>(r.heal_bytes), static_cast<long long>(r.state_bytes), rejoin_s,
         *r.final_loss, reference.value_or(-1));
     std::fflush(stdout);
-    if (rows.is_open() && !hsdp) {
+    if (rows.is_open() && !pairs) {
       for (const Step& s : r.steps) {
         if (s.rank != 0) continue;
         rows << mode << "," << static_cast<double>(s.t - r.kill_t) / 1000.0 << "," << s.step

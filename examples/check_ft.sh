@@ -370,48 +370,60 @@ else
   echo "skipped: h. network namespaces need root and iproute2's ip"
 fi
 
-# i. HSDP 2 x 2: replicas of two processes, each sharding the model between
-# them (FSDP over the replica's group); one rank killed at a random step.
-# Its replica sits out (the other trains alone) until the replacement is
-# back; then the replacement, and its partner (alive, but behind), are
-# healed from the other replica's same ranks.
-iargs=(--replica-size 2 --steps 150 --step-ms 15 --width 128)
-victim=$((RANDOM % 4)) at=$((20 + RANDOM % 40))
-start i.log 4 --replace-failed 3 -- "${iargs[@]}"
-after i.log "$at"
-kill -KILL "$(ft_pid "$tag" "$victim")"
-verdict "i. HSDP 2 x 2: rank $victim killed after step $at" i.log 4 "${iargs[@]}" && {
-  grep -q " k 1 " i.log || fail "i. the other replica did not train alone"
-  for r in "$victim" $((victim ^ 1)); do
-    grep -q "^\[$r\]: healed bytes" <(grep -A1000 "starting it again" i.log) ||
-      fail "i. rank $r (the killed rank's replica) was not healed"
-  done
+# Two replicas of two processes each (ranks 0-1 and 2-3).
+# kill_one_rank LOG WHAT ARGS...: a random rank killed at a random step. Its
+# replica sits out (the other trains alone) until the replacement is back;
+# then the replacement, and its partner (alive, but behind), are healed from
+# the other replica's same ranks.
+kill_one_rank() {
+  local log=$1 what=$2 victim=$((RANDOM % 4)) at=$((20 + RANDOM % 40))
+  shift 2
+  start "$log" 4 --replace-failed 3 -- "$@"
+  after "$log" "$at"
+  kill -KILL "$(ft_pid "$tag" "$victim")"
+  verdict "$what: rank $victim killed after step $at" "$log" 4 "$@" && {
+    grep -q " k 1 " "$log" || fail "$what: the other replica did not train alone"
+    for r in "$victim" $((victim ^ 1)); do
+      grep -q "^\[$r\]: healed bytes" <(grep -A1000 "starting it again" "$log") ||
+        fail "$what: rank $r (the killed rank's replica) was not healed"
+    done
+  }
 }
 
-# The same under a failure every 2 to 3 s, a random rank each time, until
-# the job ends (about 30 s). Each kill waits for the last one's replica to
-# be back (a step of one replica, then one of both, since the kill): a
-# shard's holders all killed at once is f's case, not this one.
-i2args=(--replica-size 2 --steps 700 --step-ms 20 --width 128)
-start i2.log 4 --replace-failed 40 -- "${i2args[@]}"
-after i2.log 5
-kills=0 mark=1
-while kill -0 "$job" 2>/dev/null; do
-  sleep "$(awk -v m=$((2000 + RANDOM % 1000)) 'BEGIN { print m / 1000 }')"
-  for ((n = 0; kills > 0 && n < 1500; ++n)); do
-    tail -n +"$mark" i2.log | awk '/ k 1 / { one = 1 } one && / k 2 / { found = 1; exit } END { exit !found }' && break
-    grep -q "final step" i2.log && break
-    sleep 0.02
+# kill_ranks_repeatedly LOG WHAT ARGS...: a failure every 2 to 3 s, a random
+# rank each time, until the job ends (about 30 s). Each kill waits for the
+# last one's replica to be back (a step of one replica, then one of both,
+# since the kill): a stage's holders all killed at once is f's case, not
+# this one.
+kill_ranks_repeatedly() {
+  local log=$1 what=$2 kills=0 mark=1 n pid
+  shift 2
+  start "$log" 4 --replace-failed 40 -- "$@"
+  after "$log" 5
+  while kill -0 "$job" 2>/dev/null; do
+    sleep "$(awk -v m=$((2000 + RANDOM % 1000)) 'BEGIN { print m / 1000 }')"
+    for ((n = 0; kills > 0 && n < 1500; ++n)); do
+      tail -n +"$mark" "$log" |
+        awk '/ k 1 / { one = 1 } one && / k 2 / { found = 1; exit } END { exit !found }' && break
+      grep -q "final step" "$log" && break
+      sleep 0.02
+    done
+    grep -q "final step" "$log" && break
+    mark=$(($(wc -l <"$log") + 1))
+    pid=$(ft_pid "$tag" $((RANDOM % 4)))
+    [[ -n $pid ]] && kill -KILL "$pid" 2>/dev/null && kills=$((kills + 1))
   done
-  grep -q "final step" i2.log && break
-  mark=$(($(wc -l <i2.log) + 1))
-  pid=$(ft_pid "$tag" $((RANDOM % 4)))
-  [[ -n $pid ]] && kill -KILL "$pid" 2>/dev/null && kills=$((kills + 1))
-done
-wait "$job"
-job_rc=$? job=""
-verdict "i. HSDP 2 x 2: $kills ranks killed, one every 2 to 3 s" i2.log 4 "${i2args[@]}"
-((kills >= 5)) || fail "i. only $kills kills: the job ended too soon to test repeated failures"
+  wait "$job"
+  job_rc=$? job=""
+  verdict "$what: $kills ranks killed, one every 2 to 3 s" "$log" 4 "$@"
+  ((kills >= 5)) || fail "$what: only $kills kills: the job ended too soon to test repeated failures"
+}
+
+# i. HSDP 2 x 2: replicas of two processes, each sharding the model between
+# them (FSDP over the replica's group); one rank killed at a random step,
+# then one every 2 to 3 s.
+kill_one_rank i.log "i. HSDP 2 x 2" --replica-size 2 --steps 150 --step-ms 15 --width 128
+kill_ranks_repeatedly i2.log "i. HSDP 2 x 2" --replica-size 2 --steps 700 --step-ms 20 --width 128
 
 # Both holders of shard 0 (rank 0 of each replica) killed at once: that
 # shard of the newest step is nowhere; the job ends at once (exit 78),
@@ -449,5 +461,14 @@ verdict "j. DDP: replica $victim killed after step $at" j.log 3 "${jargs[@]}" &&
   grep -q "^\[$victim\]: healed bytes" <(grep -A1000 "starting it again" j.log) ||
     fail "j. the replacement of replica $victim was not healed"
 }
+
+# k. pp x dp 2 x 2: a replica is a pipeline row (--pipeline: rank 0 of a row
+# holds the MLP's first layers and drives a Pipe, rank 1 its last layer, over
+# the row's own RPC agent, made anew with each quorum); one rank killed at a
+# random step, then one every 2 to 3 s.
+kill_one_rank k.log "k. pp x dp 2 x 2" --pipeline --replica-size 2 --steps 150 --step-ms 15 \
+  --width 128
+kill_ranks_repeatedly k2.log "k. pp x dp 2 x 2" --pipeline --replica-size 2 --steps 700 \
+  --step-ms 20 --width 128
 
 finish check_ft

@@ -41,6 +41,16 @@
 // Kill any rank and its replica sits out until the launcher's replacement
 // is healed, shard by shard, from another replica's same rank.
 //
+// With --pipeline (and --replica-size 2) a replica is a pipeline row: rank
+// 0 of the row holds the MLP's first layers and drives, rank 1 its last
+// layer, and each step runs through tandem::pipeline::Pipe in 4
+// micro-batches, over an RPC agent of the row's own made anew with each
+// quorum (Manager::replica_store). Each rank's gradients are taken out of
+// the step's distributed autograd context and averaged, stage by stage,
+// over the quorum's rows; each rank steps its own Adam. Kill either rank
+// and its row sits out until the replacement is healed from another row's
+// same stage.
+//
 // --restart runs the same job the old way, for comparison (ft_bench): a
 // plain process group, a checkpoint every --checkpoint-every steps by rank
 // 0, and under tandem-run --max-restarts a failure restarts every worker
@@ -75,6 +85,11 @@
 #include "tandem/ddp/process_group.h"
 #include "tandem/ft/manager.h"
 #include "tandem/optim/param_state.h"
+#include "tandem/autograd/autograd.h"
+#include "tandem/pipeline/pipe.h"
+#include "tandem/remote_module/remote_module.h"
+#include "tandem/remote_module/served.h"
+#include "tandem/rpc/agent.h"
 
 namespace {
 
@@ -98,6 +113,7 @@ struct Config {
   std::string checkpoint = "ft_mlp.ckpt";
   bool restart = false;
   bool ddp = false;
+  bool pipeline = false;
 };
 
 constexpr int64_t kIn = 32, kOut = 8;
@@ -123,6 +139,16 @@ int64_t process_age_ms() {
     }
   }
   return 0;
+}
+
+// The first line: how long ago the process began, and which replacement of
+// its rank it is (tandem-run --replace-failed; 0 for the first).
+void print_started() {
+  const char* replaced = std::getenv("TANDEM_REPLACEMENT_COUNT");
+  std::printf("started age_ms %lld t %lld replacement %s\n",
+              static_cast<long long>(process_age_ms()), static_cast<long long>(wall_ms()),
+              replaced ? replaced : "0");
+  std::fflush(stdout);
 }
 
 struct Data {
@@ -189,6 +215,22 @@ void load_state(const tandem::checkpoint::Reader& r, const std::vector<at::Tenso
   }
 }
 
+// After a restart of the whole job (--max-restarts): the newest checkpoint's
+// state, and the step and sample stream the Manager resumes from.
+// `replica_size` > 0: an HSDP checkpoint, which must have the same layout.
+void resume(const Config& c, ft::Manager& manager, const std::vector<at::Tensor>& params,
+            torch::optim::Adam& opt, const std::string& prefix = "", int replica_size = 0) {
+  if (c.checkpoint_every <= 0) return;
+  auto found = tandem::checkpoint::latest(c.checkpoint);
+  if (!found) return;
+  tandem::checkpoint::Reader r(found->path);
+  if (replica_size > 0) r.expect_meta("replica_size", std::to_string(replica_size));
+  load_state(r, params, opt, prefix);
+  manager.restore(found->step, std::stoll(r.bytes("samples_done")));
+  std::printf("resumed %lld t %lld\n", static_cast<long long>(found->step),
+              static_cast<long long>(wall_ms()));
+}
+
 int run_reference(const Config& c) {
   std::vector<int> ks;
   std::stringstream in(c.reference);
@@ -248,11 +290,7 @@ bool begin_step(ft::Manager& manager, int64_t& heals) {
 }
 
 int run_ft(const Config& c) {
-  const char* replaced = std::getenv("TANDEM_REPLACEMENT_COUNT");
-  std::printf("started age_ms %lld t %lld replacement %s\n",
-              static_cast<long long>(process_age_ms()), static_cast<long long>(wall_ms()),
-              replaced ? replaced : "0");
-  std::fflush(stdout);
+  print_started();
   const Data d = make_data(c);
   auto model = make_model(c);
   torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(c.lr));
@@ -270,16 +308,7 @@ int run_ft(const Config& c) {
     };
   }
   ft::Manager manager(o, ft::module_state(*model, opt));
-  // After a restart of the whole job (--max-restarts): the newest checkpoint.
-  if (c.checkpoint_every > 0) {
-    if (auto found = tandem::checkpoint::latest(c.checkpoint)) {
-      tandem::checkpoint::Reader r(found->path);
-      load_state(r, model->parameters(), opt);
-      manager.restore(found->step, std::stoll(r.bytes("samples_done")));
-      std::printf("resumed %lld t %lld\n", static_cast<long long>(found->step),
-                  static_cast<long long>(wall_ms()));
-    }
-  }
+  resume(c, manager, model->parameters(), opt);
   int64_t heals = 0;
   while (manager.step() < c.steps) {
     if (!begin_step(manager, heals)) return 0;
@@ -330,12 +359,34 @@ int run_ft(const Config& c) {
 // HSDP under the Manager: each replica's S processes shard the model (FSDP
 // over the replica's group, set again with each quorum), and each shard's
 // gradient is averaged over the quorum's replicas.
-int run_sharded(const Config& c) {
-  const char* replaced = std::getenv("TANDEM_REPLACEMENT_COUNT");
-  std::printf("started age_ms %lld t %lld replacement %s\n",
-              static_cast<long long>(process_age_ms()), static_cast<long long>(wall_ms()),
-              replaced ? replaced : "0");
+// The end of a rank's step with a shard or stage of its own: `params`'
+// gradients (zeros where none came) averaged over the quorum, the vote,
+// and on commit `opt`'s update; prints the step's line. True: committed.
+bool average_and_vote(const Config& c, ft::Manager& manager, const std::vector<at::Tensor>& params,
+                      torch::optim::Adam& opt, double loss) {
+  if (c.step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(c.step_ms));
+  std::vector<at::Tensor> grads;
+  for (const auto& p : params) {
+    if (!p.grad().defined()) const_cast<at::Tensor&>(p).mutable_grad() = at::zeros_like(p);
+    grads.push_back(p.grad());
+  }
+  manager.allreduce_grads(grads);
+  const int k = manager.participants();
+  const bool commit = manager.should_commit();
+  if (commit) {
+    opt.step();
+    std::printf("step %lld k %d loss %.6f t %lld\n", static_cast<long long>(manager.step()), k,
+                loss, static_cast<long long>(wall_ms()));
+  } else {
+    std::printf("failed step %lld t %lld: %s\n", static_cast<long long>(manager.step() + 1),
+                static_cast<long long>(wall_ms()), manager.last_error().c_str());
+  }
   std::fflush(stdout);
+  return commit;
+}
+
+int run_sharded(const Config& c) {
+  print_started();
   const int size = static_cast<int>(c.replica_size);
   if (c.batch % size != 0) {
     throw std::invalid_argument("--batch " + std::to_string(c.batch) +
@@ -361,16 +412,7 @@ int run_sharded(const Config& c) {
   // After a restart of the whole job: each rank's shards from the newest
   // checkpoint (the quorum's first replica writes one, its ranks together).
   const std::string names = "rank" + std::to_string(rank) + "/";
-  if (c.checkpoint_every > 0) {
-    if (auto found = tandem::checkpoint::latest(c.checkpoint)) {
-      tandem::checkpoint::Reader r(found->path);
-      r.expect_meta("replica_size", std::to_string(size));
-      load_state(r, fsdp.parameters(), opt, names);
-      manager.restore(found->step, std::stoll(r.bytes("samples_done")));
-      std::printf("resumed %lld t %lld\n", static_cast<long long>(found->step),
-                  static_cast<long long>(wall_ms()));
-    }
-  }
+  resume(c, manager, fsdp.parameters(), opt, names, size);
   int64_t heals = 0;
   while (manager.step() < c.steps) {
     if (!begin_step(manager, heals)) return 0;
@@ -391,18 +433,7 @@ int run_sharded(const Config& c) {
       // step fails everywhere, and this one still takes part in the vote.
       manager.report_error(e.what());
     }
-    if (c.step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(c.step_ms));
-    std::vector<at::Tensor> grads;
-    for (auto& s : fsdp.parameters()) {
-      if (!s.grad().defined()) s.mutable_grad() = at::zeros_like(s);
-      grads.push_back(s.grad());
-    }
-    manager.allreduce_grads(grads);
-    const int k = manager.participants();
-    if (manager.should_commit()) {
-      opt.step();
-      std::printf("step %lld k %d loss %.6f t %lld\n", static_cast<long long>(manager.step()), k,
-                  loss_value, static_cast<long long>(wall_ms()));
+    if (average_and_vote(c, manager, fsdp.parameters(), opt, loss_value)) {
       if (c.checkpoint_every > 0 && manager.step() % c.checkpoint_every == 0 &&
           manager.participant_rank() == 0) {
         tandem::checkpoint::Part part = state_part(fsdp.parameters(), opt, names);
@@ -415,13 +446,10 @@ int run_sharded(const Config& c) {
         } catch (const std::exception& e) {
           std::printf("checkpoint of step %lld not written: %s\n",
                       static_cast<long long>(manager.step()), e.what());
+          std::fflush(stdout);
         }
       }
-    } else {
-      std::printf("failed step %lld t %lld: %s\n", static_cast<long long>(manager.step() + 1),
-                  static_cast<long long>(wall_ms()), manager.last_error().c_str());
     }
-    std::fflush(stdout);
   }
   // The whole model on every rank of the replica, for the final line.
   std::vector<std::pair<std::string, at::Tensor>> whole;
@@ -439,11 +467,148 @@ int run_sharded(const Config& c) {
   return 0;
 }
 
+// --pipeline: a replica is a row of two processes, each holding a stage of
+// the MLP (ranks 0: its first four modules; 1: its last), trained through a
+// Pipe over the row's own RPC agent, made anew with each quorum.
+struct Row {
+  std::shared_ptr<tandem::rpc::Agent> agent;
+  std::vector<tandem::nn::RemoteModule> stages;  // the driver's (rank 0)
+  std::unique_ptr<tandem::pipeline::Pipe> pipe;
+
+  // Graceful: both ranks meet to close (the job's end). Otherwise at once:
+  // a new quorum, whose row may have lost a process.
+  void close(bool graceful) {
+    pipe.reset();
+    stages.clear();
+    if (!agent) return;
+    try {
+      agent->shutdown(graceful);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "ft_mlp: the row's agent: %s\n", e.what());
+    }
+    agent.reset();
+  }
+};
+
+// Stage `stage`'s gradients in the step's context, onto its parameters' .grad.
+void take_grads(tandem::rpc::Agent& agent, uint64_t context, nn::Sequential& stage) {
+  const auto grads = tandem::autograd::get_gradients(agent, context);
+  for (auto& p : stage->parameters()) {
+    p.mutable_grad() = grads.contains(p) ? grads.at(p).clone() : at::zeros_like(p);
+  }
+}
+
+int run_pipeline(const Config& c) {
+  namespace rpc = tandem::rpc;
+  print_started();
+  const Data d = make_data(c);
+  auto o = manager_options(c);
+  o.replica_size = 2;
+  const char* rank_env = std::getenv("RANK");
+  const int rank = (rank_env ? std::atoi(rank_env) : 0) % 2;
+  // Every rank builds the whole model (the reference's initial values) and
+  // keeps its stage of it.
+  auto full = make_model(c);
+  nn::Sequential stage =
+      rank == 0 ? nn::Sequential(nn::Linear(full->ptr<nn::LinearImpl>(0)),
+                                 nn::ReLU(full->ptr<nn::ReLUImpl>(1)),
+                                 nn::Linear(full->ptr<nn::LinearImpl>(2)),
+                                 nn::ReLU(full->ptr<nn::ReLUImpl>(3)))
+                : nn::Sequential(nn::Linear(full->ptr<nn::LinearImpl>(4)));
+  torch::optim::Adam opt(stage->parameters(), torch::optim::AdamOptions(c.lr));
+  // What the row's RemoteModules serve: this process's stage itself.
+  auto served = tandem::nn::serve_module(
+      stage.ptr(), "ft_mlp stage " + std::to_string(rank),
+      [stage](std::vector<c10::IValue>& args) mutable -> c10::IValue {
+        return stage->forward(args.at(0).toTensor());
+      });
+  tandem::nn::register_factory("ft_mlp.stage", [served](std::vector<c10::IValue>&) { return served; });
+  auto registry = std::make_shared<rpc::Registry>();
+  registry->def("ft_mlp.take_grads", [&stage](int64_t context) {
+    take_grads(*rpc::handler_agent(), static_cast<uint64_t>(context), stage);
+    return true;
+  });
+  rpc::AgentOptions ao;
+  ao.name = "stage" + std::to_string(rank);
+  ao.rank = rank;
+  ao.world_size = 2;
+  ao.init_timeout = o.collective_timeout;
+  ao.rpc_timeout = o.collective_timeout;
+  ao.peer_timeout = std::chrono::seconds(2);
+  tandem::pipeline::PipeOptions po;
+  po.chunks = 4;
+  po.loss = "mse";
+  po.timeout = o.collective_timeout;
+  Row row;
+  o.on_quorum = [&](ft::Manager& m) {
+    row.close(false);
+    row.agent = rpc::Agent::create(ao, registry, m.replica_store("rpc"));
+    if (rank != 0) return;
+    for (int s = 0; s < 2; ++s) {
+      row.stages.emplace_back(*row.agent, "stage" + std::to_string(s) + "/cpu", "ft_mlp.stage");
+    }
+    row.pipe = std::make_unique<tandem::pipeline::Pipe>(*row.agent, row.stages, po);
+  };
+  ft::Manager manager(o, ft::module_state(*stage, opt));
+  int64_t heals = 0;
+  while (manager.step() < c.steps) {
+    if (!begin_step(manager, heals)) {
+      row.close(false);
+      return 0;
+    }
+    for (auto& p : stage->parameters()) p.mutable_grad() = at::Tensor();
+    // Both ranks are through the last step's update (and any heal) before
+    // the driver's micro-batches reach a stage: a forward that ran first
+    // would save the old parameters for its backward.
+    bool ready = true;
+    try {
+      at::Tensor one = at::ones({1});
+      manager.replica_group()->all_reduce(one);
+    } catch (const std::exception& e) {
+      ready = false;
+      manager.report_error(e.what());
+    }
+    // The driver runs the step; its "done" (or failed) and the loss reach
+    // the other rank over the row's group.
+    at::Tensor told = at::zeros({2}, at::kDouble);
+    if (rank == 0 && ready) {
+      try {
+        const at::Tensor idx = at::tensor(manager.batch_indices(), at::kLong);
+        tandem::autograd::Context ctx(*row.agent);
+        const double loss = row.pipe->step(ctx.id(), d.x.index_select(0, idx), d.y.index_select(0, idx));
+        row.agent->rpc_sync("stage1", "ft_mlp.take_grads", static_cast<int64_t>(ctx.id()));
+        take_grads(*row.agent, ctx.id(), stage);
+        told = at::tensor({1.0, loss}, at::kDouble);
+      } catch (const std::exception& e) {
+        manager.report_error(e.what());
+      }
+    }
+    try {
+      manager.replica_group()->broadcast(told, 0);
+      if (rank != 0 && told[0].item<double>() != 1.0) manager.report_error("the row's step failed");
+    } catch (const std::exception& e) {
+      manager.report_error(e.what());
+    }
+    average_and_vote(c, manager, stage->parameters(), opt, told[1].item<double>());
+  }
+  // The whole model on both ranks, for the final line: each parameter from
+  // the rank whose stage holds it.
+  {
+    at::NoGradGuard g;
+    const auto params = full->parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      at::Tensor p = params[i];
+      manager.replica_group()->broadcast(p, i < 4 ? 0 : 1);
+    }
+  }
+  row.close(true);
+  print_final(manager.step(), full, d);
+  return 0;
+}
+
 // The old way: every worker restarts from the newest checkpoint.
 int run_restart(const Config& c) {
-  std::printf("started age_ms %lld t %lld replacement 0\n",
-              static_cast<long long>(process_age_ms()), static_cast<long long>(wall_ms()));
-  std::fflush(stdout);
+  print_started();
   const Data d = make_data(c);
   auto model = make_model(c);
   torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(c.lr));
@@ -510,6 +675,8 @@ int main(int argc, char** argv) {
            "K1,K2,...: the run whose committed steps had these quorums")
       .add_switch("--restart", &c.restart, "no fault tolerance: restart from a checkpoint")
       .add_switch("--ddp", &c.ddp, "average by DistributedDataParallel's buckets in backward")
+      .add_switch("--pipeline", &c.pipeline,
+                  "a replica is a pipeline row of --replica-size 2 processes, a stage each")
       .add("--checkpoint", &c.checkpoint, "--restart's checkpoint folder")
       .add("--checkpoint-every", &c.checkpoint_every, 0,
            "a checkpoint into --checkpoint every N committed steps (0: none; --restart: 10)");
@@ -525,6 +692,14 @@ int main(int argc, char** argv) {
     if (!c.reference.empty()) return run_reference(c);
     if (c.restart && c.checkpoint_every == 0) c.checkpoint_every = 10;
     if (c.restart) return run_restart(c);
+    if (c.pipeline) {
+      if (c.replica_size != 2 || c.ddp || c.checkpoint_every > 0) {
+        std::fprintf(stderr, "ft_mlp: --pipeline needs --replica-size 2 (two stages), and takes "
+                             "neither --ddp nor --checkpoint-every\n");
+        return 2;
+      }
+      return run_pipeline(c);
+    }
     return c.replica_size > 1 ? run_sharded(c) : run_ft(c);
   } catch (const ft::QuorumError& e) {
     std::fprintf(stderr, "ft_mlp: %s\n", e.what());

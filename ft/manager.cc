@@ -36,6 +36,7 @@
 #include "tandem/ft/common.h"
 #include "tandem/ft/etcd_store.h"
 #include "tandem/ft/heartbeat.h"
+#include "tandem/ft/watched_store.h"
 #include "tandem/rpc/rendezvous.h"
 #include "tandem/rpc/rendezvous/store_server.h"
 
@@ -182,7 +183,22 @@ Manager::~Manager() {
   heartbeat_.reset();
 }
 
+c10::intrusive_ptr<c10d::Store> Manager::replica_store(const std::string& name) const {
+  if (!group_ || replica_prefix_.empty()) {
+    throw std::logic_error("ft::Manager::replica_store: outside a quorum (call it in on_quorum)");
+  }
+  if (name.empty() || name.find('/') != std::string::npos) {
+    throw std::invalid_argument("ft::Manager::replica_store: the name must be non-empty, without '/'"
+                                " (got '" + name + "')");
+  }
+  return c10::make_intrusive<WatchedStore>(
+      c10::make_intrusive<c10d::PrefixStore>(replica_prefix_ + "own/" + name + "/",
+                                             options_.connect()),
+      stalled_);
+}
+
 void Manager::drop_group() {
+  replica_prefix_.clear();
   const bool abandon = !reform_ || !error_.empty();
   if (replica_group_ && abandon) replica_group_->abandon();
   replica_group_.reset();

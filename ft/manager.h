@@ -293,6 +293,14 @@ class Manager {
   // start_step(). Its collectives end early when a member of the quorum is
   // gone, as group()'s do.
   std::shared_ptr<ddp::ProcessGroup> replica_group() const { return replica_group_; }
+  // A new client of the store the replicas meet at, its keys this quorum's
+  // and this replica's own, under `name`: for a rendezvous of the
+  // replica's processes made anew with each quorum besides replica_group()
+  // (a pipeline row's RPC agent: rpc::Agent::create(options, registry,
+  // m.replica_store("rpc")) in on_quorum). Its waits end early, as the
+  // groups' collectives do, once a member of the quorum is gone. Throws
+  // std::logic_error outside a quorum.
+  c10::intrusive_ptr<c10d::Store> replica_store(const std::string& name) const;
   int replica_rank() const { return rank_; }
   int replica_size() const { return size_; }
   // The last step's error, empty when it went well.
@@ -336,6 +344,7 @@ class Manager {
   std::function<std::string()> stalled_;
   c10::intrusive_ptr<c10d::Store> replica_group_store_;
   std::shared_ptr<ddp::ProcessGroup> replica_group_;
+  std::string replica_prefix_;  // the quorum's keys of this replica; "" outside one
   std::vector<int> members_;  // replica ids
   std::vector<int> procs_;    // the quorum's processes: each member's, by replica_rank
   int rank_in_quorum_ = -1;

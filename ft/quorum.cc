@@ -427,6 +427,7 @@ bool Manager::join_quorum() {
       ++target;
       continue;
     }
+    replica_prefix_ = q + "replica" + std::to_string(id_) + "/";
     ++metrics_.quorums;
     metrics_.last_quorum_ms = static_cast<double>(ms_since(t0));
     if (log_on()) {
@@ -437,6 +438,7 @@ bool Manager::join_quorum() {
                    static_cast<long long>(step_), ms_since(t0));
     }
     auto leave = [this] {
+      replica_prefix_.clear();
       group_->abandon();
       group_.reset();
       group_store_.reset();

@@ -16,6 +16,7 @@
 #include "ddp/ddp_support.h"
 #include "tandem/ft/heartbeat.h"
 #include "tandem/ft/manager.h"
+#include "tandem/rpc/agent.h"
 #include "test_util.h"
 
 namespace tandem::test {
@@ -682,6 +683,52 @@ TEST_CASE("ft: replicas of two processes: a lost rank takes its replica out; bot
   CHECK(heals[1] == 0);
   CHECK(rec.participants[1].back() == 2);
   expect_reference(d, rec, 0);
+}
+
+TEST_CASE("ft: a replica's processes meet over keys of their own in each quorum: an RPC agent per quorum") {
+  // Two replicas of two processes; each quorum, every process makes an RPC
+  // agent with its partner alone over Manager::replica_store (as a pipeline
+  // row does). Replica 1 leaves after 3 steps: replica 0 forms a quorum
+  // alone, and its processes meet again over fresh keys.
+  auto server = support::store_server();
+  const int port = server->getPort();
+  std::atomic<int> quorums_of_0{0};
+  on_ranks(4, [&](int t) {
+    const int id = t / 2, rank = t % 2;
+    auto model = make_model(1);
+    torch::nn::Module shard;
+    shard.register_parameter("p", rank == 0 ? model->weight : model->bias);
+    torch::optim::SGD opt(shard.parameters(), torch::optim::SGDOptions(0.1));
+    auto o = options(id, 2, port);
+    o.replica_size = 2;
+    o.replica_rank = rank;
+    o.on_quorum = [&, id, rank](ft::Manager& m) {
+      CHECK_THROWS_AS(m.replica_store("a/b"), std::invalid_argument);
+      auto registry = std::make_shared<rpc::Registry>();
+      registry->def("whoami", [id, rank] { return static_cast<int64_t>(id * 10 + rank); });
+      rpc::AgentOptions ao;
+      ao.name = "p" + std::to_string(rank);
+      ao.rank = rank;
+      ao.world_size = 2;
+      ao.init_timeout = std::chrono::seconds(20);
+      auto agent = rpc::Agent::create(ao, registry, m.replica_store("rpc"));
+      // (the partner is this replica's, not the other's, which meets under the same names)
+      CHECK(agent->rpc_sync<int64_t>("p" + std::to_string(1 - rank), "whoami") ==
+            id * 10 + 1 - rank);
+      agent->shutdown(true);
+      if (id == 0 && rank == 0) ++quorums_of_0;
+    };
+    ft::Manager manager(o, ft::module_state(shard, opt));
+    CHECK_THROWS_AS(manager.replica_store("rpc"), std::logic_error);
+    const int64_t steps = id == 0 ? 6 : 3;
+    while (manager.step() < steps) {
+      manager.start_step();
+      for (auto& p : shard.parameters()) p.mutable_grad() = at::ones_like(p);
+      manager.allreduce_grads({shard.parameters()[0].grad()});
+      if (manager.should_commit()) opt.step();
+    }
+  });
+  CHECK(quorums_of_0 >= 2);
 }
 
 TEST_CASE("ft: a replica's process told the job finished does not move the finished mark back") {

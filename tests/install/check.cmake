@@ -22,6 +22,7 @@ run(${work}/build/consumer checkpoint)
 run(${work}/build/consumer tp)
 run(${work}/build/consumer ft)
 run(${work}/build/consumer ft_hsdp)
+run(${work}/build/consumer ft_pipe)
 # The same program traced (TANDEM_TRACE), its file joined by the installed
 # tandem-trace: every layer's events are on the timeline.
 run(${CMAKE_COMMAND} -E env TANDEM_TRACE=${work}/trace ${work}/build/consumer)
