@@ -36,12 +36,18 @@
 #     shard killed at once: the job ends at once naming the lost shard;
 #     the replacements spent: the job restarts from its sharded checkpoint;
 #  j. a replica killed with DistributedDataParallel's buckets averaging in
-#     backward (ft_mlp --ddp) instead of Manager::allreduce_grads.
+#     backward (ft_mlp --ddp) instead of Manager::allreduce_grads;
+#  k. pp x dp 2 x 2 (ft_mlp --pipeline: each replica a pipeline row of two
+#     stages, a Pipe over the row's own RPC agent): a rank killed at a
+#     random step, then a random rank every 2 to 3 s;
+#  l. the same for gpt (gpt --ft), against its own --reference.
 set -uo pipefail
 bin="$(readlink -f "${1:?usage: check_ft.sh BIN_DIR}")"
 here="$(dirname "$(readlink -f "$0")")"
 # shellcheck source=check_lib.sh
 source "$here/check_lib.sh"
+# The program the jobs run (start, ft_pid, verdict): ft_mlp, and gpt in (l).
+prog=ft_mlp
 
 # ft_pid TAG RANK: the live worker of RANK in the job tagged TAG (the newest).
 ft_pid() {
@@ -50,7 +56,7 @@ ft_pid() {
     env=$({ tr '\0' '\n' <"$p/environ"; } 2>/dev/null) || continue
     grep -qx "CHECK_TAG=$1" <<<"$env" || continue
     grep -qx "RANK=$2" <<<"$env" || continue
-    grep -q "ft_mlp" "$p/cmdline" 2>/dev/null || continue
+    grep -q "$prog" "$p/cmdline" 2>/dev/null || continue
     state=$(awk '{print $3}' "$p/stat" 2>/dev/null)
     [[ $state == Z || -z $state ]] && continue
     best=${p#/proc/}
@@ -67,7 +73,7 @@ start() {
   shift
   tag="ft-$$-$RANDOM"
   CHECK_TAG="$tag" timeout 170 "$run" "${flags[@]}" --nproc-per-node "$nproc" \
-    "$bin/ft_mlp" "$@" >"$log" 2>&1 &
+    "$bin/$prog" "$@" >"$log" 2>&1 &
   job=$!
 }
 
@@ -99,7 +105,7 @@ verdict() {
     grep -v "step [0-9]* k" "$log" | tail -25 | sed 's/^/    | /'
     return 1
   fi
-  ref=$("$bin/ft_mlp" "$@" --reference "$ks")
+  ref=$("$bin/$prog" "$@" --reference "$ks")
   if ! awk -v a="$(head -1 <<<"$finals")" -v b="$ref" 'BEGIN {
       n = split(a, x, " "); split(b, y, " ");
       if (x[3] != y[3]) exit 1;
@@ -470,5 +476,15 @@ kill_one_rank k.log "k. pp x dp 2 x 2" --pipeline --replica-size 2 --steps 150 -
   --width 128
 kill_ranks_repeatedly k2.log "k. pp x dp 2 x 2" --pipeline --replica-size 2 --steps 700 \
   --step-ms 20 --width 128
+
+# l. gpt --ft: the demo's model as pp x dp 2 x 2 under the Manager (each
+# row a replica; float64, so that gpt --reference ends on the same
+# parameters to 1e-5).
+prog=gpt
+gpt_args=(--ft --pp 2 --dp 2 --layers 2 --dim 32 --heads 2 --context 32 --batch 8 --chunks 2
+  --warmup 5)
+kill_one_rank l.log "l. gpt pp x dp 2 x 2" "${gpt_args[@]}" --steps 200
+kill_ranks_repeatedly l2.log "l. gpt pp x dp 2 x 2" "${gpt_args[@]}" --steps 900
+prog=ft_mlp
 
 finish check_ft

@@ -79,23 +79,25 @@
 #include <vector>
 
 #include "examples/flags.h"
+#include "examples/ft_lines.h"
+#include "examples/pipeline_row.h"
 #include "tandem/checkpoint/checkpoint.h"
 #include "tandem/ddp/distributed_data_parallel.h"
 #include "tandem/ddp/fully_sharded.h"
 #include "tandem/ddp/process_group.h"
 #include "tandem/ft/manager.h"
 #include "tandem/optim/param_state.h"
-#include "tandem/autograd/autograd.h"
-#include "tandem/pipeline/pipe.h"
-#include "tandem/remote_module/remote_module.h"
 #include "tandem/remote_module/served.h"
-#include "tandem/rpc/agent.h"
 
 namespace {
 
 namespace ft = tandem::ft;
 namespace ddp = tandem::ddp;
 namespace nn = torch::nn;
+using examples::begin_step;
+using examples::print_started;
+using examples::print_step;
+using examples::wall_ms;
 
 struct Config {
   int64_t steps = 100;
@@ -117,39 +119,6 @@ struct Config {
 };
 
 constexpr int64_t kIn = 32, kOut = 8;
-
-int64_t wall_ms() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
-// How long ago this process began (its start time in /proc against the uptime).
-int64_t process_age_ms() {
-  std::ifstream stat("/proc/self/stat"), uptime("/proc/uptime");
-  std::string line;
-  double up = 0;
-  if (!std::getline(stat, line) || !(uptime >> up)) return 0;
-  std::istringstream rest(line.substr(line.rfind(')') + 2));
-  std::string field;
-  for (int f = 3; f <= 22 && rest >> field; ++f) {
-    if (f == 22) {
-      const double started = std::stod(field) / static_cast<double>(::sysconf(_SC_CLK_TCK));
-      return static_cast<int64_t>((up - started) * 1000);
-    }
-  }
-  return 0;
-}
-
-// The first line: how long ago the process began, and which replacement of
-// its rank it is (tandem-run --replace-failed; 0 for the first).
-void print_started() {
-  const char* replaced = std::getenv("TANDEM_REPLACEMENT_COUNT");
-  std::printf("started age_ms %lld t %lld replacement %s\n",
-              static_cast<long long>(process_age_ms()), static_cast<long long>(wall_ms()),
-              replaced ? replaced : "0");
-  std::fflush(stdout);
-}
 
 struct Data {
   at::Tensor x, y;
@@ -268,27 +237,6 @@ ft::ManagerOptions manager_options(const Config& c) {
   return o;
 }
 
-// The step's quorum, and the lines it is worth: "healed ..." after a heal,
-// "late: ..." (and false: nothing left to train) for a replacement that
-// came as the job ended.
-bool begin_step(ft::Manager& manager, int64_t& heals) {
-  try {
-    manager.start_step();
-  } catch (const ft::JobFinished& e) {
-    std::printf("late: the job finished at step %lld before this replica joined\n",
-                static_cast<long long>(e.step()));
-    return false;
-  }
-  if (manager.metrics().heals != heals) {
-    heals = manager.metrics().heals;
-    std::printf("healed bytes %lld state %lld ms %.1f\n",
-                static_cast<long long>(manager.metrics().heal_bytes_received),
-                static_cast<long long>(manager.metrics().state_bytes),
-                manager.metrics().last_heal_ms);
-  }
-  return true;
-}
-
 int run_ft(const Config& c) {
   print_started();
   const Data d = make_data(c);
@@ -334,23 +282,17 @@ int run_ft(const Config& c) {
       manager.allreduce_grads(grads);
     }
     const int k = manager.participants();
-    if (manager.should_commit()) {
-      opt.step();
-      std::printf("step %lld k %d loss %.6f t %lld\n", static_cast<long long>(manager.step()), k,
-                  loss.item<double>(), static_cast<long long>(wall_ms()));
-      // The quorum's first member writes the job's checkpoint (every
-      // replica holds the same state).
-      if (c.checkpoint_every > 0 && manager.step() % c.checkpoint_every == 0 &&
-          manager.participant_rank() == 0) {
-        tandem::checkpoint::Part part = state_part(model->parameters(), opt);
-        part.add_bytes("samples_done", std::to_string(manager.samples_done()));
-        tandem::checkpoint::save(c.checkpoint, manager.step(), part);
-      }
-    } else {
-      std::printf("failed step %lld t %lld: %s\n", static_cast<long long>(manager.step() + 1),
-                  static_cast<long long>(wall_ms()), manager.last_error().c_str());
+    const bool commit = manager.should_commit();
+    if (commit) opt.step();
+    print_step(manager, commit, k, commit ? loss.item<double>() : 0);
+    // The quorum's first member writes the job's checkpoint (every replica
+    // holds the same state).
+    if (commit && c.checkpoint_every > 0 && manager.step() % c.checkpoint_every == 0 &&
+        manager.participant_rank() == 0) {
+      tandem::checkpoint::Part part = state_part(model->parameters(), opt);
+      part.add_bytes("samples_done", std::to_string(manager.samples_done()));
+      tandem::checkpoint::save(c.checkpoint, manager.step(), part);
     }
-    std::fflush(stdout);
   }
   print_final(manager.step(), model, d);
   return 0;
@@ -373,15 +315,8 @@ bool average_and_vote(const Config& c, ft::Manager& manager, const std::vector<a
   manager.allreduce_grads(grads);
   const int k = manager.participants();
   const bool commit = manager.should_commit();
-  if (commit) {
-    opt.step();
-    std::printf("step %lld k %d loss %.6f t %lld\n", static_cast<long long>(manager.step()), k,
-                loss, static_cast<long long>(wall_ms()));
-  } else {
-    std::printf("failed step %lld t %lld: %s\n", static_cast<long long>(manager.step() + 1),
-                static_cast<long long>(wall_ms()), manager.last_error().c_str());
-  }
-  std::fflush(stdout);
+  if (commit) opt.step();
+  print_step(manager, commit, k, loss);
   return commit;
 }
 
@@ -469,37 +404,9 @@ int run_sharded(const Config& c) {
 
 // --pipeline: a replica is a row of two processes, each holding a stage of
 // the MLP (ranks 0: its first four modules; 1: its last), trained through a
-// Pipe over the row's own RPC agent, made anew with each quorum.
-struct Row {
-  std::shared_ptr<tandem::rpc::Agent> agent;
-  std::vector<tandem::nn::RemoteModule> stages;  // the driver's (rank 0)
-  std::unique_ptr<tandem::pipeline::Pipe> pipe;
-
-  // Graceful: both ranks meet to close (the job's end). Otherwise at once:
-  // a new quorum, whose row may have lost a process.
-  void close(bool graceful) {
-    pipe.reset();
-    stages.clear();
-    if (!agent) return;
-    try {
-      agent->shutdown(graceful);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "ft_mlp: the row's agent: %s\n", e.what());
-    }
-    agent.reset();
-  }
-};
-
-// Stage `stage`'s gradients in the step's context, onto its parameters' .grad.
-void take_grads(tandem::rpc::Agent& agent, uint64_t context, nn::Sequential& stage) {
-  const auto grads = tandem::autograd::get_gradients(agent, context);
-  for (auto& p : stage->parameters()) {
-    p.mutable_grad() = grads.contains(p) ? grads.at(p).clone() : at::zeros_like(p);
-  }
-}
-
+// Pipe over the row's own RPC agent, made anew with each quorum
+// (examples/pipeline_row.h).
 int run_pipeline(const Config& c) {
-  namespace rpc = tandem::rpc;
   print_started();
   const Data d = make_data(c);
   auto o = manager_options(c);
@@ -522,74 +429,25 @@ int run_pipeline(const Config& c) {
       [stage](std::vector<c10::IValue>& args) mutable -> c10::IValue {
         return stage->forward(args.at(0).toTensor());
       });
-  tandem::nn::register_factory("ft_mlp.stage", [served](std::vector<c10::IValue>&) { return served; });
-  auto registry = std::make_shared<rpc::Registry>();
-  registry->def("ft_mlp.take_grads", [&stage](int64_t context) {
-    take_grads(*rpc::handler_agent(), static_cast<uint64_t>(context), stage);
-    return true;
-  });
-  rpc::AgentOptions ao;
-  ao.name = "stage" + std::to_string(rank);
-  ao.rank = rank;
-  ao.world_size = 2;
-  ao.init_timeout = o.collective_timeout;
-  ao.rpc_timeout = o.collective_timeout;
-  ao.peer_timeout = std::chrono::seconds(2);
+  tandem::nn::register_factory("ft_mlp.stage",
+                               [served](std::vector<c10::IValue>&) { return served; });
   tandem::pipeline::PipeOptions po;
   po.chunks = 4;
   po.loss = "mse";
-  po.timeout = o.collective_timeout;
-  Row row;
-  o.on_quorum = [&](ft::Manager& m) {
-    row.close(false);
-    row.agent = rpc::Agent::create(ao, registry, m.replica_store("rpc"));
-    if (rank != 0) return;
-    for (int s = 0; s < 2; ++s) {
-      row.stages.emplace_back(*row.agent, "stage" + std::to_string(s) + "/cpu", "ft_mlp.stage");
-    }
-    row.pipe = std::make_unique<tandem::pipeline::Pipe>(*row.agent, row.stages, po);
-  };
+  examples::PipelineRow row(stage->parameters(), "ft_mlp.stage", po, o.collective_timeout);
+  o.on_quorum = [&](ft::Manager& m) { row.open(m); };
   ft::Manager manager(o, ft::module_state(*stage, opt));
   int64_t heals = 0;
   while (manager.step() < c.steps) {
-    if (!begin_step(manager, heals)) {
-      row.close(false);
-      return 0;
+    if (!begin_step(manager, heals)) return 0;
+    at::Tensor x, y;
+    if (rank == 0) {
+      const at::Tensor idx = at::tensor(manager.batch_indices(), at::kLong);
+      x = d.x.index_select(0, idx);
+      y = d.y.index_select(0, idx);
     }
-    for (auto& p : stage->parameters()) p.mutable_grad() = at::Tensor();
-    // Both ranks are through the last step's update (and any heal) before
-    // the driver's micro-batches reach a stage: a forward that ran first
-    // would save the old parameters for its backward.
-    bool ready = true;
-    try {
-      at::Tensor one = at::ones({1});
-      manager.replica_group()->all_reduce(one);
-    } catch (const std::exception& e) {
-      ready = false;
-      manager.report_error(e.what());
-    }
-    // The driver runs the step; its "done" (or failed) and the loss reach
-    // the other rank over the row's group.
-    at::Tensor told = at::zeros({2}, at::kDouble);
-    if (rank == 0 && ready) {
-      try {
-        const at::Tensor idx = at::tensor(manager.batch_indices(), at::kLong);
-        tandem::autograd::Context ctx(*row.agent);
-        const double loss = row.pipe->step(ctx.id(), d.x.index_select(0, idx), d.y.index_select(0, idx));
-        row.agent->rpc_sync("stage1", "ft_mlp.take_grads", static_cast<int64_t>(ctx.id()));
-        take_grads(*row.agent, ctx.id(), stage);
-        told = at::tensor({1.0, loss}, at::kDouble);
-      } catch (const std::exception& e) {
-        manager.report_error(e.what());
-      }
-    }
-    try {
-      manager.replica_group()->broadcast(told, 0);
-      if (rank != 0 && told[0].item<double>() != 1.0) manager.report_error("the row's step failed");
-    } catch (const std::exception& e) {
-      manager.report_error(e.what());
-    }
-    average_and_vote(c, manager, stage->parameters(), opt, told[1].item<double>());
+    const double loss = row.step(manager, x, y);
+    average_and_vote(c, manager, stage->parameters(), opt, loss);
   }
   // The whole model on both ranks, for the final line: each parameter from
   // the rank whose stage holds it.

@@ -56,6 +56,11 @@ struct Config {
   bool strict_resume = false;
   std::string on_nonfinite = "stop";
   int64_t nan_at = 0;
+  // pp x dp under tandem::ft::Manager (fault_tolerant.cc): each pipeline row
+  // a replica that trains on through a failure; --reference K1,K2,...
+  // trains the same in one process over the quorums a run printed.
+  bool ft = false;
+  std::string reference;
 };
 
 // `rows` (a batch's inputs, token ids) with its first token poisoned

@@ -69,6 +69,7 @@
 #include "examples/launch.h"
 #include "examples/text.h"
 #include "tandem/ddp/process_group.h"
+#include "tandem/ft/manager.h"
 #include "tandem/mesh/mesh.h"
 #include "tandem/parallel/random.h"
 #include "tandem/rpc/api.h"
@@ -131,6 +132,13 @@ void add_flags(examples::Flags& flags, Config& cfg) {
       .add_switch("--strict-resume", &cfg.strict_resume,
                   "refuse a damaged newest checkpoint instead of going back to the newest whole one");
   examples::add_nonfinite_flags(flags, &cfg.on_nonfinite, &cfg.nan_at, "a token");
+  flags
+      .add_switch("--ft", &cfg.ft,
+                  "each pipeline row a replica under ft::Manager, training on through a "
+                  "failure (run under tandem-run --replace-failed N; float64)")
+      .add("--reference", &cfg.reference,
+           "with --ft, K1,K2,...: train in this process as a --ft run whose committed steps "
+           "had these quorums, and print its final line");
 }
 
 // What is wrong with the flags for a job of `world` processes, or "".
@@ -188,6 +196,12 @@ std::string check(Config& cfg, int world) {
     return "--zero " + std::to_string(cfg.zero) +
            " trains the whole model on every rank: pass --pp 1 (--zero 1 shards a pipeline's)";
   }
+  if (cfg.ft && (cfg.tp != 1 || cfg.zero != 0 || cfg.schedule == "interleaved" ||
+                 cfg.dropout != 0 || cfg.nan_at != 0 || cfg.resume || cfg.stop_at != 0)) {
+    return "--ft runs pp x dp rows of one stage a rank: it takes no --tp, --zero, "
+           "--schedule interleaved, --dropout, --nan-at, --resume or --stop-at";
+  }
+  if (!cfg.reference.empty() && !cfg.ft) return "--reference goes with --ft";
   if (cfg.stop_at > cfg.steps) {
     return "--stop-at " + std::to_string(cfg.stop_at) + " is past --steps " +
            std::to_string(cfg.steps);
@@ -293,7 +307,7 @@ int job_main(int argc, char** argv) {
                                : "no checkpoint yet, from the beginning");
             std::fflush(stdout);
           }
-        } else if (env.rank == 0) {
+        } else if (env.rank == 0 && !cfg.ft) {
           // A fresh run: an older run's steps in the directory must not be
           // taken for this one's after a restart.
           refuse_foreign(cfg.checkpoint);
@@ -304,6 +318,19 @@ int job_main(int argc, char** argv) {
         }
       } catch (const UsageError& e) {
         error = e.what();
+      }
+    }
+    if (cfg.ft && !flags.help()) {
+      if (!error.empty()) {
+        if (env.rank <= 0) std::fprintf(stderr, "gpt: %s\n%s", error.c_str(), flags.usage().c_str());
+        return 2;
+      }
+      try {
+        return cfg.reference.empty() ? drive_fault_tolerant(cfg, *corpus)
+                                     : ft_reference(cfg, *corpus);
+      } catch (const tandem::ft::QuorumError& e) {
+        std::fprintf(stderr, "gpt: %s\n", e.what());
+        return tandem::ft::kExitNotReplaceable;  // the job's failure: not replaced alone
       }
     }
     if (env.rank < 0) {
@@ -367,5 +394,9 @@ int main(int argc, char** argv) {
   const int nprocs = pp >= 1 && dp >= 1 && tp >= 1 && pp * dp * tp <= 256
                          ? static_cast<int>(pp * dp * tp)
                          : 1;
+  // (--reference trains in this process alone)
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--reference", 11) == 0) return gpt::job_main(argc, argv);
+  }
   return examples::launch("gpt", nprocs, argc, argv, gpt::job_main);
 }

@@ -31,6 +31,11 @@ int drive(const Job& job);
 // FullyShardedDataParallel with each block a unit (3) (data_parallel.cc).
 int drive_data_parallel(const Job& job);
 
+// --ft (fault_tolerant.cc): this rank's stage of its row, under
+// ft::Manager; and --reference: the same training in one process.
+int drive_fault_tolerant(const Config& cfg, const examples::Corpus& corpus);
+int ft_reference(const Config& cfg, const examples::Corpus& corpus);
+
 // The trained parameters in two numbers that every layout prints alike (to
 // float rounding): the whole model's norm and its dot product with a fixed
 // random vector (each parameter's part drawn from a generator seeded by
