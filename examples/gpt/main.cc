@@ -53,6 +53,11 @@
 // line's loss is printed with %.6f to compare). The checkpoint's format is
 // in examples/gpt/checkpoint.h.
 //
+// --ft trains pp x dp under tandem::ft::Manager instead of over a mesh: each
+// pipeline row is a replica that a failure takes out of the quorum and a
+// heal from another row brings back (fault_tolerant.cc; run it under
+// tandem-run --replace-failed N).
+//
 // The text is, by default, every regular file in /usr/share/common-licenses
 // (the demo runs on any Debian machine); --corpus takes any other file.
 #include <ATen/ops/tensor.h>
