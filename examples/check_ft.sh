@@ -39,7 +39,9 @@
 #     backward (ft_mlp --ddp) instead of Manager::allreduce_grads;
 #  k. pp x dp 2 x 2 (ft_mlp --pipeline: each replica a pipeline row of two
 #     stages, a Pipe over the row's own RPC agent): a rank killed at a
-#     random step, then a random rank every 2 to 3 s;
+#     random step, then a random rank every 2 to 3 s; both holders of a
+#     stage killed: the job ends at once naming it; the replacements
+#     spent: the job restarts from the rows' checkpoint;
 #  l. the same for gpt (gpt --ft), against its own --reference.
 set -uo pipefail
 bin="$(readlink -f "${1:?usage: check_ft.sh BIN_DIR}")"
@@ -425,28 +427,36 @@ kill_ranks_repeatedly() {
   ((kills >= 5)) || fail "$what: only $kills kills: the job ended too soon to test repeated failures"
 }
 
+# lose_every_holder LOG WHAT R ARGS...: rank R of both replicas killed at
+# once: that shard (or stage) of the newest step is nowhere; the job ends at
+# once (exit 78), naming the rank, not after the quorum's timeout.
+lose_every_holder() {
+  local log=$1 what=$2 r=$3 rc t0
+  shift 3
+  start "$log" 4 --replace-failed 4 -- "$@"
+  after "$log" 20
+  t0=$SECONDS
+  kill -KILL "$(ft_pid "$tag" "$r")" "$(ft_pid "$tag" $((r + 2)))"
+  wait "$job"
+  rc=$?
+  if [[ $rc != 78 ]] || ! grep -q "every rank-$r process of quorum .* is gone" "$log" ||
+    ((SECONDS - t0 > 30)); then
+    fail "$what: exit $rc after $((SECONDS - t0)) s, expected 78 at once naming rank $r"
+    sed 's/^/    /' "$log" | grep -v "step [0-9]* k" | tail -8
+  else
+    echo "ok: $what: the job ends in $((SECONDS - t0)) s: $(grep -o "every rank-$r process.*" "$log" | head -1 | cut -c1-110)"
+  fi
+}
+
 # i. HSDP 2 x 2: replicas of two processes, each sharding the model between
 # them (FSDP over the replica's group); one rank killed at a random step,
 # then one every 2 to 3 s.
 kill_one_rank i.log "i. HSDP 2 x 2" --replica-size 2 --steps 150 --step-ms 15 --width 128
 kill_ranks_repeatedly i2.log "i. HSDP 2 x 2" --replica-size 2 --steps 700 --step-ms 20 --width 128
 
-# Both holders of shard 0 (rank 0 of each replica) killed at once: that
-# shard of the newest step is nowhere; the job ends at once (exit 78),
-# naming the rank, not after the quorum's timeout.
-start i3.log 4 --replace-failed 4 -- --replica-size 2 --steps 400 --step-ms 15 --width 128
-after i3.log 20
-t0=$SECONDS
-kill -KILL "$(ft_pid "$tag" 0)" "$(ft_pid "$tag" 2)"
-wait "$job"
-rc=$?
-if [[ $rc != 78 ]] || ! grep -q "every rank-0 process of quorum .* is gone" i3.log ||
-  ((SECONDS - t0 > 30)); then
-  fail "i. shard 0's holders killed: exit $rc after $((SECONDS - t0)) s, expected 78 at once naming rank 0"
-  sed 's/^/    /' i3.log | grep -v "step [0-9]* k" | tail -8
-else
-  echo "ok: i. shard 0's holders killed: the job ends in $((SECONDS - t0)) s: $(grep -o "every rank-0 process.*" i3.log | head -1 | cut -c1-110)"
-fi
+# Both holders of shard 0 (rank 0 of each replica) killed at once.
+lose_every_holder i3.log "i. shard 0's holders killed" 0 --replica-size 2 --steps 400 \
+  --step-ms 15 --width 128
 
 # No quorum left (both replicas needed, rank 3's one replacement spent):
 # the job restarts as a whole, each rank reading its shards of the newest
@@ -476,6 +486,14 @@ kill_one_rank k.log "k. pp x dp 2 x 2" --pipeline --replica-size 2 --steps 150 -
   --width 128
 kill_ranks_repeatedly k2.log "k. pp x dp 2 x 2" --pipeline --replica-size 2 --steps 700 \
   --step-ms 20 --width 128
+# Both holders of stage 1 (rank 1 of each row) killed at once.
+lose_every_holder k4.log "k. stage 1's holders killed" 1 --pipeline --replica-size 2 \
+  --steps 400 --step-ms 15 --width 128
+# No quorum left (both rows needed, rank 3's one replacement spent): the job
+# restarts as a whole, each rank reading its stage of the newest checkpoint.
+restart_after_spent k3.log 4 3 "k. pp x dp: the replacements spent, the job restarted" \
+  --pipeline --replica-size 2 --steps 200 --step-ms 15 --width 128 --min-replicas 2 \
+  --checkpoint-every 10 --checkpoint k3.ckpt
 
 # l. gpt --ft: the demo's model as pp x dp 2 x 2 under the Manager (each
 # row a replica; float64, so that gpt --reference ends on the same

@@ -184,17 +184,52 @@ void load_state(const tandem::checkpoint::Reader& r, const std::vector<at::Tenso
   }
 }
 
+// Where a rank's part of a replica of several processes goes in a checkpoint.
+std::string rank_prefix(const ft::Manager& manager) {
+  return "rank" + std::to_string(manager.replica_rank()) + "/";
+}
+
+// A replica of several processes' checkpoint (--checkpoint-every), every
+// N committed steps: the quorum's first replica writes it, its ranks
+// together over its replica_group(), each its own part (`params`, a shard
+// or a stage, and their Adam state), its layout in the metadata.
+void save_replica(const Config& c, const ft::Manager& manager,
+                  const std::vector<at::Tensor>& params, torch::optim::Adam& opt,
+                  const std::string& layout) {
+  if (c.checkpoint_every <= 0 || manager.step() % c.checkpoint_every != 0 ||
+      manager.participant_rank() != 0) {
+    return;
+  }
+  tandem::checkpoint::Part part = state_part(params, opt, rank_prefix(manager));
+  if (manager.replica_rank() == 0) {
+    part.add_bytes("samples_done", std::to_string(manager.samples_done()));
+  }
+  tandem::checkpoint::SaveOptions so;
+  so.group = manager.replica_group();  // (a partner gone: no checkpoint this time)
+  so.meta = {{"layout", layout}};
+  try {
+    tandem::checkpoint::save(c.checkpoint, manager.step(), part, so);
+  } catch (const std::exception& e) {
+    std::printf("checkpoint of step %lld not written: %s\n",
+                static_cast<long long>(manager.step()), e.what());
+    std::fflush(stdout);
+  }
+}
+
 // After a restart of the whole job (--max-restarts): the newest checkpoint's
 // state, and the step and sample stream the Manager resumes from.
 // `replica_size` > 0: an HSDP checkpoint, which must have the same layout.
+// `layout` non-empty: a checkpoint of replicas of several processes, each
+// rank's part under "rank<r>/", which must have been written by the same
+// layout ("hsdp 2", "pipeline 2").
 void resume(const Config& c, ft::Manager& manager, const std::vector<at::Tensor>& params,
-            torch::optim::Adam& opt, const std::string& prefix = "", int replica_size = 0) {
+            torch::optim::Adam& opt, const std::string& layout = "") {
   if (c.checkpoint_every <= 0) return;
   auto found = tandem::checkpoint::latest(c.checkpoint);
   if (!found) return;
   tandem::checkpoint::Reader r(found->path);
-  if (replica_size > 0) r.expect_meta("replica_size", std::to_string(replica_size));
-  load_state(r, params, opt, prefix);
+  if (!layout.empty()) r.expect_meta("layout", layout);
+  load_state(r, params, opt, layout.empty() ? "" : rank_prefix(manager));
   manager.restore(found->step, std::stoll(r.bytes("samples_done")));
   std::printf("resumed %lld t %lld\n", static_cast<long long>(found->step),
               static_cast<long long>(wall_ms()));
@@ -346,8 +381,8 @@ int run_sharded(const Config& c) {
   ft::Manager manager(o, ft::module_state(shards, opt));
   // After a restart of the whole job: each rank's shards from the newest
   // checkpoint (the quorum's first replica writes one, its ranks together).
-  const std::string names = "rank" + std::to_string(rank) + "/";
-  resume(c, manager, fsdp.parameters(), opt, names, size);
+  const std::string layout = "hsdp " + std::to_string(size);
+  resume(c, manager, fsdp.parameters(), opt, layout);
   int64_t heals = 0;
   while (manager.step() < c.steps) {
     if (!begin_step(manager, heals)) return 0;
@@ -369,21 +404,7 @@ int run_sharded(const Config& c) {
       manager.report_error(e.what());
     }
     if (average_and_vote(c, manager, fsdp.parameters(), opt, loss_value)) {
-      if (c.checkpoint_every > 0 && manager.step() % c.checkpoint_every == 0 &&
-          manager.participant_rank() == 0) {
-        tandem::checkpoint::Part part = state_part(fsdp.parameters(), opt, names);
-        if (rank == 0) part.add_bytes("samples_done", std::to_string(manager.samples_done()));
-        tandem::checkpoint::SaveOptions so;
-        so.group = manager.replica_group();  // (a partner gone: no checkpoint this time)
-        so.meta = {{"replica_size", std::to_string(size)}};
-        try {
-          tandem::checkpoint::save(c.checkpoint, manager.step(), part, so);
-        } catch (const std::exception& e) {
-          std::printf("checkpoint of step %lld not written: %s\n",
-                      static_cast<long long>(manager.step()), e.what());
-          std::fflush(stdout);
-        }
-      }
+      save_replica(c, manager, fsdp.parameters(), opt, layout);
     }
   }
   // The whole model on every rank of the replica, for the final line.
@@ -437,6 +458,7 @@ int run_pipeline(const Config& c) {
   examples::PipelineRow row(stage->parameters(), "ft_mlp.stage", po, o.collective_timeout);
   o.on_quorum = [&](ft::Manager& m) { row.open(m); };
   ft::Manager manager(o, ft::module_state(*stage, opt));
+  resume(c, manager, stage->parameters(), opt, "pipeline 2");
   int64_t heals = 0;
   while (manager.step() < c.steps) {
     if (!begin_step(manager, heals)) return 0;
@@ -447,7 +469,9 @@ int run_pipeline(const Config& c) {
       y = d.y.index_select(0, idx);
     }
     const double loss = row.step(manager, x, y);
-    average_and_vote(c, manager, stage->parameters(), opt, loss);
+    if (average_and_vote(c, manager, stage->parameters(), opt, loss)) {
+      save_replica(c, manager, stage->parameters(), opt, "pipeline 2");
+    }
   }
   // The whole model on both ranks, for the final line: each parameter from
   // the rank whose stage holds it.
@@ -551,9 +575,9 @@ int main(int argc, char** argv) {
     if (c.restart && c.checkpoint_every == 0) c.checkpoint_every = 10;
     if (c.restart) return run_restart(c);
     if (c.pipeline) {
-      if (c.replica_size != 2 || c.ddp || c.checkpoint_every > 0) {
-        std::fprintf(stderr, "ft_mlp: --pipeline needs --replica-size 2 (two stages), and takes "
-                             "neither --ddp nor --checkpoint-every\n");
+      if (c.replica_size != 2 || c.ddp) {
+        std::fprintf(stderr, "ft_mlp: --pipeline needs --replica-size 2 (two stages), and does "
+                             "not take --ddp\n");
         return 2;
       }
       return run_pipeline(c);
