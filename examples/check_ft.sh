@@ -25,7 +25,10 @@
 #     ends at once with the lost step named;
 #  g. the quorum kept in a 3-member etcd cluster (TANDEM_ETCD), a node (a
 #     launcher) a replica: node 0's launcher and its worker killed, the
-#     other nodes train on to the end;
+#     other nodes train on to the end; the launchers' own rendezvous in
+#     etcd (--rdzv-endpoint): the coordinator they elected killed, another
+#     takes over and the job goes on with the nodes left; etcd stopped
+#     mid-job, and a launcher started without it;
 #  h. a replica cut off by the network rather than killed (its node a
 #     network namespace whose veth link goes down for 4 s): the others go
 #     on without it; back, it rejoins and is healed;
@@ -307,7 +310,8 @@ print(" ".join(map(str, got)))')
   done
   after g1.log 40
   worker0=$(ft_pid "$gtag" 0)
-  kill -KILL "${node_pids[0]}"
+  # (the launcher itself, timeout's child)
+  kill -KILL "$(pgrep -P "${node_pids[0]}")"
   [[ -n $worker0 ]] && kill -KILL "$worker0" 2>/dev/null
   wait "${node_pids[1]}"; rc1=$?
   wait "${node_pids[2]}"; rc2=$?
@@ -319,9 +323,79 @@ print(" ".join(map(str, got)))')
     job="" job_rc=0
     verdict "g. node 0's launcher and worker killed, the quorum in etcd" g.log 2 "${gargs[@]}"
   fi
+  unset TANDEM_ETCD
+  # The launchers' own rendezvous in etcd (--rdzv-endpoint): three nodes of
+  # a restart-the-world job (ft_mlp --restart, --nnodes 2:3 --max-restarts
+  # 2). The launcher etcd elected to coordinate is killed with its worker:
+  # the others elect another, which starts the next round with the two
+  # left; they resume from the checkpoint and end. Then etcd is stopped
+  # altogether mid-job: the coordinator says so, and the job ends as it
+  # would have.
+  etcd="127.0.0.1:${ports[0]},127.0.0.1:${ports[1]},127.0.0.1:${ports[2]}"
+  rdzv_job() {  # rdzv_job TAG ID LOGPREFIX ARGS...: three launchers; their pids in rdzv_pids
+    local tag=$1 id=$2 prefix=$3 r
+    shift 3
+    rdzv_pids=()
+    for r in 0 1 2; do
+      CHECK_TAG="$tag" timeout 170 "$run" --nnodes 2:3 --max-restarts 2 --last-call 3 \
+        --rdzv-endpoint "$etcd" --rdzv-id "$id" --nproc-per-node 1 "$bin/ft_mlp" "$@" \
+        >"$prefix$r.log" 2>&1 &
+      rdzv_pids+=($!)
+    done
+  }
+  rdzv_after() {  # rdzv_after LOGPREFIX N: until a node printed committed step N
+    for ((n = 0; n < 3000; ++n)); do grep -q "\]: step $2 k" "$1"*.log 2>/dev/null && return; sleep 0.02; done
+  }
+  rdzv_end() {  # rdzv_end NAME: the three launchers' exits in rcs, their logs in NAME.log
+    local r
+    rcs=()
+    for r in 0 1 2; do
+      wait "${rdzv_pids[$r]}"
+      rcs+=($?)
+    done
+    cat "$1"-*.log >"$1.log"
+  }
+  g2args=(--restart --steps 300 --step-ms 15 --width 128 --checkpoint g2.ckpt)
+  rdzv_job "$gtag-2" "g2-$$" g2- "${g2args[@]}"
+  rdzv_after g2- 60
+  leader=""
+  for r in 0 1 2; do grep -q "coordinates the job (elected" "g2-$r.log" && leader=$r; done
+  worker0=$(ft_pid "$gtag-2" 0)
+  kill -KILL "$(pgrep -P "${rdzv_pids[$leader]}")" "$worker0"
+  rdzv_end g2
+  survivors=$(grep -c "final step 300" g2.log)
+  bad_exit=0
+  for r in 0 1 2; do [[ $r != "$leader" && ${rcs[$r]} != 0 ]] && bad_exit=1; done
+  if [[ -z $leader ]] || ((survivors != 2 || bad_exit)) ||
+    ! grep -q "coordinates the job (elected in etcd, generation 2)" g2.log ||
+    ! grep -q "round 0's coordinator was lost; the job goes on (restart 1 of 2)" g2.log ||
+    ! grep -q "resumed [1-9]" g2.log; then
+    fail "g. the elected coordinator (node $leader) killed: exits ${rcs[*]}, $survivors final lines"
+    grep -v "step [0-9]* k" g2.log | sed 's/^/    /' | tail -25
+  else
+    echo "ok: g. the coordinator elected in etcd killed with its worker: $(grep -o "round 1: 2 of 3.*" g2.log | head -1 | cut -c1-60); exits ${rcs[*]}"
+  fi
+  rdzv_job "$gtag-3" "g3-$$" g3- --restart --steps 300 --step-ms 15 --width 128 --checkpoint g3.ckpt
+  rdzv_after g3- 40
   kill "${etcd_pids[@]}" 2>/dev/null
   wait "${etcd_pids[@]}" 2>/dev/null
-  unset TANDEM_ETCD TANDEM_TOKEN
+  rdzv_end g3
+  if [[ ${rcs[*]} != "0 0 0" ]] || (($(grep -c "final step 300" g3.log) != 3)) ||
+    ! grep -q "etcd is out of reach" g3.log; then
+    fail "g. etcd stopped mid-job: exits ${rcs[*]}"
+    grep -v "step [0-9]* k" g3.log | sed 's/^/    /' | tail -20
+  else
+    echo "ok: g. etcd stopped mid-job: the coordinator says so ($(grep -o "etcd is out of reach" g3.log | head -1)) and the job ends, exits ${rcs[*]}"
+  fi
+  # Without etcd a launcher cannot start: a clear error naming the members.
+  out=$("$run" --nnodes 2 --max-restarts 1 --rdzv-endpoint "$etcd" --nproc-per-node 1 true 2>&1)
+  rc=$?
+  if [[ $rc != 1 ]] || ! grep -q "no member of the cluster answers.*127.0.0.1:${ports[2]}" <<<"$out"; then
+    fail "g. no etcd: exit $rc, said: $out"
+  else
+    echo "ok: g. no etcd: $(cut -c1-120 <<<"$out")"
+  fi
+  unset TANDEM_TOKEN
 else
   echo "skipped: g. no etcd here (apt-get install etcd-server)"
 fi

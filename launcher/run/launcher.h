@@ -25,6 +25,7 @@
 #include "launcher/run/line_forwarder.h"
 #include "launcher/run/options.h"
 #include "tandem/rpc/common/log.h"
+#include "tandem/rpc/rendezvous/etcd_client.h"
 #ifdef TANDEM_RUN_HOSTS_STORE
 #include "tandem/rpc/rendezvous/store_server.h"
 #endif
@@ -40,6 +41,10 @@ constexpr int kExitNotReplaceable = 78;
 constexpr int kExitUsage = 2;
 constexpr int kExitCannotRun = 127;
 constexpr int kSignalExitBase = 128;
+// Launchers of a coordinated job say a word every kCoordinatorHeartbeat; one
+// silent for kCoordinatorSilence is lost.
+constexpr auto kCoordinatorHeartbeat = std::chrono::seconds(1);
+constexpr auto kCoordinatorSilence = std::chrono::seconds(5);
 
 struct Worker {
   int rank = 0;
@@ -147,6 +152,20 @@ class Launcher {
   void local_round_over();
   void open_round_store();
 
+  // --rdzv-endpoint (launcher/run/elect.cc): the coordinator elected in etcd.
+  bool elected() const { return !options_.rdzv_endpoint.empty(); }
+  std::string etcd_key(const std::string& name) const;
+  // Claims the coordinator's key, or follows the launcher it names; `lost`:
+  // the value of a coordinator this launcher found gone, which it may replace.
+  void elect(const std::string& lost);
+  void become_coordinator(const std::string& claim, int gen);
+  // The coordinator's word on the job in etcd ("round ..." or "exit ...").
+  void record_state(const std::string& state);
+  // The coordinator, each heartbeat: does etcd still name it?
+  void check_leadership(Clock::time_point now);
+  // A follower whose coordinator is gone: its workers stopped, it elects anew.
+  void coordinator_lost(const std::string& why);
+
   Options options_;
   int signal_fd_;
   Round round_;
@@ -179,6 +198,18 @@ class Launcher {
   std::string coordinator_nonce_, my_nonce_;
   Clock::time_point connect_deadline_{};
   Clock::time_point next_connect_{};
+  // --rdzv-endpoint: the etcd client, the coordinator's value this launcher
+  // follows or holds ("GEN ADDR:PORT"), and an election waiting for this
+  // node's workers to stop.
+  std::unique_ptr<rpc::EtcdClient> etcd_;
+  // (the coordinator's, for calls from its loop: a short limit)
+  std::unique_ptr<rpc::EtcdClient> loop_etcd_;
+  rpc::EtcdClient& loop_etcd();
+  std::string followed_, leading_;
+  bool reelect_ = false;
+  bool etcd_trouble_logged_ = false;
+  Clock::time_point next_leadership_check_{};
+  Clock::time_point elect_deadline_{};
   // A one-node job's cluster token when the user set none (see start_workers).
   std::string job_token_;
 #ifdef TANDEM_RUN_HOSTS_STORE

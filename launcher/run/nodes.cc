@@ -37,8 +37,8 @@ namespace tandem::launcher {
 
 namespace {
 
-constexpr auto kHeartbeat = std::chrono::seconds(1);
-constexpr auto kSilenceLimit = std::chrono::seconds(5);
+constexpr auto kHeartbeat = kCoordinatorHeartbeat;
+constexpr auto kSilenceLimit = kCoordinatorSilence;
 constexpr auto kConnectRetry = std::chrono::milliseconds(250);
 // How long a node has to report its workers gone after a stop: the
 // launcher's SIGKILL after 5 s and its 2 s drain, and a margin.
@@ -48,7 +48,9 @@ constexpr auto kStopLimit = std::chrono::seconds(15);
 
 int Launcher::run_coordinated() {
   const Clock::time_point now = Clock::now();
-  if (options_.node_rank < 0) {
+  if (elected()) {
+    elect("");  // (node 0 or a follower: elect.cc)
+  } else if (options_.node_rank < 0) {
     // No --node-rank: node 0 is the launcher that can listen at the
     // master's address; the others join and are numbered by it.
     // (in use: node 0 is up; not this host's address: node 0 is elsewhere;
@@ -57,7 +59,9 @@ int Launcher::run_coordinated() {
     listen_fd_ = listen_on(options_.master_addr, options_.master_port, &in_use_or_elsewhere);
     if (listen_fd_ >= 0) options_.node_rank = 0;
   }
-  if (options_.node_rank == 0) {
+  if (elected()) {
+    // (elect() made this launcher node 0 or a follower, or ended the job)
+  } else if (options_.node_rank == 0) {
     if (listen_fd_ < 0) listen_fd_ = listen_on(options_.master_addr, options_.master_port);
     report("node 0 coordinates the job on " + options_.master_addr + ":" +
            std::to_string(options_.master_port) + "; waiting for " +
@@ -72,7 +76,7 @@ int Launcher::run_coordinated() {
     connect_deadline_ = now + std::chrono::seconds(options_.join_timeout_s);
     next_connect_ = now;
   }
-  node_tick();
+  if (!finished_) node_tick();
   while (!finished_) {
     poll_once(node_descriptors());
     reap_workers();
@@ -145,8 +149,11 @@ void Launcher::node_tick() {
       if (finished_) return;
     }
     report_refused_lines(coordinator_, "node 0's launcher");
+    if (reelect_) return;  // (its workers are being stopped; elect.cc goes on then)
     if (!coordinator_.is_open()) {
-      if (joined_) {
+      if (joined_ && elected()) {
+        coordinator_lost(coordinator_.why().empty() ? "connection closed" : coordinator_.why());
+      } else if (joined_) {
         if (!final_code_) {
           report("lost node 0's launcher at " + options_.master_addr + ":" +
                  std::to_string(options_.master_port) + " (" + coordinator_.why() +
@@ -176,6 +183,10 @@ void Launcher::node_tick() {
         coordinator_nonce_.empty()) {
       // Something listens at the master's port but never greeted: node 0's
       // tandem-run is not coordinating (its store, or its rank 0's, is there).
+      if (elected()) {
+        coordinator_lost("it sent no greeting");
+        return;
+      }
       report("the launcher at " + options_.master_addr + ":" +
              std::to_string(options_.master_port) + " sent no tandem-run greeting in " +
              seconds_text(std::chrono::duration_cast<std::chrono::seconds>(kSilenceLimit)) +
@@ -196,7 +207,10 @@ void Launcher::node_tick() {
     return;
   }
 
-  // Node 0: the connections that have not joined yet (join.cc).
+  // Node 0: still the coordinator etcd names (elect.cc)?
+  check_leadership(now);
+  if (finished_) return;
+  // The connections that have not joined yet (join.cc).
   tick_pending(now);
   if (finished_) return;
   // The nodes: their messages, their silence, our heartbeat.
@@ -355,6 +369,13 @@ void Launcher::connect_to_coordinator() {
                                                    std::chrono::milliseconds(1000), error);
   const Clock::time_point now = Clock::now();
   if (!channel) {
+    if (now >= connect_deadline_ && elected()) {
+      // Unreachable as long as a silent one is given: lost; replace it.
+      report("cannot reach the coordinator at " + options_.master_addr + ":" +
+             std::to_string(options_.master_port) + ": " + error);
+      elect(followed_);
+      return;
+    }
     if (now >= connect_deadline_) {
       report("cannot reach node 0's launcher at " + options_.master_addr + ":" +
              std::to_string(options_.master_port) + " within --join-timeout " +
@@ -438,6 +459,8 @@ void Launcher::start_round() {
                " fewer than the last round: the program reshards";
   }
   report(message);
+  record_state("round " + std::to_string(round_.number) + " " + std::to_string(round_.restarts) +
+               " " + std::to_string(count));
   last_round_nodes_ = count;
   phase_ = Phase::kRunning;
   begin_local_round();
@@ -514,6 +537,7 @@ void Launcher::check_round_over() {
 }
 
 void Launcher::finish(int code) {
+  record_state("exit " + std::to_string(code));
   for (Node& node : nodes_) node.channel.send("exit " + std::to_string(code));
   for (Pending& p : pending_) p.channel.send("refused the job has ended");
   exit_code_ = code;
@@ -545,7 +569,12 @@ void Launcher::local_round_over() {
     return;
   }
   coordinator_.send((stopped ? "stopped " : "done ") + std::to_string(round_.number));
-  if (final_code_) finish(*final_code_);
+  if (final_code_) {
+    finish(*final_code_);
+  } else if (reelect_) {
+    reelect_ = false;
+    elect(followed_);
+  }
 }
 
 }  // namespace tandem::launcher

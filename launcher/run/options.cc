@@ -12,7 +12,7 @@ namespace {
 constexpr const char* kValueFlags[] = {
     "nproc-per-node", "nnodes",       "node-rank", "master-addr",  "master-port",
     "trace",          "max-restarts", "replace-failed", "last-call", "join-timeout",
-    "peer-timeout",
+    "peer-timeout",   "rdzv-endpoint", "rdzv-id", "local-addr",
 };
 
 int parse_int(const std::string& flag, const std::string& text, long long min, long long max) {
@@ -80,6 +80,17 @@ void apply_option(Options& options, const std::string& name, const std::string& 
       throw UsageError("--peer-timeout 1: 0 (never) or at least 2 seconds (peers send a "
                        "heartbeat a second)");
     }
+  } else if (name == "rdzv-endpoint") {
+    if (value.empty()) throw UsageError("--rdzv-endpoint must name etcd's members (host:port,...)");
+    options.rdzv_endpoint = value;
+  } else if (name == "rdzv-id") {
+    if (value.empty() || value.find_first_of("/ \t\n") != std::string::npos) {
+      throw UsageError("--rdzv-id '" + value + "': a non-empty word without '/'");
+    }
+    options.rdzv_id = value;
+  } else if (name == "local-addr") {
+    if (value.empty()) throw UsageError("--local-addr must not be empty");
+    options.local_addr = value;
   } else if (name == "trace") {
     if (value.empty()) throw UsageError("--trace must name a directory");
     options.trace_dir = value;
@@ -95,6 +106,22 @@ void validate(const Options& options) {
   }
   if (static_cast<long long>(options.nproc_per_node) * options.nnodes > INT_MAX) {
     throw UsageError("--nproc-per-node times --nnodes is too large");
+  }
+  if (!options.rdzv_endpoint.empty()) {
+    // (the launchers meet in etcd; no node is special)
+    if (options.given_node_rank) {
+      throw UsageError("--node-rank with --rdzv-endpoint: the launchers number the nodes "
+                       "themselves in etcd; leave it out on every node");
+    }
+    if (options.master_port != 0) {
+      throw UsageError("--master-port with --rdzv-endpoint: the launchers meet in etcd, and "
+                       "the coordinator they elect listens on a port of its own");
+    }
+    if (options.program.empty()) throw UsageError("missing PROGRAM to run");
+    return;
+  }
+  if (!options.local_addr.empty() || options.rdzv_id != "job") {
+    throw UsageError("--local-addr and --rdzv-id go with --rdzv-endpoint");
   }
   if (options.nnodes > 1 && options.master_port == 0) {
     throw UsageError("--master-port (non-zero) is required when --nnodes is greater than 1");
@@ -150,7 +177,9 @@ Options parse_args(int argc, char** argv) {
   }
   options.program.assign(argv + i, argv + argc);
   validate(options);
-  if (options.nnodes == 1 && options.node_rank < 0) options.node_rank = 0;
+  if (options.nnodes == 1 && options.node_rank < 0 && options.rdzv_endpoint.empty()) {
+    options.node_rank = 0;
+  }
   return options;
 }
 

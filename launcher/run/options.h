@@ -11,7 +11,8 @@ namespace tandem::launcher {
 
 constexpr char kUsage[] =
     "usage: tandem-run --nproc-per-node N [--nnodes K|MIN:MAX --node-rank R --master-addr A "
-    "--master-port P] [--max-restarts N] [--replace-failed N] PROGRAM ARGS...\n";
+    "--master-port P | --nnodes K|MIN:MAX --rdzv-endpoint E --rdzv-id ID] [--max-restarts N] "
+    "[--replace-failed N] PROGRAM ARGS...\n";
 
 constexpr char kHelp[] =
     "\n"
@@ -55,6 +56,13 @@ constexpr char kHelp[] =
     "                       collectives waiting on it fail, so the job fails (and restarts)\n"
     "                       instead of hanging; 0 never (TANDEM_PEER_TIMEOUT; the workers'\n"
     "                       default is 30)\n"
+    "  --rdzv-endpoint E    etcd's members (host:port,...): the launchers meet there and elect\n"
+    "                       the one that coordinates the rounds; when it is lost, another takes\n"
+    "                       over (the round it ran counts as failed) and the job goes on with\n"
+    "                       the nodes left. Leave out --node-rank and --master-port\n"
+    "  --rdzv-id ID         this launch's keys in etcd (default job): give each launch its own\n"
+    "  --local-addr A       the address the other nodes reach this one at, with\n"
+    "                       --rdzv-endpoint (default: the one that routes to etcd)\n"
     "  --trace DIR          every worker writes its trace into DIR (TANDEM_TRACE); once they\n"
     "                       exited, this node's traces are joined into DIR/tandem-trace.json\n"
     "  --help               print this help and exit\n"
@@ -88,6 +96,14 @@ struct Options {
   int last_call_s = 10;      // --last-call
   int join_timeout_s = 600;  // --join-timeout
   int peer_timeout_s = -1;   // --peer-timeout; -1: not given (the workers' own default)
+  // --rdzv-endpoint: etcd's members; the launchers elect their coordinator
+  // there (launcher/run/elect.cc) instead of node 0 being it. --rdzv-id
+  // keeps one launch's keys apart from another's; --local-addr is the
+  // address the other nodes reach this one at (empty: the one that routes
+  // to etcd's first member).
+  std::string rdzv_endpoint;
+  std::string rdzv_id = "job";
+  std::string local_addr;
   std::vector<std::string> program;
   bool help = false;
 };
@@ -97,7 +113,8 @@ Options parse_args(int argc, char** argv);
 // Whether node 0's launcher coordinates the job's rounds over its nodes
 // (launcher/run/nodes.cc): several nodes that restart, or an elastic size.
 inline bool coordinated(const Options& options) {
-  return options.nnodes > 1 && (options.max_restarts > 0 || options.min_nodes != options.nnodes);
+  return !options.rdzv_endpoint.empty() ||
+         (options.nnodes > 1 && (options.max_restarts > 0 || options.min_nodes != options.nnodes));
 }
 
 }  // namespace tandem::launcher

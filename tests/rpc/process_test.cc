@@ -1185,3 +1185,32 @@ TEST_CASE("process: tandem-run --trace joins the workers' traces into one timeli
   CHECK(m.output.find("no trace to join") != std::string::npos);
   std::system(("rm -rf " + dir).c_str());
 }
+
+TEST_CASE("process: the launchers' rendezvous in etcd refuses what does not go with it, by name") {
+  test::RunResult r = run_script(R"sh(
+E="--rdzv-endpoint 127.0.0.1:1 --nproc-per-node 1"
+$R --nnodes 2 --node-rank 1 $E /bin/true > $D/rank.log 2>&1; echo "rc_rank=$?"
+$R --nnodes 2 --master-port $P $E /bin/true > $D/port.log 2>&1; echo "rc_port=$?"
+$R --nnodes 2 --rdzv-id a/b $E /bin/true > $D/id.log 2>&1; echo "rc_id=$?"
+$R --nnodes 2 --node-rank 0 --master-port $P --local-addr 10.0.0.1 --nproc-per-node 1 /bin/true \
+  > $D/local.log 2>&1; echo "rc_local=$?"
+# No etcd member answers: a clear error, naming each, and no worker starts.
+$R --nnodes 2 --max-restarts 1 --rdzv-endpoint 127.0.0.1:1,127.0.0.1:2 --nproc-per-node 1 \
+  /bin/echo started > $D/down.log 2>&1; echo "rc_down=$?"
+cat $D/rank.log $D/port.log $D/id.log $D/local.log $D/down.log
+)sh");
+  INFO(r.output);
+  CHECK(value_of(r.output, "rc_rank") == 2);
+  CHECK(r.output.find("--node-rank with --rdzv-endpoint: the launchers number the nodes") !=
+        std::string::npos);
+  CHECK(value_of(r.output, "rc_port") == 2);
+  CHECK(r.output.find("--master-port with --rdzv-endpoint") != std::string::npos);
+  CHECK(value_of(r.output, "rc_id") == 2);
+  CHECK(r.output.find("--rdzv-id 'a/b'") != std::string::npos);
+  CHECK(value_of(r.output, "rc_local") == 2);
+  CHECK(r.output.find("--local-addr and --rdzv-id go with --rdzv-endpoint") != std::string::npos);
+  CHECK(value_of(r.output, "rc_down") == 1);
+  CHECK(r.output.find("no member of the cluster answers") != std::string::npos);
+  CHECK(r.output.find("127.0.0.1:2: cannot connect") != std::string::npos);
+  CHECK(r.output.find("started") == std::string::npos);
+}
