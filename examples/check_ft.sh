@@ -375,6 +375,29 @@ print(" ".join(map(str, got)))')
   else
     echo "ok: g. the coordinator elected in etcd killed with its worker: $(grep -o "round 1: 2 of 3.*" g2.log | head -1 | cut -c1-60); exits ${rcs[*]}"
   fi
+  # The coordinator replaced behind its back (as if it had been cut off
+  # long enough): etcd names a launcher at an address where nobody listens.
+  # The old coordinator sees it, stops its workers and leaves; the others
+  # cannot reach the one named, replace it, and end the job on two nodes.
+  rdzv_job "$gtag-4" "g4-$$" g4- --restart --steps 300 --step-ms 15 --width 128 --checkpoint g4.ckpt
+  rdzv_after g4- 40
+  python3 - "127.0.0.1:${ports[0]}" "tandem/launch/g4-$$/coordinator" "9 127.0.0.1:1" <<'PY'
+import base64, json, sys, urllib.request
+b64 = lambda s: base64.b64encode(s.encode()).decode()
+body = json.dumps({"key": b64(sys.argv[2]), "value": b64(sys.argv[3])}).encode()
+urllib.request.urlopen(urllib.request.Request("http://" + sys.argv[1] + "/v3/kv/put", data=body,
+                                              method="POST"), timeout=10).read()
+PY
+  rdzv_end g4
+  if [[ $(tr ' ' '\n' <<<"${rcs[*]}" | sort | paste -sd' ') != "0 0 1" ]] ||
+    (($(grep -c "final step 300" g4.log) != 2)) ||
+    ! grep -q "etcd names another coordinator ('9 127.0.0.1:1'): this launcher was replaced" g4.log ||
+    ! grep -q "coordinates the job (elected in etcd, generation 10)" g4.log; then
+    fail "g. the coordinator replaced behind its back: exits ${rcs[*]}"
+    grep -v "step [0-9]* k" g4.log | sed 's/^/    /' | tail -25
+  else
+    echo "ok: g. the coordinator replaced behind its back leaves; the others elect another and end the job, exits ${rcs[*]}"
+  fi
   rdzv_job "$gtag-3" "g3-$$" g3- --restart --steps 300 --step-ms 15 --width 128 --checkpoint g3.ckpt
   rdzv_after g3- 40
   kill "${etcd_pids[@]}" 2>/dev/null
