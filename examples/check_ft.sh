@@ -42,7 +42,8 @@
 #     backward (ft_mlp --ddp) instead of Manager::allreduce_grads;
 #  k. pp x dp 2 x 2 (ft_mlp --pipeline: each replica a pipeline row of two
 #     stages, a Pipe over the row's own RPC agent): a rank killed at a
-#     random step, then a random rank every 2 to 3 s; both holders of a
+#     random step, then a random rank every 2 to 3 s; a rank stopped by
+#     SIGSTOP for 4 s; a replacement killed as it starts; both holders of a
 #     stage killed: the job ends at once naming it; the replacements
 #     spent: the job restarts from the rows' checkpoint;
 #  l. the same for gpt (gpt --ft), against its own --reference.
@@ -524,6 +525,38 @@ kill_ranks_repeatedly() {
   ((kills >= 5)) || fail "$what: only $kills kills: the job ended too soon to test repeated failures"
 }
 
+# stop_one_rank LOG WHAT ARGS...: a random rank stopped (SIGSTOP) for 4 s,
+# longer than the heartbeat timeout: its replica sits out; let go, the rank
+# and its partner are healed and train on (no replacement is started).
+stop_one_rank() {
+  local log=$1 what=$2 victim=$((RANDOM % 4)) pid
+  shift 2
+  start "$log" 4 --replace-failed 0 -- "$@"
+  after "$log" 20
+  pid=$(ft_pid "$tag" "$victim")
+  kill -STOP "$pid"
+  sleep 4
+  kill -CONT "$pid"
+  verdict "$what: rank $victim stopped for 4 s" "$log" 4 "$@" && {
+    grep -q " k 1 " "$log" || fail "$what: the other replica did not train alone"
+    (($(grep -c "^\[$victim\]: healed bytes" "$log") >= 1)) ||
+      fail "$what: rank $victim was not healed after it was let go"
+  }
+}
+
+# kill_newcomer LOG WHAT ARGS...: a random rank killed, and its replacement
+# killed again as it starts (while its replica is being healed).
+kill_newcomer() {
+  local log=$1 what=$2 victim=$((RANDOM % 4))
+  shift 2
+  start "$log" 4 --replace-failed 3 -- "$@"
+  after "$log" 20
+  kill -KILL "$(ft_pid "$tag" "$victim")"
+  await "$log" "^\[$victim\]: started.*replacement 1" 1500
+  kill -KILL "$(ft_pid "$tag" "$victim")"
+  verdict "$what: rank $victim's replacement killed as it starts" "$log" 4 "$@"
+}
+
 # lose_every_holder LOG WHAT R ARGS...: rank R of both replicas killed at
 # once: that shard (or stage) of the newest step is nowhere; the job ends at
 # once (exit 78), naming the rank, not after the quorum's timeout.
@@ -583,6 +616,10 @@ kill_one_rank k.log "k. pp x dp 2 x 2" --pipeline --replica-size 2 --steps 150 -
   --width 128
 kill_ranks_repeatedly k2.log "k. pp x dp 2 x 2" --pipeline --replica-size 2 --steps 700 \
   --step-ms 20 --width 128
+stop_one_rank k5.log "k. pp x dp 2 x 2" --pipeline --replica-size 2 --steps 400 --step-ms 15 \
+  --width 128
+kill_newcomer k6.log "k. pp x dp 2 x 2" --pipeline --replica-size 2 --steps 250 --step-ms 15 \
+  --width 128
 # Both holders of stage 1 (rank 1 of each row) killed at once.
 lose_every_holder k4.log "k. stage 1's holders killed" 1 --pipeline --replica-size 2 \
   --steps 400 --step-ms 15 --width 128
@@ -600,6 +637,7 @@ gpt_args=(--ft --pp 2 --dp 2 --layers 2 --dim 32 --heads 2 --context 32 --batch 
   --warmup 5)
 kill_one_rank l.log "l. gpt pp x dp 2 x 2" "${gpt_args[@]}" --steps 200
 kill_ranks_repeatedly l2.log "l. gpt pp x dp 2 x 2" "${gpt_args[@]}" --steps 900
+stop_one_rank l3.log "l. gpt pp x dp 2 x 2" "${gpt_args[@]}" --steps 500
 prog=ft_mlp
 
 finish check_ft
