@@ -636,7 +636,7 @@ prog=gpt
 gpt_args=(--ft --pp 2 --dp 2 --layers 2 --dim 32 --heads 2 --context 32 --batch 8 --chunks 2
   --warmup 5)
 kill_one_rank l.log "l. gpt pp x dp 2 x 2" "${gpt_args[@]}" --steps 200
-kill_ranks_repeatedly l2.log "l. gpt pp x dp 2 x 2" "${gpt_args[@]}" --steps 900
+kill_ranks_repeatedly l2.log "l. gpt pp x dp 2 x 2" "${gpt_args[@]}" --steps 1200
 stop_one_rank l3.log "l. gpt pp x dp 2 x 2" "${gpt_args[@]}" --steps 500
 prog=ft_mlp
 

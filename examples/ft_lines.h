@@ -17,6 +17,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "tandem/ft/manager.h"
 
@@ -74,6 +75,16 @@ inline bool begin_step(tandem::ft::Manager& manager, int64_t& heals) {
                 manager.metrics().last_heal_ms);
   }
   return true;
+}
+
+// --reference's "K1,K2,...": the replicas each committed step had, as the
+// "step S k K" lines of a run say.
+inline std::vector<int> quorum_sizes(const std::string& text) {
+  std::vector<int> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) out.push_back(std::stoi(item));
+  return out;
 }
 
 // The step's outcome: "step ..." when committed, else "failed step ...".

@@ -65,15 +65,12 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 
-#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <map>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -218,7 +215,6 @@ void save_replica(const Config& c, const ft::Manager& manager,
 
 // After a restart of the whole job (--max-restarts): the newest checkpoint's
 // state, and the step and sample stream the Manager resumes from.
-// `replica_size` > 0: an HSDP checkpoint, which must have the same layout.
 // `layout` non-empty: a checkpoint of replicas of several processes, each
 // rank's part under "rank<r>/", which must have been written by the same
 // layout ("hsdp 2", "pipeline 2").
@@ -236,10 +232,7 @@ void resume(const Config& c, ft::Manager& manager, const std::vector<at::Tensor>
 }
 
 int run_reference(const Config& c) {
-  std::vector<int> ks;
-  std::stringstream in(c.reference);
-  std::string item;
-  while (std::getline(in, item, ',')) ks.push_back(std::stoi(item));
+  const std::vector<int> ks = examples::quorum_sizes(c.reference);
   const Data d = make_data(c);
   auto model = make_model(c);
   torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(c.lr));

@@ -14,6 +14,17 @@
 
 namespace gpt {
 
+// The windows of `tokens` starting at `starts`: inputs and the next
+// characters, [starts.size(), context] int64 each.
+inline std::pair<at::Tensor, at::Tensor> windows_at(const at::Tensor& tokens,
+                                                    const std::vector<int64_t>& starts,
+                                                    int64_t context) {
+  const at::Tensor s = at::tensor(starts).view({-1, 1});
+  at::Tensor rows = tokens.index_select(0, (s + at::arange(context + 1)).reshape(-1));
+  rows = rows.view({static_cast<int64_t>(starts.size()), context + 1});
+  return {rows.narrow(1, 0, context), rows.narrow(1, 1, context)};
+}
+
 // This replica's windows of each step: the job's global batch of step s is
 // the sampler's positions [s * b, (s + 1) * b) of every replica's share (b
 // = batch / dp), the epoch changing when a share runs out, so the union
@@ -43,10 +54,7 @@ class Batches {
     }
     const int64_t first = (step % steps_per_epoch_) * per_replica_;
     std::vector<int64_t> starts(indices_.begin() + first, indices_.begin() + first + per_replica_);
-    at::Tensor s = at::tensor(starts).view({-1, 1});
-    at::Tensor rows = tokens_.index_select(0, (s + at::arange(cfg_.context + 1)).reshape(-1));
-    rows = rows.view({per_replica_, cfg_.context + 1});
-    return {rows.narrow(1, 0, cfg_.context), rows.narrow(1, 1, cfg_.context)};
+    return windows_at(tokens_, starts, cfg_.context);
   }
 
  private:

@@ -17,7 +17,6 @@
 // Every rank prints examples/ft_lines.h's lines, and "final step S loss L
 // norm N" (L: the whole model's loss over the first 32 windows; N: its
 // parameters' norm).
-#include <ATen/ops/arange.h>
 #include <ATen/ops/tensor.h>
 #include <torch/optim/adam.h>
 
@@ -25,10 +24,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <sstream>
 #include <thread>
 
 #include "examples/ft_lines.h"
+#include "examples/gpt/batches.h"
 #include "examples/gpt/train.h"
 #include "examples/pipeline_row.h"
 #include "tandem/ft/manager.h"
@@ -39,16 +38,6 @@ namespace gpt {
 namespace {
 
 namespace ft = tandem::ft;
-
-// Windows of the text starting at `starts`: inputs and next characters, [b, context].
-std::pair<at::Tensor, at::Tensor> windows(const examples::Corpus& corpus, const Config& cfg,
-                                          const std::vector<int64_t>& starts) {
-  const at::Tensor s = at::tensor(starts).view({-1, 1});
-  at::Tensor rows =
-      corpus.tokens.index_select(0, (s + at::arange(cfg.context + 1)).reshape(-1));
-  rows = rows.view({static_cast<int64_t>(starts.size()), cfg.context + 1});
-  return {rows.narrow(1, 0, cfg.context), rows.narrow(1, 1, cfg.context)};
-}
 
 int64_t window_count(const examples::Corpus& corpus, const Config& cfg) {
   return corpus.tokens.size(0) - cfg.context;
@@ -82,7 +71,7 @@ void print_final(const Config& cfg, const examples::Corpus& corpus, int64_t step
   model->to(at::kDouble);
   std::vector<int64_t> starts(32);
   for (int64_t i = 0; i < 32; ++i) starts[static_cast<size_t>(i)] = i;
-  auto [x, y] = windows(corpus, cfg, starts);
+  auto [x, y] = windows_at(corpus.tokens, starts, cfg.context);
   at::NoGradGuard no_grad;
   const double l = loss(model->forward(x), y).item<double>();
   double sq = 0;
@@ -140,7 +129,7 @@ int drive_fault_tolerant(const Config& cfg, const examples::Corpus& corpus) {
   while (manager.step() < cfg.steps) {
     if (!examples::begin_step(manager, heals)) return 0;
     at::Tensor x, y;
-    if (rank == 0) std::tie(x, y) = windows(corpus, cfg, manager.batch_indices());
+    if (rank == 0) std::tie(x, y) = windows_at(corpus.tokens, manager.batch_indices(), cfg.context);
     const double l = row.step(manager, x, y);
     std::vector<at::Tensor> grads;
     for (const auto& p : params) grads.push_back(p.grad());
@@ -166,12 +155,13 @@ int drive_fault_tolerant(const Config& cfg, const examples::Corpus& corpus) {
   Named values;
   {
     at::NoGradGuard no_grad;
+    const auto held = stage->module->named_parameters();
     int64_t from = 0;
     for (int s = 0; s < pp; ++s) {
       const int64_t n = counts[static_cast<size_t>(s)];
       Named part = stage_part(whole, from, n);
       for (auto& [name, t] : part) {
-        at::Tensor v = s == rank ? stage->module->named_parameters()[name].detach().clone()
+        at::Tensor v = s == rank ? held[name].detach().clone()
                                  : t.to(at::kDouble).clone();
         manager.replica_group()->broadcast(v, s);
         t = v;
@@ -186,10 +176,7 @@ int drive_fault_tolerant(const Config& cfg, const examples::Corpus& corpus) {
 }
 
 int ft_reference(const Config& cfg, const examples::Corpus& corpus) {
-  std::vector<int> ks;
-  std::stringstream in(cfg.reference);
-  std::string item;
-  while (std::getline(in, item, ',')) ks.push_back(std::stoi(item));
+  const std::vector<int> ks = examples::quorum_sizes(cfg.reference);
   const int64_t V = static_cast<int64_t>(corpus.vocab.size());
   auto model = whole_model(cfg, V, initial_parameters(cfg, V));
   model->to(at::kDouble);
@@ -203,7 +190,7 @@ int ft_reference(const Config& cfg, const examples::Corpus& corpus) {
     for (int r = 0; r < k; ++r) {
       auto starts = ft::sample_stream(window_count(corpus, cfg), static_cast<uint64_t>(cfg.seed),
                                       true, cursor + r * b, b);
-      auto [x, y] = windows(corpus, cfg, starts);
+      auto [x, y] = windows_at(corpus.tokens, starts, cfg.context);
       (loss(model->forward(x), y) / k).backward();
     }
     std::vector<at::Tensor> grads;

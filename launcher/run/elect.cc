@@ -156,11 +156,7 @@ void Launcher::become_coordinator(const std::string& claim, int gen) {
   next_leadership_check_ = Clock::now() + kCoordinatorHeartbeat;
   report("this node's launcher coordinates the job (elected in etcd, generation " +
          std::to_string(gen) + ") on " + options_.master_addr + ":" +
-         std::to_string(options_.master_port) + "; waiting for " +
-         (options_.min_nodes == options_.nnodes
-              ? std::to_string(options_.nnodes)
-              : std::to_string(options_.min_nodes) + " to " + std::to_string(options_.nnodes)) +
-         " node(s)");
+         std::to_string(options_.master_port) + "; waiting for " + nodes_wanted());
   // Where the job stands: a coordinator before this one ran its rounds.
   const std::optional<std::string> state = etcd_->get(etcd_key("state"));
   const std::vector<std::string> w = state ? words_of(*state) : std::vector<std::string>{};
@@ -247,11 +243,10 @@ void Launcher::coordinator_lost(const std::string& why) {
   coordinator_.close();
   coordinator_nonce_.clear();
   joined_ = admitted_ = false;
-  reelect_ = true;
   if (round_active_) {
+    reelect_ = true;  // (once they are gone: local_round_over)
     begin_shutdown(kExitFailure);
   } else {
-    reelect_ = false;
     elect(followed_);
   }
 }

@@ -139,6 +139,8 @@ class Launcher {
   void on_node_lost(int node_rank, const std::string& why);
   // Node 0 and the nodes in the round being run or stopped.
   int nodes_in_round() const;
+  // "--nnodes" as a round waits for: "3 node(s)", "2 to 3 node(s)".
+  std::string nodes_wanted() const;
   void on_coordinator_line(const std::string& line);
   void connect_to_coordinator();
   void maybe_start_round();
@@ -165,6 +167,8 @@ class Launcher {
   void check_leadership(Clock::time_point now);
   // A follower whose coordinator is gone: its workers stopped, it elects anew.
   void coordinator_lost(const std::string& why);
+  // The client for the coordinator's calls from its loop (a short limit).
+  rpc::EtcdClient& loop_etcd();
 
   Options options_;
   int signal_fd_;
@@ -204,7 +208,6 @@ class Launcher {
   std::unique_ptr<rpc::EtcdClient> etcd_;
   // (the coordinator's, for calls from its loop: a short limit)
   std::unique_ptr<rpc::EtcdClient> loop_etcd_;
-  rpc::EtcdClient& loop_etcd();
   std::string followed_, leading_;
   bool reelect_ = false;
   bool etcd_trouble_logged_ = false;

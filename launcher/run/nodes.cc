@@ -49,32 +49,28 @@ constexpr auto kStopLimit = std::chrono::seconds(15);
 int Launcher::run_coordinated() {
   const Clock::time_point now = Clock::now();
   if (elected()) {
-    elect("");  // (node 0 or a follower: elect.cc)
-  } else if (options_.node_rank < 0) {
-    // No --node-rank: node 0 is the launcher that can listen at the
-    // master's address; the others join and are numbered by it.
-    // (in use: node 0 is up; not this host's address: node 0 is elsewhere;
-    // anything else is this host's trouble, thrown as it is)
-    int in_use_or_elsewhere = 0;
-    listen_fd_ = listen_on(options_.master_addr, options_.master_port, &in_use_or_elsewhere);
-    if (listen_fd_ >= 0) options_.node_rank = 0;
-  }
-  if (elected()) {
-    // (elect() made this launcher node 0 or a follower, or ended the job)
-  } else if (options_.node_rank == 0) {
-    if (listen_fd_ < 0) listen_fd_ = listen_on(options_.master_addr, options_.master_port);
-    report("node 0 coordinates the job on " + options_.master_addr + ":" +
-           std::to_string(options_.master_port) + "; waiting for " +
-           (options_.min_nodes == options_.nnodes
-                ? std::to_string(options_.nnodes)
-                : std::to_string(options_.min_nodes) + " to " + std::to_string(options_.nnodes)) +
-           " node(s)");
-    phase_ = Phase::kJoining;
-    joining_since_ = now;
-    maybe_start_round();
+    elect("");  // node 0 or a follower, or the job ended (elect.cc)
   } else {
-    connect_deadline_ = now + std::chrono::seconds(options_.join_timeout_s);
-    next_connect_ = now;
+    if (options_.node_rank < 0) {
+      // No --node-rank: node 0 is the launcher that can listen at the
+      // master's address; the others join and are numbered by it.
+      // (in use: node 0 is up; not this host's address: node 0 is elsewhere;
+      // anything else is this host's trouble, thrown as it is)
+      int in_use_or_elsewhere = 0;
+      listen_fd_ = listen_on(options_.master_addr, options_.master_port, &in_use_or_elsewhere);
+      if (listen_fd_ >= 0) options_.node_rank = 0;
+    }
+    if (options_.node_rank == 0) {
+      if (listen_fd_ < 0) listen_fd_ = listen_on(options_.master_addr, options_.master_port);
+      report("node 0 coordinates the job on " + options_.master_addr + ":" +
+             std::to_string(options_.master_port) + "; waiting for " + nodes_wanted());
+      phase_ = Phase::kJoining;
+      joining_since_ = now;
+      maybe_start_round();
+    } else {
+      connect_deadline_ = now + std::chrono::seconds(options_.join_timeout_s);
+      next_connect_ = now;
+    }
   }
   if (!finished_) node_tick();
   while (!finished_) {
@@ -300,6 +296,13 @@ void Launcher::on_node_line(Node& node, const std::string& line) {
   } else {
     report("unexpected message from " + name + ": " + quoted(line));
   }
+}
+
+std::string Launcher::nodes_wanted() const {
+  return (options_.min_nodes == options_.nnodes
+              ? std::to_string(options_.nnodes)
+              : std::to_string(options_.min_nodes) + " to " + std::to_string(options_.nnodes)) +
+         " node(s)";
 }
 
 int Launcher::nodes_in_round() const {
