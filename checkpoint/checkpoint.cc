@@ -14,7 +14,9 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -307,20 +309,69 @@ RemoteStart start_remote(const std::string& dir, int64_t step,
   // world * (k + 1) + r: numbers no rank needs to ask the others about.
   RemoteStart out;
   out.ranks = world;
+  std::vector<std::optional<RemotePart>> parts(remote.size());
   // All asked at once; the step goes on once every copy is made.
-  for (size_t k = 0; k < remote.size(); ++k) {
-    try {
-      out.started.push_back(remote[k](dir, step, world * (static_cast<int>(k) + 1) + rank));
-    } catch (const std::exception& e) {
-      if (out.error.empty()) out.error = e.what();
+  const auto start = [&](const std::vector<size_t>& which) {
+    for (size_t k : which) {
+      try {
+        parts[k] = remote[k](dir, step, world * (static_cast<int>(k) + 1) + rank);
+      } catch (const std::exception& e) {
+        if (out.error.empty()) out.error = e.what();
+      }
     }
+    for (size_t k : which) {
+      try {
+        if (parts[k]) parts[k]->copied();
+      } catch (const std::exception& e) {
+        if (out.error.empty()) out.error = e.what();
+      }
+    }
+  };
+  std::vector<size_t> all(remote.size());
+  for (size_t k = 0; k < all.size(); ++k) all[k] = k;
+  start(all);
+  // A worker's parts of several moments (a step fell between their
+  // copies) are made again, each once its first write is done, until
+  // they agree.
+  constexpr int kTries = 8;
+  for (int tries = 1; out.error.empty(); ++tries) {
+    std::map<std::string, std::set<int64_t>> moments;
+    for (auto& part : parts) {
+      if (!part || part->where.empty() || !part->moment) continue;
+      try {
+        moments[part->where].insert(part->moment());
+      } catch (const std::exception& e) {
+        if (out.error.empty()) out.error = e.what();
+      }
+    }
+    std::set<std::string> mixed;
+    for (const auto& [where, seen] : moments) {
+      if (seen.size() > 1) mixed.insert(where);
+    }
+    if (mixed.empty() || !out.error.empty()) break;
+    if (tries == kTries) {
+      const auto& seen = moments.at(*mixed.begin());
+      out.error = "checkpoint: steps on " + *mixed.begin() +
+                  " kept falling between the copies of " + "its parts of step " +
+                  std::to_string(step) + " (" + std::to_string(kTries) +
+                  " tries, last at its steps " + std::to_string(*seen.begin()) + " to " +
+                  std::to_string(*seen.rbegin()) + ")";
+      break;
+    }
+    std::vector<size_t> again;
+    for (size_t k = 0; k < parts.size(); ++k) {
+      if (!parts[k] || !mixed.count(parts[k]->where)) continue;
+      try {
+        parts[k]->written();  // (then replaced: one write of a part at a time)
+      } catch (const std::exception&) {
+      }
+      parts[k].reset();
+      again.push_back(k);
+    }
+    start(again);
   }
-  for (auto& part : out.started) {
-    try {
-      part.copied();
-    } catch (const std::exception& e) {
-      if (out.error.empty()) out.error = e.what();
-    }
+  for (auto& part : parts) {
+    if (part) out.started.push_back(std::move(*part));
   }
   return out;
 }

@@ -105,9 +105,19 @@ void save(const std::string& dir, int64_t step, const Part& mine, const SaveOpti
 // `dir`'s step in the background. copied() blocks until the copy is made
 // (so the state may change after it), written() until the part is durable,
 // and answers its index; both throw the worker's error.
+//
+// A worker whose steps update the state in place (an optimizer owner's
+// parameters and optimizer state) copies each part in one moment, but
+// several parts in several calls, between which a step can fall (another
+// client's). Such a part names the worker (`where`) and answers, once
+// copied, the moment of its copy (`moment`: the steps that worker had
+// taken); save_parts writes a worker's parts again, all of them, until
+// they are of one moment. Empty / null: a part with no such worker.
 struct RemotePart {
   std::function<void()> copied;
   std::function<std::string()> written;
+  std::string where;
+  std::function<int64_t()> moment;
 };
 using RemotePartWriter = std::function<RemotePart(const std::string& dir, int64_t step, int part)>;
 

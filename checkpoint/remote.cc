@@ -16,6 +16,7 @@
 #include <mutex>
 #include <optional>
 #include <stdexcept>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -71,55 +72,65 @@ class PartService final : public rpc::AgentExtension {
   void register_handlers(rpc::Registry& internal) override {
     // The copies are made in the call (the caller's step); the writes go
     // on on threads of their own, collected by "written".
-    internal.def("tandem.checkpoint.copy_module",
-                 [this](c10::IValue m, std::string dir, int64_t step, int64_t part,
-                        std::string prefix, int64_t first_layer) {
-                   auto s = served(m, "checkpoint: saving '" + prefix + "'");
-                   auto mine = std::make_shared<Part>();  // copies now
-                   // (between this worker's optimizer steps, which update
-                   // the parameters in place: one moment's values)
-                   optim::owner::OptimService::of(agent_)->between_steps([&] {
-                     for (const auto& [name, t] : saved_names(*s, prefix, first_layer)) {
-                       add_tensor(*mine, name, t);  // (a piece as slices of the whole)
-                     }
-                   });
-                   return start_write(dir, step, part, [mine] { return std::move(*mine); });
-                 });
-    internal.def("tandem.checkpoint.copy_optimizer",
-                 [this](int64_t id, std::string dir, int64_t step, int64_t part, std::string prefix,
-                        std::vector<std::string> names) {
-                   // The state copied now; made into bytes on the writer's thread.
-                   // A piece of a larger parameter (placement.h) is written as
-                   // slices of the whole one's state, the piece that starts
-                   // the split dimension recording its shape.
-                   // Each snapshot's entry name, in the order they are made.
-                   auto entries = std::make_shared<std::vector<std::string>>();
-                   auto shapes = std::make_shared<std::vector<std::pair<std::string, std::string>>>();
-                   using Ranges = std::vector<std::pair<int64_t, int64_t>>;
-                   auto copies = std::make_shared<std::vector<optim::owner::OptimService::CutSnapshot>>(
-                       optim::owner::OptimService::of(agent_)->param_state_snapshots(
-                           id, [&](size_t i, const at::Tensor& p) -> std::optional<Ranges> {
-                             const std::string name = prefix + "/" + names.at(i);  // (a bad name fails here)
-                             std::string shape;
-                             const auto cuts = piece_cuts(name, p, &shape);
-                             if (cuts.empty()) return std::nullopt;  // (another copy's)
-                             Ranges ranges;
-                             for (const PieceCut& c : cuts) {
-                               entries->push_back(c.entry);
-                               if (c.numel >= 0) ranges.emplace_back(c.start, c.numel);
-                             }
-                             if (!shape.empty()) shapes->emplace_back(shape_name(name), shape);
-                             return ranges;
-                           }));
-                   return start_write(dir, step, part, [copies, entries, shapes] {
-                     Part mine;
-                     for (size_t k = 0; k < copies->size(); ++k) {
-                       mine.add_bytes(entries->at(k), (*copies)[k].make());
-                     }
-                     for (const auto& [name, text] : *shapes) mine.add_bytes(name, text);
-                     return mine;
-                   });
-                 });
+    internal.def("tandem.checkpoint.copy_module", [this](c10::IValue m, std::string dir,
+                                                         int64_t step, int64_t part,
+                                                         std::string prefix, int64_t first_layer) {
+      auto s = served(m, "checkpoint: saving '" + prefix + "'");
+      auto mine = std::make_shared<Part>();  // copies now
+      // (between this worker's optimizer steps, which update
+      // the parameters in place: one moment's values)
+      const int64_t moment = optim::owner::OptimService::of(agent_)->between_steps([&] {
+        for (const auto& [name, t] : saved_names(*s, prefix, first_layer)) {
+          add_tensor(*mine, name, t);  // (a piece as slices of the whole)
+        }
+      });
+      return std::make_tuple(start_write(dir, step, part, [mine] { return std::move(*mine); }),
+                             moment);
+    });
+    internal.def("tandem.checkpoint.copy_optimizer", [this](int64_t id, std::string dir,
+                                                            int64_t step, int64_t part,
+                                                            std::string prefix,
+                                                            std::vector<std::string> names) {
+      // The state copied now; made into bytes on the writer's thread.
+      // A piece of a larger parameter (placement.h) is written as
+      // slices of the whole one's state, the piece that starts
+      // the split dimension recording its shape.
+      // Each snapshot's entry name, in the order they are made.
+      auto entries = std::make_shared<std::vector<std::string>>();
+      auto shapes = std::make_shared<std::vector<std::pair<std::string, std::string>>>();
+      using Ranges = std::vector<std::pair<int64_t, int64_t>>;
+      auto copies = std::make_shared<std::vector<optim::owner::OptimService::CutSnapshot>>();
+      auto service = optim::owner::OptimService::of(agent_);
+      // (between steps too: of the same moment as the module's copy, or told apart)
+      const int64_t moment = service->between_steps([&] {
+        *copies = service->param_state_snapshots(
+            id, [&](size_t i, const at::Tensor& p) -> std::optional<Ranges> {
+              const std::string name = prefix + "/" + names.at(i);  // (a bad name fails here)
+              std::string shape;
+              const auto cuts = piece_cuts(name, p, &shape);
+              if (cuts.empty()) return std::nullopt;  // (another copy's)
+              Ranges ranges;
+              for (const PieceCut& c : cuts) {
+                entries->push_back(c.entry);
+                if (c.numel >= 0) ranges.emplace_back(c.start, c.numel);
+              }
+              if (!shape.empty()) shapes->emplace_back(shape_name(name), shape);
+              return ranges;
+            });
+      });
+      return std::make_tuple(start_write(dir, step, part,
+                                         [copies, entries, shapes] {
+                                           Part mine;
+                                           for (size_t k = 0; k < copies->size(); ++k) {
+                                             mine.add_bytes(entries->at(k), (*copies)[k].make());
+                                           }
+                                           for (const auto& [name, text] : *shapes) {
+                                             mine.add_bytes(name, text);
+                                           }
+                                           return mine;
+                                         }),
+                             moment);
+    });
     // The part's index once durable (else its error): by a module's RRef,
     // or by the owner's name.
     internal.def("tandem.checkpoint.written",
@@ -127,8 +138,8 @@ class PartService final : public rpc::AgentExtension {
     internal.def("tandem.checkpoint.written_at", [this](std::string key) { return written(key); });
 
     internal.def("tandem.checkpoint.load_module", [this](c10::IValue m, std::string path,
-                                                     std::string prefix, int64_t first_layer,
-                                                     bool check_only) {
+                                                         std::string prefix, int64_t first_layer,
+                                                         bool check_only) {
       auto s = served(m, "checkpoint: loading '" + prefix + "'");
       Reader reader(path);
       const Slices slices(reader);  // (whole, or in an FSDP job's slices)
@@ -283,6 +294,10 @@ const bool kRegistered = [] {
   return true;
 }();
 
+// What a copy answers: its write's key (for "written"), and the moment of
+// the copy on its worker (OptimService::between_steps).
+using KeyAndMoment = std::tuple<std::string, int64_t>;
+
 // The names of an owner's parameters, in its order.
 std::vector<std::string> names_of(const optim::DistributedOptimizer::OwnerPart& part,
                                   const std::vector<std::string>& names) {
@@ -297,14 +312,16 @@ RemotePart save_module_part(const nn::RemoteModule& m, const std::string& dir, i
                             int part, const std::string& prefix, int64_t first_layer) {
   (void)kRegistered;
   const rpc::RRef<c10::IValue> module = m.get_module_rref();
-  auto key = std::make_shared<rpc::Future<std::string>>(module.rpc_async<std::string>(
+  auto key = std::make_shared<rpc::Future<KeyAndMoment>>(module.rpc_async<KeyAndMoment>(
       "tandem.checkpoint.copy_module", dir, step, static_cast<int64_t>(part), prefix, first_layer));
   // (a large part on slow storage may take longer than any call's timeout)
   return {[key] { key->wait(); },
           [module, key] {
             return module.rpc_sync<std::string>(rpc::CallOptions{rpc::kNoTimeout},
-                                                "tandem.checkpoint.written", key->wait());
-          }};
+                                                "tandem.checkpoint.written",
+                                                std::get<0>(key->wait()));
+          },
+          module.owner_name(), [key] { return std::get<1>(key->wait()); }};
 }
 
 RemotePartWriter module_writer(const nn::RemoteModule& m, const std::string& prefix,
@@ -341,9 +358,9 @@ std::vector<RemotePartWriter> optimizer_writers(const optim::DistributedOptimize
     out.push_back([weak, owner, id, mine, prefix](const std::string& dir, int64_t step, int n) {
       auto a = weak.lock();
       if (!a) throw std::runtime_error("checkpoint: the optimizer's agent is gone");
-      auto key = std::make_shared<rpc::Future<std::string>>(
-          a->rpc_async<std::string>(owner, "tandem.checkpoint.copy_optimizer", id, dir, step,
-                                    static_cast<int64_t>(n), prefix, mine));
+      auto key = std::make_shared<rpc::Future<KeyAndMoment>>(
+          a->rpc_async<KeyAndMoment>(owner, "tandem.checkpoint.copy_optimizer", id, dir, step,
+                                     static_cast<int64_t>(n), prefix, mine));
       return RemotePart{[key] { key->wait(); },
                         [weak, owner, key] {
                           auto b = weak.lock();
@@ -351,8 +368,9 @@ std::vector<RemotePartWriter> optimizer_writers(const optim::DistributedOptimize
                             throw std::runtime_error("checkpoint: the optimizer's agent is gone");
                           return b->rpc_sync<std::string>(rpc::CallOptions{rpc::kNoTimeout}, owner,
                                                           "tandem.checkpoint.written_at",
-                                                          key->wait());
-                        }};
+                                                          std::get<0>(key->wait()));
+                        },
+                        owner, [key] { return std::get<1>(key->wait()); }};
     });
   }
   return out;

@@ -106,6 +106,10 @@ void OptimService::step(int64_t id, uint64_t context_id) {
   }
   autograd::Gradients grads = autograd::get_gradients(agent_, context_id);
   std::shared_lock<std::shared_mutex> writing(params_mu_);  // (between_steps waits)
+  struct Counted {  // (destroyed before `writing`: a failed step may have moved some)
+    std::atomic<int64_t>& n;
+    ~Counted() { n.fetch_add(1); }
+  } counted{steps_taken_};
   std::lock_guard<std::mutex> lock(local->mu);  // steps on one optimizer are serialized
   // So are steps of different optimizers here: they may share parameters
   // (two trainers' optimizers over one parameter server's table), and a
@@ -135,9 +139,10 @@ void OptimService::step(int64_t id, uint64_t context_id) {
   restore(local->params, saved);
 }
 
-void OptimService::between_steps(const std::function<void()>& fn) {
+int64_t OptimService::between_steps(const std::function<void()>& fn) {
   std::unique_lock<std::shared_mutex> no_step(params_mu_);
   fn();
+  return steps_taken_.load();
 }
 
 void OptimService::set_lr(int64_t id, double lr) {
@@ -217,7 +222,7 @@ std::pair<Kind, std::vector<std::vector<int64_t>>> OptimService::layout(int64_t 
 }
 
 std::vector<OptimService::CutSnapshot> OptimService::param_state_snapshots(int64_t id,
-                                                                          const Cut& cut) {
+                                                                           const Cut& cut) {
   auto local = find(id);
   std::lock_guard<std::mutex> lock(local->mu);
   torch::optim::Optimizer* optimizer = keeper(*local);
@@ -232,9 +237,8 @@ std::vector<OptimService::CutSnapshot> OptimService::param_state_snapshots(int64
       out.push_back({i, 0, -1, optimizer ? param_state_snapshot(*optimizer, p) : none});
     }
     for (const auto& [start, numel] : ranges) {
-      out.push_back(
-          {i, start, numel,
-           optimizer ? param_state_slice_snapshot(*optimizer, p, start, numel) : none});
+      out.push_back({i, start, numel,
+                     optimizer ? param_state_slice_snapshot(*optimizer, p, start, numel) : none});
     }
   }
   return out;

@@ -19,6 +19,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -90,9 +91,8 @@ class OptimService final : public rpc::AgentExtension,
     int64_t start = 0, numel = -1;
     std::function<std::string()> make;
   };
-  using Cut =
-      std::function<std::optional<std::vector<std::pair<int64_t, int64_t>>>(size_t,
-                                                                           const at::Tensor&)>;
+  using Cut = std::function<std::optional<std::vector<std::pair<int64_t, int64_t>>>(
+      size_t, const at::Tensor&)>;
   std::vector<CutSnapshot> param_state_snapshots(int64_t id, const Cut& cut);
   // Its parameters (in its params' order).
   std::vector<at::Tensor> params(int64_t id);
@@ -123,8 +123,11 @@ class OptimService final : public rpc::AgentExtension,
   // Runs `fn` while no optimizer of this worker steps (a step begun
   // finishes first; the next waits for fn): a copy of parameters that
   // steps update in place, a module's for a checkpoint, is then one
-  // moment's values, never half a step's (checkpoint/remote.cc).
-  void between_steps(const std::function<void()>& fn);
+  // moment's values, never half a step's (checkpoint/remote.cc). Answers
+  // that moment: how many steps this worker had taken (its optimizers'
+  // together, failed ones too), so that copies made in several calls can
+  // be told apart when a step fell between them.
+  int64_t between_steps(const std::function<void()>& fn);
 
  private:
   struct Local;
@@ -139,6 +142,7 @@ class OptimService final : public rpc::AgentExtension,
   std::mutex step_mu_;  // one step at a time on this worker (after a Local's mu)
   // Held shared by every step (before a Local's mu), by between_steps alone.
   std::shared_mutex params_mu_;
+  std::atomic<int64_t> steps_taken_{0};  // (counted before a step lets params_mu_ go)
   std::map<int64_t, std::shared_ptr<Local>> optimizers_;
   bool closed_ = false;
 };

@@ -3,6 +3,7 @@
 // also on other owners; with a process group, every rank's remote parts
 // are numbered after the ranks'; what does not fit is refused by name with
 // nothing loaded, and a failed remote write commits nothing.
+#include <ATen/ops/full.h>
 #include <ATen/ops/randn.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
@@ -275,6 +276,104 @@ TEST_CASE("checkpoint: pipeline stages saved by the model's layer indices load i
   CHECK(error_of([&] {
           checkpoint::save_job(dir.path, 2, wrong);
         }).find("'weight' of Linear has no leading layer index") != std::string::npos);
+}
+
+// A writer of one part on "worker" (written here), its moments scripted:
+// the k-th time it is asked answers moments[min(k, size - 1)], and writes
+// the number of that try as "<name>".
+checkpoint::RemotePartWriter scripted(const std::string& name, const std::string& worker,
+                                      std::vector<int64_t> moments, std::shared_ptr<int> tries) {
+  return [=](const std::string& dir, int64_t step, int part) {
+    const int k = (*tries)++;
+    checkpoint::Part p;
+    p.add(name, at::full({1}, static_cast<double>(k), at::kDouble));
+    const std::string index = checkpoint::write_part(dir, step, part, p);
+    const int64_t moment = moments.at(std::min<size_t>(k, moments.size() - 1));
+    return checkpoint::RemotePart{[] {}, [index] { return index; }, worker,
+                                  [moment] { return moment; }};
+  };
+}
+
+TEST_CASE(
+    "checkpoint: a worker's parts copied at several moments are made again until they agree") {
+  TempDir dir;
+  checkpoint::Part mine;
+  mine.add("x", at::ones({1}));
+  auto ta = std::make_shared<int>(0), tb = std::make_shared<int>(0), tc = std::make_shared<int>(0);
+  // a and b on one worker: a step fell between them twice; c alone on another.
+  checkpoint::save_parts(dir.path, 1, mine,
+                         {scripted("a", "w1", {5, 7, 9}, ta), scripted("b", "w1", {6, 8, 9}, tb),
+                          scripted("c", "w2", {3, 4}, tc)});
+  CHECK(*ta == 3);
+  CHECK(*tb == 3);
+  CHECK(*tc == 1);  // (one part: nothing to agree with)
+  checkpoint::Reader r(checkpoint::latest(dir.path)->path);
+  CHECK(r.tensor("a").item<double>() == 2);  // the parts of the third try
+  CHECK(r.tensor("b").item<double>() == 2);
+  CHECK(r.tensor("c").item<double>() == 0);
+
+  // Moments that never agree: the save fails by name, committing nothing.
+  auto tx = std::make_shared<int>(0), ty = std::make_shared<int>(0);
+  const std::string error = error_of([&] {
+    checkpoint::save_parts(dir.path, 2, mine,
+                           {scripted("x", "w3", {1, 3, 5, 7, 9, 11, 13, 15, 17}, tx),
+                            scripted("y", "w3", {2, 4, 6, 8, 10, 12, 14, 16, 18}, ty)});
+  });
+  CAPTURE(error);
+  CHECK(error.find("steps on w3 kept falling between the copies of its parts of step 2 (8 tries, "
+                   "last at its steps 15 to 16)") != std::string::npos);
+  CHECK(*tx == 8);
+  CHECK(*ty == 8);
+  CHECK(checkpoint::latest(dir.path)->step == 1);
+}
+
+TEST_CASE(
+    "checkpoint: a module and its optimizer's state are of one moment while another client "
+    "steps") {
+  // Adam on a constant gradient moves every weight by lr each step (its
+  // bias-corrected update is g / |g|): the saved weights tell how many steps
+  // the module's copy saw, the saved state's step count how many the
+  // optimizer state's copy saw. A step between the two copies would make
+  // them differ by one.
+  World w(2);
+  TempDir dir;
+  nn::RemoteModule a(w[0], "rank:1/cpu", "Linear", {512, 1024});  // (2 MiB of weight)
+  const at::Tensor first = a.state_dict().at("weight");
+  optim::Options o;
+  o.lr = 1e-3;
+  optim::DistributedOptimizer opt(w[0], optim::Kind::kAdam, a.remote_parameters(), o);
+  std::atomic<bool> done{false};
+  std::atomic<int> steps{0};
+  std::thread trainer([&] {
+    const at::Tensor x = at::ones({1, 512});
+    while (!done.load()) {
+      autograd::Context ctx(w[0]);
+      autograd::backward(w[0], ctx.id(), {a.forward(x).sum()});
+      opt.step(ctx.id());
+      steps.fetch_add(1);
+    }
+  });
+  int saves = 0;
+  for (; saves < 30 || steps.load() < 10; ++saves) {
+    checkpoint::JobState state;
+    state.remote_module("a", a).distributed_optimizer("adam", opt, {"weight", "bias"});
+    checkpoint::save_job(dir.path, saves + 1, state);
+    checkpoint::Reader r(checkpoint::latest(dir.path)->path);
+    const double moved = (first - r.tensor("a.weight")).mean().item<double>() / o.lr;
+    at::Tensor stand_in = at::zeros({1024, 512}).requires_grad_();
+    torch::optim::Adam adam({stand_in}, torch::optim::AdamOptions(o.lr));
+    optim::load_param_state(adam, stand_in, r.bytes("adam/weight"));
+    const int64_t state_steps =
+        adam.state().empty()
+            ? 0
+            : static_cast<torch::optim::AdamParamState&>(*adam.state().begin()->second).step();
+    CAPTURE(saves);
+    CHECK(std::abs(moved - static_cast<double>(state_steps)) < 0.25);
+    if (saves > 200) break;
+  }
+  done = true;
+  trainer.join();
+  MESSAGE(saves << " saves beside " << steps.load() << " steps");
 }
 
 TEST_CASE(
