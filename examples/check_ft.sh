@@ -479,17 +479,20 @@ fi
 # Two replicas of two processes each (ranks 0-1 and 2-3).
 # kill_one_rank LOG WHAT ARGS...: a random rank killed at a random step. Its
 # replica sits out (the other trains alone) until the replacement is back;
-# then the replacement, and its partner (alive, but behind), are healed from
-# the other replica's same ranks.
+# then the replacement, and its partners (alive, but behind), are healed from
+# the other replica's same ranks. With row=N set, two replicas of N
+# processes each.
 kill_one_rank() {
-  local log=$1 what=$2 victim=$((RANDOM % 4)) at=$((20 + RANDOM % 40))
+  local log=$1 what=$2 rs=${row:-2} at=$((20 + RANDOM % 40)) victim r first
+  local n=$((2 * rs))
+  victim=$((RANDOM % n)) first=$((victim / rs * rs))
   shift 2
-  start "$log" 4 --replace-failed 3 -- "$@"
+  start "$log" "$n" --replace-failed 3 -- "$@"
   after "$log" "$at"
   kill -KILL "$(ft_pid "$tag" "$victim")"
-  verdict "$what: rank $victim killed after step $at" "$log" 4 "$@" && {
+  verdict "$what: rank $victim killed after step $at" "$log" "$n" "$@" && {
     grep -q " k 1 " "$log" || fail "$what: the other replica did not train alone"
-    for r in "$victim" $((victim ^ 1)); do
+    for ((r = first; r < first + rs; ++r)); do
       grep -q "^\[$r\]: healed bytes" <(grep -A1000 "starting it again" "$log") ||
         fail "$what: rank $r (the killed rank's replica) was not healed"
     done
@@ -502,9 +505,9 @@ kill_one_rank() {
 # since the kill): a stage's holders all killed at once is f's case, not
 # this one.
 kill_ranks_repeatedly() {
-  local log=$1 what=$2 kills=0 mark=1 n pid
+  local log=$1 what=$2 kills=0 mark=1 n pid procs=$((2 * ${row:-2}))
   shift 2
-  start "$log" 4 --replace-failed 40 -- "$@"
+  start "$log" "$procs" --replace-failed 40 -- "$@"
   after "$log" 5
   while kill -0 "$job" 2>/dev/null; do
     sleep "$(awk -v m=$((2000 + RANDOM % 1000)) 'BEGIN { print m / 1000 }')"
@@ -516,12 +519,12 @@ kill_ranks_repeatedly() {
     done
     grep -q "final step" "$log" && break
     mark=$(($(wc -l <"$log") + 1))
-    pid=$(ft_pid "$tag" $((RANDOM % 4)))
+    pid=$(ft_pid "$tag" $((RANDOM % procs)))
     [[ -n $pid ]] && kill -KILL "$pid" 2>/dev/null && kills=$((kills + 1))
   done
   wait "$job"
   job_rc=$? job=""
-  verdict "$what: $kills ranks killed, one every 2 to 3 s" "$log" 4 "$@"
+  verdict "$what: $kills ranks killed, one every 2 to 3 s" "$log" "$procs" "$@"
   ((kills >= 5)) || fail "$what: only $kills kills: the job ended too soon to test repeated failures"
 }
 
@@ -529,15 +532,16 @@ kill_ranks_repeatedly() {
 # longer than the heartbeat timeout: its replica sits out; let go, the rank
 # and its partner are healed and train on (no replacement is started).
 stop_one_rank() {
-  local log=$1 what=$2 victim=$((RANDOM % 4)) pid
+  local log=$1 what=$2 procs=$((2 * ${row:-2})) victim pid
+  victim=$((RANDOM % procs))
   shift 2
-  start "$log" 4 --replace-failed 0 -- "$@"
+  start "$log" "$procs" --replace-failed 0 -- "$@"
   after "$log" 20
   pid=$(ft_pid "$tag" "$victim")
   kill -STOP "$pid"
   sleep 4
   kill -CONT "$pid"
-  verdict "$what: rank $victim stopped for 4 s" "$log" 4 "$@" && {
+  verdict "$what: rank $victim stopped for 4 s" "$log" "$procs" "$@" && {
     grep -q " k 1 " "$log" || fail "$what: the other replica did not train alone"
     (($(grep -c "^\[$victim\]: healed bytes" "$log") >= 1)) ||
       fail "$what: rank $victim was not healed after it was let go"
@@ -631,13 +635,18 @@ restart_after_spent k3.log 4 3 "k. pp x dp: the replacements spent, the job rest
 
 # l. gpt --ft: the demo's model as pp x dp 2 x 2 under the Manager (each
 # row a replica; float64, so that gpt --reference ends on the same
-# parameters to 1e-5).
+# parameters to 1e-5), and as pp x tp x dp 2 x 2 x 2.
 prog=gpt
 gpt_args=(--ft --pp 2 --dp 2 --layers 2 --dim 32 --heads 2 --context 32 --batch 8 --chunks 2
   --warmup 5)
 kill_one_rank l.log "l. gpt pp x dp 2 x 2" "${gpt_args[@]}" --steps 200
 kill_ranks_repeatedly l2.log "l. gpt pp x dp 2 x 2" "${gpt_args[@]}" --steps 1200
 stop_one_rank l3.log "l. gpt pp x dp 2 x 2" "${gpt_args[@]}" --steps 500
+# With tensor-parallel ranks in the rows: pp x tp x dp 2 x 2 x 2 (rows of 4).
+row=4 kill_one_rank l4.log "l. gpt pp x tp x dp 2 x 2 x 2" "${gpt_args[@]}" --tp 2 --steps 120
+row=4 kill_ranks_repeatedly l5.log "l. gpt pp x tp x dp 2 x 2 x 2" "${gpt_args[@]}" --tp 2 \
+  --steps 600
+row=4 stop_one_rank l6.log "l. gpt pp x tp x dp 2 x 2 x 2" "${gpt_args[@]}" --tp 2 --steps 250
 prog=ft_mlp
 
 finish check_ft

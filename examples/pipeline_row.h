@@ -1,9 +1,14 @@
-// A pipeline row as one replica of a tandem::ft::Manager job (pp x dp):
-// the row's processes each hold one stage, built locally before the first
-// quorum (so that the Manager has each rank's state to heal and compare),
-// and rank 0 drives a tandem::pipeline::Pipe over them. The Pipe's stages
-// talk over RPC; the row's agent is made anew with each quorum over keys of
-// its own (Manager::replica_store), since the quorum's processes change.
+// A pipeline row as one replica of a tandem::ft::Manager job (pp x dp, and
+// pp x tp x dp): the row's processes each hold one stage, or one
+// tensor-parallel rank's split of one, built locally before the first
+// quorum (so that the Manager has each rank's state to heal and compare).
+// With tp ranks a stage, replica rank r holds stage r / tp as its tp rank
+// r % tp; the row's first tp ranks each drive a tandem::pipeline::Pipe
+// over the stages of their tp rank (so a stage's tp ranks run the same
+// passes in the same order and meet in their collectives). The Pipes'
+// stages talk over RPC; the row's agent, and each stage's tp group, are
+// made anew with each quorum over keys of its own (Manager::replica_store,
+// replica_subgroup), since the quorum's processes change.
 // Shared by ft_mlp --pipeline and gpt --ft.
 //
 //   PipelineRow row(stage_params, "my.stage", pipe_options);   // the factory serves this
@@ -11,7 +16,7 @@
 //   ...
 //   while (...) {
 //     manager.start_step();
-//     const double loss = row.step(manager, x, y);  // every rank; x, y read on rank 0
+//     const double loss = row.step(manager, x, y);  // every rank; x, y read on the drivers
 //     ... manager.allreduce_grads(stage grads); manager.should_commit() ...
 //   }
 //   row.close(/*graceful=*/true);
@@ -42,13 +47,21 @@ class PipelineRow {
  public:
   // `params`: this rank's stage's parameters, whose .grad a step fills.
   // `factory`: the name (nn::register_factory) under which this process
-  // serves its stage, the same module each time. The agent's calls and
-  // the pipe's passes wait at most `timeout`.
+  // serves its stage. The agent's calls and the pipe's passes wait at most
+  // `timeout`. With `tp` > 1, each stage's tp group is registered on the
+  // row's agent as `tp_group` (ddp::find_group) before any driver asks for
+  // a stage, and `live` answers the tensors the served stage computes
+  // with, in the order of `params` (a stage made by the factory in each
+  // quorum over the group, sharing its parameters' storage with `params`).
   PipelineRow(std::vector<at::Tensor> params, std::string factory,
-              tandem::pipeline::PipeOptions options, std::chrono::milliseconds timeout)
+              tandem::pipeline::PipeOptions options, std::chrono::milliseconds timeout, int tp = 1,
+              std::string tp_group = "", std::function<std::vector<at::Tensor>()> live = {})
       : params_(std::move(params)),
         factory_(std::move(factory)),
         options_(std::move(options)),
+        tp_(tp),
+        tp_group_name_(std::move(tp_group)),
+        live_(std::move(live)),
         registry_(std::make_shared<tandem::rpc::Registry>()) {
     options_.timeout = timeout;
     agent_options_.init_timeout = timeout;
@@ -70,13 +83,23 @@ class PipelineRow {
     close(false);
     rank_ = m.replica_rank();
     size_ = m.replica_size();
+    if (tp_ > 1) {
+      const int stage = rank_ / tp_;
+      std::vector<int> ranks;
+      for (int t = 0; t < tp_; ++t) ranks.push_back(stage * tp_ + t);
+      tp_group_ = m.replica_subgroup("tp" + std::to_string(stage), ranks);
+    }
     agent_options_.name = "stage" + std::to_string(rank_);
     agent_options_.rank = rank_;
     agent_options_.world_size = size_;
     agent_ = tandem::rpc::Agent::create(agent_options_, registry_, m.replica_store("rpc"));
-    if (rank_ != 0) return;
-    for (int s = 0; s < size_; ++s) {
-      stages_.emplace_back(*agent_, "stage" + std::to_string(s) + "/cpu", factory_);
+    if (tp_ > 1) {
+      tandem::ddp::register_group(*agent_, tp_group_name_, tp_group_);
+      m.replica_group()->barrier();  // (every rank's group there before a stage is asked for)
+    }
+    if (rank_ >= tp_) return;
+    for (int s = 0; s < size_ / tp_; ++s) {
+      stages_.emplace_back(*agent_, "stage" + std::to_string(s * tp_ + rank_) + "/cpu", factory_);
     }
     pipe_ = std::make_unique<tandem::pipeline::Pipe>(*agent_, stages_, options_);
   }
@@ -85,6 +108,10 @@ class PipelineRow {
   void close(bool graceful) {
     pipe_.reset();
     stages_.clear();
+    if (tp_group_) {
+      if (!graceful) tp_group_->abandon();
+      tp_group_.reset();
+    }
     if (!agent_) return;
     try {
       agent_->shutdown(graceful);
@@ -112,24 +139,29 @@ class PipelineRow {
       ready = false;
       m.report_error(e.what());
     }
-    at::Tensor told = at::zeros({2}, at::kDouble);  // went well, the loss
-    if (rank_ == 0 && ready) {
+    // Summed over the row: the drivers that failed, and the loss (rank 0's).
+    at::Tensor told = at::zeros({2}, at::kDouble);
+    bool failed = !ready;
+    if (failed) told[0].fill_(1.0);
+    if (rank_ < tp_ && ready) {  // a driver
       try {
         tandem::autograd::Context ctx(*agent_);
         const double loss = pipe_->step(ctx.id(), x, y);
-        for (int s = 1; s < size_; ++s) {
-          agent_->rpc_sync("stage" + std::to_string(s), "pipeline_row.take_grads",
+        for (int s = 1; s < size_ / tp_; ++s) {
+          agent_->rpc_sync("stage" + std::to_string(s * tp_ + rank_), "pipeline_row.take_grads",
                            static_cast<int64_t>(ctx.id()));
         }
         take_grads(*agent_, ctx.id());
-        told = at::tensor({1.0, loss}, at::kDouble);
+        if (rank_ == 0) told[1].fill_(loss);
       } catch (const std::exception& e) {
+        failed = true;
+        told[0].fill_(1.0);
         m.report_error(e.what());
       }
     }
     try {
-      m.replica_group()->broadcast(told, 0);
-      if (rank_ != 0 && told[0].item<double>() != 1.0) m.report_error("the row's step failed");
+      m.replica_group()->all_reduce(told);
+      if (!failed && told[0].item<double>() != 0) m.report_error("the row's step failed");
     } catch (const std::exception& e) {
       m.report_error(e.what());
     }
@@ -143,14 +175,20 @@ class PipelineRow {
   // This stage's gradients in the step's distributed autograd context, onto .grad.
   void take_grads(tandem::rpc::Agent& agent, uint64_t context) {
     const auto grads = tandem::autograd::get_gradients(agent, context);
-    for (auto& p : params_) {
-      p.mutable_grad() = grads.contains(p) ? grads.at(p).clone() : at::zeros_like(p);
+    const std::vector<at::Tensor> live = live_ ? live_() : params_;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const at::Tensor& p = live.at(i);
+      params_[i].mutable_grad() = grads.contains(p) ? grads.at(p).clone() : at::zeros_like(p);
     }
   }
 
   std::vector<at::Tensor> params_;
   std::string factory_;
   tandem::pipeline::PipeOptions options_;
+  int tp_;
+  std::string tp_group_name_;
+  std::function<std::vector<at::Tensor>()> live_;
+  std::shared_ptr<tandem::ddp::ProcessGroup> tp_group_;  // this stage's, in this quorum
   tandem::rpc::AgentOptions agent_options_;
   std::shared_ptr<tandem::rpc::Registry> registry_;
   int rank_ = 0, size_ = 1;

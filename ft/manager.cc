@@ -29,6 +29,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <exception>
 
@@ -152,10 +153,9 @@ Manager::Manager(ManagerOptions options, State state)
             std::to_string(round ? std::atoll(round) : 0);
   const std::string& prefix = prefix_;
   store_ = c10::make_intrusive<c10d::PrefixStore>(prefix, connect());
-  heartbeat_ =
-      std::make_shared<Heartbeat>(c10::make_intrusive<c10d::PrefixStore>(prefix, connect()), proc_,
-                                  max_ * size_, options_.heartbeat_interval,
-                                  options_.heartbeat_timeout, size_);
+  heartbeat_ = std::make_shared<Heartbeat>(
+      c10::make_intrusive<c10d::PrefixStore>(prefix, connect()), proc_, max_ * size_,
+      options_.heartbeat_interval, options_.heartbeat_timeout, size_);
   options_.connect = [connect, prefix] {
     return c10::intrusive_ptr<c10d::Store>(
         c10::make_intrusive<c10d::PrefixStore>(prefix, connect()));
@@ -188,13 +188,46 @@ c10::intrusive_ptr<c10d::Store> Manager::replica_store(const std::string& name) 
     throw std::logic_error("ft::Manager::replica_store: outside a quorum (call it in on_quorum)");
   }
   if (name.empty() || name.find('/') != std::string::npos) {
-    throw std::invalid_argument("ft::Manager::replica_store: the name must be non-empty, without '/'"
-                                " (got '" + name + "')");
+    throw std::invalid_argument(
+        "ft::Manager::replica_store: the name must be non-empty, without '/'"
+        " (got '" +
+        name + "')");
   }
   return c10::make_intrusive<WatchedStore>(
       c10::make_intrusive<c10d::PrefixStore>(replica_prefix_ + "own/" + name + "/",
                                              options_.connect()),
       stalled_);
+}
+
+std::shared_ptr<ddp::ProcessGroup> Manager::replica_subgroup(const std::string& name,
+                                                             const std::vector<int>& ranks) const {
+  std::string bad;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (ranks[i] < 0 || ranks[i] >= size_ ||
+        std::find(ranks.begin(), ranks.begin() + static_cast<long>(i), ranks[i]) !=
+            ranks.begin() + static_cast<long>(i)) {
+      bad = "rank " + std::to_string(ranks[i]) + " is not a replica rank (0 to " +
+            std::to_string(size_ - 1) + ") or is given twice";
+      break;
+    }
+  }
+  const auto me = std::find(ranks.begin(), ranks.end(), rank_);
+  if (bad.empty() && me == ranks.end()) {
+    bad = "this process's replica rank " + std::to_string(rank_) + " is not among them";
+  }
+  if (!bad.empty()) {
+    throw std::invalid_argument("ft::Manager::replica_subgroup '" + name + "': " + bad);
+  }
+  ddp::ProcessGroupOptions o;
+  o.store = replica_store(name);  // (checks the name, and that there is a quorum)
+  o.backend = options_.backend;
+  o.rank = static_cast<int>(me - ranks.begin());
+  o.world_size = static_cast<int>(ranks.size());
+  o.timeout = options_.collective_timeout;
+  o.group_name = "ft-" + name;
+  o.member_name = name_of(proc_);
+  o.stalled = stalled_;
+  return ddp::ProcessGroup::create(o);
 }
 
 void Manager::drop_group() {

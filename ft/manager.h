@@ -301,6 +301,15 @@ class Manager {
   // groups' collectives do, once a member of the quorum is gone. Throws
   // std::logic_error outside a quorum.
   c10::intrusive_ptr<c10d::Store> replica_store(const std::string& name) const;
+  // A group of some of this replica's processes, `ranks` (replica_ranks,
+  // this process's among them; ranked in that order), met over
+  // replica_store(name): a tensor-parallel group inside a pipeline row,
+  // made in on_quorum by each of its members. Its collectives end early as
+  // replica_group()'s do; the caller keeps it for the quorum. Throws
+  // std::logic_error outside a quorum, std::invalid_argument for ranks
+  // that are not this replica's, repeat, or leave this process out.
+  std::shared_ptr<ddp::ProcessGroup> replica_subgroup(const std::string& name,
+                                                      const std::vector<int>& ranks) const;
   int replica_rank() const { return rank_; }
   int replica_size() const { return size_; }
   // The last step's error, empty when it went well.
@@ -345,8 +354,8 @@ class Manager {
   c10::intrusive_ptr<c10d::Store> replica_group_store_;
   std::shared_ptr<ddp::ProcessGroup> replica_group_;
   std::string replica_prefix_;  // the quorum's keys of this replica; "" outside one
-  std::vector<int> members_;  // replica ids
-  std::vector<int> procs_;    // the quorum's processes: each member's, by replica_rank
+  std::vector<int> members_;    // replica ids
+  std::vector<int> procs_;      // the quorum's processes: each member's, by replica_rank
   int rank_in_quorum_ = -1;
   int64_t epoch_ = 0;    // the quorum's number; 0 before the first
   int64_t step_ = 0;     // committed steps

@@ -53,10 +53,11 @@
 // line's loss is printed with %.6f to compare). The checkpoint's format is
 // in examples/gpt/checkpoint.h.
 //
-// --ft trains pp x dp under tandem::ft::Manager instead of over a mesh: each
-// pipeline row is a replica that a failure takes out of the quorum and a
-// heal from another row brings back (fault_tolerant.cc; run it under
-// tandem-run --replace-failed N).
+// --ft trains pp x dp (and pp x tp x dp) under tandem::ft::Manager instead
+// of over a mesh: each pipeline row, with its tensor-parallel ranks, is a
+// replica that a failure takes out of the quorum and a heal from another
+// row brings back (fault_tolerant.cc; run it under tandem-run
+// --replace-failed N).
 //
 // The text is, by default, every regular file in /usr/share/common-licenses
 // (the demo runs on any Debian machine); --corpus takes any other file.
@@ -134,8 +135,9 @@ void add_flags(examples::Flags& flags, Config& cfg) {
            "seconds a worker may send nothing before it counts as stalled (stopped, frozen) and "
            "the job fails, for --max-restarts to restart it; 0: never (default: "
            "$TANDEM_PEER_TIMEOUT, which tandem-run --peer-timeout sets, else 30)")
-      .add_switch("--strict-resume", &cfg.strict_resume,
-                  "refuse a damaged newest checkpoint instead of going back to the newest whole one");
+      .add_switch(
+          "--strict-resume", &cfg.strict_resume,
+          "refuse a damaged newest checkpoint instead of going back to the newest whole one");
   examples::add_nonfinite_flags(flags, &cfg.on_nonfinite, &cfg.nan_at, "a token");
   flags
       .add_switch("--ft", &cfg.ft,
@@ -165,16 +167,16 @@ std::string check(Config& cfg, int world) {
   if (world >= 1 && row * cfg.dp != world) {
     return "--pp " + std::to_string(cfg.pp) + " --dp " + std::to_string(cfg.dp) +
            (cfg.tp > 1 ? " --tp " + std::to_string(cfg.tp) : "") + " needs " +
-           std::to_string(row * cfg.dp) +
-           " processes, not " + std::to_string(world) + " (tandem-run --nproc-per-node " +
-           std::to_string(row * cfg.dp) + ")";
+           std::to_string(row * cfg.dp) + " processes, not " + std::to_string(world) +
+           " (tandem-run --nproc-per-node " + std::to_string(row * cfg.dp) + ")";
   }
   if (cfg.tp > 1 && cfg.heads % cfg.tp != 0) {
     return "--tp " + std::to_string(cfg.tp) + " does not divide --heads " +
            std::to_string(cfg.heads) + ": each tensor-parallel rank takes whole heads";
   }
   if (cfg.sequence_parallel && cfg.tp < 2) {
-    return "--sequence-parallel splits the sequence over tensor-parallel ranks: pass --tp 2 or more";
+    return "--sequence-parallel splits the sequence over tensor-parallel ranks: pass --tp 2 or "
+           "more";
   }
   if (cfg.sequence_parallel && cfg.context % cfg.tp != 0) {
     return "--sequence-parallel: --context " + std::to_string(cfg.context) +
@@ -201,10 +203,10 @@ std::string check(Config& cfg, int world) {
     return "--zero " + std::to_string(cfg.zero) +
            " trains the whole model on every rank: pass --pp 1 (--zero 1 shards a pipeline's)";
   }
-  if (cfg.ft && (cfg.tp != 1 || cfg.zero != 0 || cfg.schedule == "interleaved" ||
-                 cfg.dropout != 0 || cfg.nan_at != 0 || cfg.resume || cfg.stop_at != 0)) {
-    return "--ft runs pp x dp rows of one stage a rank: it takes no --tp, --zero, "
-           "--schedule interleaved, --dropout, --nan-at, --resume or --stop-at";
+  if (cfg.ft && (cfg.zero != 0 || cfg.schedule == "interleaved" || cfg.dropout != 0 ||
+                 cfg.nan_at != 0 || cfg.resume || cfg.stop_at != 0)) {
+    return "--ft runs rows of one stage (or one tensor-parallel rank's split of one) a rank: it "
+           "takes no --zero, --schedule interleaved, --dropout, --nan-at, --resume or --stop-at";
   }
   if (!cfg.reference.empty() && !cfg.ft) return "--reference goes with --ft";
   if (cfg.stop_at > cfg.steps) {
@@ -265,7 +267,8 @@ std::optional<Checkpoint> checked_resume(const Config& cfg, const examples::Corp
 void agree_on_resume(tandem::Mesh& mesh, const std::optional<Checkpoint>& resume) {
   const double step = resume ? static_cast<double>(resume->step) : -1.0;
   at::Tensor highest = at::tensor({step, -step}, at::kDouble);  // the max, and minus the min
-  for (const auto& dim : mesh.dims()) mesh.group(dim)->all_reduce(highest, tandem::ddp::ReduceOp::kMax);
+  for (const auto& dim : mesh.dims())
+    mesh.group(dim)->all_reduce(highest, tandem::ddp::ReduceOp::kMax);
   const auto top = static_cast<long long>(highest[0].item<double>());
   const auto bottom = static_cast<long long>(-highest[1].item<double>());
   if (top != bottom) {
@@ -327,7 +330,8 @@ int job_main(int argc, char** argv) {
     }
     if (cfg.ft && !flags.help()) {
       if (!error.empty()) {
-        if (env.rank <= 0) std::fprintf(stderr, "gpt: %s\n%s", error.c_str(), flags.usage().c_str());
+        if (env.rank <= 0)
+          std::fprintf(stderr, "gpt: %s\n%s", error.c_str(), flags.usage().c_str());
         return 2;
       }
       try {
@@ -354,11 +358,10 @@ int job_main(int argc, char** argv) {
     const int rc = examples::run_worker(flags, error, /*speak=*/env.rank == 0, [&] {
       tandem::MeshOptions mo;
       mo.timeout = std::chrono::minutes(2);  // a stuck collective fails loudly
-      mesh.emplace(
-          tandem::Mesh::Shape{{"pp", static_cast<int>(cfg.pp)},
-                              {"dp", static_cast<int>(cfg.dp)},
-                              {"tp", static_cast<int>(cfg.tp)}},
-          mo);
+      mesh.emplace(tandem::Mesh::Shape{{"pp", static_cast<int>(cfg.pp)},
+                                       {"dp", static_cast<int>(cfg.dp)},
+                                       {"tp", static_cast<int>(cfg.tp)}},
+                   mo);
       agree_on_resume(*mesh, resume);
       // Dropout's generators (model.h): from the seed, and each replica
       // its own masks (its own rows).
@@ -396,9 +399,8 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--tp") == 0) tp = std::strtol(argv[i + 1], nullptr, 10);
   }
   if (dp == 0) dp = 1;  // --dp 0: the world's size, which alone is pp x tp
-  const int nprocs = pp >= 1 && dp >= 1 && tp >= 1 && pp * dp * tp <= 256
-                         ? static_cast<int>(pp * dp * tp)
-                         : 1;
+  const int nprocs =
+      pp >= 1 && dp >= 1 && tp >= 1 && pp * dp * tp <= 256 ? static_cast<int>(pp * dp * tp) : 1;
   // (--reference trains in this process alone)
   for (int i = 1; i < argc; ++i) {
     if (std::strncmp(argv[i], "--reference", 11) == 0) return gpt::job_main(argc, argv);

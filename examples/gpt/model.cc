@@ -15,8 +15,8 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
-#include <cmath>
 #include <atomic>
+#include <cmath>
 #include <limits>
 #include <mutex>
 #include <set>
@@ -29,9 +29,9 @@
 #include "tandem/parallel/transformer.h"
 #include "tandem/parallel/vocab.h"
 #include "tandem/pipeline/pipe.h"
-#include "tandem/rpc/api.h"
 #include "tandem/remote_module/remote_module.h"
 #include "tandem/remote_module/served.h"
+#include "tandem/rpc/api.h"
 
 namespace gpt {
 
@@ -89,8 +89,7 @@ struct EmbedImpl : tnn::Module {
 // residual branch, in training mode, from the tracker's generator `rng`
 // (parallel/random.h: the masks a split of this block draws too).
 struct BlockImpl : tnn::Module {
-  BlockImpl(int64_t dim, int64_t heads, int64_t context, double dropout = 0,
-            std::string rng = "")
+  BlockImpl(int64_t dim, int64_t heads, int64_t context, double dropout = 0, std::string rng = "")
       : heads(heads),
         context(context),
         dropout(dropout),
@@ -250,9 +249,10 @@ void register_tp_loss(const std::string& group, int64_t vocab) {
   const std::string name = tp_loss_name(group, vocab);
   std::lock_guard<std::mutex> lock(mu);
   if (!done.insert(name).second) return;
-  tandem::pipeline::register_loss(name, [group, vocab](const at::Tensor& logits, const at::Tensor& y) {
-    return tp_loss(logits, y, vocab, group);
-  });
+  tandem::pipeline::register_loss(name,
+                                  [group, vocab](const at::Tensor& logits, const at::Tensor& y) {
+                                    return tp_loss(logits, y, vocab, group);
+                                  });
 }
 
 }  // namespace
@@ -308,6 +308,26 @@ Named tp_part(const Named& whole, int t, int tp) {
   return out;
 }
 
+at::Tensor tp_whole(const std::string& name, const std::vector<at::Tensor>& pieces) {
+  switch (split_of(name)) {
+    case Split::kWhole:
+      return pieces.at(0);
+    case Split::kRows:
+    case Split::kUnevenRows:
+      return at::cat(pieces, 0);
+    case Split::kColumns:
+      return at::cat(pieces, 1);
+    case Split::kRowsOfThree: {  // (each piece: its q rows, its k rows, its v rows)
+      std::vector<at::Tensor> rows;
+      for (int64_t third = 0; third < 3; ++third) {
+        for (const auto& piece : pieces) rows.push_back(piece.chunk(3, 0)[third]);
+      }
+      return at::cat(rows, 0);
+    }
+  }
+  return pieces.at(0);
+}
+
 at::Tensor loss(const at::Tensor& logits, const at::Tensor& y) {
   return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.reshape(-1));
 }
@@ -330,22 +350,20 @@ const bool kRegistered = [] {
     return std::make_shared<HeadImpl>(dim, vocab);
   });
   tandem::nn::register_module("gpt_embed_tp", [](int64_t vocab, int64_t dim, int64_t context,
-                                                  const std::string& group, bool sp) {
+                                                 const std::string& group, bool sp) {
     return std::make_shared<TpEmbedImpl>(vocab, dim, context, tp_group_named(group), sp);
   });
-  tandem::nn::register_module("gpt_block_x",
-                              [](int64_t dim, int64_t heads, int64_t context,
-                                 const std::string& group, bool recompute, double dropout,
-                                 int64_t layer, bool sp) {
-                                return std::make_shared<GptBlockImpl>(
-                                    dim, heads, context, group, recompute, dropout, layer, sp);
-                              });
-  tandem::nn::register_module("gpt_head_tp",
-                              [](int64_t dim, int64_t vocab, const std::string& group, bool sp) {
-                                register_tp_loss(group, vocab);
-                                return std::make_shared<TpHeadImpl>(dim, vocab,
-                                                                    tp_group_named(group), sp);
-                              });
+  tandem::nn::register_module(
+      "gpt_block_x", [](int64_t dim, int64_t heads, int64_t context, const std::string& group,
+                        bool recompute, double dropout, int64_t layer, bool sp) {
+        return std::make_shared<GptBlockImpl>(dim, heads, context, group, recompute, dropout, layer,
+                                              sp);
+      });
+  tandem::nn::register_module(
+      "gpt_head_tp", [](int64_t dim, int64_t vocab, const std::string& group, bool sp) {
+        register_tp_loss(group, vocab);
+        return std::make_shared<TpHeadImpl>(dim, vocab, tp_group_named(group), sp);
+      });
   tandem::pipeline::register_loss(kLoss, loss);
   return true;
 }();

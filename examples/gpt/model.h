@@ -43,13 +43,15 @@ std::vector<c10::IValue> layer_specs(const Config& cfg, int64_t vocab);
 // the vocabulary, qkv's rows those of this rank's heads in each of q, k and
 // v, fc's rows and proj's and out's columns this rank's share), the others
 // whole.
-std::vector<c10::IValue> layer_specs(const Config& cfg, int64_t vocab,
-                                     const std::string& tp_group);
+std::vector<c10::IValue> layer_specs(const Config& cfg, int64_t vocab, const std::string& tp_group);
 // Tensor-parallel rank t's piece of the whole model's parameter `name`
 // (a layer's "<layer>.<name>" or a stage's), as those layers hold it.
 at::Tensor tp_piece(const std::string& name, const at::Tensor& whole, int t, int tp);
 // Every tensor of `whole` cut by tp_piece.
 Named tp_part(const Named& whole, int t, int tp);
+// The whole parameter `name` again from its tp pieces (tp_piece's of every
+// rank, in rank order).
+at::Tensor tp_whole(const std::string& name, const std::vector<at::Tensor>& pieces);
 // Whether the parameter `name` is split over the tensor-parallel ranks
 // (else each holds it whole).
 bool tp_split(const std::string& name);

@@ -4,6 +4,7 @@
 // Every run is compared with a reference computed in one model the same way
 // (a failed step dropped, each committed step's mean over its quorum's
 // batches). Killing processes is examples/check_ft.sh's.
+#include <ATen/ops/full.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
@@ -465,7 +466,9 @@ TEST_CASE("ft: a member lost between its quorum's decision and the group's meeti
       });
 }
 
-TEST_CASE("ft: a newcomer that falls silent as it is healed holds its source only until it is found gone") {
+TEST_CASE(
+    "ft: a newcomer that falls silent as it is healed holds its source only until it is found "
+    "gone") {
   // Without the watch on the heal's transfers, replica 0 (the source) would
   // have waited collective_timeout (20 s) in its send.
   outlast_a_silent_member(
@@ -564,8 +567,8 @@ namespace {
 // the rank-r processes) before it steps. `hook(tried, manager)` may end the
 // process (return false).
 void train_sharded(int id, int rank, int port, int steps, const Data& d, Record& rec,
-                   const std::function<bool(int, ft::Manager&)>& hook = {},
-                   uint64_t init_seed = 1, int64_t* heals = nullptr, bool* late = nullptr) {
+                   const std::function<bool(int, ft::Manager&)>& hook = {}, uint64_t init_seed = 1,
+                   int64_t* heals = nullptr, bool* late = nullptr) {
   auto model = make_model(init_seed);
   at::Tensor owned = rank == 0 ? model->weight : model->bias;
   torch::nn::Module shard;
@@ -605,9 +608,9 @@ void train_sharded(int id, int rank, int port, int steps, const Data& d, Record&
       std::vector<int64_t> mine(batch.begin() + (rank == 0 ? 0 : static_cast<long>(half)),
                                 rank == 0 ? batch.begin() + static_cast<long>(half) : batch.end());
       auto i = at::tensor(mine, at::kLong);
-      auto loss = torch::nn::functional::mse_loss(model(d.x.index_select(0, i)),
-                                                  d.y.index_select(0, i)) *
-                  (static_cast<double>(mine.size()) / static_cast<double>(batch.size()));
+      auto loss =
+          torch::nn::functional::mse_loss(model(d.x.index_select(0, i)), d.y.index_select(0, i)) *
+          (static_cast<double>(mine.size()) / static_cast<double>(batch.size()));
       loss.backward();
       at::Tensor wg = model->weight.grad(), bg = model->bias.grad();
       g->all_reduce(wg, ddp::ReduceOp::kSum, std::chrono::seconds(20));
@@ -639,7 +642,8 @@ void train_sharded(int id, int rank, int port, int steps, const Data& d, Record&
 
 }  // namespace
 
-TEST_CASE("ft: replicas of two processes: a lost rank takes its replica out; both ranks rejoin healed") {
+TEST_CASE(
+    "ft: replicas of two processes: a lost rank takes its replica out; both ranks rejoin healed") {
   Data d;
   auto server = support::store_server();
   Record rec;
@@ -685,7 +689,9 @@ TEST_CASE("ft: replicas of two processes: a lost rank takes its replica out; bot
   expect_reference(d, rec, 0);
 }
 
-TEST_CASE("ft: a replica's processes meet over keys of their own in each quorum: an RPC agent per quorum") {
+TEST_CASE(
+    "ft: a replica's processes meet over keys of their own in each quorum: an RPC agent per "
+    "quorum") {
   // Two replicas of two processes; each quorum, every process makes an RPC
   // agent with its partner alone over Manager::replica_store (as a pipeline
   // row does). Replica 1 leaves after 3 steps: replica 0 forms a quorum
@@ -729,6 +735,54 @@ TEST_CASE("ft: a replica's processes meet over keys of their own in each quorum:
     }
   });
   CHECK(quorums_of_0 >= 2);
+}
+
+TEST_CASE(
+    "ft: a group of some of a replica's processes is made in each quorum (a stage's tp group)") {
+  // Two replicas of three processes: in each quorum ranks 2 and 0 of a
+  // replica meet in a group of their own (ranked in that order), rank 1
+  // alone in another; a sum over the pair is its replica's own. Replica 1
+  // leaves after 3 steps, and replica 0's pair meets again.
+  auto server = support::store_server();
+  const int port = server->getPort();
+  std::atomic<int> pairs_of_0{0};
+  on_ranks(6, [&](int t) {
+    const int id = t / 3, rank = t % 3;
+    auto model = make_model(1);
+    torch::nn::Module shard;
+    shard.register_parameter("p", rank == 1 ? model->weight : model->bias);
+    torch::optim::SGD opt(shard.parameters(), torch::optim::SGDOptions(0.1));
+    auto o = options(id, 2, port);
+    o.replica_size = 3;
+    o.replica_rank = rank;
+    o.on_quorum = [&, id, rank](ft::Manager& m) {
+      CHECK_THROWS_WITH_AS(m.replica_subgroup("tp", {0, 3}), doctest::Contains("rank 3 is not"),
+                           std::invalid_argument);
+      CHECK_THROWS_WITH_AS(m.replica_subgroup("tp", {rank, rank}), doctest::Contains("given twice"),
+                           std::invalid_argument);
+      CHECK_THROWS_WITH_AS(m.replica_subgroup("tp", {(rank + 1) % 3}),
+                           doctest::Contains("is not among them"), std::invalid_argument);
+      CHECK_THROWS_AS(m.replica_subgroup("a/b", {rank}), std::invalid_argument);
+      const std::vector<int> ranks = rank == 1 ? std::vector<int>{1} : std::vector<int>{2, 0};
+      auto g = m.replica_subgroup(rank == 1 ? "one" : "pair", ranks);
+      CHECK(g->size() == static_cast<int>(ranks.size()));
+      CHECK(g->rank() == (rank == 2 ? 0 : rank == 0 ? 1 : 0));
+      at::Tensor x = at::full({1}, static_cast<double>(id * 10 + rank), at::kDouble);
+      g->all_reduce(x);
+      CHECK(x.item<double>() == (rank == 1 ? id * 10 + 1 : id * 20 + 2));
+      if (id == 0 && rank == 0) ++pairs_of_0;
+    };
+    ft::Manager manager(o, ft::module_state(shard, opt));
+    CHECK_THROWS_AS(manager.replica_subgroup("pair", {0, 2}), std::logic_error);
+    const int64_t steps = id == 0 ? 6 : 3;
+    while (manager.step() < steps) {
+      manager.start_step();
+      for (auto& p : shard.parameters()) p.mutable_grad() = at::ones_like(p);
+      manager.allreduce_grads({shard.parameters()[0].grad()});
+      if (manager.should_commit()) opt.step();
+    }
+  });
+  CHECK(pairs_of_0 >= 2);
 }
 
 TEST_CASE("ft: a replica's process told the job finished does not move the finished mark back") {

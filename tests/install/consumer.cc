@@ -43,7 +43,8 @@
 // and the four end with the same parameters.
 // `consumer ft_pipe` starts four: two pipeline rows of two stages, a Pipe
 // over each row's own RPC agent made with each quorum
-// (ft::Manager::replica_store); a rank reports an error once, and every
+// (ft::Manager::replica_store, and a group of the row's own,
+// replica_subgroup); a rank reports an error once, and every
 // stage ends equal to local LibTorch's training on the same samples.
 #include <optional>
 
@@ -72,6 +73,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/mse_loss.h>
@@ -544,6 +546,13 @@ int ft_pipe_job() {
       ao.rank = part;
       ao.world_size = 2;
       agent = rpc::Agent::create(ao, registry, m.replica_store("rpc"));
+      // A group of the row's own made in the quorum too (a stage's tp group's way).
+      auto pair = m.replica_subgroup("pair", {1, 0});
+      at::Tensor sum = at::full({1}, static_cast<double>(part + 1), at::kDouble);
+      pair->all_reduce(sum);
+      if (pair->rank() != 1 - part || sum.item<double>() != 3) {
+        throw std::logic_error("the row's subgroup is not the row's two processes");
+      }
       if (part != 0) return;
       stages = {tandem::nn::RemoteModule(*agent, "s0/cpu", "consumer.stage"),
                 tandem::nn::RemoteModule(*agent, "s1/cpu", "consumer.stage")};
