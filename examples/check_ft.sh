@@ -128,12 +128,14 @@ after() { await "$1" "\]: step $2 k" 6000; }
 
 args=(--steps 120 --step-ms 15 --width 128)
 
-# a. One replica killed at a random step.
+# a. One replica killed at a random step (250 steps: its replacement,
+# a second or so to start, joins well before the end).
 victim=$((RANDOM % 3)) at=$((20 + RANDOM % 40))
-start a.log 3 --replace-failed 3 -- "${args[@]}"
+aargs=(--steps 250 --step-ms 15 --width 128)
+start a.log 3 --replace-failed 3 -- "${aargs[@]}"
 after a.log "$at"
 kill -KILL "$(ft_pid "$tag" "$victim")"
-verdict "a. replica $victim killed after step $at" a.log 3 "${args[@]}" && {
+verdict "a. replica $victim killed after step $at" a.log 3 "${aargs[@]}" && {
   failed=$(grep -o 'failed step [0-9]*' a.log | sort -u | wc -l)
   [[ $failed == 1 ]] || fail "a. $failed steps failed, the killed one alone should"
   grep -q "^\[$victim\]: healed bytes" <(grep -A1000 "starting it again" a.log) ||
@@ -647,6 +649,12 @@ row=4 kill_one_rank l4.log "l. gpt pp x tp x dp 2 x 2 x 2" "${gpt_args[@]}" --tp
 row=4 kill_ranks_repeatedly l5.log "l. gpt pp x tp x dp 2 x 2 x 2" "${gpt_args[@]}" --tp 2 \
   --steps 600
 row=4 stop_one_rank l6.log "l. gpt pp x tp x dp 2 x 2 x 2" "${gpt_args[@]}" --tp 2 --steps 250
+# Both holders of stage 1 killed at once: the job ends naming it; and with
+# no quorum left (both rows needed, rank 3's one replacement spent), a
+# restart of the whole job from the rows' checkpoint (each rank its stage).
+lose_every_holder l7.log "l. gpt: stage 1's holders killed" 1 "${gpt_args[@]}" --steps 400
+restart_after_spent l8.log 4 3 "l. gpt pp x dp: the replacements spent, the job restarted" \
+  "${gpt_args[@]}" --steps 200 --min-replicas 2 --checkpoint-every 10 --checkpoint l8.ckpt
 prog=ft_mlp
 
 finish check_ft

@@ -24,7 +24,7 @@ struct Config {
   // With --tp: the regions between the split layers hold this rank's piece
   // of the sequence (Megatron's sequence parallelism).
   bool sequence_parallel = false;
-  double dropout = 0;      // on each block's attention probabilities and residual branches
+  double dropout = 0;  // on each block's attention probabilities and residual branches
   std::string schedule = "1f1b";
   int64_t chunks = 4;  // micro-batches per replica and step
   // The model.
@@ -60,6 +60,7 @@ struct Config {
   // a replica that trains on through a failure; --reference K1,K2,...
   // trains the same in one process over the quorums a run printed.
   bool ft = false;
+  int64_t min_replicas = 1;  // --ft: a quorum's fewest rows
   std::string reference;
 };
 

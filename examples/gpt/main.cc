@@ -64,6 +64,7 @@
 #include <ATen/ops/tensor.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -143,6 +144,9 @@ void add_flags(examples::Flags& flags, Config& cfg) {
       .add_switch("--ft", &cfg.ft,
                   "each pipeline row a replica under ft::Manager, training on through a "
                   "failure (run under tandem-run --replace-failed N; float64)")
+      .add("--min-replicas", &cfg.min_replicas, 1,
+           "with --ft, the fewest rows a quorum trains with (fewer: the job restarts from its "
+           "checkpoint under tandem-run --max-restarts)")
       .add("--reference", &cfg.reference,
            "with --ft, K1,K2,...: train in this process as a --ft run whose committed steps "
            "had these quorums, and print its final line");
@@ -209,6 +213,11 @@ std::string check(Config& cfg, int world) {
            "takes no --zero, --schedule interleaved, --dropout, --nan-at, --resume or --stop-at";
   }
   if (!cfg.reference.empty() && !cfg.ft) return "--reference goes with --ft";
+  if (cfg.min_replicas != 1 && !cfg.ft) return "--min-replicas goes with --ft";
+  if (cfg.ft && (cfg.min_replicas < 1 || cfg.min_replicas > cfg.dp)) {
+    return "--min-replicas " + std::to_string(cfg.min_replicas) + " is not between 1 and --dp " +
+           std::to_string(cfg.dp);
+  }
   if (cfg.stop_at > cfg.steps) {
     return "--stop-at " + std::to_string(cfg.stop_at) + " is past --steps " +
            std::to_string(cfg.steps);
@@ -295,7 +304,16 @@ int job_main(int argc, char** argv) {
         // --resume, or a restart of the job (its checkpoints are where to go
         // on from; none yet: it starts from the beginning again).
         const int round = tandem::checkpoint::restart_count();
-        if (cfg.resume || round > 0) {
+        if (cfg.ft) {
+          // (its own checkpoints, read by fault_tolerant.cc; a fresh job's
+          // first process of rank 0 clears an older run's)
+          const char* replaced = std::getenv("TANDEM_REPLACEMENT_COUNT");
+          const bool first = round == 0 && (!replaced || std::strcmp(replaced, "0") == 0);
+          if (first && env.rank == 0 && cfg.checkpoint_every > 0 && cfg.reference.empty()) {
+            refuse_foreign(cfg.checkpoint);
+            tandem::checkpoint::remove_steps(cfg.checkpoint);
+          }
+        } else if (cfg.resume || round > 0) {
           resume = checked_resume(cfg, *corpus);
           if (!resume && cfg.resume) {
             throw UsageError("--resume: no checkpoint in '" + cfg.checkpoint + "'");
@@ -315,7 +333,7 @@ int job_main(int argc, char** argv) {
                                : "no checkpoint yet, from the beginning");
             std::fflush(stdout);
           }
-        } else if (env.rank == 0 && !cfg.ft) {
+        } else if (env.rank == 0) {
           // A fresh run: an older run's steps in the directory must not be
           // taken for this one's after a restart.
           refuse_foreign(cfg.checkpoint);
