@@ -220,8 +220,16 @@ bool Manager::join_quorum() {
         } else {
           for (int r : orphaned) {
             // The newest committed step of shard r is nowhere any more: no
-            // quorum can go on from it.
+            // quorum can go on from it, unless the job finished there (a
+            // replica ended at it, and the last holders of r went as the
+            // others finished up: a replacement came late).
             if (!behind(committed, r)) continue;
+            if (finished > 0 && finished >= committed && behind(finished, -1)) {
+              throw JobFinished("ft::Manager: " + name_of(proc_) +
+                                    " came after the job's replicas finished at step " +
+                                    std::to_string(finished),
+                                finished);
+            }
             throw QuorumError(
                 "ft::Manager: every " + std::string(size_ > 1 ? "rank-" + std::to_string(r) +
                                                                     " process"

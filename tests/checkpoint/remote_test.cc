@@ -278,6 +278,33 @@ TEST_CASE("checkpoint: pipeline stages saved by the model's layer indices load i
         }).find("'weight' of Linear has no leading layer index") != std::string::npos);
 }
 
+// Another client training `a` meanwhile: steps of `opt` on sum(a(ones)),
+// one after another on a thread of its own, until stop().
+class Stepping {
+ public:
+  Stepping(rpc::Agent& agent, nn::RemoteModule& a, optim::DistributedOptimizer& opt, int64_t inputs)
+      : thread_([this, &agent, &a, &opt, inputs] {
+          const at::Tensor x = at::ones({1, inputs});
+          while (!done_.load()) {
+            autograd::Context ctx(agent);
+            autograd::backward(agent, ctx.id(), {a.forward(x).sum()});
+            opt.step(ctx.id());
+            steps_.fetch_add(1);
+          }
+        }) {}
+  ~Stepping() { stop(); }
+  int steps() const { return steps_.load(); }
+  void stop() {
+    done_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::atomic<bool> done_{false};
+  std::atomic<int> steps_{0};
+  std::thread thread_;  // (last: started once the counters exist)
+};
+
 // A writer of one part on "worker" (written here), its moments scripted:
 // the k-th time it is asked answers moments[min(k, size - 1)], and writes
 // the number of that try as "<name>".
@@ -342,19 +369,9 @@ TEST_CASE(
   optim::Options o;
   o.lr = 1e-3;
   optim::DistributedOptimizer opt(w[0], optim::Kind::kAdam, a.remote_parameters(), o);
-  std::atomic<bool> done{false};
-  std::atomic<int> steps{0};
-  std::thread trainer([&] {
-    const at::Tensor x = at::ones({1, 512});
-    while (!done.load()) {
-      autograd::Context ctx(w[0]);
-      autograd::backward(w[0], ctx.id(), {a.forward(x).sum()});
-      opt.step(ctx.id());
-      steps.fetch_add(1);
-    }
-  });
+  Stepping trainer(w[0], a, opt, 512);
   int saves = 0;
-  for (; saves < 30 || steps.load() < 10; ++saves) {
+  for (; saves < 30 || trainer.steps() < 10; ++saves) {
     checkpoint::JobState state;
     state.remote_module("a", a).distributed_optimizer("adam", opt, {"weight", "bias"});
     checkpoint::save_job(dir.path, saves + 1, state);
@@ -371,9 +388,8 @@ TEST_CASE(
     CHECK(std::abs(moved - static_cast<double>(state_steps)) < 0.25);
     if (saves > 200) break;
   }
-  done = true;
-  trainer.join();
-  MESSAGE(saves << " saves beside " << steps.load() << " steps");
+  trainer.stop();
+  MESSAGE(saves << " saves beside " << trainer.steps() << " steps");
 }
 
 TEST_CASE(
@@ -452,19 +468,9 @@ TEST_CASE("checkpoint: a module's copy is one moment's values while its optimize
   optim::Options o;
   o.lr = 1.0;
   optim::DistributedOptimizer opt(w[0], optim::Kind::kSGD, a.remote_parameters(), o);
-  std::atomic<bool> done{false};
-  std::atomic<int> steps{0};
-  std::thread trainer([&] {
-    const at::Tensor x = at::ones({1, 1024});
-    while (!done.load()) {
-      autograd::Context ctx(w[0]);
-      autograd::backward(w[0], ctx.id(), {a.forward(x).sum()});
-      opt.step(ctx.id());
-      steps.fetch_add(1);
-    }
-  });
+  Stepping trainer(w[0], a, opt, 1024);
   int saves = 0;
-  for (; saves < 40 || steps.load() < 10; ++saves) {
+  for (; saves < 40 || trainer.steps() < 10; ++saves) {
     checkpoint::JobState state;
     state.remote_module("a", a);
     checkpoint::save_job(dir.path, saves + 1, state);
@@ -475,7 +481,6 @@ TEST_CASE("checkpoint: a module's copy is one moment's values while its optimize
     CHECK(hi - lo < 0.5);
     if (saves > 200) break;
   }
-  done = true;
-  trainer.join();
-  MESSAGE(saves << " saves beside " << steps.load() << " steps");
+  trainer.stop();
+  MESSAGE(saves << " saves beside " << trainer.steps() << " steps");
 }

@@ -12,6 +12,7 @@
 
 #include <unistd.h>
 
+#include <functional>
 #include <sstream>
 
 #include "ddp/ddp_support.h"
@@ -689,6 +690,30 @@ TEST_CASE(
   expect_reference(d, rec, 0);
 }
 
+// Replica `id` (of 2)'s process `rank` of `size`, holding model 1's weight
+// (rank 1) or bias, trained on gradients of ones for `steps` committed
+// steps, `on_quorum` set up in each quorum it joins.
+void train_piece(int id, int rank, int size, int port, int64_t steps,
+                 std::function<void(ft::Manager&)> on_quorum) {
+  auto model = make_model(1);
+  torch::nn::Module shard;
+  shard.register_parameter("p", rank == 1 ? model->weight : model->bias);
+  torch::optim::SGD opt(shard.parameters(), torch::optim::SGDOptions(0.1));
+  auto o = options(id, 2, port);
+  o.replica_size = size;
+  o.replica_rank = rank;
+  o.on_quorum = std::move(on_quorum);
+  ft::Manager manager(o, ft::module_state(shard, opt));
+  CHECK_THROWS_AS(manager.replica_store("rpc"), std::logic_error);  // (outside a quorum)
+  CHECK_THROWS_AS(manager.replica_subgroup("pair", {rank}), std::logic_error);
+  while (manager.step() < steps) {
+    manager.start_step();
+    for (auto& p : shard.parameters()) p.mutable_grad() = at::ones_like(p);
+    manager.allreduce_grads({shard.parameters()[0].grad()});
+    if (manager.should_commit()) opt.step();
+  }
+}
+
 TEST_CASE(
     "ft: a replica's processes meet over keys of their own in each quorum: an RPC agent per "
     "quorum") {
@@ -701,14 +726,7 @@ TEST_CASE(
   std::atomic<int> quorums_of_0{0};
   on_ranks(4, [&](int t) {
     const int id = t / 2, rank = t % 2;
-    auto model = make_model(1);
-    torch::nn::Module shard;
-    shard.register_parameter("p", rank == 0 ? model->weight : model->bias);
-    torch::optim::SGD opt(shard.parameters(), torch::optim::SGDOptions(0.1));
-    auto o = options(id, 2, port);
-    o.replica_size = 2;
-    o.replica_rank = rank;
-    o.on_quorum = [&, id, rank](ft::Manager& m) {
+    train_piece(id, rank, 2, port, id == 0 ? 6 : 3, [&, id, rank](ft::Manager& m) {
       CHECK_THROWS_AS(m.replica_store("a/b"), std::invalid_argument);
       auto registry = std::make_shared<rpc::Registry>();
       registry->def("whoami", [id, rank] { return static_cast<int64_t>(id * 10 + rank); });
@@ -723,16 +741,7 @@ TEST_CASE(
             id * 10 + 1 - rank);
       agent->shutdown(true);
       if (id == 0 && rank == 0) ++quorums_of_0;
-    };
-    ft::Manager manager(o, ft::module_state(shard, opt));
-    CHECK_THROWS_AS(manager.replica_store("rpc"), std::logic_error);
-    const int64_t steps = id == 0 ? 6 : 3;
-    while (manager.step() < steps) {
-      manager.start_step();
-      for (auto& p : shard.parameters()) p.mutable_grad() = at::ones_like(p);
-      manager.allreduce_grads({shard.parameters()[0].grad()});
-      if (manager.should_commit()) opt.step();
-    }
+    });
   });
   CHECK(quorums_of_0 >= 2);
 }
@@ -748,14 +757,7 @@ TEST_CASE(
   std::atomic<int> pairs_of_0{0};
   on_ranks(6, [&](int t) {
     const int id = t / 3, rank = t % 3;
-    auto model = make_model(1);
-    torch::nn::Module shard;
-    shard.register_parameter("p", rank == 1 ? model->weight : model->bias);
-    torch::optim::SGD opt(shard.parameters(), torch::optim::SGDOptions(0.1));
-    auto o = options(id, 2, port);
-    o.replica_size = 3;
-    o.replica_rank = rank;
-    o.on_quorum = [&, id, rank](ft::Manager& m) {
+    train_piece(id, rank, 3, port, id == 0 ? 6 : 3, [&, id, rank](ft::Manager& m) {
       CHECK_THROWS_WITH_AS(m.replica_subgroup("tp", {0, 3}), doctest::Contains("rank 3 is not"),
                            std::invalid_argument);
       CHECK_THROWS_WITH_AS(m.replica_subgroup("tp", {rank, rank}), doctest::Contains("given twice"),
@@ -771,16 +773,7 @@ TEST_CASE(
       g->all_reduce(x);
       CHECK(x.item<double>() == (rank == 1 ? id * 10 + 1 : id * 20 + 2));
       if (id == 0 && rank == 0) ++pairs_of_0;
-    };
-    ft::Manager manager(o, ft::module_state(shard, opt));
-    CHECK_THROWS_AS(manager.replica_subgroup("pair", {0, 2}), std::logic_error);
-    const int64_t steps = id == 0 ? 6 : 3;
-    while (manager.step() < steps) {
-      manager.start_step();
-      for (auto& p : shard.parameters()) p.mutable_grad() = at::ones_like(p);
-      manager.allreduce_grads({shard.parameters()[0].grad()});
-      if (manager.should_commit()) opt.step();
-    }
+    });
   });
   CHECK(pairs_of_0 >= 2);
 }
