@@ -43,10 +43,12 @@ near() {
 # pids_of TAG: the workers' pids of the job whose environment has
 # CHECK_TAG=TAG, as "RANK:PID" lines, in its first round.
 pids_of() {
-  local p env rank
-  for p in /proc/[0-9]*; do
-    env=$({ tr '\0' '\n' <"$p/environ"; } 2>/dev/null) || continue
-    grep -qx "CHECK_TAG=$1" <<<"$env" || continue
+  local f p env rank
+  # (one grep over every process's environment: a scan forking per process
+  # can take longer, on a busy machine, than the steps it should stop)
+  for f in $(grep -lzx "CHECK_TAG=$1" /proc/[0-9]*/environ 2>/dev/null); do
+    p=${f%/environ}
+    env=$({ tr '\0' '\n' <"$f"; } 2>/dev/null) || continue
     grep -qx "TANDEM_RESTART_COUNT=0" <<<"$env" || continue
     rank=$(sed -n 's/^RANK=//p' <<<"$env")
     [[ -n $rank ]] && echo "$rank:${p#/proc/}"
