@@ -113,11 +113,12 @@ rc=$(launch r112s.log 2 gpt --pp 1 --dp 1 --tp 2 --sequence-parallel "${args[@]}
 expect_rc "gpt 1 x 1 x 2 --sequence-parallel --recompute" "$rc" 0 r112s.log &&
   identical "--recompute, 1 x 1 x 2 --sequence-parallel" t112sequenceparallel.log r112s.log
 
-# c. a tp rank of the second stage (rank 3 of 2 x 1 x 2) killed after step 8 of 24
-long=(--steps 24 --layers 2 --dim 36 --heads 6 --context 16 --batch 8 --chunks 2 --log-every 1 --sample 0
+# c. a tp rank of the second stage (rank 3 of 2 x 1 x 2) killed after step 8 of 80
+# (80: the kill lands mid-run however fast the steps go)
+long=(--steps 80 --layers 2 --dim 36 --heads 6 --context 16 --batch 8 --chunks 2 --log-every 1 --sample 0
   --checkpoint-every 4)
 rc=$(launch k0.log 4 gpt --pp 2 --dp 1 --tp 2 "${long[@]}" --checkpoint k0.ckpt)
-expect_rc "gpt 2 x 1 x 2 --steps 24" "$rc" 0 k0.log
+expect_rc "gpt 2 x 1 x 2 --steps 80" "$rc" 0 k0.log
 tag="tp-check-$$-$RANDOM"
 CHECK_TAG="$tag" timeout 120 "$run" --max-restarts 1 --nproc-per-node 4 "$bin/gpt" --pp 2 --dp 1 \
   --tp 2 "${long[@]}" --checkpoint k.ckpt >k.log 2>&1 &
