@@ -646,7 +646,7 @@ kill_one_rank l.log "l. gpt pp x dp 2 x 2" "${gpt_args[@]}" --steps 200
 kill_ranks_repeatedly l2.log "l. gpt pp x dp 2 x 2" "${gpt_args[@]}" --steps 1200
 stop_one_rank l3.log "l. gpt pp x dp 2 x 2" "${gpt_args[@]}" --steps 500
 # With tensor-parallel ranks in the rows: pp x tp x dp 2 x 2 x 2 (rows of 4).
-row=4 kill_one_rank l4.log "l. gpt pp x tp x dp 2 x 2 x 2" "${gpt_args[@]}" --tp 2 --steps 120
+row=4 kill_one_rank l4.log "l. gpt pp x tp x dp 2 x 2 x 2" "${gpt_args[@]}" --tp 2 --steps 250
 row=4 kill_ranks_repeatedly l5.log "l. gpt pp x tp x dp 2 x 2 x 2" "${gpt_args[@]}" --tp 2 \
   --steps 600
 row=4 stop_one_rank l6.log "l. gpt pp x tp x dp 2 x 2 x 2" "${gpt_args[@]}" --tp 2 --steps 250
@@ -655,7 +655,7 @@ row=4 stop_one_rank l6.log "l. gpt pp x tp x dp 2 x 2 x 2" "${gpt_args[@]}" --tp
 # restart of the whole job from the rows' checkpoint (each rank its stage).
 lose_every_holder l7.log "l. gpt: stage 1's holders killed" 1 "${gpt_args[@]}" --steps 400
 restart_after_spent l8.log 4 3 "l. gpt pp x dp: the replacements spent, the job restarted" \
-  "${gpt_args[@]}" --steps 200 --min-replicas 2 --checkpoint-every 10 --checkpoint l8.ckpt
+  "${gpt_args[@]}" --steps 400 --min-replicas 2 --checkpoint-every 10 --checkpoint l8.ckpt
 prog=ft_mlp
 
 finish check_ft
