@@ -76,6 +76,7 @@
 #include <vector>
 
 #include "examples/flags.h"
+#include "examples/ft_checkpoint.h"
 #include "examples/ft_lines.h"
 #include "examples/pipeline_row.h"
 #include "tandem/checkpoint/checkpoint.h"
@@ -156,79 +157,16 @@ void print_final(int64_t step, nn::Sequential& m, const Data& d) {
   std::fflush(stdout);
 }
 
-// Parameters (a model's, or a rank's shards) and Adam's state of each, for
-// a checkpoint, their names under `prefix`.
-tandem::checkpoint::Part state_part(const std::vector<at::Tensor>& params, torch::optim::Adam& opt,
-                                    const std::string& prefix = "") {
-  tandem::checkpoint::Part part;
-  int i = 0;
-  for (const auto& p : params) {
-    part.add(prefix + "p" + std::to_string(i), p);
-    part.add_bytes(prefix + "s" + std::to_string(i), tandem::optim::param_state_bytes(opt, p));
-    ++i;
-  }
-  return part;
+// This process's parameters ("p0", "p1", ...) and their Adam state, for a
+// checkpoint (examples/ft_checkpoint.h).
+examples::RankState state_of(const std::vector<at::Tensor>& params, torch::optim::Adam& opt) {
+  return {examples::indexed_names(params.size()), params, &opt};
 }
 
-void load_state(const tandem::checkpoint::Reader& r, const std::vector<at::Tensor>& params,
-                torch::optim::Adam& opt, const std::string& prefix = "") {
-  at::NoGradGuard g;
-  int i = 0;
-  for (const auto& p : params) {
-    const_cast<at::Tensor&>(p).copy_(r.tensor(prefix + "p" + std::to_string(i)));
-    tandem::optim::load_param_state(opt, p, r.bytes(prefix + "s" + std::to_string(i)));
-    ++i;
-  }
-}
-
-// Where a rank's part of a replica of several processes goes in a checkpoint.
-std::string rank_prefix(const ft::Manager& manager) {
-  return "rank" + std::to_string(manager.replica_rank()) + "/";
-}
-
-// A replica of several processes' checkpoint (--checkpoint-every), every
-// N committed steps: the quorum's first replica writes it, its ranks
-// together over its replica_group(), each its own part (`params`, a shard
-// or a stage, and their Adam state), its layout in the metadata.
-void save_replica(const Config& c, const ft::Manager& manager,
-                  const std::vector<at::Tensor>& params, torch::optim::Adam& opt,
-                  const std::string& layout) {
-  if (c.checkpoint_every <= 0 || manager.step() % c.checkpoint_every != 0 ||
-      manager.participant_rank() != 0) {
-    return;
-  }
-  tandem::checkpoint::Part part = state_part(params, opt, rank_prefix(manager));
-  if (manager.replica_rank() == 0) {
-    part.add_bytes("samples_done", std::to_string(manager.samples_done()));
-  }
-  tandem::checkpoint::SaveOptions so;
-  so.group = manager.replica_group();  // (a partner gone: no checkpoint this time)
-  so.meta = {{"layout", layout}};
-  try {
-    tandem::checkpoint::save(c.checkpoint, manager.step(), part, so);
-  } catch (const std::exception& e) {
-    std::printf("checkpoint of step %lld not written: %s\n",
-                static_cast<long long>(manager.step()), e.what());
-    std::fflush(stdout);
-  }
-}
-
-// After a restart of the whole job (--max-restarts): the newest checkpoint's
-// state, and the step and sample stream the Manager resumes from.
-// `layout` non-empty: a checkpoint of replicas of several processes, each
-// rank's part under "rank<r>/", which must have been written by the same
-// layout ("hsdp 2", "pipeline 2").
-void resume(const Config& c, ft::Manager& manager, const std::vector<at::Tensor>& params,
-            torch::optim::Adam& opt, const std::string& layout = "") {
-  if (c.checkpoint_every <= 0) return;
-  auto found = tandem::checkpoint::latest(c.checkpoint);
-  if (!found) return;
-  tandem::checkpoint::Reader r(found->path);
-  if (!layout.empty()) r.expect_meta("layout", layout);
-  load_state(r, params, opt, layout.empty() ? "" : rank_prefix(manager));
-  manager.restore(found->step, std::stoll(r.bytes("samples_done")));
-  std::printf("resumed %lld t %lld\n", static_cast<long long>(found->step),
-              static_cast<long long>(wall_ms()));
+// --checkpoint-every's checkpoint; `layout` non-empty ("hsdp 2",
+// "pipeline 2"): a replica of several processes, each rank's part its own.
+examples::ReplicaCheckpoint checkpoint_of(const Config& c, const std::string& layout = "") {
+  return {c.checkpoint, c.checkpoint_every, layout, !layout.empty(), ""};
 }
 
 int run_reference(const Config& c) {
@@ -284,7 +222,7 @@ int run_ft(const Config& c) {
     };
   }
   ft::Manager manager(o, ft::module_state(*model, opt));
-  resume(c, manager, model->parameters(), opt);
+  examples::resume_newest(checkpoint_of(c), manager, state_of(model->parameters(), opt));
   int64_t heals = 0;
   while (manager.step() < c.steps) {
     if (!begin_step(manager, heals)) return 0;
@@ -315,12 +253,7 @@ int run_ft(const Config& c) {
     print_step(manager, commit, k, commit ? loss.item<double>() : 0);
     // The quorum's first member writes the job's checkpoint (every replica
     // holds the same state).
-    if (commit && c.checkpoint_every > 0 && manager.step() % c.checkpoint_every == 0 &&
-        manager.participant_rank() == 0) {
-      tandem::checkpoint::Part part = state_part(model->parameters(), opt);
-      part.add_bytes("samples_done", std::to_string(manager.samples_done()));
-      tandem::checkpoint::save(c.checkpoint, manager.step(), part);
-    }
+    if (commit) examples::save_every(checkpoint_of(c), manager, state_of(model->parameters(), opt));
   }
   print_final(manager.step(), model, d);
   return 0;
@@ -374,8 +307,8 @@ int run_sharded(const Config& c) {
   ft::Manager manager(o, ft::module_state(shards, opt));
   // After a restart of the whole job: each rank's shards from the newest
   // checkpoint (the quorum's first replica writes one, its ranks together).
-  const std::string layout = "hsdp " + std::to_string(size);
-  resume(c, manager, fsdp.parameters(), opt, layout);
+  const auto checkpoint = checkpoint_of(c, "hsdp " + std::to_string(size));
+  examples::resume_newest(checkpoint, manager, state_of(fsdp.parameters(), opt));
   int64_t heals = 0;
   while (manager.step() < c.steps) {
     if (!begin_step(manager, heals)) return 0;
@@ -397,7 +330,7 @@ int run_sharded(const Config& c) {
       manager.report_error(e.what());
     }
     if (average_and_vote(c, manager, fsdp.parameters(), opt, loss_value)) {
-      save_replica(c, manager, fsdp.parameters(), opt, layout);
+      examples::save_every(checkpoint, manager, state_of(fsdp.parameters(), opt));
     }
   }
   // The whole model on every rank of the replica, for the final line.
@@ -451,7 +384,8 @@ int run_pipeline(const Config& c) {
   examples::PipelineRow row(stage->parameters(), "ft_mlp.stage", po, o.collective_timeout);
   o.on_quorum = [&](ft::Manager& m) { row.open(m); };
   ft::Manager manager(o, ft::module_state(*stage, opt));
-  resume(c, manager, stage->parameters(), opt, "pipeline 2");
+  const auto checkpoint = checkpoint_of(c, "pipeline 2");
+  examples::resume_newest(checkpoint, manager, state_of(stage->parameters(), opt));
   int64_t heals = 0;
   while (manager.step() < c.steps) {
     if (!begin_step(manager, heals)) return 0;
@@ -463,7 +397,7 @@ int run_pipeline(const Config& c) {
     }
     const double loss = row.step(manager, x, y);
     if (average_and_vote(c, manager, stage->parameters(), opt, loss)) {
-      save_replica(c, manager, stage->parameters(), opt, "pipeline 2");
+      examples::save_every(checkpoint, manager, state_of(stage->parameters(), opt));
     }
   }
   // The whole model on both ranks, for the final line: each parameter from
@@ -493,7 +427,7 @@ int run_restart(const Config& c) {
   int64_t step = 0;
   if (auto found = tandem::checkpoint::latest(c.checkpoint)) {
     tandem::checkpoint::Reader r(found->path);
-    load_state(r, model->parameters(), opt);
+    examples::load_state(r, state_of(model->parameters(), opt));
     step = found->step;
     std::printf("resumed %lld t %lld\n", static_cast<long long>(step),
                 static_cast<long long>(wall_ms()));
@@ -522,7 +456,8 @@ int run_restart(const Config& c) {
                 loss.item<double>(), static_cast<long long>(wall_ms()));
     std::fflush(stdout);
     if (rank == 0 && step % c.checkpoint_every == 0) {
-      tandem::checkpoint::save(c.checkpoint, step, state_part(model->parameters(), opt));
+      tandem::checkpoint::save(c.checkpoint, step,
+                               examples::state_part(state_of(model->parameters(), opt)));
     }
   }
   print_final(step, model, d);

@@ -64,6 +64,18 @@ RngTracker& rng_tracker() {
   return *t;
 }
 
+KeepDefaultRng::KeepDefaultRng() {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  kept_ = gen.get_state();
+}
+
+KeepDefaultRng::~KeepDefaultRng() {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(kept_);
+}
+
 namespace {
 
 void check_p(double p) {

@@ -28,6 +28,10 @@
 //    the states lack (made since: they are made anew, from the seed, when
 //    next asked for). seed() drops every generator.
 // 4. dropout's p outside [0, 1) is std::invalid_argument naming it.
+// 5. KeepDefaultRng, a scope's guard: the default CPU generator's state is
+//    put back when it ends (torch.random.fork_rng's way), so that what the
+//    scope draws (building a module only for its shapes, or one whose
+//    values are replaced at once) leaves the process's stream as it was.
 #include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 
@@ -54,6 +58,17 @@ class RngTracker {
 
 // The process's tracker.
 RngTracker& rng_tracker();
+
+class KeepDefaultRng {
+ public:
+  KeepDefaultRng();
+  ~KeepDefaultRng();
+  KeepDefaultRng(const KeepDefaultRng&) = delete;
+  KeepDefaultRng& operator=(const KeepDefaultRng&) = delete;
+
+ private:
+  at::Tensor kept_;
+};
 
 at::Tensor dropout(const at::Tensor& x, double p, bool train, at::Generator g);
 at::Tensor dropout_piece(const at::Tensor& x, double p, bool train, at::Generator g,

@@ -21,13 +21,11 @@
 //
 // With --checkpoint-every N the quorum's first row writes a checkpoint
 // every N committed steps, which a restart of the whole job reads back
-// (save_row, resume_row below).
+// (examples/ft_checkpoint.h).
 //
 // Every rank prints examples/ft_lines.h's lines, and "final step S loss L
 // norm N" (L: the whole model's loss over the first 32 windows; N: its
 // parameters' norm).
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/core/Generator.h>
 #include <ATen/ops/tensor.h>
 #include <torch/optim/adam.h>
 
@@ -43,13 +41,14 @@
 #include <thread>
 #include <vector>
 
+#include "examples/ft_checkpoint.h"
 #include "examples/ft_lines.h"
 #include "examples/gpt/batches.h"
 #include "examples/gpt/train.h"
 #include "examples/pipeline_row.h"
 #include "tandem/checkpoint/checkpoint.h"
 #include "tandem/ft/manager.h"
-#include "tandem/optim/param_state.h"
+#include "tandem/parallel/random.h"
 #include "tandem/pipeline/partition.h"
 #include "tandem/remote_module/served.h"
 
@@ -100,62 +99,12 @@ void print_final(const Config& cfg, const examples::Corpus& corpus, int64_t step
   std::fflush(stdout);
 }
 
-// With --checkpoint-every N, every N committed steps the quorum's first
-// row writes a checkpoint, its ranks together over replica_group(), each
-// its parameters (or pieces) and their Adam state under "rank<r>/", rank 0
-// the samples done; a restart of the whole job (tandem-run --max-restarts,
-// when no quorum is left) reads it back rank by rank, and the manager goes
-// on from its step and sample stream.
-std::string layout_of(const Config& cfg) {
-  return "gpt --ft pp " + std::to_string(cfg.pp) + " tp " + std::to_string(cfg.tp);
-}
-
-std::string rank_prefix(const ft::Manager& m) {
-  return "rank" + std::to_string(m.replica_rank()) + "/";
-}
-
-void save_row(const Config& cfg, const ft::Manager& m, const std::vector<std::string>& names,
-              const std::vector<at::Tensor>& params, torch::optim::Adam& opt) {
-  if (cfg.checkpoint_every <= 0 || m.step() % cfg.checkpoint_every != 0 ||
-      m.participant_rank() != 0) {
-    return;
-  }
-  const std::string prefix = rank_prefix(m);
-  tandem::checkpoint::Part part;
-  for (size_t i = 0; i < names.size(); ++i) {
-    part.add(prefix + names[i], params[i]);
-    part.add_bytes(prefix + "adam/" + names[i], tandem::optim::param_state_bytes(opt, params[i]));
-  }
-  if (m.replica_rank() == 0) part.add_bytes("samples_done", std::to_string(m.samples_done()));
-  tandem::checkpoint::SaveOptions so;
-  so.group = m.replica_group();  // (a partner gone: no checkpoint this time)
-  so.meta = {{"program", "gpt"}, {"layout", layout_of(cfg)}};
-  try {
-    tandem::checkpoint::save(cfg.checkpoint, m.step(), part, so);
-  } catch (const std::exception& e) {
-    std::printf("checkpoint of step %lld not written: %s\n", static_cast<long long>(m.step()),
-                e.what());
-    std::fflush(stdout);
-  }
-}
-
-void resume_row(const Config& cfg, ft::Manager& m, const std::vector<std::string>& names,
-                const std::vector<at::Tensor>& params, torch::optim::Adam& opt) {
-  if (cfg.checkpoint_every <= 0 || tandem::checkpoint::restart_count() == 0) return;
-  const auto found = tandem::checkpoint::latest(cfg.checkpoint);
-  if (!found) return;
-  const tandem::checkpoint::Reader r(found->path);
-  r.expect_meta("layout", layout_of(cfg));
-  const std::string prefix = rank_prefix(m);
-  at::NoGradGuard no_grad;
-  for (size_t i = 0; i < names.size(); ++i) {
-    const_cast<at::Tensor&>(params[i]).copy_(r.tensor(prefix + names[i]));
-    tandem::optim::load_param_state(opt, params[i], r.bytes(prefix + "adam/" + names[i]));
-  }
-  m.restore(found->step, std::stoll(r.bytes("samples_done")));
-  std::printf("resumed %lld t %lld\n", static_cast<long long>(found->step),
-              static_cast<long long>(examples::wall_ms()));
-  std::fflush(stdout);
+// --checkpoint-every N (examples/ft_checkpoint.h): every rank's parameters
+// (or pieces) and their Adam state under "rank<r>/", its layout "gpt --ft
+// pp P tp T", read back only into the same.
+examples::ReplicaCheckpoint checkpoint_of(const Config& cfg) {
+  return {cfg.checkpoint, cfg.checkpoint_every,
+          "gpt --ft pp " + std::to_string(cfg.pp) + " tp " + std::to_string(cfg.tp), true, "gpt"};
 }
 
 }  // namespace
@@ -216,17 +165,11 @@ int drive_fault_tolerant(const Config& cfg, const examples::Corpus& corpus) {
       params.push_back(holder->register_parameter(flat, value.to(at::kDouble).clone()));
     }
     tandem::nn::register_factory("gpt.ft_stage", [&](std::vector<c10::IValue>&) {
-      // (made with the default generator's state kept: making draws from it)
-      auto gen = at::detail::getDefaultCPUGenerator();
-      at::Tensor kept;
+      std::shared_ptr<tandem::nn::Served> made;
       {
-        std::lock_guard<std::mutex> lock(gen.mutex());
-        kept = gen.get_state();
-      }
-      auto made = make_stage();
-      {
-        std::lock_guard<std::mutex> lock(gen.mutex());
-        gen.set_state(kept);
+        // (its initial values are replaced at once: the draws leave no trace)
+        tandem::parallel::KeepDefaultRng keep;
+        made = make_stage();
       }
       at::NoGradGuard no_grad;
       auto mine = made->module->named_parameters();
@@ -268,7 +211,10 @@ int drive_fault_tolerant(const Config& cfg, const examples::Corpus& corpus) {
   o.on_quorum = [&](ft::Manager& m) { row.open(m); };
   o.min_replicas = static_cast<int>(cfg.min_replicas);
   ft::Manager manager(o, ft::module_state(*holder, opt));
-  resume_row(cfg, manager, names, params, opt);
+  const examples::ReplicaCheckpoint checkpoint = checkpoint_of(cfg);
+  const examples::RankState state{names, params, &opt};
+  // (only a restart reads it: a fresh job's first rank cleared the old steps)
+  if (tandem::checkpoint::restart_count() > 0) examples::resume_newest(checkpoint, manager, state);
   if (manager.step() >= cfg.steps) {  // (a restart after the last step was saved)
     std::printf("the checkpoint is at step %lld, the last: done\n",
                 static_cast<long long>(manager.step()));
@@ -307,7 +253,7 @@ int drive_fault_tolerant(const Config& cfg, const examples::Corpus& corpus) {
       opt.step();
     }
     examples::print_step(manager, commit, k, l);
-    if (commit) save_row(cfg, manager, names, params, opt);
+    if (commit) examples::save_every(checkpoint, manager, state);
   }
   // The whole model on every rank of the row: each piece from its rank.
   Named values;

@@ -1,7 +1,6 @@
 // The transformer's layers and their factories (examples/gpt/model.h).
 #include "examples/gpt/model.h"
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/cross_entropy_loss.h>
@@ -403,18 +402,11 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_order(const 
                                                                           int64_t vocab) {
   // (built with the seed's generator state put back after: only the order
   // and the shapes are wanted)
-  auto gen = at::detail::getDefaultCPUGenerator();
-  at::Tensor saved;
-  {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    saved = gen.get_state();
-  }
+  tandem::parallel::KeepDefaultRng keep;
   std::vector<c10::IValue> args = {tandem::nn::list(layer_specs(cfg, vocab))};
   auto whole = tandem::nn::make_module("Sequential", args);
   std::vector<std::pair<std::string, std::vector<int64_t>>> out;
   for (const auto& [name, t] : whole->parameters()) out.emplace_back(name, t.sizes().vec());
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(saved);
   return out;
 }
 

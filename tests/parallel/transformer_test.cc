@@ -7,6 +7,7 @@
 #include <ATen/ops/isfinite.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/ones.h>
+#include <ATen/ops/rand.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/sum.h>
@@ -16,6 +17,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -263,4 +265,27 @@ TEST_CASE("parallel transformer: dropout draws one process's masks on any split,
   CHECK_THROWS_WITH_AS(par::dropout(x0, -0.5, true, par::rng_tracker().get("x")),
                        "parallel::dropout: p must be in [0, 1), got -0.500000",
                        std::invalid_argument);
+}
+
+TEST_CASE("KeepDefaultRng puts the default generator back when its scope ends, thrown or not") {
+  at::manual_seed(7);
+  const at::Tensor expected = at::rand({4}, at::kDouble);
+  at::manual_seed(7);
+  {
+    par::KeepDefaultRng keep;
+    (void)at::rand({100}, at::kDouble);  // (draws that must leave no trace)
+  }
+  CHECK(at::equal(at::rand({4}, at::kDouble), expected));
+  at::manual_seed(7);
+  try {
+    par::KeepDefaultRng keep;
+    (void)at::rand({3}, at::kDouble);
+    throw std::runtime_error("made half");
+  } catch (const std::runtime_error&) {
+  }
+  CHECK(at::equal(at::rand({4}, at::kDouble), expected));
+  // Without the guard the stream moves on (the check above can fail).
+  at::manual_seed(7);
+  (void)at::rand({100}, at::kDouble);
+  CHECK_FALSE(at::equal(at::rand({4}, at::kDouble), expected));
 }
