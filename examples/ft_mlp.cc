@@ -84,7 +84,6 @@
 #include "tandem/ddp/fully_sharded.h"
 #include "tandem/ddp/process_group.h"
 #include "tandem/ft/manager.h"
-#include "tandem/optim/param_state.h"
 #include "tandem/remote_module/served.h"
 
 namespace {
@@ -222,7 +221,9 @@ int run_ft(const Config& c) {
     };
   }
   ft::Manager manager(o, ft::module_state(*model, opt));
-  examples::resume_newest(checkpoint_of(c), manager, state_of(model->parameters(), opt));
+  const auto checkpoint = checkpoint_of(c);
+  const examples::RankState state = state_of(model->parameters(), opt);
+  examples::resume_newest(checkpoint, manager, state);
   int64_t heals = 0;
   while (manager.step() < c.steps) {
     if (!begin_step(manager, heals)) return 0;
@@ -253,7 +254,7 @@ int run_ft(const Config& c) {
     print_step(manager, commit, k, commit ? loss.item<double>() : 0);
     // The quorum's first member writes the job's checkpoint (every replica
     // holds the same state).
-    if (commit) examples::save_every(checkpoint_of(c), manager, state_of(model->parameters(), opt));
+    if (commit) examples::save_every(checkpoint, manager, state);
   }
   print_final(manager.step(), model, d);
   return 0;
