@@ -1,6 +1,8 @@
 #include "tandem/autograd/dist_autograd.h"
 
+#include "tandem/rpc/agent/spin.h"
 #include "tandem/rpc/layer.h"
+#include "tandem/rpc/transport.h"
 
 #include <algorithm>
 #include <cassert>
@@ -67,6 +69,33 @@ class AgentLink final : public EngineLink {
     return agent_.options().rpc_timeout;
   }
   std::chrono::microseconds spin() const override { return agent_.options().sync_spin; }
+  void wait_for(const std::function<bool()>& news,
+                const std::function<void(std::function<void()>)>& set_waker,
+                std::chrono::steady_clock::time_point until) override {
+    // As rpc_sync waits (rpc/agent/calls.cc): the spin reads this thread's
+    // connection, and past it the thread sleeps there, the gradients'
+    // arrival (delivered on this thread) or the task's news ringing it.
+    rpc::PollingSpin polling;
+    if (rpc::spin_until(spin(), [&] {
+          rpc::poll_this_threads_connection();
+          return news();
+        })) {
+      return;
+    }
+    rpc::ConnectionSleep sleep;
+    if (!sleep.ok() || spin().count() == 0) return;
+    set_waker(sleep.waker());
+    constexpr std::chrono::microseconds kSlice{1000000};  // (a backstop: news rings)
+    for (;;) {
+      if (news()) break;
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= until) break;
+      const auto left = std::chrono::duration_cast<std::chrono::microseconds>(until - now);
+      if (!sleep.wait(std::min(kSlice, left), news)) break;
+    }
+    set_waker(nullptr);
+    rpc::spin_until(spin(), news);  // (what went to the loop thread comes soon)
+  }
   bool on_loop_thread() const override { return rpc::layer::on_loop_thread(agent_); }
   std::shared_ptr<rpc::Tracer> tracer() const override { return agent_.tracer(); }
 

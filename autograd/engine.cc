@@ -8,7 +8,17 @@
 #include <algorithm>
 #include <map>
 
+#include "tandem/rpc/agent/spin.h"
+
 namespace tandem::autograd {
+
+void EngineLink::wait_for(const std::function<bool()>& news,
+                          const std::function<void(std::function<void()>)>& set_waker,
+                          std::chrono::steady_clock::time_point until) {
+  (void)set_waker;
+  (void)until;
+  rpc::spin_until(spin(), news);
+}
 
 Engine::Engine(std::shared_ptr<Contexts> contexts, std::shared_ptr<EngineLink> link)
     : contexts_(std::move(contexts)),

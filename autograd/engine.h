@@ -132,6 +132,15 @@ class EngineLink {
   virtual std::chrono::milliseconds default_timeout() const = 0;
   // How long the root's backward() thread spins for news before it sleeps.
   virtual std::chrono::microseconds spin() const = 0;
+  // The root's backward() thread waits for news: up to spin() it spins for
+  // `news()`; then, where the transport lets it, it sleeps on the connection
+  // it reads (rpc/transport.h, 10.) until news() holds, `until` passes, or
+  // it can sleep there no more, `set_waker` holding meanwhile what ends
+  // that sleep (for whoever makes news) and then null. Returns in any case:
+  // the caller sleeps its usual way if there is no news. This one spins.
+  virtual void wait_for(const std::function<bool()>& news,
+                        const std::function<void(std::function<void()>)>& set_waker,
+                        std::chrono::steady_clock::time_point until);
   // Whether this thread is the one gradients are delivered on (debug checks).
   virtual bool on_loop_thread() const = 0;
   // Where the engine adds its events (rpc/trace.h); null when not tracing.

@@ -88,6 +88,15 @@ struct GraphTask {
   std::vector<std::pair<std::shared_ptr<SendBackward>, torch::autograd::variable_list>> early;
   std::atomic<uint64_t> signals{0};  // bumped (under mu) when the attached thread has news
   std::condition_variable cv;
+  // Wakes the attached thread where it sleeps on a connection instead of on
+  // cv (EngineLink::wait_for); null otherwise (under mu).
+  std::function<void()> waker;
+  // What a bump of `signals` does next (mu held): wakes the attached thread.
+  void signal_locked() {
+    ++signals;
+    cv.notify_one();
+    if (waker) waker();
+  }
   // This worker's part: completes with None when done, or with the error.
   rpc::RawFuture done;
   // On the root: the other workers' parts (their `run` calls), for debug_info.

@@ -25,6 +25,11 @@
 // cores (two wake-ups of a sleeping process on another core):
 //   {"bench":"rpc_echo_cold","impl":"tandem","transport":..,"idle_us":1000,"p50_us":..}
 //   {"bench":"rpc_echo_cold","impl":"raw_pipe","idle_us":1000,"p50_us":..}
+// And what an idle job costs: the CPU time (getrusage) each process used
+// over --idle-s seconds (10; 0: not measured) with both agents connected
+// and nothing to do, in the first round, as a percentage of one core:
+//   {"bench":"idle_cpu","impl":"tandem","transport":..,"idle_s":10,"caller_core_pct":..,
+//    "callee_core_pct":..}
 //
 // Loopback latency on a small machine is bimodal: it depends on which cores
 // the scheduler gives the two processes. So the whole measurement is repeated
@@ -41,7 +46,7 @@
 // bench/anchors/rpc_echo_cuda.py is PyTorch's side (its 2.x, device maps).
 //
 // Usage: rpc_bench [--sizes 0,1024,1048576,16777216] [--rounds 5] [--transports tcp,shm]
-//                  [--device cpu|cuda]
+//                  [--device cpu|cuda] [--connection-sleep 1|0] [--idle-s 10]
 #include <ATen/core/ivalue.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -50,6 +55,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sched.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <torch/cuda.h>
@@ -215,10 +221,19 @@ std::vector<Round> raw_client(const std::vector<int64_t>& sizes) {
 
 // ---- Tandem RPC ------------------------------------------------------------------
 
+// The CPU time (user and system) this process's threads have used, in µs.
+int64_t cpu_us() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  const auto us = [](const timeval& t) { return int64_t(t.tv_sec) * 1000000 + t.tv_usec; };
+  return us(u.ru_utime) + us(u.ru_stime);
+}
+
 std::shared_ptr<Registry> registry() {
   auto reg = std::make_shared<Registry>();
   reg->def("echo", [](at::Tensor t) { return t; });
   reg->def("make", [](int64_t bytes) { return at::zeros({std::max<int64_t>(bytes / 4, 1)}); });
+  reg->def("cpu_us", [] { return cpu_us(); });
   return reg;
 }
 
@@ -242,7 +257,12 @@ struct TandemRound {
   Round remote_create;
   std::vector<Round> to_here;  // one per kRRefSizes
   Round cold;                  // the 0-byte echo after kIdle asleep
+  // What each process burned while the job idled (--idle-s), as a
+  // percentage of one core; negative when not measured.
+  double idle_caller_pct = -1, idle_callee_pct = -1;
 };
+
+int g_idle_s = 10;  // --idle-s
 
 constexpr std::chrono::microseconds kIdle{1000};
 constexpr int kColdCalls = 200;
@@ -273,7 +293,8 @@ void rref_round(Agent& agent, TandemRound& out) {
   }
 }
 
-TandemRound rpc_caller(const std::vector<int64_t>& sizes, const std::string& transport) {
+TandemRound rpc_caller(const std::vector<int64_t>& sizes, const std::string& transport,
+                       bool idle) {
   TandemRound result;
   std::vector<Round>& out = result.echo;
   ::setenv("TANDEM_TRANSPORT", transport.c_str(), 1);  // for both processes
@@ -313,6 +334,16 @@ TandemRound rpc_caller(const std::vector<int64_t>& sizes, const std::string& tra
       lat.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
     }
     result.cold = summarize(lat);
+    if (idle && g_idle_s > 0) {
+      // Both agents up, connected, and nothing to do.
+      const int64_t callee0 = agent->rpc_sync<int64_t>("worker1", "cpu_us");
+      const int64_t self0 = cpu_us();
+      std::this_thread::sleep_for(std::chrono::seconds(g_idle_s));
+      const int64_t callee1 = agent->rpc_sync<int64_t>("worker1", "cpu_us");
+      const int64_t self1 = cpu_us();
+      result.idle_caller_pct = 100.0 * double(self1 - self0) / (g_idle_s * 1e6);
+      result.idle_callee_pct = 100.0 * double(callee1 - callee0) / (g_idle_s * 1e6);
+    }
   }
   tandem::rpc::shutdown(true);
   support::wait_exit(child);
@@ -461,12 +492,17 @@ int main(int argc, char** argv) {
     int rounds = 5;
     std::string transport_list = "tcp,shm";
     std::string device = "cpu";
+    int connection_sleep = 1;
     tandem::bench::Flags flags("rpc_bench");
     flags.add("--sizes", &list, 0)
         .add("--rounds", &rounds, 1)
         .add("--transports", &transport_list)
-        .add("--device", &device);
+        .add("--device", &device)
+        .add("--connection-sleep", &connection_sleep, 0)
+        .add("--idle-s", &g_idle_s, 0);
     if (!flags.parse(argc, argv)) return 2;
+    // (for both processes: an A/B of Limits::sleep_on_connection)
+    if (connection_sleep == 0) ::setenv("TANDEM_SLEEP_ON_CONNECTION", "0", 1);
     if (device != "cpu" && device != "cuda") {
       std::fprintf(stderr, "rpc_bench: --device takes cpu or cuda, not '%s'\n", device.c_str());
       return 2;
@@ -506,7 +542,7 @@ int main(int argc, char** argv) {
     if (g_cuda) {
       for (int r = 0; r < rounds; ++r) {
         for (size_t k = 0; k < nt; ++k) {
-          auto a = rpc_caller(list, transports[k]);
+          auto a = rpc_caller(list, transports[k], false);
           for (size_t i = 0; i < list.size(); ++i) ours[k][i].push_back(a.echo[i]);
         }
       }
@@ -519,8 +555,15 @@ int main(int argc, char** argv) {
     }
     for (int r = 0; r < rounds; ++r) {
       for (size_t k = 0; k < nt; ++k) {
-        auto a = rpc_caller(list, transports[k]);
+        auto a = rpc_caller(list, transports[k], /*idle=*/r == 0);
         for (size_t i = 0; i < list.size(); ++i) ours[k][i].push_back(a.echo[i]);
+        if (a.idle_caller_pct >= 0) {
+          std::printf(
+              "{\"bench\":\"idle_cpu\",\"impl\":\"tandem\",\"transport\":\"%s\","
+              "\"idle_s\":%d,\"caller_core_pct\":%.3f,\"callee_core_pct\":%.3f}\n",
+              transports[k].c_str(), g_idle_s, a.idle_caller_pct, a.idle_callee_pct);
+          std::fflush(stdout);
+        }
         creates[k].push_back(a.remote_create);
         colds[k].push_back(a.cold);
         for (size_t i = 0; i < kRRefSizes.size(); ++i) to_here[k][i].push_back(a.to_here[i]);

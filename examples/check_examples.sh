@@ -340,22 +340,15 @@ done
 killed_run() {
   local log="$1" victim="$2" after="$3" tag="gpt-check-$$-$RANDOM"
   shift 3
-  GPT_CHECK_TAG="$tag" timeout 120 "$run" --max-restarts 3 --nproc-per-node 4 "$bin/gpt" "$@" \
+  CHECK_TAG="$tag" timeout 120 "$run" --max-restarts 3 --nproc-per-node 4 "$bin/gpt" "$@" \
     >"$log" 2>&1 &
-  local launcher=$! i p pid=""
+  local launcher=$! i pid=""
   # The victim found first (once the job has started), killed the moment its step is printed.
   for ((i = 0; i < 1200; ++i)); do
     grep -q "steps 1\.\." "$log" && break
     sleep 0.05
   done
-  for p in /proc/[0-9]*; do
-    local env
-    env=$({ tr '\0' '\n' <"$p/environ"; } 2>/dev/null) || continue
-    if grep -qx "GPT_CHECK_TAG=$tag" <<<"$env" && grep -qx "RANK=$victim" <<<"$env" &&
-      grep -qx "TANDEM_RESTART_COUNT=0" <<<"$env"; then
-      pid="${p#/proc/}"
-    fi
-  done
+  pid=$(pids_of "$tag" | sed -n "s/^$victim://p")
   for ((i = 0; i < 2400; ++i)); do
     grep -q "step $after/" "$log" && break
     sleep 0.02

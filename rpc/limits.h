@@ -58,6 +58,11 @@ struct Limits {
   // Threads that spin waiting (an rpc_sync caller, an idle pool thread)
   // read their same-host connection themselves (rpc/transport.h, 8.).
   bool poll_while_spinning = true;
+  // And when their spin runs out, they sleep on that connection, where the
+  // peer's next write wakes them directly (rpc/transport.h, 10.), instead
+  // of behind the loop thread. Needs poll_while_spinning;
+  // TANDEM_SLEEP_ON_CONNECTION=0 turns it off for every agent.
+  bool sleep_on_connection = true;
 };
 
 }  // namespace tandem::rpc

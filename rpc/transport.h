@@ -49,6 +49,14 @@
 //     frame the receiving decoder drops: rpc/message.h) on each connection
 //     it has written nothing to for a tenth of that, at most a second (also
 //     with no timeout of its own: its peers may have one).
+//  10. Sleeping on a connection (same-host rings; Limits::poll_while_spinning):
+//     a thread whose polling spin ran out with nothing come may sleep on the
+//     connection it polls instead of behind the transport thread
+//     (ConnectionSleep): the peer's next write wakes it, not the transport
+//     thread, and it reads what came itself, as in 8. Other threads of the
+//     process wake it through waker(). What it cannot read (8.'s hand-offs,
+//     a closed connection) ends the sleep there, and the transport thread
+//     reads on.
 #pragma once
 
 #include <chrono>
@@ -74,6 +82,7 @@ struct TransportStats {
   uint64_t bytes_received = 0;       // frames read from sockets
   uint64_t polled_messages = 0;      // delivered by a thread polling its connection (8.)
   uint64_t ring_wakes = 0;           // 'W' bytes sent to wake a same-host ring's other side
+  uint64_t ring_bells = 0;           // sleepers on a same-host ring woken directly (10.)
   uint64_t heartbeats = 0;           // written on connections that were idle (9.)
   uint64_t stalled_peers = 0;        // connections closed for their peer's silence (9.)
 };
@@ -158,6 +167,40 @@ class PollingSpin {
   ~PollingSpin();
   PollingSpin(const PollingSpin&) = delete;
   PollingSpin& operator=(const PollingSpin&) = delete;
+};
+
+class LocalConnection;
+
+// 10.: inside a PollingSpin, a sleep on the connection this thread polls
+// (a same-host ring it has looked at). ok() is false where there is none:
+// the thread sleeps its usual way then.
+//
+//   PollingSpin polling;
+//   if (!spin_until(spin, done)) {
+//     ConnectionSleep sleep;
+//     register(sleep.waker());        // whatever else makes done() true calls it
+//     while (!done() && sleep.wait(slice, done)) {}
+//   }
+class ConnectionSleep {
+ public:
+  ConnectionSleep();
+  ~ConnectionSleep();
+  ConnectionSleep(const ConnectionSleep&) = delete;
+  ConnectionSleep& operator=(const ConnectionSleep&) = delete;
+
+  bool ok() const { return conn_ != nullptr; }
+  // Wakes the sleeper from any thread of this process; callable at any time,
+  // also after the sleep ended (then it costs a futex wake of nobody).
+  std::function<void()> waker() const;
+  // Reads what has come (as poll_this_threads_connection()), and unless it
+  // read something or `done()` holds, sleeps until the peer writes, waker()
+  // runs, or `timeout` passes. False when the connection cannot be read
+  // here any more (closed, or its messages went to the transport thread):
+  // stop sleeping on it then.
+  bool wait(std::chrono::microseconds timeout, const std::function<bool()>& done);
+
+ private:
+  std::shared_ptr<LocalConnection> conn_;
 };
 
 // Makes a transport that checks frames against `limits` and reports to `callbacks`.

@@ -145,8 +145,7 @@ void Engine::accept_grad(uint64_t context, uint64_t id, uint64_t message, variab
     if (task->phase != GraphTask::Phase::kRunning) return;  // over: nothing more runs
     deliver_to_send(*task, send.get(), std::move(grads), name_);
     if (task->attached) {  // backward()'s own thread drains the root's part
-      ++task->signals;
-      task->cv.notify_one();
+      task->signal_locked();
       return;
     }
     if (task->draining) return;  // the draining thread picks it up

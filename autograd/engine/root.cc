@@ -10,7 +10,6 @@
 
 #include "tandem/autograd/engine.h"
 #include "tandem/autograd/engine/walk.h"
-#include "tandem/rpc/agent/spin.h"
 #include "tandem/rpc/errors.h"
 #include "tandem/rpc/layer.h"
 
@@ -143,8 +142,7 @@ void Engine::backward(uint64_t context, const std::vector<at::Tensor>& roots, bo
   join->result = rpc::when_any_raw({join->failed, rpc::when_all_raw(done)});
   join->result->addCallback([task](c10::ivalue::Future&) {
     std::lock_guard<std::mutex> lock(task->mu);
-    ++task->signals;
-    task->cv.notify_all();
+    task->signal_locked();
   });
 
   // 3. This worker's part runs on this thread: gradients that come back are
@@ -161,12 +159,20 @@ void Engine::run_root_part(const std::shared_ptr<ContextState>& ctx,
                            const std::shared_ptr<GraphTask>& task, Join& join,
                            std::chrono::steady_clock::time_point start,
                            std::chrono::milliseconds timeout) {
-  const auto spin = link_->spin();
   uint64_t seen = task->signals.load();
+  const auto until = timeout.count() == 0 ? std::chrono::steady_clock::time_point::max()
+                                          : start + timeout;
   while (!join.result->completed()) {
     drain(ctx, task);
-    // A wake-up costs more than a loopback hop: spin a little first.
-    rpc::spin_until(spin, [&] { return task->signals.load(std::memory_order_acquire) != seen; });
+    // A wake-up costs more than a loopback hop: spin a little first, then
+    // sleep where the gradients come in (EngineLink::wait_for).
+    link_->wait_for(
+        [&] { return task->signals.load(std::memory_order_acquire) != seen; },
+        [&](std::function<void()> waker) {
+          std::lock_guard<std::mutex> lock(task->mu);
+          task->waker = std::move(waker);
+        },
+        until);
     std::unique_lock<std::mutex> lock(task->mu);
     auto news = [&] { return task->signals.load() != seen; };
     if (timeout.count() == 0) {

@@ -9,6 +9,7 @@
 #include <cassert>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
 #include <sstream>
 #include <tuple>
@@ -82,6 +83,9 @@ void AgentImpl::start(c10::intrusive_ptr<c10d::Store> store) {
   if (options_.pool_spin.count() < 0) throw std::invalid_argument("pool_spin must be >= 0");
   if (options_.token.empty()) {
     if (const char* t = std::getenv("TANDEM_TOKEN")) options_.token = t;
+  }
+  if (const char* s = std::getenv("TANDEM_SLEEP_ON_CONNECTION"); s && std::strcmp(s, "0") == 0) {
+    options_.limits.sleep_on_connection = false;  // (an A/B of rpc/transport.h, 10.)
   }
   if (options_.transport_mode.empty()) {
     const char* m = std::getenv("TANDEM_TRANSPORT");

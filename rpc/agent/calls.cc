@@ -4,10 +4,14 @@
 #include "tandem/rpc/agent/call_table.h"
 #include "tandem/rpc/agent/spin.h"
 #include "tandem/rpc/rref_context.h"
+#include "tandem/rpc/transport.h"
 
 namespace tandem::rpc {
 namespace {
 using Clock = std::chrono::steady_clock;
+// One sleep on a connection at most (rpc/transport.h, 10.). Whatever
+// completes the call rings the bell; the bound is only a backstop.
+constexpr std::chrono::microseconds kConnectionSleepSlice{1000000};
 }  // namespace
 
 void AgentImpl::spin_until_done(const RawFuture& f) const {
@@ -17,10 +21,25 @@ void AgentImpl::spin_until_done(const RawFuture& f) const {
   // While it spins it reads its connection itself where that can be done
   // (rpc/transport.h, 8.), saving the loop thread's wake-up too.
   PollingSpin polling;
-  spin_until(options_.sync_spin, [&] {
-    poll_this_threads_connection();
-    return f->completed();
-  });
+  const auto done = [&] { return f->completed(); };
+  if (spin_until(options_.sync_spin, [&] {
+        poll_this_threads_connection();
+        return done();
+      })) {
+    return;
+  }
+  // Nothing yet: sleep on the connection itself (rpc/transport.h, 10.), so
+  // that the answer wakes this thread and not the loop thread first, which
+  // would then wake this one. Whatever else completes the call (the loop
+  // thread reading it, its deadline, the connection's end) rings the bell.
+  ConnectionSleep sleep;
+  if (!sleep.ok() || options_.sync_spin.count() == 0) return;
+  f->addCallback([wake = sleep.waker()](c10::ivalue::Future&) { wake(); });
+  while (!done() && sleep.wait(kConnectionSleepSlice, done)) {
+  }
+  // The connection's messages went to the loop thread (an answer carrying
+  // RRefs is delivered there): it completes the call soon.
+  spin_until(options_.sync_spin, done);
 }
 
 Future<c10::IValue> AgentImpl::call(const std::string& to, const std::string& fn,

@@ -767,6 +767,76 @@ TEST_CASE("agent: over shm, a waiting caller and an idle pool thread read their 
   }
 }
 
+TEST_CASE("agent: over shm, a caller and an idle pool thread sleep on their connection") {
+  // rpc/transport.h, 10.: past their spins (1 us here) worker0's rpc_sync
+  // and worker1's idle pool thread sleep on the connection, and each
+  // side's write rings the other's bell instead of waking its loop thread.
+  World w(2, define_common, [](AgentOptions& o) { o.sync_spin = o.pool_spin = 1us; });
+  REQUIRE(w[0].rpc_sync<int64_t>("worker1", "echo", int64_t(0)) == 0);
+  REQUIRE(w[0].transport_to("worker1") == "shm");
+  int64_t next = 1;
+  auto both_rang = [&] {
+    for (int i = 0; i < 10; ++i, ++next) {
+      std::this_thread::sleep_for(2ms);  // (both sides asleep when the call comes)
+      CHECK(w[0].rpc_sync<int64_t>("worker1", "echo", next) == next);
+      CHECK(w[0].rpc_sync<int64_t>("worker1", "sleep_ms", int64_t(3)) == 3);
+      // A handler that throws: its error wakes the sleeping caller as an answer does.
+      std::this_thread::sleep_for(2ms);
+      CHECK_THROWS_WITH_AS(w[0].rpc_sync("worker1", "fail", std::string("no")),
+                           doctest::Contains("no"), RemoteError);
+    }
+    return w[0].transport_stats().ring_bells > 0 && w[1].transport_stats().ring_bells > 0;
+  };
+  CHECK(eventually(both_rang, std::chrono::seconds(10)));
+
+  SUBCASE("a caller asleep on its connection: its deadline and its peer's end wake it") {
+    auto t0 = std::chrono::steady_clock::now();
+    CHECK_THROWS_AS(w[0].rpc_sync(CallOptions{50ms}, "worker1", "sleep_ms", int64_t(700)),
+                    TimeoutError);
+    // (its sleep's backstop is a second: only the bell ends it sooner)
+    CHECK(std::chrono::steady_clock::now() - t0 < 600ms);
+    CHECK(eventually([&] { return rpc::testing::pending_calls(w[0]) == 0; }));
+    const int started = g_sleeps_started;
+    std::thread stopper([&] {
+      CHECK(eventually([&] { return g_sleeps_started == started + 1; }));
+      w[1].shutdown(false);
+    });
+    t0 = std::chrono::steady_clock::now();
+    CHECK_THROWS_AS(w[0].rpc_sync("worker1", "sleep_ms", int64_t(2000)), DisconnectedError);
+    CHECK(std::chrono::steady_clock::now() - t0 < 1500ms);
+    stopper.join();
+    w[0].shutdown(false);
+  }
+  SUBCASE("a handler's nested call sleeps on its own connection, its answer still arrives") {
+    // (worker1's handler calls back to worker0 and sleeps on that connection)
+    for (int64_t i = 1; i <= 5; ++i) {
+      std::this_thread::sleep_for(2ms);
+      CHECK(w[0].rpc_sync<int64_t>("worker1", "relay", std::string("worker0"), "sleep_ms", i) == i);
+    }
+    w.shutdown();
+  }
+}
+
+TEST_CASE("agent: a task for a pool whose only thread sleeps on a connection runs at once") {
+  // worker1's one pool thread sleeps on the connection it last served; a
+  // request that comes on another connection (read by the loop thread)
+  // rings its bell through post(). Without that ring it would wait out the
+  // sleep's one-second backstop each time.
+  World w(3, define_common, [](AgentOptions& o) {
+    o.num_worker_threads = 1;
+    o.sync_spin = o.pool_spin = 1us;
+  });
+  for (int from : {0, 2}) w[from].rpc_sync("worker1", "nothing");
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 10; ++i) {
+    const int from = i % 2 == 0 ? 0 : 2;
+    std::this_thread::sleep_for(3ms);
+    CHECK(w[from].rpc_sync<int64_t>("worker1", "echo", int64_t(i)) == i);
+  }
+  CHECK(std::chrono::steady_clock::now() - t0 < 3s);
+  w.shutdown();
+}
+
 TEST_CASE("agent: crossed dials under load lose no call, and end with one connection") {
   for (const char* mode : {"tcp", "shm"}) {
     CAPTURE(mode);

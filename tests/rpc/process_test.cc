@@ -111,7 +111,6 @@ int worker_main(const std::string& mode) {
   }
   try {
     auto reg = std::make_shared<Registry>();
-    reg->def("add", [](at::Tensor a, at::Tensor b) { return a + b; });
     reg->def("sleep_ms", [](int64_t ms) {
       std::this_thread::sleep_for(std::chrono::milliseconds(ms));  // slow work
       return ms;
@@ -121,6 +120,19 @@ int worker_main(const std::string& mode) {
     reg->def("read_pauses",
              []() { return static_cast<int64_t>(handler_agent()->transport_stats().read_pauses); });
     WorldEnv env = world_from_env();
+    // A rank that dies this round (mode "launch") does not answer "add"
+    // in the moment between its world coming up and its death: the others'
+    // calls fail with it, however fast they are.
+    const char* restart_count = std::getenv("TANDEM_RESTART_COUNT");
+    if (!restart_count) restart_count = std::getenv("TORCHELASTIC_RESTART_COUNT");  // torchrun's
+    const char* kill_rank = std::getenv("TANDEM_TEST_KILL_RANK");
+    const char* kill_rounds = std::getenv("TANDEM_TEST_KILL_ROUNDS");
+    const bool dies_this_round = kill_rank && std::atoi(kill_rank) == env.rank && restart_count &&
+                                 std::atoi(restart_count) < (kill_rounds ? std::atoi(kill_rounds) : 1);
+    reg->def("add", [dies_this_round](at::Tensor a, at::Tensor b) {
+      if (dies_this_round) std::this_thread::sleep_for(60s);  // until its SIGKILL
+      return a + b;
+    });
     if (const char* fail = std::getenv("TANDEM_TEST_FAIL_RANK")) {
       if (std::atoi(fail) == env.rank) {
         std::fprintf(stderr, "rank %d failing on purpose\n", env.rank);
@@ -175,10 +187,7 @@ int worker_main(const std::string& mode) {
       // rounds.
       const char* restart = std::getenv("TANDEM_RESTART_COUNT");
       if (!restart) restart = std::getenv("TORCHELASTIC_RESTART_COUNT");  // torchrun's
-      const char* kill_rank = std::getenv("TANDEM_TEST_KILL_RANK");
-      const char* kill_rounds = std::getenv("TANDEM_TEST_KILL_ROUNDS");
-      if (kill_rank && std::atoi(kill_rank) == agent->rank() && restart &&
-          std::atoi(restart) < (kill_rounds ? std::atoi(kill_rounds) : 1)) {
+      if (dies_this_round) {
         std::printf("rank %d dies in round %s\n", agent->rank(), restart);
         std::fflush(stdout);
         ::raise(SIGKILL);
@@ -722,16 +731,32 @@ TEST_CASE("process: a worker that dies fails calls to it within a second") {
   o.rpc_timeout = 30s;
   auto agent = Agent::create(o, std::make_shared<Registry>(), child.store);
   CHECK(agent->rpc_sync<int64_t>("worker1", "pid") == child.pid);
-  // In flight: the request is written by the time rpc_async returns (sends
-  // go out from the calling thread).
-  auto f = agent->rpc_async<int64_t>("worker1", "sleep_ms", 10000);
-  auto t0 = std::chrono::steady_clock::now();
-  ::kill(child.pid, SIGKILL);
-  CHECK_THROWS_AS(f.wait(), DisconnectedError);
-  CHECK(std::chrono::steady_clock::now() - t0 < 1s);
-  t0 = std::chrono::steady_clock::now();
-  CHECK_THROWS_AS(agent->rpc_sync("worker1", "pid"), DisconnectedError);
-  CHECK(std::chrono::steady_clock::now() - t0 < 1s);
+  SUBCASE("a call in flight, and the next one") {
+    // In flight: the request is written by the time rpc_async returns
+    // (sends go out from the calling thread).
+    auto f = agent->rpc_async<int64_t>("worker1", "sleep_ms", 10000);
+    auto t0 = std::chrono::steady_clock::now();
+    ::kill(child.pid, SIGKILL);
+    CHECK_THROWS_AS(f.wait(), DisconnectedError);
+    CHECK(std::chrono::steady_clock::now() - t0 < 1s);
+    t0 = std::chrono::steady_clock::now();
+    CHECK_THROWS_AS(agent->rpc_sync("worker1", "pid"), DisconnectedError);
+    CHECK(std::chrono::steady_clock::now() - t0 < 1s);
+  }
+  SUBCASE("a caller asleep on its connection") {
+    // rpc_sync past its spin sleeps on the same-host ring (rpc/transport.h,
+    // 10.); the socket's end, seen by the loop thread, fails the call, and
+    // the call's failure rings the sleeper's bell.
+    REQUIRE(agent->transport_to("worker1") == "shm");
+    std::thread killer([&] {
+      std::this_thread::sleep_for(200ms);
+      ::kill(child.pid, SIGKILL);
+    });
+    const auto t0 = std::chrono::steady_clock::now();
+    CHECK_THROWS_AS(agent->rpc_sync("worker1", "sleep_ms", int64_t(10000)), DisconnectedError);
+    CHECK(std::chrono::steady_clock::now() - t0 < 1100ms);
+    killer.join();
+  }
   CHECK(rpc::testing::pending_calls(*agent) == 0);
   agent->shutdown(false);
   agent = nullptr;

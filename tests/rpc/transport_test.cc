@@ -701,17 +701,25 @@ TEST_CASE(
   CHECK(b.closed.empty());
 }
 
-TEST_CASE(
-    "shm: a write into a ring a spin polls wakes nobody; what the spin leaves, the loop delivers") {
-  Endpoint a(shm_transport()), b(shm_transport(), Limits{}, [](const Message&) { return true; });
-  const int port = b.t->listen("127.0.0.1", 0);
-  auto c = open(a, b, port, /*local=*/true);
-  ConnectionPtr served;
-  {
+// A same-host connection from `a` to `b`, whose messages `b` reads in a
+// spin (its filter takes each): `served` is b's end, for polling.
+struct PolledPair {
+  PolledPair() {
+    c = open(a, b, b.t->listen("127.0.0.1", 0), /*local=*/true);
     std::lock_guard<std::mutex> lock(b.mu);
     served = b.peer;
+    REQUIRE(served);
   }
-  REQUIRE(served);
+  Endpoint a{shm_transport()};
+  Endpoint b{shm_transport(), Limits{}, [](const Message&) { return true; }};
+  ConnectionPtr c, served;
+};
+
+TEST_CASE(
+    "shm: a write into a ring a spin polls wakes nobody; what the spin leaves, the loop delivers") {
+  PolledPair pair;
+  Endpoint &a = pair.a, &b = pair.b;
+  ConnectionPtr c = pair.c, served = pair.served;
   for (int round = 1; round <= 20; ++round) {
     CAPTURE(round);
     const uint64_t wakes = a.t->stats().ring_wakes;
@@ -729,6 +737,77 @@ TEST_CASE(
   served->poll_inline();
   c->send(encode(request(21)));
   CHECK(b.wait([&] { return b.got.size() == 21; }, 5s));
+}
+
+TEST_CASE("shm: a thread asleep on its connection: the peer's write, a waker or the end wake it") {
+  // rpc/transport.h, 10.; ring.h, 3a.
+  PolledPair pair;
+  Endpoint &a = pair.a, &b = pair.b;
+  ConnectionPtr c = pair.c, served = pair.served;
+  {
+    ConnectionSleep outside;  // not in a PollingSpin: nothing to sleep on
+    CHECK_FALSE(outside.ok());
+    PollingSpin spin;
+    ConnectionSleep unpolled;  // in one, but no connection polled yet
+    CHECK_FALSE(unpolled.ok());
+  }
+  using Clock = std::chrono::steady_clock;
+  const auto me = std::this_thread::get_id();
+  for (int round = 1; round <= 10; ++round) {
+    CAPTURE(round);
+    const TransportStats before = a.t->stats();
+    PollingSpin spin;
+    CHECK_FALSE(served->poll_inline());  // (this thread now polls it)
+    ConnectionSleep sleep;
+    REQUIRE(sleep.ok());
+    std::thread writer([&] {
+      std::this_thread::sleep_for(3ms);
+      c->send(encode(request(static_cast<uint64_t>(round))));
+    });
+    auto arrived = [&] { return b.messages() == static_cast<size_t>(round); };
+    const auto t0 = Clock::now();
+    // (each sleep may last 10 s: only the peer's bell ends it sooner)
+    while (!arrived() && sleep.wait(10s, arrived)) {
+    }
+    writer.join();
+    CHECK(arrived());
+    CHECK(Clock::now() - t0 < 5s);
+    // The writer rang the sleeper's bell, woke no loop thread, and the
+    // message was read and delivered here.
+    CHECK(a.t->stats().ring_bells > before.ring_bells);
+    CHECK(a.t->stats().ring_wakes == before.ring_wakes);
+    std::lock_guard<std::mutex> lock(b.mu);
+    CHECK(b.threads.back() == me);
+  }
+  {
+    // Another thread of the process wakes it; with neither, the sleep ends at its bound.
+    PollingSpin spin;
+    served->poll_inline();
+    ConnectionSleep sleep;
+    REQUIRE(sleep.ok());
+    std::atomic<bool> flag{false};
+    std::thread waker([&, wake = sleep.waker()] {
+      std::this_thread::sleep_for(3ms);
+      flag = true;
+      wake();
+    });
+    auto t0 = Clock::now();
+    while (!flag && sleep.wait(10s, [&] { return flag.load(); })) {
+    }
+    waker.join();
+    CHECK(Clock::now() - t0 < 5s);
+    t0 = Clock::now();
+    CHECK(sleep.wait(30ms, [] { return false; }));
+    CHECK(Clock::now() - t0 >= 25ms);
+    // The peer goes: its loop closes the connection, and the next wait
+    // says it cannot sleep there any more.
+    a.t->close();
+    REQUIRE(b.wait([&] { return !b.closed.empty(); }, 5s));
+    t0 = Clock::now();
+    bool still = true;
+    while (still && Clock::now() - t0 < 5s) still = sleep.wait(20ms, [] { return false; });
+    CHECK_FALSE(still);
+  }
 }
 
 TEST_CASE("shm: connect_local tells another host from a dead endpoint") {

@@ -63,6 +63,9 @@ SpinState& spin_state() {
   return state;
 }
 
+// How soon a sleeper looks again at a ring the loop thread was reading.
+constexpr std::chrono::microseconds kBusyRingLook{50};
+
 }  // namespace
 
 const std::string& local_host_key() {
@@ -208,7 +211,10 @@ bool LocalConnection::write_ring(PendingWrite& w) {
 
 void LocalConnection::publish_locked() {
   ring_out_->publish();
-  if (!ring_out_->reader_needs_wake()) return;
+  bool rang = false;
+  const bool wake = ring_out_->reader_needs_wake(&rang);
+  if (rang) transport_->counters().ring_bells.fetch_add(1, std::memory_order_relaxed);
+  if (!wake) return;
   transport_->counters().ring_wakes.fetch_add(1, std::memory_order_relaxed);
   // A full socket already holds wake-ups; a dead peer shows on the loop.
   (void)send_code(kRingWake, {});
@@ -246,6 +252,54 @@ void LocalConnection::leave_polling_spin() {
     auto self = shared_from_this();
     transport_->post([self] { self->read_from_loop(); });
   }
+}
+
+bool LocalConnection::sleepable_here() const {
+  return spin_state().entered.get() == this && transport_->limits().sleep_on_connection &&
+         ring_in_ready_.load(std::memory_order_acquire) != nullptr;
+}
+
+bool LocalConnection::sleep_polling(std::chrono::microseconds timeout,
+                                    const std::function<bool()>& done) {
+  // (Not inside a delivery of this thread's own poll: it holds read_mu_.)
+  if (!sleepable_here() || no_polling_here()) return false;
+  RingReader* ring = ring_in_ready_.load(std::memory_order_acquire);
+  // Counted as a sleeper before anything is looked at (ring.h, 3a.): what
+  // comes after the looks below moves the bell, and the sleep returns.
+  const uint32_t seen = ring->enter_sleep();
+  struct Leave {
+    RingReader* ring;
+    ~Leave() { ring->leave_sleep(); }
+  } leave{ring};
+  if (done() || poll_inline()) return true;
+  // Nothing read: it must go to the loop thread (8.'s hand-offs), or
+  // nothing came, or the loop thread holds the ring. Bytes that come once
+  // the loop thread has let it go would wake nobody (we are a poller, and
+  // they may have come before we counted ourselves a sleeper): look again
+  // shortly rather than sleep through them.
+  if (!inline_ok_.load(std::memory_order_acquire)) return false;
+  ring->sleep(seen, ring->maybe_readable() ? std::min(timeout, kBusyRingLook) : timeout);
+  return true;
+}
+
+void LocalConnection::ring_bell() {
+  if (RingReader* ring = ring_in_ready_.load(std::memory_order_acquire)) ring->ring_bell();
+}
+
+ConnectionSleep::ConnectionSleep() {
+  SpinState& s = spin_state();
+  if (s.depth > 0 && s.entered && s.entered->sleepable_here()) conn_ = s.entered;
+}
+
+ConnectionSleep::~ConnectionSleep() = default;
+
+std::function<void()> ConnectionSleep::waker() const {
+  if (!conn_) return [] {};
+  return [conn = conn_] { conn->ring_bell(); };
+}
+
+bool ConnectionSleep::wait(std::chrono::microseconds timeout, const std::function<bool()>& done) {
+  return conn_ && conn_->sleep_polling(timeout, done);
 }
 
 PollingSpin::PollingSpin() { ++spin_state().depth; }

@@ -29,6 +29,10 @@
 //     loop thread. The loop thread never polls (nor does a poll's own
 //     callback), and the descriptor is closed under read_mu_, so no poller
 //     reads a closed or reused one.
+//     A thread whose spin ran out may then sleep on the peer's ring
+//     (ConnectionSleep, transport.h 10.; ring.h 3a.), still counted as its
+//     poller: the peer's next write rings the ring's bell instead of
+//     sending 'W', and the sleeper reads it as a poller does.
 //  3. Threads: writes under write_mu_ on the sender's thread (the loop's
 //     for what was queued); reads under read_mu_ on the loop thread or one
 //     poller. The ring writer and our segments are the write side's; the
@@ -91,6 +95,15 @@ class LocalConnection final : public StreamConnection {
   // beside them, adopted before the bytes are decoded (a frame may use one
   // it brought); `error` when they are not acceptable.
   ssize_t recv_socket(char* buf, size_t len, std::string& error);
+
+  // ConnectionSleep::wait (transport.h, 10.; ring.h, 3a.) on the thread
+  // that polls this connection now.
+  bool sleep_polling(std::chrono::microseconds timeout, const std::function<bool()>& done);
+  // Wakes whoever sleeps on the peer's ring (ring.h, 3a.).
+  void ring_bell();
+  // Whether this thread polls this connection now (its PollingSpin entered
+  // it), and may sleep on the peer's ring (Limits::sleep_on_connection).
+  bool sleepable_here() const;
 
   // Inside a PollingSpin (transport.h), this thread counts as reading the
   // ring until the spin ends (ring.h, 3.): writers need not wake the loop.

@@ -1,13 +1,17 @@
 #include "tandem/rpc/transport/shm/ring.h"
 
 #include <fcntl.h>
+#include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <climits>
 #include <cstddef>
 #include <cstring>
+#include <ctime>
 
 #include "tandem/rpc/errors.h"
 
@@ -25,11 +29,14 @@ struct RingHeader {
   alignas(64) std::atomic<uint32_t> pollers;         // reader threads polling now
   alignas(64) std::atomic<uint32_t> writer_waiting;  // the writer waits for space
   alignas(64) std::atomic<uint64_t> announced;       // segment descriptors sent
+  alignas(64) std::atomic<uint32_t> bell;            // moves to wake sleepers (3a.)
+  alignas(64) std::atomic<uint32_t> sleepers;        // reader threads asleep on `bell`
 };
 static_assert(sizeof(RingHeader) <= RingLayout::kHeaderBytes, "ring header fits its page");
 static_assert(offsetof(RingHeader, version) == 4 && offsetof(RingHeader, capacity) == 8,
               "the layout RingLayout describes");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "ring counters shared across processes");
+static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "the bell is a futex word");
 
 namespace {
 
@@ -38,6 +45,15 @@ constexpr uint64_t kMinCapacity = 4096;
 constexpr unsigned kSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
 
 bool power_of_two(uint64_t n) { return n != 0 && (n & (n - 1)) == 0; }
+
+// The bell as a futex. Not FUTEX_PRIVATE: the word is in a shared mapping,
+// and the kernel keys it by the memfd's page, which both processes map.
+uint32_t* futex_word(std::atomic<uint32_t>& a) { return reinterpret_cast<uint32_t*>(&a); }
+
+void wake_all(std::atomic<uint32_t>& bell) {
+  bell.fetch_add(1, std::memory_order_seq_cst);
+  ::syscall(SYS_futex, futex_word(bell), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
 
 // Copies `n` bytes between the ring's data at logical position `pos` and
 // `flat`, in one or two pieces around the end.
@@ -124,11 +140,21 @@ size_t RingWriter::write(const char* p, size_t n) {
 
 void RingWriter::publish() { header_->head.store(head_, std::memory_order_release); }
 
-bool RingWriter::reader_needs_wake() {
+bool RingWriter::reader_needs_wake(bool* futex_woken) {
   // Our head store, then their flags: ordered against the reader's flag
   // store, then its look at head (3.).
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (header_->pollers.load(std::memory_order_relaxed) != 0) return false;
+  const uint32_t pollers = header_->pollers.load(std::memory_order_relaxed);
+  if (pollers != 0) {
+    // A poller reads it: one awake does (each looks at the ring again before
+    // it sleeps or stops); when every one sleeps, the bell wakes them (3a.).
+    const uint32_t sleepers = header_->sleepers.load(std::memory_order_relaxed);
+    if (sleepers != 0 && sleepers >= pollers) {
+      wake_all(header_->bell);
+      if (futex_woken) *futex_woken = true;
+    }
+    return false;
+  }
   if (header_->need_wake.load(std::memory_order_relaxed) == 0) return false;
   return header_->need_wake.exchange(0, std::memory_order_acq_rel) != 0;
 }
@@ -239,6 +265,29 @@ void RingReader::leave_polling() {
   header_->pollers.fetch_sub(1, std::memory_order_seq_cst);
   std::atomic_thread_fence(std::memory_order_seq_cst);
 }
+
+uint32_t RingReader::enter_sleep() {
+  // Counted first, then the bell read, then (by the caller) the ring looked
+  // at: a writer whose bytes that look misses finds us counted and moves
+  // the bell after we read it (all seq_cst), so the sleep returns at once.
+  header_->sleepers.fetch_add(1, std::memory_order_seq_cst);
+  return header_->bell.load(std::memory_order_seq_cst);
+}
+
+bool RingReader::sleep(uint32_t seen, std::chrono::microseconds timeout) {
+  if (header_->bell.load(std::memory_order_seq_cst) != seen) return true;
+  if (timeout.count() <= 0) return false;
+  timespec ts{};
+  ts.tv_sec = static_cast<time_t>(timeout.count() / 1000000);
+  ts.tv_nsec = static_cast<long>(timeout.count() % 1000000) * 1000;
+  // EAGAIN: it moved before we slept; EINTR, ETIMEDOUT: the caller looks again.
+  ::syscall(SYS_futex, futex_word(header_->bell), FUTEX_WAIT, seen, &ts, nullptr, 0);
+  return header_->bell.load(std::memory_order_seq_cst) != seen;
+}
+
+void RingReader::leave_sleep() { header_->sleepers.fetch_sub(1, std::memory_order_seq_cst); }
+
+void RingReader::ring_bell() { wake_all(header_->bell); }
 
 uint64_t RingReader::announced() const {
   return header_->announced.load(std::memory_order_acquire);

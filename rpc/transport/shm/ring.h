@@ -28,6 +28,19 @@
 //     A reader that could make no ring of its own ('N') writes frames on
 //     its socket, so it sends no codes at all: its peer's writer then
 //     looks for space again every millisecond instead.
+//  3a. Sleeping on the ring. A poller whose spin ran out may sleep on the
+//     ring itself instead of behind its loop thread: still counted in
+//     `pollers` (so no 'W'), it counts itself in `sleepers`, reads `bell`,
+//     looks at the ring once more and waits for `bell` to move (a futex on
+//     the shared page: the kernel matches both processes' mappings). A
+//     writer that published bytes and finds every poller asleep bumps
+//     `bell` and wakes them (FUTEX_WAKE) in place of the 'W', and they read
+//     the ring themselves; while one poller is awake, it reads, and nobody
+//     is woken (each looks at the ring again before it sleeps or stops). Its own process rings
+//     the bell too (ring_bell), to wake it for what comes another way (its
+//     answer read by another thread, its call failed, a task for its pool).
+//     Every sleep has a bound, so a peer that never rings (a hostile one
+//     can clear `sleepers`) costs latency, never a hang.
 //  4. A frame that brings new shared-memory segments (segments.h) sends
 //     their descriptors first ('F' with SCM_RIGHTS on the socket) and counts
 //     them in `announced` before its bytes enter the ring; a reader that
@@ -42,6 +55,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -73,8 +87,10 @@ class RingWriter {
   size_t write(const char* p, size_t n);
   // Makes what write() copied visible to the reader (2.).
   void publish();
-  // After publish(): whether the reader must be sent a 'W' (3.).
-  bool reader_needs_wake();
+  // After publish(): whether the reader must be sent a 'W' (3.); a
+  // reader sleeping on the ring is woken here instead (3a.), and
+  // `futex_woken` says so.
+  bool reader_needs_wake(bool* futex_woken = nullptr);
   // The ring is full: asks the reader for a 'W' once it frees space, then
   // looks again; true when there is space after all.
   bool wait_for_space();
@@ -120,6 +136,15 @@ class RingReader {
   // A polling thread starts or stops reading this ring (3.).
   void enter_polling();
   void leave_polling();
+  // Sleeping on the ring (3a.), by a thread that polls it: enter_sleep()
+  // counts it among the sleepers and returns the bell to wait on; sleep()
+  // waits until the bell moves from `seen` or `timeout` passes (true when
+  // it moved); leave_sleep() undoes enter_sleep(). ring_bell() wakes every
+  // sleeper, from any thread of this process.
+  uint32_t enter_sleep();
+  bool sleep(uint32_t seen, std::chrono::microseconds timeout);
+  void leave_sleep();
+  void ring_bell();
   // Segment descriptors the writer has announced so far (4.).
   uint64_t announced() const;
 
@@ -141,7 +166,7 @@ namespace testing {
 struct RingLayout {
   static constexpr uint64_t kHeaderBytes = 4096;
   static constexpr uint32_t kMagic = 0x474e5254;  // "TRNG"
-  static constexpr uint32_t kVersion = 1;
+  static constexpr uint32_t kVersion = 2;  // 2: the sleepers' bell (3a.)
   // magic (u32) at 0, version (u32) at 4, capacity (u64) at 8, then:
   static uint64_t head_offset();
   static uint64_t tail_offset();

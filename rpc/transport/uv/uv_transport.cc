@@ -387,6 +387,7 @@ TransportStats UvTransport::stats() const {
   s.stalled_peers = c.stalled_peers.load();
   s.polled_messages = c.polled_messages.load();
   s.ring_wakes = c.ring_wakes.load();
+  s.ring_bells = c.ring_bells.load();
   return s;
 }
 

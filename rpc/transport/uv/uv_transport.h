@@ -105,6 +105,7 @@ struct TransportCounters {
   std::atomic<uint64_t> bytes_received{0};
   std::atomic<uint64_t> polled_messages{0};
   std::atomic<uint64_t> ring_wakes{0};
+  std::atomic<uint64_t> ring_bells{0};
   std::atomic<uint64_t> heartbeats{0};
   std::atomic<uint64_t> stalled_peers{0};
   std::atomic<bool> shared_unavailable_logged{false};
