@@ -38,7 +38,7 @@ METRICS = ("p50_us", "p99_us", "gbps", "ms", "local_ms", "overhead_ms", "ms_per_
            "sync_stall_ms", "copy_ms", "param_bytes_per_rank", "activation_bytes_per_rank",
            "sent_bytes_per_rank", "expected_sent_bytes", "sent_per_expected", "ms_per_tp1",
            "step_ms", "survivor_pause_ms", "heal_ms", "heal_bytes", "state_bytes",
-           "heal_per_state", "rejoin_s", "reference_loss")
+           "heal_per_state", "rejoin_s", "reference_loss", "caller_core_pct", "callee_core_pct")
 HIGHER_IS_BETTER = {"gbps", "overlap", "samples_per_s", "single_worker_samples_per_s",
                     "chunked_single_worker_samples_per_s", "efficiency", "efficiency_vs_chunked", "speedup", "allreduce_hidden"}
 HEADER = ("bench", "size", "metric", "tandem", "tandem_shm", "pytorch", "path", "raw",

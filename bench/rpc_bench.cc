@@ -25,6 +25,9 @@
 // cores (two wake-ups of a sleeping process on another core):
 //   {"bench":"rpc_echo_cold","impl":"tandem","transport":..,"idle_us":1000,"p50_us":..}
 //   {"bench":"rpc_echo_cold","impl":"raw_pipe","idle_us":1000,"p50_us":..}
+// The floor under the back-to-back 0 B echo over shared memory: a word
+// there and back between two processes spinning on two cores:
+//   {"bench":"spin_floor","impl":"raw_spin","bytes":0,"p50_us":..}
 // And what an idle job costs: the CPU time (getrusage) each process used
 // over --idle-s seconds (10; 0: not measured) with both agents connected
 // and nothing to do, in the first round, as a percentage of one core:
@@ -55,6 +58,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sched.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -62,10 +66,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <string>
 #include <thread>
 #include <vector>
@@ -434,6 +440,85 @@ double pipe_wake(std::chrono::microseconds idle) {
   return lat.empty() ? 0 : median(lat);
 }
 
+// The floor under a back-to-back call over shared memory: a word written
+// in a shared mapping by one process, seen by another pinned to the other
+// core that is spinning on it, and answered the same way (no system call,
+// no wake-up: two cache-line transfers). p50 in seconds; 0 on one core.
+double spin_round_trip() {
+  cpu_set_t mine;
+  if (::sched_getaffinity(0, sizeof mine, &mine) != 0 || CPU_COUNT(&mine) < 2) return 0;
+  int cpus[2], found = 0;
+  for (int c = 0; c < CPU_SETSIZE && found < 2; ++c) {
+    if (CPU_ISSET(c, &mine)) cpus[found++] = c;
+  }
+  auto pin = [](int cpu) {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    (void)::sched_setaffinity(0, sizeof one, &one);
+  };
+  struct Words {
+    alignas(64) std::atomic<uint64_t> ping{0};
+    alignas(64) std::atomic<uint64_t> pong{0};
+  };
+  void* at = ::mmap(nullptr, sizeof(Words), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                    -1, 0);
+  if (at == MAP_FAILED) return 0;
+  auto* w = new (at) Words;
+  constexpr uint64_t kEnd = ~uint64_t(0);
+  const pid_t parent = ::getpid();
+  const pid_t child = ::fork();
+  if (child == 0) {  // only async-signal-safe calls from here
+    pin(cpus[1]);
+    uint64_t seen = 0;
+    for (uint64_t spins = 0;; ++spins) {
+      const uint64_t v = w->ping.load(std::memory_order_acquire);
+      if (v == kEnd) break;
+      if (v != seen) {
+        seen = v;
+        w->pong.store(v, std::memory_order_release);
+      } else if ((spins & 0xfffff) == 0 && ::getppid() != parent) {
+        break;  // the bench is gone
+      }
+    }
+    ::_exit(0);
+  }
+  std::vector<double> lat;
+  if (child > 0) {
+    pin(cpus[0]);
+    constexpr int kWarmup = 1000, kCalls = 20000;
+    for (uint64_t i = 1; i <= kWarmup + kCalls; ++i) {
+      const auto t0 = Clock::now();
+      w->ping.store(i, std::memory_order_release);
+      bool answered = true;
+      for (uint64_t spins = 0; w->pong.load(std::memory_order_acquire) != i; ++spins) {
+        if ((spins & 0xffff) == 0 && Clock::now() - t0 > std::chrono::seconds(1)) {
+          answered = false;  // the other side was descheduled for good: no floor
+          break;
+        }
+      }
+      if (!answered) {
+        lat.clear();
+        break;
+      }
+      if (i > kWarmup) lat.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    w->ping.store(kEnd, std::memory_order_release);
+    ::waitpid(child, nullptr, 0);
+    ::sched_setaffinity(0, sizeof mine, &mine);
+  }
+  ::munmap(at, sizeof(Words));
+  return lat.empty() ? 0 : median(lat);
+}
+
+void spin_floor() {
+  const double p50 = spin_round_trip();
+  if (p50 <= 0) return;  // one core, or no answer: no floor to give
+  std::printf("{\"bench\":\"spin_floor\",\"impl\":\"raw_spin\",\"bytes\":0,\"p50_us\":%.2f}\n",
+              p50 * 1e6);
+  std::fflush(stdout);
+}
+
 void wake_floor() {
   const double p50 = pipe_wake(kIdle);
   if (p50 <= 0) return;  // one core: no floor to give
@@ -591,6 +676,7 @@ int main(int argc, char** argv) {
           colds[k].size());
     }
     wake_floor();
+    spin_floor();
     trace_cost();
     return 0;
   } catch (const std::exception& e) {
