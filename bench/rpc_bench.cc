@@ -387,22 +387,31 @@ void cuda_ceilings(const std::vector<int64_t>& sizes) {
   }
 }
 
+// The first two CPUs this process may run on, and its whole set (to restore
+// once a floor is measured); false on a machine of one core.
+bool two_cpus(cpu_set_t& mine, int (&cpus)[2]) {
+  if (::sched_getaffinity(0, sizeof mine, &mine) != 0 || CPU_COUNT(&mine) < 2) return false;
+  int found = 0;
+  for (int c = 0; c < CPU_SETSIZE && found < 2; ++c) {
+    if (CPU_ISSET(c, &mine)) cpus[found++] = c;
+  }
+  return true;
+}
+
+void pin(int cpu) {
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(cpu, &one);
+  (void)::sched_setaffinity(0, sizeof one, &one);
+}
+
 // The floor under a call between two sleeping processes: one byte to a child
 // pinned to another core and back, through two pipes, after `idle` asleep.
 // p50 in seconds; 0 on a machine of one core.
 double pipe_wake(std::chrono::microseconds idle) {
   cpu_set_t mine;
-  if (::sched_getaffinity(0, sizeof mine, &mine) != 0 || CPU_COUNT(&mine) < 2) return 0;
-  int cpus[2], found = 0;
-  for (int c = 0; c < CPU_SETSIZE && found < 2; ++c) {
-    if (CPU_ISSET(c, &mine)) cpus[found++] = c;
-  }
-  auto pin = [](int cpu) {
-    cpu_set_t one;
-    CPU_ZERO(&one);
-    CPU_SET(cpu, &one);
-    (void)::sched_setaffinity(0, sizeof one, &one);
-  };
+  int cpus[2];
+  if (!two_cpus(mine, cpus)) return 0;
   int there[2], back[2];
   if (::pipe(there) != 0) return 0;
   if (::pipe(back) != 0) {
@@ -446,17 +455,8 @@ double pipe_wake(std::chrono::microseconds idle) {
 // no wake-up: two cache-line transfers). p50 in seconds; 0 on one core.
 double spin_round_trip() {
   cpu_set_t mine;
-  if (::sched_getaffinity(0, sizeof mine, &mine) != 0 || CPU_COUNT(&mine) < 2) return 0;
-  int cpus[2], found = 0;
-  for (int c = 0; c < CPU_SETSIZE && found < 2; ++c) {
-    if (CPU_ISSET(c, &mine)) cpus[found++] = c;
-  }
-  auto pin = [](int cpu) {
-    cpu_set_t one;
-    CPU_ZERO(&one);
-    CPU_SET(cpu, &one);
-    (void)::sched_setaffinity(0, sizeof one, &one);
-  };
+  int cpus[2];
+  if (!two_cpus(mine, cpus)) return 0;
   struct Words {
     alignas(64) std::atomic<uint64_t> ping{0};
     alignas(64) std::atomic<uint64_t> pong{0};
