@@ -50,6 +50,7 @@
 //
 // Usage: rpc_bench [--sizes 0,1024,1048576,16777216] [--rounds 5] [--transports tcp,shm]
 //                  [--device cpu|cuda] [--connection-sleep 1|0] [--idle-s 10]
+//                  [--iters N]
 #include <ATen/core/ivalue.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -94,7 +95,10 @@ using tandem::rpc::Registry;
 // --device cuda, in both processes (the callee learns it from the environment).
 bool g_cuda = false;
 
+int g_iters = 0;  // --iters: calls per size and round (0: by size, as below)
+
 int iterations_for(int64_t bytes) {
+  if (g_iters > 0) return g_iters;
   if (g_cuda) return bytes <= (1 << 20) ? 200 : bytes <= (64 << 20) ? 20 : 5;
   if (bytes <= 65536) return 2000;
   if (bytes <= (1 << 20)) return 200;
@@ -584,7 +588,8 @@ int main(int argc, char** argv) {
         .add("--transports", &transport_list)
         .add("--device", &device)
         .add("--connection-sleep", &connection_sleep, 0)
-        .add("--idle-s", &g_idle_s, 0);
+        .add("--idle-s", &g_idle_s, 0)
+        .add("--iters", &g_iters, 0);
     if (!flags.parse(argc, argv)) return 2;
     // (for both processes: an A/B of Limits::sleep_on_connection)
     if (connection_sleep == 0) ::setenv("TANDEM_SLEEP_ON_CONNECTION", "0", 1);
