@@ -80,6 +80,7 @@
 #include "bench/bench_util.h"
 #include "tandem/rpc/api.h"
 #include "tandem/rpc/rref.h"
+#include "tandem/rpc/stages.h"
 #include "tests/support/local_job.h"
 
 namespace {
@@ -329,6 +330,7 @@ TandemRound rpc_caller(const std::vector<int64_t>& sizes, const std::string& tra
     for (int i = 0; i < iters; ++i) {
       auto t0 = Clock::now();
       agent->rpc_sync<at::Tensor>("worker1", "echo", t);
+      TANDEM_STAGE(kReturned);  // rpc/stages.h (compiled out unless asked for)
       lat.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
     }
     out.push_back(summarize(lat));
@@ -341,6 +343,7 @@ TandemRound rpc_caller(const std::vector<int64_t>& sizes, const std::string& tra
       std::this_thread::sleep_for(kIdle);
       const auto t0 = Clock::now();
       agent->rpc_sync<at::Tensor>("worker1", "echo", t);
+      TANDEM_STAGE(kReturned);  // rpc/stages.h (compiled out unless asked for)
       lat.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
     }
     result.cold = summarize(lat);

@@ -3,6 +3,7 @@
 #include "tandem/rpc/agent/agent_impl.h"
 #include "tandem/rpc/agent/call_table.h"
 #include "tandem/rpc/agent/spin.h"
+#include "tandem/rpc/stages.h"
 #include "tandem/rpc/rref_context.h"
 #include "tandem/rpc/transport.h"
 
@@ -26,6 +27,7 @@ void AgentImpl::spin_until_done(const RawFuture& f) const {
         poll_this_threads_connection();
         return done();
       })) {
+    TANDEM_STAGE(kSpinDone);
     return;
   }
   // Nothing yet: sleep on the connection itself (rpc/transport.h, 10.), so
@@ -67,6 +69,7 @@ OutFrame AgentImpl::encode_with_extensions(Message& m, int dest, const Connectio
 
 RawFuture AgentImpl::start_call(const std::string& to, const std::string& fn,
                                 std::vector<c10::IValue> args, std::chrono::milliseconds timeout) {
+  TANDEM_STAGE(kCallStart);
   RawFuture fut = make_raw_future();
   const WorkerInfo& dest = get_worker_info(to);
   if (timeout.count() < 0) timeout = options_.rpc_timeout;
@@ -140,6 +143,7 @@ RawFuture AgentImpl::start_call(const std::string& to, const std::string& fn,
       return fut;  // completed meanwhile (its deadline passed)
     }
     try {
+      TANDEM_STAGE(kCallEncoded);
       conn->send(std::move(frame));
       remember_connection_for_polling(conn);
       forks.commit();

@@ -6,6 +6,7 @@
 #include "tandem/rpc/agent/call_table.h"
 #include "tandem/rpc/agent/connection_table.h"
 #include "tandem/rpc/rref_context.h"
+#include "tandem/rpc/stages.h"
 #include "tandem/rpc/wire/device.h"
 
 #include <cassert>
@@ -56,6 +57,7 @@ bool& AgentImpl::delivering_here() {
 // On the loop thread, or on a thread polling its connection for a message
 // inline_ok() accepted (one connection's messages come one at a time, in order).
 void AgentImpl::on_message_from_loop(const ConnectionPtr& conn, Message&& msg) {
+  TANDEM_STAGE(kDelivered);
   // Loop handlers ask where they run (layer::on_loop_thread): here.
   struct Delivering {
     bool& flag = delivering_here();
@@ -149,6 +151,7 @@ void AgentImpl::on_message_from_loop(const ConnectionPtr& conn, Message&& msg) {
       if (msg.arrival) msg.arrival->wait();
       c10::IValue value = msg.values.empty() ? c10::IValue() : std::move(msg.values[0]);
       calls_->complete(msg.id, std::move(value), conn->id());
+      TANDEM_STAGE(kCallDone);
       maybe_close_retired(conn->id());
       return;
     }
@@ -169,6 +172,7 @@ std::shared_ptr<const Handler> AgentImpl::find_handler(const std::string& fn) co
 
 void AgentImpl::handle_request(const ConnectionPtr& conn, int from, Message msg,
                                std::shared_ptr<const Handler> handler) {
+  TANDEM_STAGE(kRequestTaken);
   remember_connection_for_polling(conn);  // the pool thread polls it while idle
   if (!handler) handler = find_handler(msg.callee);
   if (!handler) {
@@ -197,7 +201,9 @@ void AgentImpl::handle_request(const ConnectionPtr& conn, int from, Message msg,
   const auto started = trace_ ? Clock::now() : Clock::time_point{};
   try {
     for (const auto& e : extensions_) e->after_receive(msg, from);
+    TANDEM_STAGE(kHandlerIn);
     HandlerResult r = (*handler)(msg.values);
+    TANDEM_STAGE(kHandlerOut);
     if (r.future) {
       // Asynchronous: this pool thread is free now; reply when it completes.
       uint64_t id = msg.id;
@@ -255,6 +261,7 @@ void AgentImpl::reply(const ConnectionPtr& conn, int to, uint64_t id, const RawF
     return;
   }
   Forks forks = std::move(frame.forks);
+  TANDEM_STAGE(kReplyEncoded);
   try {
     conn->send(std::move(frame));
     forks.commit();

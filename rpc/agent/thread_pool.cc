@@ -1,6 +1,7 @@
 #include "tandem/rpc/thread_pool.h"
 
 #include "tandem/rpc/agent/spin.h"
+#include "tandem/rpc/stages.h"
 #include "tandem/rpc/transport.h"
 
 #include <cstdio>
@@ -24,6 +25,7 @@ ThreadPool::ThreadPool(int threads, std::chrono::microseconds spin, std::weak_pt
 ThreadPool::~ThreadPool() { stop(); }
 
 void ThreadPool::post(std::function<void()> task) {
+  TANDEM_STAGE(kPoolPosted);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!stopping_) {
@@ -123,6 +125,7 @@ void ThreadPool::run() {
     queued_.store(tasks_.size(), std::memory_order_release);
     just_worked = true;
     lock.unlock();
+    TANDEM_STAGE(kPoolTaken);
     try {
       task();
     } catch (const std::exception& e) {

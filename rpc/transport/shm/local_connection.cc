@@ -2,6 +2,7 @@
 
 #include "tandem/rpc/common/host.h"
 #include "tandem/rpc/common/log.h"
+#include "tandem/rpc/stages.h"
 #include "tandem/rpc/transport/shm/ring.h"
 #include "tandem/rpc/transport/shm/segments.h"
 #include "tandem/rpc/transport/uv/uv_transport.h"
@@ -211,6 +212,7 @@ bool LocalConnection::write_ring(PendingWrite& w) {
 
 void LocalConnection::publish_locked() {
   ring_out_->publish();
+  TANDEM_STAGE(kPublished);
   bool rang = false;
   const bool wake = ring_out_->reader_needs_wake(&rang);
   if (rang) transport_->counters().ring_bells.fetch_add(1, std::memory_order_relaxed);
@@ -494,6 +496,7 @@ bool LocalConnection::read_ring_locked(Reader who, bool drain) {
     const size_t len =
         static_cast<size_t>(std::min<uint64_t>(avail, direct ? want : kStagingBytes));
     ring.read(buf, len);
+    TANDEM_STAGE(kRingRead);
     if (drain) drain_left -= len;
     // Without a ring of our own our socket carries frames, not codes: the
     // writer then looks for space on its own.
