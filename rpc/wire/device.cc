@@ -5,6 +5,7 @@
 #include "tandem/rpc/wire/device.h"
 
 #include <ATen/Context.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
@@ -55,13 +56,14 @@ IpcStats ipc_stats() {
 }
 
 at::Tensor host_buffer(at::IntArrayRef shape, c10::ScalarType dtype, c10::Device target) {
-  auto options = at::TensorOptions().dtype(dtype);
 #if defined(TANDEM_WITH_CUDA)
-  if (target.is_cuda()) options = options.pinned_memory(true);
+  if (target.is_cuda()) return at::empty(shape, at::TensorOptions().dtype(dtype).pinned_memory(true));
 #else
   (void)target;
 #endif
-  return at::empty(shape, options);
+  // A plain CPU tensor, made without a trip through the dispatcher (one per
+  // received tensor, on the path of every call).
+  return at::detail::empty_cpu(shape, dtype, /*pin_memory=*/false, c10::nullopt);
 }
 
 #if defined(TANDEM_WITH_CUDA)

@@ -62,7 +62,10 @@ class TensorTable final : public TensorSink {
       wire =
           ipc_ref ? at::empty({0}, at::TensorOptions().dtype(t.scalar_type())) : staging.add(wire);
     }
-    wire = wire.resolve_conj().resolve_neg().contiguous();
+    // (Each a dispatched op even where it has nothing to do: asked first.)
+    if (wire.is_conj()) wire = wire.resolve_conj();
+    if (wire.is_neg()) wire = wire.resolve_neg();
+    if (!wire.is_contiguous()) wire = wire.contiguous();
     index_.emplace(t.unsafeGetTensorImpl(), idx);
     devices.push_back(to);
     sources.push_back(t);
@@ -125,9 +128,15 @@ capnp::Data::Reader as_data(const std::string& bytes) {
   return capnp::Data::Reader(reinterpret_cast<const kj::byte*>(bytes.data()), bytes.size());
 }
 
+constexpr size_t kFirstSegmentWords = 256;
+
 OutFrame encode_unchecked(const Message& m, const Limits& limits, RRefHook* rrefs, int dest,
                           const DeviceMap* devices, bool cuda_ipc, std::vector<RRefDesc>& forks) {
-  capnp::MallocMessageBuilder builder;
+  // The first segment on the stack (zeroed, as capnp needs): no allocation
+  // per frame. 2 KiB holds a call's usual envelope; a larger one goes on in
+  // segments capnp allocates (the frame carries them all).
+  capnp::word first[kFirstSegmentWords] = {};
+  capnp::MallocMessageBuilder builder(kj::arrayPtr(first, kFirstSegmentWords));
   auto env = builder.initRoot<schema::Envelope>();
   env.setId(m.id);
   env.setKind(static_cast<schema::Kind>(m.kind));
