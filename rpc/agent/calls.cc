@@ -3,8 +3,8 @@
 #include "tandem/rpc/agent/agent_impl.h"
 #include "tandem/rpc/agent/call_table.h"
 #include "tandem/rpc/agent/spin.h"
-#include "tandem/rpc/stages.h"
 #include "tandem/rpc/rref_context.h"
+#include "tandem/rpc/stages.h"
 #include "tandem/rpc/transport.h"
 
 namespace tandem::rpc {

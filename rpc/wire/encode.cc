@@ -62,10 +62,11 @@ class TensorTable final : public TensorSink {
       wire =
           ipc_ref ? at::empty({0}, at::TensorOptions().dtype(t.scalar_type())) : staging.add(wire);
     }
-    // (Each a dispatched op even where it has nothing to do: asked first.)
+    // (Each a dispatched op even where it has nothing to do: asked first.
+    // contiguous() asks itself.)
     if (wire.is_conj()) wire = wire.resolve_conj();
     if (wire.is_neg()) wire = wire.resolve_neg();
-    if (!wire.is_contiguous()) wire = wire.contiguous();
+    wire = wire.contiguous();
     index_.emplace(t.unsafeGetTensorImpl(), idx);
     devices.push_back(to);
     sources.push_back(t);
