@@ -32,15 +32,15 @@ class AgentLink final : public EngineLink {
         .raw();
   }
 
-  void send_grad(int worker, uint64_t context, uint64_t task, uint64_t message,
-                 torch::autograd::variable_list grads) override {
-    std::vector<c10::IValue> items;
-    items.reserve(grads.size());
-    for (auto& g : grads) items.push_back(g.defined() ? c10::IValue(std::move(g)) : c10::IValue());
-    rpc::layer::notify(
-        agent_, agent_.get_worker_info(worker).name, "tandem.autograd.grad",
-        {static_cast<int64_t>(context), static_cast<int64_t>(task), static_cast<int64_t>(message),
-         c10::ivalue::Tuple::create(std::move(items))});
+  void send_grads(int worker, uint64_t context, uint64_t task,
+                  std::vector<MessageGrads> grads) override {
+    std::vector<c10::IValue> args;
+    args.reserve(2 + 2 * grads.size());
+    args.emplace_back(static_cast<int64_t>(context));
+    args.emplace_back(static_cast<int64_t>(task));
+    MessageGrads::append(args, std::move(grads));
+    rpc::layer::notify(agent_, agent_.get_worker_info(worker).name, "tandem.autograd.grad",
+                       std::move(args));
   }
 
   void abort(int worker, uint64_t context, uint64_t task) noexcept override {
@@ -145,22 +145,24 @@ void DistAutograd::register_handlers(rpc::Registry& internal) {
     return rpc::Future<void>(
         self()->contexts_->release(static_cast<uint64_t>(id), static_cast<int>(from)), nullptr);
   });
-  internal.def("tandem.autograd.run", [self](int64_t ctx, int64_t task, int64_t root, bool keep,
-                                             int64_t timeout_ms, std::vector<int64_t> sends) {
-    auto d = self();
-    if (root < 0 || root >= d->agent_.world_size()) {
-      throw std::invalid_argument("unknown root rank " + std::to_string(root));
-    }
-    RunRequest r{static_cast<uint64_t>(ctx),
-                 static_cast<uint64_t>(task),
-                 static_cast<int>(root),
-                 keep,
-                 std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0)),
-                 std::vector<uint64_t>(sends.begin(), sends.end())};
-    // The reply is this part's outcome: an error keeps its kind (Disconnected,
-    // Timeout, ...) and names this worker (rpc::Agent::reply).
-    return rpc::Future<void>(d->engine_->run_part(r), nullptr);
-  });
+  internal.def("tandem.autograd.run",
+                [self](int64_t ctx, int64_t task, int64_t root, bool keep, int64_t timeout_ms,
+                       std::vector<int64_t> sends) {
+                  auto d = self();
+                  if (root < 0 || root >= d->agent_.world_size()) {
+                    throw std::invalid_argument("unknown root rank " + std::to_string(root));
+                  }
+                  RunRequest r{static_cast<uint64_t>(ctx),
+                               static_cast<uint64_t>(task),
+                               static_cast<int>(root),
+                               keep,
+                               std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0)),
+                               std::vector<uint64_t>(sends.begin(), sends.end())};
+                  // The reply is this part's outcome (a PartReply), or its error,
+                  // which keeps its kind (Disconnected, Timeout, ...) and names
+                  // this worker (rpc::Agent::reply).
+                  return rpc::Future<void>(d->engine_->run_part(r), nullptr);
+                });
   internal.def("tandem.autograd.fail", [self](int64_t ctx, int64_t task, int64_t code,
                                               std::string worker, std::string message) {
     auto d = self();
@@ -187,26 +189,16 @@ void DistAutograd::register_loop_handlers(rpc::Registry& on_loop) {
 
 void DistAutograd::grad_from_loop(std::vector<c10::IValue>& args) {
   assert(rpc::layer::on_loop_thread(agent_));
-  gradients_received_.fetch_add(1, std::memory_order_relaxed);
   uint64_t ctx = 0, task = 0;
   try {
-    if (args.size() != 4 || !args[0].isInt() || !args[1].isInt() || !args[2].isInt() ||
-        !args[3].isTuple()) {
-      throw rpc::ProtocolError("'tandem.autograd.grad' takes (context, task, message, tuple)");
+    if (args.size() < 4 || !args[0].isInt() || !args[1].isInt()) {
+      throw rpc::ProtocolError(
+          "'tandem.autograd.grad' takes (context, task, message, (gradient or None, ...), ...)");
     }
     ctx = static_cast<uint64_t>(args[0].toInt());
     task = static_cast<uint64_t>(args[1].toInt());
-    torch::autograd::variable_list list;
-    for (const auto& g : args[3].toTupleRef().elements()) {
-      if (g.isNone()) {
-        list.emplace_back();
-      } else if (g.isTensor()) {
-        list.push_back(g.toTensor());
-      } else {
-        throw std::invalid_argument("a gradient must be a tensor or None, got " + g.tagKind());
-      }
-    }
-    engine_->on_grad_from_loop(ctx, task, static_cast<uint64_t>(args[2].toInt()), std::move(list));
+    engine_->on_grad_from_loop(ctx, task,
+                               MessageGrads::parse(args, 2, "a 'tandem.autograd.grad' message"));
   } catch (...) {
     if (task == 0) {
       std::fprintf(stderr, "tandem[%s]: dropped a malformed gradient message\n", name().c_str());

@@ -11,11 +11,14 @@
 //  1. tandem.autograd.release(context, from): Contexts::release here, which
 //     forwards it on; the reply comes once those have answered.
 //  2. tandem.autograd.run(context, task, root, keep_graph, timeout_ms, sends):
-//     Engine::run_part; the reply is that part's `done`: None, or its error,
-//     whose kind the agent keeps on the wire (Timeout, Disconnected, ...).
-//  3. tandem.autograd.grad(context, task, message, (gradient or None, ...)):
-//     one way (notify), handled where it is delivered (the loop thread, or a
-//     thread polling that connection): Engine::on_grad_from_loop.
+//     Engine::run_part; the reply is that part's `done`: a PartReply (None,
+//     or its last gradients for the root), or its error, whose kind the
+//     agent keeps on the wire (Timeout, Disconnected, ...).
+//  3. tandem.autograd.grad(context, task, message, (gradient or None, ...),
+//     ...): the gradients of RecvBackwards that ran in a row, a message id
+//     and a tuple for each (autograd/engine.h's MessageGrads), one way
+//     (notify), handled where it is delivered (the loop thread, or a thread
+//     polling that connection): Engine::on_grad_from_loop.
 //     A malformed one is dropped with a line on stderr, or, once it names
 //     its task, fails that task at its root.
 //  4. tandem.autograd.fail(context, task, code, worker, message): a failure
@@ -56,7 +59,8 @@ class DistAutograd final : public rpc::AgentExtension,
   void after_receive(rpc::Message& m, int from) override { recorder_.after_receive(m, from); }
   std::vector<std::string> live_objects() const override { return contexts_->live_objects(); }
   // "autograd.contexts" alive here, "autograd.gradients_received": the
-  // gradient messages other workers' parts sent here,
+  // messages' gradients other workers' parts sent here (in `grad` messages
+  // or riding in `run` requests and replies),
   // "autograd.backward_passes": backward() calls made here, and
   // "autograd.backward_parts": parts (the root's included) run to their end
   // here.
@@ -65,7 +69,7 @@ class DistAutograd final : public rpc::AgentExtension,
   std::string debug_info() const override;
   void add_metrics(std::map<std::string, int64_t>& out) const override {
     out["autograd.contexts"] = static_cast<int64_t>(contexts_->live_objects().size());
-    out["autograd.gradients_received"] = static_cast<int64_t>(gradients_received_.load());
+    out["autograd.gradients_received"] = static_cast<int64_t>(engine_->gradients_received());
     out["autograd.backward_passes"] = static_cast<int64_t>(engine_->passes());
     out["autograd.backward_parts"] = static_cast<int64_t>(engine_->parts_done());
   }
@@ -85,7 +89,6 @@ class DistAutograd final : public rpc::AgentExtension,
   const std::shared_ptr<Contexts> contexts_;
   Recorder recorder_;
   const std::shared_ptr<Engine> engine_;
-  std::atomic<uint64_t> gradients_received_{0};
 };
 
 }  // namespace tandem::autograd

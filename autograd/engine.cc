@@ -100,7 +100,7 @@ std::string Engine::describe(const std::function<std::string(int)>& worker_name)
       }
       std::string parts;
       for (const auto& [worker, f] : t->parts) {
-        if (!f->completed()) parts += (parts.empty() ? "" : ", ") + worker_name(worker);
+        if (f && !f->completed()) parts += (parts.empty() ? "" : ", ") + worker_name(worker);
       }
       if (!parts.empty()) out += "; parts not done on " + parts;
       out += "\n";

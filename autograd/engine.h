@@ -32,18 +32,23 @@
 //     reach. The union is exactly the set of sends that will get a gradient,
 //     on every worker. No messages, no waiting.
 //  2. The root sends each other worker that owns such sends a `run` request
-//     naming them. Each worker (the root included) walks its local graph
-//     from its roots/sends and counts, for every node it reaches, the edges
-//     from reached nodes into it (a send counts one more: the gradient that
-//     will come from its RecvBackward). Gradients that arrive before `run`
-//     are kept until it does.
+//     naming them, before it runs a node: that worker's walk, and its
+//     wake-up if it slept, overlap the root's first nodes. Each worker (the
+//     root included) walks its local graph from its roots/sends and counts,
+//     for every node it reaches, the edges from reached nodes into it (a
+//     send counts one more: the gradient that will come from its
+//     RecvBackward). Gradients that arrive before `run` are kept until it
+//     does.
 //  3. Execution: a node whose count reaches zero is ready. Ordinary nodes
 //     run with their pre- and post-hooks, and their outputs go to the next
 //     nodes' input buffers (summed). AccumulateGrad nodes are not run: their
 //     gradient is added to the context's gradients (never to .grad). A
 //     RecvBackward sends its inputs to its paired send's worker (`grad`, one
 //     way: no reply), or delivers them in place when that is this worker;
-//     undefined gradients travel as None. Gradients from other workers are
+//     undefined gradients travel as None. RecvBackwards that run in a row
+//     send together, one `grad` message per worker, before the next node
+//     that computes runs (so a hop's gradients to one worker are one
+//     message, and none waits on work). Gradients from other workers are
 //     delivered where the agent delivers messages (its loop thread, or a
 //     thread polling that connection: bounded work); the root's backward()
 //     thread runs the root's ready nodes itself, spinning briefly before it
@@ -51,9 +56,14 @@
 //     per task.
 //  4. A worker's part is done when every node it reached has run. Its `run`
 //     request then completes, and backward() returns once the root's own
-//     part and every `run` are done. Sends nobody reached were never counted,
-//     so nothing waits for them. Cost: one `run` request and reply per
-//     worker with a part, plus one message per gradient.
+//     part and every `run` are done. The gradients for the root that the
+//     part's last RecvBackwards leave ride in that reply (a PartReply), not
+//     in a message before it, unless part-end hooks (autograd/pass.h) still
+//     have work to do. Sends nobody reached were never counted, so nothing
+//     waits for them. Cost: one `run` request and reply per worker with a
+//     part, plus one message per run of RecvBackwards to one worker; a
+//     part's `run` request is off the path (sent before the root's first
+//     node), and so is its reply (it brings the part's last gradients).
 // Failure: a node that throws, a gradient that cannot be delivered or taken,
 // or a part that cannot start fails that worker's `run` (or, once it has
 // answered, is told to the root with `fail`); a worker that dies fails its
@@ -71,9 +81,9 @@
 // in autograd/dist_autograd.h, in process in tests/autograd/engine_test.cc.
 // What the link promises is what the steps above need of it:
 //  1. run(worker, request) reaches that worker's Engine::run_part and its
-//     future completes with that part's `done`, or with the error that kept
-//     it from running, typed and naming the worker.
-//  2. send_grad is one way; the receiver's Engine::on_grad_from_loop gets
+//     future completes with that part's `done` (its PartReply), or with the
+//     error that kept it from running, typed and naming the worker.
+//  2. send_grads is one way; the receiver's Engine::on_grad_from_loop gets
 //     the gradients on a delivery thread (the agent's loop thread, or one
 //     polling the connection: rpc/transport.h, 8.). A
 //     gradient lost on the way is noticed at the root's timeout.
@@ -89,6 +99,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "tandem/autograd/context.h"
@@ -97,6 +108,22 @@
 #include "tandem/rpc/trace.h"
 
 namespace tandem::autograd {
+
+// The gradients for one recorded message (a RecvBackward's, for its send),
+// as they travel in a `grad` message or a `run` reply. On the wire, flat
+// (one level less to encode and decode than a list of pairs: it is on the
+// path of every hop): the message id, then a tuple (gradient or None, ...),
+// for each message in turn. parse() checks them, naming `what` in the
+// std::invalid_argument it throws.
+struct MessageGrads {
+  uint64_t message = 0;
+  torch::autograd::variable_list grads;  // undefined: no gradient (None)
+
+  static void append(std::vector<c10::IValue>& out, std::vector<MessageGrads> all);
+  // items[first..]: at least one message's.
+  static std::vector<MessageGrads> parse(const std::vector<c10::IValue>& items, size_t first,
+                                         const char* what);
+};
 
 // What the root asks of a worker with a part: count from these sends.
 struct RunRequest {
@@ -108,18 +135,23 @@ struct RunRequest {
   std::vector<uint64_t> sends;           // message ids of this worker's sends
 };
 
+// What a part's `done`, and so its `run` reply, completes with (step 4):
+// None, or the part's last gradients for the root (a tuple of MessageGrads'
+// items).
+using PartReply = c10::IValue;
+
 // How an Engine reaches the other workers' engines and its own threads.
 class EngineLink {
  public:
   virtual ~EngineLink() = default;
   // `worker`'s Engine::run_part(request), within request.timeout; the
-  // future completes as that part does: None, or its error (typed, naming
-  // the worker). Throws if `worker` cannot be reached at all.
+  // future completes as that part does: with its PartReply, or its error
+  // (typed, naming the worker). Throws if `worker` cannot be reached at all.
   virtual rpc::RawFuture run(int worker, const RunRequest& request) = 0;
-  // One way: `worker`'s Engine::on_grad_from_loop(context, task, message,
-  // grads). Throws if it cannot be sent.
-  virtual void send_grad(int worker, uint64_t context, uint64_t task, uint64_t message,
-                         torch::autograd::variable_list grads) = 0;
+  // One way: `worker`'s Engine::on_grad_from_loop(context, task, grads).
+  // Throws if it cannot be sent.
+  virtual void send_grads(int worker, uint64_t context, uint64_t task,
+                          std::vector<MessageGrads> grads) = 0;
   // Best effort: `worker`'s Engine::on_abort(context, task).
   virtual void abort(int worker, uint64_t context, uint64_t task) noexcept = 0;
   // Best effort: `root`'s Engine::on_failure(context, task, error), the
@@ -159,13 +191,13 @@ class Engine : public std::enable_shared_from_this<Engine> {
                 std::chrono::milliseconds timeout);
 
   // A `run` request: this worker's part (steps 2-4). Throws for a request
-  // that names an unknown context or send, or a task already run or aborted.
+  // that names an unknown context or send, or a task already run or
+  // aborted. The future is the part's `done` (its value a PartReply).
   rpc::RawFuture run_part(const RunRequest& request);
   // A `grad` message, on the delivery thread: bounded work that never blocks
   // (ready nodes run on the pool, or on the root's backward() thread). A
   // gradient that cannot be taken fails the task, told to its root.
-  void on_grad_from_loop(uint64_t context, uint64_t task, uint64_t message,
-                         torch::autograd::variable_list grads);
+  void on_grad_from_loop(uint64_t context, uint64_t task, std::vector<MessageGrads> grads);
   // A failure of `task` noticed on the delivery thread: told to its root,
   // right here if that is this worker, else from a pool thread.
   void fail_from_loop(uint64_t context, uint64_t task, std::exception_ptr error);
@@ -181,6 +213,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // root's own included) that ran to their end.
   uint64_t passes() const { return passes_.load(std::memory_order_relaxed); }
   uint64_t parts_done() const { return parts_done_.load(std::memory_order_relaxed); }
+  // One message's gradients from another worker, taken here: from a `grad`
+  // message, or riding in a `run` request or reply.
+  uint64_t gradients_received() const { return received_.load(std::memory_order_relaxed); }
 
  private:
   struct Join;
@@ -194,17 +229,22 @@ class Engine : public std::enable_shared_from_this<Engine> {
                      const std::shared_ptr<GraphTask>& task, Join& join,
                      std::chrono::steady_clock::time_point start,
                      std::chrono::milliseconds timeout);
-  // Gives the gradients to their send (any thread; bounded); throws if they
-  // cannot be taken.
-  void accept_grad(uint64_t context, uint64_t task, uint64_t message,
-                   torch::autograd::variable_list grads);
+  // What a drain's RecvBackwards left for other workers (step 3), in order.
+  using Outbox = std::vector<std::pair<int, MessageGrads>>;
+  // Sends `out` (one message per worker) and empties it; false, the task
+  // failed, when that could not be done.
+  bool send_out(const std::shared_ptr<GraphTask>& task, Outbox& out);
+  // Takes `worker`'s gradients out of `out`, as a PartReply.
+  static PartReply take_for(Outbox& out, int worker);
+  // Gives the gradients to their sends (any thread; bounded); throws if
+  // they cannot be taken.
+  void accept_grads(uint64_t context, uint64_t task, std::vector<MessageGrads> grads);
   void drain(const std::shared_ptr<ContextState>& ctx, const std::shared_ptr<GraphTask>& task);
+  // Runs one node; a RecvBackward's gradients for another worker go to `out`.
   torch::autograd::variable_list run_node(const std::shared_ptr<ContextState>& ctx,
                                           const std::shared_ptr<GraphTask>& task,
                                           torch::autograd::Node& fn,
-                                          torch::autograd::variable_list inputs);
-  void send_grads(const std::shared_ptr<ContextState>& ctx, const std::shared_ptr<GraphTask>& task,
-                  const RecvBackward& recv, torch::autograd::variable_list grads);
+                                          torch::autograd::variable_list inputs, Outbox& out);
   // A failure here in `task`, told to its root (failing the task in place
   // when this worker is the root). May call another worker: not on the loop.
   void tell_root(uint64_t context, uint64_t task, std::exception_ptr error);
@@ -214,7 +254,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   const int rank_;
   const std::string name_;  // this worker's, for messages
   std::atomic<uint64_t> next_task_{1};
-  std::atomic<uint64_t> passes_{0}, parts_done_{0};
+  std::atomic<uint64_t> passes_{0}, parts_done_{0}, received_{0};
 };
 
 }  // namespace tandem::autograd

@@ -97,9 +97,11 @@ struct GraphTask {
     cv.notify_one();
     if (waker) waker();
   }
-  // This worker's part: completes with None when done, or with the error.
+  // This worker's part: completes with its PartReply (autograd/engine.h)
+  // when done, or with the error.
   rpc::RawFuture done;
-  // On the root: the other workers' parts (their `run` calls), for debug_info.
+  // On the root: the other workers' parts (their `run` calls), for
+  // debug_info; null once a part has answered.
   std::vector<std::pair<int, rpc::RawFuture>> parts;
   // Queued by hooks (autograd/pass.h): run when the part has run its nodes.
   std::vector<std::function<void()>> on_done;

@@ -41,6 +41,15 @@ enum Stage : int {
   kReturned = 12,     // rpc_sync returned (stamped by the bench)
   kPoolTaken = 13,    // a pool thread took a task
   kPoolPosted = 14,   // a task was posted to the pool
+  // A distributed backward's path (autograd/engine/):
+  kBackwardStart = 15,  // the root's backward() is called
+  kRunsSent = 16,       // and has sent its `run` requests
+  kGradSent = 17,       // a part sends gradients to another worker
+  kGradTaken = 18,      // gradients from another worker reach their send
+  kPartStart = 19,      // a worker's part starts counting (run_part)
+  kDrainStart = 20,     // a thread starts running a part's ready nodes
+  kPartDone = 21,       // a part has run every node it reached
+  kBackwardEnd = 22,    // the root's backward() returns
 };
 
 #ifdef TANDEM_STAGE_STAMPS

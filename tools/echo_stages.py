@@ -26,6 +26,8 @@ NAMES = {
     1: "call start", 2: "call encoded", 3: "published", 4: "ring read", 5: "delivered",
     6: "request taken", 7: "handler in", 8: "handler out", 9: "reply encoded",
     10: "call done", 11: "spin done", 12: "returned", 13: "pool taken", 14: "pool posted",
+    15: "backward start", 16: "runs sent", 17: "grads sent", 18: "grads taken", 19: "part start",
+    20: "drain start", 21: "part done", 22: "backward end",
 }
 CALL_START = 1
 

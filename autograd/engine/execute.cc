@@ -9,6 +9,7 @@
 
 #include "tandem/autograd/engine.h"
 #include "tandem/autograd/pass.h"
+#include "tandem/rpc/stages.h"
 
 namespace tandem::autograd {
 
@@ -104,11 +105,32 @@ void Engine::drain(const std::shared_ptr<ContextState>& ctx,
   std::unique_lock<std::mutex> lock(task->mu);
   if (task->draining || task->phase != GraphTask::Phase::kRunning) return;
   task->draining = true;
+  TANDEM_STAGE(kDrainStart);
   const auto tracer = link_->tracer();
   const auto drain_start =
       tracer ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
   size_t ran = 0;
-  while (!task->ready.empty() && task->phase == GraphTask::Phase::kRunning) {
+  Outbox out;  // gradients for other workers, not sent yet
+  c10::IValue reply;
+  for (;;) {
+    if (task->phase != GraphTask::Phase::kRunning) break;  // over: what is held goes nowhere
+    if (task->ready.empty()) {
+      if (out.empty()) break;
+      // Nothing more to run for now: what the RecvBackwards left goes, but
+      // at the part's end the root's share rides in the `run` reply, unless
+      // the hooks' part-end work would hold it (autograd/engine.h, 4.).
+      if (!task->attached && task->nodes.empty() && task->on_done.empty() && reply.isNone()) {
+        reply = take_for(out, task->root);
+      }
+      lock.unlock();
+      // (a gradient that comes meanwhile is left to this thread: read `ready` again)
+      if (!send_out(task, out)) {
+        lock.lock();
+        break;
+      }
+      lock.lock();
+      continue;
+    }
     ++ran;
     Node* n = task->ready.back();
     task->ready.pop_back();
@@ -117,10 +139,16 @@ void Engine::drain(const std::shared_ptr<ContextState>& ctx,
     variable_list inputs = std::move(it->second.inputs);
     task->nodes.erase(it);
     lock.unlock();
+    // RecvBackwards in a row add to `out`; anything else sends it first, so
+    // that those to one worker travel as one message and none waits on work.
+    if (!out.empty() && !dynamic_cast<RecvBackward*>(fn.get()) && !send_out(task, out)) {
+      lock.lock();
+      break;
+    }
     variable_list outputs;
     try {
       PassScope scope(ctx.get(), task.get());
-      outputs = run_node(ctx, task, *fn, std::move(inputs));
+      outputs = run_node(ctx, task, *fn, std::move(inputs), out);
     } catch (...) {
       task->fail(std::current_exception());
       lock.lock();
@@ -165,21 +193,28 @@ void Engine::drain(const std::shared_ptr<ContextState>& ctx,
   task->draining = false;
   if (done) task->phase = GraphTask::Phase::kDone;
   lock.unlock();
-  if (done) parts_done_.fetch_add(1, std::memory_order_relaxed);
+  if (done) {
+    TANDEM_STAGE(kPartDone);
+    parts_done_.fetch_add(1, std::memory_order_relaxed);
+  }
   if (tracer && ran > 0) {
     tracer->slice("backward nodes", "autograd", drain_start, std::chrono::steady_clock::now(), {},
                   "{\"context\":" + std::to_string(task->context) + ",\"task\":" +
                       std::to_string(task->id) + ",\"nodes\":" + std::to_string(ran) + "}");
   }
-  if (done) task->done->markCompleted(c10::IValue());
+  if (done) task->done->markCompleted(std::move(reply));
 }
 
 variable_list Engine::run_node(const std::shared_ptr<ContextState>& ctx,
                                const std::shared_ptr<GraphTask>& task, Node& fn,
-                               variable_list inputs) {
+                               variable_list inputs, Outbox& out) {
   if (inputs.empty()) inputs.resize(fn.num_inputs());  // every input undefined
   if (auto* recv = dynamic_cast<RecvBackward*>(&fn)) {
-    send_grads(ctx, task, *recv, std::move(inputs));
+    if (recv->sender() == rank_) {  // a message this worker sent itself
+      accept_grads(ctx->id, task->id, {{recv->message(), std::move(inputs)}});
+    } else {
+      out.emplace_back(recv->sender(), MessageGrads{recv->message(), std::move(inputs)});
+    }
     return {};
   }
   for (const auto& hook : fn.pre_hooks()) inputs = (*hook)(inputs);

@@ -12,18 +12,23 @@
 #include "tandem/autograd/engine/walk.h"
 #include "tandem/rpc/errors.h"
 #include "tandem/rpc/layer.h"
+#include "tandem/rpc/stages.h"
 
 namespace tandem::autograd {
 
-// backward()'s outcome: every part done (rpc::when_all_raw of the root's
-// `done` and each `run` reply), or the first error from anywhere (a part, a
-// failure told to the root later, the timeout), whichever comes first.
+// backward()'s outcome: every part done (the root's `done` and each `run`
+// reply, counted down), or the first error from anywhere (a part, a failure
+// told to the root later, the timeout), whichever comes first.
 struct Engine::Join {
-  rpc::RawFuture failed = rpc::make_raw_future();  // the first error only
+  explicit Join(size_t parts) : left(parts) {}
+  rpc::RawFuture result = rpc::make_raw_future();
+  std::atomic<size_t> left;  // parts not done
   std::atomic<bool> over{false};
-  rpc::RawFuture result;  // when_any_raw({failed, when_all_raw(parts)})
   void fail(std::exception_ptr e) {
-    if (!over.exchange(true)) failed->setError(e);
+    if (!over.exchange(true)) result->setError(e);
+  }
+  void part_done() {
+    if (left.fetch_sub(1) == 1 && !over.exchange(true)) result->markCompleted(c10::IValue());
   }
 };
 
@@ -53,6 +58,7 @@ std::shared_ptr<RootBackward> make_root(const std::vector<at::Tensor>& roots) {
 
 void Engine::backward(uint64_t context, const std::vector<at::Tensor>& roots, bool retain_graph,
                       std::chrono::milliseconds timeout) {
+  TANDEM_STAGE(kBackwardStart);
   auto root = make_root(roots);
   auto ctx = contexts_->get(context);
   const auto tracer = link_->tracer();
@@ -103,8 +109,13 @@ void Engine::backward(uint64_t context, const std::vector<at::Tensor>& roots, bo
   }
 
   // 2. Every other worker that has a part is told which of its sends to
-  //    count from.
-  auto join = std::make_shared<Join>();
+  //    count from, before anything runs here: its walk, and its wake-up
+  //    where it slept, overlap this worker's first nodes.
+  auto join = std::make_shared<Join>(1 + parts.size());
+  join->result->addCallback([task](c10::ivalue::Future&) {
+    std::lock_guard<std::mutex> lock(task->mu);
+    task->signal_locked();
+  });
   {
     std::lock_guard<std::mutex> lock(task->mu);
     task->report = [join, me = name_](std::exception_ptr e) {
@@ -112,45 +123,80 @@ void Engine::backward(uint64_t context, const std::vector<at::Tensor>& roots, bo
       join->fail(rpc::make_error(code, me, text));
     };
   }
-  // Each part's error reaches `join` before when_all_raw sees it (callbacks
-  // run in the order they were added), with this worker's name on the root's.
-  std::vector<rpc::RawFuture> done{task->done};
+  // Each part's error reaches `join` with the worker's name on it (a `run`
+  // reply's names its worker already).
   task->done->addCallback([join, me = name_](c10::ivalue::Future& f) {
-    if (!f.hasError()) return;
+    if (!f.hasError()) return join->part_done();
     auto [code, text] = rpc::describe_error(f.exception_ptr());
     join->fail(rpc::make_error(code, me, text));
   });
+  std::weak_ptr<Engine> weak = weak_from_this();
   for (auto& [worker, sends] : parts) {
     try {
       auto f = link_->run(worker, {context, task->id, rank_, retain_graph, timeout, sends});
-      // The reply's error is typed and names that worker already.
-      f->addCallback([join](c10::ivalue::Future& f) {
-        if (f.hasError()) join->fail(f.exception_ptr());
+      f->addCallback([join, weak, weak_task = std::weak_ptr<GraphTask>(task), context,
+                      id = task->id, me = name_, from = worker](c10::ivalue::Future& f) {
+        if (f.hasError()) return join->fail(f.exception_ptr());
+        if (auto t = weak_task.lock()) {
+          // Done: its record lets go of the reply, so that the gradients in
+          // it are this task's alone (AccumulateGrad need not copy them).
+          std::lock_guard<std::mutex> lock(t->mu);
+          for (auto& [_, part] : t->parts) {
+            if (part.get() == &f) part.reset();
+          }
+        }
+        // The part's last gradients for this worker may ride in its reply.
+        if (!f.value().isNone()) {
+          try {
+            std::vector<MessageGrads> grads;
+            try {
+              if (!f.value().isTuple()) throw std::invalid_argument("it is not a tuple");
+              grads = MessageGrads::parse(f.value().toTupleRef().elements().vec(), 0,
+                                          "the `run` reply of a part");
+            } catch (const std::invalid_argument& e) {
+              throw rpc::ProtocolError(e.what());
+            }
+            for (const auto& g : grads) {
+              if (id_worker(g.message) != id_worker(id)) {
+                throw rpc::ProtocolError("it carried gradients for message " +
+                                         std::to_string(g.message) +
+                                         ", which this worker did not send");
+              }
+            }
+            if (auto self = weak.lock()) {
+              self->received_.fetch_add(grads.size(), std::memory_order_relaxed);
+              self->accept_grads(context, id, std::move(grads));
+            }
+          } catch (...) {
+            auto [code, text] = rpc::describe_error(std::current_exception());
+            return join->fail(rpc::make_error(
+                code, me, "the `run` reply from rank " + std::to_string(from) + ": " + text));
+          }
+        }
+        join->part_done();
       });
-      {
-        std::lock_guard<std::mutex> lock(task->mu);
-        task->parts.emplace_back(worker, f);
-      }
-      done.push_back(std::move(f));
+      std::lock_guard<std::mutex> lock(task->mu);
+      task->parts.emplace_back(worker, f);
     } catch (...) {
       join->fail(std::current_exception());
       break;
     }
   }
-
-  // `failed` first: an error already there wins.
-  join->result = rpc::when_any_raw({join->failed, rpc::when_all_raw(done)});
-  join->result->addCallback([task](c10::ivalue::Future&) {
-    std::lock_guard<std::mutex> lock(task->mu);
-    task->signal_locked();
-  });
+  TANDEM_STAGE(kRunsSent);
 
   // 3. This worker's part runs on this thread: gradients that come back are
-  //    delivered on the loop thread, which wakes this one.
+  //    delivered where they are read (the loop thread, or this one polling
+  //    its connection), which wakes this one.
   run_root_part(ctx, task, *join, start, timeout);
+  TANDEM_STAGE(kBackwardEnd);
   if (join->result->hasError()) {
     task->abort(name_, "backward failed");
-    for (auto& [worker, _] : parts) link_->abort(worker, context, task->id);
+    std::vector<int> sent;
+    {
+      std::lock_guard<std::mutex> lock(task->mu);
+      for (const auto& [worker, _] : task->parts) sent.push_back(worker);
+    }
+    for (int worker : sent) link_->abort(worker, context, task->id);
     std::rethrow_exception(join->result->exception_ptr());
   }
 }

@@ -14,6 +14,7 @@
 #include <random>
 
 #include "tandem/autograd/autograd.h"
+#include "tandem/autograd/engine.h"
 #include "tandem/rpc/api.h"
 #include "tandem/rpc/rref.h"
 #include "tests/rpc/frames.h"
@@ -526,6 +527,12 @@ TEST_CASE("autograd: engine requests from a peer are checked") {
     rpc::layer::notify(w[0], "worker1", "tandem.autograd.grad", {std::string("not a context")});
     rpc::layer::notify(w[0], "worker1", "tandem.autograd.grad",
                        {int64_t(ctx.id()), int64_t(5), int64_t(6), std::string("not a tuple")});
+    rpc::layer::notify(w[0], "worker1", "tandem.autograd.grad",
+                       {int64_t(ctx.id()), int64_t(5), int64_t(6), c10::ivalue::Tuple::create({}),
+                        std::string("half a pair")});
+    rpc::layer::notify(w[0], "worker1", "tandem.autograd.grad",
+                       {int64_t(ctx.id()), int64_t(5), int64_t((int64_t(1) << 48) | 98),
+                        c10::ivalue::Tuple::create({at::ones({2})})});
     dist::backward(ctx.id(), {y.sum()});
     CHECK(dist::get_gradients(w[1], ctx.id()).contains(P().w1));
   }

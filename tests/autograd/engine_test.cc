@@ -4,7 +4,8 @@
 // Gradients equal local LibTorch's; a shared subgraph runs once; an
 // unreached send is never waited for; a node's failure reaches the root
 // naming its worker; a gradient the link drops fails backward at the
-// timeout; gradients that overtake `run` wait for it.
+// timeout; gradients that overtake `run` wait for it; receives that run in
+// a row send one message; a part's last gradients ride in its reply.
 #include "test_util.h"
 
 #include <ATen/ops/mm.h>
@@ -107,6 +108,13 @@ struct Worker {
   std::shared_ptr<autograd::Engine> engine;
 };
 
+// What the wire does to gradients: the receiver gets copies.
+variable_list copied(const variable_list& grads) {
+  variable_list out;
+  for (const auto& g : grads) out.push_back(g.defined() ? g.clone() : at::Tensor());
+  return out;
+}
+
 // What the wire does to an error: its kind and text travel, and the
 // receiver names the worker it came from (rpc::Agent::reply, make_error).
 std::exception_ptr over_wire(std::exception_ptr e, const std::string& worker) {
@@ -131,14 +139,29 @@ class Net {
   std::set<uint64_t> drop;
   // `run` requests wait this long before they reach their worker.
   std::chrono::milliseconds run_delay{0};
-  // Gradient messages sent, by autograd message id.
+  // Gradients sent, by autograd message id: in `grad` messages, or riding
+  // in a `run` reply (riding()).
   std::map<uint64_t, int> grads_sent() {
     std::lock_guard<std::mutex> lock(mu_);
     return grads_sent_;
   }
-  void count_grad(uint64_t message) {
+  std::map<uint64_t, int> riding() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return riding_;
+  }
+  // `grad` messages sent (each carries one or more messages' gradients).
+  int grad_messages() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return grad_messages_;
+  }
+  void count_message() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++grad_messages_;
+  }
+  void count_grad(uint64_t message, bool carried = false) {
     std::lock_guard<std::mutex> lock(mu_);
     ++grads_sent_[message];
+    if (carried) ++riding_[message];
   }
   uint64_t next_message(int sender) {
     return last_message = autograd::make_id(sender, next_message_);
@@ -148,7 +171,8 @@ class Net {
  private:
   std::vector<std::unique_ptr<Worker>> workers_;
   std::mutex mu_;
-  std::map<uint64_t, int> grads_sent_;
+  std::map<uint64_t, int> grads_sent_, riding_;
+  int grad_messages_ = 0;
   std::atomic<uint64_t> next_message_{1};
 };
 
@@ -161,16 +185,25 @@ class FakeLink final : public autograd::EngineLink {
     auto out = rpc::make_raw_future();
     Worker& to = net_[worker];
     auto delay = net_.run_delay;
-    to.pool.post([&to, request, out, delay] {
+    to.pool.post([&to, request, out, delay, &net = net_] {
       std::this_thread::sleep_for(delay);
       try {
-        to.engine->run_part(request)->addCallback([out, name = to.name](c10::ivalue::Future& f) {
-          if (f.hasError()) {
-            out->setError(over_wire(f.exception_ptr(), name));
-          } else {
-            out->markCompleted(c10::IValue());
-          }
-        });
+        to.engine->run_part(request)->addCallback(
+            [out, name = to.name, &net](c10::ivalue::Future& f) {
+              if (f.hasError()) return out->setError(over_wire(f.exception_ptr(), name));
+              if (f.value().isNone()) return out->markCompleted(c10::IValue());
+              // The part's last gradients, riding in its reply (copies, or lost).
+              std::vector<autograd::MessageGrads> sent;
+              for (auto& g : autograd::MessageGrads::parse(
+                       f.value().toTupleRef().elements().vec(), 0, "a reply")) {
+                net.count_grad(g.message, /*carried=*/true);
+                if (!net.drop.count(g.message)) sent.push_back({g.message, copied(g.grads)});
+              }
+              if (sent.empty()) return out->markCompleted(c10::IValue());
+              std::vector<c10::IValue> items;
+              autograd::MessageGrads::append(items, std::move(sent));
+              out->markCompleted(c10::ivalue::Tuple::create(std::move(items)));
+            });
       } catch (...) {
         out->setError(over_wire(std::current_exception(), to.name));
       }
@@ -178,16 +211,18 @@ class FakeLink final : public autograd::EngineLink {
     return out;
   }
 
-  void send_grad(int worker, uint64_t context, uint64_t task, uint64_t message,
-                 variable_list grads) override {
-    net_.count_grad(message);
-    if (net_.drop.count(message)) return;
+  void send_grads(int worker, uint64_t context, uint64_t task,
+                  std::vector<autograd::MessageGrads> grads) override {
+    std::vector<autograd::MessageGrads> sent;
     for (auto& g : grads) {
-      if (g.defined()) g = g.clone();  // a copy, as over the wire
+      net_.count_grad(g.message);
+      if (!net_.drop.count(g.message)) sent.push_back({g.message, copied(g.grads)});
     }
+    net_.count_message();
+    if (sent.empty()) return;
     Worker& to = net_[worker];
-    to.loop.post([&to, context, task, message, grads = std::move(grads)]() mutable {
-      to.engine->on_grad_from_loop(context, task, message, std::move(grads));
+    to.loop.post([&to, context, task, sent = std::move(sent)]() mutable {
+      to.engine->on_grad_from_loop(context, task, std::move(sent));
     });
   }
 
@@ -409,15 +444,71 @@ TEST_CASE("engine: a gradient lost on the way fails backward at the timeout") {
 
 TEST_CASE("engine: gradients that overtake `run` wait for it") {
   Net net(2);
-  net.run_delay = 100ms;  // worker0's gradient reaches worker1 before its `run`
+  net.run_delay = 100ms;  // worker0's gradients reach worker1 before its `run`
   auto x = at::randn({4}, kF64).requires_grad_();
   auto w = at::randn({4}, kF64).requires_grad_();
   const uint64_t ctx = net[0].contexts->new_context();
   auto xb = transfer(net, ctx, 0, 1, x);
-  auto y = transfer(net, ctx, 1, 0, xb * w);
-  net[0].engine->backward(ctx, {(y * y).sum()}, false, 5s);
-  auto want = torch::autograd::grad({(x * w * x * w).sum()}, {x, w});
+  auto y1 = transfer(net, ctx, 1, 0, xb * w);
+  auto y2 = transfer(net, ctx, 1, 0, at::sin(xb));
+  net[0].engine->backward(ctx, {(y1 * y1).sum() + y2.sum()}, false, 5s);
+  auto want = torch::autograd::grad({(x * w * x * w).sum() + at::sin(x).sum()}, {x, w});
   expect_close(grad_on(net, 0, ctx, x), want[0], "x");
   expect_close(grad_on(net, 1, ctx, w), want[1], "w");
+  CHECK(net.grads_sent().size() == 3);
+  CHECK(net.riding().size() == 1);  // x's, in worker1's reply
+  release_everywhere(net, ctx);
+}
+
+TEST_CASE("engine: gradients that RecvBackwards leave in a row travel as one message") {
+  Net net(2);
+  auto x = at::randn({3}, kF64).requires_grad_();
+  const uint64_t ctx = net[0].contexts->new_context();
+  auto xb = transfer(net, ctx, 0, 1, x);
+  auto y1 = transfer(net, ctx, 1, 0, xb * 2);
+  auto y2 = transfer(net, ctx, 1, 0, xb * 3);
+  // Both receives are ready at once on worker0, below y1 + y2.
+  net[0].engine->backward(ctx, {(y1 + y2).sum()}, false, 5s);
+  expect_close(grad_on(net, 0, ctx, x), at::full_like(x, 5), "x");
+  CHECK(net.grads_sent().size() == 3);
+  CHECK(net.grad_messages() == 1);  // y1's and y2's together; x's rode in the reply
+  CHECK(net.riding().size() == 1);
+  release_everywhere(net, ctx);
+}
+
+TEST_CASE("engine: a part's last gradients ride in its `run` reply") {
+  Net net(2);
+  auto x = at::randn({3}, kF64).requires_grad_();
+  auto w = at::randn({3}, kF64).requires_grad_();
+  const uint64_t ctx = net[0].contexts->new_context();
+  auto xb = transfer(net, ctx, 0, 1, x);
+  const uint64_t there = net.last_message;
+  auto y = transfer(net, ctx, 1, 0, at::tanh(xb * w));
+  const uint64_t back = net.last_message;
+  net[0].engine->backward(ctx, {y.sum()}, false, 5s);
+  auto want = torch::autograd::grad({at::tanh(x * w).sum()}, {x, w});
+  expect_close(grad_on(net, 0, ctx, x), want[0], "x");
+  expect_close(grad_on(net, 1, ctx, w), want[1], "w");
+  // y's gradient went in a `grad` message, x's rode in worker1's reply.
+  CHECK(net.grads_sent() == std::map<uint64_t, int>{{there, 1}, {back, 1}});
+  CHECK(net.riding() == std::map<uint64_t, int>{{there, 1}});
+  CHECK(net.grad_messages() == 1);
+
+  // Two hops there and back: the gradients between the first and the last
+  // go on their own, and the result is the same as local autograd's.
+  auto a = transfer(net, ctx, 0, 1, x);
+  auto b = transfer(net, ctx, 1, 0, a * w);
+  auto c = transfer(net, ctx, 0, 1, at::sin(b));
+  auto d = transfer(net, ctx, 1, 0, c * w);
+  net[0].contexts->get(ctx)->grads.clear();
+  net[1].contexts->get(ctx)->grads.clear();
+  const auto before = net.grads_sent().size();
+  net[0].engine->backward(ctx, {d.sum()}, false, 5s);
+  auto want2 = torch::autograd::grad({(at::sin(x * w) * w).sum()}, {x, w});
+  expect_close(grad_on(net, 0, ctx, x), want2[0], "x, two hops");
+  expect_close(grad_on(net, 1, ctx, w), want2[1], "w, two hops");
+  CHECK(net.grads_sent().size() == before + 4);
+  CHECK(net.riding().size() == 2);  // a's of the four new ones
+  CHECK(net.grad_messages() == 4);
   release_everywhere(net, ctx);
 }

@@ -343,7 +343,10 @@ TEST_CASE("seams: a gradient lost on the wire fails backward at its timeout, nev
   auto x = at::arange(1, 4, kF64).requires_grad_();
   {
     dist::Context ctx(w[0]);
-    auto y = w[0].rpc_sync<at::Tensor>("worker1", "scale", x, 2);
+    // Two hops there and back: the gradients of the first and the last ride
+    // in worker1's `run` request and reply, the two between go on their own.
+    auto y = w[0].rpc_sync<at::Tensor>(
+        "worker1", "scale", w[0].rpc_sync<at::Tensor>("worker1", "scale", x, 2) * 1, 1);
     auto t0 = std::chrono::steady_clock::now();
     // The root's own deadline or its `run` call's, whichever fires first.
     CHECK_THROWS_AS(dist::backward(w[0], ctx.id(), {at::sum(y)}, false, 500ms), rpc::TimeoutError);
