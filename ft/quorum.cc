@@ -122,6 +122,17 @@ bool Manager::join_quorum() {
     while ((decided = get_if(*store_, q + "members")).empty()) {
       check_store();
       if (Clock::now() > deadline) {
+        // The job may have finished while this replica was held (in a
+        // group that could not meet, or with a stale view of who is
+        // alive): then it came late, and nobody is left to train with.
+        const int64_t committed = mark("committed");
+        const int64_t finished = mark("finished");
+        if (finished > 0 && finished >= committed && step_ < finished) {
+          throw JobFinished("ft::Manager: " + name_of(proc_) +
+                                " found the job's replicas finished at step " +
+                                std::to_string(finished) + " when its quorum timed out",
+                            finished);
+        }
         throw QuorumError("ft::Manager: " + name_of(proc_) + " found no quorum of " +
                           std::to_string(options_.min_replicas) + " or more within " +
                           std::to_string(options_.quorum_timeout.count()) + " ms" +
