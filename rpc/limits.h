@@ -56,7 +56,9 @@ struct Limits {
   uint64_t shm_ring_bytes = 512ull << 10;
   uint64_t max_ring_bytes = 64ull << 20;
   // Threads that spin waiting (an rpc_sync caller, an idle pool thread)
-  // read their same-host connection themselves (rpc/transport.h, 8.).
+  // read their connection themselves (rpc/transport.h, 8.): a same-host
+  // ring, or a TCP socket's small frames. TANDEM_POLL_WHILE_SPINNING=0
+  // turns it off for every agent.
   bool poll_while_spinning = true;
   // And when their spin runs out, they sleep on that connection, where the
   // peer's next write wakes them directly (rpc/transport.h, 10.), instead

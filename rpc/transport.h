@@ -169,11 +169,12 @@ class PollingSpin {
   PollingSpin& operator=(const PollingSpin&) = delete;
 };
 
-class LocalConnection;
+class ConnectionSleeper;
 
 // 10.: inside a PollingSpin, a sleep on the connection this thread polls
-// (a same-host ring it has looked at). ok() is false where there is none:
-// the thread sleeps its usual way then.
+// (a same-host ring it has looked at: a futex in the ring; a TCP socket:
+// ppoll() on it and an eventfd). ok() is false where there is none: the
+// thread sleeps its usual way then.
 //
 //   PollingSpin polling;
 //   if (!spin_until(spin, done)) {
@@ -188,9 +189,9 @@ class ConnectionSleep {
   ConnectionSleep(const ConnectionSleep&) = delete;
   ConnectionSleep& operator=(const ConnectionSleep&) = delete;
 
-  bool ok() const { return conn_ != nullptr; }
+  bool ok() const { return sleeper_ != nullptr; }
   // Wakes the sleeper from any thread of this process; callable at any time,
-  // also after the sleep ended (then it costs a futex wake of nobody).
+  // also after the sleep ended (then it costs a wake of nobody).
   std::function<void()> waker() const;
   // Reads what has come (as poll_this_threads_connection()), and unless it
   // read something or `done()` holds, sleeps until the peer writes, waker()
@@ -200,7 +201,7 @@ class ConnectionSleep {
   bool wait(std::chrono::microseconds timeout, const std::function<bool()>& done);
 
  private:
-  std::shared_ptr<LocalConnection> conn_;
+  std::unique_ptr<ConnectionSleeper> sleeper_;  // the connection kind's
 };
 
 // Makes a transport that checks frames against `limits` and reports to `callbacks`.

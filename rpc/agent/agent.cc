@@ -87,6 +87,9 @@ void AgentImpl::start(c10::intrusive_ptr<c10d::Store> store) {
   if (const char* s = std::getenv("TANDEM_SLEEP_ON_CONNECTION"); s && std::strcmp(s, "0") == 0) {
     options_.limits.sleep_on_connection = false;  // (an A/B of rpc/transport.h, 10.)
   }
+  if (const char* s = std::getenv("TANDEM_POLL_WHILE_SPINNING"); s && std::strcmp(s, "0") == 0) {
+    options_.limits.poll_while_spinning = false;  // (an A/B of rpc/transport.h, 8.)
+  }
   if (options_.transport_mode.empty()) {
     const char* m = std::getenv("TANDEM_TRANSPORT");
     options_.transport_mode = m && *m ? m : "auto";

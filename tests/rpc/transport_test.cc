@@ -810,6 +810,135 @@ TEST_CASE("shm: a thread asleep on its connection: the peer's write, a waker or 
   }
 }
 
+TEST_CASE("tcp: a spinning thread reads its socket itself, and one asleep on it is woken") {
+  // rpc/transport/uv/tcp_connection.h, 1. and 2.
+  Endpoint a{tcp_transport()};
+  Endpoint b{tcp_transport(), Limits{}, [](const Message& m) { return m.callee != "loop"; }};
+  ConnectionPtr c = open(a, b, b.t->listen("127.0.0.1", 0));
+  ConnectionPtr served;
+  size_t base = 0;  // b.threads before b.got's first
+  {
+    std::lock_guard<std::mutex> lock(b.mu);
+    served = b.peer;
+    base = b.threads.size();
+  }
+  REQUIRE(served);
+  using Clock = std::chrono::steady_clock;
+  const auto me = std::this_thread::get_id();
+  // A spin reads what comes, here; what it may not take goes to the loop
+  // thread, in order. (It spins before the bytes come, as a waiting caller
+  // does; the loop thread, woken for them too, may still win a few.)
+  for (int i = 1; i <= 40; ++i) {
+    CAPTURE(i);
+    Message m = request(static_cast<uint64_t>(i));
+    if (i % 10 == 5) m.callee = "loop";
+    PollingSpin spin;
+    served->poll_inline();
+    std::thread sender([&] { c->send(encode(m)); });
+    const auto t0 = Clock::now();
+    while (b.messages() < static_cast<size_t>(i) && Clock::now() - t0 < 5s) served->poll_inline();
+    sender.join();
+  }
+  {
+    std::lock_guard<std::mutex> lock(b.mu);
+    REQUIRE(b.got.size() == 40);
+    int here = 0;
+    for (size_t i = 0; i < b.got.size(); ++i) {
+      CHECK(b.got[i].id == i + 1);
+      if (b.got[i].callee == "loop") CHECK(b.threads[base + i] != me);
+      here += b.threads[base + i] == me;
+    }
+    MESSAGE("tcp: a spinning thread read " << here << " of 40 frames itself");
+    CHECK(here > 0);
+  }
+  {
+    // A frame larger than a poller's gulp is the loop's to read, whole,
+    // and the small one behind it comes after it.
+    PollingSpin spin;
+    served->poll_inline();
+    const auto big = at::arange(1 << 20, at::kFloat);  // 4 MiB
+    std::thread sender([&] {
+      c->send(encode(request(41, {big})));
+      c->send(encode(request(42)));
+    });
+    const auto t0 = Clock::now();
+    while (b.messages() < 42 && Clock::now() - t0 < 5s) served->poll_inline();
+    sender.join();
+    std::lock_guard<std::mutex> lock(b.mu);
+    REQUIRE(b.got.size() == 42);
+    CHECK(b.got[40].id == 41);
+    CHECK(at::equal(b.got[40].values.at(0).toTensor(), big));
+    CHECK(b.threads[base + 40] != me);
+    CHECK(b.got[41].id == 42);
+  }
+  int read_here = 0;  // rounds whose bytes the sleeper read itself
+  for (int round = 1; round <= 10; ++round) {
+    CAPTURE(round);
+    const size_t before = b.messages();
+    PollingSpin spin;
+    CHECK_FALSE(served->poll_inline());  // (this thread now polls it)
+    ConnectionSleep sleep;
+    REQUIRE(sleep.ok());
+    std::thread writer([&] {
+      std::this_thread::sleep_for(3ms);
+      c->send(encode(request(100 + static_cast<uint64_t>(round))));
+    });
+    auto arrived = [&] { return b.messages() == before + 1; };
+    const auto t0 = Clock::now();
+    while (!arrived() && sleep.wait(10s, arrived)) {
+    }
+    writer.join();
+    CHECK(Clock::now() - t0 < 5s);  // the peer's bytes woke it, not the bound
+    // A sleep that ends unfinished leaves the bytes to the loop thread
+    // (a sleeper not scheduled within kYieldFor): they come all the same.
+    REQUIRE(b.wait([&] { return b.got.size() == before + 1; }, 5s));
+    // Mostly it read them itself: the loop thread, woken too, left them to it.
+    std::lock_guard<std::mutex> lock(b.mu);
+    read_here += b.threads.back() == me;
+  }
+  MESSAGE("tcp: a sleeper read its own bytes in " << read_here << " of 10 rounds");
+  CHECK(read_here >= 1);
+  {
+    // Another thread wakes it; with neither, the sleep ends at its bound;
+    // the connection's end wakes it and it cannot sleep there any more.
+    PollingSpin spin;
+    served->poll_inline();
+    ConnectionSleep sleep;
+    REQUIRE(sleep.ok());
+    std::atomic<bool> flag{false};
+    std::thread waker([&, wake = sleep.waker()] {
+      std::this_thread::sleep_for(3ms);
+      flag = true;
+      wake();
+    });
+    auto t0 = Clock::now();
+    while (!flag && sleep.wait(10s, [&] { return flag.load(); })) {
+    }
+    waker.join();
+    CHECK(Clock::now() - t0 < 5s);
+    t0 = Clock::now();
+    CHECK(sleep.wait(30ms, [] { return false; }));
+    CHECK(Clock::now() - t0 >= 25ms);
+    std::thread closer([&] {
+      std::this_thread::sleep_for(5ms);
+      c->close("");
+    });
+    t0 = Clock::now();
+    bool still = true;
+    while (still && Clock::now() - t0 < 5s) still = sleep.wait(10s, [] { return false; });
+    closer.join();
+    CHECK_FALSE(still);
+    CHECK(Clock::now() - t0 < 5s);
+    CHECK(b.wait([&] { return !b.closed.empty(); }, 5s));
+    CHECK(b.closes_of(served->id()) == 1);
+    CHECK_FALSE(served->poll_inline());
+  }
+  {
+    ConnectionSleep outside;  // not in a PollingSpin: nothing to sleep on
+    CHECK_FALSE(outside.ok());
+  }
+}
+
 TEST_CASE("shm: connect_local tells another host from a dead endpoint") {
   Endpoint a(shm_transport()), b(shm_transport());
   b.t->listen("127.0.0.1", 0);

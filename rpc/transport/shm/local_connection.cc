@@ -53,17 +53,6 @@ bool collect_descriptors(msghdr& msg, std::vector<int>& fds) {
   return (msg.msg_flags & MSG_CTRUNC) == 0;
 }
 
-// A thread's PollingSpin (rpc/transport.h): how deep, and the connection
-// whose ring it counts itself in as a poller (ring.h, 3.).
-struct SpinState {
-  int depth = 0;
-  std::shared_ptr<LocalConnection> entered;
-};
-SpinState& spin_state() {
-  thread_local SpinState state;
-  return state;
-}
-
 // How soon a sleeper looks again at a ring the loop thread was reading.
 constexpr std::chrono::microseconds kBusyRingLook{50};
 
@@ -234,17 +223,11 @@ bool LocalConnection::poll_inline() {
     // A look at two counters instead of a system call.
     if (!ring->maybe_readable()) return false;
   }
-  std::unique_lock<std::mutex> lock(read_mu_, std::try_to_lock);
-  if (!lock.owns_lock() || !inline_ok_.load(std::memory_order_acquire)) return false;
-  return drain_locked(Reader::kPoller);
+  return poll_if_free();
 }
 
 void LocalConnection::enter_polling_spin(RingReader* ring) {
-  SpinState& s = spin_state();
-  if (s.depth == 0 || s.entered.get() == this) return;
-  if (s.entered) std::exchange(s.entered, nullptr)->leave_polling_spin();
-  s.entered = std::static_pointer_cast<LocalConnection>(shared_from_this());
-  ring->enter_polling();
+  if (enter_polling_here()) ring->enter_polling();
 }
 
 void LocalConnection::leave_polling_spin() {
@@ -257,7 +240,7 @@ void LocalConnection::leave_polling_spin() {
 }
 
 bool LocalConnection::sleepable_here() const {
-  return spin_state().entered.get() == this && transport_->limits().sleep_on_connection &&
+  return polling_state().entered.get() == this && transport_->limits().sleep_on_connection &&
          ring_in_ready_.load(std::memory_order_acquire) != nullptr;
 }
 
@@ -288,27 +271,23 @@ void LocalConnection::ring_bell() {
   if (RingReader* ring = ring_in_ready_.load(std::memory_order_acquire)) ring->ring_bell();
 }
 
-ConnectionSleep::ConnectionSleep() {
-  SpinState& s = spin_state();
-  if (s.depth > 0 && s.entered && s.entered->sleepable_here()) conn_ = s.entered;
-}
+std::unique_ptr<ConnectionSleeper> LocalConnection::sleeper_here() {
+  if (!sleepable_here()) return nullptr;
+  // Every sleeper on the peer's ring is woken by its bell.
+  class Sleeper final : public ConnectionSleeper {
+   public:
+    explicit Sleeper(std::shared_ptr<LocalConnection> conn) : conn_(std::move(conn)) {}
+    bool wait(std::chrono::microseconds timeout, const std::function<bool()>& done) override {
+      return conn_->sleep_polling(timeout, done);
+    }
+    std::function<void()> waker() const override {
+      return [conn = conn_] { conn->ring_bell(); };
+    }
 
-ConnectionSleep::~ConnectionSleep() = default;
-
-std::function<void()> ConnectionSleep::waker() const {
-  if (!conn_) return [] {};
-  return [conn = conn_] { conn->ring_bell(); };
-}
-
-bool ConnectionSleep::wait(std::chrono::microseconds timeout, const std::function<bool()>& done) {
-  return conn_ && conn_->sleep_polling(timeout, done);
-}
-
-PollingSpin::PollingSpin() { ++spin_state().depth; }
-
-PollingSpin::~PollingSpin() {
-  SpinState& s = spin_state();
-  if (--s.depth == 0 && s.entered) std::exchange(s.entered, nullptr)->leave_polling_spin();
+   private:
+    const std::shared_ptr<LocalConnection> conn_;
+  };
+  return std::make_unique<Sleeper>(std::static_pointer_cast<LocalConnection>(shared_from_this()));
 }
 
 bool LocalConnection::read_local_locked(Reader who) {

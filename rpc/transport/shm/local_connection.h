@@ -101,15 +101,17 @@ class LocalConnection final : public StreamConnection {
   bool sleep_polling(std::chrono::microseconds timeout, const std::function<bool()>& done);
   // Wakes whoever sleeps on the peer's ring (ring.h, 3a.).
   void ring_bell();
+  void wake_sleepers() override { ring_bell(); }
   // Whether this thread polls this connection now (its PollingSpin entered
   // it), and may sleep on the peer's ring (Limits::sleep_on_connection).
   bool sleepable_here() const;
+  std::unique_ptr<ConnectionSleeper> sleeper_here() override;
 
   // Inside a PollingSpin (transport.h), this thread counts as reading the
   // ring until the spin ends (ring.h, 3.): writers need not wake the loop.
   void enter_polling_spin(RingReader* ring);
   // The spin ended: hands what it left in the ring to the loop thread.
-  void leave_polling_spin();
+  void leave_polling_spin() override;
 
  private:
   // Writes one code byte (with descriptors) to the socket: 1 sent, 0 the

@@ -401,6 +401,7 @@ void StreamConnection::close_from_loop(const std::string& reason) {
   if (loop_closed_) return;
   loop_closed_ = true;
   inline_ok_.store(false, std::memory_order_release);
+  wake_sleepers();  // (a sleep that looks now finds it closed)
   if (counted_handshaking_) {
     counted_handshaking_ = false;
     transport_->handshake_ended_from_loop();

@@ -81,11 +81,22 @@ class UvTransport;
 class LocalConnection;
 class SegmentWriter;
 
+// A ConnectionSleep's work (rpc/transport.h, 10.) on the connection this
+// thread polls, done the way its kind sleeps.
+class ConnectionSleeper {
+ public:
+  virtual ~ConnectionSleeper() = default;
+  virtual bool wait(std::chrono::microseconds timeout, const std::function<bool()>& done) = 0;
+  virtual std::function<void()> waker() const = 0;
+};
+
 constexpr size_t kStagingBytes = 64 << 10;
 // Below this many bytes left in a tensor, gulp into staging and copy instead.
 constexpr size_t kDirectReadMin = 16 << 10;
 constexpr int kReadRoundsPerWakeup = 64;
 constexpr int kReadRoundsPerPoll = 4;  // a spinning thread reads a little; the rest is the loop's
+// What a TCP poller reads at once (tcp_connection.h, 1.): frames larger are the loop's.
+constexpr size_t kPollerGulp = 4 << 10;
 // Descriptors one frame may announce; one read takes at most one frame's.
 constexpr size_t kMaxFdsPerRead = 64;
 
@@ -157,6 +168,23 @@ class StreamConnection : public Connection, public std::enable_shared_from_this<
   // anyway, holding read_mu_), and inside a poll's own deliveries.
   static bool& no_polling_here();
 
+  // Polling and sleeping on a connection (rpc/transport.h, 8. and 10.).
+  // A thread's PollingSpin: how deep, and the connection it polls now.
+  struct PollingState {
+    int depth = 0;
+    std::shared_ptr<StreamConnection> entered;
+  };
+  static PollingState& polling_state();
+  // What each kind does: this thread's spin ended (what it left goes on),
+  virtual void leave_polling_spin() {}
+  // a sleep of this thread on it, if it polls it now and may sleep there,
+  virtual std::unique_ptr<ConnectionSleeper> sleeper_here() { return nullptr; }
+  // what wakes every thread asleep on it (its end),
+  virtual void wake_sleepers() {}
+  // and, on the loop thread woken for its bytes, whether a sleeper reads
+  // them instead (the loop comes back while they wait: its watch is level).
+  virtual bool yield_read_from_loop() { return false; }
+
  protected:
   StreamConnection(UvTransport* transport, Kind kind, int fd, uint64_t id, std::string peer,
                    bool accepted);
@@ -164,11 +192,27 @@ class StreamConnection : public Connection, public std::enable_shared_from_this<
   // The same-host kind's steps (5.); kind_ == Kind::kLocal.
   LocalConnection& local();
 
+  // Inside a PollingSpin, makes this the connection this thread polls
+  // (the one before leaves its spin): true when it was not already.
+  bool enter_polling_here();
+  // The poll both kinds share, once a kind has looked: read_mu_ if free,
+  // and the drain as a poller (3.).
+  bool poll_if_free();
+
   // The one drain (3.), read_mu_ held. True when a poller delivered something.
   bool drain_locked(Reader who);
   // The socket's bytes into the decoder and on, for `who` (read_mu_ held):
   // TCP, and a same-host peer without a ring.
   bool read_socket_locked(Reader who);
+  // What the socket's next bytes start, as far as a look shows that takes
+  // nothing and no lock (right only where the decoder is between frames):
+  // nothing yet, a frame of at most kDirectReadMin bytes (also a preamble
+  // not all here yet, and the end), or a larger one. Pollers of a TCP
+  // socket read only small frames, and leave larger ones to the loop
+  // thread: its gulps cost one wake-up for many reads, where pollers and
+  // the loop taking turns at one frame cost more than the wake-up saves.
+  enum class NextFrame { kNothing, kSmall, kLarge };
+  NextFrame next_frame_at_socket() const;
   // Scratch for reads that do not land in a tensor: the loop's, or this
   // polling thread's.
   char* staging(Reader who);

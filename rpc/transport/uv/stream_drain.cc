@@ -18,9 +18,52 @@ bool& StreamConnection::no_polling_here() {
   return inside;
 }
 
+StreamConnection::PollingState& StreamConnection::polling_state() {
+  thread_local PollingState state;
+  return state;
+}
+
+bool StreamConnection::enter_polling_here() {
+  PollingState& s = polling_state();
+  if (s.depth == 0 || s.entered.get() == this) return false;
+  if (s.entered) std::exchange(s.entered, nullptr)->leave_polling_spin();
+  s.entered = shared_from_this();
+  return true;
+}
+
+bool StreamConnection::poll_if_free() {
+  std::unique_lock<std::mutex> lock(read_mu_, std::try_to_lock);
+  if (!lock.owns_lock() || !inline_ok_.load(std::memory_order_acquire)) return false;
+  return drain_locked(Reader::kPoller);
+}
+
+PollingSpin::PollingSpin() { ++StreamConnection::polling_state().depth; }
+
+PollingSpin::~PollingSpin() {
+  StreamConnection::PollingState& s = StreamConnection::polling_state();
+  if (--s.depth == 0 && s.entered) std::exchange(s.entered, nullptr)->leave_polling_spin();
+}
+
+ConnectionSleep::ConnectionSleep() {
+  StreamConnection::PollingState& s = StreamConnection::polling_state();
+  if (s.depth > 0 && s.entered) sleeper_ = s.entered->sleeper_here();
+}
+
+ConnectionSleep::~ConnectionSleep() = default;
+
+std::function<void()> ConnectionSleep::waker() const {
+  if (!sleeper_) return [] {};
+  return sleeper_->waker();
+}
+
+bool ConnectionSleep::wait(std::chrono::microseconds timeout, const std::function<bool()>& done) {
+  return sleeper_ && sleeper_->wait(timeout, done);
+}
+
 void StreamConnection::read_from_loop() {
   assert(transport_->on_transport_thread());
   if (loop_closed_) return;  // a late post
+  if (yield_read_from_loop()) return;
   {
     std::lock_guard<std::mutex> read_lock(read_mu_);
     drain_locked(Reader::kLoop);
@@ -53,9 +96,14 @@ bool StreamConnection::read_socket_locked(Reader who) {
   const int rounds = loop ? kReadRoundsPerWakeup : kReadRoundsPerPoll;
   for (int round = 0; round < rounds; ++round) {
     if (loop && (loop_closed_ || reading_stopped_)) break;
+    // A TCP poller reads small frames, a gulp at a time, and leaves what it
+    // began and could not end to the loop (tcp_connection.h, 1.).
+    const bool tcp_poller = !loop && kind_ == Kind::kTcp;
+    if (tcp_poller && !decoder_.idle()) return delivered;
     auto [direct, want] = decoder_.direct_target(kDirectReadMin);
+    if (tcp_poller) direct = nullptr;
     char* buf = direct ? direct : scratch;
-    const size_t len = direct ? want : kStagingBytes;
+    const size_t len = direct ? want : tcp_poller ? kPollerGulp : kStagingBytes;
     std::string error;
     ssize_t n;
     if (kind_ == Kind::kLocal) {
@@ -87,10 +135,28 @@ bool StreamConnection::read_socket_locked(Reader who) {
         hand_to_loop("");
         return delivered;
       }
+      if (tcp_poller && !decoder_.idle()) {
+        // A frame larger than the gulp, or not all here: the loop's to end
+        // (its watch is level), and pollers keep off until it has
+        // (update_inline_locked).
+        inline_ok_.store(false, std::memory_order_release);
+        return delivered;
+      }
     }
     if (static_cast<size_t>(n) < len) return delivered;  // the socket is drained
   }
   return delivered;
+}
+
+StreamConnection::NextFrame StreamConnection::next_frame_at_socket() const {
+  Preamble p;
+  const ssize_t n = ::recv(fd_, &p, sizeof p, MSG_PEEK | MSG_DONTWAIT);
+  if (n < 0) return NextFrame::kNothing;
+  if (n == 0 || n < static_cast<ssize_t>(sizeof p)) return NextFrame::kSmall;  // (the end: read it)
+  return p.magic == kMagic &&
+                 uint64_t{p.envelope_bytes} + p.table_bytes + p.body_bytes <= kDirectReadMin
+             ? NextFrame::kSmall
+             : NextFrame::kLarge;
 }
 
 void StreamConnection::fail_read(Reader who, const std::string& reason) {
@@ -188,9 +254,11 @@ void StreamConnection::deliver_deferred_locked() {
 }
 
 void StreamConnection::update_inline_locked() {
-  inline_ok_.store(kind_ == Kind::kLocal && transport_->limits().poll_while_spinning && polling_ &&
+  inline_ok_.store(transport_->limits().poll_while_spinning && polling_ &&
                        !loop_closed_ && !paused_ && !reading_stopped_ && deferred_.empty() &&
                        !decoder_.in_handshake() &&
+                       // (a TCP frame the loop is reading is the loop's to end)
+                       (kind_ != Kind::kTcp || decoder_.idle()) &&
                        static_cast<bool>(transport_->callbacks().inline_ok),
                    std::memory_order_release);
 }

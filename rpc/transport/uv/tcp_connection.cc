@@ -4,13 +4,179 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
 
+#include "tandem/rpc/transport/uv/uv_transport.h"
+
 namespace tandem::rpc {
+
+class TcpConnection::Bell {
+ public:
+  Bell() : fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {}
+  ~Bell() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Bell(const Bell&) = delete;
+  Bell& operator=(const Bell&) = delete;
+  bool ok() const { return fd_ >= 0; }
+  int fd() const { return fd_; }
+  void ring() {
+    const uint64_t one = 1;
+    ssize_t n = ::write(fd_, &one, sizeof one);
+    (void)n;  // a full counter rings already
+  }
+  void clear() {
+    uint64_t got;
+    ssize_t n = ::read(fd_, &got, sizeof got);
+    (void)n;  // nothing rang: EAGAIN
+  }
+
+ private:
+  const int fd_;
+};
+
+bool TcpConnection::poll_inline() {
+  if (!inline_ok_.load(std::memory_order_acquire) || no_polling_here()) return false;
+  enter_polling_here();
+  return poll_if_free();
+}
+
+std::unique_ptr<ConnectionSleeper> TcpConnection::sleeper_here() {
+  if (polling_state().entered.get() != this || !transport_->limits().sleep_on_connection ||
+      !inline_ok_.load(std::memory_order_acquire)) {
+    return nullptr;
+  }
+  // Each sleep rings a bell of its own (made here: a sleep comes after a
+  // spin ran out, so its two system calls are not on a busy path).
+  class Sleeper final : public ConnectionSleeper {
+   public:
+    Sleeper(std::shared_ptr<TcpConnection> conn, std::shared_ptr<Bell> bell)
+        : conn_(std::move(conn)), bell_(std::move(bell)) {}
+    bool wait(std::chrono::microseconds timeout, const std::function<bool()>& done) override {
+      return conn_->sleep_polling(bell_, timeout, done);
+    }
+    std::function<void()> waker() const override {
+      return [bell = bell_] { bell->ring(); };
+    }
+
+   private:
+    const std::shared_ptr<TcpConnection> conn_;
+    const std::shared_ptr<Bell> bell_;
+  };
+  auto bell = std::make_shared<Bell>();
+  if (!bell->ok()) return nullptr;
+  return std::make_unique<Sleeper>(std::static_pointer_cast<TcpConnection>(shared_from_this()),
+                                   std::move(bell));
+}
+
+namespace {
+// How long the loop leaves bytes to a sleeper woken for them before it
+// reads them itself: more than a wake-up of a sleeping core takes.
+constexpr std::chrono::microseconds kYieldFor{500};
+
+// Waits in ppoll() for `fds` until `until`: false at the bound (or a signal).
+bool ppoll_until(pollfd* fds, nfds_t n, std::chrono::steady_clock::time_point until) {
+  const auto left = std::chrono::duration_cast<std::chrono::microseconds>(
+      until - std::chrono::steady_clock::now());
+  const int64_t us = std::max<int64_t>(left.count(), 0);
+  timespec ts{static_cast<time_t>(us / 1000000), static_cast<long>(us % 1000000) * 1000};
+  return ::ppoll(fds, n, &ts, nullptr) > 0;
+}
+}  // namespace
+
+bool TcpConnection::yield_read_from_loop() {
+  {
+    std::lock_guard<std::mutex> lock(sleep_mu_);
+    if (readers_ == 0) return false;
+    const auto now = Clock::now();
+    if (yielded_since_ == Clock::time_point{}) {
+      yielded_since_ = now;
+    } else if (now - yielded_since_ > kYieldFor) {
+      return false;  // not scheduled yet: read them here
+    }
+  }
+  // A large frame, or one begun, is the loop's: its gulps cost one
+  // wake-up for many reads (and a poller leaves them to it anyway). The
+  // look takes no lock: it only chooses who reads, and the loop reading
+  // is always right.
+  if (!inline_ok_.load(std::memory_order_acquire) ||
+      next_frame_at_socket() != NextFrame::kSmall) {
+    return false;
+  }
+  std::this_thread::yield();  // (the sleeper may want this core)
+  return true;
+}
+
+void TcpConnection::wake_sleepers() {
+  std::lock_guard<std::mutex> lock(sleep_mu_);
+  for (const auto& bell : sleepers_) bell->ring();
+}
+
+bool TcpConnection::sleep_polling(const std::shared_ptr<Bell>& bell,
+                                  std::chrono::microseconds timeout,
+                                  const std::function<bool()>& done) {
+  // (Not inside a delivery of this thread's own poll: it holds read_mu_.)
+  if (polling_state().entered.get() != this || no_polling_here()) return false;
+  if (done() || poll_inline()) return true;
+  const auto until = Clock::now() + timeout;
+  // Counted as a sleeper first: an end that comes after this look rings us
+  // (wake_sleepers), and one before it is seen here. The descriptor is
+  // closed only after the end (under read_mu_), so ppoll() sees this
+  // socket, or the end's ring.
+  Sleeping sleeping(this, bell);
+  if (!inline_ok_.load(std::memory_order_acquire)) return false;
+  if (done()) return true;
+  pollfd fds[2] = {{fd_, POLLIN, 0}, {bell->fd(), POLLIN, 0}};
+  if (!ppoll_until(fds, 2, until)) return true;
+  if (fds[1].revents & POLLIN) bell->clear();
+  if (!(fds[0].revents & (POLLIN | POLLHUP | POLLERR))) return true;
+  {
+    // The bytes are this sleeper's to read while it counts as a reader
+    // (the loop leaves small frames to it).
+    std::unique_lock<std::mutex> read(read_mu_, std::try_to_lock);
+    if (read.owns_lock() && inline_ok_.load(std::memory_order_acquire) &&
+        drain_locked(Reader::kPoller)) {
+      return true;
+    }
+  }
+  // They are the loop's (a large frame, one it reads now, a message it
+  // delivers, the end): this thread no longer reads, so that the loop does
+  // at once, and sleeps on its bell alone, which whatever it waits for
+  // rings.
+  sleeping.stop_reading();
+  if (done()) return true;
+  pollfd bell_only[1] = {{bell->fd(), POLLIN, 0}};
+  if (ppoll_until(bell_only, 1, until)) bell->clear();
+  return true;
+}
+
+TcpConnection::Sleeping::Sleeping(TcpConnection* conn, const std::shared_ptr<Bell>& bell)
+    : conn_(conn), bell_(bell) {
+  std::lock_guard<std::mutex> lock(conn_->sleep_mu_);
+  conn_->sleepers_.push_back(bell_);
+  ++conn_->readers_;
+}
+
+void TcpConnection::Sleeping::stop_reading() {
+  if (!reading_) return;
+  reading_ = false;
+  std::lock_guard<std::mutex> lock(conn_->sleep_mu_);
+  if (--conn_->readers_ == 0) conn_->yielded_since_ = Clock::time_point{};
+}
+
+TcpConnection::Sleeping::~Sleeping() {
+  stop_reading();
+  std::lock_guard<std::mutex> lock(conn_->sleep_mu_);
+  auto& s = conn_->sleepers_;
+  s.erase(std::find(s.begin(), s.end(), bell_));
+}
 
 void set_tcp_options(int fd) {
   int one = 1;
