@@ -739,6 +739,48 @@ TEST_CASE(
   CHECK(b.wait([&] { return b.got.size() == 21; }, 5s));
 }
 
+namespace {
+// Sleeps on `served`, polled by this thread, until `arrived()`: the frame
+// `id` that `c` writes 3 ms later. How long that took (each sleep may last
+// 10 s: only the peer's write ends it sooner).
+std::chrono::steady_clock::duration sleep_for_write(const ConnectionPtr& served,
+                                                    const ConnectionPtr& c, uint64_t id,
+                                                    const std::function<bool()>& arrived) {
+  PollingSpin spin;
+  CHECK_FALSE(served->poll_inline());  // (this thread now polls it)
+  ConnectionSleep sleep;
+  REQUIRE(sleep.ok());
+  std::thread writer([&] {
+    std::this_thread::sleep_for(3ms);
+    c->send(encode(request(id)));
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  while (!arrived() && sleep.wait(10s, arrived)) {
+  }
+  writer.join();
+  return std::chrono::steady_clock::now() - t0;
+}
+
+// A sleep that another thread's waker ends, then one that ends at its bound.
+void woken_by_waker_then_bound(ConnectionSleep& sleep) {
+  using Clock = std::chrono::steady_clock;
+  std::atomic<bool> flag{false};
+  std::thread waker([&, wake = sleep.waker()] {
+    std::this_thread::sleep_for(3ms);
+    flag = true;
+    wake();
+  });
+  auto t0 = Clock::now();
+  while (!flag && sleep.wait(10s, [&] { return flag.load(); })) {
+  }
+  waker.join();
+  CHECK(Clock::now() - t0 < 5s);
+  t0 = Clock::now();
+  CHECK(sleep.wait(30ms, [] { return false; }));
+  CHECK(Clock::now() - t0 >= 25ms);
+}
+}  // namespace
+
 TEST_CASE("shm: a thread asleep on its connection: the peer's write, a waker or the end wake it") {
   // rpc/transport.h, 10.; ring.h, 3a.
   PolledPair pair;
@@ -756,22 +798,9 @@ TEST_CASE("shm: a thread asleep on its connection: the peer's write, a waker or 
   for (int round = 1; round <= 10; ++round) {
     CAPTURE(round);
     const TransportStats before = a.t->stats();
-    PollingSpin spin;
-    CHECK_FALSE(served->poll_inline());  // (this thread now polls it)
-    ConnectionSleep sleep;
-    REQUIRE(sleep.ok());
-    std::thread writer([&] {
-      std::this_thread::sleep_for(3ms);
-      c->send(encode(request(static_cast<uint64_t>(round))));
-    });
     auto arrived = [&] { return b.messages() == static_cast<size_t>(round); };
-    const auto t0 = Clock::now();
-    // (each sleep may last 10 s: only the peer's bell ends it sooner)
-    while (!arrived() && sleep.wait(10s, arrived)) {
-    }
-    writer.join();
+    CHECK(sleep_for_write(served, c, static_cast<uint64_t>(round), arrived) < 5s);
     CHECK(arrived());
-    CHECK(Clock::now() - t0 < 5s);
     // The writer rang the sleeper's bell, woke no loop thread, and the
     // message was read and delivered here.
     CHECK(a.t->stats().ring_bells > before.ring_bells);
@@ -785,20 +814,8 @@ TEST_CASE("shm: a thread asleep on its connection: the peer's write, a waker or 
     served->poll_inline();
     ConnectionSleep sleep;
     REQUIRE(sleep.ok());
-    std::atomic<bool> flag{false};
-    std::thread waker([&, wake = sleep.waker()] {
-      std::this_thread::sleep_for(3ms);
-      flag = true;
-      wake();
-    });
+    woken_by_waker_then_bound(sleep);
     auto t0 = Clock::now();
-    while (!flag && sleep.wait(10s, [&] { return flag.load(); })) {
-    }
-    waker.join();
-    CHECK(Clock::now() - t0 < 5s);
-    t0 = Clock::now();
-    CHECK(sleep.wait(30ms, [] { return false; }));
-    CHECK(Clock::now() - t0 >= 25ms);
     // The peer goes: its loop closes the connection, and the next wait
     // says it cannot sleep there any more.
     a.t->close();
@@ -875,20 +892,9 @@ TEST_CASE("tcp: a spinning thread reads its socket itself, and one asleep on it 
   for (int round = 1; round <= 10; ++round) {
     CAPTURE(round);
     const size_t before = b.messages();
-    PollingSpin spin;
-    CHECK_FALSE(served->poll_inline());  // (this thread now polls it)
-    ConnectionSleep sleep;
-    REQUIRE(sleep.ok());
-    std::thread writer([&] {
-      std::this_thread::sleep_for(3ms);
-      c->send(encode(request(100 + static_cast<uint64_t>(round))));
-    });
     auto arrived = [&] { return b.messages() == before + 1; };
-    const auto t0 = Clock::now();
-    while (!arrived() && sleep.wait(10s, arrived)) {
-    }
-    writer.join();
-    CHECK(Clock::now() - t0 < 5s);  // the peer's bytes woke it, not the bound
+    // (the peer's bytes woke it, not the bound)
+    CHECK(sleep_for_write(served, c, 100 + static_cast<uint64_t>(round), arrived) < 5s);
     // A sleep that ends unfinished leaves the bytes to the loop thread
     // (a sleeper not scheduled within kYieldFor): they come all the same.
     REQUIRE(b.wait([&] { return b.got.size() == before + 1; }, 5s));
@@ -905,20 +911,8 @@ TEST_CASE("tcp: a spinning thread reads its socket itself, and one asleep on it 
     served->poll_inline();
     ConnectionSleep sleep;
     REQUIRE(sleep.ok());
-    std::atomic<bool> flag{false};
-    std::thread waker([&, wake = sleep.waker()] {
-      std::this_thread::sleep_for(3ms);
-      flag = true;
-      wake();
-    });
+    woken_by_waker_then_bound(sleep);
     auto t0 = Clock::now();
-    while (!flag && sleep.wait(10s, [&] { return flag.load(); })) {
-    }
-    waker.join();
-    CHECK(Clock::now() - t0 < 5s);
-    t0 = Clock::now();
-    CHECK(sleep.wait(30ms, [] { return false; }));
-    CHECK(Clock::now() - t0 >= 25ms);
     std::thread closer([&] {
       std::this_thread::sleep_for(5ms);
       c->close("");
