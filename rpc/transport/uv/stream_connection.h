@@ -151,8 +151,7 @@ class StreamConnection : public Connection, public std::enable_shared_from_this<
   // for a tenth of `timeout` (at most 1 s); closed as stalled when nothing
   // came for `timeout` and a last read finds nothing either. `held_up`:
   // this process was stopped since the last sweep, so nobody is judged.
-  void keep_alive_from_loop(Clock::time_point now, std::chrono::milliseconds timeout,
-                            bool held_up);
+  void keep_alive_from_loop(Clock::time_point now, std::chrono::milliseconds timeout, bool held_up);
   bool stalled() const override { return stalled_.load(std::memory_order_acquire); }
   // Closes it as stalled (10.), saying `reason`.
   void close_stalled_from_loop(const std::string& reason);
@@ -204,15 +203,6 @@ class StreamConnection : public Connection, public std::enable_shared_from_this<
   // The socket's bytes into the decoder and on, for `who` (read_mu_ held):
   // TCP, and a same-host peer without a ring.
   bool read_socket_locked(Reader who);
-  // What the socket's next bytes start, as far as a look shows that takes
-  // nothing and no lock (right only where the decoder is between frames):
-  // nothing yet, a frame of at most kDirectReadMin bytes (also a preamble
-  // not all here yet, and the end), or a larger one. Pollers of a TCP
-  // socket read only small frames, and leave larger ones to the loop
-  // thread: its gulps cost one wake-up for many reads, where pollers and
-  // the loop taking turns at one frame cost more than the wake-up saves.
-  enum class NextFrame { kNothing, kSmall, kLarge };
-  NextFrame next_frame_at_socket() const;
   // Scratch for reads that do not land in a tensor: the loop's, or this
   // polling thread's.
   char* staging(Reader who);

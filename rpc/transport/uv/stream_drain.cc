@@ -97,9 +97,9 @@ bool StreamConnection::read_socket_locked(Reader who) {
   for (int round = 0; round < rounds; ++round) {
     if (loop && (loop_closed_ || reading_stopped_)) break;
     // A TCP poller reads small frames, a gulp at a time, and leaves what it
-    // began and could not end to the loop (tcp_connection.h, 1.).
+    // began and could not end to the loop (tcp_connection.h, 1.); it finds
+    // the decoder between frames (inline_ok_ says so for TCP).
     const bool tcp_poller = !loop && kind_ == Kind::kTcp;
-    if (tcp_poller && !decoder_.idle()) return delivered;
     auto [direct, want] = decoder_.direct_target(kDirectReadMin);
     if (tcp_poller) direct = nullptr;
     char* buf = direct ? direct : scratch;
@@ -146,17 +146,6 @@ bool StreamConnection::read_socket_locked(Reader who) {
     if (static_cast<size_t>(n) < len) return delivered;  // the socket is drained
   }
   return delivered;
-}
-
-StreamConnection::NextFrame StreamConnection::next_frame_at_socket() const {
-  Preamble p;
-  const ssize_t n = ::recv(fd_, &p, sizeof p, MSG_PEEK | MSG_DONTWAIT);
-  if (n < 0) return NextFrame::kNothing;
-  if (n == 0 || n < static_cast<ssize_t>(sizeof p)) return NextFrame::kSmall;  // (the end: read it)
-  return p.magic == kMagic &&
-                 uint64_t{p.envelope_bytes} + p.table_bytes + p.body_bytes <= kDirectReadMin
-             ? NextFrame::kSmall
-             : NextFrame::kLarge;
 }
 
 void StreamConnection::fail_read(Reader who, const std::string& reason) {
@@ -254,8 +243,8 @@ void StreamConnection::deliver_deferred_locked() {
 }
 
 void StreamConnection::update_inline_locked() {
-  inline_ok_.store(transport_->limits().poll_while_spinning && polling_ &&
-                       !loop_closed_ && !paused_ && !reading_stopped_ && deferred_.empty() &&
+  inline_ok_.store(transport_->limits().poll_while_spinning && polling_ && !loop_closed_ &&
+                       !paused_ && !reading_stopped_ && deferred_.empty() &&
                        !decoder_.in_handshake() &&
                        // (a TCP frame the loop is reading is the loop's to end)
                        (kind_ != Kind::kTcp || decoder_.idle()) &&

@@ -103,15 +103,19 @@ bool TcpConnection::yield_read_from_loop() {
     }
   }
   // A large frame, or one begun, is the loop's: its gulps cost one
-  // wake-up for many reads (and a poller leaves them to it anyway). The
-  // look takes no lock: it only chooses who reads, and the loop reading
-  // is always right.
-  if (!inline_ok_.load(std::memory_order_acquire) ||
-      next_frame_at_socket() != NextFrame::kSmall) {
-    return false;
-  }
+  // wake-up for many reads (and a poller leaves them to it anyway).
+  if (!inline_ok_.load(std::memory_order_acquire) || !small_frame_next()) return false;
   std::this_thread::yield();  // (the sleeper may want this core)
   return true;
+}
+
+bool TcpConnection::small_frame_next() const {
+  Preamble p;
+  const ssize_t n = ::recv(fd_, &p, sizeof p, MSG_PEEK | MSG_DONTWAIT);
+  if (n < 0) return false;                              // nothing yet
+  if (n < static_cast<ssize_t>(sizeof p)) return true;  // (the end, or a preamble begun)
+  return p.magic == kMagic &&
+         sizeof p + uint64_t{p.envelope_bytes} + p.table_bytes + p.body_bytes <= kPollerGulp;
 }
 
 void TcpConnection::wake_sleepers() {
@@ -137,15 +141,9 @@ bool TcpConnection::sleep_polling(const std::shared_ptr<Bell>& bell,
   if (!ppoll_until(fds, 2, until)) return true;
   if (fds[1].revents & POLLIN) bell->clear();
   if (!(fds[0].revents & (POLLIN | POLLHUP | POLLERR))) return true;
-  {
-    // The bytes are this sleeper's to read while it counts as a reader
-    // (the loop leaves small frames to it).
-    std::unique_lock<std::mutex> read(read_mu_, std::try_to_lock);
-    if (read.owns_lock() && inline_ok_.load(std::memory_order_acquire) &&
-        drain_locked(Reader::kPoller)) {
-      return true;
-    }
-  }
+  // The bytes are this sleeper's to read while it counts as a reader (the
+  // loop leaves small frames to it).
+  if (poll_if_free()) return true;
   // They are the loop's (a large frame, one it reads now, a message it
   // delivers, the end): this thread no longer reads, so that the loop does
   // at once, and sleeps on its bell alone, which whatever it waits for

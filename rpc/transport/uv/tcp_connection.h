@@ -54,6 +54,11 @@ class TcpConnection final : public StreamConnection {
   class Bell;
 
  private:
+  // Whether the socket's next bytes start a frame a poller reads in one
+  // gulp (kPollerGulp), as far as a look shows that takes nothing and no
+  // lock: it only chooses who reads, and the loop reading is always right
+  // (a preamble not all here yet, and the end, count as small).
+  bool small_frame_next() const;
   // One ConnectionSleep::wait with `bell` (2. above).
   bool sleep_polling(const std::shared_ptr<Bell>& bell, std::chrono::microseconds timeout,
                      const std::function<bool()>& done);
